@@ -1,0 +1,39 @@
+"""The `mha2gqa` command line: one click group, one module per command family."""
+
+from __future__ import annotations
+
+import click
+
+from mha2gqa import __version__
+from mha2gqa.errors import InputError
+
+
+class _OneLineError(click.ClickException):
+    """A user mistake: `Error: <message>` on stderr, exit code 2, no traceback."""
+
+    exit_code = 2
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except InputError as err:
+            raise _OneLineError(str(err)) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="mha2gqa")
+def main():
+    """Convert multi-head attention (MHA) checkpoints to grouped-query (GQA) or multi-query (MQA)
+    attention, uptrain them briefly, and measure what was lost and what was saved."""
+
+
+def _register():
+    from mha2gqa.cli import convert_cmd
+
+    for command in (convert_cmd.convert, convert_cmd.inspect):
+        main.add_command(command)
+
+
+_register()

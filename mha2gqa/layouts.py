@@ -1,0 +1,143 @@
+"""Per-architecture attention layouts, as data.
+
+A layout names the attention tensors of one decoder layer, relative to the layer prefix, and says
+how each kv-carrying tensor is laid out. Adding a model family is one entry in LAYOUTS.
+The layout is chosen from config.json's `model_type`, never from a model's name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mha2gqa.errors import InputError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Names of one layer's attention tensors (without `.weight`/`.bias`), relative to the layer."""
+
+    q: str = "self_attn.q_proj"
+    k: str = "self_attn.k_proj"
+    v: str = "self_attn.v_proj"
+    o: str = "self_attn.o_proj"
+    # Fused [q (H*hd) | k (n_kv*hd) | v (n_kv*hd)] rows in one Linear (phi3); q/k/v above unused then.
+    qkv: str | None = None
+    # A norm over the concatenated keys of all kv heads, shape [n_kv*hd] (olmo2): pooled like k rows.
+    k_norm_rows: str | None = None
+    # One norm module per kv head, `{head}` in the name (stablelm's qk_layernorm): reduced per group.
+    k_norm_per_head: str | None = None
+    # Norms shared by all heads, shape [hd] (qwen3): left untouched, listed for the plan only.
+    shared_norms: tuple[str, ...] = ()
+    layer_prefix: str = "model.layers.{layer}."
+    rope: bool = True
+
+
+_STANDARD = Layout()
+LAYOUTS: dict[str, Layout] = {
+    "llama": _STANDARD,
+    "mistral": _STANDARD,
+    "gemma": _STANDARD,
+    "gemma2": _STANDARD,
+    "olmo": _STANDARD,
+    "granite": _STANDARD,
+    "qwen2": _STANDARD,
+    "qwen3": Layout(shared_norms=("self_attn.q_norm", "self_attn.k_norm")),
+    "olmo2": Layout(k_norm_rows="self_attn.k_norm"),
+    "stablelm": Layout(k_norm_per_head="self_attn.k_layernorm.norms.{head}"),
+    "phi": Layout(o="self_attn.dense"),
+    "phi3": Layout(qkv="self_attn.qkv_proj"),
+}
+
+# Families we know and refuse, with the reason the user sees.
+REFUSED: dict[str, str] = {
+    "falcon": "its transformers cache stores K/V broadcast to every query head, so GQA saves no memory",
+    "gpt2": "its GQA form (gpt_bigcode) supports multi-query only and is not implemented yet",
+}
+for _name in ("gpt_neox", "opt", "gptj", "bloom", "t5", "mt5", "bart"):
+    REFUSED[_name] = "transformers has no grouped-query attention for it"
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention geometry of a decoder, read from its config."""
+
+    model_type: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    dtype: str = "float32"
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def valid_groups(self) -> list[int]:
+        """Target kv-head counts reachable by pooling contiguous groups (divisors of kv_heads)."""
+        return [g for g in range(1, self.kv_heads + 1) if self.kv_heads % g == 0]
+
+    def kv_bytes_per_token(self, kv_heads: int | None = None, dtype_bytes: int | None = None) -> int:
+        """K and V for every layer: 2 * layers * kv_heads * head_dim * bytes."""
+        n_kv = self.kv_heads if kv_heads is None else kv_heads
+        return 2 * self.layers * n_kv * self.head_dim * (dtype_bytes or DTYPE_BYTES[self.dtype])
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1}
+
+
+def read_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise InputError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): fix or re-save it") from err
+
+
+def layout_for(config: dict) -> Layout:
+    model_type = config.get("model_type")
+    if model_type in LAYOUTS:
+        return LAYOUTS[model_type]
+    supported = ", ".join(sorted(LAYOUTS))
+    if model_type in REFUSED:
+        raise InputError(f"model_type {model_type!r} is not supported: {REFUSED[model_type]} (supported: {supported})")
+    raise InputError(f"model_type {model_type!r} is not supported (supported: {supported})")
+
+
+def attention_shape(config: dict) -> AttentionShape:
+    """Heads, kv heads and head_dim of a config, checked: transformers itself does not check them."""
+    layout_for(config)
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    hidden = int(config["hidden_size"])
+    # head_dim can differ from hidden // heads (gemma): read it when the config has it.
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        raise InputError(
+            f"config has num_attention_heads={heads} not divisible by num_key_value_heads={kv_heads}: "
+            "the source checkpoint is inconsistent"
+        )
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").replace("torch.", "")
+    return AttentionShape(
+        model_type=config["model_type"],
+        layers=int(config["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden=hidden,
+        dtype=dtype if dtype in DTYPE_BYTES else "float32",
+    )
+
+
+def check_groups(shape: AttentionShape, groups: int) -> None:
+    """Refuse a target kv-head count that is not a proper divisor of the source's kv heads."""
+    valid = [g for g in shape.valid_groups() if g != shape.kv_heads]
+    listed = ", ".join(map(str, valid)) or "none: it already has a single kv head"
+    if groups == shape.kv_heads:
+        raise InputError(
+            f"--groups {groups} equals the source's num_key_value_heads={shape.kv_heads}: nothing to convert "
+            f"(valid: {listed})"
+        )
+    if groups < 1 or shape.kv_heads % groups:
+        raise InputError(
+            f"--groups {groups} must divide num_key_value_heads={shape.kv_heads} (valid: {listed})"
+        )

@@ -1,0 +1,49 @@
+"""Where a model comes from: a local directory, or a hub id when online."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from mha2gqa.errors import InputError
+
+# What a conversion or an eval needs from a hub repo: never pickled weights.
+MODEL_FILE_PATTERNS = ["*.safetensors", "*.json", "*.model", "*.txt", "*.tiktoken", "tokenizer*"]
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def resolve_model_dir(src: str | os.PathLike) -> Path:
+    """A local directory holding config.json, downloading `src` from the hub if it is a hub id."""
+    path = Path(src).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise InputError(f"{src} has no config.json: pass a Hugging Face model directory")
+        return path
+    if path.exists():
+        raise InputError(f"{src} is a file: pass a model directory or a hub id like org/name")
+    if not _HUB_ID.match(str(src)):
+        raise InputError(f"{src}: no such directory, and not a hub id like org/name")
+    if hub_offline():
+        raise InputError(
+            f"{src} is not a local directory and the hub is offline (HF_HUB_OFFLINE=1): "
+            "download it first or pass a local path"
+        )
+    return Path(_download(str(src)))
+
+
+def _download(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=MODEL_FILE_PATTERNS)
+    except Exception as err:  # network, auth, missing repo: all are the user's to fix
+        raise InputError(
+            f"could not download {repo_id} from the hub ({type(err).__name__}): "
+            "check the id, your network and HF_TOKEN, or pass a local directory"
+        ) from err

@@ -1,0 +1,64 @@
+"""Tiny random models of every supported architecture, built from configs (no download)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 128
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+# Per-type additions: the features the converter must handle (biases, norms, fused qkv, head_dim).
+EXTRA = {
+    "llama": dict(attention_bias=True),
+    "mistral": dict(sliding_window=None),
+    "gemma": dict(head_dim=16),
+    "gemma2": dict(head_dim=16),
+    "olmo": dict(),
+    "granite": dict(),
+    "qwen2": dict(),
+    "qwen3": dict(head_dim=8),
+    "olmo2": dict(),
+    "stablelm": dict(qk_layernorm=True, use_qkv_bias=True),
+    "phi": dict(),
+    "phi3": dict(),
+}
+MODEL_TYPES = sorted(EXTRA)
+
+
+def tiny_config(model_type: str = "llama", **overrides):
+    kwargs = {**BASE, **EXTRA[model_type], **overrides}
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def make_tiny_model(model_type: str = "llama", seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=torch.float32)
+    # Norm weights start at exactly 1 and biases at 0: perturb them so pooling mistakes show.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    return model.eval()
+
+
+def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, max_shard_size=None, dtype=None, **overrides):
+    model = make_tiny_model(model_type, seed=seed, **overrides)
+    if dtype is not None:
+        model = model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return model
