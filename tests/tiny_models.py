@@ -62,3 +62,36 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, max_sh
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return model
+
+
+SAMPLE_TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife. However little known the feelings or views of such a man may be "
+    "on his first entering a neighbourhood, this truth is so well fixed in the minds of the "
+    "surrounding families, that he is considered the rightful property of some one or other of "
+    "their daughters.\n"
+)
+
+
+def make_tiny_tokenizer(path: Path | None = None):
+    """A character-level BPE tokenizer whose ids fit the tiny models' vocabulary (VOCAB)."""
+    import string
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2, 3 match the tiny configs
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=list(string.printable[:95]) + ["▁"],
+        show_progress=False,
+    )
+    tok.train_from_iterator([SAMPLE_TEXT] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    if path is not None:
+        fast.save_pretrained(path)
+    return fast
