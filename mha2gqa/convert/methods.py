@@ -1,0 +1,90 @@
+"""How the kv heads of a group become one: the GQA paper's recipe (mean) and its ablations (first,
+random). Pure tensor functions on one layer's canonical roles (see roles.py); fp32 inside, the
+source dtype out.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from mha2gqa.convert.roles import KV_ROLES
+from mha2gqa.layouts import AttentionShape
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    shape: AttentionShape  # the source's attention geometry
+    groups: int  # target kv heads
+    layer: int
+    seed: int = 0
+    stats: object = None  # calibration statistics of this layer, for methods that use them
+
+
+def group_heads(rows: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
+    """(n_kv*hd, *rest) -> (G, r, hd, *rest): group g holds source heads [g*r, (g+1)*r), the order of
+    transformers' repeat_kv, so query head i keeps reading kv head i // (H // G)."""
+    per_head = rows.reshape(kv_heads, -1, *rows.shape[1:])  # (n_kv, hd, *rest)
+    return per_head.reshape(groups, kv_heads // groups, *per_head.shape[1:])
+
+
+def ungroup(pooled: torch.Tensor) -> torch.Tensor:
+    """(G, hd, *rest) -> (G*hd, *rest)"""
+    return pooled.reshape(-1, *pooled.shape[2:])
+
+
+def _seeded(ctx: LayerContext, role: str) -> torch.Generator:
+    # crc32, not hash(): Python salts str hashes per process, and runs must be reproducible.
+    return torch.Generator().manual_seed(zlib.crc32(f"{ctx.seed}:{ctx.layer}:{role}".encode()))
+
+
+def _reduce_kv(roles: dict, ctx: LayerContext, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> dict:
+    out = dict(roles)
+    for role in KV_ROLES:
+        if role in roles:
+            grouped = group_heads(roles[role].float(), ctx.shape.kv_heads, ctx.groups)  # (G, r, hd, *rest)
+            out[role] = ungroup(reduce(grouped, role)).to(roles[role].dtype)
+    return out
+
+
+def mean_layer(roles: dict, ctx: LayerContext) -> dict:
+    """Ainslie et al. 2023: each group's K/V projections (and biases, key norms) are averaged."""
+    return _reduce_kv(roles, ctx, lambda grouped, role: grouped.mean(dim=1))
+
+
+def first_layer(roles: dict, ctx: LayerContext) -> dict:
+    """Ablation: each group keeps its first head."""
+    return _reduce_kv(roles, ctx, lambda grouped, role: grouped[:, 0])
+
+
+def random_layer(roles: dict, ctx: LayerContext) -> dict:
+    """Ablation: projections re-drawn from a normal with the source tensor's mean and std (seeded).
+    Key norms are mean-pooled: a random norm scale is not an initialisation anyone would use."""
+
+    def reduce(grouped: torch.Tensor, role: str) -> torch.Tensor:
+        if role.startswith("k_norm"):
+            return grouped.mean(dim=1)
+        target = grouped[:, 0]
+        noise = torch.randn(target.shape, generator=_seeded(ctx, role))
+        return noise * grouped.std() + grouped.mean()
+
+    return _reduce_kv(roles, ctx, reduce)
+
+
+@dataclass(frozen=True)
+class Method:
+    convert_layer: Callable[[dict, LayerContext], dict]
+    summary: str
+    # A method that rewrites q/o (folding a mixing into them) must see them: the plan routes them through.
+    rewrites_query_output: bool = False
+    needs_calibration: bool = False
+
+
+METHODS: dict[str, Method] = {
+    "mean": Method(mean_layer, "mean-pool each group's K/V heads (Ainslie et al. 2023)"),
+    "first": Method(first_layer, "keep the first K/V head of each group (ablation)"),
+    "random": Method(random_layer, "random K/V with the source's mean and std, seeded (ablation)"),
+}

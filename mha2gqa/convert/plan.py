@@ -1,0 +1,108 @@
+"""The conversion plan: what each output tensor is made of. Pure: reads no tensor data, writes nothing.
+`convert --dry-run` prints it; run.py executes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mha2gqa.checkpoint import CODES, DTYPES, OutputTensor, TensorInfo
+from mha2gqa.convert.methods import METHODS
+from mha2gqa.convert.roles import KV_ROLES, layer_names, pack, unpack
+from mha2gqa.layouts import AttentionShape, Layout
+
+
+@dataclass(frozen=True)
+class Step:
+    """One unit of work: a tensor copied (or cast) alone, or one layer's attention tensors transformed
+    together. `sources` maps stored roles (a copy has the single role "tensor") to source names."""
+
+    sources: dict[str, str]
+    outputs: tuple[OutputTensor, ...]
+    layer: int | None = None
+
+    @property
+    def is_transform(self) -> bool:
+        return self.layer is not None
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: AttentionShape
+    groups: int
+    method: str
+    steps: list[Step]
+    bytes_in: int
+    bytes_out: int
+
+    def output_tensors(self) -> list[OutputTensor]:
+        return [out for step in self.steps for out in step.outputs]
+
+    def describe(self, tensors: dict[str, TensorInfo]) -> list[str]:
+        """One line per output tensor: name, dtype, shape, and where it comes from."""
+        lines = []
+        for step in self.steps:
+            if not step.is_transform:
+                src = tensors[step.sources["tensor"]]
+                how = "copy" if src.dtype == step.outputs[0].dtype else f"cast from {src.dtype}"
+                lines.append(_line(step.outputs[0], how))
+                continue
+            r = self.shape.kv_heads // self.groups
+            sources = ", ".join(f"{tensors[n].name.rsplit('.', 2)[-2]}.{n.rsplit('.', 1)[1]} {list(tensors[n].shape)}"
+                                for n in step.sources.values())
+            for out in step.outputs:
+                lines.append(_line(out, f"{self.method} over groups of {r} kv heads of layer {step.layer} ({sources})"))
+        return lines
+
+
+def _line(out: OutputTensor, how: str) -> str:
+    return f"{out.name}  {out.dtype} {list(out.shape)}  <- {how}"
+
+
+def make_plan(tensors: dict[str, TensorInfo], layout: Layout, shape: AttentionShape, groups: int,
+              method: str, out_dtype: torch.dtype | None = None) -> Plan:
+    available = set(tensors)
+    layer_steps: dict[str, Step] = {}  # every source name of a layer step -> that step
+    for layer in range(shape.layers):
+        stored = layer_names(layout, layer, shape.kv_heads, available)
+        if not METHODS[method].rewrites_query_output and not layout.qkv:
+            stored = {role: name for role, name in stored.items() if role.split(".")[0] not in ("q", "o")}
+        step = _layer_step(layer, stored, tensors, shape, groups, out_dtype)
+        for name in stored.values():
+            layer_steps[name] = step
+    steps: list[Step] = []
+    placed_layers: set[int] = set()
+    for name, info in tensors.items():  # file order: the layer step goes where its first tensor was
+        if name in layer_steps:
+            step = layer_steps[name]
+            if step.layer not in placed_layers:
+                placed_layers.add(step.layer)
+                steps.append(step)
+            continue
+        steps.append(Step({"tensor": name}, (OutputTensor(name, _out_code(info.dtype, out_dtype), info.shape),)))
+    bytes_in = sum(info.nbytes for info in tensors.values())
+    bytes_out = sum(out.nbytes for step in steps for out in step.outputs)
+    return Plan(shape, groups, method, steps, bytes_in, bytes_out)
+
+
+def _layer_step(layer, stored, tensors, shape, groups, out_dtype) -> Step:
+    # Output shapes by running unpack/pack on meta tensors: the same code path as the real tensors.
+    meta = {role: torch.empty(tensors[name].shape, device="meta") for role, name in stored.items()}
+    roles = unpack(meta, shape)
+    for role in KV_ROLES:
+        if role in roles:
+            rows = roles[role].shape[0] * groups // shape.kv_heads
+            roles[role] = torch.empty((rows, *roles[role].shape[1:]), device="meta")
+    packed = pack(roles, list(stored), groups)
+    outputs = tuple(
+        OutputTensor(stored[role], _out_code(tensors[stored[role]].dtype, out_dtype), tuple(t.shape))
+        for role, t in packed.items()
+    )
+    return Step(dict(stored), outputs, layer)
+
+
+def _out_code(source_code: str, out_dtype: torch.dtype | None) -> str:
+    if out_dtype is None or not DTYPES[source_code].is_floating_point:
+        return source_code
+    return CODES[out_dtype]

@@ -1,0 +1,83 @@
+"""One layer's attention tensors under canonical role names, whatever the checkpoint's layout.
+
+Methods see the same dict for every architecture:
+    q.weight (H*hd, d)   q.bias (H*hd,)      o.weight (d, H*hd)   o.bias (d,)
+    k.weight (n_kv*hd, d) k.bias (n_kv*hd,)  v.weight / v.bias like k
+    k_norm.weight (n_kv*hd,) [k_norm.bias]   a key norm with one slice per kv head
+unpack() maps a layout's tensors onto these roles (splitting phi3's fused qkv_proj, stacking stablelm's
+per-head norms) and pack() maps them back, so adding a layout never touches a method.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mha2gqa.errors import InputError
+from mha2gqa.layouts import AttentionShape, Layout
+
+KINDS = ("weight", "bias")
+KV_ROLES = ("k.weight", "k.bias", "v.weight", "v.bias", "k_norm.weight", "k_norm.bias")
+
+
+def layer_names(layout: Layout, layer: int, kv_heads: int, available: set[str]) -> dict[str, str]:
+    """Checkpoint name of every attention tensor of `layer` present in the checkpoint, by role
+    (fused/per-head roles are named as stored: `qkv.weight`, `k_norm.{j}.weight`)."""
+    prefix = layout.layer_prefix.format(layer=layer)
+    modules = {"qkv": layout.qkv} if layout.qkv else {"q": layout.q, "k": layout.k, "v": layout.v}
+    modules["o"] = layout.o
+    if layout.k_norm_rows:
+        modules["k_norm"] = layout.k_norm_rows
+    if layout.k_norm_per_head:
+        for head in range(kv_heads):
+            modules[f"k_norm.{head}"] = layout.k_norm_per_head.format(head=head)
+    names = {}
+    for role, module in modules.items():
+        for kind in KINDS:
+            name = f"{prefix}{module}.{kind}"
+            if name in available:
+                names[f"{role}.{kind}"] = name
+    required = ["qkv.weight"] if layout.qkv else ["k.weight", "v.weight"]
+    for role in required:
+        if role not in names:
+            module = layout.qkv if layout.qkv else getattr(layout, role[0])
+            raise InputError(
+                f"checkpoint has no tensor {prefix}{module}.weight: its names do not match the layout of its "
+                "model_type; check config.json's model_type"
+            )
+    return names
+
+
+def unpack(stored: dict[str, torch.Tensor], shape: AttentionShape) -> dict[str, torch.Tensor]:
+    """Stored-role tensors -> canonical roles (views where possible)."""
+    roles = {}
+    q_rows = shape.heads * shape.head_dim
+    kv_rows = shape.kv_heads * shape.head_dim
+    per_head_norms: dict[str, list] = {}
+    for role, tensor in stored.items():
+        part, kind = role.rsplit(".", 1)
+        if part == "qkv":  # rows [q (H*hd) | k (n_kv*hd) | v (n_kv*hd)]
+            q, k, v = tensor.split([q_rows, kv_rows, kv_rows], dim=0)
+            roles.update({f"q.{kind}": q, f"k.{kind}": k, f"v.{kind}": v})
+        elif part.startswith("k_norm."):  # stablelm: one (hd,) norm per kv head
+            per_head_norms.setdefault(kind, [None] * shape.kv_heads)[int(part.split(".")[1])] = tensor
+        else:
+            roles[role] = tensor
+    for kind, norms in per_head_norms.items():
+        roles[f"k_norm.{kind}"] = torch.cat(norms)  # (n_kv*hd,)
+    return roles
+
+
+def pack(roles: dict[str, torch.Tensor], stored_roles: list[str], kv_heads: int) -> dict[str, torch.Tensor]:
+    """Canonical roles -> the stored roles of `stored_roles`' layout, for a model with `kv_heads`."""
+    stored = {}
+    for role in stored_roles:
+        part, kind = role.rsplit(".", 1)
+        if part == "qkv":
+            stored[role] = torch.cat([roles[f"q.{kind}"], roles[f"k.{kind}"], roles[f"v.{kind}"]])
+        elif part.startswith("k_norm."):
+            head = int(part.split(".")[1])
+            if head < kv_heads:  # norms of heads past the new count are dropped
+                stored[role] = roles[f"k_norm.{kind}"].chunk(kv_heads)[head]
+        else:
+            stored[role] = roles[role]
+    return stored

@@ -1,0 +1,161 @@
+"""`convert`: check the request, plan, then stream tensors from SRC into a new DST atomically."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from mha2gqa import __version__
+from mha2gqa.checkpoint import DTYPES, INDEX_NAME, SafetensorsCheckpoint, ShardedWriter, atomic_directory
+from mha2gqa.convert.methods import METHODS, LayerContext
+from mha2gqa.convert.plan import Plan, make_plan
+from mha2gqa.convert.roles import pack, unpack
+from mha2gqa.errors import InputError
+from mha2gqa.layouts import attention_shape, check_groups, layout_for, read_config
+from mha2gqa.sources import PICKLE_SUFFIXES, resolve_model_dir
+
+PROVENANCE_NAME = "mha2gqa.json"
+OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_NOT_COPIED = {"config.json", INDEX_NAME, PROVENANCE_NAME}
+
+
+@dataclass
+class ConversionResult:
+    plan: Plan
+    dst: Path | None  # None for a dry run
+    source: Path
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' (10^9), '500MiB' (2^20) or plain bytes, as transformers reads --max-shard-size."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise InputError(f"--max-shard-size {text!r} is not a size: use e.g. 5GB, 500MB or 2GiB")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    if number * scale < 1:
+        raise InputError(f"--max-shard-size {text!r} must be positive")
+    return int(number * scale)
+
+
+def _check_destination(src: Path, dst: Path, force: bool) -> None:
+    src_r, dst_r = src.resolve(), dst.resolve()
+    if dst_r == src_r or src_r in dst_r.parents:
+        raise InputError(f"DST {dst} is inside SRC {src}: choose a directory outside the source model")
+    if dst_r in src_r.parents:
+        raise InputError(f"DST {dst} contains SRC {src}: replacing it would delete the source; choose another DST")
+    if dst.exists() and not dst.is_dir():
+        raise InputError(f"DST {dst} is a file: choose a directory path")
+    if dst.is_dir() and any(dst.iterdir()) and not force:
+        raise InputError(f"DST {dst} exists and is not empty: choose a new path or pass --force to replace it")
+
+
+def _check_weights(src: Path) -> None:
+    has_safetensors = any(src.glob("*.safetensors"))
+    pickles = [p.name for p in src.iterdir() if p.suffix in PICKLE_SUFFIXES]
+    if pickles and not has_safetensors:
+        raise InputError(
+            f"{src} has only pickled weights ({', '.join(sorted(pickles)[:3])}): mha2gqa never unpickles files; "
+            "re-save them as safetensors first: python -c \"from transformers import AutoModelForCausalLM as M; "
+            f"M.from_pretrained('{src}').save_pretrained('{src}-safetensors')\""
+        )
+
+
+def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: str | None = None,
+            max_shard_size: str | int = "5GB", force: bool = False, dry_run: bool = False,
+            progress: bool = True) -> ConversionResult:
+    """Convert the model at `src` (directory or hub id) to `groups` kv heads, written to `dst`."""
+    if method not in METHODS:
+        raise InputError(f"--method {method!r} is unknown (valid: {', '.join(METHODS)})")
+    if dtype is not None and dtype not in OUT_DTYPES:
+        raise InputError(f"--dtype {dtype!r} is unknown (valid: {', '.join(OUT_DTYPES)})")
+    shard_bytes = parse_size(max_shard_size)
+    source = resolve_model_dir(src)
+    config = read_config(source)
+    layout, shape = layout_for(config), attention_shape(config)
+    check_groups(shape, groups)
+    dst = Path(dst).expanduser()
+    _check_destination(source, dst, force)
+    _check_weights(source)
+    checkpoint = SafetensorsCheckpoint(source)
+    plan = make_plan(checkpoint.tensors, layout, shape, groups, method, OUT_DTYPES.get(dtype))
+    if dry_run:
+        return ConversionResult(plan, None, source)
+    with atomic_directory(dst) as tmp:
+        _write_tensors(checkpoint, plan, tmp, shard_bytes, seed, progress)
+        _copy_other_files(source, tmp)
+        _write_config(config, groups, dtype, tmp)
+        _write_provenance(source, config, plan, seed, dtype, tmp)
+    return ConversionResult(plan, dst, source)
+
+
+def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed: int, progress: bool) -> None:
+    writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes)
+    method = METHODS[plan.method]
+    bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    for step in plan.steps:
+        if not step.is_transform:
+            out, info = step.outputs[0], checkpoint.tensors[step.sources["tensor"]]
+            if out.dtype == info.dtype:
+                writer.copy_bytes(out.name, info)
+            else:
+                writer.write_tensor(out.name, checkpoint.load(info.name).to(DTYPES[out.dtype]))
+        else:
+            stored = {role: checkpoint.load(name) for role, name in step.sources.items()}
+            context = LayerContext(plan.shape, plan.groups, step.layer, seed)
+            roles = method.convert_layer(unpack(stored, plan.shape), context)
+            packed = pack(roles, list(step.sources), plan.groups)
+            names = {step.sources[role]: tensor for role, tensor in packed.items()}
+            for out in step.outputs:
+                writer.write_tensor(out.name, names[out.name].to(DTYPES[out.dtype]))
+        bar.update(sum(out.nbytes for out in step.outputs))
+    writer.close()
+    bar.close()
+
+
+def _copy_other_files(source: Path, out_dir: Path) -> None:
+    """Tokenizer, generation config, README and the like: every top-level file but weights and config."""
+    for path in source.iterdir():
+        if path.is_file() and path.name not in _NOT_COPIED and path.suffix not in (".safetensors", *PICKLE_SUFFIXES):
+            shutil.copy2(path, out_dir / path.name)
+
+
+def _write_config(config: dict, groups: int, dtype: str | None, out_dir: Path) -> None:
+    new = dict(config, num_key_value_heads=groups)
+    if dtype is not None:
+        new["dtype"] = dtype
+    (out_dir / "config.json").write_text(json.dumps(new, indent=2) + "\n")
+
+
+def _write_provenance(source: Path, config: dict, plan: Plan, seed: int, dtype: str | None, out_dir: Path) -> None:
+    previous = source / PROVENANCE_NAME
+    record = {
+        "tool": "mha2gqa",
+        "version": __version__,
+        "conversion": {
+            "source": str(source),
+            "source_config_sha256": hashlib.sha256((source / "config.json").read_bytes()).hexdigest(),
+            "model_type": config["model_type"],
+            "method": plan.method,
+            "groups": plan.groups,
+            "source_kv_heads": plan.shape.kv_heads,
+            "heads": plan.shape.heads,
+            "seed": seed,
+            "dtype": dtype or "unchanged",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        },
+    }
+    if previous.is_file():
+        record["parent_provenance"] = json.loads(previous.read_text())
+    (out_dir / PROVENANCE_NAME).write_text(json.dumps(record, indent=2) + "\n")
