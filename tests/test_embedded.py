@@ -1,0 +1,167 @@
+"""The embedded default: the vendored corpus, its tokenizer, and the trained MHA model."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mha2gqa import InputError, embedded
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "austen-mha-pretrain.yaml"
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _checksums() -> dict[str, str]:
+    lines = (embedded.CORPUS_DIR / "SHA256SUMS").read_text().splitlines()
+    return {name: digest for digest, name in (line.split() for line in lines)}
+
+
+# ---- corpus ----------------------------------------------------------------------------------
+
+
+def test_corpus_files_decompress_to_the_recorded_texts():
+    sums = _checksums()
+    assert sorted(sums) == [f"{n}.txt" for n in embedded.NOVELS]
+    provenance = (embedded.CORPUS_DIR / "PROVENANCE.md").read_text()
+    assert "public domain" in provenance and "Project Gutenberg" in provenance
+    for name in embedded.NOVELS:
+        raw = gzip.decompress(embedded.novel_path(name).read_bytes())
+        assert hashlib.sha256(raw).hexdigest() == sums[f"{name}.txt"], name
+        # The provenance table names the same size and digest as the checksum file.
+        assert f"| `{name}.txt.gz` | {len(raw)} | `{sums[name + '.txt']}` |" in provenance
+        assert len(raw) > 400_000  # a whole novel, not a stub
+
+
+def test_persuasion_is_held_out_of_training():
+    assert embedded.HELDOUT_NOVEL == "persuasion"
+    assert embedded.HELDOUT_NOVEL not in embedded.TRAIN_NOVELS
+    assert len(embedded.TRAIN_NOVELS) == 5
+    assert embedded.heldout_path().name == "persuasion.txt.gz"
+    assert [p.name for p in embedded.train_paths()] == [f"{n}.txt.gz" for n in embedded.TRAIN_NOVELS]
+    assert embedded.read_novel("persuasion").startswith("Persuasion")
+
+
+def test_write_corpus_gives_plain_text_for_datasets(tmp_path):
+    paths = embedded.write_corpus(tmp_path / "corpus", split="heldout")
+    assert [p.name for p in paths] == ["persuasion.txt"]
+    text = paths[0].read_text()
+    assert text == embedded.read_novel("persuasion")
+    assert len(embedded.write_corpus(tmp_path / "corpus", split="train")) == 5
+    from datasets import load_dataset
+
+    ds = load_dataset("text", data_files=[str(p) for p in paths], cache_dir=str(tmp_path / "cache"))["train"]
+    assert len(ds) == len(text.splitlines())
+
+
+def test_bad_split_and_novel_names_are_input_errors(tmp_path):
+    with pytest.raises(InputError, match="split 'test' is not known: choose one of train, heldout, all"):
+        embedded.write_corpus(tmp_path, split="test")
+    with pytest.raises(InputError, match="unknown novel 'ulysses'"):
+        embedded.novel_path("ulysses")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(InputError, match="is a file"):
+        embedded.write_corpus(tmp_path / "f")
+
+
+# ---- tokenizer -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded.tokenizer_dir())
+
+
+def test_tokenizer_round_trips_text(tokenizer):
+    samples = [embedded.read_novel("persuasion")[:20_000], "  Anne Elliot -- café, naïve ✓\n\tend", ""]
+    for text in samples:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text
+    assert 4000 <= len(tokenizer) <= 8200
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    # Byte-level BPE compresses English prose: several characters per token.
+    prose = samples[0]
+    assert len(prose) / len(tokenizer(prose)["input_ids"]) > 3.0
+
+
+def test_tokenizer_is_reproduced_by_its_script(tmp_path):
+    _load_script("train_tokenizer").main(["--out", str(tmp_path)])
+    shipped = json.loads((embedded.tokenizer_dir() / "tokenizer.json").read_text())
+    rebuilt = json.loads((tmp_path / "tokenizer.json").read_text())
+    assert rebuilt["model"]["merges"] == shipped["model"]["merges"]
+    assert rebuilt["model"]["vocab"] == shipped["model"]["vocab"]
+
+
+# ---- model -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_and_info():
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        embedded.model_dir(), dtype=torch.float32, output_loading_info=True
+    )
+    return model.eval(), info
+
+
+def test_embedded_model_loads_completely_and_is_mha(model_and_info, tokenizer):
+    model, info = model_and_info
+    assert not info["missing_keys"]
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    cfg = model.config
+    assert cfg.model_type == "llama"
+    assert cfg.num_key_value_heads == cfg.num_attention_heads >= 4
+    assert cfg.vocab_size == len(tokenizer)
+    size = sum(p.stat().st_size for p in embedded.model_dir().glob("*.safetensors"))
+    assert 0 < size <= 31 * 2**20
+
+
+def test_embedded_model_beats_the_unigram_baseline_by_3x(model_and_info, tokenizer):
+    """Perplexity on a slice of held-out Persuasion vs an add-one unigram model, both computed here."""
+    model, _ = model_and_info
+    vocab = len(tokenizer)
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for name in embedded.TRAIN_NOVELS:
+        ids = torch.tensor(tokenizer.backend_tokenizer.encode(embedded.read_novel(name)).ids)
+        counts += torch.bincount(ids, minlength=vocab)
+    log_p = torch.log((counts + 1) / (counts.sum() + vocab))  # (V,)
+    text = embedded.read_novel("persuasion")
+    ids = torch.tensor(tokenizer.backend_tokenizer.encode(text[100_000:140_000]).ids)
+    x = ids[: (len(ids) // 256) * 256].view(-1, 256)[:8]  # (8, 256) windows
+    with torch.no_grad():
+        logits = model(input_ids=x).logits  # (8, 256, V)
+    model_nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten()).item()
+    unigram_nll = -log_p[x[:, 1:]].mean().item()
+    assert math.exp(model_nll) <= math.exp(unigram_nll) / 3, (math.exp(model_nll), math.exp(unigram_nll))
+
+
+def test_model_provenance_and_metrics(model_and_info):
+    model_dir = embedded.model_dir()
+    provenance = json.loads((model_dir / "provenance.json").read_text())
+    assert provenance["pretrain_tokens"] > 1_000_000
+    assert provenance["heldout"] == "persuasion"
+    rows = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    losses = [row["loss"] for row in rows if "loss" in row]
+    assert len(losses) >= 10 and losses[-1] < losses[0] - 2.0
+
+
+def test_pretrain_recipe_names_its_command():
+    first = RECIPE.read_text().splitlines()[0]
+    assert first.startswith("# ") and f"--recipe recipes/{RECIPE.name}" in first
