@@ -20,6 +20,9 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except InputError as err:
             raise _OneLineError(str(err)) from None
+        except click.UsageError as err:  # a subcommand's bad flag: one line too, with where to look
+            where = err.ctx.command_path if err.ctx else "mha2gqa"
+            raise _OneLineError(f"{err.format_message()} (see '{where} --help')") from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

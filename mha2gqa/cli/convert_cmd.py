@@ -1,0 +1,85 @@
+"""`mha2gqa convert` and `mha2gqa inspect`."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from mha2gqa.cli.format import human_bytes, human_count, table
+from mha2gqa.convert.methods import METHODS
+
+
+def _method_help() -> str:
+    return "; ".join(f"{name}: {method.summary}" for name, method in METHODS.items())
+
+
+@click.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--groups", "-g", type=int, required=True,
+              help="Target number of kv heads (1 = multi-query). Must divide the source's kv heads.")
+@click.option("--method", default="mean", show_default=True, help=f"How each group's kv heads become one. {_method_help()}.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the random method.")
+@click.option("--dtype", default=None, help="Cast floating tensors to float32, float16 or bfloat16 (default: keep each tensor's dtype).")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")
+@click.option("--force", is_flag=True, help="Replace DST if it exists and is not empty (SRC is never touched).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (every output tensor and what it is made of) and write nothing.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_run, quiet):
+    """Convert the checkpoint SRC (a local directory with config.json and safetensors, or a hub id when
+    online) into a grouped-query checkpoint DST with GROUPS kv heads.
+
+    Tensors are streamed one at a time (memory stays flat), DST is built beside itself and renamed at
+    the end (an interrupted run leaves no DST), and SRC is never modified. DST loads with plain
+    AutoModelForCausalLM.from_pretrained; mha2gqa.json in DST records how it was made.
+
+    Example: mha2gqa convert ./llama-2-7b ./llama-2-7b-gqa8 --groups 8
+    """
+    from mha2gqa.convert.run import convert as run_convert
+
+    result = run_convert(src, dst, groups=groups, method=method, seed=seed, dtype=dtype,
+                         max_shard_size=max_shard_size, force=force, dry_run=dry_run, progress=not quiet)
+    plan = result.plan
+    if dry_run:
+        from mha2gqa.checkpoint import SafetensorsCheckpoint
+
+        for line in plan.describe(SafetensorsCheckpoint(result.source).tensors):
+            click.echo(line)
+    saving = plan.shape.kv_heads / plan.groups
+    verb = "would write" if dry_run else "wrote"
+    click.echo(
+        f"{verb} {dst}: {len(plan.output_tensors())} tensors, {human_bytes(plan.bytes_out)} "
+        f"(from {human_bytes(plan.bytes_in)}); kv heads {plan.shape.kv_heads} -> {plan.groups} by {plan.method}, "
+        f"KV cache {saving:g}x smaller"
+    )
+
+
+@click.command()
+@click.argument("src")
+@click.option("--context", default=4096, show_default=True, help="Sequence length for the per-sequence KV-cache size.")
+@click.option("--batch", default=1, show_default=True, help="Batch size for the per-batch KV-cache size.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def inspect(src, context, batch, as_json):
+    """Describe SRC's attention (from config.json alone; no weights are read) and, for every valid
+    target kv-head count, the KV-cache bytes per token, per sequence of CONTEXT tokens and per BATCH,
+    and the saving factor."""
+    from mha2gqa.convert.inspect import inspect_model
+
+    info = inspect_model(src, context=context, batch=batch)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(
+        f"{info['architecture']} ({info['model_type']}): {info['layers']} layers, {info['heads']} heads, "
+        f"{info['kv_heads']} kv heads, head_dim {info['head_dim']}, hidden {info['hidden_size']}, "
+        f"{human_count(info['parameters'])} parameters, {info['dtype']}"
+    )
+    rows = [
+        [str(t["kv_heads"]) + (" (now)" if t["kv_heads"] == info["kv_heads"] else ""), str(t["queries_per_kv_head"]),
+         human_bytes(t["kv_bytes_per_token"]), human_bytes(t["kv_bytes_per_sequence"]),
+         human_bytes(t["kv_bytes_per_batch"]), f"{t['saving']:g}x", human_count(t["parameters"])]
+        for t in info["targets"]
+    ]
+    headers = ["kv heads", "q per kv", "KV/token", f"KV/seq@{context}", f"KV/batch of {batch}", "saving", "params"]
+    click.echo(table(headers, rows))
