@@ -1,0 +1,172 @@
+"""The uptraining recipe: a typed schema, one docstring per field.
+
+A recipe is YAML whose keys are the fields below (nested sections for data, optim, budget and
+distill). Every key can be overridden on the command line as `key=value`, dotted for sections
+(`optim.lr=1e-4`). `load_recipe` (in recipe_load.py) collects every problem before raising.
+Relative paths are relative to the working directory the command runs in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal, Optional
+
+SCHEDULES = ("cosine", "linear", "constant")
+TRAINABLE = ("all", "attention", "kv")
+MIXED_PRECISION = ("no", "bf16", "fp16")
+
+
+@dataclass
+class DataConfig:
+    train: list[str] = field(default_factory=list)
+    """Training text: files (.txt, .jsonl/.json, .parquet), folders of them, or one hub dataset name."""
+    eval: Optional[list[str]] = None
+    """Separate eval text, same forms as `train`; when unset, `eval_blocks` blocks are held out of train."""
+    name: Optional[str] = None
+    """Hub dataset configuration name (e.g. `sample-10BT`); hub datasets only."""
+    split: str = "train"
+    """Split of a hub dataset to read."""
+    text_field: str = "text"
+    """Column holding the text in jsonl/parquet/hub data."""
+    sample_by: Literal["document", "paragraph", "line"] = "document"
+    """How .txt files split into documents (EOS goes between documents)."""
+    streaming: bool = False
+    """Stream instead of loading into memory: for corpora larger than RAM."""
+    eval_blocks: int = 64
+    """Number of seq_len blocks held out for eval when `eval` is unset (also caps a separate eval set)."""
+    shuffle_buffer: int = 10000
+    """Documents in the shuffle buffer when streaming (in-memory data is shuffled exactly)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    """Peak learning rate of AdamW."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup, down to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (cosine, linear)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not norms, biases)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas [beta1, beta2]."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value when gradients sync; 0 disables clipping."""
+
+
+@dataclass
+class BudgetConfig:
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps. Set exactly one of max_steps, tokens, alpha."""
+    tokens: Optional[int] = None
+    """Stop after this many training tokens (rounded up to whole optimizer steps)."""
+    alpha: Optional[float] = None
+    """Train for alpha x pretrain_tokens tokens (the GQA paper uptrains with alpha = 0.05)."""
+    pretrain_tokens: Optional[int] = None
+    """Tokens the source model was pretrained on; required with alpha."""
+
+
+@dataclass
+class DistillConfig:
+    teacher: Optional[str] = None
+    """Teacher model (the MHA parent): local dir or hub id. Unset: no distillation."""
+    kl_weight: float = 0.5
+    """Loss = (1 - kl_weight) * LM loss + kl_weight * T^2 * KL(teacher || student)."""
+    temperature: float = 1.0
+    """Softmax temperature T of both distributions in the KL term."""
+
+
+@dataclass
+class Recipe:
+    model: Optional[str] = None
+    """Model to uptrain: local HF dir (e.g. a converted GQA model) or hub id. Unset with init_from_config."""
+    init_from_config: Optional[str] = None
+    """Train from scratch: a config.json, a dir holding one, or a hub id. Excludes `model`."""
+    tokenizer: Optional[str] = None
+    """Tokenizer dir or hub id; defaults to `model` (or the init_from_config dir)."""
+    output_dir: Optional[str] = None
+    """Where checkpoints, metrics.jsonl and the final HF model go. Required."""
+    overwrite: bool = False
+    """Allow writing into a non-empty output_dir without --resume (its checkpoints are replaced)."""
+    seed: int = 0
+    """Seed of the data order, the held-out split and init_from_config weights."""
+    seq_len: int = 512
+    """Tokens per packed block (one training sample)."""
+    micro_batch_size: int = 8
+    """Blocks per forward pass on each process."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """Autocast precision (weights and optimizer stay fp32). fp16 needs a GPU."""
+    trainable: Literal["all", "attention", "kv"] = "all"
+    """Parameters to train: everything, attention only (q/k/v/o + their norms), or k/v only."""
+    attn_implementation: str = "sdpa"
+    """transformers attention kernel: sdpa, eager, flash_attention_2 (when installed)."""
+    compile: bool = False
+    """torch.compile the model (GPU runs; compile time is not worth it for short CPU runs)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, about 30% slower."""
+    log_every: int = 10
+    """Optimizer steps between metrics.jsonl lines (and tqdm/tensorboard updates)."""
+    eval_every: int = 100
+    """Optimizer steps between evals of held-out loss and perplexity; 0: only at the end."""
+    eval_at_start: bool = True
+    """Eval before the first step (metrics line at step 0, with loss null)."""
+    save_every: int = 500
+    """Optimizer steps between resumable checkpoints (accelerate save_state); 0: never."""
+    keep_last: int = 2
+    """Resumable checkpoints kept on disk; older ones are deleted."""
+    exit_after_steps: Optional[int] = None
+    """Save state and stop after this many steps in this run (for job time limits); continue with --resume."""
+    tensorboard: bool = True
+    """Also log to tensorboard (output_dir/tensorboard) when tensorboard is installed."""
+    trace_samples: bool = False
+    """Audit: each process writes trace/rank<N>.jsonl with a hash of every block it trained on."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training and eval data."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW and the learning-rate schedule."""
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    """How long to train."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """Optional distillation from the MHA parent."""
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict of every key, as resolved (for provenance and resume checks)."""
+        out = asdict(self)
+        out["optim"]["betas"] = list(self.optim.betas)
+        return out
+
+    @property
+    def tokenizer_source(self) -> str | None:
+        return self.tokenizer or self.model or _config_dir(self.init_from_config)
+
+
+def _config_dir(path: str | None) -> str | None:
+    """The folder of an init_from_config path (a config.json's folder may hold the tokenizer too)."""
+    if path is None or not path.endswith(".json"):
+        return path
+    from pathlib import Path
+
+    return str(Path(path).parent)
+
+
+# Keys that may change between an interrupted run and its --resume without changing the result.
+RESUME_FREE_KEYS = {
+    "log_every", "eval_every", "eval_at_start", "save_every", "keep_last", "exit_after_steps",
+    "tensorboard", "trace_samples", "overwrite", "output_dir",
+}
+
+
+def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
+    """Read a YAML recipe, apply `key=value` overrides, validate; raise InputError listing every problem.
+
+    check_files=False skips the checks that local model/data paths exist (to validate a shipped
+    recipe for a machine that has its files)."""
+    from mha2gqa.uptrain.recipe_load import load
+
+    return load(path, list(overrides), check_files=check_files)
