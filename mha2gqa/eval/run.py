@@ -1,0 +1,138 @@
+"""`evaluate`: everything `mha2gqa eval` measures, in-process, as one result dict.
+
+Every check of the user's input runs before a model is loaded, and the result file is written
+only at the end (atomically): a bad flag costs nothing and a failed run leaves no file behind.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import warnings
+from pathlib import Path
+
+import torch
+
+from mha2gqa.errors import InputError
+from mha2gqa.eval import model as M
+from mha2gqa.eval import perplexity as P
+from mha2gqa.eval import provenance, speed
+from mha2gqa.eval.agreement import agreement
+from mha2gqa.eval.attention_maps import attention_maps, plot_attention_maps
+from mha2gqa.eval.data import load_eval_text
+from mha2gqa.eval.kvcache import measure_kv_cache
+from mha2gqa.eval.lmeval import check_lm_eval_installed, run_lm_eval
+from mha2gqa.eval.schema import SCHEMA, write_result
+from mha2gqa.sources import resolve_model_dir
+
+DEFAULT_CONTEXT = 1024
+
+
+def evaluate(model_path, data=None, reference=None, *, tokenizer=None, data_config=None, data_split="test",
+             data_column="text", max_tokens=None, context=None, stride=None, batch_size=1, dtype="auto",
+             device="auto", speed_preset="auto", speed_batches=None, speed_contexts=None, new_tokens=None,
+             repeats=None, kv_batch=2, kv_tokens=32, attention_text=None, attention_layer=0,
+             attention_png=None, lm_eval_tasks=None, lm_eval_limit=None, role=None, label=None, seed=0,
+             out=None, progress=True) -> dict:
+    """Measure MODEL_PATH (a dir or hub id) and return the result dict; write it to `out` if given.
+
+    data: a text file, a folder of text files, or a hub dataset name (perplexity is skipped without
+    it). reference: a parent model to measure KL and top-1 agreement against. speed_preset: "auto"
+    (gpu on CUDA, else cpu), "cpu", "gpu", or None/"off" to skip decode speed. See `mha2gqa eval --help`.
+    """
+    torch.manual_seed(seed)
+    dev, torch_dtype = M.pick_device(device), M.pick_dtype(dtype)
+    preset = None if speed_preset in (None, False, "off") else speed_preset
+    if preset == "auto":
+        preset = "gpu" if dev.type == "cuda" else "cpu"
+    grid = speed.make_grid(preset, speed_batches, speed_contexts, new_tokens, repeats) if preset else None
+    _check_inputs(data, reference, context, stride, batch_size, max_tokens, kv_batch, kv_tokens, role,
+                  attention_text, attention_png, out, lm_eval_tasks)
+
+    model_dir = resolve_model_dir(model_path)
+    prov = provenance.read_provenance(model_dir)
+    role = provenance.infer_role(prov, role)
+    model = M.load_model(model_dir, torch_dtype, dev)
+    tok = M.load_tokenizer(model_dir, tokenizer)
+    M.check_vocab(tok, model.config, "the model")
+    shape = M.shape_of(model.config)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    context = context or min(DEFAULT_CONTEXT, max_pos or DEFAULT_CONTEXT)
+    stride = stride or max(1, context // 2)
+    P.check_window(context, stride)
+    if max_pos and context > max_pos:
+        raise InputError(f"--context {context} exceeds the model's max_position_embeddings={max_pos}: use at most {max_pos}")
+    if grid:
+        speed.check_grid_fits(grid, max_pos)
+    ref_dir = resolve_model_dir(reference) if reference else None
+    ref_model = M.load_model(ref_dir, torch_dtype, dev) if ref_dir else None
+    text = load_eval_text(data, tok, config=data_config, split=data_split, column=data_column,
+                          max_tokens=max_tokens) if data else None
+
+    result = _skeleton(model_path, model_dir, model, shape, prov, role, label, reference, ref_dir, dev, seed)
+    result["data"] = text.identity if text else None
+    if text and ref_model is not None:
+        agree, ppl, ref_ppl = agreement(model, ref_model, text.ids, context, stride, batch_size, progress)
+        result["perplexity"], result["agreement"] = ppl, {**agree, "reference_perplexity": ref_ppl["perplexity"]}
+    elif text:
+        result["perplexity"] = P.perplexity(model, text.ids, context, stride, batch_size, progress)
+    result["kv_cache"] = measure_kv_cache(model, shape, kv_batch, kv_tokens, seed)
+    if "warning" in result["kv_cache"]:
+        result["warnings"].append(result["kv_cache"]["warning"])
+    if grid:
+        result["speed"] = speed.decode_speed(model, grid, seed, progress)
+    if attention_text:
+        png = Path(attention_png) if attention_png else Path(out).with_suffix(".attention.png")
+        found = attention_maps(model, tok, attention_text, attention_layer, ref_model)
+        labels = {"model": result["label"], "reference": (result["reference"] or {}).get("label", "")}
+        result["attention_maps"] = {"png": str(plot_attention_maps(found, png, labels, shape.kv_heads)),
+                                    "layer": found["layer"]}
+    if lm_eval_tasks:
+        result["lm_eval"] = run_lm_eval(model, tok, lm_eval_tasks, lm_eval_limit, batch_size)
+    for message in result["warnings"]:
+        warnings.warn(message, stacklevel=2)
+    if out:
+        write_result(result, Path(out))
+    return result
+
+
+def _check_inputs(data, reference, context, stride, batch_size, max_tokens, kv_batch, kv_tokens, role,
+                  attention_text, attention_png, out, lm_eval_tasks) -> None:
+    """Everything that can be refused before a model is loaded."""
+    if reference and not data:
+        raise InputError("--reference needs --data: agreement is measured on the same text")
+    if context is not None:
+        P.check_window(context, stride or max(1, context // 2))
+    for flag, value, low in (("--batch-size", batch_size, 1), ("--max-tokens", max_tokens, 2),
+                             ("--kv-batch", kv_batch, 1), ("--kv-tokens", kv_tokens, 1)):
+        if value is not None and value < low:
+            raise InputError(f"{flag} {value} must be at least {low}")
+    if role is not None:
+        provenance.infer_role(None, role)
+    if attention_text and not (attention_png or out):
+        raise InputError("--attention-maps needs --out or --attention-png to know where to save the PNG")
+    if out and Path(out).is_dir():
+        raise InputError(f"--out {out} is a directory: pass a file path such as {Path(out) / 'results.json'}")
+    if lm_eval_tasks:
+        check_lm_eval_installed()
+
+
+def _skeleton(model_path, model_dir, model, shape, prov, role, label, reference, ref_dir, dev, seed) -> dict:
+    return {
+        "schema": SCHEMA,
+        "label": label or Path(str(model_path).rstrip("/")).name,
+        "role": role,
+        "model": {
+            "path": str(model_path), "resolved": str(Path(model_dir).resolve()), "model_type": shape.model_type,
+            "layers": shape.layers, "heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
+            "hidden": shape.hidden, "params": sum(p.numel() for p in model.parameters()),
+            "dtype": str(model.dtype).replace("torch.", ""), "provenance": prov,
+        },
+        "reference": {"path": str(reference), "resolved": str(Path(ref_dir).resolve()),
+                      "label": Path(str(reference).rstrip("/")).name} if reference else None,
+        "data": None, "perplexity": None, "agreement": None, "kv_cache": None, "speed": None,
+        "attention_maps": None, "lm_eval": None, "warnings": [],
+        "env": {
+            "device": str(dev), "device_name": provenance.device_name(dev), "versions": provenance.versions(),
+            "seed": seed, "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        },
+    }
