@@ -162,6 +162,14 @@ def test_model_provenance_and_metrics(model_and_info):
     assert len(losses) >= 10 and losses[-1] < losses[0] - 2.0
 
 
-def test_pretrain_recipe_names_its_command():
+def test_pretrain_recipe_names_its_command_and_holds_out_persuasion(monkeypatch):
     first = RECIPE.read_text().splitlines()[0]
-    assert first.startswith("# ") and f"--recipe recipes/{RECIPE.name}" in first
+    assert first == f"# mha2gqa uptrain --recipe recipes/{RECIPE.name}"
+    from mha2gqa.uptrain.recipe import load_recipe
+
+    monkeypatch.chdir(ROOT)  # the recipe's paths are relative to the repository root
+    recipe = load_recipe(RECIPE)
+    assert recipe.model is None and recipe.init_from_config
+    assert sorted(Path(p).name for p in recipe.data.train) == [p.name for p in embedded.train_paths()]
+    assert [Path(p).name for p in recipe.data.eval] == [embedded.heldout_path().name]
+    assert recipe.seq_len == json.loads((embedded.model_dir() / "config.json").read_text())["max_position_embeddings"]
