@@ -1,0 +1,3 @@
+from mha2gqa.cli import main
+
+main()

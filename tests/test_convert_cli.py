@@ -1,0 +1,137 @@
+"""The CLI: bad input gives one line and exit code 2 with nothing written or lost; inspect's numbers;
+one real subprocess run."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+
+from mha2gqa.cli import main
+from tiny_models import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "src"
+    save_tiny_model(path, "llama")
+    return path
+
+
+def _tree_digest(path):
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(file.name.encode() + file.read_bytes())
+    return digest.hexdigest()
+
+
+def _run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+BAD_INPUTS = [
+    (["--groups", "3"], "--groups 3 must divide num_key_value_heads=8 (valid: 1, 2, 4)"),
+    (["--groups", "8"], "equals the source's num_key_value_heads=8"),
+    (["--groups", "0"], "must divide num_key_value_heads=8"),
+    (["--groups", "2", "--method", "median"], "--method 'median' is unknown (valid: mean, first, random"),
+    (["--groups", "2", "--dtype", "int8"], "--dtype 'int8' is unknown"),
+    (["--groups", "2", "--max-shard-size", "lots"], "--max-shard-size 'lots' is not a size"),
+    (["--groups", "two"], "'two' is not a valid integer"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_INPUTS)
+def test_bad_flags_exit_2_with_one_line_and_write_nothing(src, tmp_path, flags, message):
+    before = _tree_digest(src)
+    result = _run("convert", src, tmp_path / "dst", *flags)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.output
+    assert not (tmp_path / "dst").exists()
+    assert _tree_digest(src) == before
+
+
+def test_destination_inside_equal_to_or_containing_source_is_refused(src):
+    before = _tree_digest(src)
+    for dst, message in ((src / "gqa", "inside SRC"), (src, "inside SRC"), (src.parent, "contains SRC")):
+        result = _run("convert", src, dst, "--groups", "2", "--force")
+        assert result.exit_code == 2 and message in result.output, result.output
+    assert _tree_digest(src) == before
+    assert not (src / "gqa").exists()
+
+
+def test_non_empty_destination_needs_force(src, tmp_path):
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "keep.txt").write_text("mine")
+    result = _run("convert", src, tmp_path / "dst", "--groups", "2")
+    assert result.exit_code == 2 and "pass --force" in result.output
+    assert [p.name for p in (tmp_path / "dst").iterdir()] == ["keep.txt"]
+
+
+def test_pickled_weights_are_refused_with_the_fix(tmp_path):
+    save_tiny_model(tmp_path / "src", "llama")
+    (tmp_path / "src" / "model.safetensors").rename(tmp_path / "src" / "pytorch_model.bin")
+    result = _run("convert", tmp_path / "src", tmp_path / "dst", "--groups", "2")
+    assert result.exit_code == 2
+    assert "never unpickles" in result.output and "save_pretrained" in result.output
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("model_type,reason", [("gpt_neox", "no grouped-query attention"), ("falcon", "saves no memory"),
+                                               ("mamba", "not supported")])
+def test_unsupported_architectures_list_the_supported_ones(tmp_path, model_type, reason):
+    (tmp_path / "src").mkdir()
+    config = {"model_type": model_type, "num_attention_heads": 8, "hidden_size": 64, "num_hidden_layers": 2}
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    result = _run("convert", tmp_path / "src", tmp_path / "dst", "--groups", "2")
+    assert result.exit_code == 2
+    assert reason in result.output and "supported: gemma, gemma2, granite, llama" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_missing_path_and_offline_hub_id_are_one_line_errors(tmp_path):
+    result = _run("convert", tmp_path / "nowhere", tmp_path / "dst", "--groups", "2")
+    assert result.exit_code == 2 and "no such directory" in result.output
+    result = _run("convert", "meta-llama/Llama-2-7b-hf", tmp_path / "dst", "--groups", "8")
+    assert result.exit_code == 2 and "hub is offline" in result.output
+    assert not (tmp_path / "dst").exists()
+
+
+def test_dry_run_prints_the_plan(src, tmp_path):
+    result = _run("convert", src, tmp_path / "dst", "--groups", "2", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "model.layers.0.self_attn.k_proj.weight  F32 [16, 64]  <- mean over groups of 4 kv heads of layer 0" in result.output
+    assert "model.embed_tokens.weight  F32 [128, 64]  <- copy" in result.output
+    assert "would write" in result.output and not (tmp_path / "dst").exists()
+
+
+def test_inspect_reports_kv_bytes_and_parameters_of_every_target(src, tmp_path):
+    result = _run("inspect", src, "--json", "--context", "100", "--batch", "3")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert (info["layers"], info["heads"], info["kv_heads"], info["head_dim"]) == (2, 8, 8, 8)
+    by_groups = {t["kv_heads"]: t for t in info["targets"]}
+    assert sorted(by_groups) == [1, 2, 4, 8]
+    assert by_groups[8]["kv_bytes_per_token"] == 2 * 2 * 8 * 8 * 4
+    assert by_groups[2]["kv_bytes_per_batch"] == 2 * 2 * 2 * 8 * 4 * 100 * 3
+    assert by_groups[2]["saving"] == 4
+    _run("convert", src, tmp_path / "gqa2", "--groups", "2", "-q")
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "gqa2")
+    assert by_groups[2]["parameters"] == sum(p.numel() for p in converted.parameters())
+    table = _run("inspect", src).output
+    assert "kv heads" in table and "4x" in table and "8 (now)" in table
+
+
+def test_the_installed_command_runs_as_a_subprocess(src, tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-m", "mha2gqa", "convert", str(src), str(tmp_path / "dst"), "--groups", "4", "-q"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "kv heads 8 -> 4 by mean" in done.stdout
+    assert json.loads((tmp_path / "dst" / "config.json").read_text())["num_key_value_heads"] == 4
+    bad = subprocess.run(command[:-3] + ["--groups", "5"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "valid: 1, 2, 4" in bad.stderr
