@@ -38,5 +38,10 @@ def _register():
     for command in (convert_cmd.convert, convert_cmd.inspect):
         main.add_command(command)
 
+    from mha2gqa.cli import eval_cmd  # mha2gqa eval, mha2gqa report
+
+    for command in (eval_cmd.eval_command, eval_cmd.report_command):
+        main.add_command(command)
+
 
 _register()

@@ -1,0 +1,121 @@
+"""`mha2gqa eval` (measure one model) and `mha2gqa report` (compare many results)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from mha2gqa.cli.format import human_bytes
+
+
+def _int_list(ctx, param, value):
+    """'1,4,16' -> (1, 4, 16); None stays None (the preset decides)."""
+    if value is None:
+        return None
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers (e.g. 1,4,16)") from None
+
+
+def _str_list(ctx, param, value):
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+@click.command("eval")
+@click.argument("model")
+@click.option("--data", help="Held-out text: a UTF-8 file (one document), a folder of .txt/.md files, or a hub "
+              "dataset name such as wikitext (online only). Without it perplexity is skipped.")
+@click.option("--data-config", help="Hub dataset config, e.g. wikitext-2-raw-v1.")
+@click.option("--data-split", default="test", show_default=True, help="Hub dataset split.")
+@click.option("--data-column", default="text", show_default=True, help="Hub dataset column holding the text.")
+@click.option("--max-tokens", type=int, help="Score at most this many tokens of --data (a hub dataset is then streamed).")
+@click.option("--tokenizer", help="Tokenizer dir or hub id (default: the MODEL directory's tokenizer).")
+@click.option("--reference", help="Parent model (dir or hub id): adds mean KL(reference||model) and top-1 agreement on --data.")
+@click.option("--context", type=int, help="Perplexity window in tokens [default: min(1024, max_position_embeddings)].")
+@click.option("--stride", type=int, help="Tokens between window starts, 1..context; each token is scored once [default: context/2].")
+@click.option("--batch-size", default=1, show_default=True, help="Windows per forward pass in perplexity.")
+@click.option("--dtype", default="auto", show_default=True, help="auto (the checkpoint's), float32, bfloat16 or float16.")
+@click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:N.")
+@click.option("--speed", "speed_preset", type=click.Choice(["auto", "cpu", "gpu", "off"]), default="auto", show_default=True,
+              help="Decode-speed grid: cpu (batches 1,4 x context 32, 16 new tokens: seconds), gpu (batches 1,8,32,64 x "
+              "contexts 512,2048, 64 new tokens), auto (gpu on CUDA else cpu), off.")
+@click.option("--speed-batches", callback=_int_list, help="Override the preset's batch sizes, e.g. 1,8,64.")
+@click.option("--speed-contexts", callback=_int_list, help="Override the preset's prefill lengths, e.g. 512,2048.")
+@click.option("--new-tokens", type=int, help="Greedy tokens decoded per measurement (overrides the preset).")
+@click.option("--repeats", type=int, help="Timed repeats per grid point; the median is reported (after 1 warm-up).")
+@click.option("--kv-batch", default=2, show_default=True, help="Batch of the prefill whose live KV cache is measured.")
+@click.option("--kv-tokens", default=32, show_default=True, help="Tokens of that prefill.")
+@click.option("--attention-maps", "attention_text", help="A short text: save per-head attention maps of --attention-layer "
+              "as a PNG grid (beside --reference's heads when given).")
+@click.option("--attention-layer", default=0, show_default=True, help="Layer of the attention maps (negative counts from the end).")
+@click.option("--attention-png", type=click.Path(dir_okay=False), help="Where the attention PNG goes [default: OUT with .attention.png].")
+@click.option("--lm-eval-tasks", callback=_str_list, help="lm-evaluation-harness tasks, e.g. hellaswag,arc_easy "
+              "(needs pip install 'mha2gqa[lmeval]').")
+@click.option("--lm-eval-limit", type=int, help="Examples per lm-eval task (for quick checks only).")
+@click.option("--role", type=click.Choice(["parent", "converted", "uptrained"]),
+              help="Role in the report [default: from MODEL/mha2gqa.json: uptrain -> uptrained, conversion -> converted, none -> parent].")
+@click.option("--label", help="Short name in the report [default: the MODEL directory's name].")
+@click.option("--seed", default=0, show_default=True, help="Seed of the random prefill ids.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Write the result JSON here (default: print it to stdout).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+def eval_command(model, quiet, out, **options):
+    """Measure MODEL (a local directory or a hub id when online): sliding-window perplexity on --data,
+    agreement with --reference, KV-cache bytes per token (formula vs the live cache), greedy decode
+    speed and peak memory; optionally attention maps and lm-eval tasks. Writes one result JSON that
+    `mha2gqa report` compares.
+
+    Example: mha2gqa eval ./llama-gqa8 --data held_out.txt --reference ./llama --out gqa8.json
+    """
+    from mha2gqa.eval.run import evaluate
+
+    result = evaluate(model, out=out, progress=not quiet, **options)
+    click.echo(summary(result), err=out is None)
+    for message in result["warnings"]:
+        click.secho(f"WARNING: {message}", fg="red", bold=True, err=True)
+    if out is None:
+        click.echo(json.dumps(result, indent=2))
+
+
+def summary(result: dict) -> str:
+    """One line per measurement, for the terminal."""
+    lines = [f"{result['label']} ({result['role']}): {result['model']['kv_heads']}/{result['model']['heads']} kv heads"]
+    if result["perplexity"]:
+        p = result["perplexity"]
+        lines.append(f"  perplexity {p['perplexity']:.3f} over {p['tokens_scored']:,} tokens (context {p['context']}, stride {p['stride']})")
+    if result["agreement"]:
+        a = result["agreement"]
+        lines.append(f"  vs reference: KL {a['kl_mean']:.4f}, top-1 agreement {100 * a['top1_agreement']:.1f}%, "
+                     f"reference perplexity {a['reference_perplexity']:.3f}")
+    kv = result["kv_cache"]
+    lines.append(f"  KV cache {human_bytes(kv['measured_bytes_per_token'])}/token measured, "
+                 f"{human_bytes(kv['formula_bytes_per_token'])} by formula: {'match' if kv['match'] else 'MISMATCH'}")
+    for p in (result["speed"] or {}).get("points", []):
+        lines.append(f"  decode B={p['batch']} T={p['context']}: {p['tokens_per_s']:,.1f} tok/s, "
+                     f"peak {human_bytes(p['peak_memory_bytes'])} ({p['peak_memory_kind']})")
+    if result["attention_maps"]:
+        lines.append(f"  attention maps: {result['attention_maps']['png']}")
+    if result["lm_eval"]:
+        lines.append(f"  lm-eval: {json.dumps(result['lm_eval'])}")
+    return "\n".join(lines)
+
+
+@click.command("report")
+@click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory for report.md, report.html, report.json and the PNG plots.")
+@click.option("--baseline", help="Label or path of the result the others are compared with [default: the first].")
+@click.option("--metrics", multiple=True, type=click.Path(dir_okay=False),
+              help="An uptrain metrics.jsonl to plot as a training curve (repeatable).")
+def report_command(results, out, baseline, metrics):
+    """Compare RESULTS (JSON files written by `mha2gqa eval`) side by side: perplexity and its change vs the
+    baseline, recovery of uptrained models, KL and top-1 agreement, KV bytes per token and saving, decode
+    tokens/s and speed-up; plots of quality vs KV size, tokens/s vs batch, and the training curve.
+
+    Example: mha2gqa report parent.json gqa.json gqa-uptrained.json --out report/ --metrics run/metrics.jsonl
+    """
+    from mha2gqa.eval.report import write_report
+
+    written = write_report(list(results), out, baseline=baseline, metrics=list(metrics) or None)
+    for name, path in written.items():
+        click.echo(f"wrote {path} ({name})")

@@ -1,0 +1,92 @@
+"""The comparison table's numbers, computed from result dicts (no rendering here).
+
+recovery = (ppl_converted - ppl_uptrained) / (ppl_converted - ppl_parent): 1 means uptraining won
+back everything the conversion lost, 0 nothing. It uses the first parent and the first converted
+result given, and is shown only for uptrained rows.
+"""
+
+from __future__ import annotations
+
+from mha2gqa.errors import InputError
+
+
+def _get(result: dict, *keys):
+    for key in keys:
+        result = result.get(key) if isinstance(result, dict) else None
+    return result
+
+
+def pick_baseline(results: list[dict], paths: list[str], baseline: str | None) -> int:
+    """Index of the baseline: the first result, or the one whose label or path is `baseline`."""
+    if baseline is None:
+        return 0
+    for i, (result, path) in enumerate(zip(results, paths)):
+        if baseline in (result["label"], str(path)):
+            return i
+    labels = ", ".join(r["label"] for r in results)
+    raise InputError(f"--baseline {baseline!r} is not the label or path of a given result (labels: {labels})")
+
+
+def speed_point(results: list[dict]) -> tuple[int, int] | None:
+    """(batch, context) measured by every result with speed: the largest batch, then context."""
+    grids = [{(p["batch"], p["context"]) for p in r["speed"]["points"]} for r in results if r.get("speed")]
+    if not grids:
+        return None
+    common = set.intersection(*grids)
+    return max(common) if common else None
+
+
+def tokens_per_s(result: dict, point: tuple[int, int] | None) -> float | None:
+    for p in _get(result, "speed", "points") or []:
+        if point is not None and (p["batch"], p["context"]) == point:
+            return p["tokens_per_s"]
+    return None
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def comparison_rows(results: list[dict], base: int) -> tuple[list[dict], dict]:
+    """One row per result, in the given order; and notes that apply to the whole table."""
+    point = speed_point(results)
+    ppl = [_get(r, "perplexity", "perplexity") for r in results]
+    kv = [_get(r, "kv_cache", "measured_bytes_per_token") for r in results]
+    tps = [tokens_per_s(r, point) for r in results]
+    parent = next((p for r, p in zip(results, ppl) if r["role"] == "parent" and p is not None), None)
+    converted = next((p for r, p in zip(results, ppl) if r["role"] == "converted" and p is not None), None)
+    rows = []
+    for i, r in enumerate(results):
+        recovery = None
+        if r["role"] == "uptrained" and None not in (parent, converted, ppl[i]) and converted != parent:
+            recovery = (converted - ppl[i]) / (converted - parent)
+        change = _ratio(ppl[i], ppl[base])
+        rows.append({
+            "label": r["label"], "role": r["role"], "heads": r["model"]["heads"], "kv_heads": r["model"]["kv_heads"],
+            "perplexity": ppl[i], "perplexity_change": None if change is None else change - 1.0,
+            "recovery": recovery, "kl_mean": _get(r, "agreement", "kl_mean"),
+            "top1_agreement": _get(r, "agreement", "top1_agreement"),
+            "kv_bytes_per_token": kv[i], "kv_saving": _ratio(kv[base], kv[i]),
+            "kv_match": _get(r, "kv_cache", "match"), "tokens_per_s": tps[i], "speedup": _ratio(tps[i], tps[base]),
+        })
+    return rows, {"baseline": results[base]["label"], "speed_point": point, "notes": table_notes(results)}
+
+
+def table_notes(results: list[dict]) -> list[str]:
+    """What makes numbers in the table not comparable, or not to be trusted, said in words."""
+    notes = []
+    data = {_get(r, "data", "ids_sha256") for r in results if r.get("perplexity")}
+    if len(data) > 1:
+        notes.append("Perplexities were measured on different token streams (data or tokenizer differ): "
+                     "compare them with care.")
+    windows = {(_get(r, "perplexity", "context"), _get(r, "perplexity", "stride")) for r in results if r.get("perplexity")}
+    if len(windows) > 1:
+        notes.append(f"Perplexities used different context/stride settings: {sorted(windows)}.")
+    devices = {_get(r, "env", "device_name") for r in results if r.get("speed")}
+    if len(devices) > 1:
+        notes.append(f"Decode speeds were measured on different devices: {', '.join(sorted(map(str, devices)))}.")
+    if sum(1 for r in results if r.get("speed")) > 1 and speed_point(results) is None:
+        notes.append("No (batch, context) point was measured by every result: tokens/s is not compared.")
+    for r in results:
+        notes.extend(f"{r['label']}: {w}" for w in r.get("warnings") or [])
+    return notes

@@ -1,0 +1,133 @@
+"""The report's PNG plots: quality vs KV bytes, decode tokens/s vs batch, the training curve."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on servers
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from mha2gqa.errors import InputError  # noqa: E402
+
+ROLE_COLORS = {"parent": "#1f77b4", "converted": "#d62728", "uptrained": "#2ca02c"}
+ROLE_MARKERS = {"parent": "o", "converted": "s", "uptrained": "^"}
+DPI = 120
+
+
+def byte_unit(values: list[float]) -> tuple[float, str]:
+    """A divisor and unit that keep the largest value between 1 and 1024."""
+    top = max(values)
+    for div, unit in ((2**20, "MiB"), (2**10, "KiB")):
+        if top >= div:
+            return div, unit
+    return 1, "bytes"
+
+
+def _save(fig, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+    return out
+
+
+def quality_vs_kv(rows: list[dict], out: Path) -> Path | None:
+    """Perplexity against KV-cache bytes per token, one labelled point per result."""
+    pts = [r for r in rows if r["perplexity"] is not None and r["kv_bytes_per_token"] is not None]
+    if not pts:
+        return None
+    div, unit = byte_unit([r["kv_bytes_per_token"] for r in pts])
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    stacked: dict[tuple, int] = {}  # labels of points at the same place go one above the other
+    for r in pts:
+        x, y = r["kv_bytes_per_token"] / div, r["perplexity"]
+        at = (round(x, 6), round(y, 6))
+        stacked[at] = stacked.get(at, -1) + 1
+        ax.scatter(x, y, s=70, color=ROLE_COLORS.get(r["role"], "gray"), marker=ROLE_MARKERS.get(r["role"], "o"),
+                   alpha=0.8, zorder=3)
+        ax.annotate(f"{r['label']} ({r['kv_heads']} kv)", (x, y), textcoords="offset points",
+                    xytext=(8, 6 + 13 * stacked[at]), fontsize=9)
+    for role, color in ROLE_COLORS.items():
+        if any(r["role"] == role for r in pts):
+            ax.scatter([], [], color=color, marker=ROLE_MARKERS[role], label=role)
+    ax.set_xlabel(f"KV cache per token ({unit})")
+    ax.set_ylabel("perplexity (lower is better)")
+    ax.set_title("Quality vs KV-cache size")
+    ax.margins(x=0.25, y=0.2)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=9)
+    return _save(fig, out)
+
+
+def speed_vs_batch(results: list[dict], out: Path) -> Path | None:
+    """Decode tokens/s against batch size, one line per result, one panel per context length."""
+    measured = [r for r in results if r.get("speed")]
+    if not measured:
+        return None
+    contexts = sorted({p["context"] for r in measured for p in r["speed"]["points"]})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        for r in measured:
+            pts = sorted((p["batch"], p["tokens_per_s"]) for p in r["speed"]["points"] if p["context"] == context)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{r['label']} ({r['model']['kv_heads']} kv)")
+        batches = sorted({p["batch"] for r in measured for p in r["speed"]["points"]})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("batch size (sequences, log scale)")
+        ax.set_ylabel("decode throughput (tokens/s)")
+        ax.set_title(f"Greedy decode, context {context} tokens")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=9)
+    return _save(fig, out)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--metrics {path}: no such file (uptraining writes metrics.jsonl in its output_dir)")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise InputError(f"--metrics {path} line {n} is not JSON ({err.msg}): pass the uptrain metrics.jsonl") from err
+    if not rows or not any("step" in r for r in rows):
+        raise InputError(f"--metrics {path} has no lines with a 'step': pass the uptrain metrics.jsonl")
+    return rows
+
+
+def _series(rows: list[dict], word: str) -> dict[str, list[tuple[float, float]]]:
+    """Every numeric key containing `word`, as (step, value) pairs; nulls and NaNs skipped."""
+    out: dict[str, list] = {}
+    for r in rows:
+        for key, value in r.items():
+            if word in key and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                out.setdefault(key, []).append((r["step"], value))
+    return out
+
+
+def training_curve(metrics_path: Path, out: Path) -> Path:
+    """Loss (and perplexity, when logged) against optimizer step."""
+    rows = [r for r in read_metrics(metrics_path) if "step" in r]
+    panels = [(w, s) for w, s in (("loss", _series(rows, "loss")), ("ppl", _series(rows, "ppl"))) if s]
+    if not panels:
+        raise InputError(f"--metrics {metrics_path} has no numeric loss or ppl keys (keys: {', '.join(sorted(rows[0]))})")
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
+    for ax, (word, series) in zip(axes[0], panels):
+        for key, pts in sorted(series.items()):
+            ax.plot(*zip(*pts), marker="." if len(pts) < 50 else None, label=key)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss (nats/token)" if word == "loss" else "perplexity")
+        ax.set_title("Uptraining " + ("loss" if word == "loss" else "perplexity"))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=9)
+    return _save(fig, out)

@@ -1,0 +1,62 @@
+"""`write_report`: many eval results side by side, as report.md, a self-contained report.html,
+report.json (the table's numbers) and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mha2gqa.errors import InputError
+from mha2gqa.eval import plots, render
+from mha2gqa.eval.compare import comparison_rows, pick_baseline
+from mha2gqa.eval.schema import load_result
+
+
+def _unique_labels(results: list[dict]) -> None:
+    """Two results with one label would be indistinguishable in the table: number the repeats."""
+    seen: dict[str, int] = {}
+    for r in results:
+        seen[r["label"]] = seen.get(r["label"], 0) + 1
+        if seen[r["label"]] > 1:
+            r["label"] = f"{r['label']} ({seen[r['label']]})"
+
+
+def write_report(result_paths, out_dir, baseline: str | None = None, metrics=None) -> dict[str, Path]:
+    """Compare the results in `result_paths` (files written by `mha2gqa eval`).
+
+    baseline: a label or path among them (default: the first). metrics: an uptrain metrics.jsonl
+    (or a list of them) to plot as a training curve. Returns {name: path} of every file written:
+    markdown, html, json, and the plots quality_vs_kv, speed_vs_batch, training_curve* when drawn.
+    """
+    paths = [str(p) for p in result_paths]
+    if not paths:
+        raise InputError("report needs at least one results.json (written by `mha2gqa eval --out`)")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"--out {out_dir} is a file: pass a directory for the report")
+    results = [load_result(p) for p in paths]
+    base = pick_baseline(results, paths, baseline)
+    metric_paths = [] if metrics is None else [metrics] if isinstance(metrics, (str, Path)) else list(metrics)
+    for m in metric_paths:
+        plots.read_metrics(m)  # refuse a bad file before anything is written
+    _unique_labels(results)
+    rows, meta = comparison_rows(results, base)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drawn = {
+        "quality_vs_kv": plots.quality_vs_kv(rows, out_dir / "quality_vs_kv.png"),
+        "speed_vs_batch": plots.speed_vs_batch(results, out_dir / "speed_vs_batch.png"),
+    }
+    for i, m in enumerate(metric_paths):
+        name = "training_curve" if len(metric_paths) == 1 else f"training_curve_{i + 1}"
+        drawn[name] = plots.training_curve(Path(m), out_dir / f"{name}.png")
+    drawn = {k: v for k, v in drawn.items() if v is not None}
+    written = {
+        "markdown": out_dir / "report.md",
+        "html": out_dir / "report.html",
+        "json": out_dir / "report.json",
+    }
+    written["markdown"].write_text(render.markdown(rows, meta, results, drawn, out_dir))
+    written["html"].write_text(render.html_page(rows, meta, results, drawn))
+    written["json"].write_text(json.dumps({**meta, "rows": rows, "results": paths}, indent=2) + "\n")
+    return {**written, **drawn}
