@@ -79,7 +79,8 @@ CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1300px;padding:0 1rem;color:#222}
 table{border-collapse:collapse;margin:1rem 0;font-size:14px}
 th,td{border:1px solid #ccc;padding:6px 10px;text-align:right;white-space:nowrap}
-th{background:#f3f3f3} td:first-child,td:nth-child(2),th:first-child{text-align:left}
+th{background:#f3f3f3;white-space:normal;max-width:8em;vertical-align:bottom}
+td:first-child,td:nth-child(2),th:first-child,th:nth-child(2){text-align:left}
 tr.baseline td{font-weight:600;background:#fbfbe8}
 .notes li{color:#8a4b00} img{max-width:100%;border:1px solid #eee;margin:0.5rem 0}
 .prov td{text-align:left;font-size:12px;white-space:normal}
