@@ -1,0 +1,38 @@
+"""`accelerate launch -m mha2gqa.uptrain --recipe R [--resume] [key=value ...]`: every rank runs the
+same recipe (one process: `python -m mha2gqa.uptrain ...` or `mha2gqa uptrain ...`)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="accelerate launch -m mha2gqa.uptrain",
+        description="Uptrain (continue pre-training) a model from a YAML recipe; see recipes/*.yaml.",
+    )
+    parser.add_argument("--recipe", required=True, help="YAML recipe (schema: mha2gqa/uptrain/recipe.py)")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe keys, dotted for sections")
+    args = parser.parse_args(argv)
+
+    from mha2gqa.errors import InputError
+    from mha2gqa.uptrain import load_recipe, train
+    from mha2gqa.uptrain.steps import TrainingDiverged
+
+    try:
+        out = train(load_recipe(args.recipe, args.overrides), resume=args.resume)
+    except InputError as err:  # the user's to fix: one line, exit 2, nothing written
+        print(f"Error: {err}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as err:
+        print(f"Error: {err}", file=sys.stderr)
+        return 1
+    print(f"output: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The output directory: resumable checkpoints (accelerate save_state + our progress.json), the
+checks that decide whether a run may start or resume there, and keep-last-K pruning.
+
+A checkpoint counts only once its progress.json exists: it is written last, so a run killed
+while saving leaves a folder that resume ignores.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from mha2gqa.errors import InputError
+from mha2gqa.uptrain.recipe import RESUME_FREE_KEYS, Recipe
+
+CHECKPOINTS = "checkpoints"
+PROGRESS = "progress.json"
+# Keys whose change would change the data order or the parameter set: a resume with them changed
+# could not continue the same run. Other changes (optim.lr after a divergence, say) are reported.
+STRICT_KEYS = ("model", "init_from_config", "tokenizer", "seed", "seq_len", "micro_batch_size",
+               "grad_accum", "trainable", "data.", "budget.")
+# What a fresh run may delete in an existing output_dir when overwrite=true: only our own files.
+OWN_FILES = ("checkpoints", "metrics.jsonl", "trace", "tensorboard", "mha2gqa.json")
+
+
+def checkpoint_dir(out: Path, step: int) -> Path:
+    return out / CHECKPOINTS / f"step-{step:08d}"
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """Finished checkpoints, oldest first."""
+    root = out / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if (p / PROGRESS).is_file())
+
+
+def read_progress(ckpt: Path) -> dict:
+    return json.loads((ckpt / PROGRESS).read_text())
+
+
+def write_progress(ckpt: Path, progress: dict) -> None:
+    tmp = ckpt / (PROGRESS + ".tmp")
+    tmp.write_text(json.dumps(progress, indent=1))
+    tmp.replace(ckpt / PROGRESS)
+
+
+def prune(out: Path, keep_last: int) -> None:
+    for old in complete_checkpoints(out)[:-keep_last]:
+        shutil.rmtree(old)
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def check_start(out: Path, recipe: Recipe, resume: bool, world_size: int) -> tuple[Path | None, list[str]]:
+    """Decide, before anything is written, where the run starts. Returns (checkpoint to resume from or
+    None, notes on changed keys the user should know about). Raises InputError when it may not start."""
+    if not resume:
+        busy = out.is_dir() and any(out.iterdir())
+        if busy and not recipe.overwrite:
+            raise InputError(
+                f"output_dir {out} is not empty: pass --resume to continue its run, overwrite=true to start "
+                "over in it, or choose another output_dir"
+            )
+        return None, []
+    found = complete_checkpoints(out)
+    if not found:
+        raise InputError(f"--resume: no finished checkpoint under {out / CHECKPOINTS}; run without --resume")
+    progress = read_progress(found[-1])
+    if progress["world_size"] != world_size:
+        raise InputError(
+            f"--resume: {found[-1]} was written by {progress['world_size']} processes, this run has {world_size}: "
+            "launch with the same number (the data order depends on it)"
+        )
+    old, new = flat(progress["recipe"]), flat(recipe.to_dict())
+    changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in RESUME_FREE_KEYS]
+    strict = [k for k in changed if k.startswith(STRICT_KEYS)]
+    if strict:
+        listed = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in strict)
+        raise InputError(f"--resume: the recipe changed keys that fix the run's data and parameters ({listed}): "
+                         "restore them, or start a new output_dir")
+    return found[-1], [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed]
+
+
+def clear_own_files(out: Path) -> None:
+    """For overwrite=true: remove what an earlier run wrote, leaving anything else alone."""
+    for name in OWN_FILES:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    for weights in out.glob("model*.safetensors*"):
+        weights.unlink()
+
+
+def truncate_jsonl(path: Path, keep) -> None:
+    """Drop records a resumed run will write again (those past its checkpoint)."""
+    if path.is_file():
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip() and keep(json.loads(ln))]
+        path.write_text("".join(ln + "\n" for ln in lines))

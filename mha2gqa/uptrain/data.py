@@ -1,0 +1,85 @@
+"""Text -> tokens -> packed seq_len blocks, with EOS between documents and no padding.
+
+Documents come through `datasets` (local text/json/parquet or a hub dataset); batches.py turns the
+blocks into per-rank training batches and data_setup.py puts the pieces together for a recipe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from mha2gqa.errors import InputError
+from mha2gqa.uptrain.datafiles import DataSource
+from mha2gqa.uptrain.recipe import DataConfig
+
+
+def documents(source: DataSource, cfg: DataConfig, streaming: bool):
+    """A datasets Dataset (or IterableDataset when streaming) of documents with a text column."""
+    import datasets
+
+    if source.hub is not None:
+        try:
+            ds = datasets.load_dataset(source.hub, cfg.name, split=cfg.split, streaming=streaming)
+        except Exception as err:  # missing dataset, offline, bad config name: all the user's to fix
+            raise InputError(f"data: could not load hub dataset {source.hub} ({type(err).__name__}: {err})") from err
+    else:
+        kwargs = {"sample_by": cfg.sample_by} if source.builder == "text" else {}
+        ds = datasets.load_dataset(source.builder, data_files=list(source.files), split="train",
+                                   streaming=streaming, **kwargs)
+    columns = ds.column_names
+    if columns is not None and cfg.text_field not in columns:
+        raise InputError(f"data.text_field={cfg.text_field!r} is not a column of the data (columns: {', '.join(columns)})")
+    return ds
+
+
+def texts(ds, field: str) -> Iterator[str]:
+    for row in ds:
+        yield row[field]
+
+
+def token_docs(texts: Iterable[str], tokenizer, batch: int = 64) -> Iterator[list[int]]:
+    """Token ids per document, without BOS/EOS (packing adds the separators)."""
+    it = iter(texts)
+    while chunk := list(itertools.islice(it, batch)):
+        yield from tokenizer(chunk, add_special_tokens=False)["input_ids"]
+
+
+def pack(docs: Iterable[list[int]], eos_id: int, seq_len: int) -> Iterator[np.ndarray]:
+    """Concatenate documents with EOS after each and cut into full blocks; yields (n, seq_len) arrays.
+    The tail that does not fill a block is dropped (at most seq_len - 1 tokens per stream)."""
+    rest = np.zeros(0, dtype=np.int32)
+    for ids in docs:
+        stream = np.concatenate([rest, np.asarray(ids, dtype=np.int32), np.array([eos_id], dtype=np.int32)])
+        n = len(stream) // seq_len
+        if n:
+            yield stream[: n * seq_len].reshape(n, seq_len)
+        rest = stream[n * seq_len:]
+
+
+def pack_all(docs: Iterable[list[int]], eos_id: int, seq_len: int, limit: int | None = None) -> torch.Tensor:
+    """Every block of `docs` as one (n_blocks, seq_len) int32 tensor (at most `limit` blocks)."""
+    chunks, count = [], 0
+    for chunk in pack(docs, eos_id, seq_len):
+        chunks.append(chunk)
+        count += len(chunk)
+        if limit is not None and count >= limit:
+            break
+    if not chunks:
+        return torch.zeros(0, seq_len, dtype=torch.int32)
+    return torch.from_numpy(np.concatenate(chunks)[:limit])
+
+
+def block_hash(block: torch.Tensor) -> str:
+    """Short content hash of one block (for the data-order audit trace)."""
+    return hashlib.blake2b(block.to(torch.int32).numpy().tobytes(), digest_size=8).hexdigest()
+
+
+def rank_slice(blocks: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Every world_size-th block from `rank`, the same count on each rank (collective forwards need it)."""
+    usable = len(blocks) // world_size * world_size
+    return blocks[rank:usable:world_size]

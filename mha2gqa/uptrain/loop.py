@@ -1,0 +1,129 @@
+"""The uptraining run, read top to bottom like accelerate's nlp_example: set up (everything that can
+fail on bad input happens before the first file is written), train (steps.py), save the result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mha2gqa.errors import InputError
+from mha2gqa.uptrain import checkpoints
+from mha2gqa.uptrain.data_setup import build_data
+from mha2gqa.uptrain.final import save_final, write_provenance
+from mha2gqa.uptrain.metrics import Metrics, Trace
+from mha2gqa.uptrain.models import (check_vocab, load_student, load_teacher, load_tokenizer, make_optimizer,
+                                    select_trainable)
+from mha2gqa.uptrain.recipe import Recipe
+from mha2gqa.uptrain.schedule import tokens_per_step, total_steps
+from mha2gqa.uptrain.steps import Run, TrainingDiverged, run_steps
+
+__all__ = ["TrainingDiverged", "train"]
+
+
+def train(recipe: Recipe, resume: bool = False) -> Path:
+    """Train as the recipe says; returns output_dir, which holds the final HF checkpoint once the
+    budget is spent (a run stopped by exit_after_steps leaves only a resumable checkpoint there).
+
+    Works in a plain process (one rank) and under `accelerate launch` (every rank calls it).
+    Raises InputError for bad input (nothing written) and TrainingDiverged on a NaN/inf loss."""
+    out = Path(recipe.output_dir).expanduser()
+    accelerator = _make_accelerator(recipe, out)
+    try:
+        return _train(recipe, resume, out, accelerator)
+    finally:
+        _release(accelerator)
+
+
+def _make_accelerator(recipe: Recipe, out: Path):
+    from accelerate import Accelerator
+    from accelerate.utils import is_tensorboard_available
+
+    log_with = "tensorboard" if recipe.tensorboard and is_tensorboard_available() else None
+    try:
+        return Accelerator(gradient_accumulation_steps=recipe.grad_accum, mixed_precision=recipe.mixed_precision,
+                           log_with=log_with, project_dir=str(out))
+    except ValueError as err:  # e.g. fp16 without a GPU
+        raise InputError(f"mixed_precision={recipe.mixed_precision} is not usable here ({err}): use no or bf16") from err
+
+
+def _release(accelerator) -> None:
+    """End trackers and the process group, and forget accelerate's process-wide state, so that one
+    Python process can call train() again (the demo pretrains, converts, then uptrains)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    accelerator.end_training()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
+    from accelerate.utils import set_seed
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    total = total_steps(recipe, world)
+    start_ckpt, changed = checkpoints.check_start(out, recipe, resume, world)
+    set_seed(recipe.seed)
+    tokenizer = load_tokenizer(recipe.tokenizer_source)
+    student = load_student(recipe)
+    data = build_data(recipe, tokenizer, rank, world, show_progress=accelerator.is_local_main_process)
+    check_vocab(student.model, data.eval)
+    trainable = select_trainable(student.model, recipe.trainable)
+    teacher = load_teacher(recipe, accelerator.device) if recipe.distill.teacher else None
+    if teacher is not None:
+        check_vocab(teacher, data.eval, "teacher")
+    if recipe.gradient_checkpointing:
+        student.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = make_optimizer(student.model, recipe.optim, accelerator.device.type)
+    model, optimizer = accelerator.prepare(student.model, optimizer)
+
+    # Nothing was written before this point: every input error above left output_dir untouched.
+    if accelerator.is_main_process:
+        if recipe.overwrite and not resume:
+            checkpoints.clear_own_files(out)
+        out.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    start = 0
+    if start_ckpt is not None:
+        accelerator.load_state(str(start_ckpt))
+        start = checkpoints.read_progress(start_ckpt)["step"]
+        accelerator.print(f"resuming from {start_ckpt} (step {start} of {total})")
+        for note in changed:
+            accelerator.print(f"note: recipe key changed since the checkpoint: {note}")
+    if accelerator.log_with:
+        accelerator.init_trackers("tensorboard", config=_scalar_config(recipe))
+
+    metrics = Metrics(out, accelerator, start if start_ckpt else -1, total, bool(accelerator.log_with))
+    trace = Trace(out, rank, start * recipe.grad_accum) if recipe.trace_samples else None
+    run = Run(recipe, accelerator, model, optimizer, teacher, data, out, total, metrics, trace)
+    try:
+        final_evals = run_steps(run, start)
+    finally:
+        metrics.close()
+    if final_evals is None:
+        accelerator.print(f"stopped after exit_after_steps={recipe.exit_after_steps}: continue with --resume")
+        return out
+    if trace is not None:
+        trace.finish(accelerator.unwrap_model(model))
+    save_final(accelerator, model, tokenizer, out, student.saved_dtype)
+    if accelerator.is_main_process:
+        write_provenance(out, student.source_dir, {
+            "recipe": recipe.to_dict(),
+            "source": {"model": recipe.model, "model_dir": str(student.source_dir) if student.source_dir else None,
+                       "init_from_config": recipe.init_from_config, "tokenizer": recipe.tokenizer_source,
+                       "teacher": recipe.distill.teacher},
+            "steps": total,
+            "tokens_seen": total * tokens_per_step(recipe, world),
+            "tokens_per_step": tokens_per_step(recipe, world),
+            "world_size": world,
+            "trainable_params": trainable,
+            "saved_dtype": str(student.saved_dtype).replace("torch.", ""),
+            "resumed_from_step": start if start_ckpt else None,
+            **{f"final_{k}": v for k, v in final_evals.items()},
+        })
+    accelerator.wait_for_everyone()
+    return out
+
+
+def _scalar_config(recipe: Recipe) -> dict:
+    """Tensorboard hparams take scalars only."""
+    flat = checkpoints.flat(recipe.to_dict())
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat.items()}

@@ -1,0 +1,113 @@
+"""Loading what a recipe trains: tokenizer, student (pretrained or from a config), teacher; choosing
+the trainable parameters; building AdamW."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mha2gqa.errors import InputError
+from mha2gqa.layouts import layout_for, read_config
+from mha2gqa.sources import hub_offline, resolve_model_dir
+from mha2gqa.uptrain.recipe import Recipe
+
+
+@dataclass
+class Student:
+    model: torch.nn.Module
+    source_dir: Path | None
+    """The pretrained model's directory (None when initialised from a config)."""
+    saved_dtype: torch.dtype
+    """The dtype the source checkpoint was stored in: the final checkpoint is written in it too."""
+
+
+def load_tokenizer(source: str):
+    from transformers import AutoTokenizer
+
+    if not Path(source).expanduser().is_dir() and hub_offline():
+        raise InputError(f"tokenizer {source} is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)")
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise InputError(f"tokenizer {source} could not be loaded ({err}): set tokenizer=<dir with tokenizer files>") from err
+
+
+def load_student(recipe: Recipe) -> Student:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # Master weights are fp32 whatever the checkpoint holds; autocast provides bf16/fp16 compute.
+    kwargs = dict(dtype=torch.float32, attn_implementation=recipe.attn_implementation)
+    if recipe.model is not None:
+        source = resolve_model_dir(recipe.model)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        stored = read_config(source).get("dtype") or read_config(source).get("torch_dtype") or "float32"
+        return Student(model, source, getattr(torch, str(stored).replace("torch.", "")))
+    try:
+        config = AutoConfig.from_pretrained(recipe.init_from_config)
+    except (OSError, ValueError) as err:
+        raise InputError(f"init_from_config={recipe.init_from_config} is not a usable model config ({err})") from err
+    torch.manual_seed(recipe.seed)  # the initial weights are part of what the seed reproduces
+    return Student(AutoModelForCausalLM.from_config(config, **kwargs), None, torch.float32)
+
+
+def load_teacher(recipe: Recipe, device: torch.device) -> torch.nn.Module:
+    """The frozen MHA parent, in the autocast dtype to halve its memory under bf16/fp16."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.mixed_precision, torch.float32)
+    source = resolve_model_dir(recipe.distill.teacher)
+    teacher = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=recipe.attn_implementation)
+    return teacher.to(device).eval().requires_grad_(False)
+
+
+def check_vocab(model: torch.nn.Module, blocks: torch.Tensor, what: str = "model") -> None:
+    vocab = model.config.vocab_size
+    if len(blocks) and int(blocks.max()) >= vocab:
+        raise InputError(
+            f"the tokenizer produces id {int(blocks.max())} but the {what} has vocab_size={vocab}: "
+            "use the model's own tokenizer (tokenizer=...)"
+        )
+
+
+def _patterns(config: dict, mode: str) -> list[re.Pattern]:
+    """Regexes over parameter names for the attention (or k/v only) tensors of every layer."""
+    layout = layout_for(config)
+    if mode == "kv" and layout.qkv:
+        raise InputError(f"trainable=kv: {config['model_type']} fuses q/k/v in one tensor; use trainable=attention")
+    names = [layout.k, layout.v, layout.k_norm_rows, layout.k_norm_per_head]
+    if mode == "attention":
+        names += [layout.q, layout.o, layout.qkv, *layout.shared_norms]
+    prefix = re.escape(layout.layer_prefix).replace(re.escape("{layer}"), r"\d+")
+    out = []
+    for name in filter(None, names):
+        body = re.escape(name).replace(re.escape("{head}"), r"\d+")
+        out.append(re.compile(rf"^{prefix}{body}\."))
+    return out
+
+
+def select_trainable(model: torch.nn.Module, mode: str) -> int:
+    """Freeze everything outside `mode`; returns the number of trainable parameters."""
+    if mode != "all":
+        patterns = _patterns(model.config.to_dict(), mode)
+        for name, param in model.named_parameters():
+            param.requires_grad_(any(p.match(name) for p in patterns))
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if count == 0:
+        raise InputError(f"trainable={mode} matches no parameter of this {model.config.model_type} model")
+    return count
+
+
+def make_optimizer(model: torch.nn.Module, optim, device_type: str) -> torch.optim.Optimizer:
+    """AdamW, fused where the device has it; no weight decay on vectors (norms, biases)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    # The fused kernel is several times faster on CPU too (one pass over all tensors).
+    fused = device_type in ("cuda", "cpu")
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=fused)
