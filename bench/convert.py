@@ -1,0 +1,147 @@
+"""Benchmark: `mha2gqa convert --groups 8` vs `cp -r` vs the naive transformers path, side by side.
+
+    python bench/convert.py                 # 2 GB and 4 GB synthetic Llama-shaped bf16 checkpoints
+    python bench/convert.py --sizes 4 --repeats 5
+    python bench/convert.py --cold           # drop the page cache before every job (root only)
+
+Each size: a sharded bf16 checkpoint (hidden 4096, 32 heads, 32 kv heads, LAYERS layers) is written
+under --workdir; each job runs as its own process (median of --repeats, after one warm-up that puts
+the source in the page cache for all three alike). Prints a table with wall time, peak RSS, peak
+anonymous memory and the ratios to convert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _measure import measure  # noqa: E402
+
+HIDDEN, HEADS, INTERMEDIATE, VOCAB = 4096, 32, 11008, 32000
+LAYERS_FOR_GB = {2: 4, 4: 8}  # ~0.4 GB per layer + 0.5 GB embeddings, in bf16
+
+NAIVE = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+src, dst, groups = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+config = model.config
+r = config.num_key_value_heads // groups
+hd = config.hidden_size // config.num_attention_heads
+for layer in model.model.layers:
+    for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+        pooled = proj.weight.data.float().view(groups, r, hd, -1).mean(1).reshape(groups * hd, -1)
+        proj.weight = torch.nn.Parameter(pooled.to(torch.bfloat16))
+config.num_key_value_heads = groups
+model.save_pretrained(dst)
+"""
+
+
+def build_checkpoint(path: Path, layers: int) -> None:
+    """A Llama config and one ~0.4 GB shard per layer; values are cheap to make but touched on read.
+    Runs in its own process (see main): the measuring parent must stay small, because a child's peak
+    RSS as the kernel reports it starts from its parent's at fork time."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=HIDDEN, num_attention_heads=HEADS,
+                  num_key_value_heads=HEADS, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
+                  vocab_size=VOCAB, max_position_embeddings=4096, rms_norm_eps=1e-5, dtype="bfloat16",
+                  tie_word_embeddings=False)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    block = torch.randn(1 << 20).to(torch.bfloat16)
+
+    def tensor(*shape):
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        return block.repeat(numel // block.numel() + 1)[:numel].reshape(shape).clone()
+
+    shards = [{"model.embed_tokens.weight": tensor(VOCAB, HIDDEN), "lm_head.weight": tensor(VOCAB, HIDDEN),
+               "model.norm.weight": tensor(HIDDEN)}]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shards.append({
+            **{f"{p}self_attn.{n}.weight": tensor(HIDDEN, HIDDEN) for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+            f"{p}mlp.gate_proj.weight": tensor(INTERMEDIATE, HIDDEN), f"{p}mlp.up_proj.weight": tensor(INTERMEDIATE, HIDDEN),
+            f"{p}mlp.down_proj.weight": tensor(HIDDEN, INTERMEDIATE),
+            f"{p}input_layernorm.weight": tensor(HIDDEN), f"{p}post_attention_layernorm.weight": tensor(HIDDEN),
+        })
+    weight_map, total = {}, 0
+    for n, shard in enumerate(shards):
+        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / name, metadata={"format": "pt"})
+        for key, value in shard.items():
+            weight_map[key] = name
+            total += value.numel() * 2
+        del shard
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def jobs(src: Path, out: Path) -> dict[str, list[str]]:
+    return {
+        "mha2gqa convert": [sys.executable, "-m", "mha2gqa", "convert", str(src), str(out), "--groups", "8", "-q"],
+        "cp -r": ["cp", "-r", str(src), str(out)],
+        "naive (from_pretrained+save_pretrained)": [sys.executable, "-c", NAIVE, str(src), str(out), "8"],
+    }
+
+
+def drop_page_cache() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def run_size(workdir: Path, gigabytes: int, repeats: int, cold: bool) -> dict[str, dict]:
+    src, out = workdir / f"llama-{gigabytes}gb", workdir / "out"
+    if not src.exists():
+        subprocess.run([sys.executable, __file__, "--build", str(src), str(LAYERS_FOR_GB[gigabytes])], check=True)
+    results: dict[str, list[dict]] = {}
+    for attempt in range(repeats + 1):  # interleaved, so background load hits all jobs alike
+        for name, command in jobs(src, out).items():
+            shutil.rmtree(out, ignore_errors=True)
+            if cold:
+                drop_page_cache()
+            measured = measure(command)
+            if attempt:  # the first round is a warm-up
+                results.setdefault(name, []).append(measured)
+    shutil.rmtree(out, ignore_errors=True)
+    size = sum(p.stat().st_size for p in src.iterdir())
+    return {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} | {"bytes": size}
+            for name, runs in results.items()}
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--build"]:
+        build_checkpoint(Path(sys.argv[2]), int(sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4], choices=sorted(LAYERS_FOR_GB))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", type=Path, default=Path(".bench"))
+    parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
+    parser.add_argument("--cold", action="store_true", help="drop the page cache before every job (needs root)")
+    args = parser.parse_args()
+    print(f"page cache: {'dropped before every job' if args.cold else 'warm'}; median of {args.repeats}")
+    print("| checkpoint | job | wall s | x convert | peak RSS MiB | peak anon MiB | anon x convert |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for gigabytes in args.sizes:
+        results = run_size(args.workdir, gigabytes, args.repeats, args.cold)
+        base = results["mha2gqa convert"]
+        for name, r in results.items():
+            print(f"| {r['bytes'] / 1e9:.2f} GB | {name} | {r['wall_s']:.2f} | {r['wall_s'] / base['wall_s']:.2f} "
+                  f"| {r['peak_rss_mib']:.0f} | {r['peak_anon_mib']:.0f} | {r['peak_anon_mib'] / base['peak_anon_mib']:.1f} |",
+                  flush=True)
+        if not args.keep:
+            shutil.rmtree(args.workdir / f"llama-{gigabytes}gb")
+
+
+if __name__ == "__main__":
+    main()
