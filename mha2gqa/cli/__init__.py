@@ -43,5 +43,9 @@ def _register():
     for command in (eval_cmd.eval_command, eval_cmd.report_command):
         main.add_command(command)
 
+    from mha2gqa.cli import uptrain_cmd  # mha2gqa uptrain
+
+    main.add_command(uptrain_cmd.uptrain)
+
 
 _register()

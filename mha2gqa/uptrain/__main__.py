@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", required=True, help="YAML recipe (schema: mha2gqa/uptrain/recipe.py)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe keys, dotted for sections")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value may come before or after flags
 
     from mha2gqa.errors import InputError
     from mha2gqa.uptrain import load_recipe, train

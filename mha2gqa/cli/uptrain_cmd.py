@@ -1,0 +1,47 @@
+"""`mha2gqa uptrain --recipe R [key=value ...]`: the same code as `accelerate launch -m mha2gqa.uptrain`."""
+
+from __future__ import annotations
+
+import click
+
+
+def _print_keys(ctx, _param, value):
+    if not value or ctx.resilient_parsing:
+        return
+    from mha2gqa.uptrain.recipe_doc import describe
+
+    for key, default, doc in describe():
+        click.echo(f"{key} (default {default})\n    {doc}")
+    ctx.exit()
+
+
+@click.command("uptrain", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--recipe", required=True, type=click.Path(dir_okay=False),
+              help="YAML recipe; the shipped ones are in recipes/ and each starts with the command that runs it.")
+@click.option("--resume", is_flag=True,
+              help="Continue the run in the recipe's output_dir from its last checkpoint: same data order, step, "
+                   "learning rate, optimizer and RNG state.")
+@click.option("--keys", is_flag=True, expose_value=False, is_eager=True, callback=_print_keys,
+              help="List every recipe key with its default and meaning, then exit.")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+def uptrain(recipe, resume, overrides):
+    """Uptrain (continue pre-training) a model as the YAML RECIPE says, in this process.
+
+    KEY=VALUE pairs after the options override recipe keys, dotted for sections:
+    `optim.lr=1e-4 budget.max_steps=200 data.train=corpus.jsonl`. Unknown keys and bad values are
+    reported together. Writes output_dir/: resumable checkpoints (checkpoints/step-N, the last
+    keep_last kept), metrics.jsonl, and at the end a plain HF checkpoint (safetensors, config,
+    tokenizer) with mha2gqa.json provenance.
+
+    For several GPUs (DDP, FSDP, DeepSpeed) run the same recipe with
+    `accelerate launch --config_file recipes/accelerate/<fsdp|ddp|zero3>.yaml -m mha2gqa.uptrain --recipe R`.
+    """
+    from mha2gqa.uptrain import load_recipe, train
+    from mha2gqa.uptrain.steps import TrainingDiverged
+
+    loaded = load_recipe(recipe, list(overrides))
+    try:
+        out = train(loaded, resume=resume)
+    except TrainingDiverged as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"output: {out}")
