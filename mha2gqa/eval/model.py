@@ -36,12 +36,20 @@ def pick_dtype(dtype: str) -> torch.dtype | str:
     return DTYPES[dtype]
 
 
-def load_model(model_dir: Path, dtype, device: torch.device, attn_implementation: str | None = None):
+def load_model(model_dir: Path, dtype, device: torch.device, progress: bool = True):
     """A causal LM in eval mode on `device`. Never runs code shipped with the checkpoint."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=False, **kwargs)
+    # --quiet also silences transformers' own "Loading weights" bar, then restores the user's setting.
+    was_disabled = hf_logging.is_progress_bar_enabled() is False
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=False)
+    finally:
+        if not progress and not was_disabled:
+            hf_logging.enable_progress_bar()
     return model.to(device).eval()
 
 

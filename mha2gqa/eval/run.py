@@ -51,7 +51,7 @@ def evaluate(model_path, data=None, reference=None, *, tokenizer=None, data_conf
     model_dir = resolve_model_dir(model_path)
     prov = provenance.read_provenance(model_dir)
     role = provenance.infer_role(prov, role)
-    model = M.load_model(model_dir, torch_dtype, dev)
+    model = M.load_model(model_dir, torch_dtype, dev, progress)
     tok = M.load_tokenizer(model_dir, tokenizer)
     M.check_vocab(tok, model.config, "the model")
     shape = M.shape_of(model.config)
@@ -64,7 +64,7 @@ def evaluate(model_path, data=None, reference=None, *, tokenizer=None, data_conf
     if grid:
         speed.check_grid_fits(grid, max_pos)
     ref_dir = resolve_model_dir(reference) if reference else None
-    ref_model = M.load_model(ref_dir, torch_dtype, dev) if ref_dir else None
+    ref_model = M.load_model(ref_dir, torch_dtype, dev, progress) if ref_dir else None
     text = load_eval_text(data, tok, config=data_config, split=data_split, column=data_column,
                           max_tokens=max_tokens) if data else None
 

@@ -1,0 +1,124 @@
+"""`evaluate` and `mha2gqa eval` end to end on tiny models: result contents, roles, files, errors."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from mha2gqa.cli import main
+from mha2gqa.errors import InputError
+from mha2gqa.eval import evaluate, write_report
+from mha2gqa.eval.schema import SCHEMA, load_result
+from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+
+QUICK = dict(context=32, stride=16, speed_preset="off", progress=False)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    tok = make_tiny_tokenizer()
+    dirs = {}
+    for name, kv, provenance in (("parent", 8, None), ("gqa", 2, {"conversion": {"groups": 2}}),
+                                 ("gqa-up", 2, {"conversion": {"groups": 2}, "uptrain": {"steps": 1}})):
+        dirs[name] = root / name
+        save_tiny_model(dirs[name], "llama", num_key_value_heads=kv, seed=len(name))
+        tok.save_pretrained(dirs[name])
+        if provenance:
+            (dirs[name] / "mha2gqa.json").write_text(json.dumps(provenance))
+    (root / "text.txt").write_text(SAMPLE_TEXT * 2)
+    dirs["text"] = root / "text.txt"
+    return dirs
+
+
+def test_evaluate_with_reference_writes_a_complete_result(models, tmp_path):
+    out = tmp_path / "gqa.json"
+    r = evaluate(models["gqa"], models["text"], reference=models["parent"], out=out,
+                 attention_text="It is a truth", **QUICK)
+    assert load_result(out) == json.loads(json.dumps(r))  # what was returned is what was written
+    assert (r["schema"], r["label"], r["role"]) == (SCHEMA, "gqa", "converted")
+    assert r["model"]["kv_heads"] == 2 and r["model"]["heads"] == 8 and r["model"]["provenance"] == {"conversion": {"groups": 2}}
+    assert r["model"]["params"] > 0 and r["model"]["dtype"] == "float32"
+    assert r["data"]["tokens"] > 100 and len(r["data"]["ids_sha256"]) == 64
+    assert r["perplexity"]["tokens_scored"] == r["data"]["tokens"] - 1
+    assert r["agreement"]["tokens"] == r["perplexity"]["tokens_scored"]
+    assert 0.0 < r["agreement"]["kl_mean"] and 0.0 <= r["agreement"]["top1_agreement"] <= 1.0
+    assert r["kv_cache"]["match"] and r["kv_cache"]["measured_bytes_per_token"] == 2 * 2 * 2 * 8 * 4
+    assert r["speed"] is None and r["warnings"] == []
+    assert r["attention_maps"]["png"] == str(tmp_path / "gqa.attention.png")
+    assert (tmp_path / "gqa.attention.png").read_bytes()[:4] == b"\x89PNG"
+    assert r["env"]["versions"]["torch"] and r["env"]["seed"] == 0
+
+
+@pytest.mark.parametrize("name,role_flag,role", [("parent", None, "parent"), ("gqa-up", None, "uptrained"),
+                                                 ("gqa-up", "converted", "converted")])
+def test_role_comes_from_the_flag_or_the_provenance_file(models, name, role_flag, role):
+    r = evaluate(models[name], role=role_flag, label="x", **QUICK)
+    assert (r["role"], r["label"], r["perplexity"]) == (role, "x", None)
+
+
+def test_provenance_without_conversion_or_uptrain_needs_role(models, tmp_path):
+    model = tmp_path / "odd"
+    save_tiny_model(model, "llama")
+    make_tiny_tokenizer(model)
+    (model / "mha2gqa.json").write_text('{"something": 1}')
+    with pytest.raises(InputError, match="pass --role"):
+        evaluate(model, **QUICK)
+    assert evaluate(model, role="parent", **QUICK)["role"] == "parent"
+
+
+def test_decode_speed_grid(models):
+    r = evaluate(models["gqa"], speed_preset="cpu", speed_batches=(1, 3), speed_contexts=(8,), new_tokens=2,
+                 repeats=2, progress=False)
+    points = r["speed"]["points"]
+    assert [(p["batch"], p["context"], p["new_tokens"]) for p in points] == [(1, 8, 2), (3, 8, 2)]
+    for p in points:
+        assert len(p["decode_s"]) == 2 and p["tokens_per_s"] == pytest.approx(p["batch"] * 2 / p["decode_s_median"])
+        assert p["peak_memory_bytes"] > 10 * 2**20 and p["peak_memory_kind"] == "cpu_rss"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--stride", "64", "--context", "32"], "--stride 64 must be between 1 and --context 32"),
+    (["--context", "512"], "--context 512 exceeds the model's max_position_embeddings=256"),
+    (["--speed-contexts", "250"], "exceeds the model's max_position_embeddings=256"),
+    (["--data", "no/such/dir/"], "not a local file or folder, and the hub is offline"),
+    (["--attention-maps", "hello"], "--attention-maps needs --out or --attention-png"),
+    (["--reference", "PARENT"], "--reference needs --data"),
+    pytest.param(["--lm-eval-tasks", "hellaswag"], "pip install 'mha2gqa[lmeval]'", marks=pytest.mark.skipif(
+        importlib.util.find_spec("lm_eval") is not None, reason="checks the message shown when lm_eval is missing")),
+])
+def test_cli_bad_input_is_one_line_exit_2_and_writes_nothing(models, tmp_path, args, message):
+    out = tmp_path / "r.json"
+    args = [a.replace("PARENT", str(models["parent"])) for a in args]
+    if "--attention-maps" not in args:
+        args += ["--out", str(out)]
+    result = CliRunner().invoke(main, ["eval", str(models["gqa"]), "-q", *args])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and message in errors[0]
+    assert not out.exists()
+
+
+def test_cli_as_a_subprocess_then_report_on_three_real_results(models, tmp_path):
+    paths = []
+    for name in ("parent", "gqa", "gqa-up"):
+        paths.append(tmp_path / f"{name}.json")
+        cmd = [sys.executable, "-c", "from mha2gqa.cli import main; main()", "eval", str(models[name]),
+               "--data", str(models["text"]), "--context", "32", "--speed", "off", "-q", "--out", str(paths[-1])]
+        if name != "parent":
+            cmd += ["--reference", str(models["parent"])]
+        if name == "gqa":  # the subprocess run; the others in-process keep the test quick
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr
+            assert "KV cache 256 B/token measured, 256 B by formula: match" in done.stdout
+        else:
+            assert CliRunner().invoke(main, cmd[3:]).exit_code == 0
+    written = write_report(paths, tmp_path / "report")
+    rows = json.loads(written["json"].read_text())["rows"]
+    ppl = [load_result(p)["perplexity"]["perplexity"] for p in paths]
+    assert [r["role"] for r in rows] == ["parent", "converted", "uptrained"]
+    assert rows[2]["recovery"] == pytest.approx((ppl[1] - ppl[2]) / (ppl[1] - ppl[0]))
+    assert rows[1]["kv_saving"] == 4.0
