@@ -84,6 +84,8 @@ def test_decode_speed_grid(models):
     (["--stride", "64", "--context", "32"], "--stride 64 must be between 1 and --context 32"),
     (["--context", "512"], "--context 512 exceeds the model's max_position_embeddings=256"),
     (["--speed-contexts", "250"], "exceeds the model's max_position_embeddings=256"),
+    (["--speed-batches", "1,0"], "--speed-batches 1,0: every value must be a positive integer"),
+    (["--speed-batches", "1,x"], "'1,x' is not a comma-separated list of integers"),
     (["--data", "no/such/dir/"], "not a local file or folder, and the hub is offline"),
     (["--attention-maps", "hello"], "--attention-maps needs --out or --attention-png"),
     (["--reference", "PARENT"], "--reference needs --data"),
