@@ -26,7 +26,21 @@ def _method_help() -> str:
 @click.option("--force", is_flag=True, help="Replace DST if it exists and is not empty (SRC is never touched).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (every output tensor and what it is made of) and write nothing.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_run, quiet):
+@click.option("--calibration", default=None, metavar="DATA",
+              help="Calibration text for --method calibrated, --grouping similarity and the per-layer "
+                   "reconstruction errors: a .txt/.txt.gz/.md/.jsonl file, a directory of them, 'austen' (the "
+                   "embedded novels) or a hub dataset with a 'text' column (online). Tokenized with SRC's tokenizer.")
+@click.option("--calibration-tokens", default=131072, show_default=True,
+              help="How many calibration tokens to run through SRC (once) to gather statistics.")
+@click.option("--calibration-memory", default="4GiB", show_default=True,
+              help="Most memory for the statistics ((hidden+1)^2 float64 per layer); beyond it the tokens go "
+                   "through SRC once per slice of layers.")
+@click.option("--grouping", type=click.Choice(["contiguous", "similarity"]), default="contiguous", show_default=True,
+              help="Which kv heads share a group: contiguous (transformers' order) or similarity (chosen per layer "
+                   "from calibrated K/V similarity, then query heads and o_proj columns permuted to match; "
+                   "needs --calibration).")
+def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_run, quiet, calibration,
+            calibration_tokens, calibration_memory, grouping):
     """Convert the checkpoint SRC (a local directory with config.json and safetensors, or a hub id when
     online) into a grouped-query checkpoint DST with GROUPS kv heads.
 
@@ -39,13 +53,17 @@ def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_ru
     from mha2gqa.convert.run import convert as run_convert
 
     result = run_convert(src, dst, groups=groups, method=method, seed=seed, dtype=dtype,
-                         max_shard_size=max_shard_size, force=force, dry_run=dry_run, progress=not quiet)
+                         max_shard_size=max_shard_size, force=force, dry_run=dry_run, progress=not quiet,
+                         calibration=calibration, calibration_tokens=calibration_tokens,
+                         calibration_memory=calibration_memory, grouping=grouping)
     plan = result.plan
     if dry_run:
         from mha2gqa.checkpoint import SafetensorsCheckpoint
 
         for line in plan.describe(SafetensorsCheckpoint(result.source).tensors):
             click.echo(line)
+    if result.layers:
+        click.echo(layer_table(result.layers))
     saving = plan.shape.kv_heads / plan.groups
     verb = "would write" if dry_run else "wrote"
     click.echo(
@@ -53,6 +71,14 @@ def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_ru
         f"(from {human_bytes(plan.bytes_in)}); kv heads {plan.shape.kv_heads} -> {plan.groups} by {plan.method}, "
         f"KV cache {saving:g}x smaller"
     )
+
+
+def layer_table(layers: list[dict]) -> str:
+    """Per-layer relative reconstruction errors of keys and values (and the kv order when regrouped)."""
+    headers = ["layer", "key error", "value error"] + (["kv order"] if "kv_order" in layers[0] else [])
+    rows = [[str(row["layer"]), f"{row.get('key_error', float('nan')):.4f}", f"{row.get('value_error', float('nan')):.4f}"]
+            + ([" ".join(map(str, row["kv_order"]))] if "kv_order" in row else []) for row in layers]
+    return table(headers, rows)
 
 
 @click.command()

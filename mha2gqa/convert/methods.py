@@ -11,7 +11,8 @@ from typing import Callable
 
 import torch
 
-from mha2gqa.convert.roles import KV_ROLES
+from mha2gqa.convert.calibrated import calibrated_layer
+from mha2gqa.convert.roles import KINDS, KV_ROLES
 from mha2gqa.layouts import AttentionShape
 
 
@@ -74,6 +75,24 @@ def random_layer(roles: dict, ctx: LayerContext) -> dict:
     return _reduce_kv(roles, ctx, reduce)
 
 
+def mean_norm_layer(roles: dict, ctx: LayerContext) -> dict:
+    """Mean-pooling, then each pooled K/V head rescaled to its group's mean norm (weight and bias
+    together). Averaging r dissimilar heads shrinks the result, which flattens attention (keys) and
+    damps the output (values); the rescale undoes that shrinkage without calibration data."""
+    out = mean_layer(roles, ctx)
+    n, groups = ctx.shape.kv_heads, ctx.groups
+    for part in ("k", "v"):
+        names = [f"{part}.{kind}" for kind in KINDS if f"{part}.{kind}" in roles]
+
+        def norms(tensors: dict, heads: int) -> torch.Tensor:  # (heads,) joint norm of weight and bias
+            return sum(tensors[name].float().reshape(heads, -1).pow(2).sum(1) for name in names).sqrt()
+
+        scale = norms(roles, n).reshape(groups, -1).mean(1) / norms(out, groups).clamp_min(1e-12)  # (G,)
+        for name in names:
+            out[name] = (out[name].float().reshape(groups, -1) * scale[:, None]).reshape(out[name].shape).to(out[name].dtype)
+    return out
+
+
 @dataclass(frozen=True)
 class Method:
     convert_layer: Callable[[dict, LayerContext], dict]
@@ -87,4 +106,7 @@ METHODS: dict[str, Method] = {
     "mean": Method(mean_layer, "mean-pool each group's K/V heads (Ainslie et al. 2023)"),
     "first": Method(first_layer, "keep the first K/V head of each group (ablation)"),
     "random": Method(random_layer, "random K/V with the source's mean and std, seeded (ablation)"),
+    "mean-norm": Method(mean_norm_layer, "mean-pool, each pooled K/V head rescaled to its group's mean norm"),
+    "calibrated": Method(calibrated_layer, "RoPE-aware merge from calibration statistics, maps folded into "
+                         "q_proj/o_proj (needs --calibration)", rewrites_query_output=True, needs_calibration=True),
 }

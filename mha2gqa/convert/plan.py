@@ -61,12 +61,14 @@ def _line(out: OutputTensor, how: str) -> str:
 
 
 def make_plan(tensors: dict[str, TensorInfo], layout: Layout, shape: AttentionShape, groups: int,
-              method: str, out_dtype: torch.dtype | None = None) -> Plan:
+              method: str, out_dtype: torch.dtype | None = None, route_query_output: bool = False) -> Plan:
+    """route_query_output: q/o pass through the layer step even if the method leaves them (a head
+    permutation rewrites them)."""
     available = set(tensors)
     layer_steps: dict[str, Step] = {}  # every source name of a layer step -> that step
     for layer in range(shape.layers):
         stored = layer_names(layout, layer, shape.kv_heads, available)
-        if not METHODS[method].rewrites_query_output and not layout.qkv:
+        if not (METHODS[method].rewrites_query_output or route_query_output) and not layout.qkv:
             stored = {role: name for role, name in stored.items() if role.split(".")[0] not in ("q", "o")}
         step = _layer_step(layer, stored, tensors, shape, groups, out_dtype)
         for name in stored.values():

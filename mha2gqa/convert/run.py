@@ -6,7 +6,8 @@ import hashlib
 import json
 import re
 import shutil
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from tqdm.auto import tqdm
 
 from mha2gqa import __version__
 from mha2gqa.checkpoint import DTYPES, INDEX_NAME, SafetensorsCheckpoint, ShardedWriter, atomic_directory
+from mha2gqa.convert.calibration import DEFAULT_MEMORY, calibrate
+from mha2gqa.convert.layer_step import check_request, transform_layer
 from mha2gqa.convert.methods import METHODS, LayerContext
 from mha2gqa.convert.plan import Plan, make_plan
 from mha2gqa.convert.roles import pack, unpack
@@ -25,6 +28,7 @@ from mha2gqa.sources import PICKLE_SUFFIXES, resolve_model_dir
 PROVENANCE_NAME = "mha2gqa.json"
 OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _NOT_COPIED = {"config.json", INDEX_NAME, PROVENANCE_NAME}
+DEFAULT_CALIBRATION_TOKENS = 131072
 
 
 @dataclass
@@ -32,6 +36,8 @@ class ConversionResult:
     plan: Plan
     dst: Path | None  # None for a dry run
     source: Path
+    # Per layer (with calibration or grouping): key_error, value_error, kv_order.
+    layers: list[dict] = field(default_factory=list)
 
 
 def parse_size(text: str | int) -> int:
@@ -74,8 +80,12 @@ def _check_weights(src: Path) -> None:
 
 def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: str | None = None,
             max_shard_size: str | int = "5GB", force: bool = False, dry_run: bool = False,
-            progress: bool = True) -> ConversionResult:
-    """Convert the model at `src` (directory or hub id) to `groups` kv heads, written to `dst`."""
+            progress: bool = True, calibration: str | None = None,
+            calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, grouping: str = "contiguous",
+            calibration_memory: str | int = DEFAULT_MEMORY) -> ConversionResult:
+    """Convert the model at `src` (directory or hub id) to `groups` kv heads, written to `dst`.
+    With `calibration` (see calibration_data.iter_texts), per-layer statistics of the attention input
+    are gathered first (calibrated merge, similarity grouping, reconstruction errors)."""
     if method not in METHODS:
         raise InputError(f"--method {method!r} is unknown (valid: {', '.join(METHODS)})")
     if dtype is not None and dtype not in OUT_DTYPES:
@@ -85,25 +95,34 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
     config = read_config(source)
     layout, shape = layout_for(config), attention_shape(config)
     check_groups(shape, groups)
+    check_request(config, method, METHODS[method], calibration, grouping)
+    memory_bytes = parse_size(calibration_memory)
     dst = Path(dst).expanduser()
     _check_destination(source, dst, force)
     _check_weights(source)
     checkpoint = SafetensorsCheckpoint(source)
-    plan = make_plan(checkpoint.tensors, layout, shape, groups, method, OUT_DTYPES.get(dtype))
+    plan = make_plan(checkpoint.tensors, layout, shape, groups, method, OUT_DTYPES.get(dtype),
+                     route_query_output=grouping != "contiguous")
     if dry_run:
         return ConversionResult(plan, None, source)
-    with atomic_directory(dst) as tmp:
-        _write_tensors(checkpoint, plan, tmp, shard_bytes, seed, progress)
-        _copy_other_files(source, tmp)
-        _write_config(config, groups, dtype, tmp)
-        _write_provenance(source, config, plan, seed, dtype, tmp)
-    return ConversionResult(plan, dst, source)
+    with tempfile.TemporaryDirectory(prefix="mha2gqa-calibration-") as stats_dir:
+        stats = calibrate(source, layout, shape, calibration, calibration_tokens, Path(stats_dir), memory_bytes,
+                          progress) if calibration else None
+        with atomic_directory(dst) as tmp:
+            layers = _write_tensors(checkpoint, plan, tmp, shard_bytes, seed, progress, stats, grouping)
+            _copy_other_files(source, tmp)
+            _write_config(config, groups, dtype, tmp)
+            extra = {"grouping": grouping, "calibration": stats.record if stats else None, "layers": layers}
+            _write_provenance(source, config, plan, seed, dtype, tmp, extra)
+    return ConversionResult(plan, dst, source, layers)
 
 
-def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed: int, progress: bool) -> None:
+def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed: int, progress: bool,
+                   stats=None, grouping: str = "contiguous") -> list[dict]:
     writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes)
     method = METHODS[plan.method]
     bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    layers = []
     for step in plan.steps:
         if not step.is_transform:
             out, info = step.outputs[0], checkpoint.tensors[step.sources["tensor"]]
@@ -113,8 +132,10 @@ def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed
                 writer.write_tensor(out.name, checkpoint.load(info.name).to(DTYPES[out.dtype]))
         else:
             stored = {role: checkpoint.load(name) for role, name in step.sources.items()}
-            context = LayerContext(plan.shape, plan.groups, step.layer, seed)
-            roles = method.convert_layer(unpack(stored, plan.shape), context)
+            context = LayerContext(plan.shape, plan.groups, step.layer, seed, stats and stats.layer(step.layer))
+            roles, report = transform_layer(method, unpack(stored, plan.shape), context, grouping)
+            if report:
+                layers.append({"layer": step.layer, **report})
             packed = pack(roles, list(step.sources), plan.groups)
             names = {step.sources[role]: tensor for role, tensor in packed.items()}
             for out in step.outputs:
@@ -122,6 +143,7 @@ def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed
         bar.update(sum(out.nbytes for out in step.outputs))
     writer.close()
     bar.close()
+    return layers
 
 
 def _copy_other_files(source: Path, out_dir: Path) -> None:
@@ -138,7 +160,8 @@ def _write_config(config: dict, groups: int, dtype: str | None, out_dir: Path) -
     (out_dir / "config.json").write_text(json.dumps(new, indent=2) + "\n")
 
 
-def _write_provenance(source: Path, config: dict, plan: Plan, seed: int, dtype: str | None, out_dir: Path) -> None:
+def _write_provenance(source: Path, config: dict, plan: Plan, seed: int, dtype: str | None, out_dir: Path,
+                      extra: dict | None = None) -> None:
     previous = source / PROVENANCE_NAME
     record = {
         "tool": "mha2gqa",
@@ -154,6 +177,7 @@ def _write_provenance(source: Path, config: dict, plan: Plan, seed: int, dtype: 
             "seed": seed,
             "dtype": dtype or "unchanged",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            **(extra or {}),
         },
     }
     if previous.is_file():

@@ -1,0 +1,155 @@
+"""Calibration statistics: per layer, the second moments C = [X 1]^T [X 1] of the attention input X.
+
+X is what q/k/v_proj read (the normed hidden state); a forward pre-hook on each layer's q_proj (or
+fused qkv_proj) adds every batch into a float64 (d+1, d+1) accumulator, so no activation is kept and
+the result does not depend on how the tokens were batched. The last row/column hold the token sums
+and count, which lets the merge treat biases as one more input column.
+
+Memory: the source model (on the GPU when there is one, else on CPU in float32) plus at most
+`memory_bytes` of accumulators; when all layers' (d+1)^2 * 8 bytes do not fit, the tokens go through
+the model once per slice of layers. Each layer's statistics are written to `out_dir` as they finish,
+and the converter reads one layer at a time (CalibrationStats.layer), so conversion memory stays flat.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from mha2gqa.errors import InputError
+from mha2gqa.layouts import AttentionShape, Layout
+
+DEFAULT_MEMORY = 4 << 30  # bytes of accumulators held at once
+DEFAULT_SEQ_LEN = 512
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """What the calibrated merge knows about one layer beyond its weights."""
+
+    gram: torch.Tensor  # (d+1, d+1) float64: [X 1]^T [X 1]; gram[-1, -1] is the token count
+    rotary_dims: int  # leading dims of each head that RoPE rotates (rope.rotary_dims)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.gram[-1, -1])
+
+
+class GramAccumulator:
+    """Streaming [X 1]^T [X 1] in float64: add() chunks of any shape (..., d) in any split."""
+
+    def __init__(self, width: int, device: str | torch.device = "cpu"):
+        self.gram = torch.zeros(width + 1, width + 1, dtype=torch.float64, device=device)
+
+    def add(self, x: torch.Tensor) -> None:
+        rows = x.reshape(-1, x.shape[-1]).to(self.gram.device, torch.float64)  # (N, d)
+        width = rows.shape[1]
+        self.gram[:width, :width].addmm_(rows.T, rows)
+        sums = rows.sum(dim=0)  # (d,)
+        self.gram[:width, width] += sums
+        self.gram[width, :width] += sums
+        self.gram[width, width] += rows.shape[0]
+
+
+@dataclass(frozen=True)
+class CalibrationStats:
+    """Every layer's statistics, on disk in `directory`; layer(i) loads one."""
+
+    directory: Path
+    layers: int
+    tokens: int
+    rotary_dims: int
+    record: dict  # provenance: data, tokens, sequence length, passes, device, sha256 of the ids
+
+    def layer(self, index: int) -> LayerStats:
+        return LayerStats(load_file(_layer_file(self.directory, index))["gram"], self.rotary_dims)
+
+
+def _layer_file(directory: Path, index: int) -> Path:
+    return Path(directory) / f"layer-{index:05d}.safetensors"
+
+
+def input_module(layout: Layout, layer: int) -> str:
+    """The module whose input is layer `layer`'s attention input X."""
+    return layout.layer_prefix.format(layer=layer) + (layout.qkv or layout.q)
+
+
+def collect_statistics(model, layout: Layout, shape: AttentionShape, ids: torch.Tensor, out_dir: Path,
+                       rotary_dims: int, seq_len: int = DEFAULT_SEQ_LEN, batch_size: int = 8,
+                       memory_bytes: int = DEFAULT_MEMORY, progress: bool = True) -> CalibrationStats:
+    """Run ids (N,) through `model` (a loaded causal LM) and write each layer's gram to out_dir."""
+    device = next(model.parameters()).device
+    width = model.get_submodule(input_module(layout, 0)).weight.shape[1]
+    per_pass = max(1, memory_bytes // ((width + 1) ** 2 * 8))
+    batches = _batches(ids, seq_len, batch_size)
+    passes = range(0, shape.layers, per_pass)
+    bar = tqdm(total=len(batches) * len(passes), desc="calibrate", unit="batch", disable=not progress)
+    for first in passes:
+        layers = range(first, min(first + per_pass, shape.layers))
+        sums = {layer: GramAccumulator(width, device) for layer in layers}
+        handles = [model.get_submodule(input_module(layout, layer)).register_forward_pre_hook(
+            lambda module, args, acc=sums[layer]: acc.add(args[0])) for layer in layers]
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    model.base_model(batch.to(device), use_cache=False)  # no lm_head: only X is wanted
+                    bar.update(1)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for layer, acc in sums.items():
+            save_file({"gram": acc.gram.cpu()}, str(_layer_file(out_dir, layer)))
+    bar.close()
+    record = {"tokens": len(ids), "sequence_length": seq_len, "passes": len(passes), "device": str(device),
+              "ids_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}
+    return CalibrationStats(Path(out_dir), shape.layers, len(ids), rotary_dims, record)
+
+
+def _batches(ids: torch.Tensor, seq_len: int, batch_size: int) -> list[torch.Tensor]:
+    """(N,) -> batches (B, seq_len) of consecutive blocks; a shorter last block is a batch of its own."""
+    blocks = list(ids.split(seq_len))
+    full = [block for block in blocks if len(block) == seq_len]
+    batches = [torch.stack(full[i:i + batch_size]) for i in range(0, len(full), batch_size)]
+    if len(blocks[-1]) < seq_len:
+        batches.append(blocks[-1][None])
+    return batches
+
+
+def calibrate(source: Path, layout: Layout, shape: AttentionShape, data: str, tokens: int, out_dir: Path,
+              memory_bytes: int = DEFAULT_MEMORY, progress: bool = True) -> CalibrationStats:
+    """Tokenize `data` (calibration_data.iter_texts) with the source's tokenizer and collect statistics."""
+    from transformers import AutoTokenizer
+
+    from mha2gqa.convert.calibration_data import calibration_ids, iter_texts
+    from mha2gqa.convert.rope import rotary_dims
+
+    if not any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise InputError(f"--calibration needs the source's tokenizer, and {source} has none: "
+                         "copy the tokenizer files into it")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    ids = calibration_ids(tokenizer, iter_texts(data), tokens)
+    model = load_source_model(source)
+    if int(ids.max()) >= model.config.vocab_size:
+        raise InputError(f"--calibration {data}: token id {int(ids.max())} is outside the model's vocabulary "
+                         f"({model.config.vocab_size}): the tokenizer in {source} does not match its model")
+    seq_len = min(DEFAULT_SEQ_LEN, getattr(model.config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN)
+    stats = collect_statistics(model, layout, shape, ids, out_dir, rotary_dims(source, shape.head_dim),
+                               seq_len=seq_len, memory_bytes=memory_bytes, progress=progress)
+    del model
+    return replace(stats, record={"data": data, "rotary_dims": stats.rotary_dims, **stats.record})
+
+
+def load_source_model(model_dir: Path, device: str | None = None):
+    """The source causal LM for calibration: the GPU in the checkpoint's dtype when there is one, else
+    CPU in float32 (fast and exact enough for statistics accumulated in float64)."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = "auto" if device != "cpu" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to(device).eval()

@@ -1,0 +1,63 @@
+"""One layer's conversion with calibration: choose the grouping, run the method, measure the loss.
+
+run.py calls transform_layer() for every layer step; it returns the converted roles and a JSON-able
+report (reconstruction errors when calibration data was given, the kv-head order when grouping by
+similarity). The errors are the relative reconstruction error of each source head's keys (values)
+on the calibration tokens, through the map the method folds into q_proj (o_proj): the calibrated
+merge reports its own maps; every other method folds nothing, so its maps are the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mha2gqa.convert.calibrated import REPORT, augment, relative_error
+from mha2gqa.convert.grouping import permute_heads, similarity_order
+from mha2gqa.convert.rope import check_calibrated, check_grouping
+from mha2gqa.errors import InputError
+
+GROUPINGS = ("contiguous", "similarity")
+
+
+def check_request(config: dict, method_name: str, method, calibration: str | None, grouping: str) -> None:
+    """Refuse, before anything is read or written, a method/grouping the model or the flags cannot serve."""
+    if grouping not in GROUPINGS:
+        raise InputError(f"--grouping {grouping!r} is unknown (valid: {', '.join(GROUPINGS)})")
+    if calibration is None and method.needs_calibration:
+        raise InputError(f"--method {method_name} needs calibration data: add --calibration DATA "
+                         "(a text file, a directory of them, or 'austen' for the embedded novels)")
+    if calibration is None and grouping == "similarity":
+        raise InputError("--grouping similarity needs calibration data: add --calibration DATA")
+    if method.needs_calibration:
+        check_calibrated(config, method_name)
+    if grouping == "similarity":
+        check_grouping(config)
+
+
+def transform_layer(method, roles: dict, ctx, grouping: str = "contiguous") -> tuple[dict, dict]:
+    """method: a methods.Method; roles: canonical roles of one layer; ctx: methods.LayerContext."""
+    report: dict = {}
+    shape = ctx.shape
+    if grouping == "similarity":
+        order = similarity_order(roles, ctx.stats.gram.double(), shape.kv_heads, ctx.groups, shape.head_dim,
+                                 ctx.stats.rotary_dims)
+        roles = permute_heads(roles, order, shape.kv_heads, shape.head_dim)
+        report["kv_order"] = order
+    out = method.convert_layer(roles, ctx)
+    measured = out.pop(REPORT, None)
+    if measured is None and ctx.stats is not None:
+        measured = identity_errors(roles, out, ctx)
+    report.update(measured or {})
+    return out, report
+
+
+def identity_errors(source: dict, converted: dict, ctx) -> dict:
+    """Errors of a method that folds nothing: source head j is compared with its group's new head."""
+    gram, head_dim = ctx.stats.gram.double(), ctx.shape.head_dim
+    maps = torch.eye(head_dim, dtype=torch.float64).expand(ctx.shape.kv_heads, head_dim, head_dim)
+    errors = {}
+    for part in ("k", "v"):
+        before = augment(source[f"{part}.weight"], source.get(f"{part}.bias"))
+        after = augment(converted[f"{part}.weight"], converted.get(f"{part}.bias"))
+        errors[f"{'key' if part == 'k' else 'value'}_error"] = relative_error(before, after, maps, gram)
+    return errors
