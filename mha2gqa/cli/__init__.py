@@ -47,5 +47,10 @@ def _register():
 
     main.add_command(uptrain_cmd.uptrain)
 
+    from mha2gqa.cli import demo_cmd  # mha2gqa demo, mha2gqa reproduce
+
+    for command in (demo_cmd.demo, demo_cmd.reproduce):
+        main.add_command(command)
+
 
 _register()

@@ -1,0 +1,97 @@
+"""`mha2gqa demo`: the whole job on the embedded default, offline, in minutes.
+
+inspect -> convert (mean-pool) -> eval parent and converted -> uptrain for alpha x the parent's
+pretraining tokens -> eval the uptrained model -> a side-by-side report.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from mha2gqa import embedded
+from mha2gqa.errors import InputError
+
+DEMO_RECIPE = Path(__file__).parent / "recipes" / "austen-gqa-uptrain.yaml"
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """What `--quick` changes: fewer held-out tokens, a shorter uptraining, no decode-speed grid."""
+
+    eval_tokens: int | None  # perplexity tokens of Persuasion (None: the whole novel)
+    alpha: float  # uptraining budget as a fraction of the parent's pretraining tokens
+    speed: bool
+    eval_blocks: int
+
+    @classmethod
+    def make(cls, quick: bool, alpha: float | None) -> "DemoSettings":
+        if quick:
+            return cls(eval_tokens=16384, alpha=alpha if alpha is not None else 0.01, speed=False, eval_blocks=4)
+        return cls(eval_tokens=None, alpha=alpha if alpha is not None else 0.05, speed=True, eval_blocks=16)
+
+
+def pretraining_tokens(model_dir: Path) -> int:
+    """Tokens the embedded parent was pretrained on, from its provenance."""
+    record = json.loads((model_dir / "mha2gqa.json").read_text())
+    return int(record["uptrain"]["tokens_seen"])
+
+
+def uptrain_overrides(converted: Path, out: Path, settings: DemoSettings, pretrain_tokens: int) -> list[str]:
+    """The shipped recipe, pointed at this demo's files (absolute, so any working directory works)."""
+    train = [str(p) for p in embedded.train_paths()]
+    return [
+        f"model={converted}", f"output_dir={out}", f"data.train={json.dumps(train)}",
+        f"data.eval={json.dumps([str(embedded.heldout_path())])}", f"data.eval_blocks={settings.eval_blocks}",
+        f"budget.alpha={settings.alpha}", f"budget.pretrain_tokens={pretrain_tokens}",
+    ]
+
+
+def run_demo(out: Path, groups: int = 2, quick: bool = False, alpha: float | None = None,
+             echo: Callable[[str], None] = print, progress: bool = True) -> dict:
+    """Run every stage into `out`; returns the paths written (report files included)."""
+    from mha2gqa.convert.inspect import inspect_model
+    from mha2gqa.convert.run import convert
+    from mha2gqa.eval import evaluate, write_report
+    from mha2gqa.uptrain import load_recipe, train
+
+    settings = DemoSettings.make(quick, alpha)
+    if not 0 < settings.alpha <= 1:
+        raise InputError(f"--alpha {settings.alpha} must be in (0, 1]: e.g. 0.05 for 5% of the pretraining tokens")
+    parent = embedded.model_dir()
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file: pass a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    heldout = embedded.write_corpus(out / "corpus", "heldout")[0]
+    info = inspect_model(parent)
+    echo(f"[1/6] parent: {parent} ({info['layers']} layers, {info['heads']} heads, {info['kv_heads']} kv heads, "
+         f"{info['parameters'] / 1e6:.1f}M parameters)")
+
+    converted = out / "converted"
+    convert(parent, converted, groups=groups, method="mean", force=True, progress=progress)
+    echo(f"[2/6] converted to {groups} kv heads by mean-pooling: {converted}")
+
+    results = out / "results"
+    eval_kwargs = dict(data=str(heldout), max_tokens=settings.eval_tokens, speed_preset="cpu" if settings.speed else None,
+                       progress=progress)
+    evaluate(parent, role="parent", label="parent (MHA)", out=results / "parent.json", **eval_kwargs)
+    evaluate(converted, reference=str(parent), role="converted", label=f"converted (GQA-{groups})",
+             out=results / "converted.json", **eval_kwargs)
+    echo(f"[3/6] evaluated parent and converted on held-out Persuasion: {results}")
+
+    tokens = pretraining_tokens(parent)
+    recipe = load_recipe(DEMO_RECIPE, uptrain_overrides(converted, out / "uptrained", settings, tokens))
+    uptrained = train(recipe)
+    echo(f"[4/6] uptrained for alpha={settings.alpha:g} x {tokens:,} pretraining tokens: {uptrained}")
+
+    evaluate(uptrained, reference=str(parent), role="uptrained", label=f"uptrained (GQA-{groups})",
+             out=results / "uptrained.json", **eval_kwargs)
+    echo("[5/6] evaluated the uptrained model")
+
+    names = ("parent", "converted", "uptrained")
+    written = write_report([results / f"{n}.json" for n in names], out / "report", metrics=uptrained / "metrics.jsonl")
+    echo(f"[6/6] report: {written.get('markdown') or out / 'report'}")
+    return {"out": out, "converted": converted, "uptrained": uptrained, "results": results, **written}
