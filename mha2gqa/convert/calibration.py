@@ -133,7 +133,7 @@ def calibrate(source: Path, layout: Layout, shape: AttentionShape, data: str, to
                          "copy the tokenizer files into it")
     tokenizer = AutoTokenizer.from_pretrained(source)
     ids = calibration_ids(tokenizer, iter_texts(data), tokens)
-    model = load_source_model(source)
+    model = load_source_model(source, progress=progress)
     if int(ids.max()) >= model.config.vocab_size:
         raise InputError(f"--calibration {data}: token id {int(ids.max())} is outside the model's vocabulary "
                          f"({model.config.vocab_size}): the tokenizer in {source} does not match its model")
@@ -144,12 +144,20 @@ def calibrate(source: Path, layout: Layout, shape: AttentionShape, data: str, to
     return replace(stats, record={"data": data, "rotary_dims": stats.rotary_dims, **stats.record})
 
 
-def load_source_model(model_dir: Path, device: str | None = None):
+def load_source_model(model_dir: Path, device: str | None = None, progress: bool = True):
     """The source causal LM for calibration: the GPU in the checkpoint's dtype when there is one, else
     CPU in float32 (fast and exact enough for statistics accumulated in float64)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = "auto" if device != "cpu" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    silence = not progress and hf_logging.is_progress_bar_enabled()  # --quiet: no "Loading weights" bar either
+    if silence:
+        hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=False)
+    finally:
+        if silence:
+            hf_logging.enable_progress_bar()
     return model.to(device).eval()

@@ -43,21 +43,23 @@ def transform_layer(method, roles: dict, ctx, grouping: str = "contiguous") -> t
                                  ctx.stats.rotary_dims)
         roles = permute_heads(roles, order, shape.kv_heads, shape.head_dim)
         report["kv_order"] = order
+    # float64 copies taken before the method runs, so a method that reuses its input's memory cannot skew them
+    before = {part: augment(roles[f"{part}.weight"], roles.get(f"{part}.bias")) for part in _PARTS} if ctx.stats else {}
     out = method.convert_layer(roles, ctx)
     measured = out.pop(REPORT, None)
     if measured is None and ctx.stats is not None:
-        measured = identity_errors(roles, out, ctx)
+        measured = identity_errors(before, out, ctx)
     report.update(measured or {})
     return out, report
 
 
-def identity_errors(source: dict, converted: dict, ctx) -> dict:
-    """Errors of a method that folds nothing: source head j is compared with its group's new head."""
+_PARTS = {"k": "key_error", "v": "value_error"}
+
+
+def identity_errors(before: dict, converted: dict, ctx) -> dict:
+    """Errors of a method that folds nothing: source head j is compared with its group's new head.
+    before: {"k"/"v": augmented source projection (n*hd, d+1) float64}."""
     gram, head_dim = ctx.stats.gram.double(), ctx.shape.head_dim
     maps = torch.eye(head_dim, dtype=torch.float64).expand(ctx.shape.kv_heads, head_dim, head_dim)
-    errors = {}
-    for part in ("k", "v"):
-        before = augment(source[f"{part}.weight"], source.get(f"{part}.bias"))
-        after = augment(converted[f"{part}.weight"], converted.get(f"{part}.bias"))
-        errors[f"{'key' if part == 'k' else 'value'}_error"] = relative_error(before, after, maps, gram)
-    return errors
+    return {name: relative_error(before[part], augment(converted[f"{part}.weight"], converted.get(f"{part}.bias")),
+                                 maps, gram) for part, name in _PARTS.items()}

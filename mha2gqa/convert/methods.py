@@ -79,15 +79,16 @@ def mean_norm_layer(roles: dict, ctx: LayerContext) -> dict:
     """Mean-pooling, then each pooled K/V head rescaled to its group's mean norm (weight and bias
     together). Averaging r dissimilar heads shrinks the result, which flattens attention (keys) and
     damps the output (values); the rescale undoes that shrinkage without calibration data."""
+    groups = ctx.groups
+    parts = {part: [f"{part}.{kind}" for kind in KINDS if f"{part}.{kind}" in roles] for part in ("k", "v")}
+
+    def norms(tensors: dict, names: list[str], heads: int) -> torch.Tensor:  # (heads,) norm of weight and bias
+        return sum(tensors[name].float().reshape(heads, -1).pow(2).sum(1) for name in names).sqrt()
+
+    targets = {part: norms(roles, names, ctx.shape.kv_heads).reshape(groups, -1).mean(1) for part, names in parts.items()}
     out = mean_layer(roles, ctx)
-    n, groups = ctx.shape.kv_heads, ctx.groups
-    for part in ("k", "v"):
-        names = [f"{part}.{kind}" for kind in KINDS if f"{part}.{kind}" in roles]
-
-        def norms(tensors: dict, heads: int) -> torch.Tensor:  # (heads,) joint norm of weight and bias
-            return sum(tensors[name].float().reshape(heads, -1).pow(2).sum(1) for name in names).sqrt()
-
-        scale = norms(roles, n).reshape(groups, -1).mean(1) / norms(out, groups).clamp_min(1e-12)  # (G,)
+    for part, names in parts.items():
+        scale = targets[part] / norms(out, names, groups).clamp_min(1e-12)  # (G,)
         for name in names:
             out[name] = (out[name].float().reshape(groups, -1) * scale[:, None]).reshape(out[name].shape).to(out[name].dtype)
     return out
