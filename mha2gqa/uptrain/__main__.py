@@ -3,6 +3,7 @@ same recipe (one process: `python -m mha2gqa.uptrain ...` or `mha2gqa uptrain ..
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as err:
         print(f"Error: {err}", file=sys.stderr)
         return 1
-    print(f"output: {out}")
+    if os.environ.get("RANK", "0") == "0":  # set by accelerate launch; one line, not one per rank
+        print(f"output: {out}")
     return 0
 
 

@@ -74,6 +74,11 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
         student.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = make_optimizer(student.model, recipe.optim, accelerator.device.type)
     model, optimizer = accelerator.prepare(student.model, optimizer)
+    if accelerator.gradient_accumulation_steps != recipe.grad_accum:  # a launch config can override it
+        raise InputError(
+            f"the accelerate config sets gradient accumulation to {accelerator.gradient_accumulation_steps} but the "
+            f"recipe has grad_accum={recipe.grad_accum}: remove it from the accelerate config (the recipe rules)"
+        )
 
     # Nothing was written before this point: every input error above left output_dir untouched.
     if accelerator.is_main_process:

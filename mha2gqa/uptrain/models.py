@@ -43,8 +43,9 @@ def load_student(recipe: Recipe) -> Student:
     if recipe.model is not None:
         source = resolve_model_dir(recipe.model)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-        stored = read_config(source).get("dtype") or read_config(source).get("torch_dtype") or "float32"
-        return Student(model, source, getattr(torch, str(stored).replace("torch.", "")))
+        config = read_config(source)
+        stored = getattr(torch, str(config.get("dtype") or config.get("torch_dtype")).replace("torch.", ""), None)
+        return Student(model, source, stored if isinstance(stored, torch.dtype) else torch.float32)
     try:
         config = AutoConfig.from_pretrained(recipe.init_from_config)
     except (OSError, ValueError) as err:

@@ -67,6 +67,8 @@ def _check_sources(r: Recipe, p: list[str], check_files: bool) -> None:
                 _check_model_ref(key, value, p)
         if r.init_from_config is not None:
             _check_config_ref(r.init_from_config, p)
+    if r.init_from_config and r.init_from_config.endswith(".json") and r.tokenizer is None:
+        p.append("tokenizer is required with init_from_config=<file>.json (a config file carries no tokenizer)")
     classify("data.train", r.data.train, p, check_files)
     if r.data.eval is not None:
         classify("data.eval", r.data.eval, p, check_files)

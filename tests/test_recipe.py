@@ -1,0 +1,145 @@
+"""Recipes: typed loading, key=value overrides, errors collected together, every shipped recipe valid."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from mha2gqa.errors import InputError
+from mha2gqa.uptrain.recipe import Recipe, load_recipe
+from mha2gqa.uptrain.recipe_doc import describe
+from mha2gqa.uptrain.recipe_load import all_keys
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
+
+
+@pytest.fixture
+def valid(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "train.txt"
+    data.write_text("hello\n")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": str(model), "output_dir": str(tmp_path / "out"),
+        "data": {"train": str(data)}, "budget": {"max_steps": 10},
+    }))
+    return path
+
+
+def test_loads_typed_values_and_applies_overrides(valid):
+    r = load_recipe(valid, ["optim.lr=2e-4", "optim.betas=[0.8, 0.9]", "seq_len=64.0", "mixed_precision=no",
+                            "budget.max_steps=1_000", "data.eval_blocks=3", "trainable=kv"])
+    assert isinstance(r, Recipe)
+    assert r.optim.lr == pytest.approx(2e-4) and isinstance(r.optim.lr, float)  # YAML reads 2e-4 as text
+    assert r.optim.betas == (0.8, 0.9)
+    assert r.seq_len == 64 and isinstance(r.seq_len, int)
+    assert r.mixed_precision == "no"  # YAML 1.1 reads a bare `no` as false
+    assert r.budget.max_steps == 1000
+    assert r.data.eval_blocks == 3 and r.trainable == "kv"
+    assert isinstance(r.data.train, list) and len(r.data.train) == 1
+    assert r.to_dict()["optim"]["betas"] == [0.8, 0.9]
+
+
+def test_every_problem_is_reported_together_each_naming_its_key(valid):
+    with pytest.raises(InputError) as err:
+        load_recipe(valid, ["sed_len=3", "micro_batch_size=two", "data.train=missing.txt", "optim.schedule=step"])
+    message = str(err.value)
+    assert "4 problem(s)" in message
+    assert "unknown key sed_len (did you mean seq_len?)" in message
+    assert "micro_batch_size: expected a number, got 'two'" in message
+    assert "data.train: no such file or folder missing.txt" in message
+    assert "optim.schedule: expected one of cosine, linear, constant, got 'step'" in message
+    assert "\n" not in message  # the CLI shows it as one line
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["budget.max_steps=null"], "set exactly one of budget.max_steps, budget.tokens, budget.alpha (got none)"),
+    (["budget.tokens=100"], "(got budget.max_steps, budget.tokens)"),
+    (["budget.max_steps=null", "budget.alpha=0.05"], "budget.alpha needs budget.pretrain_tokens"),
+    (["budget.max_steps=0"], "budget.max_steps=0 must be positive"),
+    (["seq_len=1"], "seq_len must be at least 2"),
+    (["optim.betas=[0.9]"], "optim.betas: expected a list of 2 numbers"),
+    (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2.0 must be in [0, 1]"),
+    (["distill.kl_weight=1.5"], "distill.kl_weight=1.5 must be in [0, 1]"),
+    (["init_from_config=cfg.json"], "set exactly one of model (to uptrain) and init_from_config"),
+    (["output_dir=null"], "output_dir is required"),
+    (["model=nobody/nothing"], "model=nobody/nothing is not a local directory and the hub is offline"),
+    (["optim=3"], "optim is a section: give its keys (optim.lr, "),
+    (["oops"], "override 'oops' is not key=value"),
+])
+def test_rule_violations_name_the_key(valid, overrides, expected):
+    with pytest.raises(InputError, match=re.escape(expected)):
+        load_recipe(valid, overrides)
+
+
+def test_missing_recipe_and_bad_yaml(tmp_path):
+    with pytest.raises(InputError, match="no such file"):
+        load_recipe(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(InputError, match="not valid YAML"):
+        load_recipe(bad)
+
+
+def test_data_folder_and_mixed_formats(tmp_path, valid):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("a")
+    (folder / "b.jsonl").write_text('{"text": "b"}\n')
+    with pytest.raises(InputError, match=r"data.train mixes formats \(json, text\)"):
+        load_recipe(valid, [f"data.train={folder}"])
+    (folder / "b.jsonl").unlink()
+    assert load_recipe(valid, [f"data.train={folder}"]).data.train == [str(folder)]
+
+
+def test_every_key_is_documented():
+    rows = describe()
+    assert [key for key, _, _ in rows] == all_keys()
+    undocumented = [key for key, _, doc in rows if not doc]
+    assert undocumented == []
+    assert ("optim.lr", "0.0001", "Peak learning rate of AdamW.") in rows
+
+
+def test_cli_keys_and_one_line_errors(valid):
+    from mha2gqa.cli import main
+
+    listing = CliRunner().invoke(main, ["uptrain", "--keys"])
+    assert listing.exit_code == 0 and "distill.temperature (default 1.0)" in listing.output
+    result = CliRunner().invoke(main, ["uptrain", "--recipe", str(valid), "sed=1", "optim.lr=-1"])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and result.output.startswith("Error: recipe ")
+    assert "unknown key sed (did you mean seed?)" in result.output and "optim.lr=-1.0 must be positive" in result.output
+
+
+def test_shipped_recipes_exist():
+    names = {p.name for p in RECIPES}
+    assert {"tiny-cpu.yaml", "llama2-7b-gqa8-fsdp.yaml", "llama-1b-gqa-1gpu.yaml"} <= names
+    assert {"ddp.yaml", "fsdp.yaml", "zero3.yaml"} <= {p.name for p in ACCELERATE_CONFIGS}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_shipped_recipe_is_valid_and_starts_with_its_command(path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# "), "the first line must be a comment holding the command"
+    command = re.search(r"(mha2gqa uptrain|-m mha2gqa\.uptrain) --recipe (\S+)", first)
+    assert command, f"no uptrain command in {first!r}"
+    assert command.group(2) == f"recipes/{path.name}"
+    for config in re.findall(r"--config_file (\S+)", first):
+        assert (ROOT / config).is_file(), f"{config} named in {path.name} does not exist"
+    recipe = load_recipe(path, [], check_files=False)  # its model/data live on the machine it is for
+    assert recipe.output_dir
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
+def test_accelerate_configs_parse(path):
+    config = yaml.safe_load(path.read_text())
+    assert config["distributed_type"] in {"MULTI_GPU", "FSDP", "DEEPSPEED"}
+    assert config["num_processes"] >= 1 and config["mixed_precision"] == "bf16"
