@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from mha2gqa import __version__
 from mha2gqa.checkpoint import DTYPES, INDEX_NAME, SafetensorsCheckpoint, ShardedWriter, atomic_directory
-from mha2gqa.convert.calibration import DEFAULT_MEMORY, calibrate
+from mha2gqa.convert.calibration import DEFAULT_MEMORY, CalibrationStats, calibrate
 from mha2gqa.convert.layer_step import check_request, transform_layer
 from mha2gqa.convert.methods import METHODS, LayerContext
 from mha2gqa.convert.plan import Plan, make_plan
@@ -80,12 +80,13 @@ def _check_weights(src: Path) -> None:
 
 def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: str | None = None,
             max_shard_size: str | int = "5GB", force: bool = False, dry_run: bool = False,
-            progress: bool = True, calibration: str | None = None,
+            progress: bool = True, calibration: str | CalibrationStats | None = None,
             calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, grouping: str = "contiguous",
             calibration_memory: str | int = DEFAULT_MEMORY) -> ConversionResult:
     """Convert the model at `src` (directory or hub id) to `groups` kv heads, written to `dst`.
     With `calibration` (see calibration_data.iter_texts), per-layer statistics of the attention input
-    are gathered first (calibrated merge, similarity grouping, reconstruction errors)."""
+    are gathered first (calibrated merge, similarity grouping, reconstruction errors); a sweep can pass
+    statistics it gathered once with calibration.calibrate instead."""
     if method not in METHODS:
         raise InputError(f"--method {method!r} is unknown (valid: {', '.join(METHODS)})")
     if dtype is not None and dtype not in OUT_DTYPES:
@@ -106,8 +107,8 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
     if dry_run:
         return ConversionResult(plan, None, source)
     with tempfile.TemporaryDirectory(prefix="mha2gqa-calibration-") as stats_dir:
-        stats = calibrate(source, layout, shape, calibration, calibration_tokens, Path(stats_dir), memory_bytes,
-                          progress) if calibration else None
+        stats = calibration if isinstance(calibration, CalibrationStats) or calibration is None else calibrate(
+            source, layout, shape, calibration, calibration_tokens, Path(stats_dir), memory_bytes, progress)
         with atomic_directory(dst) as tmp:
             layers = _write_tensors(checkpoint, plan, tmp, shard_bytes, seed, progress, stats, grouping)
             _copy_other_files(source, tmp)
