@@ -19,10 +19,11 @@ import torch
 from mha2gqa.errors import InputError
 
 
-def augment(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """(rows, d), (rows,) -> (rows, d+1) float64; a missing bias is a zero column."""
-    column = torch.zeros(weight.shape[0], 1, dtype=torch.float64) if bias is None else bias.double()[:, None]
-    return torch.cat([weight.double(), column], dim=1)
+def augment(weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(rows, d), (rows,) -> (rows, d+1) float64 on `device`; a missing bias is a zero column."""
+    weight = weight.to(device, torch.float64)
+    column = weight.new_zeros(weight.shape[0], 1) if bias is None else bias.to(device, torch.float64)[:, None]
+    return torch.cat([weight, column], dim=1)
 
 
 def projection_gram(w: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,8 @@ def rotary_hermitian(pg: torch.Tensor) -> torch.Tensor:
     """pg (..., r, rot, r, rot) -> (..., rot/2, r, r) complex: per frequency pair i, H[a, b] = w_a^H C w_b
     with w_a = row i + 1j * row i + rot/2 of head a (rotate_half pairing)."""
     half = pg.shape[-1] // 2
-    first, second = torch.arange(half), torch.arange(half, 2 * half)
+    first = torch.arange(half, device=pg.device)
+    second = first + half
 
     def block(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         # advanced indices at dims -3 and -1 broadcast to the front: (half, ..., r, r)
@@ -71,7 +73,7 @@ def merge_rotary(w: torch.Tensor, pg: torch.Tensor) -> tuple[torch.Tensor, torch
     shared = torch.einsum("gir,grid->gid", top, w_z)  # (G, half, D)
     scale = top.conj().permute(0, 2, 1)  # (G, r, half): K_j pair ~= scale * shared pair
     a, b = scale.real, scale.imag
-    i = torch.arange(half)
+    i = torch.arange(half, device=w.device)
     maps = w.new_zeros(groups, r, rot, rot)
     maps[..., i, i], maps[..., i, i + half] = a, -b  # (x1, x2) -> (a x1 - b x2, b x1 + a x2)
     maps[..., i + half, i], maps[..., i + half, i + half] = b, a
@@ -145,15 +147,16 @@ def calibrated_layer(roles: dict, ctx) -> dict:
     if any(role.startswith("k_norm") for role in roles):
         raise InputError("--method calibrated cannot fold per-head maps through a key norm: use --method mean")
     gram, head_dim = ctx.stats.gram.double(), ctx.shape.head_dim
-    k = augment(roles["k.weight"], roles.get("k.bias"))  # (n*hd, D)
-    v = augment(roles["v.weight"], roles.get("v.bias"))
+    device = gram.device  # the GPU when the statistics were loaded there: float64 d^3 work per layer
+    k = augment(roles["k.weight"], roles.get("k.bias"), device)  # (n*hd, D)
+    v = augment(roles["v.weight"], roles.get("v.bias"), device)
     k_shared, k_maps = merge_keys(k, gram, ctx.groups, head_dim, ctx.stats.rotary_dims)
     v_shared, v_maps = merge_values(v, gram, ctx.groups, head_dim)
     out = dict(roles)
     _store(out, roles, "k", k_shared)
     _store(out, roles, "v", v_shared)
-    _store(out, roles, "q", fold_queries(augment(roles["q.weight"], roles.get("q.bias")), k_maps))
-    out["o.weight"] = fold_outputs(roles["o.weight"], v_maps).to(roles["o.weight"].dtype)
+    _store(out, roles, "q", fold_queries(augment(roles["q.weight"], roles.get("q.bias"), device), k_maps))
+    out["o.weight"] = fold_outputs(roles["o.weight"].to(device), v_maps).to("cpu", roles["o.weight"].dtype)
     out[REPORT] = {"key_error": relative_error(k, k_shared, k_maps, gram),
                    "value_error": relative_error(v, v_shared, v_maps, gram)}
     return out
@@ -161,6 +164,6 @@ def calibrated_layer(roles: dict, ctx) -> dict:
 
 def _store(out: dict, roles: dict, part: str, augmented: torch.Tensor) -> None:
     """Split an augmented (rows, D) projection back into weight and (when the source has one) bias."""
-    out[f"{part}.weight"] = augmented[:, :-1].contiguous().to(roles[f"{part}.weight"].dtype)
+    out[f"{part}.weight"] = augmented[:, :-1].to("cpu", roles[f"{part}.weight"].dtype).contiguous()
     if f"{part}.bias" in roles:
-        out[f"{part}.bias"] = augmented[:, -1].contiguous().to(roles[f"{part}.bias"].dtype)
+        out[f"{part}.bias"] = augmented[:, -1].to("cpu", roles[f"{part}.bias"].dtype).contiguous()

@@ -65,9 +65,10 @@ class CalibrationStats:
     tokens: int
     rotary_dims: int
     record: dict  # provenance: data, tokens, sequence length, passes, device, sha256 of the ids
+    device: str = "cpu"  # where layer() puts the gram, and so where the merge's float64 work runs
 
     def layer(self, index: int) -> LayerStats:
-        return LayerStats(load_file(_layer_file(self.directory, index))["gram"], self.rotary_dims)
+        return LayerStats(load_file(_layer_file(self.directory, index), device=self.device)["gram"], self.rotary_dims)
 
 
 def _layer_file(directory: Path, index: int) -> Path:
@@ -107,7 +108,7 @@ def collect_statistics(model, layout: Layout, shape: AttentionShape, ids: torch.
     bar.close()
     record = {"tokens": len(ids), "sequence_length": seq_len, "passes": len(passes), "device": str(device),
               "ids_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}
-    return CalibrationStats(Path(out_dir), shape.layers, len(ids), rotary_dims, record)
+    return CalibrationStats(Path(out_dir), shape.layers, len(ids), rotary_dims, record, str(device))
 
 
 def _batches(ids: torch.Tensor, seq_len: int, batch_size: int) -> list[torch.Tensor]:

@@ -20,14 +20,14 @@ _PAIR_CHUNK = 256  # pairs per batched eigen decomposition: bounds memory at (ch
 
 def pair_costs(roles: dict, gram: torch.Tensor, kv_heads: int, head_dim: int, rot: int) -> torch.Tensor:
     """(n, n) float64, zero diagonal: relative loss of merging each pair of kv heads (keys + values)."""
-    keys = augment(roles["k.weight"], roles.get("k.bias"))  # (n*hd, D)
-    values = augment(roles["v.weight"], roles.get("v.bias"))
+    keys = augment(roles["k.weight"], roles.get("k.bias"), gram.device)  # (n*hd, D)
+    values = augment(roles["v.weight"], roles.get("v.bias"), gram.device)
     pg_k = projection_gram(keys, gram).reshape(kv_heads, head_dim, kv_heads, head_dim)
     pg_v = projection_gram(values, gram).reshape(kv_heads, head_dim, kv_heads, head_dim)
     lost_rot, total_rot = _rotary_pair_loss(pg_k[:, :rot, :, :rot])
     lost_pass, total_pass = _subspace_pair_loss(pg_k[:, rot:, :, rot:])
     lost_v, total_v = _subspace_pair_loss(pg_v)
-    return _ratio(lost_rot + lost_pass, total_rot + total_pass) + _ratio(lost_v, total_v)
+    return (_ratio(lost_rot + lost_pass, total_rot + total_pass) + _ratio(lost_v, total_v)).cpu()
 
 
 def _ratio(lost: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def _rotary_pair_loss(pg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Hermitian [[H_aa, H_ab], [H_ba, H_bb]], summed over frequencies."""
     n = pg.shape[0]
     if pg.shape[1] == 0:
-        return torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64)
+        return pg.new_zeros(n, n), pg.new_zeros(n, n)
     herm = rotary_hermitian(pg)  # (rot/2, n, n)
     diag = herm.diagonal(dim1=-2, dim2=-1).real  # (rot/2, n)
     a, b = diag[:, :, None], diag[:, None, :]
@@ -51,11 +51,10 @@ def _rotary_pair_loss(pg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _subspace_pair_loss(pg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """pg (n, p, n, p) -> lost, total (n, n): the energy outside the top-p subspace of each pair."""
     n, p = pg.shape[0], pg.shape[1]
-    lost = torch.zeros(n, n, dtype=torch.float64)
-    total = torch.zeros(n, n, dtype=torch.float64)
+    lost, total = pg.new_zeros(n, n), pg.new_zeros(n, n)
     if p == 0:
         return lost, total
-    a_idx, b_idx = torch.triu_indices(n, n, offset=1)
+    a_idx, b_idx = torch.triu_indices(n, n, offset=1, device=pg.device)
     for start in range(0, len(a_idx), _PAIR_CHUNK):
         a, b = a_idx[start:start + _PAIR_CHUNK], b_idx[start:start + _PAIR_CHUNK]
         top = torch.cat([pg[a, :, a], pg[a, :, b]], dim=-1)  # (P, p, 2p)

@@ -44,7 +44,8 @@ def transform_layer(method, roles: dict, ctx, grouping: str = "contiguous") -> t
         roles = permute_heads(roles, order, shape.kv_heads, shape.head_dim)
         report["kv_order"] = order
     # float64 copies taken before the method runs, so a method that reuses its input's memory cannot skew them
-    before = {part: augment(roles[f"{part}.weight"], roles.get(f"{part}.bias")) for part in _PARTS} if ctx.stats else {}
+    device = ctx.stats.gram.device if ctx.stats else "cpu"
+    before = {part: augment(roles[f"{part}.weight"], roles.get(f"{part}.bias"), device) for part in _PARTS} if ctx.stats else {}
     out = method.convert_layer(roles, ctx)
     measured = out.pop(REPORT, None)
     if measured is None and ctx.stats is not None:
@@ -60,6 +61,6 @@ def identity_errors(before: dict, converted: dict, ctx) -> dict:
     """Errors of a method that folds nothing: source head j is compared with its group's new head.
     before: {"k"/"v": augmented source projection (n*hd, d+1) float64}."""
     gram, head_dim = ctx.stats.gram.double(), ctx.shape.head_dim
-    maps = torch.eye(head_dim, dtype=torch.float64).expand(ctx.shape.kv_heads, head_dim, head_dim)
-    return {name: relative_error(before[part], augment(converted[f"{part}.weight"], converted.get(f"{part}.bias")),
-                                 maps, gram) for part, name in _PARTS.items()}
+    maps = torch.eye(head_dim, dtype=torch.float64, device=gram.device).expand(ctx.shape.kv_heads, head_dim, head_dim)
+    return {name: relative_error(before[part], augment(converted[f"{part}.weight"], converted.get(f"{part}.bias"),
+                                                       gram.device), maps, gram) for part, name in _PARTS.items()}
