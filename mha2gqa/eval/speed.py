@@ -69,7 +69,8 @@ def greedy_decode(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, flo
     device = ids.device
     _sync(device)
     t0 = time.perf_counter()
-    out = model(ids, use_cache=True)
+    # Only the last position's logits: a (B, T, vocab) tensor would dominate peak memory at large B*T.
+    out = model(ids, use_cache=True, logits_to_keep=1)
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
     _sync(device)
     t1 = time.perf_counter()
