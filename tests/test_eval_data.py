@@ -23,6 +23,16 @@ def test_a_folder_is_its_text_files_in_sorted_order(tmp_path, tok):
     assert text.identity["tokens"] == len(joined)
 
 
+def test_gzip_text_reads_like_the_plain_file(tmp_path, tok):
+    import gzip
+
+    (tmp_path / "plain.txt").write_text("a single man in possession")
+    (tmp_path / "packed.txt.gz").write_bytes(gzip.compress(b"a single man in possession"))
+    plain, packed = load_eval_text(str(tmp_path / "plain.txt"), tok), load_eval_text(str(tmp_path / "packed.txt.gz"), tok)
+    assert packed.ids.tolist() == plain.ids.tolist()
+    assert load_eval_text(str(tmp_path), tok).identity["documents"] == 2
+
+
 def test_same_text_same_hash_and_max_tokens_cuts(tmp_path, tok):
     (tmp_path / "t.txt").write_text("It is a truth universally acknowledged.")
     one, two = load_eval_text(str(tmp_path / "t.txt"), tok), load_eval_text(str(tmp_path / "t.txt"), tok)
@@ -32,7 +42,8 @@ def test_same_text_same_hash_and_max_tokens_cuts(tmp_path, tok):
 
 
 @pytest.mark.parametrize("setup,message", [
-    (lambda p: (p / "empty").mkdir(), "the folder has no .txt/.md/.text files"),
+    (lambda p: (p / "empty").mkdir(), "the folder has no .txt/.md/.text/.txt.gz files"),
+    (lambda p: (p / "fake.txt.gz").write_text("not gzip"), "ends in .gz but is not gzip"),
     (lambda p: (p / "bad.txt").write_bytes(b"\xff\xfe abc"), "is not UTF-8 text"),
     (lambda p: (p / "blank.txt").write_text("   \n"), "has no text"),
 ])

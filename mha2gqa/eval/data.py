@@ -4,6 +4,7 @@ usual way sliding-window perplexity is reported (e.g. wikitext)."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from mha2gqa.errors import InputError
 from mha2gqa.sources import hub_offline
 
-TEXT_SUFFIXES = (".txt", ".md", ".text")
+TEXT_SUFFIXES = (".txt", ".md", ".text", ".txt.gz")
 SEPARATOR = "\n\n"
 
 
@@ -32,7 +33,7 @@ def read_documents(data: str, config: str | None = None, split: str = "test", co
     if path.is_file():
         return [_read_text(path)], {"source": "file", "path": str(path.resolve())}
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(TEXT_SUFFIXES))
         if not files:
             raise InputError(f"--data {data}: the folder has no {'/'.join(TEXT_SUFFIXES)} files: add text files")
         return [_read_text(p) for p in files], {"source": "folder", "path": str(path.resolve()), "files": len(files)}
@@ -41,7 +42,11 @@ def read_documents(data: str, config: str | None = None, split: str = "test", co
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        # The embedded corpus ships gzip-compressed: read it as it is.
+        data = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+        return data.decode("utf-8")
+    except gzip.BadGzipFile as err:
+        raise InputError(f"--data {path} ends in .gz but is not gzip: rename or re-compress it") from err
     except UnicodeDecodeError as err:
         raise InputError(f"--data {path} is not UTF-8 text (byte {err.start}): convert it to UTF-8") from err
 
