@@ -46,7 +46,8 @@ def token_docs(texts: Iterable[str], tokenizer, batch: int = 64) -> Iterator[lis
     """Token ids per document, without BOS/EOS (packing adds the separators)."""
     it = iter(texts)
     while chunk := list(itertools.islice(it, batch)):
-        yield from tokenizer(chunk, add_special_tokens=False)["input_ids"]
+        # verbose=False: whole documents exceed model_max_length by design (packing cuts them)
+        yield from tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]
 
 
 def pack(docs: Iterable[list[int]], eos_id: int, seq_len: int) -> Iterator[np.ndarray]:
