@@ -42,6 +42,6 @@ def agreement(model, reference, ids: torch.Tensor, context: int, stride: int, ba
         ref_logits = ref_logits.to(logits.device)
         tally.add(ref_logits, logits)
         nll.add(logits, targets)
-        ref_nll.add(ref_logits, targets.to(ref_logits.device))
+        ref_nll.add(ref_logits, targets)
     settings = {"context": context, "stride": stride, "windows": len(wins)}
     return tally.result(), {**nll.result(), **settings}, {**ref_nll.result(), **settings}

@@ -66,8 +66,8 @@ def plot_attention_maps(found: dict, out_png: Path, labels: dict[str, str], kv_h
             ax.set_yticks([])
     for slot in range(heads * len(per_head), rows * cols):
         axes[slot // cols][slot % cols].axis("off")
-    fig.suptitle(f"Attention of layer {found['layer']} ({len(found['tokens'])} tokens; rows: query, columns: key)",
-                 fontsize=10)
+    fig.suptitle(f"Attention probabilities of layer {found['layer']} ({len(found['tokens'])} tokens; "
+                 "rows: query position, columns: key position; colour 0 (dark) to 1 (yellow))", fontsize=10)
     fig.tight_layout()
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=110)

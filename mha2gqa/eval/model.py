@@ -53,6 +53,13 @@ def load_model(model_dir: Path, dtype, device: torch.device, progress: bool = Tr
     return model.to(device).eval()
 
 
+def load_config(model_dir: Path):
+    """The model's transformers config (no weights), for checks before loading."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+
+
 def load_tokenizer(model_dir: Path, tokenizer: str | None = None):
     """The model dir's tokenizer, or `tokenizer` (a dir or hub id) when given."""
     from transformers import AutoTokenizer

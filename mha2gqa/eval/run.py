@@ -48,33 +48,27 @@ def evaluate(model_path, data=None, reference=None, *, tokenizer=None, data_conf
     _check_inputs(data, reference, context, stride, batch_size, max_tokens, kv_batch, kv_tokens, role,
                   attention_text, attention_png, out, lm_eval_tasks)
 
+    # Everything read from config and tokenizer is checked before any weights are loaded.
     model_dir = resolve_model_dir(model_path)
+    ref_dir = resolve_model_dir(reference) if reference else None
     prov = provenance.read_provenance(model_dir)
     role = provenance.infer_role(prov, role)
-    model = M.load_model(model_dir, torch_dtype, dev, progress)
+    config = M.load_config(model_dir)
     tok = M.load_tokenizer(model_dir, tokenizer)
-    M.check_vocab(tok, model.config, "the model")
-    shape = M.shape_of(model.config)
-    max_pos = getattr(model.config, "max_position_embeddings", None)
-    context = context or min(DEFAULT_CONTEXT, max_pos or DEFAULT_CONTEXT)
-    stride = stride or max(1, context // 2)
-    P.check_window(context, stride)
-    if max_pos and context > max_pos:
-        raise InputError(f"--context {context} exceeds the model's max_position_embeddings={max_pos}: use at most {max_pos}")
+    M.check_vocab(tok, config, "the model")
+    context, stride = _window(config, context, stride)
     if grid:
-        speed.check_grid_fits(grid, max_pos)
-    ref_dir = resolve_model_dir(reference) if reference else None
-    ref_model = M.load_model(ref_dir, torch_dtype, dev, progress) if ref_dir else None
+        speed.check_grid_fits(grid, getattr(config, "max_position_embeddings", None))
     text = load_eval_text(data, tok, config=data_config, split=data_split, column=data_column,
                           max_tokens=max_tokens) if data else None
 
+    model = M.load_model(model_dir, torch_dtype, dev, progress)
+    ref_model = M.load_model(ref_dir, torch_dtype, dev, progress) if ref_dir else None
+    shape = M.shape_of(model.config)
     result = _skeleton(model_path, model_dir, model, shape, prov, role, label, reference, ref_dir, dev, seed)
     result["data"] = text.identity if text else None
-    if text and ref_model is not None:
-        agree, ppl, ref_ppl = agreement(model, ref_model, text.ids, context, stride, batch_size, progress)
-        result["perplexity"], result["agreement"] = ppl, {**agree, "reference_perplexity": ref_ppl["perplexity"]}
-    elif text:
-        result["perplexity"] = P.perplexity(model, text.ids, context, stride, batch_size, progress)
+    if text:
+        result.update(_quality(model, ref_model, text.ids, context, stride, batch_size, progress))
     result["kv_cache"] = measure_kv_cache(model, shape, kv_batch, kv_tokens, seed)
     if "warning" in result["kv_cache"]:
         result["warnings"].append(result["kv_cache"]["warning"])
@@ -83,7 +77,7 @@ def evaluate(model_path, data=None, reference=None, *, tokenizer=None, data_conf
     if attention_text:
         png = Path(attention_png) if attention_png else Path(out).with_suffix(".attention.png")
         found = attention_maps(model, tok, attention_text, attention_layer, ref_model)
-        labels = {"model": result["label"], "reference": (result["reference"] or {}).get("label", "")}
+        labels = {"model": result["label"], "reference": f"{(result['reference'] or {}).get('label', '')} (reference)"}
         result["attention_maps"] = {"png": str(plot_attention_maps(found, png, labels, shape.kv_heads)),
                                     "layer": found["layer"]}
     if lm_eval_tasks:
@@ -93,6 +87,25 @@ def evaluate(model_path, data=None, reference=None, *, tokenizer=None, data_conf
     if out:
         write_result(result, Path(out))
     return result
+
+
+def _window(config, context, stride) -> tuple[int, int]:
+    """--context/--stride, defaulted from the model's max positions and checked against them."""
+    max_pos = getattr(config, "max_position_embeddings", None)
+    context = context or min(DEFAULT_CONTEXT, max_pos or DEFAULT_CONTEXT)
+    stride = stride or max(1, context // 2)
+    P.check_window(context, stride)
+    if max_pos and context > max_pos:
+        raise InputError(f"--context {context} exceeds the model's max_position_embeddings={max_pos}: use at most {max_pos}")
+    return context, stride
+
+
+def _quality(model, ref_model, ids, context, stride, batch_size, progress) -> dict:
+    """Perplexity, and agreement with the reference in the same pass when there is one."""
+    if ref_model is None:
+        return {"perplexity": P.perplexity(model, ids, context, stride, batch_size, progress)}
+    agree, ppl, ref_ppl = agreement(model, ref_model, ids, context, stride, batch_size, progress)
+    return {"perplexity": ppl, "agreement": {**agree, "reference_perplexity": ref_ppl["perplexity"]}}
 
 
 def _check_inputs(data, reference, context, stride, batch_size, max_tokens, kv_batch, kv_tokens, role,
