@@ -83,7 +83,7 @@ th{background:#f3f3f3;white-space:normal;max-width:8em;vertical-align:bottom}
 td:first-child,td:nth-child(2),th:first-child,th:nth-child(2){text-align:left}
 tr.baseline td{font-weight:600;background:#fbfbe8}
 .notes li{color:#8a4b00} img{max-width:100%;border:1px solid #eee;margin:0.5rem 0}
-.prov td{text-align:left;font-size:12px;white-space:normal}
+.prov td,.prov th{text-align:left;font-size:12px;white-space:normal}
 """
 
 
