@@ -25,7 +25,7 @@ def _str_list(ctx, param, value):
 
 @click.command("eval")
 @click.argument("model")
-@click.option("--data", help="Held-out text: a UTF-8 file (one document), a folder of .txt/.md files, or a hub "
+@click.option("--data", help="Held-out text: a UTF-8 file (one document), a folder of .txt/.md/.txt.gz files, or a hub "
               "dataset name such as wikitext (online only). Without it perplexity is skipped.")
 @click.option("--data-config", help="Hub dataset config, e.g. wikitext-2-raw-v1.")
 @click.option("--data-split", default="test", show_default=True, help="Hub dataset split.")
