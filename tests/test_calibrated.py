@@ -167,3 +167,19 @@ def test_calibrated_without_calibration_is_refused(tmp_path):
     with pytest.raises(InputError, match="--calibration DATA"):
         convert(tmp_path / "src", tmp_path / "dst", groups=2, method="calibrated")
     assert not (tmp_path / "dst").exists()
+
+
+def test_bf16_source_keeps_its_dtype_and_dry_run_gathers_nothing(tmp_path, calibration_file):
+    save_redundant_model(tmp_path / "src", "llama", groups=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "src").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    make_tiny_tokenizer(tmp_path / "bf16")
+    plan = convert(tmp_path / "bf16", tmp_path / "dry", groups=2, method="calibrated", calibration="no-such-data",
+                   dry_run=True).plan  # dry run: the data is not even opened
+    assert any("q_proj" in out.name for out in plan.output_tensors()) and not (tmp_path / "dry").exists()
+    convert(tmp_path / "bf16", tmp_path / "dst", groups=2, method="calibrated", calibration=str(calibration_file),
+            calibration_tokens=300, progress=False)
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype="auto")
+    assert {p.dtype for p in out.parameters()} == {torch.bfloat16}
+    ids = ids_for_test()
+    torch.testing.assert_close(logits(tmp_path / "dst", ids), logits(tmp_path / "bf16", ids), rtol=0.05, atol=0.05)
