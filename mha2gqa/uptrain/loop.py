@@ -10,8 +10,8 @@ from mha2gqa.uptrain import checkpoints
 from mha2gqa.uptrain.data_setup import build_data
 from mha2gqa.uptrain.final import save_final, write_provenance
 from mha2gqa.uptrain.metrics import Metrics, Trace
-from mha2gqa.uptrain.models import (check_vocab, load_student, load_teacher, load_tokenizer, make_optimizer,
-                                    select_trainable)
+from mha2gqa.uptrain.models import (check_teacher, check_vocab, load_student, load_teacher, load_tokenizer,
+                                    make_optimizer, select_trainable)
 from mha2gqa.uptrain.recipe import Recipe
 from mha2gqa.uptrain.schedule import tokens_per_step, total_steps
 from mha2gqa.uptrain.steps import Run, TrainingDiverged, run_steps
@@ -69,7 +69,7 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
     trainable = select_trainable(student.model, recipe.trainable)
     teacher = load_teacher(recipe, accelerator.device) if recipe.distill.teacher else None
     if teacher is not None:
-        check_vocab(teacher, data.eval, "teacher")
+        check_teacher(student.model, teacher)
     if recipe.gradient_checkpointing:
         student.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = make_optimizer(student.model, recipe.optim, accelerator.device.type)

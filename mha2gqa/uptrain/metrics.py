@@ -19,7 +19,9 @@ METRICS = "metrics.jsonl"
 
 class Metrics:
     """One JSON object per line: step, tokens, loss (mean since the previous line; null on the
-    step-0 line), lr, grad_norm, tokens_per_s, elapsed_s, and eval_loss/eval_ppl on eval steps."""
+    step-0 line), lr, grad_norm, tokens_per_s, elapsed_s, cpu_s (this process's CPU seconds since the
+    previous line: on a shared CPU, tokens_per_s falls with contention while cpu_s shows the work),
+    and eval_loss/eval_ppl on eval steps."""
 
     def __init__(self, out: Path, accelerator, start_step: int, total: int, tensorboard: bool):
         self.main = accelerator.is_main_process
@@ -32,7 +34,7 @@ class Metrics:
         self.bar = tqdm(total=total, initial=max(start_step, 0), unit="step", disable=not accelerator.is_local_main_process,
                         dynamic_ncols=True, desc="uptrain")
         self._losses: list[float] = []
-        self._since, self._tokens_since = time.perf_counter(), 0
+        self._since, self._tokens_since, self._cpu_since = time.perf_counter(), 0, time.process_time()
         self._started = self._since
 
     def step(self, loss: float, tokens: int) -> None:
@@ -41,7 +43,7 @@ class Metrics:
         self.bar.update(1)
 
     def write(self, step: int, tokens: int, lr: float, grad_norm: float | None, evals: dict | None = None) -> dict:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         record = {
             "step": step,
             "tokens": tokens,
@@ -50,9 +52,10 @@ class Metrics:
             "grad_norm": grad_norm,
             "tokens_per_s": self._tokens_since / (now - self._since) if self._tokens_since else None,
             "elapsed_s": round(now - self._started, 3),
+            "cpu_s": round(cpu - self._cpu_since, 3),
             **(evals or {}),
         }
-        self._losses, self._since, self._tokens_since = [], now, 0
+        self._losses, self._since, self._tokens_since, self._cpu_since = [], now, 0, cpu
         if self.main:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()

@@ -42,7 +42,11 @@ def load_student(recipe: Recipe) -> Student:
     kwargs = dict(dtype=torch.float32, attn_implementation=recipe.attn_implementation)
     if recipe.model is not None:
         source = resolve_model_dir(recipe.model)
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        except (ImportError, ValueError) as err:  # e.g. an attention kernel that is not installed
+            raise InputError(f"model={recipe.model} could not be loaded with attn_implementation="
+                             f"{recipe.attn_implementation} ({err})") from err
         config = read_config(source)
         stored = getattr(torch, str(config.get("dtype") or config.get("torch_dtype")).replace("torch.", ""), None)
         return Student(model, source, stored if isinstance(stored, torch.dtype) else torch.float32)
@@ -62,6 +66,15 @@ def load_teacher(recipe: Recipe, device: torch.device) -> torch.nn.Module:
     source = resolve_model_dir(recipe.distill.teacher)
     teacher = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=recipe.attn_implementation)
     return teacher.to(device).eval().requires_grad_(False)
+
+
+def check_teacher(student: torch.nn.Module, teacher: torch.nn.Module) -> None:
+    """KL compares whole next-token distributions: both models need the same vocabulary."""
+    if student.config.vocab_size != teacher.config.vocab_size:
+        raise InputError(
+            f"distill.teacher has vocab_size={teacher.config.vocab_size}, the model {student.config.vocab_size}: "
+            "distil from the model's own parent (same tokenizer)"
+        )
 
 
 def check_vocab(model: torch.nn.Module, blocks: torch.Tensor, what: str = "model") -> None:

@@ -88,7 +88,10 @@ def run_steps(run: Run, start: int) -> dict | None:
             run.metrics.write(done, done * tps, lr, grad_norm, evals)
         if (r.save_every and done % r.save_every == 0) or done == stop_at < run.total:
             save_checkpoint(run, done, tps)
-    return evals if stop_at == run.total else None
+    if stop_at < run.total:
+        return None
+    # A resume from a checkpoint taken at the very last step runs no step: evaluate for the record.
+    return evals if evals is not None else _evaluate(run, eval_blocks)
 
 
 def _evaluate(run: Run, blocks: torch.Tensor) -> dict:
