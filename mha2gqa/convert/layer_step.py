@@ -38,7 +38,7 @@ def transform_layer(method, roles: dict, ctx, grouping: str = "contiguous") -> t
     """method: a methods.Method; roles: canonical roles of one layer; ctx: methods.LayerContext."""
     report: dict = {}
     shape = ctx.shape
-    if grouping == "similarity":
+    if grouping == "similarity" and ctx.groups > 1:  # with one group every order is the same
         order = similarity_order(roles, ctx.stats.gram.double(), shape.kv_heads, ctx.groups, shape.head_dim,
                                  ctx.stats.rotary_dims)
         roles = permute_heads(roles, order, shape.kv_heads, shape.head_dim)
