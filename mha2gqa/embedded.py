@@ -8,6 +8,7 @@ Persuasion is held out: the tokenizer and the model never saw it, so it measures
 from __future__ import annotations
 
 import gzip
+import json
 import os
 from pathlib import Path
 
@@ -79,3 +80,10 @@ def tokenizer_dir() -> Path:
 def model_dir() -> Path:
     """The embedded pretrained MHA Llama model (safetensors, config, tokenizer, metrics, provenance)."""
     return MODEL_DIR
+
+
+def pretrain_tokens() -> int:
+    """Training tokens the embedded model was pretrained on, from its provenance (mha2gqa.json,
+    written by the uptrain loop): the base of the demo's alpha (uptrain for alpha x this many)."""
+    record = json.loads((MODEL_DIR / "mha2gqa.json").read_text())
+    return int(record["uptrain"]["tokens_seen"])

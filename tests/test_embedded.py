@@ -152,14 +152,18 @@ def test_embedded_model_beats_the_unigram_baseline_by_3x(model_and_info, tokeniz
     assert math.exp(model_nll) <= math.exp(unigram_nll) / 3, (math.exp(model_nll), math.exp(unigram_nll))
 
 
-def test_model_provenance_and_metrics(model_and_info):
+def test_model_provenance_records_its_pretraining():
     model_dir = embedded.model_dir()
-    provenance = json.loads((model_dir / "provenance.json").read_text())
-    assert provenance["pretrain_tokens"] > 1_000_000
-    assert provenance["heldout"] == "persuasion"
+    record = json.loads((model_dir / "mha2gqa.json").read_text())["uptrain"]
+    tokens = embedded.pretrain_tokens()
+    assert tokens == record["tokens_seen"] == record["steps"] * record["tokens_per_step"] > 1_000_000
+    assert record["recipe"]["init_from_config"] and record["recipe"]["model"] is None  # from scratch
+    assert all("persuasion" not in path for path in record["recipe"]["data"]["train"])
+    assert f"{tokens:,}" in (model_dir / "PROVENANCE.md").read_text()
     rows = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    losses = [row["loss"] for row in rows if "loss" in row]
-    assert len(losses) >= 10 and losses[-1] < losses[0] - 2.0
+    assert rows[-1]["step"] == record["steps"]
+    evals = [row["eval_loss"] for row in rows if "eval_loss" in row]
+    assert len(evals) >= 3 and evals[-1] < evals[0] - 2.0  # it learned, on held-out text
 
 
 def test_pretrain_recipe_names_its_command_and_holds_out_persuasion(monkeypatch):
@@ -173,3 +177,18 @@ def test_pretrain_recipe_names_its_command_and_holds_out_persuasion(monkeypatch)
     assert sorted(Path(p).name for p in recipe.data.train) == [p.name for p in embedded.train_paths()]
     assert [Path(p).name for p in recipe.data.eval] == [embedded.heldout_path().name]
     assert recipe.seq_len == json.loads((embedded.model_dir() / "config.json").read_text())["max_position_embeddings"]
+    # The shipped recipe is the one the shipped model was trained with (nothing drifted since).
+    shipped = json.loads((embedded.model_dir() / "mha2gqa.json").read_text())["uptrain"]["recipe"]
+    assert recipe.to_dict() == shipped
+
+
+def test_heads_are_distinct_and_the_similarity_measure_sees_copies(model_and_info):
+    stats = _load_script("embedded_stats")
+    model, _ = model_and_info
+    rows = stats.head_similarity(model)
+    assert len(rows) == model.config.num_hidden_layers
+    assert all(abs(row["k"]) < 0.05 and abs(row["v"]) < 0.05 for row in rows), rows
+    pooled = stats.mean_pooled(model, groups=1)  # every head replaced by the mean: all identical
+    assert all(row["k"] == pytest.approx(1.0) and row["v"] == pytest.approx(1.0) for row in stats.head_similarity(pooled))
+    same = stats.mean_pooled(model, groups=model.config.num_key_value_heads)  # groups of one: unchanged
+    torch.testing.assert_close(same.model.layers[0].self_attn.k_proj.weight, model.model.layers[0].self_attn.k_proj.weight)
