@@ -37,7 +37,7 @@ def heldout_ids(source: Path, data: str | None, tokens: int) -> torch.Tensor:
     from mha2gqa import embedded
 
     text = Path(data).read_text(encoding="utf-8") if data else embedded.read_novel(embedded.HELDOUT_NOVEL)
-    ids = AutoTokenizer.from_pretrained(source)(text, add_special_tokens=False)["input_ids"]
+    ids = AutoTokenizer.from_pretrained(source)(text, add_special_tokens=False, verbose=False)["input_ids"]
     return torch.tensor(ids[:tokens], dtype=torch.long)
 
 
