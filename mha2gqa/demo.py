@@ -33,12 +33,6 @@ class DemoSettings:
         return cls(eval_tokens=None, alpha=alpha if alpha is not None else 0.05, speed=True, eval_blocks=16)
 
 
-def pretraining_tokens(model_dir: Path) -> int:
-    """Tokens the embedded parent was pretrained on, from its provenance."""
-    record = json.loads((model_dir / "mha2gqa.json").read_text())
-    return int(record["uptrain"]["tokens_seen"])
-
-
 def uptrain_overrides(converted: Path, out: Path, settings: DemoSettings, pretrain_tokens: int) -> list[str]:
     """The shipped recipe, pointed at this demo's files (absolute, so any working directory works)."""
     train = [str(p) for p in embedded.train_paths()]
@@ -82,7 +76,7 @@ def run_demo(out: Path, groups: int = 2, quick: bool = False, alpha: float | Non
              out=results / "converted.json", **eval_kwargs)
     echo(f"[3/6] evaluated parent and converted on held-out Persuasion: {results}")
 
-    tokens = pretraining_tokens(parent)
+    tokens = embedded.pretrain_tokens()
     recipe = load_recipe(DEMO_RECIPE, uptrain_overrides(converted, out / "uptrained", settings, tokens))
     uptrained = train(recipe)
     echo(f"[4/6] uptrained for alpha={settings.alpha:g} x {tokens:,} pretraining tokens: {uptrained}")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from mha2gqa import embedded
-from mha2gqa.demo import DEMO_RECIPE, pretraining_tokens
+from mha2gqa.demo import DEMO_RECIPE
 from mha2gqa.errors import InputError
 
 METHODS = ("mean", "first", "random")
@@ -45,25 +45,27 @@ def run_grid(out: Path, methods=METHODS, kv_heads=KV_HEADS, alphas=ALPHAS, eval_
     from mha2gqa.uptrain import load_recipe, train
 
     parent = embedded.model_dir()
-    pretrain = pretraining_tokens(parent)
+    pretrain = embedded.pretrain_tokens()
     positive = sorted(a for a in alphas if a > 0)
     if not positive or min(alphas) < 0:
         raise InputError(f"--alphas {alphas}: give non-negative fractions with at least one above 0, e.g. 0,0.05")
-    recipe_base = load_recipe(DEMO_RECIPE, _overrides(parent, out / "work" / "parent", eval_blocks))
+    recipe_base = load_recipe(DEMO_RECIPE, _overrides(parent, out / "work" / "parent", eval_blocks) + ["budget.max_steps=1"])
     tokens_per_step = recipe_base.seq_len * recipe_base.micro_batch_size * recipe_base.grad_accum
-    step_of = {a: round(a * pretrain / tokens_per_step) for a in alphas}
+    # Evaluations happen every `unit` steps, so every alpha is rounded to a multiple of the smallest.
+    unit = max(1, round(positive[0] * pretrain / tokens_per_step))
+    step_of = {a: round(a / positive[0]) * unit for a in alphas}
     work = out / "work"
     rows = []
 
     def measure(model: Path, name: str, steps: int, method: str, kv: int) -> None:
-        every = min(s for s in step_of.values() if s > 0)
         recipe = load_recipe(DEMO_RECIPE, _overrides(model, work / name, eval_blocks)
-                             + [f"budget.max_steps={max(steps, 1)}", f"eval_every={every}"])
+                             + [f"budget.max_steps={max(steps, 1)}", f"eval_every={unit}"])
         train(recipe)
         evals = {row["step"]: row for row in _evals(work / name)}
         for alpha, step in step_of.items():
             if step in evals and (steps or step == 0):
                 rows.append({"method": method, "kv_heads": kv, "alpha": alpha, "step": step,
+                             "alpha_exact": step * tokens_per_step / pretrain,
                              "tokens": step * tokens_per_step, "eval_loss": evals[step]["eval_loss"],
                              "perplexity": evals[step]["eval_ppl"]})
 

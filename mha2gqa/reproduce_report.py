@@ -19,6 +19,9 @@ def markdown_table(table: dict) -> str:
         by_alpha = {r["alpha"]: r["perplexity"] for r in rows if (r["method"], r["kv_heads"]) == (method, kv)}
         values = " | ".join(f"{by_alpha[a]:.2f}" if a in by_alpha else "" for a in alphas)
         lines.append(f"| {method} | {kv} | {values} |")
+    exact = sorted({(r["alpha"], r["alpha_exact"]) for r in rows if r is not parent and "alpha_exact" in r})
+    note = ", ".join(f"{a:g} = {100 * e:.2f}%" for a, e in exact)
+    lines += ["", f"Held-out perplexity ({table['eval']}). Alphas as run (whole optimizer steps): {note}."]
     return "\n".join(lines) + "\n"
 
 

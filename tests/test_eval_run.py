@@ -60,14 +60,15 @@ def test_role_comes_from_the_flag_or_the_provenance_file(models, name, role_flag
     assert (r["role"], r["label"], r["perplexity"]) == (role, "x", None)
 
 
-def test_provenance_without_conversion_or_uptrain_needs_role(models, tmp_path):
-    model = tmp_path / "odd"
+def test_a_model_without_a_conversion_record_is_a_parent(models, tmp_path):
+    """A model trained from scratch by `mha2gqa uptrain` (like the embedded default) records only its
+    training: it is a parent, not an uptrained child."""
+    model = tmp_path / "pretrained"
     save_tiny_model(model, "llama")
     make_tiny_tokenizer(model)
-    (model / "mha2gqa.json").write_text('{"something": 1}')
-    with pytest.raises(InputError, match="pass --role"):
-        evaluate(model, **QUICK)
-    assert evaluate(model, role="parent", **QUICK)["role"] == "parent"
+    (model / "mha2gqa.json").write_text('{"uptrain": {"source": {"model": null}}}')
+    assert evaluate(model, **QUICK)["role"] == "parent"
+    assert evaluate(model, role="uptrained", **QUICK)["role"] == "uptrained"
 
 
 def test_decode_speed_grid(models):
