@@ -83,7 +83,8 @@ def tokenize_documents(docs: list[str], tokenizer, max_tokens: int | None = None
     text = SEPARATOR.join(d for d in docs if d.strip())
     if not text:
         raise InputError("--data has no text (every document is empty): pass files with text in them")
-    ids = tokenizer(text, add_special_tokens=True, return_attention_mask=False)["input_ids"]
+    # verbose=False: the stream is longer than model_max_length on purpose; it is cut into windows.
+    ids = tokenizer(text, add_special_tokens=True, return_attention_mask=False, verbose=False)["input_ids"]
     ids = torch.tensor(ids, dtype=torch.long)
     return ids[:max_tokens] if max_tokens else ids
 
