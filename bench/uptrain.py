@@ -1,17 +1,24 @@
-"""Tokens/s of the uptrain loop vs a minimal hand-written torch loop, side by side in one run (CPU).
+"""Speed of the uptrain loop vs a minimal hand-written torch loop, side by side in one run (CPU).
 
 Both train the same model (the embedded default's architecture, recipes/austen-mha-config.json,
 randomly initialised with the same seed) on the same packed Austen blocks, with the same batch,
-seq_len and optimizer (fused AdamW, grad clip 1.0). The uptrain loop is mha2gqa.uptrain.train()
-itself, with everything a real run does per step (accelerate's accumulate, the NaN guard, the LR
-schedule, tqdm, metrics.jsonl); its rates are read from metrics.jsonl, whose intervals cover all
-of that. Runs alternate (ours, hand, ours, hand ...) so that load from other processes hits both;
-the first interval of each run (warm-up) and the last (it includes the final eval) are dropped.
-Two measures: tokens per wall second, and tokens per CPU second of this process (steadier on a
-machine shared with other jobs, where wall time mostly measures the neighbours).
+seq_len and optimizer (fused AdamW, grad clip 1.0). The hand-written loop is: forward with labels,
+backward, clip, step, zero_grad.
 
-    python bench/uptrain.py                 # defaults: seq_len 512, batch 8, 4 repeats of 25 steps
-    python bench/uptrain.py --repeats 2 --steps 15 --seq-len 256
+Two modes, because a shared 2-core machine makes wall time mostly a measure of the neighbours:
+- paired (default): the loop's own per-step code (mha2gqa.uptrain.steps.optimizer_step: LR,
+  accelerate's accumulate/backward, clip, NaN guard, step; plus the metrics bookkeeping run_steps
+  does) and the hand-written step alternate step by step (ABBA) in one process, on two identical
+  models; overhead = median over step pairs of (our step time / hand step time) - 1. Neighbour load
+  changes over seconds to minutes, so it hits both sides of a pair alike.
+- runs: whole mha2gqa.uptrain.train() runs (setup, tqdm, metrics.jsonl, everything) against
+  hand-written runs, alternating ABBA; rates from metrics.jsonl intervals, first (warm-up) and last
+  (final eval) intervals dropped. Closest to real use, noisiest here.
+Each reports tokens per wall second and per CPU second of this process.
+
+    python bench/uptrain.py                     # paired: 40 step pairs, seq_len 512, batch 8
+    python bench/uptrain.py --mode runs         # 8 ABBA pairs of 12-step train() runs
+    python bench/uptrain.py --mode both --seq-len 256
 """
 
 from __future__ import annotations
@@ -73,7 +80,7 @@ def hand_setup(args, work: Path):
     path.write_text(yaml.safe_dump(recipe_dict(args, work / "unused")))
     recipe = load_recipe(path, [])
     data = build_data(recipe, AutoTokenizer.from_pretrained(args.tokenizer), 0, 1, show_progress=False)
-    batches = [data.train.batch(m) for m in range(args.steps)]  # (batch, seq_len) int64 each
+    batches = [data.train.batch(m) for m in range(max(args.steps, args.pairs))]  # (batch, seq_len) int64 each
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config), dtype=torch.float32)
     return model.train(), batches
@@ -100,11 +107,89 @@ def run_hand(args, work: Path) -> list[tuple[float, float]]:
     return rates[1:-1]
 
 
+def run_paired(args, work: Path) -> dict:
+    """Alternate our optimizer step and the hand-written one, step by step, on identical models."""
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer
+
+    from mha2gqa.uptrain import load_recipe
+    from mha2gqa.uptrain.data_setup import build_data
+    from mha2gqa.uptrain.metrics import Metrics
+    from mha2gqa.uptrain.models import load_student, make_optimizer
+    from mha2gqa.uptrain.steps import Run, loss_function, optimizer_step
+
+    path = work / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(args, work / "paired", budget={"max_steps": args.pairs})))
+    recipe = load_recipe(path, [])
+    acc = Accelerator(gradient_accumulation_steps=1, mixed_precision=args.precision)
+    data = build_data(recipe, AutoTokenizer.from_pretrained(args.tokenizer), 0, 1, show_progress=False)
+    student = load_student(recipe)  # seeded init, the same weights as the hand model below
+    model, optimizer = acc.prepare(student.model, make_optimizer(student.model, recipe.optim, "cpu"))
+    (work / "paired").mkdir(exist_ok=True)
+    metrics = Metrics(work / "paired", acc, -1, args.pairs, tensorboard=False)
+    run = Run(recipe, acc, model, optimizer, None, data, work / "paired", args.pairs, metrics, None)
+    loss_fn, ours_batches = loss_function(run, model), data.train.batches(0)
+    hand_model, hand_batches = hand_setup(args, work)
+    hand_opt = torch.optim.AdamW(hand_model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    tokens = args.seq_len * args.batch
+
+    def ours(step):
+        loss, grad_norm, lr = optimizer_step(run, model, loss_fn, ours_batches, step)
+        metrics.step(loss, tokens)  # what run_steps adds per step, and a metrics line per interval
+        if (step + 1) % args.interval == 0:
+            metrics.write(step + 1, (step + 1) * tokens, lr, grad_norm)
+
+    def hand(step):
+        batch = hand_batches[step]
+        with autocast:
+            loss = hand_model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hand_model.parameters(), 1.0)
+        hand_opt.step()
+        hand_opt.zero_grad(set_to_none=True)
+
+    times = {"uptrain": [], "hand": []}
+    for step in range(args.pairs):
+        for name, fn in [("uptrain", ours), ("hand", hand)][:: 1 if step % 2 == 0 else -1]:
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn(step)
+            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    metrics.close()
+    return {name: t[2:] for name, t in times.items()}  # the first two steps warm up allocators
+
+
+def _report_paired(times: dict, tokens: int, result: dict) -> None:
+    print(f"\n| paired steps ({len(times['hand'])} pairs, medians) | hand-written | uptrain | overhead |")
+    print("|---|---|---|---|")
+    for i, name in enumerate(["tokens / wall second", "tokens / process CPU second"]):
+        ours = [t[i] for t in times["uptrain"]]
+        hand = [t[i] for t in times["hand"]]
+        overhead = statistics.median(o / h for o, h in zip(ours, hand)) - 1
+        result[f"paired {name}"] = {"uptrain": tokens / statistics.median(ours),
+                                    "hand": tokens / statistics.median(hand), "median_overhead": overhead}
+        print(f"| {name} | {tokens / statistics.median(hand):.0f} | {tokens / statistics.median(ours):.0f} | "
+              f"{100 * overhead:+.1f}% |")
+
+
+def _report_runs(runs: list, result: dict) -> None:
+    print(f"\n| whole runs ({len(runs)} ABBA repeats, median of per-run medians) | hand-written | uptrain | overhead |")
+    print("|---|---|---|---|")
+    for i, name in enumerate(["tokens / wall second", "tokens / process CPU second"]):
+        ours = [statistics.median(r[i] for r in run["uptrain"]) for run in runs]
+        hand = [statistics.median(r[i] for r in run["hand"]) for run in runs]
+        overhead = statistics.median(h / o for o, h in zip(ours, hand)) - 1
+        result[f"runs {name}"] = {"uptrain": ours, "hand": hand, "median_overhead": overhead}
+        print(f"| {name} | {statistics.median(hand):.0f} | {statistics.median(ours):.0f} | {100 * overhead:+.1f}% |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=25, help="optimizer steps per run")
-    parser.add_argument("--interval", type=int, default=5, help="steps per measured interval")
-    parser.add_argument("--repeats", type=int, default=4, help="runs of each loop, alternating")
+    parser.add_argument("--mode", choices=["paired", "runs", "both"], default="paired")
+    parser.add_argument("--pairs", type=int, default=40, help="paired mode: step pairs")
+    parser.add_argument("--steps", type=int, default=12, help="runs mode: optimizer steps per run")
+    parser.add_argument("--interval", type=int, default=3, help="steps per metrics interval")
+    parser.add_argument("--repeats", type=int, default=8, help="runs mode: runs of each loop, in ABBA order")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--precision", choices=["no", "bf16"], default="no")
@@ -114,24 +199,21 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=ROOT / ".bench" / "uptrain.json", help="where results go")
     args = parser.parse_args()
 
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            runs.append({"uptrain": run_ours(args, Path(tmp)), "hand": run_hand(args, Path(tmp))})
-            med = {k: [statistics.median(r[i] for r in v) for i in (0, 1)] for k, v in runs[-1].items()}
-            print(f"repeat {repeat + 1}: tok/s uptrain {med['uptrain'][0]:6.0f} hand {med['hand'][0]:6.0f} | "
-                  f"tok/CPU-s uptrain {med['uptrain'][1]:6.0f} hand {med['hand'][1]:6.0f}", flush=True)
     result = {"threads": torch.get_num_threads(), "seq_len": args.seq_len, "batch": args.batch,
-              "precision": args.precision, "intervals": runs}
-    print(f"\n| measure (median over {args.repeats} repeats of the per-run medians) | hand-written | uptrain | overhead |")
-    print("|---|---|---|---|")
-    for i, name in enumerate(["tokens / wall second", "tokens / process CPU second"]):
-        ours = [statistics.median(r[i] for r in run["uptrain"]) for run in runs]
-        hand = [statistics.median(r[i] for r in run["hand"]) for run in runs]
-        overhead = statistics.median(h / o for o, h in zip(ours, hand)) - 1
-        result[name] = {"uptrain": ours, "hand": hand, "median_overhead": overhead}
-        print(f"| {name} | {statistics.median(hand):.0f} | {statistics.median(ours):.0f} | {100 * overhead:+.1f}% |")
-    print("\noverhead = median over repeats of (hand / uptrain) - 1; target <= +5%")
+              "precision": args.precision}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.mode in ("paired", "both"):
+            times = run_paired(args, Path(tmp))
+            result["paired_step_seconds"] = times
+            _report_paired(times, args.seq_len * args.batch, result)
+        if args.mode in ("runs", "both"):
+            runs = []
+            for repeat in range(args.repeats):
+                order = [("uptrain", run_ours), ("hand", run_hand)][:: 1 if repeat % 2 == 0 else -1]
+                runs.append({name: fn(args, Path(tmp)) for name, fn in order})
+            result["runs_intervals"] = runs
+            _report_runs(runs, result)
+    print("\noverhead: uptrain time / hand-written time - 1 (target <= +5%)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
 

@@ -39,6 +39,8 @@ def documents(source: DataSource, cfg: DataConfig, streaming: bool):
 
 def texts(ds, field: str) -> Iterator[str]:
     for row in ds:
+        if field not in row:  # streams may not know their columns before the first row
+            raise InputError(f"data.text_field={field!r} is not a column of the data (columns: {', '.join(row)})")
         yield row[field]
 
 

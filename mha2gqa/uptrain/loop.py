@@ -64,7 +64,8 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
     set_seed(recipe.seed)
     tokenizer = load_tokenizer(recipe.tokenizer_source)
     student = load_student(recipe)
-    data = build_data(recipe, tokenizer, rank, world, show_progress=accelerator.is_local_main_process)
+    with accelerator.main_process_first():  # rank 0 fills the datasets cache; the others then read it
+        data = build_data(recipe, tokenizer, rank, world, show_progress=accelerator.is_local_main_process)
     check_vocab(student.model, data.eval)
     trainable = select_trainable(student.model, recipe.trainable)
     teacher = load_teacher(recipe, accelerator.device) if recipe.distill.teacher else None

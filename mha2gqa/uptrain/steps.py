@@ -40,48 +40,60 @@ class Run:
     trace: Trace | None
 
 
+def loss_function(run: Run, model):
+    """batch (B, S) -> scalar loss: LM loss, or its mix with KL to the teacher."""
+    if run.teacher is None:
+        return functools.partial(lm_loss, model)
+    return functools.partial(distill_loss, model, run.teacher, kl_weight=run.recipe.distill.kl_weight,
+                             temperature=run.recipe.distill.temperature, autocast=run.accelerator.autocast)
+
+
+def optimizer_step(run: Run, model, loss_fn, batches, step: int) -> tuple[float, float | None, float]:
+    """One optimizer step (0-based `step`): set the LR, accumulate grad_accum micro-batches, clip when
+    the gradients sync, stop on a non-finite loss or norm, apply. Returns (loss, grad norm, lr)."""
+    r, acc, ga = run.recipe, run.accelerator, run.recipe.grad_accum
+    lr = lr_at(step, run.total, r.optim)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=acc.device)
+    for micro in range(ga):
+        batch = next(batches).to(acc.device, non_blocking=True)  # (micro_batch, seq_len)
+        if run.trace is not None:
+            run.trace.batch(step, step * ga + micro, batch)
+        with acc.accumulate(model):  # syncs gradients on the last micro-batch only
+            loss = loss_fn(batch)
+            acc.backward(loss)
+        loss_sum += loss.detach()
+    # The norm is computed even without clipping (max_norm inf): it is the NaN guard on gradients.
+    norm = acc.clip_grad_norm_(run.model.parameters(), r.optim.grad_clip or math.inf)
+    grad_norm = None if norm is None else float(norm)
+    loss_value = float(acc.reduce(loss_sum / ga, "mean"))
+    # fp16's loss scaler skips overflowing steps by design; elsewhere a non-finite norm is divergence.
+    if not finite(loss_value) or (r.mixed_precision != "fp16" and not finite(grad_norm)):
+        raise TrainingDiverged(_diverged(run, step + 1, loss_value, grad_norm, lr))
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return loss_value, grad_norm, lr
+
+
 def run_steps(run: Run, start: int) -> dict | None:
     """Train from optimizer step `start`; returns the final eval metrics, or None when stopped early
     by exit_after_steps (after saving a resumable checkpoint)."""
     r, acc = run.recipe, run.accelerator
-    ga, tps = r.grad_accum, tokens_per_step(r, acc.num_processes)
+    tps = tokens_per_step(r, acc.num_processes)
     model = torch.compile(run.model) if r.compile else run.model
-    if run.teacher is None:
-        loss_fn = functools.partial(lm_loss, model)
-    else:
-        loss_fn = functools.partial(distill_loss, model, run.teacher, kl_weight=r.distill.kl_weight,
-                                    temperature=r.distill.temperature, autocast=acc.autocast)
+    loss_fn = loss_function(run, model)
     eval_blocks = rank_slice(run.data.eval, acc.process_index, acc.num_processes)
     evals = None
     if start == 0 and r.eval_at_start:
         evals = _evaluate(run, eval_blocks)
         run.metrics.write(0, 0, lr_at(0, run.total, r.optim), None, evals)
     stop_at = min(run.total, start + r.exit_after_steps) if r.exit_after_steps else run.total
-    batches = run.data.train.batches(start * ga)
-    max_norm = r.optim.grad_clip or math.inf  # the norm is computed either way: it guards against NaN
+    batches = run.data.train.batches(start * r.grad_accum)
     for step in range(start, stop_at):
-        lr = lr_at(step, run.total, r.optim)
-        for group in run.optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=acc.device)
-        for micro in range(ga):
-            batch = next(batches).to(acc.device, non_blocking=True)  # (micro_batch, seq_len)
-            if run.trace is not None:
-                run.trace.batch(step, step * ga + micro, batch)
-            with acc.accumulate(model):  # syncs gradients on the last micro-batch only
-                loss = loss_fn(batch)
-                acc.backward(loss)
-            loss_sum += loss.detach()
-        norm = acc.clip_grad_norm_(run.model.parameters(), max_norm)
-        grad_norm = None if norm is None else float(norm)
-        loss_value = float(acc.reduce(loss_sum / ga, "mean"))
-        # fp16's loss scaler skips overflowing steps by design; elsewhere a non-finite norm is divergence.
-        if not finite(loss_value) or (r.mixed_precision != "fp16" and not finite(grad_norm)):
-            raise TrainingDiverged(_diverged(run, step + 1, loss_value, grad_norm, lr))
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
+        loss, grad_norm, lr = optimizer_step(run, model, loss_fn, batches, step)
         done = step + 1
-        run.metrics.step(loss_value, tps)
+        run.metrics.step(loss, tps)
         is_eval = (r.eval_every and done % r.eval_every == 0) or done == run.total
         if is_eval or done % r.log_every == 0 or done == stop_at:
             evals = _evaluate(run, eval_blocks) if is_eval else None
