@@ -132,19 +132,26 @@ def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed
             else:
                 writer.write_tensor(out.name, checkpoint.load(info.name).to(DTYPES[out.dtype]))
         else:
-            stored = {role: checkpoint.load(name) for role, name in step.sources.items()}
-            context = LayerContext(plan.shape, plan.groups, step.layer, seed, stats and stats.layer(step.layer))
-            roles, report = transform_layer(method, unpack(stored, plan.shape), context, grouping)
+            report = _write_layer(checkpoint, step, plan, writer, method, seed, stats, grouping)
             if report:
                 layers.append({"layer": step.layer, **report})
-            packed = pack(roles, list(step.sources), plan.groups)
-            names = {step.sources[role]: tensor for role, tensor in packed.items()}
-            for out in step.outputs:
-                writer.write_tensor(out.name, names[out.name].to(DTYPES[out.dtype]))
         bar.update(sum(out.nbytes for out in step.outputs))
     writer.close()
     bar.close()
     return layers
+
+
+def _write_layer(checkpoint, step, plan: Plan, writer, method, seed: int, stats, grouping: str) -> dict:
+    """One layer's attention tensors: read, transform, write. A function of its own so that the
+    layer's tensors are freed before the next layer is read (memory stays at one layer's K/V)."""
+    stored = {role: checkpoint.load(name) for role, name in step.sources.items()}
+    context = LayerContext(plan.shape, plan.groups, step.layer, seed, stats and stats.layer(step.layer))
+    roles, report = transform_layer(method, unpack(stored, plan.shape), context, grouping)
+    packed = pack(roles, list(step.sources), plan.groups)
+    names = {step.sources[role]: tensor for role, tensor in packed.items()}
+    for out in step.outputs:
+        writer.write_tensor(out.name, names[out.name].to(DTYPES[out.dtype]))
+    return report
 
 
 def _copy_other_files(source: Path, out_dir: Path) -> None:
