@@ -3,16 +3,10 @@ uptrain it briefly, and measure what was lost and what was saved."""
 
 __version__ = "0.1.0"
 
+from mha2gqa import convert  # noqa: E402  (a callable package: mha2gqa.convert(src, dst, groups=8))
 from mha2gqa.errors import InputError  # noqa: E402
 
-__all__ = ["InputError", "__version__", "convert", "inspect_model"]
-
-
-def convert(*args, **kwargs):
-    """Convert SRC to DST with `groups` kv heads; see `mha2gqa.convert.run.convert`."""
-    from mha2gqa.convert.run import convert as _convert
-
-    return _convert(*args, **kwargs)
+__all__ = ["InputError", "__version__", "convert", "evaluate", "inspect_model", "load_recipe"]
 
 
 def inspect_model(*args, **kwargs):
@@ -21,3 +15,17 @@ def inspect_model(*args, **kwargs):
     from mha2gqa.convert.inspect import inspect_model as _inspect
 
     return _inspect(*args, **kwargs)
+
+
+def evaluate(*args, **kwargs) -> dict:
+    """Measure a model (perplexity, agreement, KV cache, decode speed); see `mha2gqa.eval.run.evaluate`."""
+    from mha2gqa.eval import evaluate as _evaluate
+
+    return _evaluate(*args, **kwargs)
+
+
+def load_recipe(*args, **kwargs):
+    """A validated uptraining recipe from YAML and key=value overrides; see `mha2gqa.uptrain.recipe`."""
+    from mha2gqa.uptrain import load_recipe as _load_recipe
+
+    return _load_recipe(*args, **kwargs)

@@ -107,3 +107,12 @@ def test_an_interrupted_run_leaves_no_destination(tmp_path, monkeypatch):
         convert(tmp_path / "src", tmp_path / "dst", groups=2, progress=False)
     assert len(calls) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no dst, no partial directory
+
+
+def test_python_api_stays_callable_after_submodules_are_imported(tmp_path):
+    import mha2gqa
+    import mha2gqa.convert.methods  # noqa: F401  (would shadow a plain function of the same name)
+
+    save_tiny_model(tmp_path / "src", "llama")
+    result = mha2gqa.convert(tmp_path / "src", tmp_path / "dst", groups=4, progress=False)
+    assert result.dst == tmp_path / "dst" and result.plan.groups == 4
