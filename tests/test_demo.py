@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from mha2gqa.cli import main
@@ -9,8 +10,12 @@ from mha2gqa.reproduce import run_grid
 from mha2gqa.reproduce_report import markdown_table, plot
 
 
-def test_quick_demo_runs_the_whole_job_and_uptraining_recovers(tmp_path):
-    result = CliRunner().invoke(main, ["demo", "--quick", "--out", str(tmp_path / "demo")])
+@pytest.mark.parametrize("flags", [
+    pytest.param(["--quick"], id="quick"),
+    pytest.param([], id="full", marks=pytest.mark.slow),  # ~10 minutes: python -m pytest -m slow
+])
+def test_demo_runs_the_whole_job_and_uptraining_recovers(tmp_path, flags):
+    result = CliRunner().invoke(main, ["demo", *flags, "--out", str(tmp_path / "demo")])
     assert result.exit_code == 0, result.output
     out = tmp_path / "demo"
     for stage in ("[1/6]", "[2/6]", "[3/6]", "[4/6]", "[5/6]", "[6/6]"):
