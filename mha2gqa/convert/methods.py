@@ -54,7 +54,7 @@ def _reduce_kv(roles: dict, ctx: LayerContext, reduce: Callable[[torch.Tensor, s
 def group_mean(grouped: torch.Tensor) -> torch.Tensor:
     """(G, r, ...) -> (G, ...) in fp32. Summing upcast slices is ~2.5x faster on CPU than upcasting
     the whole tensor first, and never holds more than one fp32 copy of the output."""
-    total = grouped[:, 0].float()
+    total = grouped[:, 0].to(torch.float32, copy=True)  # a copy even for fp32: never add into the source
     for j in range(1, grouped.shape[1]):
         total += grouped[:, j]
     return total.div_(grouped.shape[1])
