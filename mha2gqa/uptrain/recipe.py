@@ -101,7 +101,7 @@ class Recipe:
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    """Autocast precision (weights and optimizer stay fp32). fp16 needs a GPU."""
+    """Autocast precision (weights and optimizer stay fp32); fp16 adds a loss scaler: prefer bf16."""
     trainable: Literal["all", "attention", "kv"] = "all"
     """Parameters to train: everything, attention only (q/k/v/o + their norms), or k/v only."""
     attn_implementation: str = "sdpa"
