@@ -57,6 +57,11 @@ def run(args) -> dict:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="calibrated-uptrain-"))
     (work / "stats").mkdir(parents=True, exist_ok=True)
     stats = calibrate(source, layout, shape, args.calibration, args.calibration_tokens, work / "stats", progress=False)
+    # The parent on the same eval blocks: the step-0 eval of a one-step run.
+    train(load_recipe(RECIPE, [f"model={source}", f"output_dir={work / 'parent'}", "budget.alpha=null",
+                                "budget.max_steps=1", f"tokenizer={source}"]))
+    parent = curve(work / "parent")[0][1]
+    print(json.dumps({"parent_ppl": parent}), flush=True)
     for kv in args.kv:
         for name in args.variants:
             method, grouping = VARIANTS[name]
@@ -72,11 +77,13 @@ def run(args) -> dict:
     for row in results:
         mean = next(r for r in results if r["kv_heads"] == row["kv_heads"] and r["variant"] == "mean")
         row["tokens_to_mean_final"] = tokens_to_reach(row["curve"], mean["final_ppl"])
-    return {"model": str(source), "alpha": args.alpha, "pretrain_tokens": total, "recipe": str(RECIPE), "rows": results}
+    return {"model": str(source), "alpha": args.alpha, "pretrain_tokens": total, "recipe": str(RECIPE),
+            "parent_ppl": parent, "rows": results}
 
 
 def table(result: dict) -> str:
-    lines = [f"alpha = {result['alpha']} of {result['pretrain_tokens']} pretraining tokens", "",
+    lines = [f"alpha = {result['alpha']} of {result['pretrain_tokens']} pretraining tokens; parent ppl "
+             f"{result['parent_ppl']:.2f} on the same eval blocks", "",
              "| kv heads | variant | ppl at start | ppl after | tokens to reach mean's final ppl |", "|---|---|---|---|---|"]
     for row in result["rows"]:
         reach = row["tokens_to_mean_final"]
