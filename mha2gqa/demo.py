@@ -14,7 +14,7 @@ from typing import Callable
 from mha2gqa import embedded
 from mha2gqa.errors import InputError
 
-DEMO_RECIPE = Path(__file__).parent / "recipes" / "austen-gqa-uptrain.yaml"
+DEMO_RECIPE = Path(__file__).parent / "recipes" / "demo-uptrain.yaml"
 
 
 @dataclass(frozen=True)
