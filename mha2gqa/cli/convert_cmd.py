@@ -76,7 +76,7 @@ def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_ru
 def layer_table(layers: list[dict]) -> str:
     """Per-layer relative reconstruction errors of keys and values (and the kv order when regrouped)."""
     headers = ["layer", "key error", "value error"] + (["kv order"] if "kv_order" in layers[0] else [])
-    rows = [[str(row["layer"]), f"{row.get('key_error', float('nan')):.4f}", f"{row.get('value_error', float('nan')):.4f}"]
+    rows = [[str(row["layer"])] + [f"{row.get(key, float('nan')):.4f}" for key in ("key_error", "value_error")]
             + ([" ".join(map(str, row["kv_order"]))] if "kv_order" in row else []) for row in layers]
     return table(headers, rows)
 

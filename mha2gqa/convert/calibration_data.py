@@ -88,7 +88,8 @@ def calibration_ids(tokenizer, texts: Iterator[str], tokens: int) -> torch.Tenso
         raise InputError(f"--calibration-tokens {tokens} must be at least 1 (e.g. 131072)")
     ids: list[int] = []
     for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])  # no too-long warning: ids are re-blocked
+        # verbose=False: no "longer than the model's maximum" warning, the ids are cut into blocks later
+        ids.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         if len(ids) >= tokens:
             break
     if not ids:

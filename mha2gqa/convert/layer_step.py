@@ -44,8 +44,10 @@ def transform_layer(method, roles: dict, ctx, grouping: str = "contiguous") -> t
         roles = permute_heads(roles, order, shape.kv_heads, shape.head_dim)
         report["kv_order"] = order
     # float64 copies taken before the method runs, so a method that reuses its input's memory cannot skew them
-    device = ctx.stats.gram.device if ctx.stats else "cpu"
-    before = {part: augment(roles[f"{part}.weight"], roles.get(f"{part}.bias"), device) for part in _PARTS} if ctx.stats else {}
+    before = {}
+    if ctx.stats is not None:
+        before = {part: augment(roles[f"{part}.weight"], roles.get(f"{part}.bias"), ctx.stats.gram.device)
+                  for part in _PARTS}
     out = method.convert_layer(roles, ctx)
     measured = out.pop(REPORT, None)
     if measured is None and ctx.stats is not None:

@@ -94,12 +94,14 @@ def mean_norm_layer(roles: dict, ctx: LayerContext) -> dict:
     def norms(tensors: dict, names: list[str], heads: int) -> torch.Tensor:  # (heads,) norm of weight and bias
         return sum(tensors[name].float().reshape(heads, -1).pow(2).sum(1) for name in names).sqrt()
 
-    targets = {part: norms(roles, names, ctx.shape.kv_heads).reshape(groups, -1).mean(1) for part, names in parts.items()}
+    targets = {part: norms(roles, names, ctx.shape.kv_heads).reshape(groups, -1).mean(1)  # (G,)
+               for part, names in parts.items()}
     out = mean_layer(roles, ctx)
     for part, names in parts.items():
         scale = targets[part] / norms(out, names, groups).clamp_min(1e-12)  # (G,)
         for name in names:
-            out[name] = (out[name].float().reshape(groups, -1) * scale[:, None]).reshape(out[name].shape).to(out[name].dtype)
+            scaled = out[name].float().reshape(groups, -1) * scale[:, None]
+            out[name] = scaled.reshape(out[name].shape).to(out[name].dtype)
     return out
 
 
