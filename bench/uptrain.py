@@ -69,7 +69,7 @@ def run_ours(args, work: Path) -> list[tuple[float, float]]:
     return [(ln["tokens_per_s"], tokens / ln["cpu_s"]) for ln in lines][1:-1]
 
 
-def hand_setup(args, work: Path):
+def hand_setup(args, work: Path, steps: int):
     """The same model, blocks and optimizer, built outside the timed part."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -80,7 +80,7 @@ def hand_setup(args, work: Path):
     path.write_text(yaml.safe_dump(recipe_dict(args, work / "unused")))
     recipe = load_recipe(path, [])
     data = build_data(recipe, AutoTokenizer.from_pretrained(args.tokenizer), 0, 1, show_progress=False)
-    batches = [data.train.batch(m) for m in range(max(args.steps, args.pairs))]  # (batch, seq_len) int64 each
+    batches = [data.train.batch(m) for m in range(steps)]  # (batch, seq_len) int64 each
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config), dtype=torch.float32)
     return model.train(), batches
@@ -88,7 +88,7 @@ def hand_setup(args, work: Path):
 
 def run_hand(args, work: Path) -> list[tuple[float, float]]:
     """The minimal loop: forward with labels, backward, clip, fused AdamW step."""
-    model, batches = hand_setup(args, work)
+    model, batches = hand_setup(args, work, args.steps)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
     rates, start, cpu_start = [], time.perf_counter(), time.process_time()
@@ -129,7 +129,7 @@ def run_paired(args, work: Path) -> dict:
     metrics = Metrics(work / "paired", acc, -1, args.pairs, tensorboard=False)
     run = Run(recipe, acc, model, optimizer, None, data, work / "paired", args.pairs, metrics, None)
     loss_fn, ours_batches = loss_function(run, model), data.train.batches(0)
-    hand_model, hand_batches = hand_setup(args, work)
+    hand_model, hand_batches = hand_setup(args, work, args.pairs)
     hand_opt = torch.optim.AdamW(hand_model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
     tokens = args.seq_len * args.batch
