@@ -15,7 +15,8 @@ from mha2gqa.uptrain.recipe_doc import describe
 from mha2gqa.uptrain.recipe_load import all_keys
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+# recipes/ and the ones shipped inside the package (the demo's)
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml")) + sorted((ROOT / "mha2gqa" / "recipes").glob("*.yaml"))
 ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 
 
@@ -120,18 +121,18 @@ def test_cli_keys_and_one_line_errors(valid):
 
 
 def test_shipped_recipes_exist():
-    names = {p.name for p in RECIPES}
+    names = {p.name for p in RECIPES if p.parent.name == "recipes" and p.parent.parent == ROOT}
     assert {"tiny-cpu.yaml", "llama2-7b-gqa8-fsdp.yaml", "llama-1b-gqa-1gpu.yaml"} <= names
     assert {"ddp.yaml", "fsdp.yaml", "zero3.yaml"} <= {p.name for p in ACCELERATE_CONFIGS}
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_shipped_recipe_is_valid_and_starts_with_its_command(path):
     first = path.read_text().splitlines()[0]
     assert first.startswith("# "), "the first line must be a comment holding the command"
     command = re.search(r"(mha2gqa uptrain|-m mha2gqa\.uptrain) --recipe (\S+)", first)
     assert command, f"no uptrain command in {first!r}"
-    assert command.group(2) == f"recipes/{path.name}"
+    assert command.group(2) == str(path.relative_to(ROOT))
     for config in re.findall(r"--config_file (\S+)", first):
         assert (ROOT / config).is_file(), f"{config} named in {path.name} does not exist"
     recipe = load_recipe(path, [], check_files=False)  # its model/data live on the machine it is for
