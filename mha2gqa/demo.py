@@ -33,14 +33,12 @@ class DemoSettings:
         return cls(eval_tokens=None, alpha=alpha if alpha is not None else 0.05, speed=True, eval_blocks=16)
 
 
-def uptrain_overrides(converted: Path, out: Path, settings: DemoSettings, pretrain_tokens: int) -> list[str]:
-    """The shipped recipe, pointed at this demo's files (absolute, so any working directory works)."""
+def embedded_run_overrides(model: Path, out: Path, eval_blocks: int) -> list[str]:
+    """The shipped recipe pointed at `model`, `out` and the embedded novels (absolute paths, so any
+    working directory works): five for training, Persuasion for evaluation."""
     train = [str(p) for p in embedded.train_paths()]
-    return [
-        f"model={converted}", f"output_dir={out}", f"data.train={json.dumps(train)}",
-        f"data.eval={json.dumps([str(embedded.heldout_path())])}", f"data.eval_blocks={settings.eval_blocks}",
-        f"budget.alpha={settings.alpha}", f"budget.pretrain_tokens={pretrain_tokens}",
-    ]
+    return [f"model={model}", f"output_dir={out}", f"data.train={json.dumps(train)}",
+            f"data.eval={json.dumps([str(embedded.heldout_path())])}", f"data.eval_blocks={eval_blocks}"]
 
 
 def run_demo(out: Path, groups: int = 2, quick: bool = False, alpha: float | None = None,
@@ -78,7 +76,8 @@ def run_demo(out: Path, groups: int = 2, quick: bool = False, alpha: float | Non
     echo(f"[3/6] evaluated parent and converted on held-out Persuasion: {results}")
 
     tokens = embedded.pretrain_tokens()
-    recipe = load_recipe(DEMO_RECIPE, uptrain_overrides(converted, out / "uptrained", settings, tokens))
+    budget = [f"budget.alpha={settings.alpha}", f"budget.pretrain_tokens={tokens}"]
+    recipe = load_recipe(DEMO_RECIPE, embedded_run_overrides(converted, out / "uptrained", settings.eval_blocks) + budget)
     uptrained = train(recipe)
     echo(f"[4/6] uptrained for alpha={settings.alpha:g} x {tokens:,} pretraining tokens: {uptrained}")
 

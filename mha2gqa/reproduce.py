@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from mha2gqa import embedded
-from mha2gqa.demo import DEMO_RECIPE
+from mha2gqa.demo import DEMO_RECIPE, embedded_run_overrides
 from mha2gqa.errors import InputError
 
 METHODS = ("mean", "first", "random")
@@ -26,11 +26,9 @@ ALPHAS = (0.0, 0.025, 0.05, 0.1)
 
 
 def _overrides(model: Path, out: Path, eval_blocks: int) -> list[str]:
-    train = [str(p) for p in embedded.train_paths()]
-    return [f"model={model}", f"output_dir={out}", f"data.train={json.dumps(train)}",
-            f"data.eval={json.dumps([str(embedded.heldout_path())])}", f"data.eval_blocks={eval_blocks}",
-            "optim.schedule=constant", "eval_at_start=true", "budget.alpha=null", "budget.pretrain_tokens=null",
-            "log_every=1000000", "save_every=1000000", "overwrite=true"]
+    return embedded_run_overrides(model, out, eval_blocks) + [
+        "optim.schedule=constant", "eval_at_start=true", "budget.alpha=null", "budget.pretrain_tokens=null",
+        "log_every=1000000", "save_every=1000000", "overwrite=true"]
 
 
 def _evals(run_dir: Path) -> list[dict]:

@@ -9,7 +9,6 @@ import pytest
 from click.testing import CliRunner
 
 from mha2gqa.cli import main
-from mha2gqa.errors import InputError
 from mha2gqa.eval import evaluate, write_report
 from mha2gqa.eval.schema import SCHEMA, load_result
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
