@@ -15,10 +15,13 @@ Two modes, because a shared 2-core machine makes wall time mostly a measure of t
   hand-written runs, alternating ABBA; rates from metrics.jsonl intervals, first (warm-up) and last
   (final eval) intervals dropped. Closest to real use, noisiest here.
 Each reports tokens per wall second and per CPU second of this process.
+- profile: one train() run under cProfile; run_steps' time minus the work the hand-written loop does
+  too (forward with loss, backward, clip, AdamW step) and minus the final eval, over that work.
 
     python bench/uptrain.py                     # paired: 40 step pairs, seq_len 512, batch 8
     python bench/uptrain.py --mode runs         # 8 ABBA pairs of 12-step train() runs
     python bench/uptrain.py --mode both --seq-len 256
+    python bench/uptrain.py --mode profile --steps 15
 """
 
 from __future__ import annotations
@@ -159,6 +162,45 @@ def run_paired(args, work: Path) -> dict:
     return {name: t[2:] for name, t in times.items()}  # the first two steps warm up allocators
 
 
+def run_profile(args, work: Path) -> dict:
+    """cProfile one train() run and split run_steps' time into the work a hand-written loop also does
+    (forward with loss, backward, clip, AdamW step) and everything else (the loop's own overhead).
+    Both parts are measured in the same steps, so load from other processes largely cancels; the
+    profiler's per-call cost lands mostly on the Python bookkeeping, so this overstates our overhead."""
+    import cProfile
+    import pstats
+
+    from mha2gqa.uptrain import load_recipe, train
+
+    path = work / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(args, work / f"profile-{time.monotonic_ns()}")))
+    recipe = load_recipe(path, [])
+    profiler = cProfile.Profile()
+    profiler.runcall(train, recipe)
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, ncalls, tottime, cumtime, callers)}
+
+    def cumulative(file_end: str, name: str) -> float:
+        return sum(v[3] for (f, _, n), v in stats.items() if f.endswith(file_end) and n == name)
+
+    parts = {
+        "run_steps": cumulative("uptrain/steps.py", "run_steps"),
+        "eval": cumulative("uptrain/steps.py", "_evaluate"),
+        "forward+loss": cumulative("uptrain/losses.py", "lm_loss") - cumulative("uptrain/losses.py", "evaluate"),
+        "backward": cumulative("torch/_tensor.py", "backward"),
+        "clip": cumulative("torch/nn/utils/clip_grad.py", "clip_grad_norm_"),
+        "adamw": cumulative("torch/optim/adam.py", "step"),  # AdamW inherits Adam.step
+    }
+    compute = parts["forward+loss"] + parts["backward"] + parts["clip"] + parts["adamw"]
+    parts["loop_overhead_s"] = parts["run_steps"] - parts["eval"] - compute
+    parts["overhead"] = parts["loop_overhead_s"] / compute
+    print("\n| run_steps (s) | of which eval | forward+loss | backward | clip | AdamW | everything else | overhead |")
+    print("|---|---|---|---|---|---|---|---|")
+    cells = [f"{parts[k]:.2f}" for k in ("run_steps", "eval", "forward+loss", "backward", "clip", "adamw",
+                                         "loop_overhead_s")]
+    print("| " + " | ".join(cells) + f" | {100 * parts['overhead']:+.2f}% |")
+    return parts
+
+
 def _report_paired(times: dict, tokens: int, result: dict) -> None:
     print(f"\n| paired steps ({len(times['hand'])} pairs, medians) | hand-written | uptrain | overhead |")
     print("|---|---|---|---|")
@@ -185,7 +227,7 @@ def _report_runs(runs: list, result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["paired", "runs", "both"], default="paired")
+    parser.add_argument("--mode", choices=["paired", "runs", "both", "profile"], default="paired")
     parser.add_argument("--pairs", type=int, default=40, help="paired mode: step pairs")
     parser.add_argument("--steps", type=int, default=12, help="runs mode: optimizer steps per run")
     parser.add_argument("--interval", type=int, default=3, help="steps per metrics interval")
@@ -206,6 +248,8 @@ def main() -> None:
             times = run_paired(args, Path(tmp))
             result["paired_step_seconds"] = times
             _report_paired(times, args.seq_len * args.batch, result)
+        if args.mode == "profile":
+            result["profile"] = run_profile(args, Path(tmp))
         if args.mode in ("runs", "both"):
             runs = []
             for repeat in range(args.repeats):
