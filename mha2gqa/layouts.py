@@ -1,14 +1,15 @@
 """Per-architecture attention layouts, as data.
 
-A layout names the attention tensors of one decoder layer, relative to the layer prefix, and says
-how each kv-carrying tensor is laid out. Adding a model family is one entry in LAYOUTS.
-The layout is chosen from config.json's `model_type`, never from a model's name.
+A layout names the attention tensors of one decoder layer, relative to the layer prefix, says how
+each kv-carrying tensor is laid out, and records the norms on the query/key path that limit what a
+merge may fold into q_proj (see convert/rope.py for why). Adding a model family is one entry in
+LAYOUTS. The layout is chosen from config.json's `model_type`, never from a model's name.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from mha2gqa.errors import InputError
@@ -31,7 +32,24 @@ class Layout:
     # Norms shared by all heads, shape [hd] (qwen3): left untouched, listed for the plan only.
     shared_norms: tuple[str, ...] = ()
     layer_prefix: str = "model.layers.{layer}."
-    rope: bool = True
+    # The q/k norms below exist only when this config key is true (stablelm: qk_layernorm); None: always.
+    norms_when: str | None = None
+    # A norm between q/k_proj and RoPE, as the reason the calibrated merge gives for refusing.
+    pre_rope_norm: str | None = None
+    # A norm with one slice per query head, which the converter does not rewrite, so a query-head
+    # permutation (similarity grouping) would leave it behind: the reason for refusing one.
+    per_query_head_norm: str | None = None
+
+    def _norms_present(self, config: dict) -> bool:
+        return self.norms_when is None or bool(config.get(self.norms_when))
+
+    def calibrated_refusal(self, config: dict) -> str | None:
+        """Why a per-head key map folded into q_proj would not be exact for this config, or None."""
+        return self.pre_rope_norm if self._norms_present(config) else None
+
+    def grouping_refusal(self, config: dict) -> str | None:
+        """Why the query heads of this config cannot be permuted, or None."""
+        return self.per_query_head_norm if self._norms_present(config) else None
 
 
 _STANDARD = Layout()
@@ -43,10 +61,23 @@ LAYOUTS: dict[str, Layout] = {
     "olmo": _STANDARD,
     "granite": _STANDARD,
     "qwen2": _STANDARD,
-    "qwen3": Layout(shared_norms=("self_attn.q_norm", "self_attn.k_norm")),
-    "olmo2": Layout(k_norm_rows="self_attn.k_norm"),
-    "stablelm": Layout(k_norm_per_head="self_attn.k_layernorm.norms.{head}"),
-    "phi": Layout(o="self_attn.dense"),
+    "qwen3": Layout(
+        shared_norms=("self_attn.q_norm", "self_attn.k_norm"),
+        pre_rope_norm="its q_norm/k_norm (one [head_dim] RMSNorm shared by all heads) sit between q/k_proj and RoPE",
+    ),
+    "olmo2": Layout(
+        k_norm_rows="self_attn.k_norm",
+        pre_rope_norm="its q_norm/k_norm normalise all heads together between q/k_proj and RoPE",
+        per_query_head_norm="its q_norm has one slice per query head",
+    ),
+    "stablelm": Layout(
+        k_norm_per_head="self_attn.k_layernorm.norms.{head}",
+        norms_when="qk_layernorm",
+        pre_rope_norm="its qk_layernorm sits between q/k_proj and RoPE",
+        per_query_head_norm="its q_layernorm has one norm per query head",
+    ),
+    "phi": Layout(o="self_attn.dense", norms_when="qk_layernorm",
+                  pre_rope_norm="its qk_layernorm sits between q/k_proj and RoPE"),
     "phi3": Layout(qkv="self_attn.qkv_proj"),
 }
 
@@ -70,7 +101,6 @@ class AttentionShape:
     head_dim: int
     hidden: int
     dtype: str = "float32"
-    extra: dict = field(default_factory=dict, compare=False)
 
     def valid_groups(self) -> list[int]:
         """Target kv-head counts reachable by pooling contiguous groups (divisors of kv_heads)."""

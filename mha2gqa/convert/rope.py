@@ -17,20 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mha2gqa.errors import InputError
-
-# Key/query norms that sit between projection and rotation, by model_type (qk_layernorm: when set).
-_PRE_ROPE_NORMS = {
-    "qwen3": "its q_norm/k_norm (one [head_dim] RMSNorm shared by all heads) sit between q/k_proj and RoPE",
-    "olmo2": "its q_norm/k_norm normalise all heads together between q/k_proj and RoPE",
-}
-_QK_LAYERNORM = "its qk_layernorm sits between q/k_proj and RoPE"
-# Norms with one slice per query head are not routed through the converter, so a query permutation
-# would leave them behind.
-_PER_QUERY_HEAD_NORMS = {
-    "olmo2": "its q_norm has one slice per query head",
-    "stablelm": "its q_layernorm has one norm per query head",
-}
-
+from mha2gqa.layouts import layout_for
 
 def rotary_dims(model_dir: Path, head_dim: int) -> int:
     """How many leading dims of each head RoPE rotates (head_dim unless partial_rotary_factor < 1).
@@ -49,25 +36,19 @@ def rotary_dims(model_dir: Path, head_dim: int) -> int:
 
 def check_calibrated(config: dict, method: str) -> None:
     """Refuse, in one line, a model whose key path a per-head map cannot cross exactly."""
-    model_type = config.get("model_type")
-    reason = _PRE_ROPE_NORMS.get(model_type)
-    if reason is None and config.get("qk_layernorm"):
-        reason = _QK_LAYERNORM
+    reason = layout_for(config).calibrated_refusal(config)
     if reason:
         raise InputError(
-            f"--method {method} cannot convert model_type {model_type!r}: {reason}, so the per-head key maps "
-            "it folds into q_proj would not be exact; use --method mean or mean-norm for this model"
+            f"--method {method} cannot convert model_type {config.get('model_type')!r}: {reason}, so the per-head "
+            "key maps it folds into q_proj would not be exact; use --method mean or mean-norm for this model"
         )
 
 
 def check_grouping(config: dict) -> None:
     """Refuse similarity grouping where a query permutation would leave a per-query-head norm behind."""
-    model_type = config.get("model_type")
-    reason = _PER_QUERY_HEAD_NORMS.get(model_type)
-    if model_type == "stablelm" and not config.get("qk_layernorm"):
-        reason = None
+    reason = layout_for(config).grouping_refusal(config)
     if reason:
         raise InputError(
-            f"--grouping similarity cannot reorder the heads of model_type {model_type!r}: {reason}, which the "
-            "converter does not rewrite; use --grouping contiguous"
+            f"--grouping similarity cannot reorder the heads of model_type {config.get('model_type')!r}: {reason}, "
+            "which the converter does not rewrite; use --grouping contiguous"
         )

@@ -11,10 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
 
-SCHEDULES = ("cosine", "linear", "constant")
-TRAINABLE = ("all", "attention", "kv")
-MIXED_PRECISION = ("no", "bf16", "fp16")
-
 
 @dataclass
 class DataConfig:
