@@ -1,9 +1,89 @@
-"""The one exception type for user mistakes.
+"""How faults reach the user: the exception for user mistakes, the rule that turns faults of the
+user's files or machine into one, and signals that unwind like Ctrl-C.
 
 Anything raised as InputError is the user's to fix: the CLI prints its message as a single line
-and exits with code 2. Its message names the value, the rule and the fix.
+and exits with code 2. Its message names the value, the rule and the fix. An OSError that the
+user's files or machine cause (a full or read-only disk, a permission, a missing file) is the
+user's too: `user_file_error` words it as one line naming the file; `is_user_fault` tells the CLI
+which OSErrors those are. Anything else is a bug in mha2gqa and keeps its traceback.
 """
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import threading
+from contextlib import contextmanager
 
 
 class InputError(ValueError):
     """Bad input from the user (a flag, a path, a recipe key); never a bug in mha2gqa."""
+
+
+class WeightWarning(UserWarning):
+    """Weights that convert but deserve a look (e.g. non-finite values); the CLI prints one line each."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C so that every cleanup written for Ctrl-C runs for them too."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# errno -> (what went wrong, the fix): the faults a user's files or machine cause, not our bugs.
+_USER_FAULTS = {
+    errno.ENOSPC: ("no space left on the device", "free space or choose a location with room"),
+    errno.EDQUOT: ("disk quota exceeded", "free space or choose a location with room"),
+    errno.EFBIG: ("file too large for this filesystem", "choose another filesystem or a smaller shard size"),
+    errno.EROFS: ("the filesystem is read-only", "choose a writable location"),
+    errno.EACCES: ("permission denied", "fix its permissions or choose another location"),
+    errno.EPERM: ("operation not permitted", "fix its permissions or choose another location"),
+    errno.ENOENT: ("no such file or directory", "check the path"),
+    errno.ENOTDIR: ("a part of the path is not a directory", "check the path"),
+    errno.EISDIR: ("it is a directory where a file was expected", "pass a file"),
+    errno.ENAMETOOLONG: ("the name is too long", "choose a shorter path"),
+    errno.ELOOP: ("too many levels of symbolic links", "check the links on the path"),
+    errno.EEXIST: ("it already exists", "choose a new path or remove it"),
+    errno.ENOTEMPTY: ("the directory is not empty", "choose a new path or remove it"),
+    errno.EIO: ("input/output error", "check the disk (dmesg) and try again"),
+    errno.ENXIO: ("no such device", "check the path"),
+}
+
+
+def is_user_fault(err: BaseException) -> bool:
+    """True for an OSError that the user's files or machine cause (see _USER_FAULTS)."""
+    return isinstance(err, OSError) and err.errno in _USER_FAULTS
+
+
+def user_file_error(err: OSError, path: str | os.PathLike | None = None) -> InputError:
+    """`err` as one line: the file (err.filename, else `path`), what went wrong, the fix.
+    Use it where the failing file is the user's: `except OSError as err: raise user_file_error(err, dst) from err`."""
+    what, fix = _USER_FAULTS.get(err.errno, (err.strerror or type(err).__name__, "check the file and try again"))
+    where = err.filename if err.filename is not None else path
+    where = f"{os.fsdecode(where)}: " if where is not None else ""
+    return InputError(f"{where}{what}: {fix}")
+
+
+@contextmanager
+def signals_as_interrupts():
+    """While active (main thread only), SIGTERM and SIGHUP raise Interrupted, so `except
+    KeyboardInterrupt` / `finally` cleanups run for them as for Ctrl-C. A second signal of the same
+    kind gets the default action (kills at once); later runs remove what that leaves (see checkpoint.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kinds = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+
+    def raise_interrupted(signum, _frame):
+        signal.signal(signum, signal.SIG_DFL)
+        raise Interrupted(signum)
+
+    previous = {kind: signal.signal(kind, raise_interrupted) for kind in kinds}
+    try:
+        yield
+    finally:
+        for kind, handler in previous.items():
+            signal.signal(kind, handler)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import signal
+
 import click
 
 from mha2gqa import __version__
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, Interrupted, is_user_fault, signals_as_interrupts, user_file_error
 
 
 class _OneLineError(click.ClickException):
@@ -15,14 +17,28 @@ class _OneLineError(click.ClickException):
 
 
 class _Group(click.Group):
+    """The one place where faults become what the user sees: InputError and OSErrors of the user's
+    files or machine -> one `Error:` line, exit 2; Ctrl-C, SIGTERM, SIGHUP -> cleanups run (they
+    unwind as KeyboardInterrupt), one line, exit 128 + the signal number; anything else is our bug
+    and keeps its traceback."""
+
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            with signals_as_interrupts():
+                return super().invoke(ctx)
         except InputError as err:
             raise _OneLineError(str(err)) from None
+        except OSError as err:
+            if not is_user_fault(err):
+                raise
+            raise _OneLineError(str(user_file_error(err))) from None
         except click.UsageError as err:  # a subcommand's bad flag: one line too, with where to look
             where = err.ctx.command_path if err.ctx else "mha2gqa"
             raise _OneLineError(f"{err.format_message()} (see '{where} --help')") from None
+        except KeyboardInterrupt as err:
+            signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
+            click.echo(f"\nInterrupted by {signal.Signals(signum).name}", err=True)
+            raise click.exceptions.Exit(128 + signum) from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
