@@ -148,17 +148,9 @@ def calibrate(source: Path, layout: Layout, shape: AttentionShape, data: str, to
 def load_source_model(model_dir: Path, device: str | None = None, progress: bool = True):
     """The source causal LM for calibration: the GPU in the checkpoint's dtype when there is one, else
     CPU in float32 (fast and exact enough for statistics accumulated in float64)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from mha2gqa.loading import load_causal_lm
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = "auto" if device != "cpu" else torch.float32
-    silence = not progress and hf_logging.is_progress_bar_enabled()  # --quiet: no "Loading weights" bar either
-    if silence:
-        hf_logging.disable_progress_bar()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=False)
-    finally:
-        if silence:
-            hf_logging.enable_progress_bar()
-    return model.to(device).eval()
+    # Refuses missing/unexpected/wrong-shape tensors: random ones would poison the statistics.
+    return load_causal_lm(model_dir, "SRC", progress=progress, dtype=dtype).to(device).eval()

@@ -36,21 +36,12 @@ def pick_dtype(dtype: str) -> torch.dtype | str:
     return DTYPES[dtype]
 
 
-def load_model(model_dir: Path, dtype, device: torch.device, progress: bool = True):
-    """A causal LM in eval mode on `device`. Never runs code shipped with the checkpoint."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+def load_model(model_dir: Path, dtype, device: torch.device, progress: bool = True, what: str = "model"):
+    """A causal LM in eval mode on `device`: safetensors only, never code shipped with the checkpoint,
+    refused when its tensors do not match its config (mha2gqa.loading)."""
+    from mha2gqa.loading import load_causal_lm
 
-    # --quiet also silences transformers' own "Loading weights" bar, then restores the user's setting.
-    was_disabled = hf_logging.is_progress_bar_enabled() is False
-    if not progress:
-        hf_logging.disable_progress_bar()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=False)
-    finally:
-        if not progress and not was_disabled:
-            hf_logging.enable_progress_bar()
-    return model.to(device).eval()
+    return load_causal_lm(model_dir, what, progress=progress, dtype=dtype).to(device).eval()
 
 
 def load_config(model_dir: Path):

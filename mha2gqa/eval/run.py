@@ -22,6 +22,7 @@ from mha2gqa.eval.data import load_eval_text
 from mha2gqa.eval.kvcache import measure_kv_cache
 from mha2gqa.eval.lmeval import check_lm_eval_installed, run_lm_eval
 from mha2gqa.eval.schema import SCHEMA, write_result
+from mha2gqa.loading import require_safetensors
 from mha2gqa.sources import resolve_model_dir
 
 DEFAULT_CONTEXT = 1024
@@ -51,6 +52,9 @@ def evaluate(model_path, data=None, reference=None, *, tokenizer=None, data_conf
     # Everything read from config and tokenizer is checked before any weights are loaded.
     model_dir = resolve_model_dir(model_path)
     ref_dir = resolve_model_dir(reference) if reference else None
+    require_safetensors(model_dir, "model")
+    if ref_dir:
+        require_safetensors(ref_dir, "--reference")
     prov = provenance.read_provenance(model_dir)
     role = provenance.infer_role(prov, role)
     config = M.load_config(model_dir)
@@ -63,7 +67,7 @@ def evaluate(model_path, data=None, reference=None, *, tokenizer=None, data_conf
                           max_tokens=max_tokens) if data else None
 
     model = M.load_model(model_dir, torch_dtype, dev, progress)
-    ref_model = M.load_model(ref_dir, torch_dtype, dev, progress) if ref_dir else None
+    ref_model = M.load_model(ref_dir, torch_dtype, dev, progress, "--reference") if ref_dir else None
     shape = M.shape_of(model.config)
     result = _skeleton(model_path, model_dir, model, shape, prov, role, label, reference, ref_dir, dev, seed)
     result["data"] = text.identity if text else None

@@ -11,6 +11,7 @@ import torch
 
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import layout_for, read_config
+from mha2gqa.loading import load_causal_lm
 from mha2gqa.sources import hub_offline, resolve_model_dir
 from mha2gqa.uptrain.recipe import Recipe
 
@@ -31,8 +32,10 @@ def load_tokenizer(source: str):
         raise InputError(f"tokenizer {source} is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)")
     try:
         return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as err:
-        raise InputError(f"tokenizer {source} could not be loaded ({err}): set tokenizer=<dir with tokenizer files>") from err
+    except (OSError, ValueError) as err:  # transformers' message runs to several lines: keep its first
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InputError(f"tokenizer {source} could not be loaded ({first}): "
+                         "set tokenizer=<dir with tokenizer files>") from err
 
 
 def load_student(recipe: Recipe) -> Student:
@@ -43,7 +46,9 @@ def load_student(recipe: Recipe) -> Student:
     if recipe.model is not None:
         source = resolve_model_dir(recipe.model)
         try:
-            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            model = load_causal_lm(source, "model", **kwargs)
+        except InputError:
+            raise
         except (ImportError, ValueError) as err:  # e.g. an attention kernel that is not installed
             raise InputError(f"model={recipe.model} could not be loaded with attn_implementation="
                              f"{recipe.attn_implementation} ({err})") from err
@@ -60,11 +65,9 @@ def load_student(recipe: Recipe) -> Student:
 
 def load_teacher(recipe: Recipe, device: torch.device) -> torch.nn.Module:
     """The frozen MHA parent, in the autocast dtype to halve its memory under bf16/fp16."""
-    from transformers import AutoModelForCausalLM
-
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.mixed_precision, torch.float32)
     source = resolve_model_dir(recipe.distill.teacher)
-    teacher = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=recipe.attn_implementation)
+    teacher = load_causal_lm(source, "distill.teacher", dtype=dtype, attn_implementation=recipe.attn_implementation)
     return teacher.to(device).eval().requires_grad_(False)
 
 
