@@ -20,8 +20,10 @@ PROGRESS = "progress.json"
 # could not continue the same run. Other changes (optim.lr after a divergence, say) are reported.
 STRICT_KEYS = ("model", "init_from_config", "tokenizer", "seed", "seq_len", "micro_batch_size",
                "grad_accum", "trainable", "data.", "budget.")
-# What a fresh run may delete in an existing output_dir when overwrite=true: only our own files.
-OWN_FILES = ("checkpoints", "metrics.jsonl", "trace", "tensorboard", "mha2gqa.json")
+# What a fresh run may delete in an existing output_dir when overwrite=true: only our own files, and
+# never a previous final model (weights, config, tokenizer, mha2gqa.json): final.py replaces that only
+# once the new one is complete, so a run that fails leaves the old one whole.
+OWN_FILES = ("checkpoints", "metrics.jsonl", "trace", "tensorboard")
 
 
 def checkpoint_dir(out: Path, step: int) -> Path:
@@ -29,15 +31,20 @@ def checkpoint_dir(out: Path, step: int) -> Path:
 
 
 def complete_checkpoints(out: Path) -> list[Path]:
-    """Finished checkpoints, oldest first."""
+    """Finished checkpoints (a readable progress.json), oldest first."""
     root = out / CHECKPOINTS
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step-*") if (p / PROGRESS).is_file())
+    return sorted(p for p in root.glob("step-*") if read_progress(p) is not None)
 
 
-def read_progress(ckpt: Path) -> dict:
-    return json.loads((ckpt / PROGRESS).read_text())
+def read_progress(ckpt: Path) -> dict | None:
+    """The checkpoint's progress record, or None when it is absent or damaged (not a finished checkpoint)."""
+    try:
+        progress = json.loads((ckpt / PROGRESS).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return progress if isinstance(progress, dict) and isinstance(progress.get("step"), int) else None
 
 
 def write_progress(ckpt: Path, progress: dict) -> None:
@@ -64,6 +71,7 @@ def flat(d: dict, prefix: str = "") -> dict:
 def check_start(out: Path, recipe: Recipe, resume: bool, world_size: int) -> tuple[Path | None, list[str]]:
     """Decide, before anything is written, where the run starts. Returns (checkpoint to resume from or
     None, notes on changed keys the user should know about). Raises InputError when it may not start."""
+    check_not_a_source(out, recipe)
     if not resume:
         busy = out.is_dir() and any(out.iterdir())
         if busy and not recipe.overwrite:
@@ -92,15 +100,31 @@ def check_start(out: Path, recipe: Recipe, resume: bool, world_size: int) -> tup
 
 
 def clear_own_files(out: Path) -> None:
-    """For overwrite=true: remove what an earlier run wrote, leaving anything else alone."""
+    """For overwrite=true: remove an earlier run's checkpoints and logs, leaving anything else alone."""
     for name in OWN_FILES:
         path = out / name
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
-    for weights in out.glob("model*.safetensors*"):
-        weights.unlink()
+
+
+def check_not_a_source(out: Path, recipe: Recipe) -> None:
+    """Refuse an output_dir that is, contains or lies inside a local directory the run reads from:
+    overwrite=true and the final save would otherwise delete or replace the source's own files."""
+    out_r = out.expanduser().resolve()  # resolve: a symlink to the model is the model
+    for key, value in (("model", recipe.model), ("distill.teacher", recipe.distill.teacher),
+                       ("tokenizer", recipe.tokenizer), ("init_from_config", recipe.init_from_config)):
+        if value is None or not Path(value).expanduser().exists():
+            continue  # a hub id: nothing local to protect
+        src = Path(value).expanduser().resolve()
+        src = src.parent if src.is_file() else src
+        if out_r == src or src in out_r.parents:
+            raise InputError(f"output_dir {out} is {key}={value} or lies inside it: the run would write over its source; "
+                             "choose an output_dir outside it")
+        if out_r in src.parents:
+            raise InputError(f"output_dir {out} contains {key}={value}: overwrite or the final save could delete "
+                             "the source; choose an output_dir that does not hold it")
 
 
 def truncate_jsonl(path: Path, keep) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from pathlib import Path
 
@@ -30,7 +31,10 @@ def _read_yaml(path) -> dict:
     if not path.is_file():
         raise InputError(f"recipe {path}: no such file (see recipes/*.yaml for examples)")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise InputError(f"recipe {path} is not UTF-8 text (byte {err.start}): pass a YAML recipe "
+                         "(see recipes/*.yaml)") from err
     except yaml.YAMLError as err:
         raise InputError(f"recipe {path} is not valid YAML: {str(err).splitlines()[0]}") from err
     if raw is None:
@@ -134,6 +138,8 @@ def _scalar(value, hint):
             except ValueError:
                 raise ValueError(f"expected a number, got {value!r}") from None
         if isinstance(value, (int, float)):
+            if not math.isfinite(value):  # .inf passes `> 0` checks and turns every weight into NaN
+                raise ValueError(f"expected a finite number, got {value!r}")
             if hint is float:
                 return float(value)
             if float(value).is_integer():
