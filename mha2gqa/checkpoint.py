@@ -8,17 +8,21 @@ is transformed is read alone into memory it owns. Memory stays flat whatever the
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
+import functools
 import json
 import os
 import shutil
 import struct
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, is_user_fault, user_file_error
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -49,7 +53,7 @@ class TensorInfo:
 
 
 def read_header(path: Path) -> tuple[dict, int]:
-    """The JSON header of a .safetensors file and the offset where its data begins."""
+    """The JSON header of a .safetensors file (a JSON object) and the offset where its data begins."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -62,27 +66,79 @@ def read_header(path: Path) -> tuple[dict, int]:
             header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise InputError(f"{path} has a corrupt safetensors header ({err}): re-save the checkpoint") from err
+    if not isinstance(header, dict):
+        raise InputError(f"{path} has a safetensors header that is a JSON {type(header).__name__}, not an object: "
+                         "re-save the checkpoint")
     return header, 8 + length
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _tensor_infos(path: Path) -> list[TensorInfo]:
+    """Every tensor's place in `path`, checked as the safetensors library checks it: known dtype,
+    shape and offsets of non-negative integers, byte count matching the shape, and ranges that tile
+    the data exactly (no overlap, no gap, nothing missing or left over)."""
     header, data_start = read_header(path)
-    size = path.stat().st_size
+    data_size = path.stat().st_size - data_start
+
+    def corrupt(name: str, what: str) -> InputError:
+        return InputError(f"{path}: tensor {name!r} {what}: the file is corrupt; re-save the checkpoint")
+
     infos = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        begin, end = entry["data_offsets"]
-        dtype = entry["dtype"]
-        if dtype not in DTYPES:
-            raise InputError(f"{path}: tensor {name} has dtype {dtype}, which mha2gqa cannot read")
+        if not isinstance(entry, dict):
+            raise corrupt(name, f"has a header entry that is a JSON {type(entry).__name__}, not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise InputError(f"{path}: tensor {name!r} has dtype {dtype!r}, which mha2gqa cannot read "
+                             f"(readable: {', '.join(DTYPES)})")
+        if not isinstance(shape, list) or not all(_is_count(dim) for dim in shape):
+            raise corrupt(name, f"has shape {shape!r} (must be a list of non-negative integers)")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets)) \
+                or offsets[0] > offsets[1]:
+            raise corrupt(name, f"has data_offsets {offsets!r} (must be [begin, end], 0 <= begin <= end)")
         numel = 1
-        for dim in entry["shape"]:
+        for dim in shape:
             numel *= dim
-        if end - begin != numel * DTYPES[dtype].itemsize or data_start + end > size:
-            raise InputError(f"{path}: tensor {name} has inconsistent offsets: the file is truncated or corrupt")
-        infos.append(TensorInfo(name, dtype, tuple(entry["shape"]), path, data_start + begin, data_start + end))
-    return sorted(infos, key=lambda info: info.start)  # file order: sequential reads
+        begin, end = offsets
+        if end - begin != numel * DTYPES[dtype].itemsize:
+            raise corrupt(name, f"has {end - begin} bytes for shape {shape} of {dtype}")
+        infos.append(TensorInfo(name, dtype, tuple(shape), path, data_start + begin, data_start + end))
+    infos.sort(key=lambda info: (info.start, info.end))  # file order: sequential reads
+    expected = data_start
+    for info in infos:
+        if info.start != expected:
+            what = "overlaps the tensor before it" if info.start < expected else "leaves a gap before it"
+            raise corrupt(info.name, f"has a byte range that {what}")
+        expected = info.end
+    if expected - data_start != data_size:
+        raise InputError(f"{path} holds {data_size} data bytes but its header describes {expected - data_start}: "
+                         "the file is truncated or corrupt; download or re-save it")
+    return infos
+
+
+def _index_shards(index: Path) -> dict[str, str]:
+    """The weight_map of a shard index, checked: a JSON object whose every value names a file inside
+    the model directory. Names are checked as written (relative, no `..`), not after resolving links,
+    so a hub cache's snapshot links to its blobs stay readable while `../../x` or `/etc/x` are refused."""
+    try:
+        weight_map = json.loads(index.read_bytes()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"{index} is not valid JSON ({err}): download or re-save the checkpoint") from err
+    except AttributeError:  # the index is a list, a number...
+        raise InputError(f"{index} is not a JSON object with a weight_map: download or re-save the checkpoint") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise InputError(f"{index} has no weight_map object (tensor name -> shard file): download or re-save the checkpoint")
+    for name, shard in weight_map.items():
+        parts = Path(shard).parts if isinstance(shard, str) else ()
+        if not parts or Path(shard).is_absolute() or ".." in parts or "\0" in shard:
+            raise InputError(f"{index} maps {name!r} to {shard!r}, which is not a file inside {index.parent}: "
+                             "shard names must be relative paths within the model directory; fix the index")
+    return weight_map
 
 
 class SafetensorsCheckpoint:
@@ -98,8 +154,7 @@ class SafetensorsCheckpoint:
     def _weight_files(self) -> list[Path]:
         index = self.model_dir / INDEX_NAME
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = [self.model_dir / name for name in dict.fromkeys(weight_map.values())]
+            files = [self.model_dir / name for name in dict.fromkeys(_index_shards(index).values())]
             missing = [str(f.name) for f in files if not f.is_file()]
             if missing:
                 raise InputError(f"{index} names missing shards {missing}: download the full checkpoint")
@@ -242,24 +297,170 @@ def _copy_range(src, dst, offset: int, count: int) -> int:
     return len(chunk)
 
 
+def check_destination(dst: Path, replace: bool) -> None:
+    """Refuse a DST that cannot be replaced safely: no name of its own ('.', '..', '/'), a symbolic
+    link (the swap would replace the link, not what it points to), a file, or a non-empty directory
+    without `replace`."""
+    if dst.name in ("", ".", ".."):
+        raise InputError(f"DST {str(dst)!r} names the current, a parent or the root directory: pass a new "
+                         "directory path, e.g. ./model-gqa")
+    if dst.is_symlink():
+        raise InputError(f"DST {dst} is a symbolic link (to {os.readlink(dst)}): pass the directory it points to, "
+                         "or remove the link")
+    if dst.exists() and not dst.is_dir():
+        raise InputError(f"DST {dst} is a file: choose a directory path")
+    if dst.is_dir() and any(dst.iterdir()) and not replace:
+        raise InputError(f"DST {dst} exists and is not empty: choose a new path or pass --force to replace it")
+
+
 @contextmanager
-def atomic_directory(dst: Path):
-    """Yield a temporary directory beside `dst`; on success it becomes `dst` (replacing an old one),
-    on any failure it vanishes. An interrupted run never leaves a half-written `dst`."""
+def atomic_directory(dst: Path, replace: bool = False, needed_bytes: int = 0):
+    """Yield a temporary directory `.DST.partial-PID` beside `dst`; on success it becomes `dst`, on
+    any failure (an exception, Ctrl-C, or SIGTERM/SIGHUP under errors.signals_as_interrupts) it
+    vanishes, with any parent directories this call created. Before yielding, checked in this order:
+    - claim: an exclusive lock on `.DST.lock` (flock, released by the kernel if the process dies), so
+      a second run writing the same `dst` is refused rather than silently replacing the first;
+    - `dst` itself (check_destination), now that no other run can change it;
+    - debris: partial directories of killed runs (kill -9, power loss) whose PID is gone are removed;
+    - room: the filesystem must be writable and hold `needed_bytes` more.
+    With `replace`, an existing `dst` is swapped with renameat2(RENAME_EXCHANGE) where the platform has
+    it, so at every instant `dst` is the old or the new directory, never missing."""
     dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    check_destination(dst, replace)
+    created = _make_parents(dst.parent)
     try:
-        yield tmp
+        with _claim(dst):
+            check_destination(dst, replace)
+            _remove_debris(dst)
+            _check_room(dst, needed_bytes)
+            tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            try:
+                yield tmp
+                _move_into_place(tmp, dst, replace)
+            except BaseException as err:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if is_user_fault(err) and (err.filename is None or str(tmp) in os.fsdecode(err.filename)):
+                    # a full or read-only disk under DST: name DST, not the temporary file that is gone
+                    raise user_file_error(OSError(err.errno, err.strerror), dst) from err
+                raise
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for parent in reversed(created):
+            with suppress(OSError):
+                parent.rmdir()
         raise
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+
+
+def _make_parents(directory: Path) -> list[Path]:
+    """mkdir -p, after checking that the nearest existing ancestor is writable; returns what it created."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    if not directory.is_dir():
+        raise InputError(f"{directory} is a file, so the DST below it cannot be created: choose another path")
+    if not os.access(directory, os.W_OK):
+        raise InputError(f"{directory} is not writable (read-only filesystem or no permission): choose a writable "
+                         "location for DST")
+    for path in reversed(missing):
+        path.mkdir()
+    return list(reversed(missing))
+
+
+@contextmanager
+def _claim(dst: Path):
+    """Hold an exclusive flock on `.DST.lock` for the whole write. The lock file is removed at the end
+    while still locked; a run that locked the removed file notices (different inode) and retries."""
+    lock_path = dst.parent / f".{dst.name}.lock"
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise InputError(f"DST {dst} is being written by another mha2gqa run (PID {holder}, lock {lock_path}): "
+                             "wait for it to finish or choose another DST") from None
+        try:
+            current = os.stat(lock_path)
+        except FileNotFoundError:
+            current = None
+        if current is not None and os.path.samestat(os.fstat(fd), current):
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(lock_path)
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _remove_debris(dst: Path) -> None:
+    """Remove `.DST.partial-PID*` directories whose PID is gone (this run holds DST's lock, so no live
+    mha2gqa run is writing them). A live PID's directory is left alone, whatever it is."""
+    prefix = f".{dst.name}.partial-"
+    for path in dst.parent.iterdir():
+        pid = path.name[len(prefix):].split("-")[0] if path.name.startswith(prefix) else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _check_room(dst: Path, needed_bytes: int) -> None:
+    free = shutil.disk_usage(dst.parent).free
+    if needed_bytes > free:
+        raise InputError(f"DST {dst} needs {needed_bytes / 2**20:.1f} MiB but its filesystem has "
+                         f"{free / 2**20:.1f} MiB free: free space or choose another location")
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with Linux's renameat2(RENAME_EXCHANGE); False where the platform or
+    the filesystem does not offer it (the caller falls back to two renames)."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), os.fsdecode(b))
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _move_into_place(tmp: Path, dst: Path, replace: bool) -> None:
+    if not (replace and dst.exists()):
+        os.rename(tmp, dst)  # over an empty directory at most: rename refuses a non-empty one
+        return
+    if not _exchange(tmp, dst):
+        # No atomic exchange here: a kill between these two renames leaves no DST (the new one stays
+        # in `tmp` until a later run removes it as debris).
+        old = tmp.with_name(tmp.name + "-old")
         os.rename(dst, old)
         os.rename(tmp, dst)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, dst)
+        tmp = old
+    shutil.rmtree(tmp)  # the old DST, now under the partial name: a kill here leaves debris, not loss

@@ -115,12 +115,35 @@ class AttentionShape:
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1}
 
 
+# Counts the attention geometry is computed from: positive integers when present; the first three
+# are required for an explicit layout (the generic one reads them through transformers' config class).
+_REQUIRED_COUNTS = ("num_attention_heads", "hidden_size", "num_hidden_layers")
+_OPTIONAL_COUNTS = ("num_key_value_heads", "head_dim")  # null or absent: defaults (heads, hidden // heads)
+
+
 def read_config(model_dir: str | Path) -> dict:
+    """config.json as a dict, with the counts that attention shapes come from checked."""
     path = Path(model_dir) / "config.json"
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_bytes())
     except json.JSONDecodeError as err:
         raise InputError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): fix or re-save it") from err
+    except UnicodeDecodeError as err:
+        raise InputError(f"{path} is not text ({err.reason} at byte {err.start}): fix or re-save it") from err
+    if not isinstance(config, dict):
+        raise InputError(f"{path} is a JSON {type(config).__name__}, not an object of settings: fix or re-save it")
+    if not isinstance(config.get("model_type"), str):
+        raise InputError(f"{path} has model_type={json.dumps(config.get('model_type'))}: it must name the "
+                         "architecture (e.g. \"llama\"); use the model's own config.json")
+    for key in _REQUIRED_COUNTS + _OPTIONAL_COUNTS:
+        value = config.get(key)
+        if value is None and (key in _OPTIONAL_COUNTS or config.get("model_type") not in LAYOUTS):
+            continue
+        if value is None:
+            raise InputError(f"{path} has no {key}: add it (a positive integer) or use the model's own config.json")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InputError(f"{path} has {key}={json.dumps(value)}: it must be a positive integer; fix config.json")
+    return config
 
 
 def layout_for(config: dict) -> Layout:

@@ -3,17 +3,37 @@
 from __future__ import annotations
 
 import signal
+import warnings
+from contextlib import contextmanager
 
 import click
 
 from mha2gqa import __version__
-from mha2gqa.errors import InputError, Interrupted, is_user_fault, signals_as_interrupts, user_file_error
+from mha2gqa.errors import (InputError, Interrupted, WeightWarning, is_user_fault, signals_as_interrupts,
+                             user_file_error)
 
 
 class _OneLineError(click.ClickException):
     """A user mistake: `Error: <message>` on stderr, exit code 2, no traceback."""
 
     exit_code = 2
+
+
+@contextmanager
+def _one_line_warnings():
+    """WeightWarnings (about the user's weights) as `Warning: <message>` lines; other warnings as usual."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", WeightWarning)
+        default = warnings.showwarning
+
+        def show(message, category, *args, **kwargs):
+            if issubclass(category, WeightWarning):
+                click.echo(f"Warning: {message}", err=True)
+            else:
+                default(message, category, *args, **kwargs)
+
+        warnings.showwarning = show
+        yield
 
 
 class _Group(click.Group):
@@ -24,7 +44,7 @@ class _Group(click.Group):
 
     def invoke(self, ctx):
         try:
-            with signals_as_interrupts():
+            with signals_as_interrupts(), _one_line_warnings():
                 return super().invoke(ctx)
         except InputError as err:
             raise _OneLineError(str(err)) from None

@@ -10,6 +10,7 @@ import torch
 from mha2gqa.checkpoint import CODES, DTYPES, OutputTensor, TensorInfo
 from mha2gqa.convert.methods import METHODS
 from mha2gqa.convert.roles import KV_ROLES, layer_names, pack, unpack
+from mha2gqa.errors import InputError
 from mha2gqa.layouts import AttentionShape, Layout
 
 
@@ -65,9 +66,11 @@ def make_plan(tensors: dict[str, TensorInfo], layout: Layout, shape: AttentionSh
     """route_query_output: q/o pass through the layer step even if the method leaves them (a head
     permutation rewrites them)."""
     available = set(tensors)
+    _check_layer_count(available, layout, shape)
     layer_steps: dict[str, Step] = {}  # every source name of a layer step -> that step
     for layer in range(shape.layers):
         stored = layer_names(layout, layer, shape.kv_heads, available)
+        _check_attention_shapes(stored, tensors, shape)
         if not (METHODS[method].rewrites_query_output or route_query_output) and not layout.qkv:
             stored = {role: name for role, name in stored.items() if role.split(".")[0] not in ("q", "o")}
         step = _layer_step(layer, stored, tensors, shape, groups, out_dtype)
@@ -86,6 +89,51 @@ def make_plan(tensors: dict[str, TensorInfo], layout: Layout, shape: AttentionSh
     bytes_in = sum(info.nbytes for info in tensors.values())
     bytes_out = sum(out.nbytes for step in steps for out in step.outputs)
     return Plan(shape, groups, method, steps, bytes_in, bytes_out)
+
+
+def _check_layer_count(available: set[str], layout: Layout, shape: AttentionShape) -> None:
+    """num_hidden_layers against the checkpoint: name the missing (or extra) layers, not the model_type."""
+    def has_layer(layer: int) -> bool:
+        prefix = layout.layer_prefix.format(layer=layer)
+        return any(name.startswith(prefix) for name in available)
+
+    missing = [layer for layer in range(shape.layers) if not has_layer(layer)]
+    if missing and len(missing) < shape.layers:  # none at all: the names do not fit the layout (roles.py says so)
+        shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+        example = layout.layer_prefix.format(layer=missing[0]) + (layout.qkv or layout.k) + ".weight"
+        raise InputError(f"config.json has num_hidden_layers={shape.layers} but the checkpoint has no tensors for "
+                         f"layer(s) {shown} (e.g. no {example}): fix num_hidden_layers or use the complete checkpoint")
+    if has_layer(shape.layers):
+        raise InputError(f"the checkpoint has tensors for layer {shape.layers} "
+                         f"({layout.layer_prefix.format(layer=shape.layers)}...) but config.json has "
+                         f"num_hidden_layers={shape.layers}: fix num_hidden_layers or use the matching config")
+
+
+def _check_attention_shapes(stored: dict[str, str], tensors: dict[str, TensorInfo], shape: AttentionShape) -> None:
+    """Every attention tensor of a layer against config.json's heads, kv heads and head_dim: a k_proj of
+    a wrong but divisible shape would otherwise convert into a DST that transformers refuses."""
+    q_rows, kv_rows = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    rows = {"q": q_rows, "k": kv_rows, "v": kv_rows, "qkv": q_rows + 2 * kv_rows, "k_norm": kv_rows}
+    width = None  # q, k and v read the same input: the first projection's columns (q's, in layer_names order)
+    for role, name in stored.items():
+        part, kind = role.rsplit(".", 1)
+        got = list(tensors[name].shape)
+        if part == "o":  # (d, H*hd): what it reads is the heads' output
+            expected = [got[0] if got else 0, q_rows] if kind == "weight" else got[:1]
+        elif part.startswith("k_norm"):  # olmo2: (n_kv*hd,); stablelm's k_norm.{j}: (hd,)
+            expected = [rows["k_norm"] if part == "k_norm" else shape.head_dim]
+        elif part not in rows:  # a role this check does not know: its layout's own concern
+            continue
+        elif kind == "weight":
+            width = width or (got[1] if len(got) == 2 else 0)
+            expected = [rows[part], width]
+        else:
+            expected = [rows[part]]
+        if got != expected:
+            raise InputError(
+                f"{name} has shape {got} but config.json (num_attention_heads={shape.heads}, num_key_value_heads="
+                f"{shape.kv_heads}, head_dim={shape.head_dim}) needs {expected}: the checkpoint does not match its "
+                "config; fix config.json or use the weights it describes")
 
 
 def _layer_step(layer, stored, tensors, shape, groups, out_dtype) -> Step:

@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,13 +16,14 @@ import torch
 from tqdm.auto import tqdm
 
 from mha2gqa import __version__
-from mha2gqa.checkpoint import DTYPES, INDEX_NAME, SafetensorsCheckpoint, ShardedWriter, atomic_directory
+from mha2gqa.checkpoint import (DTYPES, INDEX_NAME, SafetensorsCheckpoint, ShardedWriter, atomic_directory,
+                                check_destination)
 from mha2gqa.convert.calibration import DEFAULT_MEMORY, CalibrationStats, calibrate
 from mha2gqa.convert.layer_step import check_request, transform_layer
 from mha2gqa.convert.methods import METHODS, LayerContext
 from mha2gqa.convert.plan import Plan, make_plan
 from mha2gqa.convert.roles import pack, unpack
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import attention_shape, check_groups, layout_for, read_config
 from mha2gqa.sources import PICKLE_SUFFIXES, resolve_model_dir
 
@@ -40,18 +42,19 @@ class ConversionResult:
     layers: list[dict] = field(default_factory=list)
 
 
-def parse_size(text: str | int) -> int:
-    """'5GB' (10^9), '500MiB' (2^20) or plain bytes, as transformers reads --max-shard-size."""
-    if isinstance(text, int):
-        return text
+def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
+    """'5GB' (10^9), '500MiB' (2^20) or plain bytes, as transformers reads --max-shard-size.
+    `flag` is the option the size came from, for the message."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        text = str(text)
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
     if not match:
-        raise InputError(f"--max-shard-size {text!r} is not a size: use e.g. 5GB, 500MB or 2GiB")
+        raise InputError(f"{flag} {text!r} is not a size: use e.g. 5GB, 500MB or 2GiB")
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
     if number * scale < 1:
-        raise InputError(f"--max-shard-size {text!r} must be positive")
+        raise InputError(f"{flag} {text!r} must be positive")
     return int(number * scale)
 
 
@@ -61,10 +64,14 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
         raise InputError(f"DST {dst} is inside SRC {src}: choose a directory outside the source model")
     if dst_r in src_r.parents:
         raise InputError(f"DST {dst} contains SRC {src}: replacing it would delete the source; choose another DST")
-    if dst.exists() and not dst.is_dir():
-        raise InputError(f"DST {dst} is a file: choose a directory path")
-    if dst.is_dir() and any(dst.iterdir()) and not force:
-        raise InputError(f"DST {dst} exists and is not empty: choose a new path or pass --force to replace it")
+    check_destination(dst, force)
+
+
+def _bytes_needed(source: Path, plan: Plan) -> int:
+    """What DST will hold: the planned tensors, the files copied beside them, 1 MiB for headers and JSON."""
+    copied = sum(path.stat().st_size for path in source.iterdir()
+                 if path.is_file() and path.suffix not in (".safetensors", *PICKLE_SUFFIXES))
+    return plan.bytes_out + copied + (1 << 20)
 
 
 def _check_weights(src: Path) -> None:
@@ -97,7 +104,7 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
     layout, shape = layout_for(config), attention_shape(config)
     check_groups(shape, groups)
     check_request(config, method, METHODS[method], calibration, grouping)
-    memory_bytes = parse_size(calibration_memory)
+    memory_bytes = parse_size(calibration_memory, "--calibration-memory")
     dst = Path(dst).expanduser()
     _check_destination(source, dst, force)
     _check_weights(source)
@@ -106,15 +113,16 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
                      route_query_output=grouping != "contiguous")
     if dry_run:
         return ConversionResult(plan, None, source)
-    with tempfile.TemporaryDirectory(prefix="mha2gqa-calibration-") as stats_dir:
+    # Claimed, checked for room and cleared of debris before calibration, the long part, starts.
+    with atomic_directory(dst, replace=force, needed_bytes=_bytes_needed(source, plan)) as tmp, \
+            tempfile.TemporaryDirectory(prefix="mha2gqa-calibration-") as stats_dir:
         stats = calibration if isinstance(calibration, CalibrationStats) or calibration is None else calibrate(
             source, layout, shape, calibration, calibration_tokens, Path(stats_dir), memory_bytes, progress)
-        with atomic_directory(dst) as tmp:
-            layers = _write_tensors(checkpoint, plan, tmp, shard_bytes, seed, progress, stats, grouping)
-            _copy_other_files(source, tmp)
-            _write_config(config, groups, dtype, tmp)
-            extra = {"grouping": grouping, "calibration": stats.record if stats else None, "layers": layers}
-            _write_provenance(source, config, plan, seed, dtype, tmp, extra)
+        layers = _write_tensors(checkpoint, plan, tmp, shard_bytes, seed, progress, stats, grouping)
+        _copy_other_files(source, tmp)
+        _write_config(config, groups, dtype, tmp)
+        extra = {"grouping": grouping, "calibration": stats.record if stats else None, "layers": layers}
+        _write_provenance(source, config, plan, seed, dtype, tmp, extra)
     return ConversionResult(plan, dst, source, layers)
 
 
@@ -138,7 +146,7 @@ def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed
         bar.update(sum(out.nbytes for out in step.outputs))
     writer.close()
     bar.close()
-    return layers
+    return sorted(layers, key=lambda row: row["layer"])  # steps follow file order: "layers.10" before "layers.2"
 
 
 def _write_layer(checkpoint, step, plan: Plan, writer, method, seed: int, stats, grouping: str) -> dict:
@@ -146,12 +154,25 @@ def _write_layer(checkpoint, step, plan: Plan, writer, method, seed: int, stats,
     layer's tensors are freed before the next layer is read (memory stays at one layer's K/V)."""
     stored = {role: checkpoint.load(name) for role, name in step.sources.items()}
     context = LayerContext(plan.shape, plan.groups, step.layer, seed, stats and stats.layer(step.layer))
-    roles, report = transform_layer(method, unpack(stored, plan.shape), context, grouping)
+    source_roles = unpack(stored, plan.shape)
+    _warn_non_finite(source_roles, step.sources, step.layer)
+    roles, report = transform_layer(method, source_roles, context, grouping)
     packed = pack(roles, list(step.sources), plan.groups)
     names = {step.sources[role]: tensor for role, tensor in packed.items()}
     for out in step.outputs:
         writer.write_tensor(out.name, names[out.name].to(DTYPES[out.dtype]))
     return report
+
+
+def _warn_non_finite(roles: dict, sources: dict, layer: int) -> None:
+    """Pooling spreads a NaN/inf in one kv head to its whole group: name the tensor, convert anyway."""
+    for role in ("k.weight", "k.bias", "v.weight", "v.bias"):
+        tensor = roles.get(role)
+        if tensor is None or not tensor.is_floating_point() or torch.isfinite(tensor).all():
+            continue
+        name = sources.get(role) or f"{sources.get('qkv.' + role.split('.')[1])} ({role[0]} rows)"
+        warnings.warn(f"{name} has {int((~torch.isfinite(tensor)).sum())} non-finite values (NaN/inf): the merged "
+                      f"kv heads of layer {layer} carry them; check the source checkpoint", WeightWarning, stacklevel=2)
 
 
 def _copy_other_files(source: Path, out_dir: Path) -> None:
