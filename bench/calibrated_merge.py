@@ -59,6 +59,7 @@ def gap_closed(ppl: float, mean: float, parent: float) -> float:
 def run(args) -> dict:
     from mha2gqa.convert.calibration import calibrate
     from mha2gqa.convert.run import convert
+    from mha2gqa.embedded import expand_corpus_name
     from mha2gqa.layouts import attention_shape, layout_for, read_config
 
     source = Path(args.model)
@@ -73,7 +74,7 @@ def run(args) -> dict:
         work = Path(work)
         (work / "stats").mkdir()
         started = time.perf_counter()
-        stats = calibrate(source, layout, shape, args.calibration, args.calibration_tokens, work / "stats", progress=False)
+        stats = calibrate(source, layout, shape, expand_corpus_name(args.calibration), args.calibration_tokens, work / "stats", progress=False)
         print(f"calibration: {stats.tokens} tokens in {time.perf_counter() - started:.1f} s", flush=True)
         for kv in args.kv:
             for name in args.variants:

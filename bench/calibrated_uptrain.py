@@ -44,6 +44,7 @@ def tokens_to_reach(points: list[tuple[int, float]], target: float) -> int | Non
 def run(args) -> dict:
     from mha2gqa.convert.calibration import calibrate
     from mha2gqa.convert.run import convert
+    from mha2gqa.embedded import expand_corpus_name
     from mha2gqa.layouts import attention_shape, layout_for, read_config
     from mha2gqa.uptrain import load_recipe, train
 
@@ -56,7 +57,7 @@ def run(args) -> dict:
     results = []
     work = Path(args.workdir or tempfile.mkdtemp(prefix="calibrated-uptrain-"))
     (work / "stats").mkdir(parents=True, exist_ok=True)
-    stats = calibrate(source, layout, shape, args.calibration, args.calibration_tokens, work / "stats", progress=False)
+    stats = calibrate(source, layout, shape, expand_corpus_name(args.calibration), args.calibration_tokens, work / "stats", progress=False)
     # The parent on the same eval blocks: the step-0 eval of a one-step run.
     train(load_recipe(RECIPE, [f"model={source}", f"output_dir={work / 'parent'}", "budget.alpha=null",
                                 "budget.max_steps=1", f"tokenizer={source}"]))

@@ -23,6 +23,7 @@ TRAIN_NOVELS = ("emma", "mansfieldpark", "northangerabbey", "prideprejudice", "s
 HELDOUT_NOVEL = "persuasion"
 NOVELS = tuple(sorted(TRAIN_NOVELS + (HELDOUT_NOVEL,)))
 SPLITS = {"train": TRAIN_NOVELS, "heldout": (HELDOUT_NOVEL,), "all": NOVELS}
+CORPUS_NAME = "austen"  # what a user types for the five training novels (e.g. --calibration austen)
 
 
 def novel_path(name: str) -> Path:
@@ -40,6 +41,12 @@ def train_paths() -> list[Path]:
 def heldout_path() -> Path:
     """Persuasion (compressed): never seen in training; used for validation and perplexity."""
     return novel_path(HELDOUT_NOVEL)
+
+
+def expand_corpus_name(spec):
+    """The five training novels' paths for CORPUS_NAME; anything else unchanged. Commands call this on
+    the text a user names, so the readers (mha2gqa.textdata) only ever see files."""
+    return [str(p) for p in train_paths()] if spec == CORPUS_NAME else spec
 
 
 def read_novel(name: str) -> str:

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 from calibrated_models import write_calibration_text
 from mha2gqa.cli import main
-from mha2gqa.convert.calibration import GramAccumulator, collect_statistics, load_source_model
-from mha2gqa.convert.calibration_data import calibration_ids, iter_texts
+from mha2gqa import embedded, textdata
+from mha2gqa.convert.calibration import GramAccumulator, calibration_ids, collect_statistics, load_source_model
 from mha2gqa.convert.methods import LayerContext, mean_layer, mean_norm_layer
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, layout_for, read_config
@@ -61,28 +61,12 @@ def test_statistics_do_not_depend_on_batching_or_layer_slices(tiny, tmp_path):
     torch.testing.assert_close(one.layer(0).gram, x1.T @ x1, rtol=1e-6, atol=1e-6)
 
 
-def test_calibration_texts_from_files_directories_and_jsonl(tmp_path):
-    (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "a.txt").write_text("first file\n")
-    (tmp_path / "d" / "b.txt.gz").write_bytes(gzip.compress(b"second file\n"))
-    (tmp_path / "d" / "c.jsonl").write_text(json.dumps({"text": "third"}) + "\n\n")
-    (tmp_path / "d" / "skip.bin").write_bytes(b"\0")
-    assert "".join(iter_texts(str(tmp_path / "d"))) == "first file\n\nsecond file\n\nthird\n\n"  # a blank line ends each document
-    (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(InputError, match="bad.jsonl:1 has no \"text\" field"):
-        list(iter_texts(str(tmp_path / "bad.jsonl")))
-    with pytest.raises(InputError, match="hub is offline"):
-        list(iter_texts("someone/some-dataset"))
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(InputError, match="has no .txt"):
-        list(iter_texts(str(tmp_path / "empty")))
-
-
 def test_calibration_ids_take_the_first_n_tokens_and_austen_is_available():
     tokenizer = make_tiny_tokenizer()
     ids = calibration_ids(tokenizer, iter([SAMPLE_TEXT, SAMPLE_TEXT]), 50)
     assert ids.shape == (50,) and ids.tolist() == tokenizer(SAMPLE_TEXT, add_special_tokens=False)["input_ids"][:50]
-    assert len(calibration_ids(tokenizer, iter_texts("austen"), 2000)) == 2000
+    austen = textdata.resolve("--calibration", embedded.expand_corpus_name("austen"))
+    assert len(calibration_ids(tokenizer, textdata.iter_texts(austen, piece_chars=1 << 16), 2000)) == 2000
     with pytest.raises(InputError, match="--calibration-tokens 0 must be at least 1"):
         calibration_ids(tokenizer, iter([SAMPLE_TEXT]), 0)
 

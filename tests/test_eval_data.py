@@ -42,9 +42,9 @@ def test_same_text_same_hash_and_max_tokens_cuts(tmp_path, tok):
 
 
 @pytest.mark.parametrize("setup,message", [
-    (lambda p: (p / "empty").mkdir(), "the folder has no .txt/.md/.text/.txt.gz files"),
-    (lambda p: (p / "fake.txt.gz").write_text("not gzip"), "ends in .gz but is not gzip"),
-    (lambda p: (p / "bad.txt").write_bytes(b"\xff\xfe abc"), "is not UTF-8 text"),
+    (lambda p: (p / "empty").mkdir(), "the folder holds no .txt/.text/.md/.jsonl/.json/.parquet"),
+    (lambda p: (p / "fake.txt.gz").write_text("not gzip"), "ends in .gz but is not readable gzip data"),
+    (lambda p: (p / "bad.txt").write_bytes(b"\xff\xfe abc"), "not UTF-8 text"),
     (lambda p: (p / "blank.txt").write_text("   \n"), "has no text"),
 ])
 def test_bad_local_data_is_refused(tmp_path, tok, setup, message):

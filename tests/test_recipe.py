@@ -56,7 +56,7 @@ def test_every_problem_is_reported_together_each_naming_its_key(valid):
     assert "4 problem(s)" in message
     assert "unknown key sed_len (did you mean seq_len?)" in message
     assert "micro_batch_size: expected a number, got 'two'" in message
-    assert "data.train: no such file or folder missing.txt" in message
+    assert "data.train missing.txt: no such file or folder" in message
     assert "optim.schedule: expected one of cosine, linear, constant, got 'step'" in message
     assert "\n" not in message  # the CLI shows it as one line
 

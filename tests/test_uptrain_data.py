@@ -8,11 +8,11 @@ import pytest
 import torch
 from uptrain_helpers import corpus, recipe_file
 
+from mha2gqa import textdata
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain.batches import MemoryBatches, StreamBatches
-from mha2gqa.uptrain.data import block_hash, documents, pack, pack_all, rank_slice
+from mha2gqa.uptrain.data import block_hash, pack, pack_all, rank_slice
 from mha2gqa.uptrain.data_setup import build_data
-from mha2gqa.uptrain.datafiles import classify
 from mha2gqa.uptrain.recipe import OptimConfig, load_recipe
 from mha2gqa.uptrain.schedule import lr_at, total_steps
 from tiny_models import make_tiny_tokenizer
@@ -72,10 +72,10 @@ def test_rank_slice_gives_every_rank_the_same_count():
 def test_streaming_ranks_take_disjoint_documents_and_resume_exactly(tmp_path):
     tokenizer = make_tiny_tokenizer()
     data = corpus(tmp_path / "c.jsonl", docs=60)
-    source = classify("data.train", [str(data)], [])
+    source = textdata.resolve("data.train", [str(data)])
     recipe = load_recipe(recipe_file(tmp_path / "r.yaml", model=str(tmp_path), output_dir="o",
                                      data={"train": str(data), "streaming": True}), check_files=False)
-    ds = documents(source, recipe.data, streaming=True)
+    ds = textdata.load_documents(source, recipe.data.text_field, streaming=True)
     streams = [StreamBatches(ds, "text", tokenizer, EOS, 16, 2, rank, 2, seed=3, buffer=16) for rank in range(2)]
     batches = [[b for _, b in zip(range(10), s.batches(0))] for s in streams]
     hashes = [{block_hash(row) for b in bs for row in b} for bs in batches]
@@ -107,11 +107,11 @@ def test_separate_eval_file_and_missing_text_field(tmp_path):
                                      data={"train": str(train), "eval": str(held), "eval_blocks": 5}),
                          check_files=False)
     data = build_data(recipe, tokenizer, 0, 1, show_progress=False)
-    expected = pack_all(tokenizer([r["text"] for r in documents(classify("e", [str(held)], []), recipe.data, False)],
+    expected = pack_all(tokenizer([r["text"] for r in textdata.load_documents(textdata.resolve("e", [str(held)]))],
                                   add_special_tokens=False)["input_ids"], EOS, 16, limit=5)
     assert torch.equal(data.eval, expected)
     recipe.data.text_field = "body"
-    with pytest.raises(InputError, match="data.text_field='body' is not a column of the data"):
+    with pytest.raises(InputError, match=r"e.jsonl:1: has no 'body' field \(fields: text\): set data.text_field"):
         build_data(recipe, tokenizer, 0, 1, show_progress=False)
 
 

@@ -28,8 +28,8 @@ def _method_help() -> str:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--calibration", default=None, metavar="DATA",
               help="Calibration text for --method calibrated, --grouping similarity and the per-layer "
-                   "reconstruction errors: a .txt/.txt.gz/.md/.jsonl file, a directory of them, 'austen' (the "
-                   "embedded novels) or a hub dataset with a 'text' column (online). Tokenized with SRC's tokenizer.")
+                   "reconstruction errors: a .txt/.md/.jsonl/.json/.parquet file (.gz/.bz2/.xz/.zst too), a folder "
+                   "of them, 'austen' (the embedded novels) or a hub dataset with a 'text' column (online). Tokenized with SRC's tokenizer.")
 @click.option("--calibration-tokens", default=131072, show_default=True,
               help="How many calibration tokens to run through SRC (once) to gather statistics.")
 @click.option("--calibration-memory", default="4GiB", show_default=True,
@@ -51,7 +51,9 @@ def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_ru
     Example: mha2gqa convert ./llama-2-7b ./llama-2-7b-gqa8 --groups 8
     """
     from mha2gqa.convert.run import convert as run_convert
+    from mha2gqa.embedded import expand_corpus_name
 
+    calibration = expand_corpus_name(calibration)
     result = run_convert(src, dst, groups=groups, method=method, seed=seed, dtype=dtype,
                          max_shard_size=max_shard_size, force=force, dry_run=dry_run, progress=not quiet,
                          calibration=calibration, calibration_tokens=calibration_tokens,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -26,6 +27,7 @@ from mha2gqa.layouts import AttentionShape, Layout
 
 DEFAULT_MEMORY = 4 << 30  # bytes of accumulators held at once
 DEFAULT_SEQ_LEN = 512
+CALIBRATION_PIECE_CHARS = 1 << 16  # characters of a text file tokenized at a time
 
 
 @dataclass(frozen=True)
@@ -121,19 +123,22 @@ def _batches(ids: torch.Tensor, seq_len: int, batch_size: int) -> list[torch.Ten
     return batches
 
 
-def calibrate(source: Path, layout: Layout, shape: AttentionShape, data: str, tokens: int, out_dir: Path,
-              memory_bytes: int = DEFAULT_MEMORY, progress: bool = True) -> CalibrationStats:
-    """Tokenize `data` (calibration_data.iter_texts) with the source's tokenizer and collect statistics."""
+def calibrate(source: Path, layout: Layout, shape: AttentionShape, data: str | list[str], tokens: int,
+              out_dir: Path, memory_bytes: int = DEFAULT_MEMORY, progress: bool = True) -> CalibrationStats:
+    """Tokenize `data` (files, folders or a hub dataset: mha2gqa.textdata) with the source's tokenizer
+    and collect statistics."""
     from transformers import AutoTokenizer
 
-    from mha2gqa.convert.calibration_data import calibration_ids, iter_texts
+    from mha2gqa import textdata
     from mha2gqa.convert.rope import rotary_dims
 
     if not any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise InputError(f"--calibration needs the source's tokenizer, and {source} has none: "
                          "copy the tokenizer files into it")
     tokenizer = AutoTokenizer.from_pretrained(source)
-    ids = calibration_ids(tokenizer, iter_texts(data), tokens)
+    texts = textdata.iter_texts(textdata.resolve("--calibration", data), piece_chars=CALIBRATION_PIECE_CHARS,
+                                end_with_blank_line=True)
+    ids = calibration_ids(tokenizer, texts, tokens)
     model = load_source_model(source, progress=progress)
     if int(ids.max()) >= model.config.vocab_size:
         raise InputError(f"--calibration {data}: token id {int(ids.max())} is outside the model's vocabulary "
@@ -143,6 +148,21 @@ def calibrate(source: Path, layout: Layout, shape: AttentionShape, data: str, to
                                seq_len=seq_len, memory_bytes=memory_bytes, progress=progress)
     del model
     return replace(stats, record={"data": data, "rotary_dims": stats.rotary_dims, **stats.record})
+
+
+def calibration_ids(tokenizer, texts: Iterator[str], tokens: int) -> torch.Tensor:
+    """The first `tokens` ids of the concatenated texts, (N,) int64."""
+    if tokens < 1:
+        raise InputError(f"--calibration-tokens {tokens} must be at least 1 (e.g. 131072)")
+    ids: list[int] = []
+    for text in texts:
+        # verbose=False: no "longer than the model's maximum" warning, the ids are cut into blocks later
+        ids.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+        if len(ids) >= tokens:
+            break
+    if not ids:
+        raise InputError("--calibration: the calibration data holds no text")
+    return torch.tensor(ids[:tokens], dtype=torch.long)
 
 
 def load_source_model(model_dir: Path, device: str | None = None, progress: bool = True):

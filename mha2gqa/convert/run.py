@@ -87,11 +87,11 @@ def _check_weights(src: Path) -> None:
 
 def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: str | None = None,
             max_shard_size: str | int = "5GB", force: bool = False, dry_run: bool = False,
-            progress: bool = True, calibration: str | CalibrationStats | None = None,
+            progress: bool = True, calibration: str | list[str] | CalibrationStats | None = None,
             calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, grouping: str = "contiguous",
             calibration_memory: str | int = DEFAULT_MEMORY) -> ConversionResult:
     """Convert the model at `src` (directory or hub id) to `groups` kv heads, written to `dst`.
-    With `calibration` (see calibration_data.iter_texts), per-layer statistics of the attention input
+    With `calibration` (files, folders or a hub dataset: see mha2gqa.textdata), per-layer statistics of the attention input
     are gathered first (calibrated merge, similarity grouping, reconstruction errors); a sweep can pass
     statistics it gathered once with calibration.calibrate instead."""
     if method not in METHODS:

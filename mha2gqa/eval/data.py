@@ -1,20 +1,18 @@
-"""Held-out text for perplexity: local files (one document per file, or a folder of them) or a hub
-dataset when online. The texts are joined with a blank line and tokenized once, as one stream, the
-usual way sliding-window perplexity is reported (e.g. wikitext)."""
+"""Held-out text for perplexity: the documents of files, a folder or a hub dataset (read by
+mha2gqa.textdata), joined with a blank line and tokenized once, as one stream, the usual way
+sliding-window perplexity is reported (e.g. wikitext)."""
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from mha2gqa import textdata
 from mha2gqa.errors import InputError
-from mha2gqa.sources import hub_offline
 
-TEXT_SUFFIXES = (".txt", ".md", ".text", ".txt.gz")
 SEPARATOR = "\n\n"
 
 
@@ -28,54 +26,21 @@ class EvalText:
 
 def read_documents(data: str, config: str | None = None, split: str = "test", column: str = "text",
                    max_chars: int | None = None) -> tuple[list[str], dict]:
-    """Documents from a file, a folder of text files, or a hub dataset name; and a description."""
-    path = Path(data).expanduser()
-    if path.is_file():
-        return [_read_text(path)], {"source": "file", "path": str(path.resolve())}
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(TEXT_SUFFIXES))
-        if not files:
-            raise InputError(f"--data {data}: the folder has no {'/'.join(TEXT_SUFFIXES)} files: add text files")
-        return [_read_text(p) for p in files], {"source": "folder", "path": str(path.resolve()), "files": len(files)}
-    return _hub_documents(data, config, split, column, max_chars)
-
-
-def _read_text(path: Path) -> str:
-    try:
-        # The embedded corpus ships gzip-compressed: read it as it is.
-        data = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
-        return data.decode("utf-8")
-    except gzip.BadGzipFile as err:
-        raise InputError(f"--data {path} ends in .gz but is not gzip: rename or re-compress it") from err
-    except UnicodeDecodeError as err:
-        raise InputError(f"--data {path} is not UTF-8 text (byte {err.start}): convert it to UTF-8") from err
-
-
-def _hub_documents(name, config, split, column, max_chars):
-    if hub_offline():
-        raise InputError(
-            f"--data {name}: not a local file or folder, and the hub is offline (HF_HUB_OFFLINE=1): "
-            "pass a local text file or folder"
-        )
-    import datasets
-
-    # Streaming reads only what is used: a c4 split is far larger than any eval needs.
-    try:
-        ds = datasets.load_dataset(name, config, split=split, streaming=max_chars is not None)
-    except Exception as err:  # missing dataset/config/split or no network: all the user's to fix
-        raise InputError(
-            f"--data {name} (config {config}, split {split}) could not be loaded ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}): check the name, --data-config and --data-split"
-        ) from err
-    docs, chars = [], 0
-    for row in ds:
-        if column not in row:
-            raise InputError(f"--data-column {column!r} is not in {name} (columns: {', '.join(row)})")
-        docs.append(row[column])
-        chars += len(row[column])
-        if max_chars is not None and chars >= max_chars:
-            break
-    return docs, {"source": "hub", "name": name, "config": config, "split": split, "column": column}
+    """Documents from a file, a folder of files, or a hub dataset name; and a description. A hub
+    dataset is read only until `max_chars` characters (local files are read whole)."""
+    source = textdata.resolve("--data", data)
+    if source.hub is not None:
+        docs, chars = [], 0
+        for doc in textdata.iter_texts(source, column, hub_config=config, hub_split=split):
+            docs.append(doc)
+            chars += len(doc)
+            if max_chars is not None and chars >= max_chars:
+                break
+        return docs, {"source": "hub", "name": source.hub, "config": config, "split": split, "column": column}
+    docs = list(textdata.iter_texts(source, column))
+    if source.folder:
+        return docs, {"source": "folder", "path": str(Path(data).expanduser().resolve()), "files": len(source.files)}
+    return docs, {"source": "file", "path": str(source.files[0].resolve())}
 
 
 def tokenize_documents(docs: list[str], tokenizer, max_tokens: int | None = None) -> torch.Tensor:

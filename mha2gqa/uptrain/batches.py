@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from mha2gqa.errors import InputError
-from mha2gqa.uptrain.data import pack, texts, token_docs
+from mha2gqa.textdata import dataset_texts
+from mha2gqa.uptrain.data import pack, token_docs
 
 
 class MemoryBatches:
@@ -62,7 +63,8 @@ class StreamBatches:
         ds = self.ds.shuffle(seed=self.seed, buffer_size=self.buffer)
         ds.set_epoch(epoch)
         ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.ws)
-        for chunk in pack(token_docs(texts(ds, self.field), self.tokenizer), self.eos_id, self.seq_len):
+        texts = dataset_texts(ds, self.field, "data.train", "data.text_field")
+        for chunk in pack(token_docs(texts, self.tokenizer), self.eos_id, self.seq_len):
             yield from chunk
 
     def batches(self, start: int) -> Iterator[torch.Tensor]:

@@ -1,7 +1,7 @@
 """Text -> tokens -> packed seq_len blocks, with EOS between documents and no padding.
 
-Documents come through `datasets` (local text/json/parquet or a hub dataset); batches.py turns the
-blocks into per-rank training batches and data_setup.py puts the pieces together for a recipe.
+Documents come from mha2gqa.textdata (a `datasets` Dataset of local files or a hub dataset); batches.py
+turns the blocks into per-rank training batches and data_setup.py puts the pieces together for a recipe.
 """
 
 from __future__ import annotations
@@ -12,36 +12,6 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
-
-from mha2gqa.errors import InputError
-from mha2gqa.uptrain.datafiles import DataSource
-from mha2gqa.uptrain.recipe import DataConfig
-
-
-def documents(source: DataSource, cfg: DataConfig, streaming: bool):
-    """A datasets Dataset (or IterableDataset when streaming) of documents with a text column."""
-    import datasets
-
-    if source.hub is not None:
-        try:
-            ds = datasets.load_dataset(source.hub, cfg.name, split=cfg.split, streaming=streaming)
-        except Exception as err:  # missing dataset, offline, bad config name: all the user's to fix
-            raise InputError(f"data: could not load hub dataset {source.hub} ({type(err).__name__}: {err})") from err
-    else:
-        kwargs = {"sample_by": cfg.sample_by} if source.builder == "text" else {}
-        ds = datasets.load_dataset(source.builder, data_files=list(source.files), split="train",
-                                   streaming=streaming, **kwargs)
-    columns = ds.column_names
-    if columns is not None and cfg.text_field not in columns:
-        raise InputError(f"data.text_field={cfg.text_field!r} is not a column of the data (columns: {', '.join(columns)})")
-    return ds
-
-
-def texts(ds, field: str) -> Iterator[str]:
-    for row in ds:
-        if field not in row:  # streams may not know their columns before the first row
-            raise InputError(f"data.text_field={field!r} is not a column of the data (columns: {', '.join(row)})")
-        yield row[field]
 
 
 def token_docs(texts: Iterable[str], tokenizer, batch: int = 64) -> Iterator[list[int]]:

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from mha2gqa import textdata
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain.batches import MemoryBatches, StreamBatches
-from mha2gqa.uptrain.data import documents, pack_all, texts, token_docs
-from mha2gqa.uptrain.datafiles import classify
+from mha2gqa.uptrain.data import pack_all, token_docs
 from mha2gqa.uptrain.recipe import Recipe
 
 
@@ -29,15 +29,16 @@ def build_data(recipe: Recipe, tokenizer, rank: int, world_size: int, show_progr
     if eos_id is None:
         raise InputError("the tokenizer has no eos_token: packing needs one between documents (set tokenizer=...)")
     problems: list[str] = []
-    train_src = classify("data.train", cfg.train, problems)
-    eval_src = classify("data.eval", cfg.eval, problems) if cfg.eval is not None else None
+    train_src = textdata.resolve("data.train", cfg.train, problems, one_format=True)
+    eval_src = textdata.resolve("data.eval", cfg.eval, problems, one_format=True) if cfg.eval is not None else None
     if problems:
         raise InputError("; ".join(problems))
 
     def tokenized(source, streaming):
-        ds = documents(source, cfg, streaming)
+        ds = textdata.load_documents(source, cfg.text_field, field_key="data.text_field", streaming=streaming,
+                                     sample_by=cfg.sample_by, hub_config=cfg.name, hub_split=cfg.split)
         total = None if streaming else len(ds)
-        bar = tqdm(texts(ds, cfg.text_field), total=total, desc="tokenizing", unit="doc", disable=streaming or not show_progress)
+        bar = tqdm(textdata.dataset_texts(ds, cfg.text_field, source.key, "data.text_field"), total=total, desc="tokenizing", unit="doc", disable=streaming or not show_progress)
         return ds, token_docs(bar, tokenizer)
 
     eval_blocks = None

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from mha2gqa.sources import hub_offline
-from mha2gqa.uptrain.datafiles import classify
+from mha2gqa.textdata import resolve
 from mha2gqa.uptrain.recipe import Recipe
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -69,9 +69,9 @@ def _check_sources(r: Recipe, p: list[str], check_files: bool) -> None:
             _check_config_ref(r.init_from_config, p)
     if r.init_from_config and r.init_from_config.endswith(".json") and r.tokenizer is None:
         p.append("tokenizer is required with init_from_config=<file>.json (a config file carries no tokenizer)")
-    classify("data.train", r.data.train, p, check_files)
+    resolve("data.train", r.data.train, p, check_files, one_format=True)
     if r.data.eval is not None:
-        classify("data.eval", r.data.eval, p, check_files)
+        resolve("data.eval", r.data.eval, p, check_files, one_format=True)
 
 
 def _check_model_ref(key: str, value: str, p: list[str]) -> None:

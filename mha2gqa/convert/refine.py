@@ -1,0 +1,395 @@
+"""`convert --refine`: layer-wise reconstruction of the attention output after the merge.
+
+The merge matches K/V projections one at a time; it never sees what the attention layer outputs
+through the softmax, nor the drift that earlier layers' errors cause in later layers' inputs. Here,
+layer by layer and in order (the GPTQ habit, with the softmax inside):
+  target = the parent's attention output on the parent's own hidden states;
+  input  = the attention input of the converted model, whose layers below are already refined;
+and the converted layer's attention module (every parameter it has: projections, biases, per-head
+norms) is fitted to the target. The module is transformers' own, called as the model calls it, so
+every layout the merge supports is refined exactly as it runs and the checkpoint keeps its shapes.
+
+Cost is linear in depth: one pass of the parent gives the first layer's input; after that both
+models' hidden states are carried forward one layer at a time (never re-running the prefix).
+Memory: four (tokens, hidden) float32 buffers for the current layer (parent and converted hidden
+states, the converted attention input, the target), on the device when they fit in `memory` bytes,
+else memory-mapped files under $TMPDIR. The last 1/8 of the calibration blocks are held out: each
+layer's relative output error is reported on fit and held-out tokens, before and after.
+
+The fit (chosen by measurement, docs/refine.md): Adam on the normalised MSE
+||attn(x) - t||^2 / mean ||t||^2 over random mini-batches of blocks, cosine-decayed learning rate,
+then a closed-form least-squares solve of o_proj given the rest. A layer whose fit error would
+rise is left as merged, so a model that is already exact stays exact.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from mha2gqa.errors import InputError
+from mha2gqa.layouts import AttentionShape, Layout
+
+DEFAULT_MEMORY = 4 << 30
+DEFAULT_STEPS = 200
+DEFAULT_LR = 1e-3
+HOLDOUT_FRACTION = 1 / 8
+SEQ_LEN = 512
+EXACT = 1e-10  # relative output error treated as exact
+BUFFERS = ("parent", "converted", "inputs", "targets")
+
+
+@dataclass(frozen=True)
+class RefineOptions:
+    steps: int = DEFAULT_STEPS  # Adam steps per layer (0: only the o_proj least-squares solve)
+    lr: float = DEFAULT_LR  # peak Adam learning rate, cosine-decayed to 0
+    memory: int = DEFAULT_MEMORY  # bytes for one layer's activation buffers before spilling to disk
+    batch_blocks: int = 16  # sequences per Adam step
+    solve_output: bool = True  # finish with the closed-form least-squares o_proj
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.steps < 0:
+            raise InputError(f"--refine-steps {self.steps} must be 0 or more (e.g. {DEFAULT_STEPS})")
+        if not self.lr > 0:
+            raise InputError(f"--refine-lr {self.lr} must be positive (e.g. {DEFAULT_LR})")
+        if self.memory < 1:
+            raise InputError(f"--refine-memory {self.memory} must be positive (e.g. 4GiB)")
+
+
+def check_refine(options: RefineOptions, calibration) -> None:
+    """Refuse, before anything is read or written, a refinement the flags cannot serve."""
+    if calibration is None:
+        raise InputError("--refine needs calibration data to fit against: add --calibration DATA "
+                         "(a text file, a directory of them, or 'austen' for the embedded novels)")
+    options.check()
+
+
+class ActivationBuffers:
+    """One layer's (blocks, seq, width) float32 buffers: on `device` when they fit `memory` bytes,
+    else memory-mapped files in a temporary directory under $TMPDIR (removed on close)."""
+
+    def __init__(self, blocks: int, seq_len: int, width: int, memory: int, device: torch.device):
+        shape = (blocks, seq_len, width)
+        numel = blocks * seq_len * width
+        self.bytes = len(BUFFERS) * numel * 4
+        self.spill_dir = None if self.bytes <= memory else Path(tempfile.mkdtemp(prefix="mha2gqa-refine-"))
+        self.data = {}
+        for name in BUFFERS:
+            if self.spill_dir is None:
+                self.data[name] = torch.empty(shape, dtype=torch.float32, device=device)
+            else:
+                path = self.spill_dir / f"{name}.f32"
+                with open(path, "wb") as f:
+                    f.truncate(numel * 4)
+                self.data[name] = torch.from_file(str(path), shared=True, size=numel, dtype=torch.float32).view(shape)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.data[name]
+
+    def close(self) -> None:
+        self.data.clear()
+        if self.spill_dir is not None:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
+
+
+def calibration_token_ids(source: Path, calibration, tokens: int) -> torch.Tensor:
+    """The calibration ids, read and tokenized exactly as calibration.calibrate reads them; `calibration`
+    is the --calibration spec or CalibrationStats, whose record names its data and token count."""
+    from transformers import AutoTokenizer
+
+    from mha2gqa import textdata
+    from mha2gqa.convert.calibration import CALIBRATION_PIECE_CHARS, calibration_ids
+
+    if hasattr(calibration, "record"):
+        calibration, tokens = calibration.record["data"], calibration.tokens
+    texts = textdata.iter_texts(textdata.resolve("--calibration", calibration), piece_chars=CALIBRATION_PIECE_CHARS,
+                                end_with_blank_line=True)
+    return calibration_ids(AutoTokenizer.from_pretrained(source), texts, tokens)
+
+
+def refine_checkpoint(source: Path, converted: Path, layout: Layout, shape: AttentionShape, ids: torch.Tensor,
+                      options: RefineOptions, progress: bool = True, device: str | None = None) -> dict:
+    """Refine the checkpoint in `converted` (written by the merge) in place, layer by layer, against
+    the parent in `source`. Returns the JSON-able record: options, token counts and per-layer errors."""
+    from mha2gqa.convert.calibration import load_source_model
+
+    torch.manual_seed(options.seed)
+    parent = load_source_model(source, device, progress=progress).requires_grad_(False)
+    model = load_source_model(converted, device, progress=progress).requires_grad_(False)
+    run_device = next(model.parameters()).device
+    seq_len = min(SEQ_LEN, getattr(model.config, "max_position_embeddings", None) or SEQ_LEN)
+    blocks = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)  # (n, S): full blocks only
+    if len(blocks) < 2:
+        raise InputError(f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {len(ids)} tokens): "
+                         f"raise --calibration-tokens to {2 * seq_len} or more")
+    held = max(1, round(len(blocks) * HOLDOUT_FRACTION))
+    split = {"fit": torch.arange(len(blocks) - held), "heldout": torch.arange(len(blocks) - held, len(blocks))}
+    buffers = ActivationBuffers(len(blocks), seq_len, shape.hidden, options.memory, run_device)
+    generator = torch.Generator().manual_seed(options.seed)
+    layers = []
+    try:
+        layer_kwargs = _first_hidden_states(parent, layout, shape.layers, blocks, buffers, options.batch_blocks)
+        buffers["converted"].copy_(buffers["parent"])
+        for index in range(shape.layers):
+            kwargs = layer_kwargs[index]
+            parent_layer, layer = (m.get_submodule(_layer_path(layout, index)) for m in (parent, model))
+            attn_kwargs = _layer_targets(parent_layer, layer, layout, kwargs, buffers, options.batch_blocks)
+            attn = layer.get_submodule(_attention_path(layout))
+            report = fit_attention(attn, layout, attn_kwargs, buffers["inputs"], buffers["targets"], split,
+                                   options, generator, index, progress)
+            _advance(layer, kwargs, buffers["converted"], options.batch_blocks)
+            _write_in_place(converted, _tensor_names(layout, index, attn))
+            layers.append({"layer": index, **report})
+    finally:
+        buffers.close()
+    tokens = {name: len(idx) * seq_len for name, idx in split.items()}
+    return {"options": asdict(options), "sequence_length": seq_len, "fit_tokens": tokens["fit"],
+            "heldout_tokens": tokens["heldout"], "device": str(run_device), "spilled_to_disk": buffers.spill_dir is not None,
+            "buffer_bytes": buffers.bytes, "layers": layers}
+
+
+def _layer_path(layout: Layout, index: int) -> str:
+    return layout.layer_prefix.format(layer=index).rstrip(".")
+
+
+def _attention_path(layout: Layout) -> str:
+    """The attention module relative to the layer: the parent of o_proj (self_attn in every layout)."""
+    return layout.o.rsplit(".", 1)[0]
+
+
+def _batch_one(value, batch: int):
+    """Captured call arguments with any per-sequence batch dim cut to 1: every block has the same
+    positions and no padding, so masks and rotary tables broadcast to any batch."""
+    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch and batch > 1:
+        return value[:1]
+    if isinstance(value, tuple):
+        return tuple(_batch_one(v, batch) for v in value)
+    return value
+
+
+def _capture_kwargs(kwargs: dict, batch: int) -> dict:
+    return {key: _batch_one(value, batch) for key, value in kwargs.items() if key != "hidden_states"}
+
+
+def _first_hidden_states(parent, layout: Layout, n_layers: int, blocks: torch.Tensor, buffers, batch_blocks: int):
+    """One pass of the parent: the first layer's input for every block into buffers['parent'], and
+    the keyword arguments the model passes to each layer (masks, rotary tables), from the first batch."""
+    device = next(parent.parameters()).device
+    layer_kwargs: dict[int, dict] = {}
+    cursor = {"start": 0}
+
+    def keep_input(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        start = cursor["start"]
+        buffers["parent"][start:start + len(hidden)] = hidden.float().to(buffers["parent"].device)
+
+    def keep_kwargs(index):
+        def hook(module, args, kwargs):
+            if index not in layer_kwargs:
+                batch = (args[0] if args else kwargs["hidden_states"]).shape[0]
+                layer_kwargs[index] = _capture_kwargs(kwargs, batch)
+        return hook
+
+    layers = [parent.get_submodule(_layer_path(layout, i)) for i in range(n_layers)]
+    handles = [layers[0].register_forward_pre_hook(keep_input, with_kwargs=True)]
+    handles += [layer.register_forward_pre_hook(keep_kwargs(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            for start in range(0, len(blocks), batch_blocks):
+                cursor["start"] = start
+                parent.base_model(blocks[start:start + batch_blocks].to(device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return layer_kwargs
+
+
+def _call_layer(layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _layer_targets(parent_layer, layer, layout: Layout, kwargs: dict, buffers, batch_blocks: int) -> dict:
+    """Advance the parent's hidden states through its layer, keeping its attention output as the
+    target; run the converted layer on its own hidden states, keeping its attention input. Returns
+    the keyword arguments the layer passes to its attention module."""
+    path = _attention_path(layout)
+    parent_attn, attn = parent_layer.get_submodule(path), layer.get_submodule(path)
+    cursor = {"start": 0}
+    attn_kwargs: dict = {}
+    device = next(layer.parameters()).device
+
+    def keep_target(module, args, kwargs, output):
+        start = cursor["start"]
+        out = output[0] if isinstance(output, tuple) else output
+        buffers["targets"][start:start + len(out)] = out.float().to(buffers["targets"].device)
+
+    def keep_input(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        start = cursor["start"]
+        buffers["inputs"][start:start + len(hidden)] = hidden.float().to(buffers["inputs"].device)
+        if not attn_kwargs:
+            attn_kwargs.update(_capture_kwargs(kwargs, len(hidden)))
+
+    handles = [parent_attn.register_forward_hook(keep_target, with_kwargs=True),
+               attn.register_forward_pre_hook(keep_input, with_kwargs=True)]
+    dtype = next(layer.parameters()).dtype
+    try:
+        with torch.no_grad():
+            for start in range(0, len(buffers["parent"]), batch_blocks):
+                cursor["start"] = start
+                end = start + batch_blocks
+                hidden = buffers["parent"][start:end].to(device, dtype)
+                buffers["parent"][start:end] = _call_layer(parent_layer, hidden, kwargs).float().to(buffers["parent"].device)
+                _call_layer(layer, buffers["converted"][start:end].to(device, dtype), kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return attn_kwargs
+
+
+def _advance(layer, kwargs: dict, hidden: torch.Tensor, batch_blocks: int) -> None:
+    """The converted hidden states through the (refined) layer, in place."""
+    device, dtype = next(layer.parameters()).device, next(layer.parameters()).dtype
+    with torch.no_grad():
+        for start in range(0, len(hidden), batch_blocks):
+            end = start + batch_blocks
+            hidden[start:end] = _call_layer(layer, hidden[start:end].to(device, dtype), kwargs).float().to(hidden.device)
+
+
+def _attention_output(attn, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    out = attn(hidden_states=x, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def output_error(attn, kwargs: dict, inputs: torch.Tensor, targets: torch.Tensor, idx: torch.Tensor,
+                 batch_blocks: int) -> float:
+    """sum ||attn(x) - t||^2 / sum ||t||^2 over the blocks `idx` (float64 sums)."""
+    device, dtype = next(attn.parameters()).device, next(attn.parameters()).dtype
+    err = total = 0.0
+    with torch.no_grad():
+        for chunk in idx.split(batch_blocks):
+            t = targets[chunk].to(device)
+            out = _attention_output(attn, inputs[chunk].to(device, dtype), kwargs).float()
+            err += float((out - t).double().pow(2).sum())
+            total += float(t.double().pow(2).sum())
+    return err / total if total > 0 else 0.0
+
+
+def fit_attention(attn, layout: Layout, kwargs: dict, inputs: torch.Tensor, targets: torch.Tensor, split: dict,
+                  options: RefineOptions, generator: torch.Generator, index: int = 0, progress: bool = True) -> dict:
+    """Fit `attn`'s parameters so attn(inputs) ~= targets on split['fit']; report the relative error
+    on fit and held-out blocks before and after. Keeps the merged values if the fit error would rise."""
+    fit, held = split["fit"], split["heldout"]
+    errors = lambda: (output_error(attn, kwargs, inputs, targets, fit, options.batch_blocks),  # noqa: E731
+                      output_error(attn, kwargs, inputs, targets, held, options.batch_blocks))
+    fit_before, held_before = errors()
+    merged = {name: p.detach().clone() for name, p in attn.named_parameters()}
+    dtype = next(attn.parameters()).dtype
+    attn.float()  # the fit runs in float32 whatever the checkpoint's dtype
+    if fit_before > EXACT:  # below it the merge is exact up to rounding: Adam's normalised steps would only add noise
+        _adam(attn, kwargs, inputs, targets, fit, options, generator, index, progress)
+        if options.solve_output:
+            _solve_output(attn, layout, kwargs, inputs, targets, fit, options.batch_blocks)
+    attn.to(dtype)
+    fit_after, held_after = errors()
+    if not fit_after < fit_before:  # never worse on the data it was fitted to: an exact merge stays exact
+        with torch.no_grad():
+            for name, p in attn.named_parameters():
+                p.copy_(merged[name])
+        fit_after, held_after = fit_before, held_before
+    return {"fit_error_before": fit_before, "fit_error_after": fit_after,
+            "heldout_error_before": held_before, "heldout_error_after": held_after}
+
+
+def _adam(attn, kwargs, inputs, targets, fit: torch.Tensor, options: RefineOptions, generator, index: int,
+          progress: bool) -> None:
+    if options.steps == 0:
+        return
+    device = next(attn.parameters()).device
+    params = [p for p in attn.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    power = float(sum(targets[chunk].double().pow(2).mean(-1).sum() for chunk in fit.split(options.batch_blocks))
+                  / (len(fit) * targets.shape[1]))  # mean ||t||^2 per token: the loss is scale-free
+    optimizer = torch.optim.Adam(params, lr=options.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / options.steps)))
+    bar = tqdm(range(options.steps), desc=f"refine layer {index}", unit="step", disable=not progress, leave=False)
+    order = torch.empty(0, dtype=torch.long)
+    try:
+        for _ in bar:
+            if len(order) < min(options.batch_blocks, len(fit)):  # epochs of a seeded permutation
+                order = torch.cat([order, fit[torch.randperm(len(fit), generator=generator)]])
+            chunk, order = order[:options.batch_blocks], order[options.batch_blocks:]
+            x, t = inputs[chunk].to(device), targets[chunk].to(device)
+            loss = (_attention_output(attn, x, kwargs) - t).pow(2).sum(-1).mean() / power
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            bar.set_postfix(error=f"{loss.item():.4f}", refresh=False)
+    finally:
+        bar.close()
+        for p in params:
+            p.requires_grad_(False)
+
+
+def _solve_output(attn, layout: Layout, kwargs, inputs, targets, fit: torch.Tensor, batch_blocks: int) -> None:
+    """o_proj (and its bias, when it has one) by least squares given everything before it: accumulate
+    A^T A and A^T T over the fit blocks (A: o_proj's input Z, with a ones column for the bias), solve
+    in float64 with a tiny ridge."""
+    o_proj = attn.get_submodule(layout.o.rsplit(".", 1)[1])
+    device, has_bias = o_proj.weight.device, o_proj.bias is not None
+    width = o_proj.weight.shape[1] + has_bias
+    gram = torch.zeros(width, width, dtype=torch.float64, device=device)
+    cross = torch.zeros(width, o_proj.weight.shape[0], dtype=torch.float64, device=device)
+    current = {}
+    handle = o_proj.register_forward_pre_hook(lambda module, args: current.update(z=args[0]))
+    try:
+        with torch.no_grad():
+            for chunk in fit.split(batch_blocks):
+                _attention_output(attn, inputs[chunk].to(device), kwargs)
+                a = current["z"].reshape(-1, o_proj.weight.shape[1]).double()  # (N, H*hd)
+                if has_bias:
+                    a = torch.cat([a, a.new_ones(len(a), 1)], dim=1)
+                gram += a.T @ a
+                cross += a.T @ targets[chunk].to(device).reshape(len(a), -1).double()
+    finally:
+        handle.remove()
+    ridge = 1e-6 * gram.diagonal().mean() * torch.eye(width, dtype=torch.float64, device=device)
+    solution = torch.linalg.solve(gram + ridge, cross)  # (width, d)
+    with torch.no_grad():
+        o_proj.weight.copy_(solution[:o_proj.weight.shape[1]].T)
+        if has_bias:
+            o_proj.bias.copy_(solution[-1])
+
+
+def _tensor_names(layout: Layout, index: int, attn) -> dict[str, torch.Tensor]:
+    """The refined attention parameters under their checkpoint names."""
+    prefix = layout.layer_prefix.format(layer=index) + _attention_path(layout) + "."
+    return {prefix + name: p.detach() for name, p in attn.named_parameters()}
+
+
+def _write_in_place(model_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Overwrite tensors of a safetensors checkpoint in place: same names, shapes and dtypes, so only
+    their bytes change and no shard is rewritten."""
+    from mha2gqa.checkpoint import DTYPES, SafetensorsCheckpoint
+
+    infos = SafetensorsCheckpoint(model_dir).tensors
+    for name, tensor in tensors.items():
+        if name not in infos:
+            raise InputError(f"refine: {name} is not in {model_dir}: the checkpoint's names do not match its model")
+        info = infos[name]
+        data = tensor.to("cpu", DTYPES[info.dtype]).contiguous().reshape(-1).view(torch.uint8)
+        if tuple(tensor.shape) != info.shape or data.numel() != info.nbytes:
+            raise InputError(f"refine: {name} has shape {tuple(tensor.shape)}, the checkpoint {info.shape}")
+        with open(info.file, "r+b") as f:
+            f.seek(info.start)
+            f.write(data.numpy().tobytes())

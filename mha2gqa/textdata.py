@@ -1,0 +1,379 @@
+"""The one reader of text corpora, for calibration (convert), perplexity (eval) and training (uptrain).
+
+One set of formats: files and folders (sorted, recursively) of .txt/.text/.md (a file is one document),
+.jsonl/.json (one document per record, from a text field) and .parquet (a text column), each optionally
+.gz/.bz2/.xz/.zst-compressed; or one hub dataset name when online (HF_HUB_OFFLINE=1 is respected).
+One set of errors: a binary or malformed file, a missing text field, an empty folder or an unknown
+suffix is an InputError of one line naming the file, what is wrong and the fix.
+
+Two ways to read the same sources: `iter_texts` yields plain strings (calibration and eval read each
+file exactly, in order, with errors that name the file and line), and `load_documents` gives a
+`datasets` Dataset (uptrain shuffles it, splits it between ranks and streams it). Hub datasets are
+read through `datasets` in both.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import io
+import json
+import lzma
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from mha2gqa.errors import InputError
+from mha2gqa.sources import hub_offline
+
+# File suffix -> format; the format is also the name of the `datasets` builder that reads it.
+FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstandard"}
+_SNIFF_CHARS = 1 << 16  # characters of each file checked before `datasets` reads it
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """Local files (in order) or one hub dataset; `key` is the flag or recipe key the user typed it as,
+    named in every message."""
+
+    key: str
+    files: tuple[Path, ...] = ()
+    hub: str | None = None
+    folder: bool = False  # the files came from one folder (eval records that)
+
+    @property
+    def formats(self) -> set[str]:
+        return {file_format(f) for f in self.files}
+
+
+def file_format(path: Path) -> str | None:
+    """'text', 'json' or 'parquet' from the suffix (a compression suffix after it is allowed), else None."""
+    suffixes = [s.lower() for s in Path(path).suffixes]
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes = suffixes[:-1]
+    return FORMATS.get(suffixes[-1]) if suffixes else None
+
+
+def _known() -> str:
+    return "/".join(FORMATS) + " (optionally " + "/".join(COMPRESSIONS) + ")"
+
+
+def _looks_local(entry: str) -> bool:
+    """A missing path the user meant as a file (so 'no such file', not 'unknown hub dataset')."""
+    return entry.startswith((".", "/", "~")) or file_format(Path(entry)) is not None
+
+
+def resolve(key: str, entries: str | Sequence[str], problems: list[str] | None = None,
+            check_files: bool = True, one_format: bool = False) -> TextSource | None:
+    """What `entries` (paths or one hub name) name, as a TextSource.
+
+    With `problems`, each problem is appended (to be shown with others) and None may be returned;
+    without, the first problems raise one InputError. check_files=False accepts missing local paths
+    (validating a recipe for another machine); one_format refuses a mix (one `datasets` builder)."""
+    collected: list[str] = []
+    source = _resolve(key, [entries] if isinstance(entries, (str, Path)) else list(entries), collected,
+                      check_files, one_format)
+    if problems is not None:
+        problems.extend(collected)
+        return source
+    if collected:
+        raise InputError("; ".join(collected))
+    return source
+
+
+def _resolve(key, entries, problems, check_files, one_format) -> TextSource | None:
+    if not entries:
+        problems.append(f"{key} is empty: give a file, a folder or a hub dataset name")
+        return None
+    files: list[Path] = []
+    for entry in map(str, entries):
+        path = Path(entry).expanduser()
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and file_format(p))
+            if not found:
+                problems.append(f"{key} {entry}: the folder holds no {_known()} files: add text files")
+            files += found
+        elif path.is_file():
+            if file_format(path) is None:
+                problems.append(f"{key} {entry}: unknown suffix (use {_known()})")
+            elif file_format(path) == "parquet" and path.suffix.lower() in COMPRESSIONS:
+                problems.append(f"{key} {entry}: parquet is compressed inside already: remove the {path.suffix}")
+            files.append(path)
+        elif not check_files and _looks_local(entry):
+            files.append(path)
+        elif _looks_local(entry):
+            problems.append(f"{key} {entry}: no such file or folder")
+        elif len(entries) > 1:
+            problems.append(f"{key} {entry}: not a local path, and a hub dataset must be the only entry")
+        elif check_files and hub_offline():
+            problems.append(f"{key} {entry}: not a local file or folder, and the hub is offline "
+                            "(HF_HUB_OFFLINE=1): pass local files")
+        else:
+            return TextSource(key, hub=entry)
+    formats = {file_format(f) for f in files} - {None}
+    if one_format and len(formats) > 1:
+        problems.append(f"{key} mixes formats ({', '.join(sorted(formats))}): use files of one format")
+        return None
+    folder = len(entries) == 1 and Path(str(entries[0])).expanduser().is_dir()
+    return TextSource(key, files=tuple(files), folder=folder) if files else None
+
+
+# ---- plain strings: calibration and eval ----
+
+def iter_texts(source: TextSource, field: str = "text", *, field_key: str | None = None,
+               piece_chars: int | None = None, end_with_blank_line: bool = False,
+               hub_config: str | None = None, hub_split: str = "train") -> Iterator[str]:
+    """The documents of `source` in order. piece_chars: a text file comes in pieces of about that many
+    characters, cut at line ends (a huge file costs little memory). end_with_blank_line: newlines are
+    added to each document's last piece until it ends in a blank line (a document boundary).
+    field_key: the flag or key that names `field`, for messages."""
+    if source.hub is not None:
+        docs = _hub_texts(source, field, field_key, hub_config, hub_split)
+        yield from (_end(d) if end_with_blank_line else d for d in docs)
+        return
+    for path in source.files:
+        texts = _file_texts(source.key, path, field, field_key, piece_chars)
+        if not end_with_blank_line:
+            yield from texts
+        elif file_format(path) != "text":  # every record is a document of its own
+            yield from map(_end, texts)
+        else:  # a text file is one document: only its last piece ends it
+            previous = None
+            for piece in texts:
+                if previous is not None:
+                    yield previous
+                previous = piece
+            if previous is not None:
+                yield _end(previous)
+
+
+def _end(text: str) -> str:
+    trailing = len(text) - len(text.rstrip("\n"))
+    return text + "\n" * max(0, 2 - trailing)
+
+
+def _file_texts(key: str, path: Path, field: str, field_key: str | None, piece_chars: int | None) -> Iterator[str]:
+    fmt = file_format(path)
+    if fmt == "parquet":
+        yield from _parquet_texts(key, path, field, field_key)
+        return
+    try:
+        with _open_text(key, path) as f:
+            if fmt == "json":
+                yield from _json_texts(key, path, f, field, field_key)
+            else:
+                yield from _plain_texts(key, path, f, piece_chars)
+    except UnicodeDecodeError as err:
+        raise InputError(f"{key} {path}: not UTF-8 text (a binary file?): convert it to UTF-8 or leave it out") from err
+    except (EOFError, OSError, lzma.LZMAError) as err:  # gzip.BadGzipFile is an OSError
+        raise InputError(f"{key} {path}: ends in {path.suffix} but is not readable {COMPRESSIONS.get(path.suffix.lower(), '')} "
+                         f"data ({type(err).__name__}): re-compress it or remove the suffix") from err
+
+
+def _open_text(key: str, path: Path):
+    """A text stream of the decompressed file: UTF-8, Python's universal newlines (as `datasets`)."""
+    suffix = path.suffix.lower()
+    if suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    if suffix == ".bz2":
+        return bz2.open(path, "rt", encoding="utf-8")
+    if suffix == ".xz":
+        return lzma.open(path, "rt", encoding="utf-8")
+    if suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError as err:
+            raise InputError(f"{key} {path}: reading .zst needs the zstandard package: pip install zstandard "
+                             "(or decompress the file)") from err
+        raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        return io.TextIOWrapper(raw, encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _plain_texts(key: str, path: Path, f, piece_chars: int | None) -> Iterator[str]:
+    if piece_chars is None:
+        text = f.read()
+        _refuse_nul(key, path, text)
+        yield text
+        return
+    piece: list[str] = []
+    size = 0
+    for line in f:  # pieces end at line ends, so no word is cut in two
+        _refuse_nul(key, path, line)
+        piece.append(line)
+        size += len(line)
+        if size >= piece_chars:
+            yield "".join(piece)
+            piece, size = [], 0
+    if piece:
+        yield "".join(piece)
+
+
+def _refuse_nul(key: str, path: Path, text: str) -> None:
+    if "\0" in text:
+        raise InputError(f"{key} {path}: holds NUL bytes, so it is a binary file, not text: leave it out")
+
+
+def _json_texts(key: str, path: Path, f, field: str, field_key: str | None) -> Iterator[str]:
+    """JSON lines; or, for .json, one array of records (what `datasets`' json builder also reads)."""
+    first = f.read(1)
+    while first.isspace():
+        first = f.read(1)
+    if first == "[" and ".jsonl" not in [s.lower() for s in path.suffixes]:
+        try:
+            records = json.loads("[" + f.read())
+        except json.JSONDecodeError as err:
+            raise InputError(f"{key} {path}: not valid JSON ({err.msg} at line {err.lineno}): fix or re-export it") from err
+        for number, record in enumerate(records, 1):
+            yield _record_text(key, f"{path} record {number}", record, field, field_key)
+        return
+    for number, line in enumerate(_prepend(first, f), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InputError(f"{key} {path}:{number}: not valid JSON ({err.msg}): each line must be one JSON "
+                             f"object with a {field!r} field") from err
+        yield _record_text(key, f"{path}:{number}", record, field, field_key)
+
+
+def _prepend(first: str, f) -> Iterator[str]:
+    rest = f.readline()
+    yield first + rest
+    yield from f
+
+
+def _name_it(field: str, field_key: str | None) -> str:
+    """The fix for a missing text field."""
+    return f"set {field_key} to the one that holds the text" if field_key else f"give every record a {field!r} field"
+
+
+def _record_text(key: str, where: str, record, field: str, field_key: str | None) -> str:
+    if not isinstance(record, dict):
+        raise InputError(f"{key} {where}: a {type(record).__name__}, not a JSON object with a {field!r} field")
+    if field not in record:
+        raise InputError(f"{key} {where}: has no {field!r} field (fields: {', '.join(record) or 'none'}): "
+                         + _name_it(field, field_key))
+    if not isinstance(record[field], str):
+        raise InputError(f"{key} {where}: field {field!r} is a {type(record[field]).__name__}, not a string")
+    return record[field]
+
+
+def _parquet_texts(key: str, path: Path, field: str, field_key: str | None) -> Iterator[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise InputError(f"{key} {path}: not a parquet file ({type(err).__name__}): re-export it or fix the suffix") from err
+    columns = table.schema_arrow.names
+    if field not in columns:
+        raise InputError(f"{key} {path}: has no {field!r} column (columns: {', '.join(columns)}): "
+                         + _name_it(field, field_key))
+    for batch in table.iter_batches(columns=[field]):
+        yield from (text or "" for text in batch.column(0).to_pylist())
+
+
+def _hub_texts(source: TextSource, field: str, field_key: str | None, config: str | None,
+               split: str) -> Iterator[str]:
+    for row in _hub_dataset(source, config, split, streaming=True):
+        if field not in row:
+            raise InputError(f"{source.key} {source.hub}: has no {field!r} column (columns: {', '.join(row)}): "
+                             + _name_it(field, field_key))
+        yield row[field]
+
+
+def _hub_dataset(source: TextSource, config: str | None, split: str, streaming: bool):
+    if hub_offline():
+        raise InputError(f"{source.key} {source.hub}: not a local file or folder, and the hub is offline "
+                         "(HF_HUB_OFFLINE=1): pass local files")
+    import datasets
+
+    try:
+        return datasets.load_dataset(source.hub, config, split=split, streaming=streaming)
+    except Exception as err:  # missing dataset/config/split, network, auth: all the user's to fix
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise InputError(f"{source.key} {source.hub} (config {config}, split {split}) could not be loaded "
+                         f"({type(err).__name__}: {first}): check the name, config and split, or pass local files") from err
+
+
+# ---- datasets: uptrain ----
+
+def load_documents(source: TextSource, field: str = "text", *, field_key: str = "text field",
+                   streaming: bool = False, sample_by: str = "document", hub_config: str | None = None,
+                   hub_split: str = "train"):
+    """A `datasets` Dataset (IterableDataset when streaming) with a `field` column. Local files are
+    checked first (the head of each), so a bad file is one line naming it, not a DatasetGenerationError."""
+    import datasets
+
+    if source.hub is not None:
+        ds = _hub_dataset(source, hub_config, hub_split, streaming)
+    else:
+        formats = source.formats
+        if len(formats) != 1:
+            raise InputError(f"{source.key} mixes formats ({', '.join(sorted(formats))}): use files of one format")
+        fmt = formats.pop()
+        for path in source.files:
+            check_file(source.key, path, field, field_key)
+        kwargs = {"sample_by": sample_by} if fmt == "text" else {}
+        try:
+            ds = datasets.load_dataset(fmt, data_files=[str(f) for f in source.files], split="train",
+                                       streaming=streaming, **kwargs)
+        except datasets.exceptions.DatasetGenerationError as err:
+            raise InputError(f"{source.key}: `datasets` could not read the files ({_cause(err)}): "
+                             "check that each is valid text, jsonl or parquet") from err
+    columns = ds.column_names
+    if columns is not None and field not in columns:
+        raise InputError(f"{field_key}={field!r} is not a column of the data in {source.key} (columns: {', '.join(columns)})")
+    return ds
+
+
+def dataset_texts(ds, field: str, key: str, field_key: str = "text field") -> Iterator[str]:
+    """The `field` of every row of a `datasets` dataset; a file that breaks mid-stream is one line."""
+    import pyarrow as pa
+
+    rows = iter(ds)
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except (UnicodeDecodeError, pa.ArrowException, ValueError) as err:
+            raise InputError(f"{key}: a file could not be read while streaming ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''}): check that each file is valid") from err
+        if field not in row:  # streams may not know their columns before the first row
+            raise InputError(f"{field_key}={field!r} is not a column of the data in {key} (columns: {', '.join(row)})")
+        yield row[field]
+
+
+def check_file(key: str, path: Path, field: str = "text", field_key: str | None = None) -> None:
+    """Read the head of one file as `iter_texts` would; raises the same one-line errors."""
+    if file_format(path) == "parquet":
+        next(iter(_parquet_texts(key, path, field, field_key)), None)
+        return
+    try:
+        with _open_text(key, path) as f:
+            head = f.read(_SNIFF_CHARS)
+            if file_format(path) == "json":
+                whole = len(head) < _SNIFF_CHARS  # else the last line may be cut
+                lines = head.splitlines() if whole else head.splitlines()[:-1]
+                if not head.lstrip().startswith("["):
+                    for _ in _json_texts(key, path, io.StringIO("\n".join(lines)), field, field_key):
+                        pass
+            else:
+                _refuse_nul(key, path, head)
+    except UnicodeDecodeError as err:
+        raise InputError(f"{key} {path}: not UTF-8 text (a binary file?): convert it to UTF-8 or leave it out") from err
+    except (EOFError, OSError, lzma.LZMAError) as err:
+        raise InputError(f"{key} {path}: ends in {path.suffix} but is not readable {COMPRESSIONS.get(path.suffix.lower(), '')} "
+                         f"data ({type(err).__name__}): re-compress it or remove the suffix") from err
+
+
+def _cause(err: BaseException) -> str:
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__
+    text = str(err).splitlines()[0] if str(err) else ""
+    return f"{type(err).__name__}: {text}"[:200]

@@ -1,0 +1,199 @@
+"""convert --refine: exact models stay exact, inexact ones get closer to the parent on held-out text,
+runs are deterministic, cost is linear in depth, the output is a stock checkpoint, bad flags are refused."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from calibrated_models import save_redundant_model
+from mha2gqa.cli import main
+from mha2gqa.convert.refine import RefineOptions, calibration_token_ids, refine_checkpoint
+from mha2gqa.convert.run import convert
+from mha2gqa.errors import InputError
+from mha2gqa.layouts import attention_shape, layout_for, read_config
+from mha2gqa.provenance import latest
+from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+
+SMALL = dict(max_position_embeddings=64)  # refine blocks are min(512, context) tokens: 64 here
+FAST = RefineOptions(steps=30, lr=3e-3, batch_blocks=4)
+OTHER_TEXT = ("Sir Walter Elliot, of Kellynch Hall, in Somersetshire, was a man who, for his own amusement, "
+              "never took up any book but the Baronetage; there he found occupation for an idle hour.\n")
+
+
+def logits(model_dir, ids):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.fixture(scope="module")
+def calibration_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cal") / "cal.txt"
+    path.write_text(SAMPLE_TEXT * 12)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_src(tmp_path_factory):
+    src = tmp_path_factory.mktemp("src") / "llama"
+    save_tiny_model(src, "llama", **SMALL)
+    make_tiny_tokenizer(src)
+    return src
+
+
+def heldout_ids(src):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(src)(OTHER_TEXT * 2, add_special_tokens=False)["input_ids"][:64]
+    return torch.tensor([ids])
+
+
+def test_exact_merge_stays_exact(tmp_path, calibration_file):
+    src = tmp_path / "src"
+    save_redundant_model(src, "llama", groups=2, **SMALL)
+    result = convert(src, tmp_path / "dst", 2, method="calibrated", calibration=calibration_file,
+                     calibration_tokens=1024, refine=FAST, progress=False)
+    for row in result.refine["layers"]:
+        assert row["fit_error_after"] < 1e-9 and row["heldout_error_after"] < 1e-9, row
+    ids = heldout_ids(src)
+    torch.testing.assert_close(logits(tmp_path / "dst", ids), logits(src, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_refine_beats_the_merge_on_heldout_text(tmp_path, tiny_src, calibration_file):
+    merged = convert(tiny_src, tmp_path / "mean", 2, method="mean", calibration=calibration_file,
+                     calibration_tokens=1024, progress=False)
+    refined = convert(tiny_src, tmp_path / "refined", 2, method="mean", calibration=calibration_file,
+                      calibration_tokens=1024, refine=FAST, progress=False)
+    assert merged.refine is None
+    for row in refined.refine["layers"]:  # per layer, on the held-out calibration blocks too
+        assert row["heldout_error_after"] < row["heldout_error_before"], row
+        assert row["fit_error_after"] < row["fit_error_before"], row
+    # End to end, on text that is not in the calibration data at all:
+    ids = heldout_ids(tiny_src)
+    parent = logits(tiny_src, ids)
+    merge_error = (logits(tmp_path / "mean", ids) - parent).pow(2).mean().item()
+    refine_error = (logits(tmp_path / "refined", ids) - parent).pow(2).mean().item()
+    print(f"held-out logit MSE vs parent: merge {merge_error:.3e}, merge + refine {refine_error:.3e}")
+    assert refine_error < 0.5 * merge_error
+    record = latest(tmp_path / "refined", "conversion")["refine"]
+    assert record["layers"] == refined.refine["layers"] and record["heldout_tokens"] > 0
+
+
+def test_deterministic_with_seed_and_same_when_spilled_to_disk(tmp_path, tiny_src, calibration_file, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # tempfile reads TMPDIR once: reset its cache too
+    monkeypatch.setattr("tempfile.tempdir", None)
+    runs = {}
+    for name, memory in [("a", FAST.memory), ("b", FAST.memory), ("spill", 1)]:
+        options = RefineOptions(**{**FAST.__dict__, "memory": memory})
+        result = convert(tiny_src, tmp_path / name, 1, method="mean", calibration=calibration_file,
+                         calibration_tokens=1024, refine=options, progress=False)
+        assert result.refine["spilled_to_disk"] == (name == "spill")
+        runs[name] = load_file(tmp_path / name / "model.safetensors")
+    assert not list(tmp_path.glob("mha2gqa-refine-*"))  # the spill files are removed
+    for name in ("b", "spill"):
+        assert runs[name].keys() == runs["a"].keys()
+        for key, tensor in runs["a"].items():
+            assert torch.equal(runs[name][key], tensor), (name, key)
+    other = convert(tiny_src, tmp_path / "seed1", 1, method="mean", calibration=calibration_file,
+                    calibration_tokens=1024, refine=RefineOptions(**{**FAST.__dict__, "seed": 1}), progress=False)
+    assert other.refine["layers"] != latest(tmp_path / "a", "conversion")["refine"]["layers"]
+
+
+def test_output_is_a_stock_checkpoint_of_the_merged_shapes(tmp_path, tiny_src, calibration_file):
+    convert(tiny_src, tmp_path / "merged", 2, method="calibrated", calibration=calibration_file,
+            calibration_tokens=1024, progress=False)
+    convert(tiny_src, tmp_path / "refined", 2, method="calibrated", calibration=calibration_file,
+            calibration_tokens=1024, refine=FAST, progress=False)
+    merged, refined = (load_file(tmp_path / n / "model.safetensors") for n in ("merged", "refined"))
+    assert {k: v.shape for k, v in merged.items()} == {k: v.shape for k, v in refined.items()}
+    changed = {k for k in merged if not torch.equal(merged[k], refined[k])}
+    assert changed and all(".self_attn." in k for k in changed)  # only attention values change
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "refined", output_loading_info=True)
+    assert not any(info.values()), info
+    assert model.config.num_key_value_heads == 2
+
+
+def test_cost_is_linear_in_depth(tmp_path, calibration_file):
+    """Each decoder layer (parent and converted) runs the same number of times: no prefix re-runs."""
+    calls: dict[int, int] = {}
+
+    def count(module, args, output):
+        if type(module).__name__.endswith("DecoderLayer"):
+            calls[id(module)] = calls.get(id(module), 0) + 1
+
+    src = tmp_path / "src"
+    save_tiny_model(src, "llama", num_hidden_layers=4, **SMALL)
+    make_tiny_tokenizer(src)
+    convert(src, tmp_path / "dst", 2, method="mean", progress=False)
+    config = read_config(src)
+    ids = calibration_token_ids(src, calibration_file, 1024)
+    handle = torch.nn.modules.module.register_module_forward_hook(count)
+    try:
+        record = refine_checkpoint(src, tmp_path / "dst", layout_for(config), attention_shape(config), ids,
+                                   RefineOptions(steps=2, batch_blocks=4), progress=False)
+    finally:
+        handle.remove()
+    blocks = (record["fit_tokens"] + record["heldout_tokens"]) // record["sequence_length"]
+    batches = -(-blocks // 4)
+    assert len(calls) == 8  # 4 parent layers + 4 converted layers
+    assert set(calls.values()) == {2 * batches}, calls  # parent: first pass + targets; converted: inputs + advance
+
+
+def test_gqa_family_with_norms_refines(tmp_path, calibration_file):
+    """qwen3's q/k norms sit between projection and RoPE: calibrated refuses it, but refine trains the
+    module as it runs (norm weights included), so mean + refine works and improves held-out error."""
+    src = tmp_path / "src"
+    save_tiny_model(src, "qwen3", **SMALL)
+    make_tiny_tokenizer(src)
+    result = convert(src, tmp_path / "dst", 2, method="mean", calibration=calibration_file, calibration_tokens=1024,
+                     refine=FAST, progress=False)
+    assert all(r["heldout_error_after"] < r["heldout_error_before"] for r in result.refine["layers"])
+
+
+def test_refusals_are_one_line_and_write_nothing(tmp_path, tiny_src, calibration_file):
+    runner = CliRunner()
+    cases = [
+        (["--refine"], "--refine needs calibration data"),
+        (["--refine", "--calibration", calibration_file, "--refine-steps", "-1"], "--refine-steps -1 must be 0 or more"),
+        (["--refine", "--calibration", calibration_file, "--refine-lr", "0"], "--refine-lr 0.0 must be positive"),
+        (["--refine", "--calibration", calibration_file, "--refine-memory", "lots"], "--refine-memory 'lots' is not a size"),
+    ]
+    for extra, message in cases:
+        result = runner.invoke(main, ["convert", str(tiny_src), str(tmp_path / "dst"), "-g", "2", *extra])
+        assert result.exit_code == 2, result.output
+        assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
+        assert not (tmp_path / "dst").exists()
+    with pytest.raises(InputError, match="at least 2 calibration blocks"):
+        convert(tiny_src, tmp_path / "dst", 2, calibration=calibration_file, calibration_tokens=64, refine=FAST,
+                progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_cli_refine_prints_errors(tmp_path, tiny_src, calibration_file):
+    result = CliRunner().invoke(main, [
+        "convert", str(tiny_src), str(tmp_path / "dst"), "-g", "2", "--method", "calibrated", "--grouping", "similarity",
+        "--calibration", calibration_file, "--calibration-tokens", "1024", "--refine", "--refine-steps", "10",
+        "--refine-lr", "0.003", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "refine: relative attention-output error" in result.output
+    record = latest(tmp_path / "dst", "conversion")
+    assert record["refine"]["options"]["steps"] == 10 and len(record["refine"]["layers"]) == 2
+
+
+def test_bench_smoke(tmp_path):
+    out = tmp_path / "refine.json"
+    bench = Path(__file__).resolve().parent.parent / "bench" / "refine.py"
+    subprocess.run([sys.executable, str(bench), "--smoke", "--out", str(out)], check=True, timeout=600,
+                   capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["method"], r["refine"]) for r in rows} == {("mean", False), ("mean", True), ("calibrated", False),
+                                                          ("calibrated", True)}
+    for row in rows:
+        assert row["perplexity"] > 1 and row["convert_s"] > 0 and row["peak_rss_mib"] > 0
