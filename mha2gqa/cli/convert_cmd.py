@@ -39,8 +39,19 @@ def _method_help() -> str:
               help="Which kv heads share a group: contiguous (transformers' order) or similarity (chosen per layer "
                    "from calibrated K/V similarity, then query heads and o_proj columns permuted to match; "
                    "needs --calibration).")
+@click.option("--refine", is_flag=True,
+              help="After the merge, fit each layer's attention parameters, layer by layer, so that its output on "
+                   "the calibration tokens matches the parent's (inputs from the already-refined layers below). "
+                   "Needs --calibration; works with every --method and --grouping. Per-layer errors on fit and "
+                   "held-out calibration tokens go to the terminal and mha2gqa.json.")
+@click.option("--refine-steps", default=200, show_default=True,
+              help="Adam steps per layer for --refine (0: only the closed-form o_proj solve).")
+@click.option("--refine-lr", default=1e-3, show_default=True, help="Peak Adam learning rate for --refine (cosine to 0).")
+@click.option("--refine-memory", default="4GiB", show_default=True,
+              help="Most memory for one layer's activations during --refine (4 x tokens x hidden float32); beyond "
+                   "it they are memory-mapped files under $TMPDIR.")
 def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_run, quiet, calibration,
-            calibration_tokens, calibration_memory, grouping):
+            calibration_tokens, calibration_memory, grouping, refine, refine_steps, refine_lr, refine_memory):
     """Convert the checkpoint SRC (a local directory with config.json and safetensors, or a hub id when
     online) into a grouped-query checkpoint DST with GROUPS kv heads.
 
@@ -50,14 +61,17 @@ def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_ru
 
     Example: mha2gqa convert ./llama-2-7b ./llama-2-7b-gqa8 --groups 8
     """
-    from mha2gqa.convert.run import convert as run_convert
+    from mha2gqa.convert.refine import RefineOptions
+    from mha2gqa.convert.run import convert as run_convert, parse_size
     from mha2gqa.embedded import expand_corpus_name
 
     calibration = expand_corpus_name(calibration)
     result = run_convert(src, dst, groups=groups, method=method, seed=seed, dtype=dtype,
                          max_shard_size=max_shard_size, force=force, dry_run=dry_run, progress=not quiet,
                          calibration=calibration, calibration_tokens=calibration_tokens,
-                         calibration_memory=calibration_memory, grouping=grouping)
+                         calibration_memory=calibration_memory, grouping=grouping,
+                         refine=RefineOptions(refine_steps, refine_lr, parse_size(refine_memory, "--refine-memory"),
+                                              seed=seed) if refine else None)
     plan = result.plan
     if dry_run:
         from mha2gqa.checkpoint import SafetensorsCheckpoint
@@ -66,6 +80,8 @@ def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_ru
             click.echo(line)
     if result.layers:
         click.echo(layer_table(result.layers))
+    if result.refine:
+        click.echo(refine_table(result.refine))
     saving = plan.shape.kv_heads / plan.groups
     verb = "would write" if dry_run else "wrote"
     click.echo(
@@ -81,6 +97,16 @@ def layer_table(layers: list[dict]) -> str:
     rows = [[str(row["layer"])] + [f"{row.get(key, float('nan')):.4f}" for key in ("key_error", "value_error")]
             + ([" ".join(map(str, row["kv_order"]))] if "kv_order" in row else []) for row in layers]
     return table(headers, rows)
+
+
+def refine_table(record: dict) -> str:
+    """Per-layer relative attention-output error before/after --refine, on fit and held-out tokens."""
+    rows = [[str(row["layer"])] + [f"{row[key]:.4f}" for key in
+                                   ("fit_error_before", "fit_error_after", "heldout_error_before", "heldout_error_after")]
+            for row in record["layers"]]
+    title = (f"refine: relative attention-output error, {record['fit_tokens']} fit and {record['heldout_tokens']} "
+             "held-out calibration tokens")
+    return title + "\n" + table(["layer", "fit before", "fit after", "held-out before", "held-out after"], rows)
 
 
 @click.command()

@@ -22,6 +22,7 @@ from mha2gqa.convert.calibration import DEFAULT_MEMORY, CalibrationStats, calibr
 from mha2gqa.convert.layer_step import check_request, transform_layer
 from mha2gqa.convert.methods import METHODS, LayerContext
 from mha2gqa.convert.plan import Plan, make_plan
+from mha2gqa.convert.refine import RefineOptions, calibration_token_ids, check_refine, refine_checkpoint
 from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import attention_shape, check_groups, layout_for, read_config
@@ -40,6 +41,7 @@ class ConversionResult:
     source: Path
     # Per layer (with calibration or grouping): key_error, value_error, kv_order.
     layers: list[dict] = field(default_factory=list)
+    refine: dict | None = None  # with refine: options, token counts and per-layer output errors
 
 
 def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
@@ -89,11 +91,12 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
             max_shard_size: str | int = "5GB", force: bool = False, dry_run: bool = False,
             progress: bool = True, calibration: str | list[str] | CalibrationStats | None = None,
             calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, grouping: str = "contiguous",
-            calibration_memory: str | int = DEFAULT_MEMORY) -> ConversionResult:
+            calibration_memory: str | int = DEFAULT_MEMORY, refine: RefineOptions | None = None) -> ConversionResult:
     """Convert the model at `src` (directory or hub id) to `groups` kv heads, written to `dst`.
     With `calibration` (files, folders or a hub dataset: see mha2gqa.textdata), per-layer statistics of the attention input
     are gathered first (calibrated merge, similarity grouping, reconstruction errors); a sweep can pass
-    statistics it gathered once with calibration.calibrate instead."""
+    statistics it gathered once with calibration.calibrate instead. With `refine`, the merged model is
+    then refined layer by layer against the parent on the calibration tokens (convert/refine.py)."""
     if method not in METHODS:
         raise InputError(f"--method {method!r} is unknown (valid: {', '.join(METHODS)})")
     if dtype is not None and dtype not in OUT_DTYPES:
@@ -104,6 +107,8 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
     layout, shape = layout_for(config), attention_shape(config)
     check_groups(shape, groups)
     check_request(config, method, METHODS[method], calibration, grouping)
+    if refine is not None:
+        check_refine(refine, calibration)
     memory_bytes = parse_size(calibration_memory, "--calibration-memory")
     dst = Path(dst).expanduser()
     _check_destination(source, dst, force)
@@ -121,9 +126,14 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
         layers = _write_tensors(checkpoint, plan, tmp, shard_bytes, seed, progress, stats, grouping)
         _copy_other_files(source, tmp)
         _write_config(config, groups, dtype, tmp)
-        extra = {"grouping": grouping, "calibration": stats.record if stats else None, "layers": layers}
+        refined = None
+        if refine is not None:
+            ids = calibration_token_ids(source, calibration, calibration_tokens)
+            refined = refine_checkpoint(source, tmp, layout, shape, ids, refine, progress)
+        extra = {"grouping": grouping, "calibration": stats.record if stats else None, "layers": layers,
+                 "refine": refined}
         _write_provenance(source, config, plan, seed, dtype, tmp, extra)
-    return ConversionResult(plan, dst, source, layers)
+    return ConversionResult(plan, dst, source, layers, refined)
 
 
 def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed: int, progress: bool,
