@@ -24,10 +24,9 @@ VARIANTS = {"mean": ("mean", "contiguous"), "mean-norm": ("mean-norm", "contiguo
 
 def pretrain_tokens(model: Path) -> int | None:
     """Tokens the source saw, from the provenance the uptrain loop writes beside its final model."""
-    record = model / "mha2gqa.json"
-    if not record.is_file():
-        return None
-    found = json.loads(record.read_text()).get("uptrain", {})
+    from mha2gqa.provenance import latest
+
+    found = latest(model, "uptrain") or {}
     return found.get("tokens_seen")
 
 

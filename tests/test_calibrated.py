@@ -1,8 +1,6 @@
 """The calibrated merge: exact where the source's heads are foldable copies, never worse than mean-pooling
 on the calibration data, and its key maps commute with RoPE."""
 
-import json
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -12,6 +10,7 @@ from mha2gqa.convert.calibrated import (fold_queries, merge_keys, merge_values, 
                                         relative_error)
 from mha2gqa.convert.run import convert
 from mha2gqa.errors import InputError
+from mha2gqa.provenance import latest
 from tiny_models import save_tiny_model, make_tiny_tokenizer
 
 F64 = torch.float64
@@ -60,7 +59,7 @@ def test_calibrated_merge_reproduces_parent_where_mean_does_not(tmp_path, calibr
     torch.testing.assert_close(logits(tmp_path / "cal", ids), parent, rtol=1e-4, atol=1e-4)
     assert (logits(tmp_path / "mean", ids) - parent).abs().max() > 1e-2  # mean-pooling loses the planted maps
     assert all(row["key_error"] < 1e-10 and row["value_error"] < 1e-10 for row in calibrated.layers)
-    record = json.loads((tmp_path / "cal" / "mha2gqa.json").read_text())["conversion"]
+    record = latest(tmp_path / "cal", "conversion")
     assert record["method"] == "calibrated" and len(record["layers"]) == 2
     assert record["calibration"]["tokens"] == 400
 

@@ -14,6 +14,7 @@ from mha2gqa.convert.calibration import GramAccumulator, calibration_ids, collec
 from mha2gqa.convert.methods import LayerContext, mean_layer, mean_norm_layer
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, layout_for, read_config
+from mha2gqa.provenance import latest
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 
@@ -103,7 +104,7 @@ def test_cli_prints_per_layer_errors_and_records_them(tiny, tmp_path):
     assert lines[0].split() == ["layer", "key", "error", "value", "error"]
     assert [line.split()[0] for line in lines[2:4]] == ["0", "1"]
     errors = [float(x) for x in lines[2].split()[1:]]
-    record = json.loads((tmp_path / "dst" / "mha2gqa.json").read_text())["conversion"]
+    record = latest(tmp_path / "dst", "conversion")
     assert [round(record["layers"][0][k], 4) for k in ("key_error", "value_error")] == errors
     assert record["calibration"]["data"] == str(cal) and record["calibration"]["tokens"] == 300
     assert "by calibrated" in lines[-1]

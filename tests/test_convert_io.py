@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mha2gqa import convert
 from mha2gqa.checkpoint import ShardedWriter
+from mha2gqa.provenance import latest
 from tiny_models import make_tiny_tokenizer, save_tiny_model
 
 
@@ -65,8 +66,8 @@ def test_provenance_records_how_it_was_made(tmp_path):
     save_tiny_model(tmp_path / "src", "llama")
     convert(tmp_path / "src", tmp_path / "dst", groups=2, method="first", progress=False)
     record = json.loads((tmp_path / "dst" / "mha2gqa.json").read_text())
-    conversion = record["conversion"]
-    assert record["tool"] == "mha2gqa" and record["version"]
+    conversion = latest(tmp_path / "dst", "conversion")
+    assert record["tool"] == "mha2gqa" and conversion["version"] and conversion["date"]
     assert conversion["method"] == "first" and conversion["groups"] == 2 and conversion["source_kv_heads"] == 8
     assert conversion["source_config_sha256"] == hashlib.sha256((tmp_path / "src" / "config.json").read_bytes()).hexdigest()
     assert conversion["date"].startswith("20")

@@ -1,8 +1,6 @@
 """The conversion arithmetic: exactness on redundant heads, mean/first/random against hand references,
 regrouping, and the RoPE-permutation invariant."""
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -10,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from mha2gqa import convert
 from mha2gqa.convert.methods import group_heads, ungroup
+from mha2gqa.provenance import latest, lineage
 from tiny_models import MODEL_TYPES, make_tiny_model
 
 KV, HD = 8, 8  # tiny models: 8 kv heads of head_dim 8 (gemma: 16)
@@ -159,7 +158,7 @@ def test_random_is_seeded_and_matches_the_source_std(tmp_path):
     assert not torch.equal(outputs["a"], outputs["c"])
     assert outputs["a"].shape == (2 * 32, 256)
     assert abs(outputs["a"].std().item() / source.std().item() - 1) < 0.05
-    assert json.loads((tmp_path / "a" / "mha2gqa.json").read_text())["conversion"]["seed"] == 7
+    assert latest(tmp_path / "a", "conversion")["seed"] == 7
 
 
 def test_regrouping_in_two_steps_equals_one_step(tmp_path):
@@ -172,9 +171,8 @@ def test_regrouping_in_two_steps_equals_one_step(tmp_path):
     assert two.keys() == one.keys()
     for name in one:
         torch.testing.assert_close(two[name], one[name])
-    history = json.loads((tmp_path / "two_steps" / "mha2gqa.json").read_text())
-    assert history["conversion"]["source_kv_heads"] == 4
-    assert history["parent_provenance"]["conversion"]["source_kv_heads"] == 8
+    history = lineage(tmp_path / "two_steps")
+    assert [(s["stage"], s["source_kv_heads"], s["groups"]) for s in history] == [("conversion", 8, 4), ("conversion", 4, 2)]
 
 
 def _meta_to_hf_rope_permutation(rows: torch.Tensor, heads: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from mha2gqa.cli import main
+from mha2gqa.provenance import lineage
 from mha2gqa.reproduce import run_grid
 from mha2gqa.reproduce_report import markdown_table, plot
 
@@ -30,8 +31,9 @@ def test_demo_runs_the_whole_job_and_uptraining_recovers(tmp_path, flags):
     assert ppl["parent"] < ppl["uptrained"] < ppl["converted"]
     kv = {role: r["kv_cache"]["measured_bytes_per_token"] for role, r in results.items()}
     assert kv["parent"] == 4 * kv["converted"] == 4 * kv["uptrained"]
-    provenance = json.loads((out / "uptrained" / "mha2gqa.json").read_text())
-    assert provenance["conversion"]["groups"] == 2 and provenance["uptrain"]["tokens_seen"] > 0
+    stages = lineage(out / "uptrained")  # the embedded model's pretraining, the conversion, the uptraining
+    assert [s["stage"] for s in stages] == ["uptrain", "conversion", "uptrain"]
+    assert stages[1]["groups"] == 2 and stages[2]["tokens_seen"] > 0
     report = (out / "report" / "report.md").read_text()
     assert "converted (GQA-2)" in report and "uptrained (GQA-2)" in report
     assert "recovery" in result.output

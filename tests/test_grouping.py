@@ -1,8 +1,6 @@
 """Similarity grouping: the head permutation is exact, the partition finds planted groups, and the
 calibrated merge after it is exact where contiguous grouping is not."""
 
-import json
-
 import pytest
 import torch
 from click.testing import CliRunner
@@ -15,6 +13,7 @@ from mha2gqa.convert.roles import layer_names, pack, unpack
 from mha2gqa.convert.run import convert
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, layout_for
+from mha2gqa.provenance import latest
 from tiny_models import make_tiny_model, save_tiny_model
 
 SCATTERED = [0, 3, 5, 6, 1, 2, 4, 7]  # planted groups {0, 3, 5, 6} and {1, 2, 4, 7}
@@ -102,7 +101,7 @@ def test_similarity_grouping_makes_the_merge_exact_on_scattered_groups(tmp_path)
     assert [row["kv_order"] for row in result.layers] == [SCATTERED, SCATTERED]
     torch.testing.assert_close(similar, parent, rtol=1e-4, atol=1e-4)
     assert (outs["contiguous"][1] - parent).abs().max() > 1e-2
-    record = json.loads((tmp_path / "similarity" / "mha2gqa.json").read_text())["conversion"]
+    record = latest(tmp_path / "similarity", "conversion")
     assert record["grouping"] == "similarity" and record["layers"][0]["kv_order"] == SCATTERED
 
 

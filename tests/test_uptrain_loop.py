@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from uptrain_helpers import corpus, metrics, recipe_file, tiny_model_dir
 
 from mha2gqa.errors import InputError
+from mha2gqa.provenance import latest, lineage
 from mha2gqa.uptrain import load_recipe, train
 from mha2gqa.uptrain.batches import MemoryBatches
 from mha2gqa.uptrain.data_setup import build_data
@@ -60,9 +61,9 @@ def test_loss_goes_down_and_the_result_is_a_standard_checkpoint(tmp_path, tiny):
         loss2 = model(input_ids=eval_blocks[4:].long(), labels=eval_blocks[4:].long()).loss
     assert (loss + loss2).item() / 2 == pytest.approx(evals[-1]["eval_loss"], rel=1e-4)
 
-    provenance = json.loads((out / "mha2gqa.json").read_text())
-    assert provenance["conversion"] == {"groups": 2, "method": "mean"}  # carried forward from the source
-    up = provenance["uptrain"]
+    conversion, up = lineage(out)  # the source's (old-schema) record, then this run's
+    assert conversion == {"stage": "conversion", "version": None, "groups": 2, "method": "mean"}
+    assert up["stage"] == "uptrain"
     assert up["steps"] == 12 and up["tokens_seen"] == 12 * 128 and up["world_size"] == 1
     assert up["recipe"]["optim"]["lr"] == pytest.approx(3e-3) and up["source"]["model"] == str(tiny["model"])
     assert up["final_eval_loss"] == pytest.approx(evals[-1]["eval_loss"]) and up["date"]
@@ -93,7 +94,7 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, tiny
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
     assert _trace(resumed) == _trace(straight)  # the same blocks in the same order
     assert metrics(resumed)[-1]["loss"] == pytest.approx(metrics(straight)[-1]["loss"])
-    assert json.loads((resumed / "mha2gqa.json").read_text())["uptrain"]["resumed_from_step"] == 3
+    assert latest(resumed, "uptrain")["resumed_from_step"] == 3
 
 
 def test_resume_checks(tmp_path, tiny):
@@ -157,7 +158,7 @@ def test_trainable_kv_changes_only_keys_and_values(tmp_path, tiny):
     changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
     expected = sorted(k for k in before if ".k_proj." in k or ".v_proj." in k)
     assert changed == expected and len(expected) == 8  # 2 layers x k/v x weight/bias
-    count = json.loads((out / "mha2gqa.json").read_text())["uptrain"]["trainable_params"]
+    count = latest(out, "uptrain")["trainable_params"]
     assert count == sum(before[k].numel() for k in expected)
 
 
@@ -192,7 +193,7 @@ def test_from_scratch_through_the_cli_with_the_shipped_tiny_recipe(tmp_path):
     assert result.exit_code == 0, result.output
     out = tmp_path / "scratch"
     assert f"output: {out}" in result.output
-    assert list(json.loads((out / "mha2gqa.json").read_text())) == ["uptrain"]  # no source provenance to carry
+    assert [s["stage"] for s in lineage(out)] == ["uptrain"]  # no source provenance to carry
     config = json.loads((out / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (128, 4, 4096)
     assert AutoModelForCausalLM.from_pretrained(out).num_parameters() > 0

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 from uptrain_helpers import corpus, metrics, recipe_file, tiny_model_dir
+from mha2gqa.provenance import latest
 
 LAUNCH = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
           "--mixed_precision", "no", "--dynamo_backend", "no"]
@@ -47,7 +48,7 @@ def test_two_cpu_ranks_train_one_model_on_disjoint_data(tmp_path):
     out = tmp_path / "out"
     assert result.stdout.count("output: ") == 1  # printed by rank 0 only
 
-    provenance = json.loads((out / "mha2gqa.json").read_text())["uptrain"]
+    provenance = latest(out, "uptrain")
     assert provenance["world_size"] == 2
     assert provenance["tokens_seen"] == 4 * 2 * 4 * 2 * 32  # steps x accum x batch x ranks x seq_len
 

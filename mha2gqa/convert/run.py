@@ -9,13 +9,12 @@ import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from mha2gqa import __version__
+from mha2gqa import provenance
 from mha2gqa.checkpoint import (DTYPES, INDEX_NAME, SafetensorsCheckpoint, ShardedWriter, atomic_directory,
                                 check_destination)
 from mha2gqa.convert.calibration import DEFAULT_MEMORY, CalibrationStats, calibrate
@@ -28,9 +27,8 @@ from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import attention_shape, check_groups, layout_for, read_config
 from mha2gqa.sources import PICKLE_SUFFIXES, resolve_model_dir
 
-PROVENANCE_NAME = "mha2gqa.json"
 OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_NOT_COPIED = {"config.json", INDEX_NAME, PROVENANCE_NAME}
+_NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME}
 DEFAULT_CALIBRATION_TOKENS = 131072
 
 
@@ -201,24 +199,15 @@ def _write_config(config: dict, groups: int, dtype: str | None, out_dir: Path) -
 
 def _write_provenance(source: Path, config: dict, plan: Plan, seed: int, dtype: str | None, out_dir: Path,
                       extra: dict | None = None) -> None:
-    previous = source / PROVENANCE_NAME
-    record = {
-        "tool": "mha2gqa",
-        "version": __version__,
-        "conversion": {
-            "source": str(source),
-            "source_config_sha256": hashlib.sha256((source / "config.json").read_bytes()).hexdigest(),
-            "model_type": config["model_type"],
-            "method": plan.method,
-            "groups": plan.groups,
-            "source_kv_heads": plan.shape.kv_heads,
-            "heads": plan.shape.heads,
-            "seed": seed,
-            "dtype": dtype or "unchanged",
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            **(extra or {}),
-        },
-    }
-    if previous.is_file():
-        record["parent_provenance"] = json.loads(previous.read_text())
-    (out_dir / PROVENANCE_NAME).write_text(json.dumps(record, indent=2) + "\n")
+    provenance.append(out_dir, "conversion", {
+        "source": str(source),
+        "source_config_sha256": hashlib.sha256((source / "config.json").read_bytes()).hexdigest(),
+        "model_type": config["model_type"],
+        "method": plan.method,
+        "groups": plan.groups,
+        "source_kv_heads": plan.shape.kv_heads,
+        "heads": plan.shape.heads,
+        "seed": seed,
+        "dtype": dtype or "unchanged",
+        **(extra or {}),
+    }, source=source)

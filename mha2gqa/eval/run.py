@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from mha2gqa import provenance as model_provenance
 from mha2gqa.errors import InputError
 from mha2gqa.eval import model as M
 from mha2gqa.eval import perplexity as P
@@ -55,7 +56,7 @@ def evaluate(model_path, data=None, reference=None, *, tokenizer=None, data_conf
     require_safetensors(model_dir, "model")
     if ref_dir:
         require_safetensors(ref_dir, "--reference")
-    prov = provenance.read_provenance(model_dir)
+    prov = model_provenance.read(model_dir)
     role = provenance.infer_role(prov, role)
     config = M.load_config(model_dir)
     tok = M.load_tokenizer(model_dir, tokenizer)

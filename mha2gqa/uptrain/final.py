@@ -1,17 +1,14 @@
 """The result of a run: a plain HF checkpoint (safetensors, config, tokenizer) in output_dir, and
-mha2gqa.json carrying the source's provenance forward with an "uptrain" record added."""
+mha2gqa.json: the source's lineage with this run's "uptrain" stage appended."""
 
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
 
 import torch
 
-from mha2gqa import __version__
-
-PROVENANCE = "mha2gqa.json"
+from mha2gqa import provenance
 
 
 def save_final(accelerator, model, tokenizer, out: Path, dtype: torch.dtype) -> None:
@@ -36,17 +33,6 @@ def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
 
 
 def write_provenance(out: Path, source_dir: Path | None, record: dict) -> dict:
-    """Carry the source's mha2gqa.json (the converter's "conversion" record) forward and add
-    "uptrain"; a source that was itself uptrained keeps its record under uptrain.previous."""
-    carried: dict = {}
-    if source_dir is not None and (source_dir / PROVENANCE).is_file():
-        carried = json.loads((source_dir / PROVENANCE).read_text())
-    record = {**record, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "mha2gqa_version": __version__}
-    if "uptrain" in carried:
-        record["previous"] = carried["uptrain"]
-    carried["uptrain"] = record
-    tmp = out / (PROVENANCE + ".tmp")
-    tmp.write_text(json.dumps(carried, indent=2) + "\n")
-    tmp.replace(out / PROVENANCE)
-    return carried
+    """OUT/mha2gqa.json: the source's lineage (none for a model trained from scratch) plus this run's
+    "uptrain" stage; see `mha2gqa.provenance` for the schema."""
+    return provenance.append(out, "uptrain", record, source=source_dir)
