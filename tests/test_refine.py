@@ -187,6 +187,7 @@ def test_cli_refine_prints_errors(tmp_path, tiny_src, calibration_file):
     assert record["refine"]["options"]["steps"] == 10 and len(record["refine"]["layers"]) == 2
 
 
+@pytest.mark.slow  # ~2 minutes on 2 busy cores: four CLI conversions of the embedded model
 def test_bench_smoke(tmp_path):
     out = tmp_path / "refine.json"
     bench = Path(__file__).resolve().parent.parent / "bench" / "refine.py"

@@ -18,8 +18,9 @@ layer's relative output error is reported on fit and held-out tokens, before and
 
 The fit (chosen by measurement, docs/refine.md): Adam on the normalised MSE
 ||attn(x) - t||^2 / mean ||t||^2 over random mini-batches of blocks, cosine-decayed learning rate,
-then a closed-form least-squares solve of o_proj given the rest. A layer whose fit error would
-rise is left as merged, so a model that is already exact stays exact.
+then a closed-form least-squares solve of o_proj given the rest. A layer whose fit or held-out
+error would rise is left as merged, so a model that is already exact stays exact and a layer that
+overfits too few calibration tokens is not made worse.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -120,6 +122,7 @@ def refine_checkpoint(source: Path, converted: Path, layout: Layout, shape: Atte
     the parent in `source`. Returns the JSON-able record: options, token counts and per-layer errors."""
     from mha2gqa.convert.calibration import load_source_model
 
+    started = time.perf_counter()
     torch.manual_seed(options.seed)
     parent = load_source_model(source, device, progress=progress).requires_grad_(False)
     model = load_source_model(converted, device, progress=progress).requires_grad_(False)
@@ -152,7 +155,7 @@ def refine_checkpoint(source: Path, converted: Path, layout: Layout, shape: Atte
     tokens = {name: len(idx) * seq_len for name, idx in split.items()}
     return {"options": asdict(options), "sequence_length": seq_len, "fit_tokens": tokens["fit"],
             "heldout_tokens": tokens["heldout"], "device": str(run_device), "spilled_to_disk": buffers.spill_dir is not None,
-            "buffer_bytes": buffers.bytes, "layers": layers}
+            "buffer_bytes": buffers.bytes, "wall_s": round(time.perf_counter() - started, 2), "layers": layers}
 
 
 def _layer_path(layout: Layout, index: int) -> str:
@@ -286,7 +289,7 @@ def output_error(attn, kwargs: dict, inputs: torch.Tensor, targets: torch.Tensor
 def fit_attention(attn, layout: Layout, kwargs: dict, inputs: torch.Tensor, targets: torch.Tensor, split: dict,
                   options: RefineOptions, generator: torch.Generator, index: int = 0, progress: bool = True) -> dict:
     """Fit `attn`'s parameters so attn(inputs) ~= targets on split['fit']; report the relative error
-    on fit and held-out blocks before and after. Keeps the merged values if the fit error would rise."""
+    on fit and held-out blocks before and after. Keeps the merged values unless both errors fall."""
     fit, held = split["fit"], split["heldout"]
     errors = lambda: (output_error(attn, kwargs, inputs, targets, fit, options.batch_blocks),  # noqa: E731
                       output_error(attn, kwargs, inputs, targets, held, options.batch_blocks))
@@ -300,7 +303,9 @@ def fit_attention(attn, layout: Layout, kwargs: dict, inputs: torch.Tensor, targ
             _solve_output(attn, layout, kwargs, inputs, targets, fit, options.batch_blocks)
     attn.to(dtype)
     fit_after, held_after = errors()
-    if not fit_after < fit_before:  # never worse on the data it was fitted to: an exact merge stays exact
+    # Kept only if better on the fit blocks (an exact merge stays exact) and on the held-out ones (a
+    # layer that overfits too few calibration tokens is left as merged).
+    if not (fit_after < fit_before and held_after < held_before):
         with torch.no_grad():
             for name, p in attn.named_parameters():
                 p.copy_(merged[name])
