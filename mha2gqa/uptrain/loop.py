@@ -41,18 +41,20 @@ def _make_accelerator(recipe: Recipe, out: Path):
     try:
         return Accelerator(gradient_accumulation_steps=recipe.grad_accum, mixed_precision=recipe.mixed_precision,
                            log_with=log_with, project_dir=str(out))
-    except ValueError as err:  # e.g. fp16 without a GPU
+    except ValueError as err:
+        if "already been initialized" in str(err):  # accelerate fixes mixed precision for a process's life
+            raise InputError(f"mixed_precision={recipe.mixed_precision}: this Python process already trained with "
+                             "another mixed_precision, which accelerate keeps until the process ends: run this "
+                             "training in a process of its own (mha2gqa uptrain --recipe ...)") from err
         raise InputError(f"mixed_precision={recipe.mixed_precision} is not usable here ({err}): use no or bf16") from err
 
 
 def _release(accelerator) -> None:
-    """End trackers and the process group, and forget accelerate's process-wide state, so that one
-    Python process can call train() again (the demo pretrains, converts, then uptrains)."""
-    from accelerate.state import AcceleratorState, GradientState
-
+    """End trackers and the process group, and drop the accelerator's references to the model and
+    optimizer (public API only). A later train() in the same process works as long as it keeps the
+    same mixed_precision; accelerate allows no other (see _make_accelerator)."""
     accelerator.end_training()
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    accelerator.free_memory()
 
 
 def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
