@@ -1,10 +1,22 @@
-"""Optional lm-evaluation-harness tasks (`pip install 'mha2gqa[lmeval]'`), folded into the result."""
+"""lm-evaluation-harness tasks on the model already loaded for the perplexity pass, folded into the result.
+
+`pip install 'mha2gqa[lmeval]'`. Task names are lm-eval's: the offline suite shipped in
+eval/tasks/ (OFFLINE_TASKS, built from held-out Persuasion, see docs/lmeval.md) or any hub task
+(hellaswag, arc_easy, ...) when the machine is online.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 from mha2gqa.errors import InputError
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+OFFLINE_TASKS = ("persuasion_cloze", "persuasion_next_sentence")
+# Perplexity's standard error is a bootstrap; lm-eval's default of 100,000 resamples takes longer
+# than the task itself on a small model, and 1,000 give the same first significant digit.
+BOOTSTRAP_ITERS = 1000
 
 
 def check_lm_eval_installed() -> None:
@@ -12,16 +24,66 @@ def check_lm_eval_installed() -> None:
         raise InputError("--lm-eval-tasks needs lm-evaluation-harness: pip install 'mha2gqa[lmeval]'")
 
 
-def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 1) -> dict:
-    """{task: {metric: value}} for the already loaded model (no second copy is loaded)."""
+def task_manager(tasks: list[str]):
+    """lm-eval's TaskManager over our offline tasks, plus its own catalogue when another name is asked
+    for (indexing lm-eval's thousands of YAMLs takes seconds, so only then)."""
+    from lm_eval.tasks import TaskManager
+
+    needs_hub = any(t not in OFFLINE_TASKS and t != "mha2gqa_offline" for t in tasks)
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=needs_hub)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        listed = ", ".join(OFFLINE_TASKS)
+        raise InputError(f"--lm-eval-tasks {','.join(unknown)}: not an lm-eval task (offline ones: {listed}; "
+                         "hub tasks such as hellaswag need `lm_eval --tasks list` names)")
+    return manager
+
+
+def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 1,
+                manager=None) -> dict:
+    """Run `tasks` on the loaded `model` (no second copy is loaded) and return the result's lm_eval
+    section: harness version, settings, and per task the number of examples and every metric with
+    its standard error and direction."""
     check_lm_eval_installed()
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
+    manager = manager or task_manager(tasks)
     wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    out = lm_eval.simple_evaluate(model=wrapped, tasks=list(tasks), limit=limit)
-    # Keep numbers only: the raw output carries configs and samples that do not belong in a result.
+    out = lm_eval.simple_evaluate(model=wrapped, tasks=list(tasks), limit=limit, task_manager=manager,
+                                  bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False)
     return {
-        task: {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        for task, metrics in out["results"].items()
+        "harness": f"lm-eval {lm_eval.__version__}",
+        "limit": limit,
+        "bootstrap_iters": BOOTSTRAP_ITERS,
+        "tasks": {task: fold_task(metrics, out["higher_is_better"].get(task, {}),
+                                  out["n-samples"].get(task, {}).get("effective"))
+                  for task, metrics in out["results"].items()},
     }
+
+
+def fold_task(raw: dict, higher_is_better: dict, samples: int | None) -> dict:
+    """lm-eval's {"acc,none": 0.4, "acc_stderr,none": 0.02, "alias": ...} -> {"samples": n, "metrics":
+    {"acc": {"value", "stderr", "higher_is_better"}}}. A filter other than "none" (e.g. gsm8k's
+    strict-match) stays in the name: "exact_match (strict-match)"."""
+    metrics = {}
+    for key, value in raw.items():
+        name, _, filter_name = key.partition(",")
+        if not filter_name or name.endswith("_stderr") or not _is_number(value):
+            continue
+        stderr = raw.get(f"{name}_stderr,{filter_name}")
+        label = name if filter_name == "none" else f"{name} ({filter_name})"
+        metrics[label] = {"value": value, "stderr": stderr if _is_number(stderr) else None,
+                          "higher_is_better": higher_is_better.get(name)}
+    return {"samples": samples, "metrics": metrics}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def metric_value(result: dict, task: str, metric: str) -> float | None:
+    """One number of a result's lm_eval section, or None when that task or metric was not run."""
+    section = ((result.get("lm_eval") or {}).get("tasks") or {}).get(task) or {}
+    found = section.get("metrics", {}).get(metric)
+    return found["value"] if found else None
