@@ -3,7 +3,6 @@ uptrain it briefly, and measure what was lost and what was saved."""
 
 __version__ = "0.1.0"
 
-from mha2gqa import convert  # noqa: E402  (a callable package: mha2gqa.convert(src, dst, groups=8))
 from mha2gqa.errors import InputError  # noqa: E402
 
 __all__ = ["InputError", "__version__", "convert", "evaluate", "inspect_model", "load_recipe"]
@@ -29,3 +28,13 @@ def load_recipe(*args, **kwargs):
     from mha2gqa.uptrain import load_recipe as _load_recipe
 
     return _load_recipe(*args, **kwargs)
+
+
+def __getattr__(name):
+    """`mha2gqa.convert` is a callable package (mha2gqa.convert(src, dst, groups=8)); it is imported
+    on first use so that `import mha2gqa` (and the CLI's --help) stays cheap."""
+    if name == "convert":
+        import importlib
+
+        return importlib.import_module("mha2gqa.convert")
+    raise AttributeError(f"module 'mha2gqa' has no attribute {name!r}")

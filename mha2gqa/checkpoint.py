@@ -20,19 +20,33 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from mha2gqa.errors import InputError, is_user_fault, user_file_error
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-CODES = {dtype: code for code, dtype in DTYPES.items()}
+# Bytes per element of every safetensors dtype code we read. Headers need only this; the torch dtypes
+# (DTYPES, CODES) are made on first use, so reading a checkpoint's shapes (`inspect`) never imports torch.
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+            "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+@functools.cache
+def torch_dtypes() -> dict:
+    """safetensors dtype code -> torch dtype."""
+    import torch
+
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def __getattr__(name: str):
+    """DTYPES (code -> torch dtype) and CODES (torch dtype -> code), made when first imported."""
+    if name == "DTYPES":
+        return torch_dtypes()
+    if name == "CODES":
+        return {dtype: code for code, dtype in torch_dtypes().items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 _COPY_CHUNK = 64 << 20  # bytes per copy_file_range call: bounded kernel work per step
 
 
@@ -93,9 +107,9 @@ def _tensor_infos(path: Path) -> list[TensorInfo]:
         if not isinstance(entry, dict):
             raise corrupt(name, f"has a header entry that is a JSON {type(entry).__name__}, not an object")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if not isinstance(dtype, str) or dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise InputError(f"{path}: tensor {name!r} has dtype {dtype!r}, which mha2gqa cannot read "
-                             f"(readable: {', '.join(DTYPES)})")
+                             f"(readable: {', '.join(ITEMSIZE)})")
         if not isinstance(shape, list) or not all(_is_count(dim) for dim in shape):
             raise corrupt(name, f"has shape {shape!r} (must be a list of non-negative integers)")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets)) \
@@ -105,7 +119,7 @@ def _tensor_infos(path: Path) -> list[TensorInfo]:
         for dim in shape:
             numel *= dim
         begin, end = offsets
-        if end - begin != numel * DTYPES[dtype].itemsize:
+        if end - begin != numel * ITEMSIZE[dtype]:
             raise corrupt(name, f"has {end - begin} bytes for shape {shape} of {dtype}")
         infos.append(TensorInfo(name, dtype, tuple(shape), path, data_start + begin, data_start + end))
     infos.sort(key=lambda info: (info.start, info.end))  # file order: sequential reads
@@ -176,9 +190,12 @@ class SafetensorsCheckpoint:
             view = memoryview(buffer)
             while view:
                 view = view[f.readinto(view):]
+        import torch
+
+        dtype = torch_dtypes()[info.dtype]
         if not buffer:
-            return torch.empty(info.shape, dtype=DTYPES[info.dtype])
-        return torch.frombuffer(buffer, dtype=DTYPES[info.dtype]).reshape(info.shape)
+            return torch.empty(info.shape, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(info.shape)
 
 
 @dataclass(frozen=True)
@@ -192,7 +209,7 @@ class OutputTensor:
         numel = 1
         for dim in self.shape:
             numel *= dim
-        return numel * DTYPES[self.dtype].itemsize
+        return numel * ITEMSIZE[self.dtype]
 
 
 def assign_shards(tensors: list[OutputTensor], max_shard_bytes: int) -> list[list[OutputTensor]]:
@@ -247,7 +264,7 @@ class ShardedWriter:
     def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
         self._next(name, tensor.numel() * tensor.element_size())
         if tensor.numel():
-            data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+            data = tensor.contiguous().reshape(-1).view(torch_dtypes()["U8"]).numpy()
             self._file.write(memoryview(data))
 
     def copy_bytes(self, name: str, source: TensorInfo) -> None:

@@ -7,11 +7,18 @@ import json
 import click
 
 from mha2gqa.cli.format import human_bytes, human_count, table
-from mha2gqa.convert.methods import METHODS
 
 
-def _method_help() -> str:
-    return "; ".join(f"{name}: {method.summary}" for name, method in METHODS.items())
+class _MethodOption(click.Option):
+    """--method, whose help lists every method's summary. The summaries live beside the methods (which
+    import torch), so they are read only when help is shown: `mha2gqa --help` stays cheap."""
+
+    def get_help_record(self, ctx):
+        from mha2gqa.convert.methods import METHODS
+
+        summaries = "; ".join(f"{name}: {method.summary}" for name, method in METHODS.items())
+        self.help = f"How each group's kv heads become one. {summaries}."
+        return super().get_help_record(ctx)
 
 
 @click.command()
@@ -19,7 +26,7 @@ def _method_help() -> str:
 @click.argument("dst")
 @click.option("--groups", "-g", type=int, required=True,
               help="Target number of kv heads (1 = multi-query). Must divide the source's kv heads.")
-@click.option("--method", default="mean", show_default=True, help=f"How each group's kv heads become one. {_method_help()}.")
+@click.option("--method", cls=_MethodOption, default="mean", show_default=True, help="How each group's kv heads become one.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random method.")
 @click.option("--dtype", default=None, help="Cast floating tensors to float32, float16 or bfloat16 (default: keep each tensor's dtype).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")

@@ -1,15 +1,39 @@
 """`inspect`: what a model's attention looks like and what each valid conversion would save.
-Reads config.json only; parameters are counted on the meta device (no weights are read)."""
+Reads config.json and the safetensors headers (shapes, no weights), so it answers without torch;
+a directory with no weights has its parameters counted on the meta device instead."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
+from mha2gqa.checkpoint import SafetensorsCheckpoint
 from mha2gqa.convert.roles import KV_ROLES, layer_names, unpack
 from mha2gqa.layouts import attention_shape, layout_for, read_config
 from mha2gqa.sources import resolve_model_dir
 
 
 def _count_parameters(model_dir, layout, shape) -> tuple[int, int]:
-    """(all parameters, parameters in K/V projections and key norms) of the model, from its config."""
+    """(all parameters, parameters in K/V projections and key norms) of the model: the stored tensors'
+    shapes when its safetensors are here (tied weights are stored once, as they are counted once)."""
+    if not any(Path(model_dir).glob("*.safetensors")):
+        return _count_on_meta(model_dir, layout, shape)
+    shapes = {name: info.shape for name, info in SafetensorsCheckpoint(model_dir).tensors.items()}
+    kv_rows = shape.kv_heads * shape.head_dim
+    fused_rows = shape.heads * shape.head_dim + 2 * kv_rows
+    kv_params = 0
+    for layer in range(shape.layers):
+        for role, name in layer_names(layout, layer, shape.kv_heads, set(shapes)).items():
+            part, numel = role.rsplit(".", 1)[0], math.prod(shapes[name])
+            if part == "qkv":  # rows [q (H*hd) | k (n_kv*hd) | v (n_kv*hd)], as roles.unpack splits them
+                kv_params += numel // fused_rows * 2 * kv_rows
+            elif part in ("k", "v") or part.startswith("k_norm"):
+                kv_params += numel
+    return sum(math.prod(s) for s in shapes.values()), kv_params
+
+
+def _count_on_meta(model_dir, layout, shape) -> tuple[int, int]:
+    """The same count from the config alone: transformers builds the model on the meta device."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -10,10 +10,13 @@ per-head norms) and pack() maps them back, so adding a layout never touches a me
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import AttentionShape, Layout
+
+if TYPE_CHECKING:  # torch is imported where tensors are joined, so `inspect` (names only) never loads it
+    import torch
 
 KINDS = ("weight", "bias")
 KV_ROLES = ("k.weight", "k.bias", "v.weight", "v.bias", "k_norm.weight", "k_norm.bias")
@@ -49,6 +52,8 @@ def layer_names(layout: Layout, layer: int, kv_heads: int, available: set[str]) 
 
 def unpack(stored: dict[str, torch.Tensor], shape: AttentionShape) -> dict[str, torch.Tensor]:
     """Stored-role tensors -> canonical roles (views where possible)."""
+    import torch
+
     roles = {}
     q_rows = shape.heads * shape.head_dim
     kv_rows = shape.kv_heads * shape.head_dim
@@ -69,6 +74,8 @@ def unpack(stored: dict[str, torch.Tensor], shape: AttentionShape) -> dict[str, 
 
 def pack(roles: dict[str, torch.Tensor], stored_roles: list[str], kv_heads: int) -> dict[str, torch.Tensor]:
     """Canonical roles -> the stored roles of `stored_roles`' layout, for a model with `kv_heads`."""
+    import torch
+
     stored = {}
     for role in stored_roles:
         part, kind = role.rsplit(".", 1)
