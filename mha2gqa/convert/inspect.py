@@ -9,6 +9,7 @@ from pathlib import Path
 
 from mha2gqa.checkpoint import SafetensorsCheckpoint
 from mha2gqa.convert.roles import KV_ROLES, layer_names, unpack
+from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, layout_for, read_config
 from mha2gqa.sources import resolve_model_dir
 
@@ -50,6 +51,9 @@ def _count_on_meta(model_dir, layout, shape) -> tuple[int, int]:
 
 
 def inspect_model(src, context: int = 4096, batch: int = 1) -> dict:
+    for flag, value in (("--context", context), ("--batch", batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InputError(f"{flag} {value!r} must be a positive integer (tokens per sequence, sequences per batch)")
     model_dir = resolve_model_dir(src)
     config = read_config(model_dir)
     layout, shape = layout_for(config), attention_shape(config)
