@@ -147,23 +147,35 @@ def read_config(model_dir: str | Path) -> dict:
 
 
 def layout_for(config: dict) -> Layout:
+    """The explicit entry for config's model_type; else the layout derived from the model class
+    (generic_layout.py), or InputError saying why neither fits."""
     model_type = config.get("model_type")
     if model_type in LAYOUTS:
         return LAYOUTS[model_type]
-    supported = ", ".join(sorted(LAYOUTS))
     if model_type in REFUSED:
+        supported = ", ".join(sorted(LAYOUTS))
         raise InputError(f"model_type {model_type!r} is not supported: {REFUSED[model_type]} (supported: {supported})")
-    raise InputError(f"model_type {model_type!r} is not supported (supported: {supported})")
+    from mha2gqa.generic_layout import generic_architecture
+
+    return generic_architecture(config).layout
 
 
 def attention_shape(config: dict) -> AttentionShape:
     """Heads, kv heads and head_dim of a config, checked: transformers itself does not check them."""
     layout_for(config)
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    hidden = int(config["hidden_size"])
-    # head_dim can differ from hidden // heads (gemma): read it when the config has it.
-    head_dim = int(config.get("head_dim") or hidden // heads)
+    if config.get("model_type") in LAYOUTS:
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        hidden = int(config["hidden_size"])
+        # head_dim can differ from hidden // heads (gemma): read it when the config has it.
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        layers = int(config["num_hidden_layers"])
+    else:  # read through transformers' config class (defaults, aliases) and checked against the model
+        from mha2gqa.generic_layout import generic_architecture
+
+        derived = generic_architecture(config)
+        heads, kv_heads, hidden, head_dim = derived.heads, derived.kv_heads, derived.hidden, derived.head_dim
+        layers = derived.layers
     if heads % kv_heads:
         raise InputError(
             f"config has num_attention_heads={heads} not divisible by num_key_value_heads={kv_heads}: "
@@ -172,7 +184,7 @@ def attention_shape(config: dict) -> AttentionShape:
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").replace("torch.", "")
     return AttentionShape(
         model_type=config["model_type"],
-        layers=int(config["num_hidden_layers"]),
+        layers=layers,
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,

@@ -1,0 +1,136 @@
+"""Tiny models of every causal-LM type the installed transformers offers, and the check that the
+converter either converts each exactly or refuses it in one line.
+
+Used by tests/test_architectures_all.py and scripts/supported_architectures.py (which writes
+docs/architectures.md from the same results, so the supported list cannot drift).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HEADS = 8  # the tiny models' query and kv heads: converted to 4 (exact on planted pairs) and to 1
+HEAD_DIM = 8
+# Attribute -> tiny value, applied where the type's config has the attribute.
+SIZES = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "head_dim": HEAD_DIM,
+    "max_position_embeddings": 256, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "shared_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+    "sliding_window": 16, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "tie_word_embeddings": False, "first_k_dense_replace": 1,
+}
+IDS = torch.tensor([[5, 9, 17, 33, 60, 7, 21, 90]])
+
+
+def causal_lm_types() -> list[str]:
+    """Every model_type with a causal-LM class in the installed transformers (its auto mapping)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_config(model_type: str):
+    """The type's config class with every size in SIZES it has shrunk; layer_types (if any) keeps
+    one layer of each of the first two distinct kinds, so hybrids stay hybrids."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls().to_dict()
+    settings = {key: value for key, value in SIZES.items() if key in defaults}
+    kinds = defaults.get("layer_types")
+    if kinds:
+        distinct = list(dict.fromkeys(kinds))
+        settings["layer_types"] = (distinct * 2)[:2] if len(distinct) > 1 else kinds[:2]
+    return cls(**settings)
+
+
+def plant_redundant_pairs(model, layout, shape) -> None:
+    """Make kv heads 2j and 2j+1 identical in every layer (k/v rows and biases, key norm slices), so
+    pooling them in pairs changes nothing and the converted model must match its parent exactly."""
+    from mha2gqa.convert.roles import KV_ROLES, layer_names
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for layer in range(shape.layers):
+            for role, name in layer_names(layout, layer, shape.kv_heads, set(params)).items():
+                if role in KV_ROLES:
+                    heads = params[name].view(shape.kv_heads // 2, 2, -1)
+                    heads[:, 1] = heads[:, 0]
+
+
+@dataclass
+class Outcome:
+    model_type: str
+    status: str  # "exact" (converted, loads clean, matches on planted heads), "refused", "no tiny model"
+    reason: str = ""
+    moe: bool = False
+
+
+def check_type(model_type: str, workdir: Path) -> Outcome:
+    """Build, plant, save, convert to half and to one kv head, reload, compare. Raises on anything
+    that is neither an exact conversion nor a one-line InputError refusal."""
+    from transformers import AutoModelForCausalLM
+
+    from mha2gqa import convert
+    from mha2gqa.errors import InputError
+    from mha2gqa.layouts import attention_shape, layout_for
+
+    try:
+        config = tiny_config(model_type)
+        torch.manual_seed(0)
+        parent = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    except Exception as err:  # the harness's limit, not the converter's: reported, never counted as supported
+        return Outcome(model_type, "no tiny model", f"{type(err).__name__}: {str(err).strip().splitlines()[0][:120]}"
+                       if str(err).strip() else type(err).__name__)
+    source = workdir / "source"
+    try:
+        config_dict = parent.config.to_dict()
+        layout, shape = layout_for(config_dict), attention_shape(config_dict)
+    except InputError as err:
+        parent.save_pretrained(source)  # the refusal must hold on the real path too
+        try:
+            convert(source, workdir / "refused", groups=1, progress=False)
+        except InputError as again:
+            assert str(again) == str(err)
+            _check_one_line(str(err))
+            assert not (workdir / "refused").exists()
+            return Outcome(model_type, "refused", str(err))
+        raise AssertionError(f"{model_type}: layout_for refused ({err}) but convert() did not")
+    with torch.no_grad():
+        for param in parent.parameters():  # norms start at 1 and biases at 0: make mistakes visible
+            param.add_(0.05 * torch.randn_like(param))
+    plant_redundant_pairs(parent, layout, shape)
+    parent.save_pretrained(source)
+    with torch.no_grad():
+        expected = parent(IDS).logits
+    moe = any("expert" in name for name, _ in parent.named_parameters())
+    for groups in (shape.kv_heads // 2, 1):
+        dst = workdir / f"kv{groups}"
+        convert(source, dst, groups=groups, progress=False)
+        child, info = AutoModelForCausalLM.from_pretrained(dst, output_loading_info=True, dtype=torch.float32)
+        assert {key: value for key, value in info.items() if value} == {}, (model_type, info)
+        assert _kv_rows(child, layout, shape) == groups * shape.head_dim
+        child.eval()
+        with torch.no_grad():
+            logits = child(IDS).logits
+            generated = child.generate(IDS, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert generated.shape == (1, IDS.shape[1] + 3)
+        assert torch.isfinite(logits).all()
+        if groups == shape.kv_heads // 2:
+            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+    return Outcome(model_type, "exact", moe=moe)
+
+
+def _kv_rows(model, layout, shape) -> int:
+    name = layout.layer_prefix.format(layer=0) + layout.k + ".weight"
+    return dict(model.named_parameters())[name].shape[0]
+
+
+def _check_one_line(message: str) -> None:
+    assert message and "\n" not in message, message
