@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe keys, dotted for sections")
     args = parser.parse_intermixed_args(argv)  # key=value may come before or after flags
 
-    from mha2gqa.errors import InputError
+    from mha2gqa.errors import InputError, is_user_fault, user_file_error
     from mha2gqa.uptrain import load_recipe, train
     from mha2gqa.uptrain.steps import TrainingDiverged
 
@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
         out = train(load_recipe(args.recipe, args.overrides), resume=args.resume)
     except InputError as err:  # the user's to fix: one line, exit 2, nothing written
         print(f"Error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a full or read-only disk, a permission: the same rule as the mha2gqa CLI
+        if not is_user_fault(err):
+            raise
+        print(f"Error: {user_file_error(err)}", file=sys.stderr)
         return 2
     except TrainingDiverged as err:
         print(f"Error: {err}", file=sys.stderr)

@@ -7,15 +7,20 @@ while saving leaves a folder that resume ignores.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, is_user_fault, user_file_error
 from mha2gqa.uptrain.recipe import RESUME_FREE_KEYS, Recipe
 
 CHECKPOINTS = "checkpoints"
 PROGRESS = "progress.json"
+DAMAGED = "progress.damaged.json"  # a finished checkpoint that failed to load on --resume
+FULL_BELOW = 2**20  # a write that failed with less free space than this failed for want of room
 # Keys whose change would change the data order or the parameter set: a resume with them changed
 # could not continue the same run. Other changes (optim.lr after a divergence, say) are reported.
 STRICT_KEYS = ("model", "init_from_config", "tokenizer", "seed", "seq_len", "micro_batch_size",
@@ -112,19 +117,25 @@ def clear_own_files(out: Path) -> None:
 def check_not_a_source(out: Path, recipe: Recipe) -> None:
     """Refuse an output_dir that is, contains or lies inside a local directory the run reads from:
     overwrite=true and the final save would otherwise delete or replace the source's own files."""
-    out_r = out.expanduser().resolve()  # resolve: a symlink to the model is the model
+    outs = _spellings(out)
     for key, value in (("model", recipe.model), ("distill.teacher", recipe.distill.teacher),
                        ("tokenizer", recipe.tokenizer), ("init_from_config", recipe.init_from_config)):
         if value is None or not Path(value).expanduser().exists():
             continue  # a hub id: nothing local to protect
-        src = Path(value).expanduser().resolve()
-        src = src.parent if src.is_file() else src
-        if out_r == src or src in out_r.parents:
-            raise InputError(f"output_dir {out} is {key}={value} or lies inside it: the run would write over its source; "
-                             "choose an output_dir outside it")
-        if out_r in src.parents:
-            raise InputError(f"output_dir {out} contains {key}={value}: overwrite or the final save could delete "
-                             "the source; choose an output_dir that does not hold it")
+        for src in _spellings(Path(value)):
+            src = src.parent if src.is_file() else src
+            if any(o == src or src in o.parents for o in outs):
+                raise InputError(f"output_dir {out} is {key}={value} or lies inside it: the run would write over "
+                                 "its source; choose an output_dir outside it")
+            if any(o in src.parents for o in outs):
+                raise InputError(f"output_dir {out} contains {key}={value}: overwrite or the final save could "
+                                 "delete the source; choose an output_dir that does not hold it")
+
+
+def _spellings(path: Path) -> set[Path]:
+    """The absolute path as written and with symlinks resolved: either may be how two paths meet."""
+    path = path.expanduser()
+    return {Path(os.path.abspath(path)), path.resolve()}
 
 
 def truncate_jsonl(path: Path, keep) -> None:
@@ -132,3 +143,54 @@ def truncate_jsonl(path: Path, keep) -> None:
     if path.is_file():
         lines = [ln for ln in path.read_text().splitlines() if ln.strip() and keep(json.loads(ln))]
         path.write_text("".join(ln + "\n" for ln in lines))
+
+
+def load_newest_loadable(accelerator, out: Path) -> Path:
+    """accelerator.load_state from the newest finished checkpoint that loads; a damaged one (a disk
+    error, a file cut short) is set aside, said so, and the one before it is tried."""
+    found = complete_checkpoints(out)
+    for ckpt in reversed(found):
+        try:
+            accelerator.load_state(str(ckpt))
+            return ckpt
+        except Exception as err:  # noqa: BLE001 - whatever a damaged file raises (safetensors, pickle, torch)
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            if accelerator.is_main_process:  # no longer "finished": resume and pruning skip it from now on
+                (ckpt / PROGRESS).replace(ckpt / DAMAGED)
+            accelerator.print(f"note: checkpoint {ckpt} could not be loaded ({type(err).__name__}: {reason[:200]}); "
+                              f"its {PROGRESS} is now {DAMAGED}; trying the one before it")
+    raise InputError(f"--resume: none of the {len(found)} checkpoint(s) under {out / CHECKPOINTS} could be loaded "
+                     "(see the notes above): start over with overwrite=true")
+
+
+def check_room(out: Path, needed: int) -> None:
+    """Before training: output_dir (or the folder that will hold it) must be writable and have room
+    for `needed` bytes, so that a run does not fail at its first save hours in."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"output_dir {out}: {existing} is not writable (read-only filesystem or permissions): "
+                         "choose a writable output_dir")
+    free = shutil.disk_usage(existing).free
+    if free < needed:
+        raise InputError(f"output_dir {out}: {free / 2**20:,.0f} MiB free on its filesystem but a checkpoint and the "
+                         f"final model need about {needed / 2**20:,.0f} MiB: free space or choose another output_dir")
+
+
+def write_failure(err: Exception, path: Path) -> InputError | None:
+    """An error raised while writing under `path`, as one line when the disk or its permissions are
+    to blame; None when it is not (a bug: keep the traceback). torch.save reports a full disk as a
+    RuntimeError ("unexpected pos") and safetensors as SafetensorError ("os error 28"), not OSError."""
+    if isinstance(err, OSError):
+        return user_file_error(err, path) if is_user_fault(err) else None
+    code = re.search(r"os error (\d+)", str(err))
+    if code:
+        fault = OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path))
+        return user_file_error(fault, path) if is_user_fault(fault) else None
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if shutil.disk_usage(existing).free < FULL_BELOW:  # checked before the partial files are removed
+        return user_file_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)), path)
+    return None

@@ -10,8 +10,8 @@ from mha2gqa.uptrain import checkpoints
 from mha2gqa.uptrain.data_setup import build_data
 from mha2gqa.uptrain.final import save_final, write_provenance
 from mha2gqa.uptrain.metrics import Metrics, Trace
-from mha2gqa.uptrain.models import (check_teacher, check_vocab, load_student, load_teacher, load_tokenizer,
-                                    make_optimizer, select_trainable)
+from mha2gqa.uptrain.models import (check_positions, check_teacher, check_vocab, load_student, load_teacher,
+                                    load_tokenizer, make_optimizer, save_bytes, select_trainable)
 from mha2gqa.uptrain.recipe import Recipe
 from mha2gqa.uptrain.schedule import tokens_per_step, total_steps
 from mha2gqa.uptrain.steps import Run, TrainingDiverged, run_steps
@@ -69,6 +69,7 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
     with accelerator.main_process_first():  # rank 0 fills the datasets cache; the others then read it
         data = build_data(recipe, tokenizer, rank, world, show_progress=accelerator.is_local_main_process)
     check_vocab(student.model, data.eval)
+    check_positions(student.model, recipe.seq_len)
     trainable = select_trainable(student.model, recipe.trainable)
     teacher = load_teacher(recipe, accelerator.device) if recipe.distill.teacher else None
     if teacher is not None:
@@ -83,6 +84,10 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
             f"recipe has grad_accum={recipe.grad_accum}: remove it from the accelerate config (the recipe rules)"
         )
 
+    if accelerator.is_main_process:
+        saves = bool(recipe.save_every or recipe.exit_after_steps)
+        checkpoints.check_room(out, save_bytes(student.model, student.saved_dtype, saves))
+
     # Nothing was written before this point: every input error above left output_dir untouched.
     if accelerator.is_main_process:
         if recipe.overwrite and not resume:
@@ -91,7 +96,7 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
     accelerator.wait_for_everyone()
     start = 0
     if start_ckpt is not None:
-        accelerator.load_state(str(start_ckpt))
+        start_ckpt = checkpoints.load_newest_loadable(accelerator, out)
         start = checkpoints.read_progress(start_ckpt)["step"]
         accelerator.print(f"resuming from {start_ckpt} (step {start} of {total})")
         for note in changed:
@@ -111,23 +116,23 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
         return out
     if trace is not None:
         trace.finish(accelerator.unwrap_model(model))
-    save_final(accelerator, model, tokenizer, out, student.saved_dtype)
-    if accelerator.is_main_process:
-        write_provenance(out, student.source_dir, {
-            "recipe": recipe.to_dict(),
-            "source": {"model": recipe.model, "model_dir": str(student.source_dir) if student.source_dir else None,
-                       "init_from_config": recipe.init_from_config, "tokenizer": recipe.tokenizer_source,
-                       "teacher": recipe.distill.teacher},
-            "steps": total,
-            "tokens_seen": total * tokens_per_step(recipe, world),
-            "tokens_per_step": tokens_per_step(recipe, world),
-            "world_size": world,
-            "trainable_params": trainable,
-            "saved_dtype": str(student.saved_dtype).replace("torch.", ""),
-            "resumed_from_step": start if start_ckpt else None,
-            **{f"final_{k}": v for k, v in final_evals.items()},
-        })
-    accelerator.wait_for_everyone()
+    record = {
+        "recipe": recipe.to_dict(),
+        "source": {"model": recipe.model, "model_dir": str(student.source_dir) if student.source_dir else None,
+                   "init_from_config": recipe.init_from_config, "tokenizer": recipe.tokenizer_source,
+                   "teacher": recipe.distill.teacher},
+        "steps": total,
+        "tokens_seen": total * tokens_per_step(recipe, world),
+        "tokens_per_step": tokens_per_step(recipe, world),
+        "world_size": world,
+        "trainable_params": trainable,
+        "saved_dtype": str(student.saved_dtype).replace("torch.", ""),
+        "resumed_from_step": start if start_ckpt else None,
+        **{f"final_{k}": v for k, v in final_evals.items()},
+    }
+    # mha2gqa.json is written with the model and moved in with it (last).
+    save_final(accelerator, model, tokenizer, out, student.saved_dtype,
+               finish=lambda staging: write_provenance(staging, student.source_dir, record))
     return out
 
 

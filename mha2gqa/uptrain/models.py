@@ -128,3 +128,21 @@ def make_optimizer(model: torch.nn.Module, optim, device_type: str) -> torch.opt
     # The fused kernel is several times faster on CPU too (one pass over all tensors).
     fused = device_type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=fused)
+
+
+def check_positions(model: torch.nn.Module, seq_len: int) -> None:
+    """Blocks longer than the model's positions train on positions it never saw (or index past a
+    learned position table): refuse rather than train silently."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and seq_len > limit:
+        raise InputError(f"seq_len={seq_len} exceeds the model's max_position_embeddings={limit}: use seq_len={limit} "
+                         "or less")
+
+
+def save_bytes(model: torch.nn.Module, saved_dtype: torch.dtype, checkpoints: bool) -> int:
+    """Disk a run needs at least: one resumable checkpoint (fp32 weights + AdamW's two fp32 moments of
+    the trainable ones) when it saves any, and the final model in its saved dtype."""
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    checkpoint = 4 * params + 8 * trainable if checkpoints else 0
+    return checkpoint + params * saved_dtype.itemsize

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa.errors import user_file_error
 from mha2gqa.uptrain import checkpoints
 from mha2gqa.uptrain.data import rank_slice
 from mha2gqa.uptrain.data_setup import TrainData
@@ -195,10 +194,13 @@ def save_checkpoint(run: Run, step: int, tps: int, eval_loss: float | None = Non
                 "step": step, "tokens": step * tps, "total_steps": run.total, "eval_loss": eval_loss,
                 "world_size": acc.num_processes, "recipe": run.recipe.to_dict(),
             })
-    except OSError as err:
+    except Exception as err:  # noqa: BLE001 - torch.save and safetensors do not raise OSError for a full disk
+        fault = checkpoints.write_failure(err, ckpt)
+        if fault is None:
+            raise
         if acc.is_main_process:
             shutil.rmtree(ckpt, ignore_errors=True)  # half a checkpoint is no checkpoint
-        raise user_file_error(err, ckpt) from err
+        raise fault from err
     if acc.is_main_process:
         checkpoints.prune(run.out, run.recipe.keep_last)
     acc.wait_for_everyone()
