@@ -1,0 +1,111 @@
+"""lm-evaluation-harness for real: the offline Persuasion tasks on a tiny model and on the embedded
+default, through `mha2gqa eval`, with every number checked against lm-eval called directly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from uptrain_helpers import tiny_model_dir
+
+from mha2gqa import embedded
+from mha2gqa.cli import main
+from mha2gqa.errors import InputError
+from mha2gqa.eval import evaluate, write_report
+from mha2gqa.eval.lmeval import BOOTSTRAP_ITERS, OFFLINE_TASKS, TASKS_DIR
+
+pytest.importorskip("lm_eval")  # the [lmeval] extra; .ci/run installs it, so CI runs every test here
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 3
+
+
+def direct_harness(model_dir: Path, tasks, limit: int) -> dict:
+    """lm-eval on its own, the way its docs show: HFLM around a loaded model, simple_evaluate."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    wrapped = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(model_dir), batch_size=1)
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+    return lm_eval.simple_evaluate(model=wrapped, tasks=list(tasks), limit=limit, task_manager=manager,
+                                   bootstrap_iters=BOOTSTRAP_ITERS)["results"]
+
+
+def assert_same_numbers(ours: dict, theirs: dict) -> None:
+    assert set(ours["tasks"]) == set(theirs) == set(OFFLINE_TASKS)
+    for task, raw in theirs.items():
+        metrics = ours["tasks"][task]["metrics"]
+        expected = {"persuasion_cloze": {"acc", "perplexity"}, "persuasion_next_sentence": {"acc", "acc_norm"}}[task]
+        assert set(metrics) == expected
+        for name, found in metrics.items():
+            assert found["value"] == raw[f"{name},none"], (task, name)  # the very number, not a near one
+            assert found["stderr"] == raw[f"{name}_stderr,none"], (task, name)
+        assert ours["tasks"][task]["samples"] == LIMIT
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("lmeval") / "tiny")
+
+
+def test_shipped_task_data_is_what_the_script_makes():
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_lmeval_tasks.py"), "--check"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    cloze = [json.loads(line) for line in (TASKS_DIR / "persuasion_cloze.jsonl").read_text().splitlines()]
+    choice = [json.loads(line) for line in (TASKS_DIR / "persuasion_next_sentence.jsonl").read_text().splitlines()]
+    assert len(cloze) == 355 and len(choice) == 500
+    for row in cloze:  # LAMBADA's form: the target is the last space-separated word, seen earlier
+        context, _, last = row["text"].rpartition(" ")
+        assert last.isalpha() and last.lower() in context.lower()
+    assert all(len(r["choices"]) == 4 and r["choices"][r["gold"]] not in r["context"] for r in choice)
+    assert {r["gold"] for r in choice} == {0, 1, 2, 3}
+
+
+def test_tiny_model_numbers_equal_the_harness_called_directly(tiny, tmp_path):
+    result = evaluate(tiny, lm_eval_tasks=list(OFFLINE_TASKS), lm_eval_limit=LIMIT, speed_preset=None,
+                      out=tmp_path / "tiny.json", progress=False)
+    section = result["lm_eval"]
+    assert section["harness"].startswith("lm-eval 0.4") and section["limit"] == LIMIT
+    assert_same_numbers(section, direct_harness(tiny, OFFLINE_TASKS, LIMIT))
+    assert json.loads((tmp_path / "tiny.json").read_text())["lm_eval"] == section
+
+
+def test_embedded_default_through_the_cli_equals_the_harness_and_reaches_the_report(tiny, tmp_path):
+    out = tmp_path / "embedded.json"
+    run = CliRunner().invoke(main, ["eval", str(embedded.model_dir()), "--lm-eval-tasks", "mha2gqa_offline",
+                                    "--lm-eval-limit", str(LIMIT), "--speed", "off", "--quiet", "--out", str(out)])
+    assert run.exit_code == 0, run.output
+    assert f"persuasion_cloze ({LIMIT} examples): perplexity " in run.output
+    ours = json.loads(out.read_text())["lm_eval"]
+    assert_same_numbers(ours, direct_harness(embedded.model_dir(), OFFLINE_TASKS, LIMIT))
+
+    # The report gains one column per task metric and its change vs the baseline.
+    other = evaluate(tiny, lm_eval_tasks=["persuasion_next_sentence"], lm_eval_limit=LIMIT, speed_preset=None,
+                     label="tiny", out=tmp_path / "tiny.json", progress=False)
+    written = write_report([out, tmp_path / "tiny.json"], tmp_path / "report")
+    table = written["markdown"].read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| model"))
+    for column in ("persuasion_cloze perplexity", "persuasion_cloze acc", "persuasion_next_sentence acc_norm",
+                   "Δ acc_norm"):
+        assert column in header
+    base = ours["tasks"]["persuasion_next_sentence"]["metrics"]["acc"]["value"]
+    mine = other["lm_eval"]["tasks"]["persuasion_next_sentence"]["metrics"]["acc"]["value"]
+    row = next(line for line in table.splitlines() if line.startswith("| tiny"))
+    assert f"{100 * (mine - base):+.1f} pt" in row
+    report = json.loads(written["json"].read_text())
+    assert report["rows"][1]["lm_eval:persuasion_cloze:acc"] is None  # the tiny run had no cloze
+
+
+def test_unknown_task_is_refused_before_loading(tiny):
+    with pytest.raises(InputError, match="not_a_task: not an lm-eval task"):
+        evaluate(tiny, lm_eval_tasks=["not_a_task"], speed_preset=None, progress=False)
+    with pytest.raises(InputError, match="--lm-eval-limit 0 must be at least 1"):
+        evaluate(tiny, lm_eval_tasks=["persuasion_cloze"], lm_eval_limit=0, speed_preset=None, progress=False)
