@@ -51,8 +51,9 @@ def _str_list(ctx, param, value):
               "as a PNG grid (beside --reference's heads when given).")
 @click.option("--attention-layer", default=0, show_default=True, help="Layer of the attention maps (negative counts from the end).")
 @click.option("--attention-png", type=click.Path(dir_okay=False), help="Where the attention PNG goes [default: OUT with .attention.png].")
-@click.option("--lm-eval-tasks", callback=_str_list, help="lm-evaluation-harness tasks, e.g. hellaswag,arc_easy "
-              "(needs pip install 'mha2gqa[lmeval]').")
+@click.option("--lm-eval-tasks", callback=_str_list, help="lm-evaluation-harness tasks on the loaded model: the offline "
+              "persuasion_cloze,persuasion_next_sentence (or the tag mha2gqa_offline), or hub tasks such as hellaswag "
+              "when online (needs pip install 'mha2gqa[lmeval]'; see docs/lmeval.md).")
 @click.option("--lm-eval-limit", type=int, help="Examples per lm-eval task (for quick checks only).")
 @click.option("--role", type=click.Choice(["parent", "converted", "uptrained"]),
               help="Role in the report [default: from MODEL/mha2gqa.json: uptrain -> uptrained, conversion -> converted, none -> parent].")
@@ -96,8 +97,10 @@ def summary(result: dict) -> str:
                      f"peak {human_bytes(p['peak_memory_bytes'])} ({p['peak_memory_kind']})")
     if result["attention_maps"]:
         lines.append(f"  attention maps: {result['attention_maps']['png']}")
-    if result["lm_eval"]:
-        lines.append(f"  lm-eval: {json.dumps(result['lm_eval'])}")
+    for task, section in ((result["lm_eval"] or {}).get("tasks") or {}).items():
+        shown = ", ".join(f"{name} {m['value']:.4g}" + (f" ± {m['stderr']:.2g}" if m["stderr"] is not None else "")
+                          for name, m in section["metrics"].items())
+        lines.append(f"  {task} ({section['samples']} examples): {shown}")
     return "\n".join(lines)
 
 

@@ -69,7 +69,45 @@ def comparison_rows(results: list[dict], base: int) -> tuple[list[dict], dict]:
             "kv_bytes_per_token": kv[i], "kv_saving": _ratio(kv[base], kv[i]),
             "kv_match": _get(r, "kv_cache", "match"), "tokens_per_s": tps[i], "speedup": _ratio(tps[i], tps[base]),
         })
-    return rows, {"baseline": results[base]["label"], "speed_point": point, "notes": table_notes(results)}
+    lm_columns = add_lm_eval(rows, results, base)
+    return rows, {"baseline": results[base]["label"], "speed_point": point, "notes": table_notes(results),
+                  "lm_eval": lm_columns}
+
+
+def add_lm_eval(rows: list[dict], results: list[dict], base: int) -> list[dict]:
+    """One column per lm-eval task metric any result has: row["lm_eval:TASK:METRIC"] = {value, stderr}
+    and row["lm_eval_delta:TASK:METRIC"] = value - the baseline's (a ratio - 1 for perplexities,
+    whose scale is multiplicative). Returns the columns in first-seen order."""
+    columns: dict[str, dict] = {}
+    for r in results:
+        for task, section in ((r.get("lm_eval") or {}).get("tasks") or {}).items():
+            for metric, found in (section.get("metrics") or {}).items():
+                columns.setdefault(f"{task}:{metric}", {"task": task, "metric": metric,
+                                                        "higher_is_better": found.get("higher_is_better"),
+                                                        "relative": "perplexity" in metric})
+
+    def cell(r, key):
+        c = columns[key]
+        found = (((r.get("lm_eval") or {}).get("tasks") or {}).get(c["task"]) or {}).get("metrics", {}).get(c["metric"])
+        return found if found and found.get("value") is not None else None
+
+    for key, c in columns.items():
+        base_cell = cell(results[base], key)
+        for row, r in zip(rows, results):
+            found = cell(r, key)
+            row[f"lm_eval:{key}"] = None if found is None else {"value": found["value"], "stderr": found.get("stderr")}
+            delta = None
+            if found is not None and base_cell is not None:
+                if c["relative"]:
+                    ratio = _ratio(found["value"], base_cell["value"])
+                    delta = None if ratio is None else ratio - 1.0
+                else:
+                    delta = found["value"] - base_cell["value"]
+            row[f"lm_eval_delta:{key}"] = delta
+        # Accuracies and the like are shown in percent; any other scale (bits per byte ...) as is.
+        values = [row[f"lm_eval:{key}"]["value"] for row in rows if row[f"lm_eval:{key}"]]
+        c["percent"] = not c["relative"] and all(0 <= v <= 1 for v in values)
+    return [{"key": k, **c} for k, c in columns.items()]
 
 
 def table_notes(results: list[dict]) -> list[str]:

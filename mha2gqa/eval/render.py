@@ -24,7 +24,7 @@ def _fmt_ppl(x):
     return f"{x:,.0f}" if x >= 1000 else f"{x:.2f}"
 
 
-def columns(speed_point) -> list[tuple[str, str, callable]]:
+def columns(speed_point, lm_eval: list[dict] | None = None) -> list[tuple[str, str, callable]]:
     """(header, row key, formatter) of every table column."""
     at = f" @ B={speed_point[0]}, T={speed_point[1]}" if speed_point else ""
     return [
@@ -40,7 +40,29 @@ def columns(speed_point) -> list[tuple[str, str, callable]]:
         ("KV saving", "kv_saving", lambda x: f"{x:.2f}×"),
         (f"decode tok/s{at}", "tokens_per_s", lambda x: f"{x:,.0f}" if x >= 100 else f"{x:.1f}"),
         ("speed-up", "speedup", lambda x: f"{x:.2f}×"),
-    ]
+    ] + lm_eval_columns(lm_eval or [])
+
+
+def lm_eval_columns(found: list[dict]) -> list[tuple[str, str, callable]]:
+    """Per lm-eval task metric: its value ± standard error, and Δ vs the baseline (percent for
+    perplexities, percentage points for accuracies, plain difference otherwise)."""
+    cols = []
+    for c in found:
+        scale = "relative" if c["relative"] else "percent" if c["percent"] else "plain"
+        delta = {"relative": lambda x: f"{100 * x:+.1f}%", "percent": lambda x: f"{100 * x:+.1f} pt",
+                 "plain": lambda x: f"{x:+.4g}"}[scale]
+        cols.append((f"{c['task']} {c['metric']}", f"lm_eval:{c['key']}", _fmt_with_stderr(scale)))
+        cols.append((f"Δ {c['metric']}", f"lm_eval_delta:{c['key']}", delta))
+    return cols
+
+
+def _fmt_with_stderr(scale: str):
+    one = {"relative": _fmt_ppl, "percent": lambda x: f"{100 * x:.1f}", "plain": lambda x: f"{x:.4g}"}[scale]
+
+    def fmt(cell):
+        text = one(cell["value"]) + ("%" if scale == "percent" else "")
+        return text if cell.get("stderr") is None else f"{text} ± {one(cell['stderr'])}"
+    return fmt
 
 
 def cells(row: dict, cols) -> list[str]:
@@ -53,7 +75,7 @@ def cells(row: dict, cols) -> list[str]:
 
 
 def markdown(rows, meta, results, plots: dict[str, Path], out_dir: Path) -> str:
-    cols = columns(meta["speed_point"])
+    cols = columns(meta["speed_point"], meta.get("lm_eval"))
     lines = ["# mha2gqa comparison report", "",
              f"Baseline: **{meta['baseline']}** (Δ, saving and speed-up are relative to it).", "",
              "| " + " | ".join(h for h, _, _ in cols) + " |", "|" + "---|" * len(cols)]
@@ -88,7 +110,7 @@ tr.baseline td{font-weight:600;background:#fbfbe8}
 
 
 def html_page(rows, meta, results, plots: dict[str, Path]) -> str:
-    cols = columns(meta["speed_point"])
+    cols = columns(meta["speed_point"], meta.get("lm_eval"))
     esc = html.escape
     head = "".join(f"<th>{esc(h)}</th>" for h, _, _ in cols)
     body = "".join(

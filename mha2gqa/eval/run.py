@@ -21,7 +21,7 @@ from mha2gqa.eval.agreement import agreement
 from mha2gqa.eval.attention_maps import attention_maps, plot_attention_maps
 from mha2gqa.eval.data import load_eval_text
 from mha2gqa.eval.kvcache import measure_kv_cache
-from mha2gqa.eval.lmeval import check_lm_eval_installed, run_lm_eval
+from mha2gqa.eval.lmeval import check_lm_eval_installed, run_lm_eval, task_manager
 from mha2gqa.eval.schema import SCHEMA, write_result
 from mha2gqa.loading import require_safetensors
 from mha2gqa.sources import resolve_model_dir
@@ -48,7 +48,9 @@ def evaluate(model_path, data=None, reference=None, *, tokenizer=None, data_conf
         preset = "gpu" if dev.type == "cuda" else "cpu"
     grid = speed.make_grid(preset, speed_batches, speed_contexts, new_tokens, repeats) if preset else None
     _check_inputs(data, reference, context, stride, batch_size, max_tokens, kv_batch, kv_tokens, role,
-                  attention_text, attention_png, out, lm_eval_tasks)
+                  attention_text, attention_png, out, lm_eval_tasks, lm_eval_limit)
+    # Task names are checked (and the task index built) before any weights are loaded.
+    tasks = task_manager(lm_eval_tasks) if lm_eval_tasks else None
 
     # Everything read from config and tokenizer is checked before any weights are loaded.
     model_dir = resolve_model_dir(model_path)
@@ -86,7 +88,7 @@ def evaluate(model_path, data=None, reference=None, *, tokenizer=None, data_conf
         result["attention_maps"] = {"png": str(plot_attention_maps(found, png, labels, shape.kv_heads)),
                                     "layer": found["layer"]}
     if lm_eval_tasks:
-        result["lm_eval"] = run_lm_eval(model, tok, lm_eval_tasks, lm_eval_limit, batch_size)
+        result["lm_eval"] = run_lm_eval(model, tok, lm_eval_tasks, lm_eval_limit, batch_size, tasks)
     for message in result["warnings"]:
         warnings.warn(message, stacklevel=2)
     if out:
@@ -114,7 +116,7 @@ def _quality(model, ref_model, ids, context, stride, batch_size, progress) -> di
 
 
 def _check_inputs(data, reference, context, stride, batch_size, max_tokens, kv_batch, kv_tokens, role,
-                  attention_text, attention_png, out, lm_eval_tasks) -> None:
+                  attention_text, attention_png, out, lm_eval_tasks, lm_eval_limit=None) -> None:
     """Everything that can be refused before a model is loaded."""
     if reference and not data:
         raise InputError("--reference needs --data: agreement is measured on the same text")
@@ -132,6 +134,8 @@ def _check_inputs(data, reference, context, stride, batch_size, max_tokens, kv_b
         raise InputError(f"--out {out} is a directory: pass a file path such as {Path(out) / 'results.json'}")
     if lm_eval_tasks:
         check_lm_eval_installed()
+    if lm_eval_limit is not None and lm_eval_limit < 1:
+        raise InputError(f"--lm-eval-limit {lm_eval_limit} must be at least 1 (or left out for every example)")
 
 
 def _skeleton(model_path, model_dir, model, shape, prov, role, label, reference, ref_dir, dev, seed) -> dict:

@@ -11,7 +11,8 @@ Top-level keys (sections that were not measured are null):
   kv_cache        formula_bytes_per_token, measured_bytes_per_token, match, cached_heads, ...
   speed           grid, points: [{batch, context, new_tokens, tokens_per_s, peak_memory_bytes, ...}]
   attention_maps  png, layer
-  lm_eval         {task: {metric: value}}
+  lm_eval         harness ("lm-eval 0.4.x"), limit, bootstrap_iters, tasks: {task: {samples,
+                  metrics: {metric: {value, stderr, higher_is_better}}}} (see eval/lmeval.py)
   warnings        [str]: anything a reader must not miss (e.g. a KV-cache mismatch)
   env             device, device_name, versions, seed, created
 """
