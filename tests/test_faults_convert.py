@@ -287,6 +287,43 @@ def test_non_finite_kv_weights_convert_with_a_warning_naming_the_tensor(src, tmp
     assert (tmp_path / "dst" / "model.safetensors").is_file() and digests(src) == before
 
 
+# ------------------------------------------------- class: OS-level faults of SRC (the central rule)
+@pytest.mark.parametrize("fault,words", [
+    ("weights file is a directory", "model.safetensors: it is a directory where a file was expected"),
+    ("weights file is a dangling link", "model.safetensors: no such file or directory"),
+])
+def test_os_errors_on_the_users_files_are_one_line(src, tmp_path, fault, words):
+    (src / "model.safetensors").unlink()
+    if fault == "weights file is a directory":
+        (src / "model.safetensors").mkdir()
+    else:
+        (src / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    convert_refused(src, tmp_path / "dst", words)
+
+
+def test_only_faults_of_the_users_files_become_one_line():
+    import errno
+
+    import click
+
+    from mha2gqa.cli import _Group
+
+    @click.group(cls=_Group)
+    def group():
+        pass
+
+    @group.command()
+    @click.argument("code", type=int)
+    def fail(code):
+        raise OSError(code, os.strerror(code), "/data/model.safetensors")
+
+    full = CliRunner().invoke(group, ["fail", str(errno.ENOSPC)])
+    assert full.exit_code == 2 and full.stderr.strip() == (
+        "Error: /data/model.safetensors: no space left on the device: free space or choose a location with room")
+    bug = CliRunner().invoke(group, ["fail", str(errno.EBADF)])  # a bad file descriptor is our bug: traceback
+    assert isinstance(bug.exception, OSError) and bug.exception.errno == errno.EBADF
+
+
 # ------------------------------------------------------------------------ class: destinations
 def test_dot_as_destination_is_refused(src, tmp_path, monkeypatch):
     work = tmp_path / "work"
