@@ -181,4 +181,8 @@ def test_bf16_source_keeps_its_dtype_and_dry_run_gathers_nothing(tmp_path, calib
     out = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype="auto")
     assert {p.dtype for p in out.parameters()} == {torch.bfloat16}
     ids = ids_for_test()
-    torch.testing.assert_close(logits(tmp_path / "dst", ids), logits(tmp_path / "bf16", ids), rtol=0.05, atol=0.05)
+    parent = logits(tmp_path / "bf16", ids)
+    torch.testing.assert_close(logits(tmp_path / "dst", ids), parent, rtol=0.05, atol=0.05)
+    # negative control: the tolerance is tight enough that mean-pooling the same bf16 source fails it
+    convert(tmp_path / "bf16", tmp_path / "mean", groups=2, method="mean", progress=False)
+    assert not torch.allclose(logits(tmp_path / "mean", ids), parent, rtol=0.05, atol=0.05)
