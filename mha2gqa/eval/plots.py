@@ -92,15 +92,26 @@ def read_metrics(path: Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"--metrics {path}: no such file (uptraining writes metrics.jsonl in its output_dir)")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise InputError(f"--metrics {path} is not UTF-8 text (byte {err.start}): pass the uptrain metrics.jsonl") from err
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise InputError(f"--metrics {path} line {n} is not JSON ({err.msg}): pass the uptrain metrics.jsonl") from err
-    if not rows or not any("step" in r for r in rows):
+            if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)) or isinstance(row["step"], bool):
+                raise InputError(f"--metrics {path} line {n} is not an object with a numeric 'step': "
+                                 "pass the uptrain metrics.jsonl")
+            rows.append(row)
+    if not rows:
         raise InputError(f"--metrics {path} has no lines with a 'step': pass the uptrain metrics.jsonl")
+    if not (_series(rows, "loss") or _series(rows, "ppl")):
+        raise InputError(f"--metrics {path} has no numeric loss or ppl keys (keys: {', '.join(sorted(rows[0]))}): "
+                         "pass the uptrain metrics.jsonl")
     return rows
 
 
@@ -116,10 +127,8 @@ def _series(rows: list[dict], word: str) -> dict[str, list[tuple[float, float]]]
 
 def training_curve(metrics_path: Path, out: Path) -> Path:
     """Loss (and perplexity, when logged) against optimizer step."""
-    rows = [r for r in read_metrics(metrics_path) if "step" in r]
+    rows = read_metrics(metrics_path)
     panels = [(w, s) for w, s in (("loss", _series(rows, "loss")), ("ppl", _series(rows, "ppl"))) if s]
-    if not panels:
-        raise InputError(f"--metrics {metrics_path} has no numeric loss or ppl keys (keys: {', '.join(sorted(rows[0]))})")
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
     for ax, (word, series) in zip(axes[0], panels):
         for key, pts in sorted(series.items()):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, user_file_error
 from mha2gqa.eval import plots, render
 from mha2gqa.eval.compare import comparison_rows, pick_baseline
-from mha2gqa.eval.schema import load_result
+from mha2gqa.eval.schema import check_writable, load_result
 
 
 def _unique_labels(results: list[dict]) -> None:
@@ -42,6 +42,14 @@ def write_report(result_paths, out_dir, baseline: str | None = None, metrics=Non
     _unique_labels(results)
     rows, meta = comparison_rows(results, base)
 
+    check_writable(out_dir / "report.json", "--out")  # read-only or full: say so before drawing anything
+    try:
+        return _write(out_dir, rows, meta, results, paths, metric_paths)
+    except OSError as err:  # the disk filled up mid-way: one line
+        raise user_file_error(err, out_dir) from err
+
+
+def _write(out_dir: Path, rows, meta, results, paths, metric_paths) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     drawn = {
         "quality_vs_kv": plots.quality_vs_kv(rows, out_dir / "quality_vs_kv.png"),

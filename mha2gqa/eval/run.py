@@ -22,7 +22,7 @@ from mha2gqa.eval.attention_maps import attention_maps, plot_attention_maps
 from mha2gqa.eval.data import load_eval_text
 from mha2gqa.eval.kvcache import measure_kv_cache
 from mha2gqa.eval.lmeval import check_lm_eval_installed, run_lm_eval, task_manager
-from mha2gqa.eval.schema import SCHEMA, write_result
+from mha2gqa.eval.schema import SCHEMA, check_writable, write_result
 from mha2gqa.loading import require_safetensors
 from mha2gqa.sources import resolve_model_dir
 
@@ -132,6 +132,9 @@ def _check_inputs(data, reference, context, stride, batch_size, max_tokens, kv_b
         raise InputError("--attention-maps needs --out or --attention-png to know where to save the PNG")
     if out and Path(out).is_dir():
         raise InputError(f"--out {out} is a directory: pass a file path such as {Path(out) / 'results.json'}")
+    for flag, path in (("--out", out), ("--attention-png", attention_png)):
+        if path:  # a read-only or full destination fails now, not after the whole evaluation
+            check_writable(Path(path), flag)
     if lm_eval_tasks:
         check_lm_eval_installed()
     if lm_eval_limit is not None and lm_eval_limit < 1:

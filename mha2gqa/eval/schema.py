@@ -24,7 +24,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, user_file_error
 
 SCHEMA = "mha2gqa.eval/1"
 REQUIRED = ("label", "role", "model", "kv_cache", "env")
@@ -32,15 +32,45 @@ MODEL_REQUIRED = ("kv_heads", "heads", "layers", "head_dim")
 
 
 def write_result(result: dict, out: Path) -> Path:
-    """Write atomically: a reader never sees half a file, and a failed run leaves none."""
+    """Write atomically: a reader never sees half a file, and a failed run leaves none (a full or
+    read-only disk is one line naming the file)."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, indent=2, sort_keys=False)
-        f.write("\n")
-    os.replace(tmp, out)
+    tmp = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, out)
+    except OSError as err:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise user_file_error(err, out) from err
     return out
+
+
+def check_writable(out: Path, flag: str = "--out") -> None:
+    """Before any measuring: a file can be written where `out` goes. A probe file in the nearest
+    existing folder catches a read-only or full filesystem and permissions (root ignores mode bits,
+    not a read-only mount or a full disk); it is removed at once."""
+    out = Path(out)
+    folder = out.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InputError(f"{flag} {out}: {folder} is a file, not a folder: choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{out.name}.", suffix=".probe")
+        try:
+            os.write(fd, b"{}\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as err:
+        raise InputError(f"{flag} {out}: cannot write in {folder} ({os.strerror(err.errno)}): "
+                         "choose a writable location with free space") from err
 
 
 def load_result(path: str | os.PathLike) -> dict:
@@ -48,7 +78,9 @@ def load_result(path: str | os.PathLike) -> dict:
     if not path.is_file():
         raise InputError(f"{path}: no such result file (write one with `mha2gqa eval MODEL --out {path}`)")
     try:
-        result = json.loads(path.read_text())
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise InputError(f"{path} is not UTF-8 text (byte {err.start}): pass a file written by `mha2gqa eval`") from err
     except json.JSONDecodeError as err:
         raise InputError(f"{path} is not JSON ({err.msg} at line {err.lineno}): pass a file written by `mha2gqa eval`") from err
     if not isinstance(result, dict) or result.get("schema") != SCHEMA:
@@ -58,4 +90,65 @@ def load_result(path: str | os.PathLike) -> dict:
     missing = [k for k in REQUIRED if k not in result] + [f"model.{k}" for k in MODEL_REQUIRED if k not in model]
     if missing:
         raise InputError(f"{path} lacks {', '.join(missing)}: re-run `mha2gqa eval` to write a complete result")
+    wrong = type_problems(result)
+    if wrong:
+        raise InputError(f"{path} has values of the wrong type ({'; '.join(wrong[:4])}): "
+                         "pass a file written by `mha2gqa eval`, unedited")
     return result
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _maybe(check):
+    return lambda v: v is None or check(v)
+
+
+def _section(fields: dict):
+    """A dict whose listed keys, where present, pass their checks (None for a section: absent is fine)."""
+    return lambda v: isinstance(v, dict) and all(k not in v or ok(v[k]) for k, (ok, _) in fields.items())
+
+
+# What `report` reads from a result, key -> (check, what it must be). Keys absent from a section are
+# fine (older results); a present one of the wrong type would otherwise end in a traceback.
+_TYPES = {
+    "label": (lambda v: isinstance(v, str), "text"),
+    "role": (lambda v: v in ("parent", "converted", "uptrained"), "parent, converted or uptrained"),
+    "model.heads": (_count, "a whole number"), "model.kv_heads": (_count, "a whole number"),
+    "model.layers": (_count, "a whole number"), "model.head_dim": (_count, "a whole number"),
+    "perplexity": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
+    "perplexity.perplexity": (_maybe(_number), "a number"),
+    "perplexity.context": (_maybe(_count), "a whole number"), "perplexity.stride": (_maybe(_count), "a whole number"),
+    "agreement": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
+    "agreement.kl_mean": (_maybe(_number), "a number"), "agreement.top1_agreement": (_maybe(_number), "a number"),
+    "kv_cache": (lambda v: isinstance(v, dict), "an object"),
+    "kv_cache.measured_bytes_per_token": (_maybe(_number), "a number"),
+    "speed": (_maybe(_section({"points": (lambda v: isinstance(v, list) and all(
+        isinstance(p, dict) and _count(p.get("batch")) and _count(p.get("context")) and _number(p.get("tokens_per_s"))
+        for p in v), "")})), "null or {points: [{batch, context, tokens_per_s}, ...]}"),
+    "data": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
+    "data.ids_sha256": (_maybe(lambda v: isinstance(v, str)), "text"),
+    "warnings": (_maybe(lambda v: isinstance(v, list) and all(isinstance(w, str) for w in v)), "a list of text"),
+    "env": (lambda v: isinstance(v, dict), "an object"),
+    "env.device_name": (_maybe(lambda v: isinstance(v, str)), "text"),
+}
+
+
+def type_problems(result: dict) -> list[str]:
+    """'key is X, must be Y' for every value `report` would trip over."""
+    problems = []
+    for dotted, (ok, what) in _TYPES.items():
+        node, keys = result, dotted.split(".")
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or keys[-1] not in node:
+            continue
+        value = node[keys[-1]]
+        if not ok(value):
+            problems.append(f"{dotted} is {json.dumps(value)[:40]}, must be {what}")
+    return problems
