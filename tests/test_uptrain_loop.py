@@ -184,6 +184,26 @@ def test_distillation_mixes_kl_and_lm_loss(tmp_path, tiny):
     assert all(math.isfinite(x) for x in losses)
 
 
+def test_distillation_after_updates_mixes_a_nonzero_kl(tmp_path, tiny):
+    """Step 0 has KL 0 by construction; at step 3 the student has moved. With a constant learning rate a
+    2-step run ends where the 3-step run stood before its third step, so that step's logged loss is
+    (1 - w) * LM + w * T^2 * KL of the 2-step result against the teacher, on the third batch."""
+    from mha2gqa.uptrain.losses import lm_loss
+
+    keys = dict(log_every=1, eval_every=0, optim={"lr": 3e-3, "schedule": "constant", "warmup_steps": 0},
+                distill={"teacher": str(tiny["model"]), "kl_weight": 0.25, "temperature": 2.0})
+    three = _recipe(tmp_path / "three", tiny, budget={"max_steps": 3}, **keys)
+    losses = [ln["loss"] for ln in metrics(train(three))[1:]]
+    two = train(_recipe(tmp_path / "two", tiny, budget={"max_steps": 2}, **keys))
+    third = build_data(three, AutoTokenizer.from_pretrained(tiny["model"]), 0, 1, False).train.batch(2)
+    student, teacher = (AutoModelForCausalLM.from_pretrained(d).eval() for d in (two, tiny["model"]))
+    with torch.no_grad():
+        kl = kl_teacher_student(student(input_ids=third).logits, teacher(input_ids=third).logits, 2.0).item()
+        lm = lm_loss(student, third).item()
+    assert kl > 1e-3  # the student really differs from its teacher by now
+    assert losses[2] == pytest.approx(0.75 * lm + 0.25 * kl, rel=1e-4)
+
+
 def test_from_scratch_through_the_cli_with_the_shipped_tiny_recipe(tmp_path):
     from mha2gqa.cli import main
 
