@@ -14,8 +14,10 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import Layout
@@ -26,12 +28,23 @@ _LAYER = re.compile(r"^(?P<prefix>.*\.)(?P<index>\d+)\.(?P<attention>[^.]+(?:\.[
 
 @dataclass(frozen=True)
 class GenericArchitecture:
-    layout: Layout
+    layout: Layout | None  # None from config_counts, which reads counts only
     layers: int
     heads: int
     kv_heads: int
     head_dim: int
     hidden: int
+
+
+def config_counts(config: dict) -> GenericArchitecture:
+    """Layer, head and size counts read through transformers' config class (its defaults and
+    aliases, e.g. gpt2's n_head), without building the model; kv heads default to the heads."""
+    built = _config_object(config)
+    heads = _config_value(built, "num_attention_heads")
+    hidden = _config_value(built, "hidden_size")
+    head_dim = _config_value(built, "head_dim") or hidden // heads
+    return GenericArchitecture(None, _config_value(built, "num_hidden_layers"), heads,
+                               _config_value(built, "num_key_value_heads") or heads, head_dim, hidden)
 
 
 def generic_architecture(config: dict) -> GenericArchitecture:
@@ -55,7 +68,8 @@ def _derive(config_json: str) -> GenericArchitecture:
     attention = {name: module for name, module in modules.items() if _is_attention(module)}
     if not attention:
         raise InputError(f"{fail}: no module owns q_proj, k_proj, v_proj and an output projection "
-                         f"({', '.join(OUTPUT_NAMES)}){_low_rank_hint(modules)}")
+                         f"({', '.join(OUTPUT_NAMES)}), so no layer has attention with separate k/v heads"
+                         f"{_low_rank_hint(modules)}")
     matches = [_LAYER.match(name) for name in attention]
     places = {(m["prefix"], m["attention"]) for m in matches if m}
     if len(places) != 1 or len(matches) != len([m for m in matches if m]):
@@ -118,9 +132,9 @@ def _check_shapes(config, source, target, prefix, relative, layer_count, heads, 
     layout = Layout(
         q=f"{relative}.q_proj", k=f"{relative}.k_proj", v=f"{relative}.v_proj",
         o=f"{relative}.{_output_name(first)}", k_norm_rows=k_norm_rows, layer_prefix=prefix + "{layer}.",
-        pre_rope_norm=_key_path_refusal(first, extras),
-        per_query_head_norm=(f"its attention has {', '.join(extras)} besides q/k/v/o, which a query-head "
-                             "permutation would leave behind") if extras else None,
+        calibrated_barrier=_key_path_refusal(first, extras),
+        grouping_barrier=(f"its attention has {', '.join(extras)} besides q/k/v/o, which a query-head "
+                          "permutation would leave behind") if extras else None,
     )
     hidden = _config_value(source.config, "hidden_size") or first.q_proj.weight.shape[1]
     return GenericArchitecture(layout, layer_count, heads, kv_heads, head_dim, hidden)
@@ -161,17 +175,24 @@ def _build(config: dict, model_type, kv_heads: int | None):
     if model_type not in CONFIG_MAPPING or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise InputError(f"{fail}: the installed transformers has no causal-LM class for it (upgrade transformers, or "
                          "check config.json's model_type)")
-    settings = {key: value for key, value in config.items() if key != "model_type"}
-    if kv_heads is not None:
-        settings["num_key_value_heads"] = kv_heads
     try:
-        built = CONFIG_MAPPING[model_type].from_dict(settings)
+        built = _config_object(config if kv_heads is None else dict(config, num_key_value_heads=kv_heads))
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(built)
     except Exception as err:  # a class that cannot be built from this config is a refusal, not a crash
         message = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
         raise InputError(f"{fail}: transformers could not build it from this config "
                          f"({type(err).__name__}: {message})") from err
+
+
+def _config_object(config: dict):
+    """The transformers config of a config.json dict, read the way from_pretrained reads the file
+    (it decodes special floats such as Infinity, which a plain from_dict rejects)."""
+    from transformers import AutoConfig
+
+    with tempfile.TemporaryDirectory(prefix="mha2gqa-config-") as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(config))
+        return AutoConfig.from_pretrained(folder, trust_remote_code=False)
 
 
 def _config_value(config, name: str):

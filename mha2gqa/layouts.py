@@ -25,6 +25,12 @@ class Layout:
     o: str = "self_attn.o_proj"
     # Fused [q (H*hd) | k (n_kv*hd) | v (n_kv*hd)] rows in one Linear (phi3); q/k/v above unused then.
     qkv: str | None = None
+    # The same fused q/k/v as columns of a Conv1D weight (in, out) (gpt2); written back as Linear rows.
+    qkv_columns: str | None = None
+    # Conv1D weights (in, out) of every layer, written transposed as Linear (out, in) for the target.
+    transposed: tuple[str, ...] = ()
+    # The model_type the converted checkpoint has, when it is not the source's (gpt2 -> gpt_bigcode).
+    target: str | None = None
     # A norm over the concatenated keys of all kv heads, shape [n_kv*hd] (olmo2): pooled like k rows.
     k_norm_rows: str | None = None
     # One norm module per kv head, `{head}` in the name (stablelm's qk_layernorm): reduced per group.
@@ -39,17 +45,21 @@ class Layout:
     # A norm with one slice per query head, which the converter does not rewrite, so a query-head
     # permutation (similarity grouping) would leave it behind: the reason for refusing one.
     per_query_head_norm: str | None = None
+    # Other reasons the calibrated merge (and --refine) or a query permutation cannot be exact here:
+    # an unknown RoPE convention, modules on the key path, q/o stored as Conv1D.
+    calibrated_barrier: str | None = None
+    grouping_barrier: str | None = None
 
     def _norms_present(self, config: dict) -> bool:
         return self.norms_when is None or bool(config.get(self.norms_when))
 
     def calibrated_refusal(self, config: dict) -> str | None:
         """Why a per-head key map folded into q_proj would not be exact for this config, or None."""
-        return self.pre_rope_norm if self._norms_present(config) else None
+        return (self.pre_rope_norm if self._norms_present(config) else None) or self.calibrated_barrier
 
     def grouping_refusal(self, config: dict) -> str | None:
         """Why the query heads of this config cannot be permuted, or None."""
-        return self.per_query_head_norm if self._norms_present(config) else None
+        return (self.per_query_head_norm if self._norms_present(config) else None) or self.grouping_barrier
 
 
 _STANDARD = Layout()
@@ -81,10 +91,20 @@ LAYOUTS: dict[str, Layout] = {
     "phi3": Layout(qkv="self_attn.qkv_proj"),
 }
 
+# Families whose grouped form is another model_type. gpt_bigcode is gpt2 with multi_query (one kv
+# head) and nn.Linear where gpt2 has Conv1D; it offers no other kv-head count.
+_CONV1D_QO = "its q and o projections are Conv1D weights that the merge does not rewrite"
+RETARGETED: dict[str, Layout] = {
+    "gpt2": Layout(
+        o="attn.c_proj", qkv_columns="attn.c_attn", transposed=("attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
+        layer_prefix="transformer.h.{layer}.", target="gpt_bigcode",
+        calibrated_barrier=_CONV1D_QO, grouping_barrier=_CONV1D_QO,
+    ),
+}
+
 # Families we know and refuse, with the reason the user sees.
 REFUSED: dict[str, str] = {
     "falcon": "its transformers cache stores K/V broadcast to every query head, so GQA saves no memory",
-    "gpt2": "its GQA form (gpt_bigcode) supports multi-query only and is not implemented yet",
 }
 for _name in ("gpt_neox", "opt", "gptj", "bloom", "t5", "mt5", "bart"):
     REFUSED[_name] = "transformers has no grouped-query attention for it"
@@ -152,6 +172,8 @@ def layout_for(config: dict) -> Layout:
     model_type = config.get("model_type")
     if model_type in LAYOUTS:
         return LAYOUTS[model_type]
+    if model_type in RETARGETED:
+        return RETARGETED[model_type]
     if model_type in REFUSED:
         supported = ", ".join(sorted(LAYOUTS))
         raise InputError(f"model_type {model_type!r} is not supported: {REFUSED[model_type]} (supported: {supported})")
@@ -170,10 +192,10 @@ def attention_shape(config: dict) -> AttentionShape:
         # head_dim can differ from hidden // heads (gemma): read it when the config has it.
         head_dim = int(config.get("head_dim") or hidden // heads)
         layers = int(config["num_hidden_layers"])
-    else:  # read through transformers' config class (defaults, aliases) and checked against the model
-        from mha2gqa.generic_layout import generic_architecture
+    else:  # read through transformers' config class (defaults, aliases: gpt2's n_head), checked against the model
+        from mha2gqa.generic_layout import config_counts, generic_architecture
 
-        derived = generic_architecture(config)
+        derived = config_counts(config) if config.get("model_type") in RETARGETED else generic_architecture(config)
         heads, kv_heads, hidden, head_dim = derived.heads, derived.kv_heads, derived.hidden, derived.head_dim
         layers = derived.layers
     if heads % kv_heads:
@@ -197,6 +219,10 @@ def check_groups(shape: AttentionShape, groups: int) -> None:
     """Refuse a target kv-head count that is not a proper divisor of the source's kv heads."""
     valid = [g for g in shape.valid_groups() if g != shape.kv_heads]
     listed = ", ".join(map(str, valid)) or "none: it already has a single kv head"
+    target = RETARGETED[shape.model_type].target if shape.model_type in RETARGETED else None
+    if target and groups != 1:
+        raise InputError(f"--groups {groups}: model_type {shape.model_type!r} converts to {target!r}, whose only "
+                         "grouped form is multi-query attention; use --groups 1")
     if groups == shape.kv_heads:
         raise InputError(
             f"--groups {groups} equals the source's num_key_value_heads={shape.kv_heads}: nothing to convert "
@@ -206,3 +232,21 @@ def check_groups(shape: AttentionShape, groups: int) -> None:
         raise InputError(
             f"--groups {groups} must divide num_key_value_heads={shape.kv_heads} (valid: {listed})"
         )
+
+
+def converted_config(config: dict, groups: int) -> dict:
+    """config.json of the converted model: the source's with `groups` kv heads, or, for a retargeted
+    type, the target type's config (gpt2 -> gpt_bigcode with multi_query)."""
+    layout = layout_for(config)
+    if layout.target != "gpt_bigcode":
+        return dict(config, num_key_value_heads=groups)
+    if config.get("scale_attn_by_inverse_layer_idx"):
+        raise InputError("config.json has scale_attn_by_inverse_layer_idx=true, which gpt_bigcode does not "
+                         "implement: the converted model would not match its parent")
+    from transformers import GPTBigCodeConfig
+
+    # gpt2 keys gpt_bigcode also reads (sizes, activation, dropouts, eps, scale_attn_weights, token ids).
+    shared = set(GPTBigCodeConfig().to_dict()) - {"model_type", "architectures", "transformers_version"}
+    new = {key: value for key, value in config.items() if key in shared}
+    return dict(new, model_type="gpt_bigcode", architectures=["GPTBigCodeForCausalLM"], multi_query=True,
+                num_key_value_heads=1)

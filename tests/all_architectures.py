@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
 HEADS = 8  # the tiny models' query and kv heads: converted to 4 (exact on planted pairs) and to 1
@@ -42,7 +43,8 @@ def tiny_config(model_type: str):
 
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
-    settings = {key: value for key, value in SIZES.items() if key in defaults}
+    aliases = getattr(cls, "attribute_map", {})  # gpt2: num_attention_heads -> n_head
+    settings = {aliases.get(key, key): value for key, value in SIZES.items() if aliases.get(key, key) in defaults}
     kinds = defaults.get("layer_types")
     if kinds:
         distinct = list(dict.fromkeys(kinds))
@@ -50,18 +52,21 @@ def tiny_config(model_type: str):
     return cls(**settings)
 
 
-def plant_redundant_pairs(model, layout, shape) -> None:
-    """Make kv heads 2j and 2j+1 identical in every layer (k/v rows and biases, key norm slices), so
-    pooling them in pairs changes nothing and the converted model must match its parent exactly."""
-    from mha2gqa.convert.roles import KV_ROLES, layer_names
+def plant_redundant_groups(model, layout, shape, groups: int) -> None:
+    """Make the kv heads of each of `groups` contiguous groups identical in every layer (k/v rows and
+    biases, key-norm slices), so pooling them changes nothing: the converted model must match its
+    parent exactly. unpack() returns views, so writing through them edits the model's parameters."""
+    from mha2gqa.convert.roles import KV_ROLES, layer_names, unpack
 
     params = dict(model.named_parameters())
     with torch.no_grad():
         for layer in range(shape.layers):
-            for role, name in layer_names(layout, layer, shape.kv_heads, set(params)).items():
-                if role in KV_ROLES:
-                    heads = params[name].view(shape.kv_heads // 2, 2, -1)
-                    heads[:, 1] = heads[:, 0]
+            stored = layer_names(layout, layer, shape.kv_heads, set(params))
+            roles = unpack({role: params[name] for role, name in stored.items()}, shape)
+            for role in KV_ROLES:
+                if role in roles:
+                    heads = roles[role].unflatten(0, (groups, shape.kv_heads // groups, -1))  # (G, r, hd, ...)
+                    heads[:, 1:] = heads[:, :1]
 
 
 @dataclass
@@ -83,34 +88,36 @@ def check_type(model_type: str, workdir: Path) -> Outcome:
 
     try:
         config = tiny_config(model_type)
-        torch.manual_seed(0)
-        parent = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     except Exception as err:  # the harness's limit, not the converter's: reported, never counted as supported
-        return Outcome(model_type, "no tiny model", f"{type(err).__name__}: {str(err).strip().splitlines()[0][:120]}"
-                       if str(err).strip() else type(err).__name__)
+        return Outcome(model_type, "no tiny model", _short(err))
     source = workdir / "source"
+    config_dict = config.to_dict()
     try:
-        config_dict = parent.config.to_dict()
         layout, shape = layout_for(config_dict), attention_shape(config_dict)
     except InputError as err:
-        parent.save_pretrained(source)  # the refusal must hold on the real path too
-        try:
+        config.save_pretrained(source)  # the refusal must hold on the real path too, before any weight is read
+        with pytest.raises(InputError) as again:
             convert(source, workdir / "refused", groups=1, progress=False)
-        except InputError as again:
-            assert str(again) == str(err)
-            _check_one_line(str(err))
-            assert not (workdir / "refused").exists()
-            return Outcome(model_type, "refused", str(err))
-        raise AssertionError(f"{model_type}: layout_for refused ({err}) but convert() did not")
+        assert str(again.value) == str(err), (str(again.value), str(err))
+        assert str(err) and "\n" not in str(err)
+        assert not (workdir / "refused").exists()
+        return Outcome(model_type, "refused", str(err))
+    try:
+        torch.manual_seed(0)
+        parent = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    except Exception as err:
+        return Outcome(model_type, "no tiny model", _short(err))
     with torch.no_grad():
         for param in parent.parameters():  # norms start at 1 and biases at 0: make mistakes visible
             param.add_(0.05 * torch.randn_like(param))
-    plant_redundant_pairs(parent, layout, shape)
+    # gpt2's grouped form (gpt_bigcode) is multi-query only: 1 kv head, planted all alike.
+    targets = (1,) if layout.target else (shape.kv_heads // 2, 1)
+    plant_redundant_groups(parent, layout, shape, targets[0])
     parent.save_pretrained(source)
     with torch.no_grad():
         expected = parent(IDS).logits
     moe = any("expert" in name for name, _ in parent.named_parameters())
-    for groups in (shape.kv_heads // 2, 1):
+    for groups in targets:
         dst = workdir / f"kv{groups}"
         convert(source, dst, groups=groups, progress=False)
         child, info = AutoModelForCausalLM.from_pretrained(dst, output_loading_info=True, dtype=torch.float32)
@@ -122,15 +129,20 @@ def check_type(model_type: str, workdir: Path) -> Outcome:
             generated = child.generate(IDS, max_new_tokens=3, do_sample=False, pad_token_id=0)
         assert generated.shape == (1, IDS.shape[1] + 3)
         assert torch.isfinite(logits).all()
-        if groups == shape.kv_heads // 2:
+        if groups == targets[0]:
             torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
     return Outcome(model_type, "exact", moe=moe)
 
 
 def _kv_rows(model, layout, shape) -> int:
-    name = layout.layer_prefix.format(layer=0) + layout.k + ".weight"
-    return dict(model.named_parameters())[name].shape[0]
+    """Rows of layer 0's k_proj in the converted model (gpt_bigcode: of the k part of c_attn)."""
+    prefix = layout.layer_prefix.format(layer=0)
+    params = dict(model.named_parameters())
+    if layout.qkv_columns:  # written as Linear rows [q (H*hd) | k | v]
+        return (params[prefix + layout.qkv_columns + ".weight"].shape[0] - shape.heads * shape.head_dim) // 2
+    return params[prefix + layout.k + ".weight"].shape[0]
 
 
-def _check_one_line(message: str) -> None:
-    assert message and "\n" not in message, message
+def _short(err: Exception) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:120]}" if text else type(err).__name__

@@ -22,6 +22,7 @@ class Step:
     sources: dict[str, str]
     outputs: tuple[OutputTensor, ...]
     layer: int | None = None
+    transpose: bool = False  # a Conv1D weight (in, out) written as Linear (out, in) (layout.transposed)
 
     @property
     def is_transform(self) -> bool:
@@ -47,6 +48,7 @@ class Plan:
             if not step.is_transform:
                 src = tensors[step.sources["tensor"]]
                 how = "copy" if src.dtype == step.outputs[0].dtype else f"cast from {src.dtype}"
+                how = "transpose (Conv1D -> Linear), " + how if step.transpose else how
                 lines.append(_line(step.outputs[0], how))
                 continue
             r = self.shape.kv_heads // self.groups
@@ -76,6 +78,8 @@ def make_plan(tensors: dict[str, TensorInfo], layout: Layout, shape: AttentionSh
         step = _layer_step(layer, stored, tensors, shape, groups, out_dtype)
         for name in stored.values():
             layer_steps[name] = step
+    transposed = {layout.layer_prefix.format(layer=layer) + module + ".weight"
+                  for layer in range(shape.layers) for module in layout.transposed}
     steps: list[Step] = []
     placed_layers: set[int] = set()
     for name, info in tensors.items():  # file order: the layer step goes where its first tensor was
@@ -85,7 +89,10 @@ def make_plan(tensors: dict[str, TensorInfo], layout: Layout, shape: AttentionSh
                 placed_layers.add(step.layer)
                 steps.append(step)
             continue
-        steps.append(Step({"tensor": name}, (OutputTensor(name, _out_code(info.dtype, out_dtype), info.shape),)))
+        transpose = name in transposed
+        shape_out = tuple(reversed(info.shape)) if transpose else info.shape
+        steps.append(Step({"tensor": name}, (OutputTensor(name, _out_code(info.dtype, out_dtype), shape_out),),
+                          transpose=transpose))
     bytes_in = sum(info.nbytes for info in tensors.values())
     bytes_out = sum(out.nbytes for step in steps for out in step.outputs)
     return Plan(shape, groups, method, steps, bytes_in, bytes_out)

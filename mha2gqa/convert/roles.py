@@ -4,8 +4,9 @@ Methods see the same dict for every architecture:
     q.weight (H*hd, d)   q.bias (H*hd,)      o.weight (d, H*hd)   o.bias (d,)
     k.weight (n_kv*hd, d) k.bias (n_kv*hd,)  v.weight / v.bias like k
     k_norm.weight (n_kv*hd,) [k_norm.bias]   a key norm with one slice per kv head
-unpack() maps a layout's tensors onto these roles (splitting phi3's fused qkv_proj, stacking stablelm's
-per-head norms) and pack() maps them back, so adding a layout never touches a method.
+unpack() maps a layout's tensors onto these roles (splitting phi3's fused qkv_proj or gpt2's Conv1D
+c_attn, stacking stablelm's per-head norms) and pack() maps them back, so adding a layout never
+touches a method.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def layer_names(layout: Layout, layer: int, kv_heads: int, available: set[str]) 
     """Checkpoint name of every attention tensor of `layer` present in the checkpoint, by role
     (fused/per-head roles are named as stored: `qkv.weight`, `k_norm.{j}.weight`)."""
     prefix = layout.layer_prefix.format(layer=layer)
-    modules = {"qkv": layout.qkv} if layout.qkv else {"q": layout.q, "k": layout.k, "v": layout.v}
+    fused = layout.qkv or layout.qkv_columns
+    fused_role = "qkv" if layout.qkv else "qkv_t"  # qkv_t: gpt2's Conv1D, q/k/v as columns
+    modules = {fused_role: fused} if fused else {"q": layout.q, "k": layout.k, "v": layout.v}
     modules["o"] = layout.o
     if layout.k_norm_rows:
         modules["k_norm"] = layout.k_norm_rows
@@ -39,10 +42,10 @@ def layer_names(layout: Layout, layer: int, kv_heads: int, available: set[str]) 
             name = f"{prefix}{module}.{kind}"
             if name in available:
                 names[f"{role}.{kind}"] = name
-    required = ["qkv.weight"] if layout.qkv else ["k.weight", "v.weight"]
+    required = [f"{fused_role}.weight"] if fused else ["k.weight", "v.weight"]
     for role in required:
         if role not in names:
-            module = layout.qkv if layout.qkv else getattr(layout, role[0])
+            module = fused or getattr(layout, role[0])
             raise InputError(
                 f"checkpoint has no tensor {prefix}{module}.weight: its names do not match the layout of its "
                 "model_type; check config.json's model_type"
@@ -60,8 +63,9 @@ def unpack(stored: dict[str, torch.Tensor], shape: AttentionShape) -> dict[str, 
     per_head_norms: dict[str, list] = {}
     for role, tensor in stored.items():
         part, kind = role.rsplit(".", 1)
-        if part == "qkv":  # rows [q (H*hd) | k (n_kv*hd) | v (n_kv*hd)]
-            q, k, v = tensor.split([q_rows, kv_rows, kv_rows], dim=0)
+        if part in ("qkv", "qkv_t"):  # rows [q (H*hd) | k (n_kv*hd) | v (n_kv*hd)]; qkv_t: (d, rows) columns
+            rows = tensor.t() if part == "qkv_t" and kind == "weight" else tensor
+            q, k, v = rows.split([q_rows, kv_rows, kv_rows], dim=0)
             roles.update({f"q.{kind}": q, f"k.{kind}": k, f"v.{kind}": v})
         elif part.startswith("k_norm."):  # stablelm: one (hd,) norm per kv head
             per_head_norms.setdefault(kind, [None] * shape.kv_heads)[int(part.split(".")[1])] = tensor
@@ -79,7 +83,7 @@ def pack(roles: dict[str, torch.Tensor], stored_roles: list[str], kv_heads: int)
     stored = {}
     for role in stored_roles:
         part, kind = role.rsplit(".", 1)
-        if part == "qkv":
+        if part in ("qkv", "qkv_t"):  # qkv_t is written as Linear rows: its target (gpt_bigcode) has no Conv1D
             stored[role] = torch.cat([roles[f"q.{kind}"], roles[f"k.{kind}"], roles[f"v.{kind}"]])
         elif part.startswith("k_norm."):
             head = int(part.split(".")[1])

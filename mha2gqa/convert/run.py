@@ -24,7 +24,7 @@ from mha2gqa.convert.plan import Plan, make_plan
 from mha2gqa.convert.refine import RefineOptions, calibration_token_ids, check_refine, refine_checkpoint
 from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.errors import InputError, WeightWarning
-from mha2gqa.layouts import attention_shape, check_groups, layout_for, read_config
+from mha2gqa.layouts import attention_shape, check_groups, converted_config, layout_for, read_config
 from mha2gqa.sources import PICKLE_SUFFIXES, resolve_model_dir
 
 OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -143,7 +143,9 @@ def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed
     for step in plan.steps:
         if not step.is_transform:
             out, info = step.outputs[0], checkpoint.tensors[step.sources["tensor"]]
-            if out.dtype == info.dtype:
+            if step.transpose:
+                writer.write_tensor(out.name, checkpoint.load(info.name).t().contiguous().to(DTYPES[out.dtype]))
+            elif out.dtype == info.dtype:
                 writer.copy_bytes(out.name, info)
             else:
                 writer.write_tensor(out.name, checkpoint.load(info.name).to(DTYPES[out.dtype]))
@@ -191,7 +193,7 @@ def _copy_other_files(source: Path, out_dir: Path) -> None:
 
 
 def _write_config(config: dict, groups: int, dtype: str | None, out_dir: Path) -> None:
-    new = dict(config, num_key_value_heads=groups)
+    new = converted_config(config, groups)
     if dtype is not None:
         new["dtype"] = dtype
     (out_dir / "config.json").write_text(json.dumps(new, indent=2) + "\n")
