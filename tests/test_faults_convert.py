@@ -226,8 +226,6 @@ CONFIG_FAULTS = {
     "heads not divisible": (lambda p: edit_config(p.parent, num_key_value_heads=3), "not divisible"),
     "more layers than the checkpoint": (lambda p: edit_config(p.parent, num_hidden_layers=4),
                                         "no tensors for layer(s) 2, 3"),
-    "fewer layers than the checkpoint": (lambda p: edit_config(p.parent, num_hidden_layers=1),
-                                         "tensors for layer 1"),
 }
 
 
@@ -236,6 +234,21 @@ def test_config_faults_are_refused(src, tmp_path, fault):
     edit, words = CONFIG_FAULTS[fault]
     edit(src / "config.json")
     convert_refused(src, tmp_path / "dst", words)
+
+
+def test_layers_beyond_the_config_are_copied_with_a_warning(src, tmp_path):
+    """Multi-token-prediction layers (GLM-4.5) sit past num_hidden_layers and transformers ignores
+    them: copied unconverted, with one line that names the first one."""
+    edit_config(src, num_hidden_layers=1)
+    before = digests(src)
+    result = cli("convert", src, tmp_path / "dst", "--groups", "2", "-q")
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("Warning:")]
+    assert len(warnings) == 1 and "tensors for layer 1 (model.layers.1.*)" in warnings[0], result.stderr
+    shapes = {n: list(t.shape) for n, t in load_file(tmp_path / "dst" / "model.safetensors").items()}
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == [16, 64]  # converted
+    assert shapes["model.layers.1.self_attn.k_proj.weight"] == [64, 64]  # copied
+    assert digests(src) == before
 
 
 @pytest.mark.parametrize("fault", ["a list", "binary", "zero kv heads", "string heads"])

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from mha2gqa.checkpoint import CODES, DTYPES, OutputTensor, TensorInfo
 from mha2gqa.convert.methods import METHODS
 from mha2gqa.convert.roles import KV_ROLES, layer_names, pack, unpack
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import AttentionShape, Layout
 
 
@@ -110,10 +111,11 @@ def _check_layer_count(available: set[str], layout: Layout, shape: AttentionShap
         example = layout.layer_prefix.format(layer=missing[0]) + (layout.qkv or layout.k) + ".weight"
         raise InputError(f"config.json has num_hidden_layers={shape.layers} but the checkpoint has no tensors for "
                          f"layer(s) {shown} (e.g. no {example}): fix num_hidden_layers or use the complete checkpoint")
-    if has_layer(shape.layers):
-        raise InputError(f"the checkpoint has tensors for layer {shape.layers} "
-                         f"({layout.layer_prefix.format(layer=shape.layers)}...) but config.json has "
-                         f"num_hidden_layers={shape.layers}: fix num_hidden_layers or use the matching config")
+    if has_layer(shape.layers):  # e.g. a multi-token-prediction layer (GLM-4.5) that transformers ignores
+        warnings.warn(f"the checkpoint has tensors for layer {shape.layers} "
+                      f"({layout.layer_prefix.format(layer=shape.layers)}*) beyond config.json's num_hidden_layers="
+                      f"{shape.layers}: they are copied unconverted; if the config is wrong, fix num_hidden_layers",
+                      WeightWarning, stacklevel=3)
 
 
 def _check_attention_shapes(stored: dict[str, str], tensors: dict[str, TensorInfo], shape: AttentionShape) -> None:
