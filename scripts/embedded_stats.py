@@ -24,10 +24,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from mha2gqa import embedded  # noqa: E402
+from mha2gqa.convert.methods import group_heads, group_mean  # noqa: E402
+from mha2gqa.eval.perplexity import perplexity  # noqa: E402
 
 
 def novel_ids(tokenizer, name: str) -> torch.Tensor:
@@ -42,26 +43,11 @@ def unigram_perplexity(train_ids: list[torch.Tensor], eval_ids: torch.Tensor, vo
     return math.exp(-log_p[eval_ids].mean().item())
 
 
-@torch.no_grad()
 def model_perplexity(model, ids: torch.Tensor, block: int, batch: int = 8) -> float:
-    """exp(mean next-token NLL) over non-overlapping windows of `block` tokens (a tail shorter than
-    two tokens is dropped). Each window starts with an empty context, as in training."""
-    windows = [ids[i : i + block] for i in range(0, len(ids) - 1, block)]
-    windows = [w for w in windows if len(w) > 1]
-    total, count = 0.0, 0
-    for start in tqdm(range(0, len(windows), batch), desc="perplexity", leave=False):
-        group = windows[start : start + batch]
-        width = max(len(w) for w in group)
-        x = torch.zeros(len(group), width, dtype=torch.long)  # (B, T)
-        labels = torch.full((len(group), width), -100, dtype=torch.long)  # -100: ignored by the loss
-        for row, w in enumerate(group):
-            x[row, : len(w)] = w
-            labels[row, : len(w)] = w
-        logits = model(input_ids=x).logits.float()  # (B, T, V)
-        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum")
-        total += nll.item()
-        count += int((labels[:, 1:] != -100).sum())
-    return math.exp(total / count)
+    """exp(mean next-token NLL) over non-overlapping windows of `block` tokens: the package's
+    sliding-window perplexity with stride == context (each window starts with an empty context, as in
+    training, and its first token is not scored)."""
+    return perplexity(model, ids, context=block, stride=block, batch_size=batch, progress=True)["perplexity"]
 
 
 def _heads(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -86,18 +72,17 @@ def head_similarity(model) -> list[dict]:
 
 @torch.no_grad()
 def mean_pooled(model, groups: int):
-    """A copy whose k/v heads are replaced by their group means (kv head j is in group j // r)."""
+    """A copy whose k/v heads are replaced by their group means (kv head j is in group j // r), with the
+    package's pooling: the MHA-layout twin of `mha2gqa convert --method mean --groups G`."""
     pooled = copy.deepcopy(model)
     n_kv = model.config.num_key_value_heads
-    r = n_kv // groups
     for layer in pooled.model.layers:
         for name in ("k_proj", "v_proj"):
             proj = getattr(layer.self_attn, name)
-            w = proj.weight.view(groups, r, -1, proj.weight.shape[1])  # (G, r, hd, d)
-            w.copy_(w.mean(dim=1, keepdim=True).expand_as(w))
-            if proj.bias is not None:
-                b = proj.bias.view(groups, r, -1)  # (G, r, hd)
-                b.copy_(b.mean(dim=1, keepdim=True).expand_as(b))
+            for param in (proj.weight, proj.bias):
+                if param is not None:
+                    grouped = group_heads(param, n_kv, groups)  # (G, r, hd, ...)
+                    param.copy_(group_mean(grouped)[:, None].expand_as(grouped).reshape(param.shape))
     return pooled
 
 

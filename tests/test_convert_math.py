@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mha2gqa import convert
-from mha2gqa.convert.methods import group_heads, ungroup
+from mha2gqa.convert.methods import group_heads, group_mean, ungroup
 from mha2gqa.provenance import latest, lineage
 from tiny_models import MODEL_TYPES, make_tiny_model
 
@@ -184,8 +184,8 @@ def _meta_to_hf_rope_permutation(rows: torch.Tensor, heads: int) -> torch.Tensor
 def test_mean_pooling_commutes_with_the_llama_rope_permutation():
     torch.manual_seed(0)
     weight = torch.randn(KV * HD, 32)  # (n_kv*hd, d)
-    pooled_then_permuted = _meta_to_hf_rope_permutation(ungroup(group_heads(weight, KV, 2).mean(1)), 2)
-    permuted_then_pooled = ungroup(group_heads(_meta_to_hf_rope_permutation(weight, KV), KV, 2).mean(1))
+    pooled_then_permuted = _meta_to_hf_rope_permutation(ungroup(group_mean(group_heads(weight, KV, 2))), 2)
+    permuted_then_pooled = ungroup(group_mean(group_heads(_meta_to_hf_rope_permutation(weight, KV), KV, 2)))
     torch.testing.assert_close(pooled_then_permuted, permuted_then_pooled)
 
 

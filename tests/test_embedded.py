@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mha2gqa import InputError, embedded
 
@@ -134,7 +133,10 @@ def test_embedded_model_loads_completely_and_is_mha(model_and_info, tokenizer):
 
 
 def test_embedded_model_beats_the_unigram_baseline_by_3x(model_and_info, tokenizer):
-    """Perplexity on a slice of held-out Persuasion vs an add-one unigram model, both computed here."""
+    """Perplexity (the package's, as `mha2gqa eval` measures it) on a slice of held-out Persuasion vs an
+    add-one unigram model computed here."""
+    from mha2gqa.eval.perplexity import perplexity
+
     model, _ = model_and_info
     vocab = len(tokenizer)
     counts = torch.zeros(vocab, dtype=torch.float64)
@@ -145,11 +147,10 @@ def test_embedded_model_beats_the_unigram_baseline_by_3x(model_and_info, tokeniz
     text = embedded.read_novel("persuasion")
     ids = torch.tensor(tokenizer.backend_tokenizer.encode(text[100_000:140_000]).ids)
     x = ids[: (len(ids) // 256) * 256].view(-1, 256)[:8]  # (8, 256) windows
-    with torch.no_grad():
-        logits = model(input_ids=x).logits  # (8, 256, V)
-    model_nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten()).item()
+    scored = perplexity(model, x.flatten(), context=256, stride=256, batch_size=8)
+    assert scored["tokens_scored"] == 8 * 255 and scored["windows"] == 8  # the same tokens as the unigram's
     unigram_nll = -log_p[x[:, 1:]].mean().item()
-    assert math.exp(model_nll) <= math.exp(unigram_nll) / 3, (math.exp(model_nll), math.exp(unigram_nll))
+    assert scored["perplexity"] <= math.exp(unigram_nll) / 3, (scored["perplexity"], math.exp(unigram_nll))
 
 
 def test_model_provenance_records_its_pretraining():
@@ -192,3 +193,20 @@ def test_heads_are_distinct_and_the_similarity_measure_sees_copies(model_and_inf
     assert all(row["k"] == pytest.approx(1.0) and row["v"] == pytest.approx(1.0) for row in stats.head_similarity(pooled))
     same = stats.mean_pooled(model, groups=model.config.num_key_value_heads)  # groups of one: unchanged
     torch.testing.assert_close(same.model.layers[0].self_attn.k_proj.weight, model.model.layers[0].self_attn.k_proj.weight)
+
+
+def test_the_stats_scripts_pooled_model_is_the_converted_one(model_and_info, tmp_path):
+    """`embedded_stats.py --pooled G` reports the perplexity of what `mha2gqa convert --groups G` writes."""
+    from transformers import AutoModelForCausalLM
+
+    from mha2gqa.convert.run import convert
+
+    stats = _load_script("embedded_stats")
+    model, _ = model_and_info
+    convert(embedded.model_dir(), tmp_path / "gqa2", groups=2, progress=False)
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "gqa2", dtype=torch.float32).eval()
+    ids = torch.tensor([list(range(5, 69))])
+    with torch.no_grad():
+        torch.testing.assert_close(stats.mean_pooled(model, groups=2)(ids).logits, converted(ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+        assert (model(ids).logits - converted(ids).logits).abs().max() > 1e-2  # pooling changed something
