@@ -24,7 +24,7 @@ FULL_BELOW = 2**20  # a write that failed with less free space than this failed 
 # Keys whose change would change the data order or the parameter set: a resume with them changed
 # could not continue the same run. Other changes (optim.lr after a divergence, say) are reported.
 STRICT_KEYS = ("model", "init_from_config", "tokenizer", "seed", "seq_len", "micro_batch_size",
-               "grad_accum", "trainable", "data.", "budget.")
+               "grad_accum", "trainable", "data.", "budget.", "lora.")
 # What a fresh run may delete in an existing output_dir when overwrite=true: only our own files, and
 # never a previous final model (weights, config, tokenizer, mha2gqa.json): final.py replaces that only
 # once the new one is complete, so a run that fails leaves the old one whole.

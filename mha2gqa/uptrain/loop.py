@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mha2gqa.errors import InputError
-from mha2gqa.uptrain import checkpoints
+from mha2gqa.uptrain import checkpoints, lora
 from mha2gqa.uptrain.data_setup import build_data
 from mha2gqa.uptrain.final import save_final, write_provenance
 from mha2gqa.uptrain.metrics import Metrics, Trace
@@ -70,6 +70,8 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
         data = build_data(recipe, tokenizer, rank, world, show_progress=accelerator.is_local_main_process)
     check_vocab(student.model, data.eval)
     check_positions(student.model, recipe.seq_len)
+    if recipe.trainable == "lora":
+        student.model = lora.add_adapters(student.model, recipe.lora)
     trainable = select_trainable(student.model, recipe.trainable)
     teacher = load_teacher(recipe, accelerator.device) if recipe.distill.teacher else None
     if teacher is not None:
@@ -130,6 +132,10 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
         "resumed_from_step": start if start_ckpt else None,
         **{f"final_{k}": v for k, v in final_evals.items()},
     }
+    if recipe.trainable == "lora":  # every rank merges its own (identical) replica: no gathering needed
+        record["adapter"] = lora.adapter_record(accelerator.unwrap_model(model), recipe.lora)
+        model = lora.merged_model(accelerator.unwrap_model(model), recipe.lora, student.source_dir,
+                                  student.saved_dtype)
     # mha2gqa.json is written with the model and moved in with it (last).
     save_final(accelerator, model, tokenizer, out, student.saved_dtype,
                finish=lambda staging: write_provenance(staging, student.source_dir, record))

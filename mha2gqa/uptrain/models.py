@@ -13,6 +13,7 @@ from mha2gqa.errors import InputError
 from mha2gqa.layouts import layout_for, read_config
 from mha2gqa.loading import load_causal_lm
 from mha2gqa.sources import hub_offline, resolve_model_dir
+from mha2gqa.uptrain import lora
 from mha2gqa.uptrain.recipe import Recipe
 
 
@@ -42,7 +43,7 @@ def load_student(recipe: Recipe) -> Student:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     # Master weights are fp32 whatever the checkpoint holds; autocast provides bf16/fp16 compute.
-    kwargs = dict(dtype=torch.float32, attn_implementation=recipe.attn_implementation)
+    kwargs = dict(dtype=torch.float32, attn_implementation=recipe.attn_implementation, **lora.load_kwargs(recipe))
     if recipe.model is not None:
         source = resolve_model_dir(recipe.model)
         try:
@@ -106,8 +107,9 @@ def _patterns(config: dict, mode: str) -> list[re.Pattern]:
 
 
 def select_trainable(model: torch.nn.Module, mode: str) -> int:
-    """Freeze everything outside `mode`; returns the number of trainable parameters."""
-    if mode != "all":
+    """Freeze everything outside `mode`; returns the number of trainable parameters (for lora, peft
+    has already frozen all but the adapters)."""
+    if mode not in ("all", "lora"):
         patterns = _patterns(model.config.to_dict(), mode)
         for name, param in model.named_parameters():
             param.requires_grad_(any(p.match(name) for p in patterns))

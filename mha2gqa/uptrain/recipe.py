@@ -77,6 +77,20 @@ class DistillConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 16
+    """Rank r of each low-rank adapter (trainable=lora only)."""
+    alpha: float = 32.0
+    """Adapter scale numerator: the update B @ A is multiplied by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input during training."""
+    target_modules: Optional[list[str]] = None
+    """Modules to adapt, e.g. [self_attn.q_proj, self_attn.v_proj]; unset: every attention projection."""
+    load_in_4bit: bool = False
+    """QLoRA: hold the frozen base in 4-bit NF4 (needs bitsandbytes and a CUDA GPU; refused elsewhere)."""
+
+
+@dataclass
 class Recipe:
     model: Optional[str] = None
     """Model to uptrain: local HF dir (e.g. a converted GQA model) or hub id. Unset with init_from_config."""
@@ -98,8 +112,9 @@ class Recipe:
     """Micro-batches accumulated per optimizer step."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     """Autocast precision (weights and optimizer stay fp32); fp16 adds a loss scaler: prefer bf16."""
-    trainable: Literal["all", "attention", "kv"] = "all"
-    """Parameters to train: everything, attention only (q/k/v/o + their norms), or k/v only."""
+    trainable: Literal["all", "attention", "kv", "lora"] = "all"
+    """Parameters to train: everything, attention only (q/k/v/o + their norms), k/v only, or LoRA
+    adapters (section lora) merged into the weights at the end."""
     attn_implementation: str = "sdpa"
     """transformers attention kernel: sdpa, eager, flash_attention_2 (when installed)."""
     compile: bool = False
@@ -130,6 +145,8 @@ class Recipe:
     """How long to train."""
     distill: DistillConfig = field(default_factory=DistillConfig)
     """Optional distillation from the MHA parent."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Adapter settings of trainable=lora."""
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict of every key, as resolved (for provenance and resume checks)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mha2gqa.sources import hub_offline
 from mha2gqa.textdata import resolve
+from mha2gqa.uptrain import lora
 from mha2gqa.uptrain.recipe import Recipe
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -17,6 +18,7 @@ def check(r: Recipe, problems: list[str], check_files: bool = True) -> None:
     _check_numbers(r, problems)
     _check_budget(r, problems)
     _check_sources(r, problems, check_files)
+    lora.check(r, problems)
 
 
 def _need(problems: list[str], ok: bool, message: str) -> None:

@@ -1,0 +1,127 @@
+"""`trainable: lora`: low-rank adapters (peft) on the attention projections, merged back into plain
+weights at the end, so the result is a stock transformers checkpoint like any other run's.
+
+QLoRA (`lora.load_in_4bit: true`) holds the frozen base in 4-bit NF4 through bitsandbytes, which
+needs a CUDA GPU. A 4-bit base cannot take the merge, so the adapters are then merged into a fresh
+load of the source checkpoint in its own dtype.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from mha2gqa.errors import InputError
+from mha2gqa.layouts import layout_for
+
+
+def check(recipe, problems: list[str]) -> None:
+    """Recipe rules of the lora section (appended to `problems`, as recipe_checks does)."""
+    lora, uses = recipe.lora, recipe.trainable == "lora"
+    from mha2gqa.uptrain.recipe import LoraConfig
+
+    if not uses and lora != LoraConfig():
+        problems.append(f"lora.* keys are set but trainable={recipe.trainable}: set trainable=lora or drop them")
+        return
+    if not uses:
+        return
+    if importlib.util.find_spec("peft") is None:
+        problems.append("trainable=lora needs peft: pip install 'mha2gqa[lora]'")
+    if lora.rank < 1:
+        problems.append(f"lora.rank={lora.rank} must be at least 1 (e.g. 16)")
+    if lora.alpha <= 0:
+        problems.append(f"lora.alpha={lora.alpha} must be positive (e.g. twice lora.rank)")
+    if not 0 <= lora.dropout < 1:
+        problems.append(f"lora.dropout={lora.dropout} must be in [0, 1)")
+    if lora.target_modules is not None and not lora.target_modules:
+        problems.append("lora.target_modules is empty: list module names (e.g. [q_proj, v_proj]) or unset it")
+    if lora.load_in_4bit and recipe.model is None:
+        problems.append("lora.load_in_4bit=true needs model=<pretrained dir>: a 4-bit base is a trained one")
+    if lora.load_in_4bit:
+        import torch
+
+        missing = [what for what, ok in (("bitsandbytes", importlib.util.find_spec("bitsandbytes") is not None),
+                                         ("a CUDA GPU", torch.cuda.is_available())) if not ok]
+        if missing:
+            problems.append(f"lora.load_in_4bit=true (QLoRA) needs {' and '.join(missing)}, absent here: "
+                            "set lora.load_in_4bit=false (plain LoRA keeps the base in full precision)")
+
+
+def target_modules(model, lora) -> list[str]:
+    """The modules to adapt: the recipe's, or the attention projections of the model's layout
+    (layer-relative names such as self_attn.q_proj, so that no MLP module of the same name matches)."""
+    if lora.target_modules:
+        return list(lora.target_modules)
+    layout = layout_for(model.config.to_dict())
+    return [name for name in (layout.qkv or layout.q, None if layout.qkv else layout.k,
+                              None if layout.qkv else layout.v, layout.o, layout.qkv_columns) if name]
+
+
+def load_kwargs(recipe) -> dict:
+    """from_pretrained arguments of a QLoRA student (a 4-bit base on this process's GPU); {} otherwise."""
+    if recipe.trainable != "lora" or not recipe.lora.load_in_4bit:
+        return {}
+    import torch
+    from accelerate import PartialState
+    from transformers import BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    return {"quantization_config": quant, "device_map": {"": PartialState().local_process_index}}
+
+
+def peft_config(model, lora):
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                          target_modules=target_modules(model, lora), bias="none", task_type="CAUSAL_LM")
+
+
+def add_adapters(model, lora):
+    """Wrap `model` with fresh adapters (the base is frozen by peft); raises InputError when a target
+    module does not exist."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    config = peft_config(model, lora)
+    if lora.load_in_4bit:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:  # peft: "Target modules {...} not found in the base model"
+        raise InputError(f"lora.target_modules={sorted(config.target_modules)} do not name modules of this "
+                         f"{model.config.model_type} model ({str(err).splitlines()[0][:160]})") from err
+
+
+def merged_model(peft_model, lora, source_dir: Path | None, saved_dtype):
+    """A plain transformers model with the adapters folded into the weights. A full-precision base
+    merges in place (in fp32, rounded once when saved); a 4-bit base merges into a fresh load of the
+    source in `saved_dtype`."""
+    if not lora.load_in_4bit:
+        return peft_model.merge_and_unload()
+    return merge_into_source(peft_model, source_dir, saved_dtype)
+
+
+def merge_into_source(peft_model, source_dir: Path, dtype):
+    """Copy the trained adapters onto the source checkpoint loaded afresh (CPU, `dtype`), then merge."""
+    import torch
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    adapters = {k: v.detach().to("cpu", torch.float32) for k, v in get_peft_model_state_dict(peft_model).items()}
+    base = AutoModelForCausalLM.from_pretrained(source_dir, dtype=dtype)
+    fresh = get_peft_model(base, peft_model.peft_config["default"])
+    set_peft_model_state_dict(fresh, adapters)
+    return fresh.merge_and_unload()
+
+
+def adapter_record(peft_model, lora) -> dict:
+    """What mha2gqa.json records about the adapters that were merged."""
+    import peft
+
+    config = peft_model.peft_config["default"]
+    return {
+        "method": "qlora" if lora.load_in_4bit else "lora", "rank": config.r, "alpha": config.lora_alpha,
+        "dropout": config.lora_dropout, "target_modules": sorted(config.target_modules),
+        "adapter_params": sum(p.numel() for p in peft_model.parameters() if p.requires_grad),
+        "merged": True, "peft_version": peft.__version__,
+    }

@@ -1,0 +1,156 @@
+"""trainable: lora: adapters on the attention projections, merged into a stock checkpoint in the source
+dtype; resume, distillation and two DDP ranks as with full training; QLoRA refused without a GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_uptrain_two_ranks import _launch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from uptrain_helpers import corpus, metrics, recipe_file, tiny_model_dir
+
+from mha2gqa.errors import InputError
+from mha2gqa.provenance import latest
+from mha2gqa.uptrain import load_recipe, train
+from mha2gqa.uptrain import lora as L
+from mha2gqa.uptrain.data_setup import build_data
+
+pytest.importorskip("peft")  # in [test]; .ci/run installs it
+
+RANK = 4
+ATTENTION = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    model = tiny_model_dir(root / "model", dtype=torch.bfloat16)  # a bf16 source: the result must stay bf16
+    return {"model": model, "train": corpus(root / "train.jsonl")}
+
+
+def _recipe(tmp_path, tiny, overrides=(), **keys):
+    keys.setdefault("model", str(tiny["model"]))
+    keys.setdefault("output_dir", str(tmp_path / "out"))
+    keys.setdefault("trainable", "lora")
+    keys.setdefault("lora", {"rank": RANK, "alpha": 8})
+    keys.setdefault("optim", {"lr": 2e-2})  # adapters start at zero and want a larger step than full training
+    return load_recipe(recipe_file(tmp_path / "r.yaml", data={"train": str(tiny["train"])}, **keys), list(overrides))
+
+
+def test_lora_run_is_a_merged_stock_checkpoint_in_the_source_dtype(tmp_path, tiny):
+    recipe = _recipe(tmp_path, tiny, budget={"max_steps": 10})
+    out = train(recipe)
+    before, after = load_file(str(tiny["model"] / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert after.keys() == before.keys()  # no adapter tensors left: plain weights
+    assert {t.dtype for t in after.values()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    assert changed == sorted(k for k in before if k.endswith(ATTENTION)) and len(changed) == 8  # 2 layers x q/k/v/o
+
+    record = latest(out, "uptrain")
+    adapter = record["adapter"]
+    assert adapter["method"] == "lora" and adapter["rank"] == RANK and adapter["alpha"] == 8 and adapter["merged"]
+    assert adapter["target_modules"] == ["self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    # r x (in + out) per adapted matrix
+    expected = sum(RANK * sum(before[k].shape) for k in changed)
+    assert adapter["adapter_params"] == record["trainable_params"] == expected
+
+    lines = metrics(out)
+    assert lines[-1]["eval_loss"] < lines[0]["eval_loss"] - 0.1  # the adapters learn
+    # plain transformers loads it, and its held-out loss is the one the run reported (bf16 rounding aside)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    blocks = build_data(recipe, AutoTokenizer.from_pretrained(out), 0, 1, show_progress=False).eval.long()
+    with torch.no_grad():
+        loss = sum(model(input_ids=b, labels=b).loss.item() * len(b) for b in blocks.split(4)) / len(blocks)
+    assert loss == pytest.approx(record["final_eval_loss"], abs=0.02)
+
+
+def test_interrupted_and_resumed_lora_run_equals_the_uninterrupted_one(tmp_path, tiny):
+    keys = dict(budget={"max_steps": 6}, eval_every=0, save_every=2)
+    straight = train(_recipe(tmp_path / "a", tiny, **keys))
+    first = train(_recipe(tmp_path / "b", tiny, exit_after_steps=3, **keys))
+    assert not (first / "model.safetensors").exists()
+    resumed = train(_recipe(tmp_path / "b", tiny, **keys), resume=True)
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+    assert latest(resumed, "uptrain")["resumed_from_step"] == 3
+    with pytest.raises(InputError, match=r"lora.rank: 4 -> 8"):  # the adapters' shape fixes the run
+        train(_recipe(tmp_path / "b", tiny, lora={"rank": 8, "alpha": 8}, **keys), resume=True)
+
+
+def test_lora_distillation_starts_from_the_teacher(tmp_path, tiny):
+    recipe = _recipe(tmp_path, tiny, log_every=1, eval_every=0, budget={"max_steps": 3},
+                     distill={"teacher": str(tiny["model"]), "kl_weight": 0.25, "temperature": 2.0})
+    out = train(recipe)
+    losses = [ln["loss"] for ln in metrics(out)[1:]]
+    # fresh adapters add zero (B = 0): student == teacher, KL is 0, the loss is (1 - w) * LM loss
+    first = build_data(recipe, AutoTokenizer.from_pretrained(tiny["model"]), 0, 1, False).train.batch(0)
+    with torch.no_grad():
+        parent = AutoModelForCausalLM.from_pretrained(tiny["model"], dtype=torch.float32)
+        lm = parent(input_ids=first, labels=first).loss.item()
+    assert losses[0] == pytest.approx(0.75 * lm, rel=1e-4)
+    assert all(math.isfinite(x) for x in losses) and latest(out, "uptrain")["source"]["teacher"] == str(tiny["model"])
+
+
+def test_qlora_merge_path_equals_the_in_place_merge(tiny):
+    """QLoRA merges into a fresh load of the source (a 4-bit base cannot take the merge); on CPU the
+    same path runs on a full-precision base and must give the in-place merge's weights."""
+    recipe = load_recipe(recipe_file(tiny["model"].parent / "q.yaml", model=str(tiny["model"]), output_dir="unused",
+                                     trainable="lora", lora={"rank": RANK}, data={"train": str(tiny["train"])}))
+    base = AutoModelForCausalLM.from_pretrained(tiny["model"], dtype=torch.float32)
+    wrapped = L.add_adapters(base, recipe.lora)
+    torch.manual_seed(0)
+    for name, p in wrapped.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)  # trained adapters are not zero
+    fresh = L.merge_into_source(wrapped, tiny["model"], torch.float32).state_dict()
+    in_place = wrapped.merge_and_unload().state_dict()
+    assert fresh.keys() == in_place.keys()
+    for name in fresh:
+        torch.testing.assert_close(fresh[name], in_place[name], msg=name)
+    assert any(not torch.equal(in_place[k], base_w) for k, base_w in
+               load_file(str(tiny["model"] / "model.safetensors")).items() if k.endswith(ATTENTION))
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"lora": {"load_in_4bit": True}}, "lora.load_in_4bit=true (QLoRA) needs "),
+    ({"trainable": "all", "lora": {"rank": 8}}, "lora.* keys are set but trainable=all"),
+    ({"lora": {"rank": 0, "dropout": 1.0}}, "lora.rank=0 must be at least 1"),
+    ({"lora": {"alpha": -1}}, "lora.alpha=-1.0 must be positive"),
+])
+def test_lora_recipe_rules(tmp_path, tiny, keys, message):
+    if "load_in_4bit" in keys.get("lora", {}) and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for machines without one")
+    with pytest.raises(InputError, match=message.replace("*", r"\*").replace("(", r"\(").replace(")", r"\)")) as err:
+        _recipe(tmp_path, tiny, **keys)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_target_module_is_refused_before_anything_is_written(tmp_path, tiny):
+    with pytest.raises(InputError, match=r"lora.target_modules=\['nope'\] do not name modules"):
+        train(_recipe(tmp_path, tiny, lora={"target_modules": ["nope"]}))
+    assert not (tmp_path / "out").exists()
+
+
+def test_two_cpu_ranks_train_one_lora_model(tmp_path, tiny):
+    recipe = recipe_file(tmp_path / "r.yaml", model=str(tiny["model"]), output_dir=str(tmp_path / "out"),
+                         data={"train": str(tiny["train"])}, trainable="lora", lora={"rank": RANK},
+                         save_every=2, eval_every=2)
+    result = _launch(["--recipe", str(recipe), "trace_samples=true", "budget.max_steps=4"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    record = latest(out, "uptrain")
+    assert record["world_size"] == 2 and record["adapter"]["rank"] == RANK
+    sums = [json.loads((out / "trace" / f"rank{r}.jsonl").read_text().splitlines()[-1])["final_param_sums"]
+            for r in (0, 1)]
+    lora_sums = [name for name in sums[0] if "lora_" in name]
+    assert lora_sums  # the replicas held adapters ...
+    for name in sums[0]:  # ... and DDP kept them identical
+        assert sums[0][name] == pytest.approx(sums[1][name], rel=1e-6, abs=1e-6), name
+    weights = load_file(str(out / "model.safetensors"))
+    assert not any("lora" in k for k in weights) and {t.dtype for t in weights.values()} == {torch.bfloat16}
