@@ -50,6 +50,12 @@ def _count_on_meta(model_dir, layout, shape) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()), kv_params
 
 
+def _architecture(config: dict) -> str:
+    """The model class config.json names, or '?' (the field is informative only: never trusted as a list)."""
+    names = config.get("architectures")
+    return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else "?"
+
+
 def inspect_model(src, context: int = 4096, batch: int = 1) -> dict:
     for flag, value in (("--context", context), ("--batch", batch)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -74,7 +80,7 @@ def inspect_model(src, context: int = 4096, batch: int = 1) -> dict:
     return {
         "model": str(src),
         "model_type": shape.model_type,
-        "architecture": (config.get("architectures") or ["?"])[0],
+        "architecture": _architecture(config),
         "layers": shape.layers,
         "heads": shape.heads,
         "kv_heads": shape.kv_heads,
