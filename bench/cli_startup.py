@@ -27,7 +27,7 @@ EMBEDDED_MODEL = ROOT / "mha2gqa" / "data" / "austen-mha"
 COMMANDS = {
     "python -c pass": (["-c", "pass"], None),
     "mha2gqa --help": (["-m", "mha2gqa", "--help"], ("over bare start", 0.3)),
-    "mha2gqa convert --help": (["-m", "mha2gqa", "convert", "--help"], None),
+    "mha2gqa convert --help": (["-m", "mha2gqa", "convert", "--help"], ("over bare start", 0.3)),
     "mha2gqa inspect EMBEDDED": (["-m", "mha2gqa", "inspect", str(EMBEDDED_MODEL)], ("total", 1.0)),
 }
 SMOKE = ("python -c pass", "mha2gqa --help")

@@ -46,10 +46,16 @@ def test_inspect_reads_config_and_headers_without_torch():
     assert (info["heads"], info["kv_heads"], info["parameters"]) == (8, 8, 6_163_712)
 
 
-def test_convert_help_still_lists_the_methods_summaries():
+def test_convert_help_lists_every_method_without_torch():
     run = heavy_modules_after("from mha2gqa.cli import main\nmain(['convert', '--help'], standalone_mode=False)")
+    assert run["heavy"] == []
     text = " ".join(run["stdout"].split())
     assert "mean: mean-pool each group's K/V heads" in text and "first: keep the first K/V head" in text
+    from mha2gqa.convert import METHOD_SUMMARIES
+    from mha2gqa.convert.methods import METHODS
+
+    assert {name: m.summary for name, m in METHODS.items()} == METHOD_SUMMARIES  # the menu is what runs
+    assert all(f"{name}: {summary}" in text for name, summary in METHOD_SUMMARIES.items())
 
 
 def test_mha2gqa_convert_is_callable_and_imported_on_first_use():

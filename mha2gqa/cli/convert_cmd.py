@@ -7,18 +7,11 @@ import json
 import click
 
 from mha2gqa.cli.format import human_bytes, human_count, table
+from mha2gqa.convert import METHOD_SUMMARIES
 
 
-class _MethodOption(click.Option):
-    """--method, whose help lists every method's summary. The summaries live beside the methods (which
-    import torch), so they are read only when help is shown: `mha2gqa --help` stays cheap."""
-
-    def get_help_record(self, ctx):
-        from mha2gqa.convert.methods import METHODS
-
-        summaries = "; ".join(f"{name}: {method.summary}" for name, method in METHODS.items())
-        self.help = f"How each group's kv heads become one. {summaries}."
-        return super().get_help_record(ctx)
+def _method_help() -> str:
+    return "; ".join(f"{name}: {summary}" for name, summary in METHOD_SUMMARIES.items())
 
 
 @click.command()
@@ -26,7 +19,7 @@ class _MethodOption(click.Option):
 @click.argument("dst")
 @click.option("--groups", "-g", type=int, required=True,
               help="Target number of kv heads (1 = multi-query). Must divide the source's kv heads.")
-@click.option("--method", cls=_MethodOption, default="mean", show_default=True, help="How each group's kv heads become one.")
+@click.option("--method", default="mean", show_default=True, help=f"How each group's kv heads become one. {_method_help()}.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random method.")
 @click.option("--dtype", default=None, help="Cast floating tensors to float32, float16 or bfloat16 (default: keep each tensor's dtype).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")
@@ -136,6 +129,7 @@ def inspect(src, context, batch, as_json):
         f"{info['kv_heads']} kv heads, head_dim {info['head_dim']}, hidden {info['hidden_size']}, "
         f"{human_count(info['parameters'])} parameters, {info['dtype']}"
     )
+    click.echo(f"layout: {info['layout']}; calibrated merge: {info['calibrated']}")
     rows = [
         [str(t["kv_heads"]) + (" (now)" if t["kv_heads"] == info["kv_heads"] else ""), str(t["queries_per_kv_head"]),
          human_bytes(t["kv_bytes_per_token"]), human_bytes(t["kv_bytes_per_sequence"]),

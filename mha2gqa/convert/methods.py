@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from mha2gqa.convert import METHOD_SUMMARIES
 from mha2gqa.convert.calibrated import calibrated_layer
 from mha2gqa.convert.roles import KINDS, KV_ROLES
 from mha2gqa.layouts import AttentionShape
@@ -115,10 +116,10 @@ class Method:
 
 
 METHODS: dict[str, Method] = {
-    "mean": Method(mean_layer, "mean-pool each group's K/V heads (Ainslie et al. 2023)"),
-    "first": Method(first_layer, "keep the first K/V head of each group (ablation)"),
-    "random": Method(random_layer, "random K/V with the source's mean and std, seeded (ablation)"),
-    "mean-norm": Method(mean_norm_layer, "mean-pool, each pooled K/V head rescaled to its group's mean norm"),
-    "calibrated": Method(calibrated_layer, "RoPE-aware merge from calibration statistics, maps folded into "
-                         "q_proj/o_proj (needs --calibration)", rewrites_query_output=True, needs_calibration=True),
+    "mean": Method(mean_layer, METHOD_SUMMARIES["mean"]),
+    "first": Method(first_layer, METHOD_SUMMARIES["first"]),
+    "random": Method(random_layer, METHOD_SUMMARIES["random"]),
+    "mean-norm": Method(mean_norm_layer, METHOD_SUMMARIES["mean-norm"]),
+    "calibrated": Method(calibrated_layer, METHOD_SUMMARIES["calibrated"], rewrites_query_output=True,
+                         needs_calibration=True),
 }
