@@ -260,6 +260,14 @@ def test_inspect_refuses_the_same_configs(src, fault):
     assert_refused(result, words, src, before, src.parent / "no-dst")
 
 
+@pytest.mark.parametrize("value", ["LlamaForCausalLM", {"LlamaForCausalLM": 1}, 5])
+def test_inspect_reads_a_malformed_architectures_field_as_unknown(src, value):
+    edit_config(src, architectures=value)
+    result = cli("inspect", src, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["architecture"] == "?"
+
+
 # ----------------------------------------------------------------------- class: tensor shapes
 def _config_kv_heads_8_for_weights_with_4(src):
     save_tiny_model(src, "llama", num_key_value_heads=4)  # k/v_proj (32, 64): divisible by --groups 2
