@@ -31,11 +31,28 @@ def test_importing_the_cli_imports_nothing_heavy():
     assert heavy_modules_after("import mha2gqa.cli")["heavy"] == []
 
 
+COMMANDS = ("convert", "inspect", "uptrain", "eval", "report", "demo", "reproduce")
+
+
 def test_help_lists_every_command_without_torch():
     run = heavy_modules_after("from mha2gqa.cli import main\nmain(['--help'], standalone_mode=False)")
     assert run["heavy"] == []
-    for command in ("convert", "inspect", "uptrain", "eval", "report", "demo", "reproduce"):
+    for command in COMMANDS:
         assert f"  {command} " in run["stdout"]
+
+
+def test_every_commands_help_answers_without_torch():
+    code = "\n".join(["import contextlib, io", "from mha2gqa.cli import main", "helps = {}",
+                      f"for command in {COMMANDS!r}:",
+                      "    out = io.StringIO()",
+                      "    with contextlib.redirect_stdout(out):",
+                      "        main([command, '--help'], standalone_mode=False)",
+                      "    helps[command] = out.getvalue()",
+                      "print(json.dumps(helps))"])
+    run = heavy_modules_after(code)
+    assert run["heavy"] == []
+    helps = json.loads(run["stdout"].splitlines()[-2])
+    assert all(text.startswith("Usage: ") and f" {command} " in text.splitlines()[0] for command, text in helps.items())
 
 
 def test_inspect_reads_config_and_headers_without_torch():
