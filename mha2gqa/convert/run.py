@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mha2gqa import provenance
+from mha2gqa.card import write_card
 from mha2gqa.checkpoint import (DTYPES, INDEX_NAME, SafetensorsCheckpoint, ShardedWriter, atomic_directory,
                                 check_destination)
 from mha2gqa.convert.calibration import DEFAULT_MEMORY, CalibrationStats, calibrate
@@ -116,9 +117,13 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
                      route_query_output=grouping != "contiguous")
     if dry_run:
         return ConversionResult(plan, None, source)
-    # Claimed, checked for room and cleared of debris before calibration, the long part, starts.
-    with atomic_directory(dst, replace=force, needed_bytes=_bytes_needed(source, plan)) as tmp, \
-            tempfile.TemporaryDirectory(prefix="mha2gqa-calibration-") as stats_dir:
+    # Claimed, checked for room and cleared of debris before calibration, the long part, starts. The
+    # statistics ((d+1)^2 float64 per layer: GBs for a 7B) live inside the partial directory, so they
+    # count against DST's room, not a small /tmp, and a killed run's are removed with its debris.
+    gathering = calibration is not None and not isinstance(calibration, CalibrationStats)
+    stats_bytes = shape.layers * (shape.hidden + 1) ** 2 * 8 if gathering else 0
+    with atomic_directory(dst, replace=force, needed_bytes=_bytes_needed(source, plan) + stats_bytes) as tmp, \
+            tempfile.TemporaryDirectory(prefix=".calibration-", dir=tmp) as stats_dir:
         stats = calibration if isinstance(calibration, CalibrationStats) or calibration is None else calibrate(
             source, layout, shape, calibration, calibration_tokens, Path(stats_dir), memory_bytes, progress)
         layers = _write_tensors(checkpoint, plan, tmp, shard_bytes, seed, progress, stats, grouping)
@@ -131,6 +136,7 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
         extra = {"grouping": grouping, "calibration": stats.record if stats else None, "layers": layers,
                  "refine": refined}
         _write_provenance(source, config, plan, seed, dtype, tmp, extra)
+        write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
     return ConversionResult(plan, dst, source, layers, refined)
 
 

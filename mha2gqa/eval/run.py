@@ -93,7 +93,16 @@ def evaluate(model_path, data=None, reference=None, *, tokenizer=None, data_conf
         warnings.warn(message, stacklevel=2)
     if out:
         write_result(result, Path(out))
+        _refresh_card(Path(model_dir), Path(out))
     return result
+
+
+def _refresh_card(model_dir: Path, out: Path) -> None:
+    """A result saved beside a model whose card mha2gqa wrote goes into that card."""
+    from mha2gqa.card import CARD, is_ours, write_card
+
+    if out.resolve().parent == model_dir.resolve() and is_ours(model_dir / CARD):
+        write_card(model_dir)
 
 
 def _window(config, context, stride) -> tuple[int, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mha2gqa.card import write_card
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain import checkpoints, lora
 from mha2gqa.uptrain.data_setup import build_data
@@ -136,10 +137,15 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
         record["adapter"] = lora.adapter_record(accelerator.unwrap_model(model), recipe.lora)
         model = lora.merged_model(accelerator.unwrap_model(model), recipe.lora, student.source_dir,
                                   student.saved_dtype)
-    # mha2gqa.json is written with the model and moved in with it (last).
+    # mha2gqa.json and the card made from it are written with the model and moved in with it.
     save_final(accelerator, model, tokenizer, out, student.saved_dtype,
-               finish=lambda staging: write_provenance(staging, student.source_dir, record))
+               finish=lambda staging: _record(staging, student.source_dir, record, out.name))
     return out
+
+
+def _record(staging: Path, source_dir: Path | None, record: dict, name: str) -> None:
+    write_provenance(staging, source_dir, record)
+    write_card(staging, source_dir, name)
 
 
 def _scalar_config(recipe: Recipe) -> dict:
