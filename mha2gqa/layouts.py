@@ -105,6 +105,8 @@ RETARGETED: dict[str, Layout] = {
 # Families we know and refuse, with the reason the user sees.
 REFUSED: dict[str, str] = {
     "falcon": "its transformers cache stores K/V broadcast to every query head, so GQA saves no memory",
+    "gpt_bigcode": "its multi-query form is the target of gpt2 conversion (convert the gpt2 parent instead); "
+                   "its multi-head c_attn interleaves q/k/v per head, which is not implemented",
 }
 for _name in ("gpt_neox", "opt", "gptj", "bloom", "t5", "mt5", "bart"):
     REFUSED[_name] = "transformers has no grouped-query attention for it"
@@ -250,3 +252,19 @@ def converted_config(config: dict, groups: int) -> dict:
     new = {key: value for key, value in config.items() if key in shared}
     return dict(new, model_type="gpt_bigcode", architectures=["GPTBigCodeForCausalLM"], multi_query=True,
                 num_key_value_heads=1)
+
+
+def describe_layout(config: dict) -> dict:
+    """Where the layout of config's model_type comes from, and whether the calibrated merge (and a
+    query-head permutation) can be exact on it: what `inspect` shows."""
+    layout, model_type = layout_for(config), config.get("model_type")
+    if model_type in LAYOUTS:
+        source = f"explicit entry for {model_type}"
+    elif layout.target:
+        source = f"{model_type} converts to {layout.target} (multi-query only: --groups 1)"
+    else:
+        attention = layout.layer_prefix.format(layer="N") + layout.k.rsplit(".", 1)[0]
+        modules = ", ".join(name.rsplit(".", 1)[-1] for name in (layout.q, layout.k, layout.v, layout.o))
+        source = f"generic, derived from the model class: attention at {attention} ({modules})"
+    return {"layout": source, "calibrated": layout.calibrated_refusal(config) or "supported",
+            "similarity_grouping": layout.grouping_refusal(config) or "supported"}

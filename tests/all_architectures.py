@@ -75,6 +75,8 @@ class Outcome:
     status: str  # "exact" (converted, loads clean, matches on planted heads), "refused", "no tiny model"
     reason: str = ""
     moe: bool = False
+    layout: str = ""  # inspect's description: explicit entry, generic, or retargeted
+    calibrated: str = ""  # "supported" or why not (a supported claim is checked: key maps fold exactly)
 
 
 def check_type(model_type: str, workdir: Path) -> Outcome:
@@ -84,7 +86,8 @@ def check_type(model_type: str, workdir: Path) -> Outcome:
 
     from mha2gqa import convert
     from mha2gqa.errors import InputError
-    from mha2gqa.layouts import attention_shape, layout_for
+    from mha2gqa.convert.rope import rotary_dims
+    from mha2gqa.layouts import attention_shape, describe_layout, layout_for
 
     try:
         config = tiny_config(model_type)
@@ -117,29 +120,72 @@ def check_type(model_type: str, workdir: Path) -> Outcome:
     with torch.no_grad():
         expected = parent(IDS).logits
     moe = any("expert" in name for name, _ in parent.named_parameters())
+    described = describe_layout(config_dict)
+    if described["calibrated"] == "supported":
+        _check_key_maps_fold(parent, layout, shape, rotary_dims(source, shape.head_dim), expected)
     for groups in targets:
         dst = workdir / f"kv{groups}"
-        convert(source, dst, groups=groups, progress=False)
+        try:
+            convert(source, dst, groups=groups, progress=False)
+        except InputError as err:  # the checkpoint's names or shapes disagree with the derived layout
+            assert str(err) and "\n" not in str(err) and not dst.exists()
+            return Outcome(model_type, "refused", str(err))
         child, info = AutoModelForCausalLM.from_pretrained(dst, output_loading_info=True, dtype=torch.float32)
         assert {key: value for key, value in info.items() if value} == {}, (model_type, info)
         assert _kv_rows(child, layout, shape) == groups * shape.head_dim
         child.eval()
         with torch.no_grad():
             logits = child(IDS).logits
-            generated = child.generate(IDS, max_new_tokens=3, do_sample=False, pad_token_id=0)
+            generated = child.generate(IDS, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
         assert generated.shape == (1, IDS.shape[1] + 3)
         assert torch.isfinite(logits).all()
         if groups == targets[0]:
             torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
-    return Outcome(model_type, "exact", moe=moe)
+    return Outcome(model_type, "exact", moe=moe, layout=described["layout"], calibrated=described["calibrated"])
+
+
+def _check_key_maps_fold(parent, layout, shape, rotary: int, expected) -> None:
+    """What the calibrated merge relies on, checked on the model itself: a complex scalar per RoPE
+    frequency pair applied to a kv head's key rows, with its inverse transpose on the rows of the
+    query heads that read it, leaves the logits unchanged. It fails where a norm or a different RoPE
+    convention sits between the projections and the scores."""
+    import copy
+
+    from mha2gqa.convert.roles import layer_names, unpack
+
+    model = copy.deepcopy(parent)
+    params = dict(model.named_parameters())
+    hd, half, per_kv = shape.head_dim, rotary // 2, shape.heads // shape.kv_heads
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in range(shape.layers):
+            stored = layer_names(layout, layer, shape.kv_heads, set(params))
+            roles = unpack({role: params[name] for role, name in stored.items()}, shape)
+            for j in range(shape.kv_heads):
+                a, b = 0.5 + torch.rand(2, half, generator=generator)
+                pairs = torch.arange(half)
+                maps = torch.eye(hd)
+                maps[pairs, pairs], maps[pairs, pairs + half] = a, -b
+                maps[pairs + half, pairs], maps[pairs + half, pairs + half] = b, a
+                query_maps = torch.linalg.inv(maps).T
+                for kind in ("weight", "bias"):
+                    if f"k.{kind}" in roles:
+                        rows = roles[f"k.{kind}"][j * hd:(j + 1) * hd]
+                        rows.copy_(maps @ rows)
+                    if f"q.{kind}" in roles:
+                        for i in range(j * per_kv, (j + 1) * per_kv):
+                            rows = roles[f"q.{kind}"][i * hd:(i + 1) * hd]
+                            rows.copy_(query_maps @ rows)
+        torch.testing.assert_close(model(IDS).logits, expected, rtol=1e-4, atol=1e-4)
 
 
 def _kv_rows(model, layout, shape) -> int:
     """Rows of layer 0's k_proj in the converted model (gpt_bigcode: of the k part of c_attn)."""
     prefix = layout.layer_prefix.format(layer=0)
     params = dict(model.named_parameters())
-    if layout.qkv_columns:  # written as Linear rows [q (H*hd) | k | v]
-        return (params[prefix + layout.qkv_columns + ".weight"].shape[0] - shape.heads * shape.head_dim) // 2
+    fused = layout.qkv or layout.qkv_columns
+    if fused:  # Linear rows [q (H*hd) | k | v] (gpt2's Conv1D is written as Linear for gpt_bigcode)
+        return (params[prefix + fused + ".weight"].shape[0] - shape.heads * shape.head_dim) // 2
     return params[prefix + layout.k + ".weight"].shape[0]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from mha2gqa.checkpoint import SafetensorsCheckpoint
 from mha2gqa.convert.roles import KV_ROLES, layer_names, unpack
 from mha2gqa.errors import InputError
-from mha2gqa.layouts import attention_shape, layout_for, read_config
+from mha2gqa.layouts import attention_shape, describe_layout, layout_for, read_config
 from mha2gqa.sources import resolve_model_dir
 
 
@@ -26,7 +26,7 @@ def _count_parameters(model_dir, layout, shape) -> tuple[int, int]:
     for layer in range(shape.layers):
         for role, name in layer_names(layout, layer, shape.kv_heads, set(shapes)).items():
             part, numel = role.rsplit(".", 1)[0], math.prod(shapes[name])
-            if part == "qkv":  # rows [q (H*hd) | k (n_kv*hd) | v (n_kv*hd)], as roles.unpack splits them
+            if part in ("qkv", "qkv_t"):  # rows [q (H*hd) | k (n_kv*hd) | v (n_kv*hd)], as roles.unpack splits them
                 kv_params += numel // fused_rows * 2 * kv_rows
             elif part in ("k", "v") or part.startswith("k_norm"):
                 kv_params += numel
@@ -66,7 +66,8 @@ def inspect_model(src, context: int = 4096, batch: int = 1) -> dict:
     params, kv_params = _count_parameters(model_dir, layout, shape)
     source_bytes = shape.kv_bytes_per_token()
     targets = []
-    for groups in reversed(shape.valid_groups()):
+    reachable = [1] if layout.target else shape.valid_groups()  # gpt2 -> gpt_bigcode: multi-query only
+    for groups in sorted({shape.kv_heads, *reachable}, reverse=True):
         per_token = shape.kv_bytes_per_token(groups)
         targets.append({
             "kv_heads": groups,
@@ -91,4 +92,5 @@ def inspect_model(src, context: int = 4096, batch: int = 1) -> dict:
         "context": context,
         "batch": batch,
         "targets": targets,
+        **describe_layout(config),
     }
