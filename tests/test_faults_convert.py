@@ -419,11 +419,18 @@ def test_full_filesystem_is_refused_before_any_work(src, tmp_path):
         convert_refused(src, mount / "dst", "MiB free")
 
 
-def test_filesystem_that_fills_up_mid_run_leaves_nothing(src, tmp_path):
-    # Room for the bytes but only 4 inodes: the lock, the partial directory and the first shard fit,
-    # the next file gets ENOSPC after tensors were written.
+@pytest.mark.parametrize("stage", ["tensors", "calibration statistics"])
+def test_filesystem_that_fills_up_mid_run_leaves_nothing(src, tmp_path, stage):
+    # Room for the bytes but only 4 inodes (the root takes one): after the lock and the partial
+    # directory, the first shard fits and the next file gets ENOSPC after tensors were written; or,
+    # calibrating, the statistics folder fits and its first layer file fails (safetensors' own error
+    # type, which must still read as a full disk).
+    flags = []
+    if stage == "calibration statistics":
+        (tmp_path / "text.txt").write_text(SAMPLE_TEXT * 4)
+        flags = ["--method", "calibrated", "--calibration", tmp_path / "text.txt", "--calibration-tokens", "256"]
     with tmpfs(tmp_path / "inodes", "size=8m,nr_inodes=4") as mount:
-        convert_refused(src, mount / "dst", "no space left on the device")
+        convert_refused(src, mount / "dst", f"{mount / 'dst'}: no space left on the device", *flags)
         assert sorted(p.name for p in mount.iterdir()) == []
 
 

@@ -14,11 +14,14 @@ and the converter reads one layer at a time (CalibrationStats.layer), so convers
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -82,6 +85,18 @@ def input_module(layout: Layout, layer: int) -> str:
     return layout.layer_prefix.format(layer=layer) + (layout.qkv or layout.q)
 
 
+def _save_gram(gram: torch.Tensor, path: Path) -> None:
+    """safetensors reports a full disk as SafetensorError("... (os error 28)"): re-raise such I/O
+    failures as the OSError they are, so that the CLI words them as one line naming the place."""
+    try:
+        save_file({"gram": gram.cpu()}, str(path))
+    except SafetensorError as err:
+        code = re.search(r"os error (\d+)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from err
+
+
 def collect_statistics(model, layout: Layout, shape: AttentionShape, ids: torch.Tensor, out_dir: Path,
                        rotary_dims: int, seq_len: int = DEFAULT_SEQ_LEN, batch_size: int = 8,
                        memory_bytes: int = DEFAULT_MEMORY, progress: bool = True) -> CalibrationStats:
@@ -106,7 +121,7 @@ def collect_statistics(model, layout: Layout, shape: AttentionShape, ids: torch.
             for handle in handles:
                 handle.remove()
         for layer, acc in sums.items():
-            save_file({"gram": acc.gram.cpu()}, str(_layer_file(out_dir, layer)))
+            _save_gram(acc.gram, _layer_file(out_dir, layer))
     bar.close()
     record = {"tokens": len(ids), "sequence_length": seq_len, "passes": len(passes), "device": str(device),
               "ids_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}
