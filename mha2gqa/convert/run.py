@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mha2gqa import provenance
+from mha2gqa.card import write_card
 from mha2gqa.checkpoint import (DTYPES, INDEX_NAME, SafetensorsCheckpoint, ShardedWriter, atomic_directory,
                                 check_destination)
 from mha2gqa.convert.calibration import DEFAULT_MEMORY, CalibrationStats, calibrate
@@ -135,6 +136,7 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
         extra = {"grouping": grouping, "calibration": stats.record if stats else None, "layers": layers,
                  "refine": refined}
         _write_provenance(source, config, plan, seed, dtype, tmp, extra)
+        write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
     return ConversionResult(plan, dst, source, layers, refined)
 
 
