@@ -96,8 +96,8 @@ def _patterns(config: dict, mode: str) -> list[re.Pattern]:
     if mode == "kv" and layout.qkv:
         raise InputError(f"trainable=kv: {config['model_type']} fuses q/k/v in one tensor; use trainable=attention")
     names = [layout.k, layout.v, layout.k_norm_rows, layout.k_norm_per_head]
-    if mode == "attention":
-        names += [layout.q, layout.o, layout.qkv, *layout.shared_norms]
+    if mode == "attention":  # the whole attention module: projections and every norm in it (stablelm's
+        names.append(layout.o.rsplit(".", 1)[0])  # per-head q_layernorm, olmo2's q_norm are no layout role)
     prefix = re.escape(layout.layer_prefix).replace(re.escape("{layer}"), r"\d+")
     out = []
     for name in filter(None, names):
