@@ -7,8 +7,7 @@ from click.testing import CliRunner
 
 from mha2gqa.cli import main
 from mha2gqa.provenance import lineage
-from mha2gqa.reproduce import run_grid
-from mha2gqa.reproduce_report import markdown_table, plot
+from mha2gqa.demo import markdown_table, plot
 
 
 @pytest.mark.parametrize("flags", [
@@ -39,9 +38,12 @@ def test_demo_runs_the_whole_job_and_uptraining_recovers(tmp_path, flags):
     assert "recovery" in result.output
 
 
-def test_ablation_grid_on_a_slice_writes_table_and_plots(tmp_path):
-    table = run_grid(tmp_path, methods=("mean", "random"), kv_heads=(4,), alphas=(0.0, 0.005), eval_blocks=2,
-                     echo=lambda line: None, progress=False)
+def test_reproduce_cli_on_a_slice_writes_table_and_plots(tmp_path):
+    out = tmp_path / "ablations"
+    result = CliRunner().invoke(main, ["reproduce", "--out", str(out), "--methods", "mean,random", "--kv-heads", "4",
+                                       "--alphas", "0,0.005", "--eval-blocks", "2"])
+    assert result.exit_code == 0, result.output
+    table = json.loads((out / "ablations.json").read_text())
     rows = table["rows"]
     parent = [r for r in rows if r["method"].startswith("parent")]
     assert len(parent) == 1 and parent[0]["kv_heads"] == 8
@@ -49,8 +51,33 @@ def test_ablation_grid_on_a_slice_writes_table_and_plots(tmp_path):
     assert set(cells) == {("mean", 0.0), ("mean", 0.005), ("random", 0.0), ("random", 0.005)}
     # Random K/V destroys what the keys knew; mean-pooling keeps much of it.
     assert parent[0]["perplexity"] < cells[("mean", 0.0)] < cells[("random", 0.0)]
-    assert not (tmp_path / "work").exists()
-    md = markdown_table(table)
+    assert not (out / "work").exists()
+    md = (out / "ablations.md").read_text()
+    assert md == markdown_table(table) and md in result.output
     assert md.count("\n") == 7 and "| mean | 4 |" in md and "alpha=0.005" in md
-    written = plot(table, tmp_path, kv_bytes_per_head=1024)
-    assert all(p.stat().st_size > 10_000 for p in written)
+    assert all((out / name).stat().st_size > 10_000 for name in ("perplexity_vs_alpha.png", "quality_vs_kv.png"))
+    assert f"wrote {out / 'ablations.json'}, {out / 'ablations.md'}" in result.output
+
+
+def test_reproduce_cli_refuses_a_bad_list_in_one_line(tmp_path):
+    result = CliRunner().invoke(main, ["reproduce", "--out", str(tmp_path / "a"), "--alphas", "0,five"])
+    assert result.exit_code == 2
+    assert result.output.strip() == "Error: --alphas '0,five' must be a comma-separated list of numbers, e.g. 0,0.05"
+    assert not (tmp_path / "a").exists()
+
+
+def test_ablation_kv_bytes_come_from_the_parents_config_and_dtype(tmp_path, monkeypatch):
+    import mha2gqa.demo.ablations as ablations
+
+    config = {"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 8,
+              "hidden_size": 64, "head_dim": 16, "dtype": "bfloat16", "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    table = {"parent": str(tmp_path), "eval": "2 blocks", "rows": [
+        {"method": "parent (MHA)", "kv_heads": 8, "alpha": 0.0, "perplexity": 100.0},
+        {"method": "mean", "kv_heads": 4, "alpha": 0.0, "perplexity": 200.0, "alpha_exact": 0.0}]}
+    seen = {}
+    monkeypatch.setattr(ablations, "plot", lambda t, out, **kw: seen.update(kw) or [out / "a.png", out / "b.png"])
+    written = ablations.write_ablations(table, tmp_path)
+    # K and V, 3 layers, head_dim 16, 2 bytes (bf16): not the fp32 x4 the CLI used to assume
+    assert seen == {"kv_bytes_per_head": 2 * 3 * 16 * 2, "dtype": "bfloat16"}
+    assert written["markdown"].read_text() == markdown_table(table)

@@ -16,7 +16,7 @@ from mha2gqa.uptrain.recipe_load import all_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 # recipes/ and the ones shipped inside the package (the demo's)
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml")) + sorted((ROOT / "mha2gqa" / "recipes").glob("*.yaml"))
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml")) + sorted((ROOT / "mha2gqa" / "demo").glob("*.yaml"))
 ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 
 

@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from mha2gqa.cli.format import human_bytes, table
 
+# How each column of mha2gqa.demo.summary_rows prints (the label first, "bytes" as KiB/MiB).
+_SPECS = ["", ".2f", ".4f", ".3f", "bytes", ".2f"]
+
+
+def _cell(value, spec: str) -> str:
+    if not isinstance(value, (int, float, str)) or (spec == "bytes" and not value):
+        return "-"
+    return human_bytes(value) if spec == "bytes" else format(value, spec)
+
 
 def _summary(report_json: Path) -> str:
-    """A short table from the report's rows: what was lost and what was saved."""
-    rows = json.loads(report_json.read_text())["rows"]
-    lines = []
-    for row in rows:
-        def fmt(key, spec):
-            value = row.get(key)
-            return format(value, spec) if isinstance(value, (int, float)) else "-"
-        lines.append([row.get("label", "?"), fmt("perplexity", ".2f"), fmt("kl_mean", ".4f"), fmt("top1_agreement", ".3f"),
-                      human_bytes(row["kv_bytes_per_token"]) if row.get("kv_bytes_per_token") else "-",
-                      fmt("recovery", ".2f")])
-    return table(["model", "perplexity", "KL vs parent", "top-1 agree", "KV/token", "recovery"], lines)
+    from mha2gqa.demo import summary_rows
+
+    headers, rows = summary_rows(report_json)
+    return table(headers, [[_cell(value, spec) for value, spec in zip(row, _SPECS)] for row in rows])
 
 
 @click.command()
@@ -54,9 +55,8 @@ def demo(groups, out, quick, alpha):
 def reproduce(out, methods, kv_heads, alphas, eval_blocks):
     """Reproduce the GQA paper's ablations at small scale on the embedded default: perplexity on
     held-out Persuasion for every method x kv heads x alpha, as a table and plots under OUT."""
+    from mha2gqa.demo import markdown_table, reproduce as run_reproduce
     from mha2gqa.errors import InputError
-    from mha2gqa.reproduce import run_grid
-    from mha2gqa.reproduce_report import markdown_table, plot
 
     def parse(text, kind, flag):
         try:
@@ -64,11 +64,8 @@ def reproduce(out, methods, kv_heads, alphas, eval_blocks):
         except ValueError:
             raise InputError(f"{flag} {text!r} must be a comma-separated list of numbers, e.g. 0,0.05") from None
 
-    grid = run_grid(out, methods=tuple(m.strip() for m in methods.split(",")), kv_heads=parse(kv_heads, int, "--kv-heads"),
-                    alphas=parse(alphas, float, "--alphas"), eval_blocks=eval_blocks, echo=click.echo)
-    (out / "ablations.md").write_text(markdown_table(grid))
-    config = json.loads((Path(grid["parent"]) / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    plots = plot(grid, out, kv_bytes_per_head=2 * config["num_hidden_layers"] * head_dim * 4)
+    grid, written = run_reproduce(out, methods=tuple(m.strip() for m in methods.split(",")),
+                                  kv_heads=parse(kv_heads, int, "--kv-heads"), alphas=parse(alphas, float, "--alphas"),
+                                  eval_blocks=eval_blocks, echo=click.echo)
     click.echo(markdown_table(grid))
-    click.echo(f"wrote {out / 'ablations.json'}, {out / 'ablations.md'}, " + ", ".join(map(str, plots)))
+    click.echo("wrote " + ", ".join(map(str, written.values())))

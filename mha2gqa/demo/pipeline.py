@@ -1,7 +1,7 @@
 """`mha2gqa demo`: the whole job on the embedded default, offline, in minutes.
 
 inspect -> convert (mean-pool) -> eval parent and converted -> uptrain for alpha x the parent's
-pretraining tokens -> eval the uptrained model -> a side-by-side report.
+pretraining tokens -> eval the uptrained model -> a side-by-side report, and the summary the CLI prints.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable
 from mha2gqa import embedded
 from mha2gqa.errors import InputError
 
-DEMO_RECIPE = Path(__file__).parent / "recipes" / "demo-uptrain.yaml"
+DEMO_RECIPE = Path(__file__).parent / "demo-uptrain.yaml"
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,11 @@ def run_demo(out: Path, groups: int = 2, quick: bool = False, alpha: float | Non
     if not 0 < settings.alpha <= 1:
         raise InputError(f"--alpha {settings.alpha} must be in (0, 1]: e.g. 0.05 for 5% of the pretraining tokens")
     parent = embedded.model_dir()
+    kv_heads = json.loads((parent / "config.json").read_text())["num_key_value_heads"]
+    valid = [g for g in range(1, kv_heads + 1) if kv_heads % g == 0]
+    if groups not in valid:  # checked here, not by convert: nothing may be created for a bad flag
+        raise InputError(f"--groups {groups} must divide the embedded model's {kv_heads} kv heads "
+                         f"(valid: {', '.join(map(str, valid))})")
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file: pass a directory")
@@ -89,3 +94,12 @@ def run_demo(out: Path, groups: int = 2, quick: bool = False, alpha: float | Non
     written = write_report([results / f"{n}.json" for n in names], out / "report", metrics=uptrained / "metrics.jsonl")
     echo(f"[6/6] report: {written.get('markdown') or out / 'report'}")
     return {"out": out, "converted": converted, "uptrained": uptrained, "results": results, **written}
+
+
+def summary_rows(report_json: Path) -> tuple[list[str], list[list]]:
+    """Headers and rows (numbers, None where unmeasured) of what was lost and what was saved, from the
+    report's rows; the CLI prints them as a table."""
+    headers = ["model", "perplexity", "KL vs parent", "top-1 agree", "KV/token", "recovery"]
+    keys = ["label", "perplexity", "kl_mean", "top1_agreement", "kv_bytes_per_token", "recovery"]
+    rows = json.loads(Path(report_json).read_text())["rows"]
+    return headers, [[row.get(key) for key in keys] for row in rows]

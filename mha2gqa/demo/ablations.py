@@ -1,0 +1,176 @@
+"""`mha2gqa reproduce`: the GQA paper's ablations at small scale, on the embedded default, and what
+it writes (ablations.json, ablations.md, perplexity_vs_alpha.png, quality_vs_kv.png).
+
+Grid: conversion method x target kv heads x uptraining budget alpha (a fraction of the parent's
+pretraining tokens). Each (method, kv heads) cell is ONE uptraining run with a constant learning rate
+(after a short warm-up), evaluated on held-out Persuasion at every alpha of the grid: with a constant
+rate, the run's prefix up to alpha is exactly the shorter run, so one run serves every alpha. (The
+paper trained separate runs; we say so in the docs.) Every number comes from the uptrain loop's own
+evaluation (mean token NLL over fixed held-out blocks), so parent, converted and uptrained models are
+measured identically.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from mha2gqa import embedded
+from mha2gqa.demo.pipeline import DEMO_RECIPE, embedded_run_overrides
+from mha2gqa.errors import InputError
+
+MARKERS = {"mean": "o", "first": "s", "random": "^"}
+METHODS = tuple(MARKERS)
+KV_HEADS = (1, 2, 4)
+ALPHAS = (0.0, 0.025, 0.05, 0.1)
+
+
+def _overrides(model: Path, out: Path, eval_blocks: int) -> list[str]:
+    return embedded_run_overrides(model, out, eval_blocks) + [
+        "optim.schedule=constant", "eval_at_start=true", "budget.alpha=null", "budget.pretrain_tokens=null",
+        "log_every=1000000", "save_every=1000000", "overwrite=true"]
+
+
+def _evals(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [row for row in rows if row.get("eval_ppl") is not None]
+
+
+def run_grid(out: Path, methods=METHODS, kv_heads=KV_HEADS, alphas=ALPHAS, eval_blocks: int = 32,
+             echo: Callable[[str], None] = print, progress: bool = True) -> dict:
+    """Run the grid into `out` (work files under out/work are removed at the end); returns the table."""
+    from mha2gqa.convert.run import convert
+    from mha2gqa.uptrain import load_recipe, train
+
+    parent = embedded.model_dir()
+    pretrain = embedded.pretrain_tokens()
+    positive = sorted(a for a in alphas if a > 0)
+    if not positive or min(alphas) < 0:
+        raise InputError(f"--alphas {alphas}: give non-negative fractions with at least one above 0, e.g. 0,0.05")
+    recipe_base = load_recipe(DEMO_RECIPE, _overrides(parent, out / "work" / "parent", eval_blocks) + ["budget.max_steps=1"])
+    tokens_per_step = recipe_base.seq_len * recipe_base.micro_batch_size * recipe_base.grad_accum
+    # Evaluations happen every `unit` steps, so every alpha is rounded to a multiple of the smallest.
+    unit = max(1, round(positive[0] * pretrain / tokens_per_step))
+    step_of = {a: round(a / positive[0]) * unit for a in alphas}
+    work = out / "work"
+    rows = []
+
+    def measure(model: Path, name: str, steps: int, method: str, kv: int) -> None:
+        recipe = load_recipe(DEMO_RECIPE, _overrides(model, work / name, eval_blocks)
+                             + [f"budget.max_steps={max(steps, 1)}", f"eval_every={unit}"])
+        train(recipe)
+        evals = {row["step"]: row for row in _evals(work / name)}
+        for alpha, step in step_of.items():
+            if step in evals and (steps or step == 0):
+                rows.append({"method": method, "kv_heads": kv, "alpha": alpha, "step": step,
+                             "alpha_exact": step * tokens_per_step / pretrain,
+                             "tokens": step * tokens_per_step, "eval_loss": evals[step]["eval_loss"],
+                             "perplexity": evals[step]["eval_ppl"]})
+
+    info = json.loads((parent / "config.json").read_text())
+    measure(parent, "parent", 0, "parent (MHA)", info.get("num_key_value_heads", info["num_attention_heads"]))
+    echo(f"parent perplexity on held-out Persuasion: {rows[-1]['perplexity']:.2f}")
+    for method in methods:
+        for kv in kv_heads:
+            converted = work / f"{method}-kv{kv}-converted"
+            convert(parent, converted, groups=kv, method=method, force=True, progress=False)
+            measure(converted, f"{method}-kv{kv}", max(step_of.values()), method, kv)
+            shutil.rmtree(converted)
+            cell = [r for r in rows if r["method"] == method and r["kv_heads"] == kv]
+            echo(f"{method:>6} kv={kv}: " + "  ".join(f"alpha={r['alpha']:g}: {r['perplexity']:.2f}" for r in cell))
+    shutil.rmtree(work)
+    table = {"parent": str(parent), "pretrain_tokens": pretrain, "tokens_per_step": tokens_per_step,
+             "eval": f"{eval_blocks} held-out blocks of {recipe_base.seq_len} tokens of Persuasion", "rows": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ablations.json").write_text(json.dumps(table, indent=2) + "\n")
+    return table
+
+
+def markdown_table(table: dict) -> str:
+    rows = table["rows"]
+    alphas = sorted({r["alpha"] for r in rows if not r["method"].startswith("parent")})
+    parent = next(r for r in rows if r["method"].startswith("parent"))
+    head = "| method | kv heads | " + " | ".join(f"alpha={a:g}" for a in alphas) + " |"
+    lines = [head, "|---|---:|" + "---:|" * len(alphas)]
+    lines.append(f"| parent (MHA) | {parent['kv_heads']} | {parent['perplexity']:.2f}" + " |" + " |" * (len(alphas) - 1))
+    cells = sorted({(r["method"], r["kv_heads"]) for r in rows if r is not parent}, key=lambda c: (c[0] != "mean", c))
+    for method, kv in cells:
+        by_alpha = {r["alpha"]: r["perplexity"] for r in rows if (r["method"], r["kv_heads"]) == (method, kv)}
+        values = " | ".join(f"{by_alpha[a]:.2f}" if a in by_alpha else "" for a in alphas)
+        lines.append(f"| {method} | {kv} | {values} |")
+    exact = sorted({(r["alpha"], r["alpha_exact"]) for r in rows if r is not parent and "alpha_exact" in r})
+    note = ", ".join(f"{a:g} = {100 * e:.2f}%" for a, e in exact)
+    lines += ["", f"Held-out perplexity ({table['eval']}). Alphas as run (whole optimizer steps): {note}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: dict, out_dir: Path, kv_bytes_per_head: int, dtype: str = "float32") -> list[Path]:
+    """perplexity_vs_alpha.png (one panel per kv-head count) and quality_vs_kv.png; kv_bytes_per_head is
+    one kv head's K and V over all layers, per token, in the parent's `dtype`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in table["rows"] if not r["method"].startswith("parent")]
+    parent = next(r for r in table["rows"] if r["method"].startswith("parent"))
+    kvs = sorted({r["kv_heads"] for r in rows})
+    methods = sorted({r["method"] for r in rows}, key=lambda m: list(MARKERS).index(m) if m in MARKERS else 9)
+    fig, axes = plt.subplots(1, len(kvs), figsize=(4.2 * len(kvs), 3.8), sharey=True, squeeze=False)
+    for ax, kv in zip(axes[0], kvs):
+        for method in methods:
+            cell = sorted((r["alpha"], r["perplexity"]) for r in rows if r["method"] == method and r["kv_heads"] == kv)
+            ax.plot([100 * a for a, _ in cell], [p for _, p in cell], marker=MARKERS.get(method, "x"), label=method)
+        ax.axhline(parent["perplexity"], color="gray", linestyle="--", label="parent (MHA)")
+        ax.set_title(f"{kv} kv head{'s' if kv > 1 else ''}")
+        ax.set_xlabel("uptraining alpha (% of pretraining tokens)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("held-out perplexity (log scale)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    first = out_dir / "perplexity_vs_alpha.png"
+    fig.savefig(first, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    alphas = sorted({r["alpha"] for r in rows})
+    for alpha in alphas:
+        points = sorted((r["kv_heads"] * kv_bytes_per_head, r["perplexity"]) for r in rows
+                        if r["alpha"] == alpha and r["method"] == "mean")
+        ax.plot([x / 1024 for x, _ in points], [p for _, p in points], marker="o", label=f"mean, alpha={alpha:g}")
+    ax.scatter([parent["kv_heads"] * kv_bytes_per_head / 1024], [parent["perplexity"]], color="black", marker="*",
+               s=120, label="parent (MHA)", zorder=3)
+    ax.set_xlabel(f"KV cache per token (KiB, {dtype})")
+    ax.set_ylabel("held-out perplexity (log scale)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    second = out_dir / "quality_vs_kv.png"
+    fig.savefig(second, dpi=120)
+    plt.close(fig)
+    return [first, second]
+
+
+def write_ablations(table: dict, out: Path) -> dict:
+    """ablations.md and the two plots beside ablations.json; returns every path written. KV bytes come
+    from the parent's config (layers, head_dim, dtype), as `mha2gqa inspect` computes them."""
+    from mha2gqa.layouts import attention_shape, read_config
+
+    out = Path(out)
+    shape = attention_shape(read_config(table["parent"]))
+    (out / "ablations.md").write_text(markdown_table(table))
+    first, second = plot(table, out, kv_bytes_per_head=shape.kv_bytes_per_token(kv_heads=1), dtype=shape.dtype)
+    return {"json": out / "ablations.json", "markdown": out / "ablations.md", "perplexity_vs_alpha": first,
+            "quality_vs_kv": second}
+
+
+def reproduce(out: Path, methods=METHODS, kv_heads=KV_HEADS, alphas=ALPHAS, eval_blocks: int = 32,
+              echo: Callable[[str], None] = print, progress: bool = True) -> tuple[dict, dict]:
+    """`mha2gqa reproduce`: run the grid into `out` and write its table and plots; (table, paths)."""
+    out = Path(out)
+    table = run_grid(out, methods, kv_heads, alphas, eval_blocks, echo, progress)
+    return table, write_ablations(table, out)
