@@ -18,6 +18,7 @@ from mha2gqa.provenance import latest
 from mha2gqa.uptrain import load_recipe, train
 from mha2gqa.uptrain import lora as L
 from mha2gqa.uptrain.data_setup import build_data
+from mha2gqa.uptrain.models import load_student
 
 pytest.importorskip("peft")  # in [test]; .ci/run installs it
 
@@ -29,7 +30,7 @@ ATTENTION = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weig
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     model = tiny_model_dir(root / "model", dtype=torch.bfloat16)  # a bf16 source: the result must stay bf16
-    return {"model": model, "train": corpus(root / "train.jsonl")}
+    return {"model": model, "model32": tiny_model_dir(root / "model32"), "train": corpus(root / "train.jsonl")}
 
 
 def _recipe(tmp_path, tiny, overrides=(), **keys):
@@ -48,6 +49,11 @@ def test_lora_run_is_a_merged_stock_checkpoint_in_the_source_dtype(tmp_path, tin
     assert after.keys() == before.keys()  # no adapter tensors left: plain weights
     assert {t.dtype for t in after.values()} == {torch.bfloat16}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    # the frozen base was held in bf16 as stored (half of fp32), the adapters in fp32
+    student = load_student(recipe)
+    wrapped = L.add_adapters(student.model, recipe.lora)
+    dtypes = {n.split(".")[-3] if "lora_" in n else "base": p.dtype for n, p in wrapped.named_parameters()}
+    assert dtypes == {"base": torch.bfloat16, "lora_A": torch.float32, "lora_B": torch.float32}
     changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
     assert changed == sorted(k for k in before if k.endswith(ATTENTION)) and len(changed) == 8  # 2 layers x q/k/v/o
 
@@ -84,17 +90,18 @@ def test_interrupted_and_resumed_lora_run_equals_the_uninterrupted_one(tmp_path,
 
 
 def test_lora_distillation_starts_from_the_teacher(tmp_path, tiny):
-    recipe = _recipe(tmp_path, tiny, log_every=1, eval_every=0, budget={"max_steps": 3},
-                     distill={"teacher": str(tiny["model"]), "kl_weight": 0.25, "temperature": 2.0})
+    # fp32 student and teacher: the same numbers in both forwards, so the first KL is exactly 0
+    recipe = _recipe(tmp_path, tiny, model=str(tiny["model32"]), log_every=1, eval_every=0, budget={"max_steps": 3},
+                     distill={"teacher": str(tiny["model32"]), "kl_weight": 0.25, "temperature": 2.0})
     out = train(recipe)
     losses = [ln["loss"] for ln in metrics(out)[1:]]
     # fresh adapters add zero (B = 0): student == teacher, KL is 0, the loss is (1 - w) * LM loss
-    first = build_data(recipe, AutoTokenizer.from_pretrained(tiny["model"]), 0, 1, False).train.batch(0)
+    first = build_data(recipe, AutoTokenizer.from_pretrained(tiny["model32"]), 0, 1, False).train.batch(0)
     with torch.no_grad():
-        parent = AutoModelForCausalLM.from_pretrained(tiny["model"], dtype=torch.float32)
+        parent = AutoModelForCausalLM.from_pretrained(tiny["model32"], dtype=torch.float32)
         lm = parent(input_ids=first, labels=first).loss.item()
     assert losses[0] == pytest.approx(0.75 * lm, rel=1e-4)
-    assert all(math.isfinite(x) for x in losses) and latest(out, "uptrain")["source"]["teacher"] == str(tiny["model"])
+    assert all(math.isfinite(x) for x in losses) and latest(out, "uptrain")["source"]["teacher"] == str(tiny["model32"])
 
 
 def test_qlora_merge_path_equals_the_in_place_merge(tiny):

@@ -93,9 +93,9 @@ def add_adapters(model, lora):
 
 
 def merged_model(peft_model, lora, source_dir: Path | None, saved_dtype):
-    """A plain transformers model with the adapters folded into the weights. A full-precision base
-    merges in place (in fp32, rounded once when saved); a 4-bit base merges into a fresh load of the
-    source in `saved_dtype`."""
+    """A plain transformers model with the adapters folded into the weights. A base held as stored
+    merges in place (the fp32 update rounded once into the stored dtype); a 4-bit base merges into a
+    fresh load of the source in `saved_dtype`."""
     if not lora.load_in_4bit:
         return peft_model.merge_and_unload()
     return merge_into_source(peft_model, source_dir, saved_dtype)

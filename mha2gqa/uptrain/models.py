@@ -46,6 +46,12 @@ def load_student(recipe: Recipe) -> Student:
     kwargs = dict(dtype=torch.float32, attn_implementation=recipe.attn_implementation, **lora.load_kwargs(recipe))
     if recipe.model is not None:
         source = resolve_model_dir(recipe.model)
+        config = read_config(source)
+        stored = getattr(torch, str(config.get("dtype") or config.get("torch_dtype")).replace("torch.", ""), None)
+        if recipe.trainable == "lora" and isinstance(stored, torch.dtype) and "quantization_config" not in kwargs:
+            # A frozen base needs no fp32 master copy: held as stored (a bf16 7B takes 13.5 GB, not 27),
+            # bit for bit what is on disk; the adapters stay fp32 (peft's autocast_adapter_dtype).
+            kwargs["dtype"] = stored
         try:
             model = load_causal_lm(source, "model", **kwargs)
         except InputError:
@@ -53,8 +59,6 @@ def load_student(recipe: Recipe) -> Student:
         except (ImportError, ValueError) as err:  # e.g. an attention kernel that is not installed
             raise InputError(f"model={recipe.model} could not be loaded with attn_implementation="
                              f"{recipe.attn_implementation} ({err})") from err
-        config = read_config(source)
-        stored = getattr(torch, str(config.get("dtype") or config.get("torch_dtype")).replace("torch.", ""), None)
         return Student(model, source, stored if isinstance(stored, torch.dtype) else torch.float32)
     try:
         config = AutoConfig.from_pretrained(recipe.init_from_config)
