@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import measure  # noqa: E402
 from calibrated_merge import gap_closed, heldout_ids, model_perplexity  # noqa: E402
 
-# name -> RefineOptions fields (steps, lr, solve_output); the default is "adam200+ls".
+# name -> RefineOptions fields (steps, lr, solve_output); the shipped default is "adam50+ls".
 EXPLORE = {
     "ls-only": dict(steps=0),
     "adam50+ls": dict(steps=50),
@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--methods", default="mean,calibrated", help="merge methods, comma-separated")
     parser.add_argument("--calibration", default="austen", help="calibration data (as convert --calibration)")
     parser.add_argument("--calibration-tokens", type=int, default=65536)
-    parser.add_argument("--steps", type=int, default=200, help="--refine-steps")
+    parser.add_argument("--steps", type=int, default=50, help="--refine-steps")
     parser.add_argument("--lr", type=float, default=1e-3, help="--refine-lr")
     parser.add_argument("--eval-tokens", type=int, default=32768)
     parser.add_argument("--context", type=int, default=512)

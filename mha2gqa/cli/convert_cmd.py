@@ -44,7 +44,7 @@ def _method_help() -> str:
                    "the calibration tokens matches the parent's (inputs from the already-refined layers below). "
                    "Needs --calibration; works with every --method and --grouping. Per-layer errors on fit and "
                    "held-out calibration tokens go to the terminal and mha2gqa.json.")
-@click.option("--refine-steps", default=200, show_default=True,
+@click.option("--refine-steps", default=50, show_default=True,
               help="Adam steps per layer for --refine (0: only the closed-form o_proj solve).")
 @click.option("--refine-lr", default=1e-3, show_default=True, help="Peak Adam learning rate for --refine (cosine to 0).")
 @click.option("--refine-memory", default="4GiB", show_default=True,

@@ -39,7 +39,7 @@ from mha2gqa.errors import InputError
 from mha2gqa.layouts import AttentionShape, Layout
 
 DEFAULT_MEMORY = 4 << 30
-DEFAULT_STEPS = 200
+DEFAULT_STEPS = 50
 DEFAULT_LR = 1e-3
 HOLDOUT_FRACTION = 1 / 8
 SEQ_LEN = 512
