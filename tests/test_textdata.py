@@ -202,3 +202,30 @@ def test_cli_calibration_austen_reads_the_five_training_novels(tmp_path):
     record = json.loads((tmp_path / "out" / "mha2gqa.json").read_text())
     calibration = json.dumps(record)  # wherever the provenance layout keeps it
     assert all(str(p) in calibration for p in embedded.train_paths()) and '"tokens": 256' in calibration
+
+
+def test_a_fault_past_the_checked_head_is_still_one_line(tmp_path):
+    """The head check reads 64 Ki characters; a bad line after them surfaces from `datasets` (loading) or
+    from the stream (streaming), and both become one InputError naming the key."""
+    good = _jsonl([f"document {i} " + "word " * 40 for i in range(400)])
+    assert len(good) > 70_000
+    (tmp_path / "late.jsonl").write_text(good + "{broken\n")
+    source = textdata.resolve("data.train", str(tmp_path / "late.jsonl"))
+    with pytest.raises(InputError, match=r"^data.train: `datasets` could not read the files \(.*\): check that each"):
+        textdata.load_documents(source)
+    stream = textdata.load_documents(source, streaming=True)
+    with pytest.raises(InputError, match=r"^data.train: a file could not be read while streaming"):
+        list(textdata.dataset_texts(stream, "text", "data.train"))
+    with pytest.raises(InputError, match=r"late.jsonl:401: not valid JSON"):
+        _texts(str(tmp_path / "late.jsonl"))
+
+
+def test_eval_reads_jsonl_now(tmp_path):
+    from mha2gqa.eval.data import SEPARATOR, load_eval_text
+    from tiny_models import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    (tmp_path / "held.jsonl").write_text(_jsonl(DOCS))
+    text = load_eval_text(str(tmp_path / "held.jsonl"), tok)
+    assert text.ids.tolist() == tok(SEPARATOR.join(DOCS))["input_ids"]
+    assert text.identity["documents"] == 2 and text.identity["source"] == "file"
