@@ -488,7 +488,7 @@ def _start_slow_convert(src: Path, dst: Path, tmp_path: Path) -> subprocess.Pope
     """A real `python -m mha2gqa convert` whose calibration (after DST is claimed) runs for minutes."""
     text = tmp_path / "calibration.txt"
     if not text.exists():
-        text.write_text(SAMPLE_TEXT * 2000)
+        text.write_text(SAMPLE_TEXT * 10000)  # ~3.8 MB: minutes here, seconds even on a fast GPU machine
     return subprocess.Popen(
         [sys.executable, "-m", "mha2gqa", "convert", str(src), str(dst), "--groups", "2", "--method", "calibrated",
          "--calibration", str(text), "--calibration-tokens", "4000000", "-q"],
