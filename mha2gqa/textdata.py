@@ -19,6 +19,7 @@ import gzip
 import io
 import json
 import lzma
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -158,17 +159,27 @@ def _file_texts(key: str, path: Path, field: str, field_key: str | None, piece_c
     if fmt == "parquet":
         yield from _parquet_texts(key, path, field, field_key)
         return
+    with _read_errors(key, path), _open_text(key, path) as f:
+        if fmt == "json":
+            yield from _json_texts(key, path, f, field, field_key)
+        else:
+            yield from _plain_texts(key, path, f, piece_chars)
+
+
+@contextmanager
+def _read_errors(key: str, path: Path):
+    """Undecodable bytes and broken compressed streams, as one line naming the file."""
     try:
-        with _open_text(key, path) as f:
-            if fmt == "json":
-                yield from _json_texts(key, path, f, field, field_key)
-            else:
-                yield from _plain_texts(key, path, f, piece_chars)
+        yield
     except UnicodeDecodeError as err:
         raise InputError(f"{key} {path}: not UTF-8 text (a binary file?): convert it to UTF-8 or leave it out") from err
     except (EOFError, OSError, lzma.LZMAError) as err:  # gzip.BadGzipFile is an OSError
-        raise InputError(f"{key} {path}: ends in {path.suffix} but is not readable {COMPRESSIONS.get(path.suffix.lower(), '')} "
-                         f"data ({type(err).__name__}): re-compress it or remove the suffix") from err
+        codec = COMPRESSIONS.get(path.suffix.lower())
+        if codec is None:
+            raise InputError(f"{key} {path}: cannot be read ({type(err).__name__}: {getattr(err, 'strerror', None) or err}): "
+                             "check that it is a readable file") from err
+        raise InputError(f"{key} {path}: ends in {path.suffix} but is not readable {codec} data "
+                         f"({type(err).__name__}): re-compress it or remove the suffix") from err
 
 
 def _open_text(key: str, path: Path):
@@ -354,22 +365,14 @@ def check_file(key: str, path: Path, field: str = "text", field_key: str | None 
     if file_format(path) == "parquet":
         next(iter(_parquet_texts(key, path, field, field_key)), None)
         return
-    try:
-        with _open_text(key, path) as f:
-            head = f.read(_SNIFF_CHARS)
-            if file_format(path) == "json":
-                whole = len(head) < _SNIFF_CHARS  # else the last line may be cut
-                lines = head.splitlines() if whole else head.splitlines()[:-1]
-                if not head.lstrip().startswith("["):
-                    for _ in _json_texts(key, path, io.StringIO("\n".join(lines)), field, field_key):
-                        pass
-            else:
-                _refuse_nul(key, path, head)
-    except UnicodeDecodeError as err:
-        raise InputError(f"{key} {path}: not UTF-8 text (a binary file?): convert it to UTF-8 or leave it out") from err
-    except (EOFError, OSError, lzma.LZMAError) as err:
-        raise InputError(f"{key} {path}: ends in {path.suffix} but is not readable {COMPRESSIONS.get(path.suffix.lower(), '')} "
-                         f"data ({type(err).__name__}): re-compress it or remove the suffix") from err
+    with _read_errors(key, path), _open_text(key, path) as f:
+        head = f.read(_SNIFF_CHARS)
+        if file_format(path) != "json":
+            _refuse_nul(key, path, head)
+        elif not head.lstrip().startswith("["):  # JSON lines: check the complete ones
+            lines = head.splitlines() if len(head) < _SNIFF_CHARS else head.splitlines()[:-1]
+            for _ in _json_texts(key, path, io.StringIO("\n".join(lines)), field, field_key):
+                pass
 
 
 def _cause(err: BaseException) -> str:
