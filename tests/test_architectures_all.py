@@ -2,6 +2,7 @@
 on planted-redundant heads, and to one) or is refused in one line; never a crash.
 docs/architectures.md is generated from the same outcomes (scripts/supported_architectures.py)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,67 @@ def test_enough_types_convert_and_the_documented_list_matches(outcome):
     documented = [line.split("|")[1].strip(" `") for line in DOC.read_text().splitlines()
                   if line.startswith("| `") and "| converts exactly |" in line]
     assert documented == exact, "docs/architectures.md is stale: run python scripts/supported_architectures.py"
+
+
+def _run(*args):
+    from click.testing import CliRunner
+
+    from mha2gqa.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def _save(model_type, path, weights=True):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from all_architectures import tiny_config
+
+    config = tiny_config(model_type)
+    if weights:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    else:
+        config.save_pretrained(path)
+    return path
+
+
+def test_inspect_names_the_generic_layout_and_its_calibrated_support(tmp_path):
+    result = _run("inspect", _save("mixtral", tmp_path / "mixtral"))
+    assert result.exit_code == 0, result.output
+    assert "layout: generic, derived from the model class: attention at model.layers.N.self_attn " \
+           "(q_proj, k_proj, v_proj, o_proj); calibrated merge: supported" in result.output
+    result = _run("inspect", _save("cohere", tmp_path / "cohere"), "--json")
+    info = json.loads(result.output)
+    assert info["layout"].startswith("generic") and "rotate_half differs" in info["calibrated"]
+
+
+def test_inspect_says_why_the_generic_layout_does_not_fit(tmp_path):
+    result = _run("inspect", _save("deepseek_v3", tmp_path / "mla", weights=False))
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "generic one does not fit" in lines[0] and "(low-rank K/V as in MLA)" in lines[0]
+
+
+def test_gpt2_converts_to_multi_query_only_and_inspect_offers_only_that(tmp_path):
+    src = _save("gpt2", tmp_path / "gpt2")
+    result = _run("convert", src, tmp_path / "out", "--groups", "2", "-q")
+    assert result.exit_code == 2 and "only grouped form is multi-query attention; use --groups 1" in result.output
+    assert not (tmp_path / "out").exists()
+    info = json.loads(_run("inspect", src, "--json").output)
+    assert [t["kv_heads"] for t in info["targets"]] == [8, 1]
+    assert info["layout"] == "gpt2 converts to gpt_bigcode (multi-query only: --groups 1)"
+    result = _run("convert", src, tmp_path / "mqa", "--groups", "1", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "transformer.h.0.mlp.c_fc.weight  F32 [256, 64]  <- transpose (Conv1D -> Linear)\n" in result.output
+    assert "transformer.h.0.attn.c_attn.weight  F32 [80, 64]  <- mean over groups of 8 kv heads" in result.output
+
+
+def test_calibrated_merge_is_refused_where_the_generic_layout_cannot_vouch_for_rope(tmp_path):
+    from mha2gqa import convert
+    from mha2gqa.errors import InputError
+
+    src = _save("cohere", tmp_path / "cohere", weights=False)
+    with pytest.raises(InputError, match="--method calibrated cannot convert model_type 'cohere': its rotate_half"):
+        convert(src, tmp_path / "out", groups=1, method="calibrated", calibration="austen", progress=False)
+    assert not (tmp_path / "out").exists()

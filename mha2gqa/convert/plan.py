@@ -49,7 +49,8 @@ class Plan:
             if not step.is_transform:
                 src = tensors[step.sources["tensor"]]
                 how = "copy" if src.dtype == step.outputs[0].dtype else f"cast from {src.dtype}"
-                how = "transpose (Conv1D -> Linear), " + how if step.transpose else how
+                if step.transpose:
+                    how = "transpose (Conv1D -> Linear)" + ("" if how == "copy" else f", {how}")
                 lines.append(_line(step.outputs[0], how))
                 continue
             r = self.shape.kv_heads // self.groups
