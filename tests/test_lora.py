@@ -161,3 +161,22 @@ def test_two_cpu_ranks_train_one_lora_model(tmp_path, tiny):
         assert sums[0][name] == pytest.approx(sums[1][name], rel=1e-6, abs=1e-6), name
     weights = load_file(str(out / "model.safetensors"))
     assert not any("lora" in k for k in weights) and {t.dtype for t in weights.values()} == {torch.bfloat16}
+
+
+@pytest.mark.slow  # four child processes, each loading torch: about 1.5 minutes on 2 busy cores
+def test_memory_benchmark_runs_at_its_smoke_size(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "train_memory.py"
+    done = subprocess.run([sys.executable, str(bench), "--smoke", "--json", str(tmp_path / "m.json")],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads((tmp_path / "m.json").read_text())
+    measured = {r["mode"]: r for r in found["measured"]}
+    assert measured["all"]["grad_bytes"] == measured["all"]["weights_bytes"]  # every weight has a gradient
+    assert measured["lora"]["trainable_params"] < measured["kv"]["trainable_params"] < measured["all"]["trainable_params"]
+    assert measured["lora"]["adam_bytes"] == 2 * measured["lora"]["grad_bytes"]  # exp_avg + exp_avg_sq
+    computed = {r["mode"]: r for r in found["computed_7b"]}
+    assert computed["lora"]["fits_24GB"] and not computed["all"]["fits_80GB"]
