@@ -226,6 +226,10 @@ CONFIG_FAULTS = {
     "heads not divisible": (lambda p: edit_config(p.parent, num_key_value_heads=3), "not divisible"),
     "more layers than the checkpoint": (lambda p: edit_config(p.parent, num_hidden_layers=4),
                                         "no tensors for layer(s) 2, 3"),
+    "10^12 layers": (lambda p: edit_config(p.parent, num_hidden_layers=10**12),
+                     "no tensors for layer(s) 2, 3, 4, 5, 6, 7, 8, 9, ..."),
+    "quantized": (lambda p: edit_config(p.parent, quantization_config={"quant_method": "gptq", "bits": 4}),
+                  "is quantized (quantization_config quant_method=gptq)"),
 }
 
 
@@ -284,6 +288,9 @@ TENSOR_FAULTS = {
         "model.layers.1.self_attn.o_proj.weight": torch.zeros(64, 32)})), "o_proj.weight has shape [64, 32]"),
     "k bias of the wrong length": (lambda src: resave(src, lambda t: t.update({
         "model.layers.1.self_attn.k_proj.bias": torch.zeros(60)})), "k_proj.bias has shape [60]"),
+    "fp8 k_proj": (lambda src: resave(src, lambda t: t.update({K: t[K].to(torch.float8_e4m3fn)})),
+                   f"{K} is stored as F8_E4M3"),
+    "int8 v_proj": (lambda src: resave(src, lambda t: t.update({V: t[V].to(torch.int8)})), f"{V} is stored as I8"),
 }
 
 

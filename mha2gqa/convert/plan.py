@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -101,22 +103,26 @@ def make_plan(tensors: dict[str, TensorInfo], layout: Layout, shape: AttentionSh
 
 
 def _check_layer_count(available: set[str], layout: Layout, shape: AttentionShape) -> None:
-    """num_hidden_layers against the checkpoint: name the missing (or extra) layers, not the model_type."""
-    def has_layer(layer: int) -> bool:
-        prefix = layout.layer_prefix.format(layer=layer)
-        return any(name.startswith(prefix) for name in available)
-
-    missing = [layer for layer in range(shape.layers) if not has_layer(layer)]
-    if missing and len(missing) < shape.layers:  # none at all: the names do not fit the layout (roles.py says so)
-        shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+    """num_hidden_layers against the checkpoint: name the missing (or extra) layers, not the model_type.
+    Costs one pass over the names whatever num_hidden_layers says (a config may claim 10^12)."""
+    before, after = layout.layer_prefix.split("{layer}")
+    pattern = re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
+    present = {int(m.group(1)) for m in map(pattern.match, available) if m}
+    found = sum(1 for layer in present if layer < shape.layers)
+    if 0 < found < shape.layers:  # none at all: the names do not fit the layout (roles.py says so)
+        missing = list(itertools.islice((n for n in range(shape.layers) if n not in present), 8))
+        shown = ", ".join(map(str, missing)) + (", ..." if shape.layers - found > 8 else "")
         example = layout.layer_prefix.format(layer=missing[0]) + (layout.qkv or layout.k) + ".weight"
         raise InputError(f"config.json has num_hidden_layers={shape.layers} but the checkpoint has no tensors for "
                          f"layer(s) {shown} (e.g. no {example}): fix num_hidden_layers or use the complete checkpoint")
-    if has_layer(shape.layers):  # e.g. a multi-token-prediction layer (GLM-4.5) that transformers ignores
+    if shape.layers in present:  # e.g. a multi-token-prediction layer (GLM-4.5) that transformers ignores
         warnings.warn(f"the checkpoint has tensors for layer {shape.layers} "
                       f"({layout.layer_prefix.format(layer=shape.layers)}*) beyond config.json's num_hidden_layers="
                       f"{shape.layers}: they are copied unconverted; if the config is wrong, fix num_hidden_layers",
                       WeightWarning, stacklevel=3)
+
+
+_FLOAT_CODES = ("F16", "BF16", "F32", "F64")
 
 
 def _check_attention_shapes(stored: dict[str, str], tensors: dict[str, TensorInfo], shape: AttentionShape) -> None:
@@ -126,6 +132,10 @@ def _check_attention_shapes(stored: dict[str, str], tensors: dict[str, TensorInf
     rows = {"q": q_rows, "k": kv_rows, "v": kv_rows, "qkv": q_rows + 2 * kv_rows, "k_norm": kv_rows}
     width = None  # q, k and v read the same input: the first projection's columns (q's, in layer_names order)
     for role, name in stored.items():
+        if tensors[name].dtype not in _FLOAT_CODES:  # fp8 / int8 / 4-bit packed: pooling them ignores their scales
+            raise InputError(f"{name} is stored as {tensors[name].dtype}: mha2gqa merges unquantized weights "
+                             f"({', '.join(_FLOAT_CODES)}); dequantize the checkpoint first (e.g. load it with "
+                             "transformers and save_pretrained in bfloat16)")
         part, kind = role.rsplit(".", 1)
         got = list(tensors[name].shape)
         if part == "o":  # (d, H*hd): what it reads is the heads' output

@@ -75,6 +75,17 @@ def _bytes_needed(source: Path, plan: Plan) -> int:
     return plan.bytes_out + copied + (1 << 20)
 
 
+def _check_not_quantized(src: Path, config: dict) -> None:
+    """GPTQ/AWQ/bitsandbytes/fp8 checkpoints store packed integers and scales: averaging them is not
+    averaging the weights they stand for."""
+    quantized = config.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise InputError(f"{src} is quantized (quantization_config quant_method={method}): mha2gqa merges "
+                         "unquantized weights; dequantize it first (e.g. load it with transformers and "
+                         "save_pretrained in bfloat16) and convert that")
+
+
 def _check_weights(src: Path) -> None:
     has_safetensors = any(src.glob("*.safetensors"))
     pickles = [p.name for p in src.iterdir() if p.suffix in PICKLE_SUFFIXES]
@@ -112,6 +123,7 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
     dst = Path(dst).expanduser()
     _check_destination(source, dst, force)
     _check_weights(source)
+    _check_not_quantized(source, config)
     checkpoint = SafetensorsCheckpoint(source)
     plan = make_plan(checkpoint.tensors, layout, shape, groups, method, OUT_DTYPES.get(dtype),
                      route_query_output=grouping != "contiguous")
