@@ -25,13 +25,13 @@ K_PROJ = "model.layers.0.self_attn.k_proj.weight"
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
-    """A tiny random model, the same model trained for 12 steps (clearly better than guessing, so
+    """A tiny random model, the same model trained for 8 steps (clearly better than guessing, so
     divergence back to guessing can be seen), and the training text."""
     root = tmp_path_factory.mktemp("faults_uptrain")
     model = tiny_model_dir(root / "model")
     data = corpus(root / "train.jsonl")
     recipe = recipe_file(root / "pretrain.yaml", model=str(model), output_dir=str(root / "trained"),
-                         data={"train": str(data)}, budget={"max_steps": 12})
+                         data={"train": str(data)}, budget={"max_steps": 8})
     assert cli("uptrain", "--recipe", recipe).exit_code == 0
     return {"model": model, "trained": root / "trained", "data": data, "root": root}
 
@@ -274,7 +274,7 @@ def test_resume_with_only_damaged_checkpoints_is_one_line(tmp_path, src, sources
 
 def test_kill_9_during_training_then_resume_finishes(tmp_path, src, sources):
     recipe = _recipe(tmp_path, src, model=str(src["trained"]), save_every=1, keep_last=2, eval_every=0,
-                     log_every=1, budget={"max_steps": 60})
+                     log_every=1, budget={"max_steps": 30})
     out = tmp_path / "out"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "mha2gqa", "uptrain", "--recipe", str(recipe)], env=env,
@@ -286,12 +286,12 @@ def test_kill_9_during_training_then_resume_finishes(tmp_path, src, sources):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     killed_at = int(_steps_saved(out)[-1].split("-")[1])
-    assert killed_at < 60
+    assert killed_at < 30
     result = _uptrain(recipe, resume=True)
     assert result.exit_code == 0, result.output
-    assert f"(step {killed_at} of 60)" in result.output
+    assert f"(step {killed_at} of 30)" in result.output
     steps = [r["step"] for r in metrics(out)]
-    assert steps == sorted(set(steps)) and steps[-1] == 60
+    assert steps == sorted(set(steps)) and steps[-1] == 30
     assert load_file(str(out / "model.safetensors")) and not (out / ".final.partial").exists()
 
 
