@@ -105,3 +105,23 @@ def test_calibrated_merge_is_refused_where_the_generic_layout_cannot_vouch_for_r
     with pytest.raises(InputError, match="--method calibrated cannot convert model_type 'cohere': its rotate_half"):
         convert(src, tmp_path / "out", groups=1, method="calibrated", calibration="austen", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_calibrated_merge_runs_on_a_generic_type_and_beats_mean_pooling(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from mha2gqa import convert
+    from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer
+
+    src = _save("mixtral", tmp_path / "mixtral")
+    make_tiny_tokenizer(src)
+    (tmp_path / "calibration.txt").write_text(SAMPLE_TEXT * 20)
+    errors = {}
+    for method in ("mean", "calibrated"):
+        result = convert(src, tmp_path / method, groups=2, method=method, calibration=str(tmp_path / "calibration.txt"),
+                         progress=False)
+        _, info = AutoModelForCausalLM.from_pretrained(tmp_path / method, output_loading_info=True)
+        assert not any(info.values()), info
+        errors[method] = [row["key_error"] + row["value_error"] for row in result.layers]
+    assert len(errors["calibrated"]) == 2
+    assert all(c < m for c, m in zip(errors["calibrated"], errors["mean"])), errors
