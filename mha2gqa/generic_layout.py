@@ -56,8 +56,11 @@ def generic_architecture(config: dict) -> GenericArchitecture:
 def _derive(config_json: str) -> GenericArchitecture:
     config = json.loads(config_json)
     model_type = config.get("model_type")
-    source = _build(config, model_type, kv_heads=None)
     fail = _refusal_prefix(model_type)
+    if isinstance(config.get("text_config"), dict):
+        raise InputError(f"{fail}: it is a composite model (vision/audio + text) whose decoder is configured in "
+                         "text_config, which the converter does not rewrite")
+    source = _build(config, model_type, kv_heads=None)
     layer_count = _config_value(source.config, "num_hidden_layers")
     heads = _config_value(source.config, "num_attention_heads")
     kv_heads = _config_value(source.config, "num_key_value_heads")
@@ -73,13 +76,13 @@ def _derive(config_json: str) -> GenericArchitecture:
     matches = [_LAYER.match(name) for name in attention]
     places = {(m["prefix"], m["attention"]) for m in matches if m}
     if len(places) != 1 or len(matches) != len([m for m in matches if m]):
-        raise InputError(f"{fail}: attention modules sit at different places ({', '.join(sorted(attention))}); "
+        raise InputError(f"{fail}: attention modules sit at different places ({_some(sorted(attention))}); "
                          "only one attention module per decoder layer is supported")
     (prefix, relative), = places
     indices = sorted(int(m["index"]) for m in matches)
     missing = sorted(set(range(layer_count)) - set(indices))
     if missing:
-        raise InputError(f"{fail}: decoder layers {missing} of {layer_count} have no q/k/v/o attention (linear "
+        raise InputError(f"{fail}: decoder layers {_some(missing)} of {layer_count} have no q/k/v/o attention (linear "
                          "attention or state-space layers in a hybrid), so num_key_value_heads does not describe them")
     target = _build(config, model_type, kv_heads=1)
     return _check_shapes(config, source, target, prefix, relative, layer_count, heads, kv_heads, fail)
@@ -113,7 +116,7 @@ def _check_shapes(config, source, target, prefix, relative, layer_count, heads, 
         if role.startswith(f"{relative}.k_proj.") or role.startswith(f"{relative}.v_proj."):
             if not scaled or shape[0] != k_rows:
                 raise InputError(f"{fail}: {name} has shape {list(shape)}; layer 0 has {k_rows} rows (layers with "
-                                 "their own kv-head counts, e.g. sliding/global, are not supported)")
+                                 "their own kv-head counts or head sizes, e.g. sliding/global, are not supported)")
         elif role.startswith(f"{relative}.") and "norm" in role and scaled and shape == (k_rows,):
             norm = role.rsplit(".", 1)[0]
             if k_norm_rows not in (None, norm) or not norm.split(".")[-1].startswith("k"):
@@ -222,6 +225,12 @@ def _low_rank_hint(modules: dict) -> str:
     names = {name.rsplit(".", 1)[-1] for name in modules}
     low_rank = sorted(n for n in names if "kv_a" in n or "kv_b" in n or "lora" in n)
     return f"; it has {', '.join(low_rank)} instead (low-rank K/V as in MLA)" if low_rank else ""
+
+
+def _some(items: list, shown: int = 6) -> str:
+    """The first few items and how many more: a refusal stays one readable line."""
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(map(str, items[:shown])) + more
 
 
 def _refusal_prefix(model_type) -> str:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 # Refusal messages -> the short reason the table groups them by (first match wins).
 REASONS = [
     ("is not supported:", "known family without grouped-query attention in transformers"),
+    ("composite model", "composite (vision/audio + text) config: decoder in text_config"),
     ("multi-query form is the target", "known family without grouped-query attention in transformers"),
     ("has no num_hidden_layers/num_attention_heads/num_key_value_heads", "no num_key_value_heads in its config "
                                                                          "(MHA-only, encoder or encoder-decoder)"),
@@ -28,7 +29,7 @@ REASONS = [
     ("no module owns q_proj", "no separate q/k/v projections in its tiny 2-layer form (fused qkv, other attention, "
                               "or hybrid layers only)"),
     ("have no q/k/v/o attention", "hybrid: linear-attention or state-space layers"),
-    ("their own kv-head counts", "layers with their own kv-head counts or head sizes"),
+    ("their own kv-head counts", "layers with their own kv-head counts or head sizes (sliding/global)"),
     ("does not shrink", "the model class does not read num_key_value_heads for every layer"),
     ("not the same multiple", "k and v of different sizes"),
     ("config head_dim", "k_proj rows disagree with head_dim"),
