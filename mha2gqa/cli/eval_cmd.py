@@ -25,8 +25,9 @@ def _str_list(ctx, param, value):
 
 @click.command("eval")
 @click.argument("model")
-@click.option("--data", help="Held-out text: a UTF-8 file (one document), a folder of .txt/.md/.txt.gz files, or a hub "
-              "dataset name such as wikitext (online only). Without it perplexity is skipped.")
+@click.option("--data", help="Held-out text: a .txt/.md file (one document), .jsonl/.json/.parquet (a document per "
+              "record, from --data-column), each .gz/.bz2/.xz/.zst too, a folder of them, or a hub dataset name "
+              "such as wikitext (online only). Without it perplexity is skipped.")
 @click.option("--data-config", help="Hub dataset config, e.g. wikitext-2-raw-v1.")
 @click.option("--data-split", default="test", show_default=True, help="Hub dataset split.")
 @click.option("--data-column", default="text", show_default=True, help="Hub dataset column holding the text.")
