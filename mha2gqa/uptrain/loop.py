@@ -87,9 +87,9 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
             f"recipe has grad_accum={recipe.grad_accum}: remove it from the accelerate config (the recipe rules)"
         )
 
-    if accelerator.is_main_process:
-        saves = bool(recipe.save_every or recipe.exit_after_steps)
-        checkpoints.check_room(out, save_bytes(student.model, student.saved_dtype, saves))
+    # Every rank checks (read-only): a refusal on rank 0 alone would leave the others waiting.
+    saves = bool(recipe.save_every or recipe.exit_after_steps)
+    checkpoints.check_room(out, save_bytes(student.model, student.saved_dtype, saves))
 
     # Nothing was written before this point: every input error above left output_dir untouched.
     if accelerator.is_main_process:
