@@ -3,6 +3,7 @@
     python bench/convert.py                 # 2 GB and 4 GB synthetic Llama-shaped bf16 checkpoints
     python bench/convert.py --sizes 4 --repeats 5
     python bench/convert.py --cold           # drop the page cache before every job (root only)
+    python bench/convert.py --jobs convert cp import-torch   # leave out the naive job; time a bare torch import
 
 Each size: a sharded bf16 checkpoint (hidden 4096, 32 heads, 32 kv heads, LAYERS layers) is written
 under --workdir; each job runs as its own process (median of --repeats, after one warm-up that puts
@@ -86,12 +87,18 @@ def build_checkpoint(path: Path, layers: int) -> None:
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-def jobs(src: Path, out: Path) -> dict[str, list[str]]:
-    return {
-        "mha2gqa convert": [sys.executable, "-m", "mha2gqa", "convert", str(src), str(out), "--groups", "8", "-q"],
-        "cp -r": ["cp", "-r", str(src), str(out)],
-        "naive (from_pretrained+save_pretrained)": [sys.executable, "-c", NAIVE, str(src), str(out), "8"],
+JOBS = ("convert", "cp", "naive", "import-torch")
+
+
+def jobs(src: Path, out: Path, chosen=JOBS[:3]) -> dict[str, list[str]]:
+    every = {
+        "convert": ("mha2gqa convert", [sys.executable, "-m", "mha2gqa", "convert", str(src), str(out), "--groups", "8", "-q"]),
+        "cp": ("cp -r", ["cp", "-r", str(src), str(out)]),
+        "naive": ("naive (from_pretrained+save_pretrained)", [sys.executable, "-c", NAIVE, str(src), str(out), "8"]),
+        # the fixed cost inside convert's time: a process that only imports torch
+        "import-torch": ("python -c 'import torch'", [sys.executable, "-c", "import torch"]),
     }
+    return dict(every[job] for job in chosen)
 
 
 def drop_page_cache() -> None:
@@ -99,13 +106,13 @@ def drop_page_cache() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def run_size(workdir: Path, gigabytes: int, repeats: int, cold: bool) -> dict[str, dict]:
+def run_size(workdir: Path, gigabytes: int, repeats: int, cold: bool, chosen=JOBS[:3]) -> dict[str, dict]:
     src, out = workdir / f"llama-{gigabytes}gb", workdir / "out"
     if not src.exists():
         subprocess.run([sys.executable, __file__, "--build", str(src), str(LAYERS_FOR_GB[gigabytes])], check=True)
     results: dict[str, list[dict]] = {}
     for attempt in range(repeats + 1):  # interleaved, so background load hits all jobs alike
-        for name, command in jobs(src, out).items():
+        for name, command in jobs(src, out, chosen).items():
             shutil.rmtree(out, ignore_errors=True)
             if cold:
                 drop_page_cache()
@@ -128,12 +135,15 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path(".bench"))
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
     parser.add_argument("--cold", action="store_true", help="drop the page cache before every job (needs root)")
+    parser.add_argument("--jobs", nargs="+", choices=JOBS, default=list(JOBS[:3]),
+                        help="which jobs to run (convert is always run: the ratios are to it)")
     args = parser.parse_args()
     print(f"page cache: {'dropped before every job' if args.cold else 'warm'}; median of {args.repeats}")
     print("| checkpoint | job | wall s | x convert | peak RSS MiB | peak anon MiB | anon x convert |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for gigabytes in args.sizes:
-        results = run_size(args.workdir, gigabytes, args.repeats, args.cold)
+        chosen = ["convert"] + [job for job in args.jobs if job != "convert"]
+        results = run_size(args.workdir, gigabytes, args.repeats, args.cold, chosen)
         base = results["mha2gqa convert"]
         for name, r in results.items():
             print(f"| {r['bytes'] / 1e9:.2f} GB | {name} | {r['wall_s']:.2f} | {r['wall_s'] / base['wall_s']:.2f} "
