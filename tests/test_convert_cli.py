@@ -82,14 +82,16 @@ def test_pickled_weights_are_refused_with_the_fix(tmp_path):
 
 
 @pytest.mark.parametrize("model_type,reason", [("gpt_neox", "no grouped-query attention"), ("falcon", "saves no memory"),
-                                               ("mamba", "not supported")])
+                                               ("mamba", "the generic one does not fit: its config has no")])
 def test_unsupported_architectures_list_the_supported_ones(tmp_path, model_type, reason):
     (tmp_path / "src").mkdir()
     config = {"model_type": model_type, "num_attention_heads": 8, "hidden_size": 64, "num_hidden_layers": 2}
     (tmp_path / "src" / "config.json").write_text(json.dumps(config))
     result = _run("convert", tmp_path / "src", tmp_path / "dst", "--groups", "2")
     assert result.exit_code == 2
-    assert reason in result.output and "supported: gemma, gemma2, granite, llama" in result.output
+    assert reason in result.output
+    if model_type != "mamba":  # known families list the explicit entries; unknown ones say why the generic one fails
+        assert "supported: gemma, gemma2, granite, llama" in result.output
     assert len(result.output.strip().splitlines()) == 1
 
 
