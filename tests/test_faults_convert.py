@@ -255,7 +255,7 @@ def test_layers_beyond_the_config_are_copied_with_a_warning(src, tmp_path):
     assert digests(src) == before
 
 
-@pytest.mark.parametrize("fault", ["a list", "binary", "zero kv heads", "string heads"])
+@pytest.mark.parametrize("fault", ["a list", "binary", "zero kv heads", "string heads", "10^12 layers"])
 def test_inspect_refuses_the_same_configs(src, fault):
     edit, words = CONFIG_FAULTS[fault]
     edit(src / "config.json")

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from mha2gqa.checkpoint import SafetensorsCheckpoint
-from mha2gqa.convert.roles import KV_ROLES, layer_names, unpack
+from mha2gqa.convert.roles import KV_ROLES, check_layer_count, layer_names, unpack
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, describe_layout, layout_for, read_config
 from mha2gqa.sources import resolve_model_dir
@@ -23,6 +23,7 @@ def _count_parameters(model_dir, layout, shape) -> tuple[int, int]:
     kv_rows = shape.kv_heads * shape.head_dim
     fused_rows = shape.heads * shape.head_dim + 2 * kv_rows
     kv_params = 0
+    check_layer_count(set(shapes), layout, shape)
     for layer in range(shape.layers):
         for role, name in layer_names(layout, layer, shape.kv_heads, set(shapes)).items():
             part, numel = role.rsplit(".", 1)[0], math.prod(shapes[name])

@@ -3,17 +3,14 @@
 
 from __future__ import annotations
 
-import itertools
-import re
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from mha2gqa.checkpoint import CODES, DTYPES, OutputTensor, TensorInfo
 from mha2gqa.convert.methods import METHODS
-from mha2gqa.convert.roles import KV_ROLES, layer_names, pack, unpack
-from mha2gqa.errors import InputError, WeightWarning
+from mha2gqa.convert.roles import KV_ROLES, check_layer_count, layer_names, pack, unpack
+from mha2gqa.errors import InputError
 from mha2gqa.layouts import AttentionShape, Layout
 
 
@@ -72,7 +69,7 @@ def make_plan(tensors: dict[str, TensorInfo], layout: Layout, shape: AttentionSh
     """route_query_output: q/o pass through the layer step even if the method leaves them (a head
     permutation rewrites them)."""
     available = set(tensors)
-    _check_layer_count(available, layout, shape)
+    check_layer_count(available, layout, shape)
     layer_steps: dict[str, Step] = {}  # every source name of a layer step -> that step
     for layer in range(shape.layers):
         stored = layer_names(layout, layer, shape.kv_heads, available)
@@ -100,26 +97,6 @@ def make_plan(tensors: dict[str, TensorInfo], layout: Layout, shape: AttentionSh
     bytes_in = sum(info.nbytes for info in tensors.values())
     bytes_out = sum(out.nbytes for step in steps for out in step.outputs)
     return Plan(shape, groups, method, steps, bytes_in, bytes_out)
-
-
-def _check_layer_count(available: set[str], layout: Layout, shape: AttentionShape) -> None:
-    """num_hidden_layers against the checkpoint: name the missing (or extra) layers, not the model_type.
-    Costs one pass over the names whatever num_hidden_layers says (a config may claim 10^12)."""
-    before, after = layout.layer_prefix.split("{layer}")
-    pattern = re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
-    present = {int(m.group(1)) for m in map(pattern.match, available) if m}
-    found = sum(1 for layer in present if layer < shape.layers)
-    if 0 < found < shape.layers:  # none at all: the names do not fit the layout (roles.py says so)
-        missing = list(itertools.islice((n for n in range(shape.layers) if n not in present), 8))
-        shown = ", ".join(map(str, missing)) + (", ..." if shape.layers - found > 8 else "")
-        example = layout.layer_prefix.format(layer=missing[0]) + (layout.qkv or layout.k) + ".weight"
-        raise InputError(f"config.json has num_hidden_layers={shape.layers} but the checkpoint has no tensors for "
-                         f"layer(s) {shown} (e.g. no {example}): fix num_hidden_layers or use the complete checkpoint")
-    if shape.layers in present:  # e.g. a multi-token-prediction layer (GLM-4.5) that transformers ignores
-        warnings.warn(f"the checkpoint has tensors for layer {shape.layers} "
-                      f"({layout.layer_prefix.format(layer=shape.layers)}*) beyond config.json's num_hidden_layers="
-                      f"{shape.layers}: they are copied unconverted; if the config is wrong, fix num_hidden_layers",
-                      WeightWarning, stacklevel=3)
 
 
 _FLOAT_CODES = ("F16", "BF16", "F32", "F64")

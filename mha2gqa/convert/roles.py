@@ -11,9 +11,12 @@ touches a method.
 
 from __future__ import annotations
 
+import itertools
+import re
+import warnings
 from typing import TYPE_CHECKING
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import AttentionShape, Layout
 
 if TYPE_CHECKING:  # torch is imported where tensors are joined, so `inspect` (names only) never loads it
@@ -51,6 +54,27 @@ def layer_names(layout: Layout, layer: int, kv_heads: int, available: set[str]) 
                 "model_type; check config.json's model_type"
             )
     return names
+
+
+def check_layer_count(available: set[str], layout: Layout, shape: AttentionShape) -> None:
+    """num_hidden_layers against the checkpoint: name the missing (or extra) layers, not the model_type.
+    Costs one pass over the names whatever num_hidden_layers says (a config may claim 10^12)."""
+    before, after = layout.layer_prefix.split("{layer}")
+    pattern = re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
+    present = {int(m.group(1)) for m in map(pattern.match, available) if m}
+    found = sum(1 for layer in present if layer < shape.layers)
+    if 0 < found < shape.layers:  # none at all: the names do not fit the layout (layer_names says so)
+        missing = list(itertools.islice((n for n in range(shape.layers) if n not in present), 8))
+        shown = ", ".join(map(str, missing)) + (", ..." if shape.layers - found > 8 else "")
+        module = layout.qkv or layout.qkv_columns or layout.k
+        example = f"{layout.layer_prefix.format(layer=missing[0])}{module}.weight"
+        raise InputError(f"config.json has num_hidden_layers={shape.layers} but the checkpoint has no tensors for "
+                         f"layer(s) {shown} (e.g. no {example}): fix num_hidden_layers or use the complete checkpoint")
+    if shape.layers in present:  # e.g. a multi-token-prediction layer (GLM-4.5) that transformers ignores
+        warnings.warn(f"the checkpoint has tensors for layer {shape.layers} "
+                      f"({layout.layer_prefix.format(layer=shape.layers)}*) beyond config.json's num_hidden_layers="
+                      f"{shape.layers}: they are copied unconverted; if the config is wrong, fix num_hidden_layers",
+                      WeightWarning, stacklevel=3)
 
 
 def unpack(stored: dict[str, torch.Tensor], shape: AttentionShape) -> dict[str, torch.Tensor]:
