@@ -351,9 +351,9 @@ def atomic_directory(dst: Path, replace: bool = False, needed_bytes: int = 0):
             _remove_debris(dst)
             _check_room(dst, needed_bytes)
             tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
             try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
                 yield tmp
                 _move_into_place(tmp, dst, replace)
             except BaseException as err:
