@@ -1,7 +1,8 @@
 """The layout of a model_type that has no entry in layouts.LAYOUTS, derived from the model itself.
 
 transformers builds the model class from the config on the meta device (no memory, no weights),
-twice: once as configured and once with num_key_value_heads=1. Every decoder layer must own an
+twice: once as configured and once with another num_key_value_heads (half of it, or 1, or 2 for a
+model that already has one; some classes refuse 1). Every decoder layer must own an
 attention module with q_proj/k_proj/v_proj and an output projection, and the only parameters whose
 shapes follow num_key_value_heads must be those k/v projections (and a key norm over all kv heads).
 Anything else (MLA-style low-rank K/V, linear-attention or state-space layers in a hybrid, layers
@@ -84,11 +85,25 @@ def _derive(config_json: str) -> GenericArchitecture:
     if missing:
         raise InputError(f"{fail}: decoder layers {_some(missing)} of {layer_count} have no q/k/v/o attention (linear "
                          "attention or state-space layers in a hybrid), so num_key_value_heads does not describe them")
-    target = _build(config, model_type, kv_heads=1)
-    return _check_shapes(config, source, target, prefix, relative, layer_count, heads, kv_heads, fail)
+    probe = kv_heads // 2 if kv_heads % 2 == 0 else (1 if kv_heads > 1 else 2)
+    target = _build(config, model_type, kv_heads=probe)
+    return _check_shapes(source, target, probe, prefix, relative, layer_count, heads, kv_heads, fail)
 
 
-def _check_shapes(config, source, target, prefix, relative, layer_count, heads, kv_heads, fail):
+def check_target(config: dict, groups: int) -> None:
+    """Refuse a kv-head count the model class cannot be built with (diffllama needs an even count)
+    or builds with other k_proj shapes than the conversion writes."""
+    derived = generic_architecture(config)
+    target = _build(config, config.get("model_type"), kv_heads=groups,
+                    fail=f"--groups {groups}: model_type {config.get('model_type')!r} cannot have that many kv heads")
+    name = derived.layout.layer_prefix.format(layer=0) + derived.layout.k + ".weight"
+    rows = dict(target.named_parameters())[name].shape[0]
+    if rows != groups * derived.head_dim:
+        raise InputError(f"--groups {groups}: transformers builds {config.get('model_type')!r} with {rows} k_proj rows "
+                         f"for num_key_value_heads={groups}, not {groups} x head_dim {derived.head_dim}")
+
+
+def _check_shapes(source, target, probe, prefix, relative, layer_count, heads, kv_heads, fail):
     """Only k/v (and a key norm over all kv heads) may follow num_key_value_heads, in every layer alike."""
     before = {name: tuple(p.shape) for name, p in source.named_parameters()}
     after = {name: tuple(p.shape) for name, p in target.named_parameters()}
@@ -112,7 +127,7 @@ def _check_shapes(config, source, target, prefix, relative, layer_count, heads, 
             continue
         match = re.match(re.escape(prefix) + r"\d+\.(.*)$", name)
         role = match[1] if match else name
-        scaled = after.get(name) == (shape[0] // kv_heads, *shape[1:]) and shape[0] % kv_heads == 0
+        scaled = after.get(name) == (shape[0] // kv_heads * probe, *shape[1:]) and shape[0] % kv_heads == 0
         if role.startswith(f"{relative}.k_proj.") or role.startswith(f"{relative}.v_proj."):
             if not scaled or shape[0] != k_rows:
                 raise InputError(f"{fail}: {name} has shape {list(shape)}; layer 0 has {k_rows} rows (layers with "
@@ -127,9 +142,9 @@ def _check_shapes(config, source, target, prefix, relative, layer_count, heads, 
                              "k_proj/v_proj or key norm, so the converter cannot rewrite it")
     for layer in range(layer_count):
         name = f"{prefix}{layer}.{relative}.k_proj.weight"
-        if after.get(name, (None,))[0] != head_dim:
-            raise InputError(f"{fail}: {name} does not shrink to head_dim rows with num_key_value_heads=1: "
-                             "the model class does not read num_key_value_heads for every layer")
+        if after.get(name, (None,))[0] != probe * head_dim:
+            raise InputError(f"{fail}: {name} does not have {probe} x head_dim rows with num_key_value_heads="
+                             f"{probe}: the model class does not read num_key_value_heads for every layer")
     extras = sorted({name[len(attention_prefix):].rsplit(".", 1)[0] for name in before
                      if name.startswith(attention_prefix)} - {"q_proj", "k_proj", "v_proj", _output_name(first)})
     layout = Layout(
@@ -169,12 +184,12 @@ def _code(function) -> str:
     return "\n".join(line.split("#")[0].rstrip() for line in body.splitlines() if line.split("#")[0].strip())
 
 
-def _build(config: dict, model_type, kv_heads: int | None):
+def _build(config: dict, model_type, kv_heads: int | None, fail: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM, CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    fail = _refusal_prefix(model_type)
+    fail = fail or _refusal_prefix(model_type)
     if model_type not in CONFIG_MAPPING or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise InputError(f"{fail}: the installed transformers has no causal-LM class for it (upgrade transformers, or "
                          "check config.json's model_type)")

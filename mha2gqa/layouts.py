@@ -236,6 +236,15 @@ def check_groups(shape: AttentionShape, groups: int) -> None:
         )
 
 
+def check_target(config: dict, groups: int) -> None:
+    """For a type on the generic layout: the model class must build with `groups` kv heads."""
+    model_type = config.get("model_type")
+    if model_type not in LAYOUTS and model_type not in RETARGETED:
+        from mha2gqa.generic_layout import check_target as check_generic_target
+
+        check_generic_target(config, groups)
+
+
 def converted_config(config: dict, groups: int) -> dict:
     """config.json of the converted model: the source's with `groups` kv heads, or, for a retargeted
     type, the target type's config (gpt2 -> gpt_bigcode with multi_query)."""

@@ -98,10 +98,10 @@ def render(outcomes, version: str, seconds: float) -> str:
         "|---|---|",
         *[f"| {reason} | {count} |" for reason, count in by_reason.most_common()],
         "",
-        "| model_type | outcome | layout | calibrated merge | MoE |",
-        "|---|---|---|---|---|",
-        *[f"| `{o.model_type}` | converts exactly | {o.layout} | {o.calibrated} | {'yes' if o.moe else ''} |"
-          for o in exact],
+        "| model_type | outcome | layout | calibrated merge | MoE | note |",
+        "|---|---|---|---|---|---|",
+        *[f"| `{o.model_type}` | converts exactly | {o.layout} | {o.calibrated} | {'yes' if o.moe else ''} | "
+          f"{_cell(o.reason)} |" for o in exact],
         "",
         "| model_type | outcome | reason |",
         "|---|---|---|",

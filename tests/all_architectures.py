@@ -73,7 +73,7 @@ def plant_redundant_groups(model, layout, shape, groups: int) -> None:
 class Outcome:
     model_type: str
     status: str  # "exact" (converted, loads clean, matches on planted heads), "refused", "no tiny model"
-    reason: str = ""
+    reason: str = ""  # why refused; for an exact type, a kv-head count its class refuses (diffllama: 1)
     moe: bool = False
     layout: str = ""  # inspect's description: explicit entry, generic, or retargeted
     calibrated: str = ""  # "supported" or why not (a supported claim is checked: key maps fold exactly)
@@ -132,13 +132,17 @@ def _check_type(model_type: str, workdir: Path) -> Outcome:
     described = describe_layout(config_dict)
     if described["calibrated"] == "supported":
         _check_key_maps_fold(parent, layout, shape, rotary_dims(source, shape.head_dim), expected)
+    note = ""
     for groups in targets:
         dst = workdir / f"kv{groups}"
         try:
             convert(source, dst, groups=groups, progress=False)
-        except InputError as err:  # the checkpoint's names or shapes disagree with the derived layout
+        except InputError as err:  # names/shapes disagree with the derived layout, or the class refuses `groups`
             assert str(err) and "\n" not in str(err) and not dst.exists()
-            return Outcome(model_type, "refused", str(err))
+            if groups == targets[0]:
+                return Outcome(model_type, "refused", str(err))
+            note = f"to {groups} kv head refused: {err}"
+            continue
         child, info = AutoModelForCausalLM.from_pretrained(dst, output_loading_info=True, dtype=torch.float32)
         assert {key: value for key, value in info.items() if value} == {}, (model_type, info)
         assert _kv_rows(child, layout, shape) == groups * shape.head_dim
@@ -150,7 +154,7 @@ def _check_type(model_type: str, workdir: Path) -> Outcome:
         assert torch.isfinite(logits).all()
         if groups == targets[0]:
             torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
-    return Outcome(model_type, "exact", moe=moe, layout=described["layout"], calibrated=described["calibrated"])
+    return Outcome(model_type, "exact", note, moe, described["layout"], described["calibrated"])
 
 
 def _check_key_maps_fold(parent, layout, shape, rotary: int, expected) -> None:

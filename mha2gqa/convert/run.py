@@ -25,7 +25,8 @@ from mha2gqa.convert.plan import Plan, make_plan
 from mha2gqa.convert.refine import RefineOptions, calibration_token_ids, check_refine, refine_checkpoint
 from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.errors import InputError, WeightWarning
-from mha2gqa.layouts import attention_shape, check_groups, converted_config, layout_for, read_config
+from mha2gqa.layouts import (attention_shape, check_groups, check_target, converted_config, layout_for,
+                              read_config)
 from mha2gqa.sources import PICKLE_SUFFIXES, resolve_model_dir
 
 OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -116,6 +117,7 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
     config = read_config(source)
     layout, shape = layout_for(config), attention_shape(config)
     check_groups(shape, groups)
+    check_target(config, groups)
     check_request(config, method, METHODS[method], calibration, grouping)
     if refine is not None:
         check_refine(refine, calibration)
