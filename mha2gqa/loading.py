@@ -12,6 +12,7 @@ import contextlib
 from pathlib import Path
 
 from mha2gqa.errors import InputError
+from mha2gqa.layouts import read_config
 from mha2gqa.sources import PICKLE_SUFFIXES
 
 SHOWN_KEYS = 4  # a config with 30 extra layers would otherwise print 300 names
@@ -39,6 +40,7 @@ def load_causal_lm(model_dir: Path, what: str = "model", progress: bool = True, 
 
     model_dir = Path(model_dir)
     require_safetensors(model_dir, what)
+    read_config(model_dir)  # a binary or list config.json, or bad head counts: one line, not transformers' error
     try:
         with _quiet_transformers(progress):
             # ignore_mismatched_sizes: report a wrong shape in the loading info instead of raising

@@ -6,6 +6,7 @@ malformed data, results and metrics of the wrong shape. Every case asserts the e
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -75,6 +76,21 @@ def test_eval_refuses_pickle_only_weights_before_loading_anything(tmp_path, src,
     result = _eval(model, "--data", src["text"], "--reference", ref)
     assert_refused(result, f"{which} {pickled} has only pickled weights", "save_pretrained")
     assert "Loading weights" not in result.stderr  # refused before any weights were read
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda c: b"\x00\xff\xfe", "config.json is not text"),
+    (lambda c: b'["llama"]', "config.json is a JSON list, not an object"),
+    (lambda c: json.dumps({**c, "num_key_value_heads": 0}).encode(), "num_key_value_heads=0: it must be a positive integer"),
+    (lambda c: json.dumps({**c, "model_type": "frobnicator"}).encode(), "could not be read by transformers"),
+])
+def test_eval_refuses_a_malformed_config_json_in_one_line(tmp_path, src, sources, edit, says):
+    bad = tmp_path / "bad-config"
+    shutil.copytree(src["model"], bad)
+    (bad / "config.json").write_bytes(edit(json.loads((bad / "config.json").read_text())))
+    out = tmp_path / "r.json"
+    assert_refused(_eval(bad, "--data", src["text"], "--out", out), f"{bad / 'config.json'}", says)
+    assert not out.exists()
 
 
 # --- eval: destinations and data ----------------------------------------------------------------

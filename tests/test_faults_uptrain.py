@@ -129,6 +129,20 @@ def test_pickle_only_model_is_refused_with_how_to_resave(tmp_path, src, sources)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("config,says", [
+    (b"\x00\xff\xfe", "config.json is not text"),
+    (b"[1, 2]", "config.json is a JSON list, not an object"),
+    (None, 'num_attention_heads="eight": it must be a positive integer'),
+])
+def test_a_malformed_config_json_is_one_line(tmp_path, src, sources, config, says):
+    bad = tmp_path / "bad-config"
+    shutil.copytree(src["model"], bad)
+    good = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_bytes(config or json.dumps({**good, "num_attention_heads": "eight"}).encode())
+    assert_refused(_uptrain(_recipe(tmp_path, src, model=str(bad))), f"model={bad}", says)
+    assert not (tmp_path / "out").exists()
+
+
 # --- 3. divergence --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("override,says", [

@@ -24,7 +24,9 @@ ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 def valid(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    # A config.json that reads as one (the recipe check refuses malformed ones); no weights needed here.
+    (model / "config.json").write_text('{"model_type": "llama", "num_attention_heads": 4, "hidden_size": 32, '
+                                       '"num_hidden_layers": 2}')
     data = tmp_path / "train.txt"
     data.write_text("hello\n")
     path = tmp_path / "r.yaml"

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from mha2gqa.errors import InputError
-from mha2gqa.layouts import AttentionShape
+from mha2gqa.layouts import AttentionShape, read_config
 from mha2gqa.sources import resolve_model_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,7 +48,13 @@ def load_config(model_dir: Path):
     """The model's transformers config (no weights), for checks before loading."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    read_config(model_dir)  # checked first: transformers' errors on a malformed config are tracebacks
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    except (OSError, ValueError) as err:  # e.g. a model_type this transformers does not know
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InputError(f"{Path(model_dir) / 'config.json'} could not be read by transformers ({first}): "
+                         "use the model's own config.json, or a newer transformers") from err
 
 
 def load_tokenizer(model_dir: Path, tokenizer: str | None = None):

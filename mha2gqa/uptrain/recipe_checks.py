@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from mha2gqa.errors import InputError
+from mha2gqa.layouts import read_config
 from mha2gqa.sources import hub_offline
 from mha2gqa.textdata import resolve
 from mha2gqa.uptrain import lora
@@ -79,8 +81,15 @@ def _check_sources(r: Recipe, p: list[str], check_files: bool) -> None:
 def _check_model_ref(key: str, value: str, p: list[str]) -> None:
     path = Path(value).expanduser()
     if path.is_dir():
-        needed = "config.json" if key != "tokenizer" else None
-        _need(p, needed is None or (path / needed).is_file(), f"{key}={value} has no config.json: pass a HF model dir")
+        if key == "tokenizer":
+            return
+        if not (path / "config.json").is_file():
+            p.append(f"{key}={value} has no config.json: pass a HF model dir")
+            return
+        try:  # a binary or list config.json, or string head counts, fail here and not in transformers
+            read_config(path)
+        except InputError as err:
+            p.append(f"{key}={value}: {err}")
     elif path.exists():
         p.append(f"{key}={value} is a file: pass a model directory or a hub id like org/name")
     elif not _HUB_ID.match(value):
