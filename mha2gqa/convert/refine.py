@@ -65,12 +65,23 @@ class RefineOptions:
             raise InputError(f"--refine-memory {self.memory} must be positive (e.g. 4GiB)")
 
 
-def check_refine(options: RefineOptions, calibration) -> None:
+def check_refine(options: RefineOptions, calibration, config: dict | None = None, tokens: int | None = None) -> None:
     """Refuse, before anything is read or written, a refinement the flags cannot serve."""
     if calibration is None:
         raise InputError("--refine needs calibration data to fit against: add --calibration DATA "
                          "(a text file, a directory of them, or 'austen' for the embedded novels)")
     options.check()
+    tokens = getattr(calibration, "tokens", tokens)
+    seq_len = block_length(config or {})
+    if tokens is not None and tokens < 2 * seq_len:
+        raise InputError(f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {tokens} tokens): "
+                         f"raise --calibration-tokens to {2 * seq_len} or more")
+
+
+def block_length(config) -> int:
+    """Tokens per calibration block: 512, or the model's context when shorter (as calibration uses)."""
+    context = (config.get if isinstance(config, dict) else lambda key: getattr(config, key, None))("max_position_embeddings")
+    return min(SEQ_LEN, context or SEQ_LEN)
 
 
 class ActivationBuffers:
@@ -127,7 +138,7 @@ def refine_checkpoint(source: Path, converted: Path, layout: Layout, shape: Atte
     parent = load_source_model(source, device, progress=progress).requires_grad_(False)
     model = load_source_model(converted, device, progress=progress).requires_grad_(False)
     run_device = next(model.parameters()).device
-    seq_len = min(SEQ_LEN, getattr(model.config, "max_position_embeddings", None) or SEQ_LEN)
+    seq_len = block_length(model.config)
     blocks = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)  # (n, S): full blocks only
     if len(blocks) < 2:
         raise InputError(f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {len(ids)} tokens): "

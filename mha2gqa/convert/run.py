@@ -120,7 +120,7 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
     check_target(config, groups)
     check_request(config, method, METHODS[method], calibration, grouping)
     if refine is not None:
-        check_refine(refine, calibration)
+        check_refine(refine, calibration, config, calibration_tokens)
     memory_bytes = parse_size(calibration_memory, "--calibration-memory")
     dst = Path(dst).expanduser()
     _check_destination(source, dst, force)
