@@ -115,9 +115,9 @@ def refine_table(record: dict) -> str:
 @click.option("--batch", default=1, show_default=True, help="Batch size for the per-batch KV-cache size.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def inspect(src, context, batch, as_json):
-    """Describe SRC's attention (from config.json alone; no weights are read) and, for every valid
-    target kv-head count, the KV-cache bytes per token, per sequence of CONTEXT tokens and per BATCH,
-    and the saving factor."""
+    """Describe SRC's attention (from config.json and the safetensors headers; no weights are read)
+    and, for every valid target kv-head count, the KV-cache bytes per token, per sequence of CONTEXT
+    tokens and per BATCH, and the saving factor."""
     from mha2gqa.convert.inspect import inspect_model
 
     info = inspect_model(src, context=context, batch=batch)
