@@ -169,7 +169,9 @@ def check_room(out: Path, needed: int) -> None:
     existing = out
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    if not existing.is_dir():
+        raise InputError(f"output_dir {out}: {existing} is a file, not a folder: choose another output_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
         raise InputError(f"output_dir {out}: {existing} is not writable (read-only filesystem or permissions): "
                          "choose a writable output_dir")
     free = shutil.disk_usage(existing).free
