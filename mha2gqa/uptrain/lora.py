@@ -44,7 +44,7 @@ def check(recipe, problems: list[str]) -> None:
                                          ("a CUDA GPU", torch.cuda.is_available())) if not ok]
         if missing:
             problems.append(f"lora.load_in_4bit=true (QLoRA) needs {' and '.join(missing)}, absent here: "
-                            "set lora.load_in_4bit=false (plain LoRA keeps the base in full precision)")
+                            "set lora.load_in_4bit=false (plain LoRA holds the base as stored, e.g. bf16)")
 
 
 def target_modules(model, lora) -> list[str]:
