@@ -1,4 +1,4 @@
-"""Paths no other test reached (issue 14 item 9): bf16 training and the cast back to a bf16 source,
+"""Paths no other test reached (issue 14 item 9): bf16/fp16 training and the cast back to the source dtype,
 one mixed precision per process, trainable=attention on fused/per-head-norm layouts, gradient
 checkpointing, the public API wrappers, the hub paths (mocked), the copy_file_range fallback."""
 
@@ -43,19 +43,22 @@ def _changed(before: Path, after: Path) -> set[str]:
 
 # ---- bf16 ----
 
-def test_bf16_mixed_precision_run_saves_back_in_the_bf16_source_dtype(tmp_path, data):
-    """In its own process: accelerate fixes mixed precision for a process's life (the loop says so)."""
-    model = tiny_model_dir(tmp_path / "model", dtype=torch.bfloat16)
-    recipe = _recipe(tmp_path, model, data, mixed_precision="bf16", budget={"max_steps": 4}, log_every=1)
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_mixed_precision_run_saves_back_in_the_half_precision_source_dtype(tmp_path, data, precision, dtype):
+    """In its own process: accelerate fixes mixed precision for a process's life (the loop says so).
+    Master weights train in fp32 under autocast; the result is cast back to the source's dtype."""
+    model = tiny_model_dir(tmp_path / "model", dtype=dtype)
+    recipe = _recipe(tmp_path, model, data, mixed_precision=precision, budget={"max_steps": 4}, log_every=1)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-m", "mha2gqa.uptrain", "--recipe", str(recipe)], capture_output=True,
                          text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     out = tmp_path / "out"
     weights = load_file(str(out / "model.safetensors"))
-    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
-    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-    assert latest(out, "uptrain")["saved_dtype"] == "bfloat16"
+    name = str(dtype).replace("torch.", "")
+    assert {t.dtype for t in weights.values()} == {dtype}
+    assert json.loads((out / "config.json").read_text())["dtype"] == name
+    assert latest(out, "uptrain")["saved_dtype"] == name and latest(out, "uptrain")["recipe"]["mixed_precision"] == precision
     losses = [row["loss"] for row in metrics(out)[1:]]
     assert len(losses) == 4 and all(0 < x < 20 for x in losses)
     assert _changed(model, out)  # it trained
