@@ -21,8 +21,8 @@ from mha2gqa import embedded
 from mha2gqa.demo.pipeline import DEMO_RECIPE, embedded_run_overrides
 from mha2gqa.errors import InputError
 
-MARKERS = {"mean": "o", "first": "s", "random": "^"}
-METHODS = tuple(MARKERS)
+METHODS = ("mean", "first", "random")
+MARKERS = {"mean": "o", "first": "s", "random": "^"}  # plot markers per method
 KV_HEADS = (1, 2, 4)
 ALPHAS = (0.0, 0.025, 0.05, 0.1)
 
