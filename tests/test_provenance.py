@@ -96,3 +96,25 @@ def test_unknown_stage_is_refused(tmp_path):
     with pytest.raises(ValueError, match="stage 'train'"):
         provenance.append(tmp_path, "train", {})
     assert not (tmp_path / provenance.FILE_NAME).exists()
+
+
+def test_a_broken_source_file_stops_convert_before_anything_is_written(tmp_path):
+    save_tiny_model(tmp_path / "src", "llama")
+    (tmp_path / "src" / provenance.FILE_NAME).write_text("{oops")
+    with pytest.raises(InputError, match="mha2gqa.json is not valid JSON"):
+        convert(tmp_path / "src", tmp_path / "dst", groups=2, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_broken_source_file_stops_uptrain_before_training(tmp_path):
+    from mha2gqa.uptrain import load_recipe, train
+    from uptrain_helpers import corpus, recipe_file, tiny_model_dir
+
+    model = tiny_model_dir(tmp_path / "model")
+    (model / provenance.FILE_NAME).write_text('{"lineage": "none"}')
+    recipe = load_recipe(recipe_file(tmp_path / "r.yaml", model=str(model), output_dir=str(tmp_path / "out"),
+                                     data={"train": str(corpus(tmp_path / "train.jsonl", docs=40))},
+                                     budget={"max_steps": 2}))
+    with pytest.raises(InputError, match="'lineage' must be a list of stages"):
+        train(recipe)
+    assert not (tmp_path / "out").exists()  # nothing written

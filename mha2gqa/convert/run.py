@@ -126,6 +126,7 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
     _check_destination(source, dst, force)
     _check_weights(source)
     _check_not_quantized(source, config)
+    provenance.lineage(source)  # a broken SRC/mha2gqa.json fails now, not after every tensor is written
     checkpoint = SafetensorsCheckpoint(source)
     plan = make_plan(checkpoint.tensors, layout, shape, groups, method, OUT_DTYPES.get(dtype),
                      route_query_output=grouping != "contiguous")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mha2gqa import provenance
 from mha2gqa.card import write_card
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain import checkpoints, lora
@@ -71,6 +72,8 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
         data = build_data(recipe, tokenizer, rank, world, show_progress=accelerator.is_local_main_process)
     check_vocab(student.model, data.eval)
     check_positions(student.model, recipe.seq_len)
+    if student.source_dir is not None:  # a broken source mha2gqa.json fails now, not after training
+        provenance.lineage(student.source_dir)
     if recipe.trainable == "lora":
         student.model = lora.add_adapters(student.model, recipe.lora)
     trainable = select_trainable(student.model, recipe.trainable)
@@ -96,6 +99,7 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
         if recipe.overwrite and not resume:
             checkpoints.clear_own_files(out)
         out.mkdir(parents=True, exist_ok=True)
+        checkpoints.remove_unfinished(out)  # debris of a run killed while saving
     accelerator.wait_for_everyone()
     start = 0
     if start_ckpt is not None:
