@@ -15,7 +15,8 @@ from typing import Literal, Optional
 @dataclass
 class DataConfig:
     train: list[str] = field(default_factory=list)
-    """Training text: files (.txt, .jsonl/.json, .parquet), folders of them, or one hub dataset name."""
+    """Training text: files (.txt/.md, .jsonl/.json, .parquet; .gz/.bz2/.xz/.zst too), folders of them, or one
+    hub dataset name; one format per run (docs/data.md)."""
     eval: Optional[list[str]] = None
     """Separate eval text, same forms as `train`; when unset, `eval_blocks` blocks are held out of train."""
     name: Optional[str] = None
@@ -23,7 +24,7 @@ class DataConfig:
     split: str = "train"
     """Split of a hub dataset to read."""
     text_field: str = "text"
-    """Column holding the text in jsonl/parquet/hub data."""
+    """Field or column holding the text in jsonl/json/parquet/hub data."""
     sample_by: Literal["document", "paragraph", "line"] = "document"
     """How .txt files split into documents (EOS goes between documents)."""
     streaming: bool = False
