@@ -29,6 +29,7 @@ REASONS = [
     ("no module owns q_proj", "no separate q/k/v projections in its tiny 2-layer form (fused qkv, other attention, "
                               "or hybrid layers only)"),
     ("have no q/k/v/o attention", "hybrid: linear-attention or state-space layers"),
+    ("sit at different places", "attention modules at different places (hybrid or multimodal)"),
     ("their own kv-head counts", "layers with their own kv-head counts or head sizes (sliding/global)"),
     ("does not shrink", "the model class does not read num_key_value_heads for every layer"),
     ("not the same multiple", "k and v of different sizes"),
