@@ -286,27 +286,48 @@ def test_resume_with_only_damaged_checkpoints_is_one_line(tmp_path, src, sources
     assert not (out / "model.safetensors").exists()
 
 
-def test_kill_9_during_training_then_resume_finishes(tmp_path, src, sources):
-    recipe = _recipe(tmp_path, src, model=str(src["trained"]), save_every=1, keep_last=2, eval_every=0,
-                     log_every=1, budget={"max_steps": 30})
-    out = tmp_path / "out"
+def _start(recipe: Path, log: Path, *args) -> subprocess.Popen:
+    """A real `python -m mha2gqa uptrain` (stderr to a file: a full pipe would stall the child)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "mha2gqa", "uptrain", "--recipe", str(recipe)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with log.open("w") as err:
+        return subprocess.Popen([sys.executable, "-m", "mha2gqa", "uptrain", "--recipe", str(recipe), *args],
+                                env=env, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def _wait_until_saved(proc: subprocess.Popen, out: Path, step: int) -> None:
     deadline = time.monotonic() + 240
-    while len(_steps_saved(out)) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    os.kill(proc.pid, signal.SIGKILL)  # mid-run: possibly inside save_state
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    while not (out / "checkpoints" / f"step-{step:08d}" / "progress.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
+        time.sleep(0.1)
+
+
+def test_sigterm_then_kill_9_during_training_then_resume_finishes(tmp_path, src, sources):
+    recipe = _recipe(tmp_path, src, model=str(src["trained"]), save_every=1, keep_last=2, eval_every=0,
+                     log_every=1, budget={"max_steps": 12})
+    out, log = tmp_path / "out", tmp_path / "stderr.txt"
+    # SIGTERM unwinds like Ctrl-C: exit 143, one line, no half-written checkpoint.
+    proc = _start(recipe, log)
+    _wait_until_saved(proc, out, 2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    stderr = log.read_text()
+    assert "Interrupted by SIGTERM" in stderr and "Traceback" not in stderr
+    folders = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert folders == _steps_saved(out) and not (out / ".final.partial").exists()
+    # kill -9 of the resumed run: no cleanup can run (possibly inside save_state).
+    proc = _start(recipe, log, "--resume")
+    _wait_until_saved(proc, out, int(folders[-1].split("-")[1]) + 2)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
     killed_at = int(_steps_saved(out)[-1].split("-")[1])
-    assert killed_at < 30
+    assert killed_at < 12
     result = _uptrain(recipe, resume=True)
     assert result.exit_code == 0, result.output
-    assert f"(step {killed_at} of 30)" in result.output
+    assert f"(step {killed_at} of 12)" in result.output
     steps = [r["step"] for r in metrics(out)]
-    assert steps == sorted(set(steps)) and steps[-1] == 30
+    assert steps == sorted(set(steps)) and steps[-1] == 12
     assert load_file(str(out / "model.safetensors")) and not (out / ".final.partial").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == _steps_saved(out)  # kill -9 debris gone
 
 
 def test_the_accelerate_entry_point_reports_bad_input_in_one_line(tmp_path, src, sources):

@@ -196,3 +196,12 @@ def write_failure(err: Exception, path: Path) -> InputError | None:
     if shutil.disk_usage(existing).free < FULL_BELOW:  # checked before the partial files are removed
         return user_file_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)), path)
     return None
+
+
+def remove_unfinished(out: Path) -> None:
+    """Remove checkpoint folders a killed run left half-written (no progress.json, not set aside as
+    damaged): resume ignores them, and nothing else would ever delete them."""
+    root = out / CHECKPOINTS
+    for folder in root.glob("step-*") if root.is_dir() else ():
+        if folder.is_dir() and not (folder / PROGRESS).exists() and not (folder / DAMAGED).exists():
+            shutil.rmtree(folder, ignore_errors=True)

@@ -38,6 +38,9 @@ def save_final(accelerator, model, tokenizer, out: Path, dtype: torch.dtype, fin
             tokenizer.save_pretrained(staging)
             if finish is not None:
                 finish(staging)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: no half model left behind
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         except Exception as err:  # noqa: BLE001 - safetensors reports a full disk as SafetensorError
             fault = write_failure(err, out)
             shutil.rmtree(staging, ignore_errors=True)

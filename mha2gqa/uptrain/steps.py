@@ -194,6 +194,10 @@ def save_checkpoint(run: Run, step: int, tps: int, eval_loss: float | None = Non
                 "step": step, "tokens": step * tps, "total_steps": run.total, "eval_loss": eval_loss,
                 "world_size": acc.num_processes, "recipe": run.recipe.to_dict(),
             })
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP while saving: no half checkpoint either
+        if acc.is_main_process:
+            shutil.rmtree(ckpt, ignore_errors=True)
+        raise
     except Exception as err:  # noqa: BLE001 - torch.save and safetensors do not raise OSError for a full disk
         fault = checkpoints.write_failure(err, ckpt)
         if fault is None:
