@@ -100,7 +100,6 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
             checkpoints.clear_own_files(out)
         out.mkdir(parents=True, exist_ok=True)
         checkpoints.remove_unfinished(out)  # debris of a run killed while saving
-        checkpoints.remove_unfinished(out)  # debris of a run killed while saving
     accelerator.wait_for_everyone()
     start = 0
     if start_ckpt is not None:
