@@ -26,7 +26,10 @@ class WeightWarning(UserWarning):
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised like Ctrl-C so that every cleanup written for Ctrl-C runs for them too."""
+    """SIGINT, SIGTERM or SIGHUP, raised as a KeyboardInterrupt so that every cleanup written for Ctrl-C
+    runs for all three. A subclass, not KeyboardInterrupt itself: when a bare KeyboardInterrupt passes
+    through Python code that a C extension runs with PyRun_String, CPython marks it unhandled and ends
+    the process by SIGINT (exit -2) even after the CLI caught it; a subclass never sets that mark."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -69,13 +72,13 @@ def user_file_error(err: OSError, path: str | os.PathLike | None = None) -> Inpu
 
 @contextmanager
 def signals_as_interrupts():
-    """While active (main thread only), SIGTERM and SIGHUP raise Interrupted, so `except
-    KeyboardInterrupt` / `finally` cleanups run for them as for Ctrl-C. A second signal of the same
-    kind gets the default action (kills at once); later runs remove what that leaves (see checkpoint.py)."""
+    """While active (main thread only), SIGINT, SIGTERM and SIGHUP raise Interrupted, so `except
+    KeyboardInterrupt` / `finally` cleanups run for all three. A second signal of the same kind gets the
+    default action (kills at once); later runs remove what that leaves (see checkpoint.py)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    kinds = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    kinds = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
 
     def raise_interrupted(signum, _frame):
         signal.signal(signum, signal.SIG_DFL)
