@@ -1,5 +1,6 @@
 """The output directory: resumable checkpoints (accelerate save_state + our progress.json), the
-checks that decide whether a run may start or resume there, and keep-last-K pruning.
+checks that decide whether a run may start or resume there (sources, room, damaged checkpoints),
+keep-last-K pruning, and how a failed write is worded.
 
 A checkpoint counts only once its progress.json exists: it is written last, so a run killed
 while saving leaves a folder that resume ignores.
@@ -166,9 +167,7 @@ def load_newest_loadable(accelerator, out: Path) -> Path:
 def check_room(out: Path, needed: int) -> None:
     """Before training: output_dir (or the folder that will hold it) must be writable and have room
     for `needed` bytes, so that a run does not fail at its first save hours in."""
-    existing = out
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = _nearest_existing(out)
     if not existing.is_dir():
         raise InputError(f"output_dir {out}: {existing} is a file, not a folder: choose another output_dir")
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -190,12 +189,15 @@ def write_failure(err: Exception, path: Path) -> InputError | None:
     if code:
         fault = OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path))
         return user_file_error(fault, path) if is_user_fault(fault) else None
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if shutil.disk_usage(existing).free < FULL_BELOW:  # checked before the partial files are removed
+    if shutil.disk_usage(_nearest_existing(path)).free < FULL_BELOW:  # checked before the partial files are removed
         return user_file_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)), path)
     return None
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def remove_unfinished(out: Path) -> None:

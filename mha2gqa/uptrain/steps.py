@@ -185,6 +185,7 @@ def save_checkpoint(run: Run, step: int, tps: int, eval_loss: float | None = Non
     acc, ckpt = run.accelerator, checkpoints.checkpoint_dir(run.out, step)
     if acc.is_main_process:
         (ckpt / checkpoints.PROGRESS).unlink(missing_ok=True)  # re-saving a step: incomplete until done
+        (ckpt / checkpoints.DAMAGED).unlink(missing_ok=True)  # set aside by a --resume; replaced now
     acc.wait_for_everyone()
     try:
         acc.save_state(str(ckpt))
