@@ -8,10 +8,10 @@ Persuasion is held out: the tokenizer and the model never saw it, so it measures
 from __future__ import annotations
 
 import gzip
-import json
 import os
 from pathlib import Path
 
+from mha2gqa import provenance
 from mha2gqa.errors import InputError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -92,5 +92,4 @@ def model_dir() -> Path:
 def pretrain_tokens() -> int:
     """Training tokens the embedded model was pretrained on, from its provenance (mha2gqa.json,
     written by the uptrain loop): the base of the demo's alpha (uptrain for alpha x this many)."""
-    record = json.loads((MODEL_DIR / "mha2gqa.json").read_text())
-    return int(record["uptrain"]["tokens_seen"])
+    return int(provenance.latest(MODEL_DIR, "uptrain")["tokens_seen"])

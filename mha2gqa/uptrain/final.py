@@ -54,7 +54,7 @@ def save_final(accelerator, model, tokenizer, out: Path, dtype: torch.dtype, fin
 def _swap_in(staging: Path, out: Path) -> None:
     """Move every file of `staging` into `out` (each rename atomic: same filesystem), weights first,
     mha2gqa.json last; then drop old weight shards that the new model does not have."""
-    new = sorted(staging.iterdir(), key=lambda p: (not p.match(WEIGHT_FILES), p.name == "mha2gqa.json", p.name))
+    new = sorted(staging.iterdir(), key=lambda p: (not p.match(WEIGHT_FILES), p.name == provenance.FILE_NAME, p.name))
     for path in new:
         os.replace(path, out / path.name)
     names = {p.name for p in new}
