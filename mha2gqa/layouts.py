@@ -49,6 +49,8 @@ class Layout:
     # an unknown RoPE convention, modules on the key path, q/o stored as Conv1D.
     calibrated_barrier: str | None = None
     grouping_barrier: str | None = None
+    # Why --refine (which fits the loaded attention modules, folding nothing) cannot run, or None.
+    refine_barrier: str | None = None
 
     def _norms_present(self, config: dict) -> bool:
         return self.norms_when is None or bool(config.get(self.norms_when))
@@ -99,6 +101,7 @@ RETARGETED: dict[str, Layout] = {
         o="attn.c_proj", qkv_columns="attn.c_attn", transposed=("attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
         layer_prefix="transformer.h.{layer}.", target="gpt_bigcode",
         calibrated_barrier=_CONV1D_QO, grouping_barrier=_CONV1D_QO,
+        refine_barrier="the converted model is another type (gpt_bigcode) than the parent it would be fitted to",
     ),
 }
 
@@ -276,4 +279,5 @@ def describe_layout(config: dict) -> dict:
         modules = ", ".join(name.rsplit(".", 1)[-1] for name in (layout.q, layout.k, layout.v, layout.o))
         source = f"generic, derived from the model class: attention at {attention} ({modules})"
     return {"layout": source, "calibrated": layout.calibrated_refusal(config) or "supported",
-            "similarity_grouping": layout.grouping_refusal(config) or "supported"}
+            "similarity_grouping": layout.grouping_refusal(config) or "supported",
+            "refine": layout.refine_barrier or "supported"}

@@ -125,3 +125,24 @@ def test_calibrated_merge_runs_on_a_generic_type_and_beats_mean_pooling(tmp_path
         errors[method] = [row["key_error"] + row["value_error"] for row in result.layers]
     assert len(errors["calibrated"]) == 2
     assert all(c < m for c, m in zip(errors["calibrated"], errors["mean"])), errors
+
+
+def test_refine_runs_on_a_generic_type_and_is_refused_for_gpt2(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from mha2gqa import convert
+    from mha2gqa.convert.refine import RefineOptions
+    from mha2gqa.errors import InputError
+    from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer
+
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text(SAMPLE_TEXT * 20)
+    src = _save("cohere", tmp_path / "cohere")  # RoPE convention unknown to the merge; refine folds nothing
+    make_tiny_tokenizer(src)
+    result = convert(src, tmp_path / "refined", groups=2, calibration=str(calibration), refine=RefineOptions(steps=2),
+                     progress=False)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "refined")
+    assert all(row["fit_error_after"] < row["fit_error_before"] for row in result.refine["layers"]), result.refine
+    gpt2 = _save("gpt2", tmp_path / "gpt2", weights=False)
+    with pytest.raises(InputError, match="--refine cannot refine model_type 'gpt2'"):
+        convert(gpt2, tmp_path / "mqa", groups=1, calibration=str(calibration), refine=RefineOptions(), progress=False)

@@ -44,6 +44,15 @@ def check_calibrated(config: dict, method: str) -> None:
         )
 
 
+def check_refine_layout(config: dict) -> None:
+    """Refuse --refine where the parent and converted models do not share attention modules. It
+    folds no map, so RoPE conventions and norms on the key path do not limit it."""
+    reason = layout_for(config).refine_barrier
+    if reason:
+        raise InputError(f"--refine cannot refine model_type {config.get('model_type')!r}: {reason}; "
+                         "convert without --refine")
+
+
 def check_grouping(config: dict) -> None:
     """Refuse similarity grouping where a query permutation would leave a per-query-head norm behind."""
     reason = layout_for(config).grouping_refusal(config)

@@ -24,6 +24,7 @@ from mha2gqa.convert.methods import METHODS, LayerContext
 from mha2gqa.convert.plan import Plan, make_plan
 from mha2gqa.convert.refine import RefineOptions, calibration_token_ids, check_refine, refine_checkpoint
 from mha2gqa.convert.roles import pack, unpack
+from mha2gqa.convert.rope import check_refine_layout
 from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import (attention_shape, check_groups, check_target, converted_config, layout_for,
                               read_config)
@@ -121,6 +122,7 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
     check_request(config, method, METHODS[method], calibration, grouping)
     if refine is not None:
         check_refine(refine, calibration, config, calibration_tokens)
+        check_refine_layout(config)
     memory_bytes = parse_size(calibration_memory, "--calibration-memory")
     dst = Path(dst).expanduser()
     _check_destination(source, dst, force)
