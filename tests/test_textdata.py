@@ -229,3 +229,15 @@ def test_eval_reads_jsonl_now(tmp_path):
     text = load_eval_text(str(tmp_path / "held.jsonl"), tok)
     assert text.ids.tolist() == tok(SEPARATOR.join(DOCS))["input_ids"]
     assert text.identity["documents"] == 2 and text.identity["source"] == "file"
+
+
+def test_python_api_takes_paths_and_lists_for_calibration(tmp_path):
+    from pathlib import Path
+
+    from mha2gqa.convert.run import convert
+
+    novels = [Path(p) for p in embedded.expand_corpus_name("austen")][:2]
+    result = convert(embedded.model_dir(), tmp_path / "out", groups=4, calibration=novels, calibration_tokens=128,
+                     progress=False)
+    assert result.dst == tmp_path / "out"
+    assert json.dumps(json.loads((tmp_path / "out" / "mha2gqa.json").read_text())).count(str(novels[1])) == 1

@@ -162,7 +162,8 @@ def calibrate(source: Path, layout: Layout, shape: AttentionShape, data: str | l
     stats = collect_statistics(model, layout, shape, ids, out_dir, rotary_dims(source, shape.head_dim),
                                seq_len=seq_len, memory_bytes=memory_bytes, progress=progress)
     del model
-    return replace(stats, record={"data": data, "rotary_dims": stats.rotary_dims, **stats.record})
+    named = [str(d) for d in data] if isinstance(data, (list, tuple)) else str(data)  # Paths too: JSON-able
+    return replace(stats, record={"data": named, "rotary_dims": stats.rotary_dims, **stats.record})
 
 
 def calibration_ids(tokenizer, texts: Iterator[str], tokens: int) -> torch.Tensor:
