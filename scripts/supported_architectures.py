@@ -89,7 +89,9 @@ def render(outcomes, version: str, seconds: float) -> str:
         "untouched. The calibrated merge (and what it folds into q_proj) is declared supported only where "
         "RoPE is transformers' standard rotate_half and nothing sits between the projections and RoPE; the "
         "test checks each such claim on the model (a per-frequency complex scale on the keys, its inverse on "
-        "the queries, leaves the logits unchanged).",
+        "the queries, leaves the logits unchanged). `--refine` folds no map: it runs on every accepted type "
+        "but gpt2, whose converted model is another type. `mha2gqa inspect MODEL` prints a model's layout "
+        "and its calibrated-merge support, or the one-line reason it is refused.",
         "",
         f"**{len(exact)} convert exactly** ({sum(o.moe for o in exact)} of them mixture-of-experts), "
         f"**{len(refused)} are refused** with a one-line reason, {len(untested)} could not be built as tiny "
