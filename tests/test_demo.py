@@ -35,6 +35,10 @@ def test_demo_runs_the_whole_job_and_uptraining_recovers(tmp_path, flags):
     assert stages[1]["groups"] == 2 and stages[2]["tokens_seen"] > 0
     report = (out / "report" / "report.md").read_text()
     assert "converted (GQA-2)" in report and "uptrained (GQA-2)" in report
+    # the offline last-word cloze (lm-eval, installed by [test]) is a column of the report
+    assert "persuasion_cloze acc" in report and "Δ acc" in report
+    cloze = {role: r["lm_eval"]["tasks"]["persuasion_cloze"] for role, r in results.items()}
+    assert all(0 <= c["metrics"]["acc"]["value"] <= 1 and c["samples"] == (40 if flags else 355) for c in cloze.values())
     assert "recovery" in result.output
 
 

@@ -6,6 +6,7 @@ pretraining tokens -> eval the uptrained model -> a side-by-side report, and the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +26,15 @@ class DemoSettings:
     alpha: float  # uptraining budget as a fraction of the parent's pretraining tokens
     speed: bool
     eval_blocks: int
+    cloze_examples: int | None  # examples of the offline persuasion_cloze lm-eval task (None: all 355)
 
     @classmethod
     def make(cls, quick: bool, alpha: float | None) -> "DemoSettings":
         if quick:
-            return cls(eval_tokens=16384, alpha=alpha if alpha is not None else 0.01, speed=False, eval_blocks=4)
-        return cls(eval_tokens=None, alpha=alpha if alpha is not None else 0.05, speed=True, eval_blocks=16)
+            return cls(eval_tokens=16384, alpha=alpha if alpha is not None else 0.01, speed=False, eval_blocks=4,
+                       cloze_examples=40)
+        return cls(eval_tokens=None, alpha=alpha if alpha is not None else 0.05, speed=True, eval_blocks=16,
+                   cloze_examples=None)
 
 
 def embedded_run_overrides(model: Path, out: Path, eval_blocks: int) -> list[str]:
@@ -75,6 +79,10 @@ def run_demo(out: Path, groups: int = 2, quick: bool = False, alpha: float | Non
     # scripts/embedded_stats.py, and 2x fewer forward passes than the default half-context stride.
     eval_kwargs = dict(data=str(embedded.heldout_path()), max_tokens=settings.eval_tokens, context=512, stride=512, batch_size=8,
                        speed_preset="cpu" if settings.speed else None, progress=progress)
+    if importlib.util.find_spec("lm_eval") is not None:  # the [lmeval] extra: the report gains cloze accuracy
+        eval_kwargs.update(lm_eval_tasks=["persuasion_cloze"], lm_eval_limit=settings.cloze_examples)
+    else:
+        echo("note: pip install 'mha2gqa[lmeval]' adds the last-word cloze accuracy (lm-eval) to the report")
     evaluate(parent, role="parent", label="parent (MHA)", out=results / "parent.json", **eval_kwargs)
     evaluate(converted, reference=str(parent), role="converted", label=f"converted (GQA-{groups})",
              out=results / "converted.json", **eval_kwargs)
