@@ -146,3 +146,44 @@ def test_refine_runs_on_a_generic_type_and_is_refused_for_gpt2(tmp_path):
     gpt2 = _save("gpt2", tmp_path / "gpt2", weights=False)
     with pytest.raises(InputError, match="--refine cannot refine model_type 'gpt2'"):
         convert(gpt2, tmp_path / "mqa", groups=1, calibration=str(calibration), refine=RefineOptions(), progress=False)
+
+
+def test_similarity_grouping_finds_scattered_groups_on_a_generic_type(tmp_path):
+    """mixtral (generic layout): kv heads {0, 3, 5, 6} and {1, 2, 4, 7} planted identical; similarity
+    grouping reorders heads (q rows and o columns with them) so that mean pooling to 2 is exact."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from all_architectures import IDS, tiny_config
+    from mha2gqa import convert
+    from mha2gqa.convert.roles import KV_ROLES, layer_names, unpack
+    from mha2gqa.layouts import attention_shape, layout_for
+    from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer
+
+    torch.manual_seed(0)
+    parent = AutoModelForCausalLM.from_config(tiny_config("mixtral")).eval()
+    config = parent.config.to_dict()
+    layout, shape = layout_for(config), attention_shape(config)
+    params = dict(parent.named_parameters())
+    with torch.no_grad():
+        for layer in range(shape.layers):
+            stored = layer_names(layout, layer, shape.kv_heads, set(params))
+            roles = unpack({role: params[name] for role, name in stored.items()}, shape)
+            for role in KV_ROLES:
+                if role in roles:
+                    heads = roles[role].unflatten(0, (shape.kv_heads, -1))  # (n_kv, hd, ...) view
+                    for group in ([0, 3, 5, 6], [1, 2, 4, 7]):
+                        heads[group[1:]] = heads[group[0]].clone()
+        expected = parent(IDS).logits
+    parent.save_pretrained(tmp_path / "src")
+    make_tiny_tokenizer(tmp_path / "src")
+    (tmp_path / "calibration.txt").write_text(SAMPLE_TEXT * 8)
+    logits = {}
+    for grouping in ("contiguous", "similarity"):
+        result = convert(tmp_path / "src", tmp_path / grouping, groups=2, calibration=str(tmp_path / "calibration.txt"),
+                         calibration_tokens=400, grouping=grouping, progress=False)
+        with torch.no_grad():
+            logits[grouping] = AutoModelForCausalLM.from_pretrained(tmp_path / grouping).eval()(IDS).logits
+    assert [row["kv_order"] for row in result.layers] == [[0, 3, 5, 6, 1, 2, 4, 7]] * 2
+    torch.testing.assert_close(logits["similarity"], expected, rtol=1e-4, atol=1e-5)
+    assert (logits["contiguous"] - expected).abs().max() > 1e-3
