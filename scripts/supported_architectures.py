@@ -93,7 +93,8 @@ def render(outcomes, version: str, seconds: float) -> str:
         "but gpt2, whose converted model is another type. `mha2gqa inspect MODEL` prints a model's layout "
         "and its calibrated-merge support, or the one-line reason it is refused.",
         "",
-        f"**{len(exact)} convert exactly** ({sum(o.moe for o in exact)} of them mixture-of-experts), "
+        f"**{len(exact)} convert exactly** ({sum(o.moe for o in exact)} of them mixture-of-experts; "
+        f"{sum(o.reason.startswith('alias') for o in exact)} an alias of another type's config), "
         f"**{len(refused)} are refused** with a one-line reason, {len(untested)} could not be built as tiny "
         "models by the test harness (not counted as supported).",
         "",
