@@ -183,6 +183,7 @@ def main() -> None:
             rows, calibration_s = run_explore(args, source, Path(work), ids, context), math.nan
         else:
             calibration_s = calibration_seconds(args, source)
+            print(f"calibration alone: {calibration_s:.1f} s for {args.calibration_tokens} tokens", flush=True)
             rows = run_grid(args, source, Path(work), ids, context)
     add_gaps(rows, parent)
     result = {"model": str(source), "parent_perplexity": parent, "eval_tokens": len(ids), "context": context,
