@@ -36,6 +36,7 @@ from calibrated_merge import gap_closed, heldout_ids, model_perplexity  # noqa: 
 EXPLORE = {
     "ls-only": dict(steps=0),
     "adam50+ls": dict(steps=50),
+    "adam50-b4+ls": dict(steps=50, batch_blocks=4),  # a quarter of the tokens per step
     "adam200": dict(steps=200, solve_output=False),
     "adam200+ls": dict(steps=200),
     "adam200-lr3e-3+ls": dict(steps=200, lr=3e-3),
