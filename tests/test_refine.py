@@ -143,7 +143,9 @@ def test_cost_is_linear_in_depth(tmp_path, calibration_file):
     blocks = (record["fit_tokens"] + record["heldout_tokens"]) // record["sequence_length"]
     batches = -(-blocks // 4)
     assert len(calls) == 8  # 4 parent layers + 4 converted layers
-    assert set(calls.values()) == {2 * batches}, calls  # parent: first pass + targets; converted: inputs + advance
+    # parent: first pass + targets; converted: inputs + advance (+ one re-run where a refit is rejected)
+    assert set(calls.values()) <= {2 * batches, 3 * batches}, calls
+    assert sum(calls.values()) <= 8 * 2 * batches + 4 * batches
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "olmo2", "stablelm", "phi3", "phi", "gemma2"])

@@ -106,6 +106,9 @@ class ActivationBuffers:
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.data[name]
 
+    def swap(self, first: str, second: str) -> None:
+        self.data[first], self.data[second] = self.data[second], self.data[first]
+
     def close(self) -> None:
         self.data.clear()
         if self.spill_dir is not None:
@@ -154,12 +157,30 @@ def refine_checkpoint(source: Path, converted: Path, layout: Layout, shape: Atte
         for index in range(shape.layers):
             kwargs = layer_kwargs[index]
             parent_layer, layer = (m.get_submodule(_layer_path(layout, index)) for m in (parent, model))
-            attn_kwargs = _layer_targets(parent_layer, layer, layout, kwargs, buffers, options.batch_blocks)
+            attn_kwargs, before, power = _layer_targets(parent_layer, layer, layout, kwargs, buffers, options.batch_blocks)
             attn = layer.get_submodule(_attention_path(layout))
-            report = fit_attention(attn, layout, attn_kwargs, buffers["inputs"], buffers["targets"], split,
-                                   options, generator, index, progress)
-            _advance(layer, kwargs, buffers["converted"], options.batch_blocks)
+            fit_before, held_before = (_relative(before, power, split[part]) for part in ("fit", "heldout"))
+            merged = {name: p.detach().clone() for name, p in attn.named_parameters()}
+            fitted = fit_before > EXACT  # below it the merge is exact up to rounding: Adam would only add noise
+            if fitted:
+                fit_attention(attn, layout, attn_kwargs, buffers["inputs"], buffers["targets"], split["fit"], options,
+                              generator, index, progress)
+            # The next converted states go into the inputs buffer (free once the fit is done), measuring
+            # the refined layer's errors on the way; the buffers then swap roles.
+            after = _advance(layer, layout, kwargs, buffers, options.batch_blocks)
+            fit_after, held_after = (_relative(after, power, split[part]) for part in ("fit", "heldout"))
+            # Kept only if better on the fit blocks (an exact merge stays exact) and on the held-out ones
+            # (a layer that overfits too few calibration tokens is left as merged).
+            if fitted and not (fit_after < fit_before and held_after < held_before):
+                with torch.no_grad():
+                    for name, p in attn.named_parameters():
+                        p.copy_(merged[name])
+                _advance(layer, layout, kwargs, buffers, options.batch_blocks)
+                fit_after, held_after = fit_before, held_before
+            buffers.swap("converted", "inputs")
             _write_in_place(converted, _tensor_names(layout, index, attn))
+            report = {"fit_error_before": fit_before, "fit_error_after": fit_after,
+                      "heldout_error_before": held_before, "heldout_error_after": held_after}
             layers.append({"layer": index, **report})
     finally:
         buffers.close()
@@ -230,20 +251,37 @@ def _call_layer(layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _layer_targets(parent_layer, layer, layout: Layout, kwargs: dict, buffers, batch_blocks: int) -> dict:
+def _block_errors(out, targets: torch.Tensor, start: int, errors: torch.Tensor) -> None:
+    """Per-block squared error of an attention output against the targets, into errors[start:...]."""
+    out = out[0] if isinstance(out, tuple) else out
+    t = targets[start:start + len(out)].to(out.device)
+    errors[start:start + len(out)] = (out.float() - t).double().pow(2).sum((1, 2)).cpu()
+
+
+def _relative(errors: torch.Tensor, power: torch.Tensor, blocks: torch.Tensor) -> float:
+    """sum ||attn(x) - t||^2 / sum ||t||^2 over `blocks`."""
+    total = float(power[blocks].sum())
+    return float(errors[blocks].sum()) / total if total > 0 else 0.0
+
+
+def _layer_targets(parent_layer, layer, layout: Layout, kwargs: dict, buffers, batch_blocks: int):
     """Advance the parent's hidden states through its layer, keeping its attention output as the
-    target; run the converted layer on its own hidden states, keeping its attention input. Returns
-    the keyword arguments the layer passes to its attention module."""
+    target; run the converted layer on its own hidden states, keeping its attention input and the
+    merged attention's error. Returns the keyword arguments the layer passes to its attention module,
+    and per block the squared error (blocks,) and the target power (blocks,), float64."""
     path = _attention_path(layout)
     parent_attn, attn = parent_layer.get_submodule(path), layer.get_submodule(path)
     cursor = {"start": 0}
     attn_kwargs: dict = {}
+    blocks = len(buffers["parent"])
+    errors, power = torch.zeros(blocks, dtype=torch.float64), torch.zeros(blocks, dtype=torch.float64)
     device = next(layer.parameters()).device
 
     def keep_target(module, args, kwargs, output):
         start = cursor["start"]
         out = output[0] if isinstance(output, tuple) else output
         buffers["targets"][start:start + len(out)] = out.float().to(buffers["targets"].device)
+        power[start:start + len(out)] = out.double().pow(2).sum((1, 2)).cpu()
 
     def keep_input(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
@@ -253,11 +291,12 @@ def _layer_targets(parent_layer, layer, layout: Layout, kwargs: dict, buffers, b
             attn_kwargs.update(_capture_kwargs(kwargs, len(hidden)))
 
     handles = [parent_attn.register_forward_hook(keep_target, with_kwargs=True),
-               attn.register_forward_pre_hook(keep_input, with_kwargs=True)]
+               attn.register_forward_pre_hook(keep_input, with_kwargs=True),
+               attn.register_forward_hook(lambda m, a, out: _block_errors(out, buffers["targets"], cursor["start"], errors))]
     dtype = next(layer.parameters()).dtype
     try:
         with torch.no_grad():
-            for start in range(0, len(buffers["parent"]), batch_blocks):
+            for start in range(0, blocks, batch_blocks):
                 cursor["start"] = start
                 end = start + batch_blocks
                 hidden = buffers["parent"][start:end].to(device, dtype)
@@ -266,16 +305,27 @@ def _layer_targets(parent_layer, layer, layout: Layout, kwargs: dict, buffers, b
     finally:
         for handle in handles:
             handle.remove()
-    return attn_kwargs
+    return attn_kwargs, errors, power
 
 
-def _advance(layer, kwargs: dict, hidden: torch.Tensor, batch_blocks: int) -> None:
-    """The converted hidden states through the (refined) layer, in place."""
+def _advance(layer, layout: Layout, kwargs: dict, buffers, batch_blocks: int) -> torch.Tensor:
+    """buffers['converted'] through the (refined) layer into buffers['inputs']; returns the attention's
+    squared error per block against buffers['targets'] on the way."""
+    source, dest = buffers["converted"], buffers["inputs"]
     device, dtype = next(layer.parameters()).device, next(layer.parameters()).dtype
-    with torch.no_grad():
-        for start in range(0, len(hidden), batch_blocks):
-            end = start + batch_blocks
-            hidden[start:end] = _call_layer(layer, hidden[start:end].to(device, dtype), kwargs).float().to(hidden.device)
+    errors = torch.zeros(len(source), dtype=torch.float64)
+    cursor = {"start": 0}
+    handle = layer.get_submodule(_attention_path(layout)).register_forward_hook(
+        lambda m, a, out: _block_errors(out, buffers["targets"], cursor["start"], errors))
+    try:
+        with torch.no_grad():
+            for start in range(0, len(source), batch_blocks):
+                cursor["start"] = start
+                end = start + batch_blocks
+                dest[start:end] = _call_layer(layer, source[start:end].to(device, dtype), kwargs).float().to(dest.device)
+    finally:
+        handle.remove()
+    return errors
 
 
 def _attention_output(attn, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -283,46 +333,16 @@ def _attention_output(attn, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def output_error(attn, kwargs: dict, inputs: torch.Tensor, targets: torch.Tensor, idx: torch.Tensor,
-                 batch_blocks: int) -> float:
-    """sum ||attn(x) - t||^2 / sum ||t||^2 over the blocks `idx` (float64 sums)."""
-    device, dtype = next(attn.parameters()).device, next(attn.parameters()).dtype
-    err = total = 0.0
-    with torch.no_grad():
-        for chunk in idx.split(batch_blocks):
-            t = targets[chunk].to(device)
-            out = _attention_output(attn, inputs[chunk].to(device, dtype), kwargs).float()
-            err += float((out - t).double().pow(2).sum())
-            total += float(t.double().pow(2).sum())
-    return err / total if total > 0 else 0.0
-
-
-def fit_attention(attn, layout: Layout, kwargs: dict, inputs: torch.Tensor, targets: torch.Tensor, split: dict,
-                  options: RefineOptions, generator: torch.Generator, index: int = 0, progress: bool = True) -> dict:
-    """Fit `attn`'s parameters so attn(inputs) ~= targets on split['fit']; report the relative error
-    on fit and held-out blocks before and after. Keeps the merged values unless both errors fall."""
-    fit, held = split["fit"], split["heldout"]
-    errors = lambda: (output_error(attn, kwargs, inputs, targets, fit, options.batch_blocks),  # noqa: E731
-                      output_error(attn, kwargs, inputs, targets, held, options.batch_blocks))
-    fit_before, held_before = errors()
-    merged = {name: p.detach().clone() for name, p in attn.named_parameters()}
+def fit_attention(attn, layout: Layout, kwargs: dict, inputs: torch.Tensor, targets: torch.Tensor, fit: torch.Tensor,
+                  options: RefineOptions, generator: torch.Generator, index: int = 0, progress: bool = True) -> None:
+    """Fit `attn`'s parameters so that attn(inputs) ~= targets on the blocks `fit`: Adam, then the
+    closed-form o_proj. Runs in float32 whatever the checkpoint's dtype."""
     dtype = next(attn.parameters()).dtype
-    attn.float()  # the fit runs in float32 whatever the checkpoint's dtype
-    if fit_before > EXACT:  # below it the merge is exact up to rounding: Adam's normalised steps would only add noise
-        _adam(attn, kwargs, inputs, targets, fit, options, generator, index, progress)
-        if options.solve_output:
-            _solve_output(attn, layout, kwargs, inputs, targets, fit, options.batch_blocks)
+    attn.float()
+    _adam(attn, kwargs, inputs, targets, fit, options, generator, index, progress)
+    if options.solve_output:
+        _solve_output(attn, layout, kwargs, inputs, targets, fit, options.batch_blocks)
     attn.to(dtype)
-    fit_after, held_after = errors()
-    # Kept only if better on the fit blocks (an exact merge stays exact) and on the held-out ones (a
-    # layer that overfits too few calibration tokens is left as merged).
-    if not (fit_after < fit_before and held_after < held_before):
-        with torch.no_grad():
-            for name, p in attn.named_parameters():
-                p.copy_(merged[name])
-        fit_after, held_after = fit_before, held_before
-    return {"fit_error_before": fit_before, "fit_error_after": fit_after,
-            "heldout_error_before": held_before, "heldout_error_after": held_after}
 
 
 def _adam(attn, kwargs, inputs, targets, fit: torch.Tensor, options: RefineOptions, generator, index: int,
