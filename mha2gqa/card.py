@@ -90,6 +90,10 @@ def render(model_dir: Path, source_card: Path | None, name: str) -> str:
     config = json.loads((model_dir / "config.json").read_text())
     conversions = [i for i, s in enumerate(stages) if s["stage"] == "conversion"]
     conversion = stages[conversions[-1]] if conversions else None
+    if conversion is not None:  # older or hand-written records may lack fields: fall back on the config
+        heads = config.get("num_attention_heads")
+        conversion = {"source": "unknown-source", "heads": heads, "source_kv_heads": heads, "method": "unknown",
+                      "groups": config.get("num_key_value_heads", heads), "seed": 0, **conversion}
     after = stages[conversions[-1] + 1:] if conversions else stages
     source_meta = front_matter(source_card.read_text(errors="replace")) if source_card else {}
     results = eval_results(model_dir)

@@ -97,3 +97,16 @@ def test_a_source_without_a_card_says_so(tmp_path):
     shutil.copytree(dst, tmp_path / "copy")
     convert(tmp_path / "copy", again, groups=2, progress=False)
     assert not (again / SOURCE_CARD).exists() and "4 → 2" in _card(again)[1]
+
+
+def test_a_partial_older_record_still_gives_a_card(tmp_path):
+    """An mha2gqa.json of the old schema with only some conversion fields (as hand-written fixtures have)."""
+    import json
+
+    from mha2gqa.card import write_card
+
+    model = tiny_model_dir(tmp_path / "old", num_key_value_heads=2)
+    (model / "mha2gqa.json").write_text(json.dumps({"conversion": {"groups": 2, "method": "mean"}}))
+    write_card(model)
+    text = (model / CARD).read_text()
+    assert "| method | mean |" in text and "| key/value heads | 8 → 2 (query heads: 8) |" in text
