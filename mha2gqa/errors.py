@@ -80,9 +80,13 @@ def signals_as_interrupts():
         yield
         return
     kinds = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    owner = os.getpid()
 
     def raise_interrupted(signum, _frame):
         signal.signal(signum, signal.SIG_DFL)
+        if os.getpid() != owner:  # a forked worker (e.g. a multiprocessing pool) inherits the handler:
+            os.kill(os.getpid(), signum)  # it dies as it would have, with no cleanup of the parent's
+            return
         raise Interrupted(signum)
 
     previous = {kind: signal.signal(kind, raise_interrupted) for kind in kinds}

@@ -179,8 +179,16 @@ def test_pretrain_recipe_names_its_command_and_holds_out_persuasion(monkeypatch)
     assert [Path(p).name for p in recipe.data.eval] == [embedded.heldout_path().name]
     assert recipe.seq_len == json.loads((embedded.model_dir() / "config.json").read_text())["max_position_embeddings"]
     # The shipped recipe is the one the shipped model was trained with (nothing drifted since).
+    # Sections added to the schema since then (lora) must sit at their defaults, i.e. change nothing.
+    from dataclasses import asdict
+
+    from mha2gqa.uptrain.recipe import LoraConfig
+
     shipped = json.loads((embedded.model_dir() / "mha2gqa.json").read_text())["uptrain"]["recipe"]
-    assert recipe.to_dict() == shipped
+    resolved = recipe.to_dict()
+    added = {key: resolved.pop(key) for key in set(resolved) - set(shipped)}
+    assert resolved == shipped
+    assert added == {"lora": asdict(LoraConfig())}
 
 
 def test_heads_are_distinct_and_the_similarity_measure_sees_copies(model_and_info):

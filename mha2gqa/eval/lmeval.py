@@ -8,6 +8,7 @@ eval/tasks/ (OFFLINE_TASKS, built from held-out Persuasion, see docs/lmeval.md) 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from mha2gqa.errors import InputError
@@ -50,8 +51,19 @@ def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, ba
 
     manager = manager or task_manager(tasks)
     wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    out = lm_eval.simple_evaluate(model=wrapped, tasks=list(tasks), limit=limit, task_manager=manager,
-                                  bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False)
+    # lm-eval bootstraps perplexity's stderr in a fork()ed multiprocessing pool unless DISABLE_MULTIPROC
+    # is set; forking a process that already runs torch's threads can deadlock (seen in the demo), and
+    # the in-process path draws the same seeded resamples, so the numbers are identical.
+    previous = os.environ.get("DISABLE_MULTIPROC")
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        out = lm_eval.simple_evaluate(model=wrapped, tasks=list(tasks), limit=limit, task_manager=manager,
+                                      bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False)
+    finally:
+        if previous is None:
+            del os.environ["DISABLE_MULTIPROC"]
+        else:
+            os.environ["DISABLE_MULTIPROC"] = previous
     return {
         "harness": f"lm-eval {lm_eval.__version__}",
         "limit": limit,
