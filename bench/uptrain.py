@@ -22,6 +22,7 @@ Each reports tokens per wall second and per CPU second of this process.
     python bench/uptrain.py --mode runs         # 8 ABBA pairs of 12-step train() runs
     python bench/uptrain.py --mode both --seq-len 256
     python bench/uptrain.py --mode profile --steps 15
+    python bench/uptrain.py --smoke --json /tmp/u.json   # both modes at toy sizes, seconds (run by a test)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +42,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _handloop import hand_optimizer, hand_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "recipes" / "austen-mha-config.json"
@@ -92,16 +97,11 @@ def hand_setup(args, work: Path, steps: int):
 def run_hand(args, work: Path) -> list[tuple[float, float]]:
     """The minimal loop: forward with labels, backward, clip, fused AdamW step."""
     model, batches = hand_setup(args, work, args.steps)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    optimizer = hand_optimizer(model, lr=1e-3)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
     rates, start, cpu_start = [], time.perf_counter(), time.process_time()
     for step, batch in enumerate(batches, 1):
-        with autocast:
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        hand_step(model, model, optimizer, batch, autocast)
         if step % args.interval == 0:
             now, cpu = time.perf_counter(), time.process_time()
             tokens = args.interval * batch.numel()
@@ -133,7 +133,7 @@ def run_paired(args, work: Path) -> dict:
     run = Run(recipe, acc, model, optimizer, None, data, work / "paired", args.pairs, metrics, None)
     loss_fn, ours_batches = loss_function(run, model), data.train.batches(0)
     hand_model, hand_batches = hand_setup(args, work, args.pairs)
-    hand_opt = torch.optim.AdamW(hand_model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    hand_opt = hand_optimizer(hand_model, lr=1e-3)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
     tokens = args.seq_len * args.batch
 
@@ -144,13 +144,7 @@ def run_paired(args, work: Path) -> dict:
             metrics.write(step + 1, (step + 1) * tokens, lr, grad_norm)
 
     def hand(step):
-        batch = hand_batches[step]
-        with autocast:
-            loss = hand_model(input_ids=batch, labels=batch, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(hand_model.parameters(), 1.0)
-        hand_opt.step()
-        hand_opt.zero_grad(set_to_none=True)
+        hand_step(hand_model, hand_model, hand_opt, hand_batches[step], autocast)
 
     times = {"uptrain": [], "hand": []}
     for step in range(args.pairs):
@@ -239,7 +233,11 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, default=TOKENIZER)
     parser.add_argument("--data", type=Path, default=NOVEL, help="training text (one novel by default)")
     parser.add_argument("--json", type=Path, default=ROOT / ".bench" / "uptrain.json", help="where results go")
+    parser.add_argument("--smoke", action="store_true",
+                        help="mode both at toy sizes (4 pairs, 1 run of 6 steps each, seq_len 32, batch 2): seconds")
     args = parser.parse_args()
+    if args.smoke:
+        args.mode, args.pairs, args.steps, args.interval, args.repeats, args.seq_len, args.batch = "both", 4, 6, 2, 1, 32, 2
 
     result = {"threads": torch.get_num_threads(), "seq_len": args.seq_len, "batch": args.batch,
               "precision": args.precision}
