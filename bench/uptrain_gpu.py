@@ -10,6 +10,7 @@ peak = 989 TFLOP/s dense bf16 (H100/H200 SXM). Target: MFU >= 40%.
 
     python bench/uptrain_gpu.py                     # 1.0B model, seq 2048, batch 16, 40 steps
     python bench/uptrain_gpu.py --baseline          # also a hand-written compiled loop, same settings
+    python bench/uptrain_gpu.py --smoke --baseline  # the same code on CPU: a 2-layer toy, fp32, no compile
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +29,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _handloop import hand_optimizer, hand_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "mha2gqa" / "data" / "austen-mha"
@@ -45,6 +50,12 @@ def llama_1b(layers: int, kv_heads: int) -> dict:
     }
 
 
+def toy(kv_heads: int) -> dict:
+    """--smoke: the same family at toy size (hidden 64, 2 layers, 8 heads of 8) so the code runs on CPU in seconds."""
+    return {**llama_1b(2, kv_heads), "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 8,
+            "head_dim": 8}
+
+
 def flops_per_token(config: dict, matmul_params: int, seq_len: int) -> float:
     return 6 * matmul_params + 12 * config["num_hidden_layers"] * seq_len * config["hidden_size"]
 
@@ -61,20 +72,23 @@ def run_uptrain(args, work: Path, config_path: Path) -> tuple[list[float], float
     from mha2gqa.uptrain import load_recipe, train
 
     out = work / "out"
+    work.mkdir(exist_ok=True)
     recipe = {
         "init_from_config": str(config_path), "tokenizer": str(TOKENIZER), "output_dir": str(out),
-        "seq_len": args.seq_len, "micro_batch_size": args.batch, "grad_accum": 1, "mixed_precision": "bf16",
+        "seq_len": args.seq_len, "micro_batch_size": args.batch, "grad_accum": 1, "mixed_precision": args.precision,
         "attn_implementation": "sdpa", "compile": not args.no_compile, "log_every": args.interval,
         "eval_every": 0, "eval_at_start": False, "save_every": 0, "tensorboard": False,
         "data": {"train": [str(p) for p in NOVELS if "persuasion" not in p.name], "eval_blocks": 1},
         "optim": {"lr": 3e-4, "warmup_steps": 10}, "budget": {"max_steps": args.steps},
     }
     (work / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    torch.cuda.reset_peak_memory_stats()
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     train(load_recipe(work / "recipe.yaml", []))
     rates = [json.loads(ln)["tokens_per_s"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
     # drop the compile/warm-up intervals and the last one (it holds the final eval)
-    return rates[args.warmup_intervals:-1], torch.cuda.max_memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+    return rates[args.warmup_intervals:-1], peak
 
 
 def run_baseline(args, config: dict) -> list[float]:
@@ -83,20 +97,17 @@ def run_baseline(args, config: dict) -> list[float]:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32,
-                                             attn_implementation="sdpa").cuda().train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+                                             attn_implementation="sdpa").to(args.device).train()
+    optimizer = hand_optimizer(model, lr=3e-4)
     forward = model if args.no_compile else torch.compile(model)
-    batch = torch.randint(3, 4096, (args.batch, args.seq_len), device="cuda")
+    batch = torch.randint(3, 4096, (args.batch, args.seq_len), device=args.device)
+    autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.precision == "bf16")
     rates, start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = forward(input_ids=batch, labels=batch, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        hand_step(forward, model, optimizer, batch, autocast)
         if step % args.interval == 0:
-            torch.cuda.synchronize()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
             now = time.perf_counter()
             rates.append(args.interval * batch.numel() / (now - start))
             start = now
@@ -115,23 +126,31 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--baseline", action="store_true", help="also time a hand-written loop")
     parser.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ROOT / ".bench")) / "uptrain_gpu.json")
+    parser.add_argument("--smoke", action="store_true",
+                        help="run the same code on CPU at toy size (2 layers, seq 32, batch 2, 6 steps, fp32, no compile)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/uptrain_gpu.py needs a CUDA GPU; use bench/uptrain.py on CPU")
+    args.device, args.precision = "cuda", "bf16"
+    if args.smoke:
+        args.device, args.precision, args.no_compile = "cpu", "no", True
+        args.seq_len, args.batch, args.steps, args.interval, args.warmup_intervals = 32, 2, 6, 2, 1
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench/uptrain_gpu.py needs a CUDA GPU; use bench/uptrain.py on CPU, or --smoke")
 
-    config = llama_1b(args.layers, args.kv_heads)
+    config = toy(args.kv_heads) if args.smoke else llama_1b(args.layers, args.kv_heads)
     params = matmul_params(config)
     per_token = flops_per_token(config, params, args.seq_len)
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(config))
-        rates, peak_gib = run_uptrain(args, Path(tmp), Path(tmp) / "config.json")
-    result = {"gpu": torch.cuda.get_device_name(), "matmul_params": params, "flops_per_token": per_token,
+        config_path = Path(tmp) / "config" / "config.json"  # not beside output_dir: uptrain refuses to write into its source
+        config_path.parent.mkdir()
+        config_path.write_text(json.dumps(config))
+        rates, peak_gib = run_uptrain(args, Path(tmp) / "run", config_path)
+    result = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke)", "matmul_params": params, "flops_per_token": per_token,
               "seq_len": args.seq_len, "batch": args.batch, "compile": not args.no_compile,
               "uptrain_tok_s": statistics.median(rates), "uptrain_intervals": rates, "peak_mem_gib": peak_gib}
     result["mfu"] = result["uptrain_tok_s"] * per_token / PEAK_FLOPS
     print(f"{result['gpu']}: {params / 1e9:.2f}B matmul params, {per_token / 1e9:.2f} GFLOP/token")
     print(f"uptrain loop: {result['uptrain_tok_s']:.0f} tok/s, MFU {100 * result['mfu']:.1f}% "
-          f"(target >= 40%), peak memory {peak_gib:.1f} GiB")
+          f"(target >= 40%), peak memory " + (f"{peak_gib:.1f} GiB" if peak_gib is not None else "not measured on CPU"))
     if args.baseline:
         base = statistics.median(run_baseline(args, config))
         result.update(hand_tok_s=base, overhead=base / result["uptrain_tok_s"] - 1)
