@@ -11,7 +11,7 @@ Two decode paths are timed for each point:
   transformers version the row says why and the eager numbers still stand.
 
 Run (GPU, about 2-3 minutes on one H200):   python bench/eval_gpu.py
-Smoke run of the same code on CPU (seconds): python bench/eval_gpu.py --preset cpu-tiny
+Smoke run of the same code on CPU (seconds): python bench/eval_gpu.py --smoke   (= --preset cpu-tiny)
 Writes a JSON with every number to --out (default: $OUT/eval_gpu.json when $OUT is set).
 """
 
@@ -152,7 +152,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h200")
     parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) / "eval_gpu.json" if os.environ.get("OUT") else None)
+    parser.add_argument("--smoke", action="store_true", help="the same as --preset cpu-tiny (run by a test)")
     args = parser.parse_args()
+    if args.smoke:
+        args.preset = "cpu-tiny"
     preset = PRESETS[args.preset]
     if preset[6] == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--preset {args.preset} needs a CUDA GPU; use --preset cpu-small or cpu-tiny here")
