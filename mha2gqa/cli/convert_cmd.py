@@ -7,7 +7,8 @@ import json
 import click
 
 from mha2gqa.cli.format import human_bytes, human_count, table
-from mha2gqa.convert import METHOD_SUMMARIES
+from mha2gqa.convert.options import (DEFAULT_CALIBRATION_TOKENS, METHOD_SUMMARIES, ConvertOptions, Grouping,
+                                     Method)
 
 
 def _method_help() -> str:
@@ -19,7 +20,7 @@ def _method_help() -> str:
 @click.argument("dst")
 @click.option("--groups", "-g", type=int, required=True,
               help="Target number of kv heads (1 = multi-query). Must divide the source's kv heads.")
-@click.option("--method", default="mean", show_default=True, help=f"How each group's kv heads become one. {_method_help()}.")
+@click.option("--method", default=Method.MEAN.value, show_default=True, help=f"How each group's kv heads become one. {_method_help()}.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random method.")
 @click.option("--dtype", default=None, help="Cast floating tensors to float32, float16 or bfloat16 (default: keep each tensor's dtype).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")
@@ -30,12 +31,13 @@ def _method_help() -> str:
               help="Calibration text for --method calibrated, --grouping similarity and the per-layer "
                    "reconstruction errors: a .txt/.md/.jsonl/.json/.parquet file (.gz/.bz2/.xz/.zst too), a folder "
                    "of them, 'austen' (the embedded novels) or a hub dataset with a 'text' column (online). Tokenized with SRC's tokenizer.")
-@click.option("--calibration-tokens", default=131072, show_default=True,
+@click.option("--calibration-tokens", default=DEFAULT_CALIBRATION_TOKENS, show_default=True,
               help="How many calibration tokens to run through SRC (once) to gather statistics.")
 @click.option("--calibration-memory", default="4GiB", show_default=True,
               help="Most memory for the statistics ((hidden+1)^2 float64 per layer); beyond it the tokens go "
                    "through SRC once per slice of layers.")
-@click.option("--grouping", type=click.Choice(["contiguous", "similarity"]), default="contiguous", show_default=True,
+@click.option("--grouping", type=click.Choice([g.value for g in Grouping]), default=Grouping.CONTIGUOUS.value,
+              show_default=True,
               help="Which kv heads share a group: contiguous (transformers' order) or similarity (chosen per layer "
                    "from calibrated K/V similarity, then query heads and o_proj columns permuted to match; "
                    "needs --calibration).")
@@ -65,13 +67,13 @@ def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_ru
     from mha2gqa.convert.run import convert as run_convert, parse_size
     from mha2gqa.embedded import expand_corpus_name
 
-    calibration = expand_corpus_name(calibration)
-    result = run_convert(src, dst, groups=groups, method=method, seed=seed, dtype=dtype,
-                         max_shard_size=max_shard_size, force=force, dry_run=dry_run, progress=not quiet,
-                         calibration=calibration, calibration_tokens=calibration_tokens,
-                         calibration_memory=calibration_memory, grouping=grouping,
-                         refine=RefineOptions(refine_steps, refine_lr, parse_size(refine_memory, "--refine-memory"),
-                                              seed=seed) if refine else None)
+    options = ConvertOptions(
+        groups=groups, method=method, seed=seed, dtype=dtype, max_shard_size=max_shard_size, force=force,
+        dry_run=dry_run, progress=not quiet, calibration=expand_corpus_name(calibration),
+        calibration_tokens=calibration_tokens, calibration_memory=calibration_memory, grouping=grouping,
+        refine=RefineOptions(refine_steps, refine_lr, parse_size(refine_memory, "--refine-memory"),
+                             seed=seed) if refine else None)
+    result = run_convert(src, dst, options=options)
     plan = result.plan
     if dry_run:
         from mha2gqa.checkpoint import SafetensorsCheckpoint

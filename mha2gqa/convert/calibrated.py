@@ -136,12 +136,9 @@ def relative_error(w: torch.Tensor, shared: torch.Tensor, maps: torch.Tensor, gr
     return float(energy(diff) / total) if total > 0 else 0.0
 
 
-# A method may return this key beside the roles: JSON-able facts about the layer, recorded by run.py.
-REPORT = "report"
-
-
-def calibrated_layer(roles: dict, ctx) -> dict:
-    """The `calibrated` method on one layer's canonical roles; ctx.stats is a calibration.LayerStats."""
+def calibrated_layer(roles: dict, ctx) -> tuple[dict, dict]:
+    """The `calibrated` method on one layer's canonical roles; ctx.stats is a calibration.LayerStats.
+    Returns the converted roles and the relative key/value reconstruction errors through its own maps."""
     if ctx.stats is None:
         raise InputError("--method calibrated needs calibration data: pass --calibration DATA")
     if any(role.startswith("k_norm") for role in roles):
@@ -157,9 +154,9 @@ def calibrated_layer(roles: dict, ctx) -> dict:
     _store(out, roles, "v", v_shared)
     _store(out, roles, "q", fold_queries(augment(roles["q.weight"], roles.get("q.bias"), device), k_maps))
     out["o.weight"] = fold_outputs(roles["o.weight"].to(device), v_maps).to("cpu", roles["o.weight"].dtype)
-    out[REPORT] = {"key_error": relative_error(k, k_shared, k_maps, gram),
-                   "value_error": relative_error(v, v_shared, v_maps, gram)}
-    return out
+    report = {"key_error": relative_error(k, k_shared, k_maps, gram),
+              "value_error": relative_error(v, v_shared, v_maps, gram)}
+    return out, report
 
 
 def _store(out: dict, roles: dict, part: str, augmented: torch.Tensor) -> None:

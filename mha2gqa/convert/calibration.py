@@ -25,10 +25,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from mha2gqa.convert.options import DEFAULT_CALIBRATION_MEMORY
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import AttentionShape, Layout
 
-DEFAULT_MEMORY = 4 << 30  # bytes of accumulators held at once
+DEFAULT_MEMORY = DEFAULT_CALIBRATION_MEMORY  # bytes of accumulators held at once
 DEFAULT_SEQ_LEN = 512
 CALIBRATION_PIECE_CHARS = 1 << 16  # characters of a text file tokenized at a time
 

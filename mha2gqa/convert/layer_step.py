@@ -11,34 +11,31 @@ from __future__ import annotations
 
 import torch
 
-from mha2gqa.convert.calibrated import REPORT, augment, relative_error
+from mha2gqa.convert.calibrated import augment, relative_error
 from mha2gqa.convert.grouping import permute_heads, similarity_order
+from mha2gqa.convert.options import Grouping
 from mha2gqa.convert.rope import check_calibrated, check_grouping
 from mha2gqa.errors import InputError
 
-GROUPINGS = ("contiguous", "similarity")
-
-
-def check_request(config: dict, method_name: str, method, calibration: str | None, grouping: str) -> None:
-    """Refuse, before anything is read or written, a method/grouping the model or the flags cannot serve."""
-    if grouping not in GROUPINGS:
-        raise InputError(f"--grouping {grouping!r} is unknown (valid: {', '.join(GROUPINGS)})")
+def check_request(config: dict, method_name: str, method, calibration, grouping: Grouping) -> None:
+    """Refuse, before anything is read or written, a method/grouping the model or the flags cannot serve.
+    method: a methods.MethodSpec; grouping was parsed by ConvertOptions."""
     if calibration is None and method.needs_calibration:
         raise InputError(f"--method {method_name} needs calibration data: add --calibration DATA "
                          "(a text file, a directory of them, or 'austen' for the embedded novels)")
-    if calibration is None and grouping == "similarity":
+    if calibration is None and grouping == Grouping.SIMILARITY:
         raise InputError("--grouping similarity needs calibration data: add --calibration DATA")
     if method.needs_calibration:
         check_calibrated(config, method_name)
-    if grouping == "similarity":
+    if grouping == Grouping.SIMILARITY:
         check_grouping(config)
 
 
-def transform_layer(method, roles: dict, ctx, grouping: str = "contiguous") -> tuple[dict, dict]:
-    """method: a methods.Method; roles: canonical roles of one layer; ctx: methods.LayerContext."""
+def transform_layer(method, roles: dict, ctx, grouping: Grouping = Grouping.CONTIGUOUS) -> tuple[dict, dict]:
+    """method: a methods.MethodSpec; roles: canonical roles of one layer; ctx: methods.LayerContext."""
     report: dict = {}
     shape = ctx.shape
-    if grouping == "similarity" and ctx.groups > 1:  # with one group every order is the same
+    if grouping == Grouping.SIMILARITY and ctx.groups > 1:  # with one group every order is the same
         order = similarity_order(roles, ctx.stats.gram.double(), shape.kv_heads, ctx.groups, shape.head_dim,
                                  ctx.stats.rotary_dims)
         roles = permute_heads(roles, order, shape.kv_heads, shape.head_dim)
@@ -48,8 +45,7 @@ def transform_layer(method, roles: dict, ctx, grouping: str = "contiguous") -> t
     if ctx.stats is not None:
         before = {part: augment(roles[f"{part}.weight"], roles.get(f"{part}.bias"), ctx.stats.gram.device)
                   for part in _PARTS}
-    out = method.convert_layer(roles, ctx)
-    measured = out.pop(REPORT, None)
+    out, measured = method.convert_layer(roles, ctx)
     if measured is None and ctx.stats is not None:
         measured = identity_errors(before, out, ctx)
     report.update(measured or {})

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from mha2gqa.convert import METHOD_SUMMARIES
+from mha2gqa.convert.options import METHOD_SUMMARIES, Method
 from mha2gqa.convert.calibrated import calibrated_layer
 from mha2gqa.convert.roles import KINDS, KV_ROLES
 from mha2gqa.layouts import AttentionShape
@@ -106,20 +106,26 @@ def mean_norm_layer(roles: dict, ctx: LayerContext) -> dict:
     return out
 
 
+def _no_report(convert_layer: Callable[[dict, LayerContext], dict]) -> Callable[[dict, LayerContext], tuple]:
+    """A pooling method measures nothing itself: layer_step.py measures it through identity maps."""
+    return lambda roles, ctx: (convert_layer(roles, ctx), None)
+
+
 @dataclass(frozen=True)
-class Method:
-    convert_layer: Callable[[dict, LayerContext], dict]
+class MethodSpec:
+    convert_layer: Callable[[dict, LayerContext], tuple[dict, dict | None]]
+    """One layer's roles -> (converted roles, JSON-able report of its own errors, or None)."""
     summary: str
     # A method that rewrites q/o (folding a mixing into them) must see them: the plan routes them through.
     rewrites_query_output: bool = False
     needs_calibration: bool = False
 
 
-METHODS: dict[str, Method] = {
-    "mean": Method(mean_layer, METHOD_SUMMARIES["mean"]),
-    "first": Method(first_layer, METHOD_SUMMARIES["first"]),
-    "random": Method(random_layer, METHOD_SUMMARIES["random"]),
-    "mean-norm": Method(mean_norm_layer, METHOD_SUMMARIES["mean-norm"]),
-    "calibrated": Method(calibrated_layer, METHOD_SUMMARIES["calibrated"], rewrites_query_output=True,
-                         needs_calibration=True),
+METHODS: dict[Method, MethodSpec] = {
+    Method.MEAN: MethodSpec(_no_report(mean_layer), METHOD_SUMMARIES["mean"]),
+    Method.FIRST: MethodSpec(_no_report(first_layer), METHOD_SUMMARIES["first"]),
+    Method.RANDOM: MethodSpec(_no_report(random_layer), METHOD_SUMMARIES["random"]),
+    Method.MEAN_NORM: MethodSpec(_no_report(mean_norm_layer), METHOD_SUMMARIES["mean-norm"]),
+    Method.CALIBRATED: MethodSpec(calibrated_layer, METHOD_SUMMARIES["calibrated"], rewrites_query_output=True,
+                                 needs_calibration=True),
 }

@@ -18,11 +18,12 @@ from mha2gqa import provenance
 from mha2gqa.card import write_card
 from mha2gqa.checkpoint import (DTYPES, INDEX_NAME, SafetensorsCheckpoint, ShardedWriter, atomic_directory,
                                 check_destination)
-from mha2gqa.convert.calibration import DEFAULT_MEMORY, CalibrationStats, calibrate
+from mha2gqa.convert.calibration import CalibrationStats, calibrate
 from mha2gqa.convert.layer_step import check_request, transform_layer
 from mha2gqa.convert.methods import METHODS, LayerContext
+from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, ConvertOptions, Grouping  # noqa: F401 (re-exported)
 from mha2gqa.convert.plan import Plan, make_plan
-from mha2gqa.convert.refine import RefineOptions, calibration_token_ids, check_refine, refine_checkpoint
+from mha2gqa.convert.refine import calibration_token_ids, check_refine, refine_checkpoint
 from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.convert.rope import check_refine_layout
 from mha2gqa.errors import InputError, WeightWarning
@@ -32,7 +33,6 @@ from mha2gqa.sources import PICKLE_SUFFIXES, resolve_model_dir
 
 OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME}
-DEFAULT_CALIBRATION_TOKENS = 131072
 
 
 @dataclass
@@ -99,21 +99,25 @@ def _check_weights(src: Path) -> None:
         )
 
 
-def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: str | None = None,
-            max_shard_size: str | int = "5GB", force: bool = False, dry_run: bool = False,
-            progress: bool = True, calibration: str | list[str] | CalibrationStats | None = None,
-            calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, grouping: str = "contiguous",
-            calibration_memory: str | int = DEFAULT_MEMORY, refine: RefineOptions | None = None) -> ConversionResult:
+def convert(src, dst, groups: int | None = None, options: ConvertOptions | None = None,
+            **kwargs) -> ConversionResult:
     """Convert the model at `src` (directory or hub id) to `groups` kv heads, written to `dst`.
-    With `calibration` (files, folders or a hub dataset: see mha2gqa.textdata), per-layer statistics of the attention input
-    are gathered first (calibrated merge, similarity grouping, reconstruction errors); a sweep can pass
-    statistics it gathered once with calibration.calibrate instead. With `refine`, the merged model is
-    then refined layer by layer against the parent on the calibration tokens (convert/refine.py)."""
-    if method not in METHODS:
-        raise InputError(f"--method {method!r} is unknown (valid: {', '.join(METHODS)})")
+    The keywords are the fields of ConvertOptions (convert/options.py, one docstring each); or pass
+    `options=ConvertOptions(...)`. With `calibration` (files, folders or a hub dataset: see mha2gqa.textdata),
+    per-layer statistics of the attention input are gathered first (calibrated merge, similarity grouping,
+    reconstruction errors); a sweep can pass statistics it gathered once with calibration.calibrate instead.
+    With `refine`, the merged model is then refined layer by layer against the parent on the calibration
+    tokens (convert/refine.py)."""
+    if options is None:
+        options = ConvertOptions.from_kwargs(groups, kwargs)
+    elif kwargs or groups is not None:
+        raise TypeError("convert(): pass either options=ConvertOptions(...) or groups and keywords, not both")
+    groups, method, seed, dtype = options.groups, options.method, options.seed, options.dtype
+    force, progress, calibration = options.force, options.progress, options.calibration
+    calibration_tokens, grouping, refine = options.calibration_tokens, options.grouping, options.refine
     if dtype is not None and dtype not in OUT_DTYPES:
         raise InputError(f"--dtype {dtype!r} is unknown (valid: {', '.join(OUT_DTYPES)})")
-    shard_bytes = parse_size(max_shard_size)
+    shard_bytes = parse_size(options.max_shard_size)
     source = resolve_model_dir(src)
     config = read_config(source)
     layout, shape = layout_for(config), attention_shape(config)
@@ -123,16 +127,16 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
     if refine is not None:
         check_refine(refine, calibration, config, calibration_tokens)
         check_refine_layout(config)
-    memory_bytes = parse_size(calibration_memory, "--calibration-memory")
+    memory_bytes = parse_size(options.calibration_memory, "--calibration-memory")
     dst = Path(dst).expanduser()
     _check_destination(source, dst, force)
     _check_weights(source)
     _check_not_quantized(source, config)
     provenance.lineage(source)  # a broken SRC/mha2gqa.json fails now, not after every tensor is written
     checkpoint = SafetensorsCheckpoint(source)
-    plan = make_plan(checkpoint.tensors, layout, shape, groups, method, OUT_DTYPES.get(dtype),
-                     route_query_output=grouping != "contiguous")
-    if dry_run:
+    plan = make_plan(checkpoint.tensors, layout, shape, groups, method.value, OUT_DTYPES.get(dtype),
+                     route_query_output=grouping != Grouping.CONTIGUOUS)
+    if options.dry_run:
         return ConversionResult(plan, None, source)
     # Claimed, checked for room and cleared of debris before calibration, the long part, starts. The
     # statistics ((d+1)^2 float64 per layer: GBs for a 7B) live inside the partial directory, so they
@@ -150,7 +154,7 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
         if refine is not None:
             ids = calibration_token_ids(source, calibration, calibration_tokens)
             refined = refine_checkpoint(source, tmp, layout, shape, ids, refine, progress)
-        extra = {"grouping": grouping, "calibration": stats.record if stats else None, "layers": layers,
+        extra = {"grouping": grouping.value, "calibration": stats.record if stats else None, "layers": layers,
                  "refine": refined}
         _write_provenance(source, config, plan, seed, dtype, tmp, extra)
         write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
@@ -158,7 +162,7 @@ def convert(src, dst, groups: int, method: str = "mean", seed: int = 0, dtype: s
 
 
 def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed: int, progress: bool,
-                   stats=None, grouping: str = "contiguous") -> list[dict]:
+                   stats=None, grouping: Grouping = Grouping.CONTIGUOUS) -> list[dict]:
     writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes)
     method = METHODS[plan.method]
     bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="convert", disable=not progress)
@@ -182,7 +186,7 @@ def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed
     return sorted(layers, key=lambda row: row["layer"])  # steps follow file order: "layers.10" before "layers.2"
 
 
-def _write_layer(checkpoint, step, plan: Plan, writer, method, seed: int, stats, grouping: str) -> dict:
+def _write_layer(checkpoint, step, plan: Plan, writer, method, seed: int, stats, grouping: Grouping) -> dict:
     """One layer's attention tensors: read, transform, write. A function of its own so that the
     layer's tensors are freed before the next layer is read (memory stays at one layer's K/V)."""
     stored = {role: checkpoint.load(name) for role, name in step.sources.items()}

@@ -1,0 +1,115 @@
+"""What `convert` is asked to do: a typed schema, one docstring per field, importable without torch.
+
+`mha2gqa.convert(src, dst, groups, **fields)` builds a ConvertOptions from its keywords; the CLI
+builds one from its flags. Strings that choose a behaviour are `str` enums, so "mean" and
+Method.MEAN compare equal, hash alike and serialise to the same JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from mha2gqa.errors import InputError
+
+if TYPE_CHECKING:  # annotations only: both modules import torch
+    from mha2gqa.convert.calibration import CalibrationStats
+    from mha2gqa.convert.refine import RefineOptions
+
+DEFAULT_CALIBRATION_TOKENS = 131072
+DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held at once
+
+
+class _StrEnum(str, Enum):
+    """A str whose str() and format() are its value (enum.StrEnum is Python 3.11+)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @classmethod
+    def parse(cls, value: str, flag: str) -> "_StrEnum":
+        try:
+            return cls(value)
+        except ValueError:
+            raise InputError(f"{flag} {value!r} is unknown (valid: {', '.join(m.value for m in cls)})") from None
+
+
+class Method(_StrEnum):
+    """How each group's kv heads become one (tensor functions in methods.py)."""
+
+    MEAN = "mean"
+    FIRST = "first"
+    RANDOM = "random"
+    MEAN_NORM = "mean-norm"
+    CALIBRATED = "calibrated"
+
+
+# One line on each method, for `--method`'s help; kept here so that `convert --help` needs no torch.
+METHOD_SUMMARIES = {
+    Method.MEAN.value: "mean-pool each group's K/V heads (Ainslie et al. 2023)",
+    Method.FIRST.value: "keep the first K/V head of each group (ablation)",
+    Method.RANDOM.value: "random K/V with the source's mean and std, seeded (ablation)",
+    Method.MEAN_NORM.value: "mean-pool, each pooled K/V head rescaled to its group's mean norm",
+    Method.CALIBRATED.value: "RoPE-aware merge from calibration statistics, maps folded into q_proj/o_proj "
+                             "(needs --calibration)",
+}
+
+
+class Grouping(_StrEnum):
+    """Which kv heads share a group."""
+
+    CONTIGUOUS = "contiguous"
+    """transformers' order: group g holds heads [g*r, (g+1)*r)."""
+    SIMILARITY = "similarity"
+    """Chosen per layer from calibrated K/V similarity; query heads and o_proj columns permuted to match."""
+
+
+@dataclass
+class ConvertOptions:
+    groups: int
+    """Target number of kv heads (1 = multi-query). Must divide the source's kv heads."""
+    method: Method | str = Method.MEAN
+    """How each group's kv heads become one (see METHOD_SUMMARIES)."""
+    seed: int = 0
+    """Seed of the random method (and of --refine's held-out split)."""
+    dtype: str | None = None
+    """Cast floating tensors to float32, float16 or bfloat16; None keeps each tensor's dtype."""
+    max_shard_size: str | int = "5GB"
+    """Largest output shard, e.g. 5GB, 500MB, 2GiB, or bytes."""
+    force: bool = False
+    """Replace DST if it exists and is not empty (SRC is never touched)."""
+    dry_run: bool = False
+    """Plan only: return the plan and write nothing."""
+    progress: bool = True
+    """Show progress bars."""
+    calibration: str | list[str] | CalibrationStats | None = None
+    """Calibration text (files, folders or a hub dataset: see mha2gqa.textdata) for the calibrated method,
+    similarity grouping and the per-layer reconstruction errors; a sweep may pass the CalibrationStats it
+    gathered once with calibration.calibrate instead."""
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
+    """How many calibration tokens to run through SRC (once) to gather statistics."""
+    grouping: Grouping | str = Grouping.CONTIGUOUS
+    """Which kv heads share a group (see Grouping)."""
+    calibration_memory: str | int = DEFAULT_CALIBRATION_MEMORY
+    """Most memory for the statistics ((hidden+1)^2 float64 per layer); beyond it the tokens go through SRC
+    once per slice of layers."""
+    refine: RefineOptions | None = None
+    """After the merge, fit each layer's attention to the parent's output on the calibration tokens
+    (convert/refine.py); needs `calibration`."""
+
+    def __post_init__(self):
+        self.method = Method.parse(self.method, "--method")
+        self.grouping = Grouping.parse(self.grouping, "--grouping")
+
+    @classmethod
+    def from_kwargs(cls, groups: int | None, kwargs: dict) -> "ConvertOptions":
+        """The options of `convert(src, dst, groups, **kwargs)`; an unknown keyword is a TypeError, as it was
+        when these were convert's own parameters."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"convert() got an unexpected keyword argument {unknown[0]!r}")
+        if groups is None and "groups" not in kwargs:
+            raise TypeError("convert() missing 1 required argument: 'groups'")
+        return cls(**({"groups": groups} if groups is not None else {}), **kwargs)
