@@ -3,6 +3,7 @@ and calibrated + similarity grouping, at several kv-head counts, against the MHA
 
     python bench/calibrated_merge.py                                  # the embedded Austen model
     python bench/calibrated_merge.py --model DIR --kv 1,2,4 --out results.json --keep runs/merged
+    python bench/calibrated_merge.py --smoke --out /tmp/m.json         # kv 2, a few hundred tokens: seconds
 
 Calibration statistics are gathered once (--calibration, default the five training novels) and shared by
 every conversion; perplexity is on the first --eval-tokens tokens of held-out text (default Persuasion,
@@ -57,8 +58,8 @@ def gap_closed(ppl: float, mean: float, parent: float) -> float:
 
 
 def run(args) -> dict:
-    from mha2gqa.convert.calibration import calibrate
-    from mha2gqa.convert.run import convert
+    import mha2gqa
+    from mha2gqa.convert.calibration import calibrate  # no public form: the statistics are gathered once, shared by every row
     from mha2gqa.embedded import expand_corpus_name
     from mha2gqa.layouts import attention_shape, layout_for, read_config
 
@@ -81,7 +82,7 @@ def run(args) -> dict:
                 method, grouping = VARIANTS[name]
                 out = work / f"{name}-kv{kv}"
                 started = time.perf_counter()
-                result = convert(source, out, kv, method=method, calibration=stats, grouping=grouping, progress=False)
+                result = mha2gqa.convert(source, out, kv, method=method, calibration=stats, grouping=grouping, progress=False)
                 seconds = time.perf_counter() - started
                 row = {"kv_heads": kv, "variant": name, "perplexity": model_perplexity(out, ids, context),
                        "key_error": _mean(result.layers, "key_error"), "value_error": _mean(result.layers, "value_error"),
@@ -126,7 +127,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--keep", default=None, help="copy every converted model into this directory")
+    parser.add_argument("--smoke", action="store_true",
+                        help="every variant at kv 2 with 512 calibration and 256 held-out tokens, context 64 (run by a test)")
     args = parser.parse_args()
+    if args.smoke:
+        args.kv, args.calibration_tokens, args.eval_tokens, args.context = "2", 512, 256, 64
     args.kv = [int(k) for k in args.kv.split(",")]
     args.variants = args.variants.split(",")
     result = run(args)
