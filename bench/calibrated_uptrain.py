@@ -3,6 +3,7 @@ for mean, mean-norm, calibrated and calibrated + similarity grouping.
 
     python bench/calibrated_uptrain.py --kv 2 --out uptrain.json           # the embedded Austen model
     python bench/calibrated_uptrain.py --model DIR --pretrain-tokens N --kv 1,2,4
+    python bench/calibrated_uptrain.py --smoke --out /tmp/u.json   # mean and calibrated, 3 toy steps each
 
 Each variant is converted (calibration statistics gathered once, as in bench/calibrated_merge.py),
 then uptrained with bench/calibrated/uptrain.yaml (plain LM loss, constant LR, eval on held-out
@@ -41,8 +42,8 @@ def tokens_to_reach(points: list[tuple[int, float]], target: float) -> int | Non
 
 
 def run(args) -> dict:
-    from mha2gqa.convert.calibration import calibrate
-    from mha2gqa.convert.run import convert
+    import mha2gqa
+    from mha2gqa.convert.calibration import calibrate  # no public form: the statistics are gathered once, shared by every row
     from mha2gqa.embedded import expand_corpus_name
     from mha2gqa.layouts import attention_shape, layout_for, read_config
     from mha2gqa.uptrain import load_recipe, train
@@ -59,16 +60,16 @@ def run(args) -> dict:
     stats = calibrate(source, layout, shape, expand_corpus_name(args.calibration), args.calibration_tokens, work / "stats", progress=False)
     # The parent on the same eval blocks: the step-0 eval of a one-step run.
     train(load_recipe(RECIPE, [f"model={source}", f"output_dir={work / 'parent'}", "budget.alpha=null",
-                                "budget.max_steps=1", f"tokenizer={source}"]))
+                                "budget.max_steps=1", f"tokenizer={source}", *args.overrides]))
     parent = curve(work / "parent")[0][1]
     print(json.dumps({"parent_ppl": parent}), flush=True)
     for kv in args.kv:
         for name in args.variants:
             method, grouping = VARIANTS[name]
             model_dir, out = work / f"{name}-kv{kv}", work / f"{name}-kv{kv}-uptrained"
-            convert(source, model_dir, kv, method=method, calibration=stats, grouping=grouping, progress=False, force=True)
+            mha2gqa.convert(source, model_dir, kv, method=method, calibration=stats, grouping=grouping, progress=False, force=True)
             overrides = [f"model={model_dir}", f"output_dir={out}", f"budget.alpha={args.alpha}",
-                         f"budget.pretrain_tokens={total}", f"tokenizer={source}"]
+                         f"budget.pretrain_tokens={total}", f"tokenizer={source}", *args.overrides]
             train(load_recipe(RECIPE, overrides))
             points = curve(out)
             results.append({"kv_heads": kv, "variant": name, "start_ppl": points[0][1], "final_ppl": points[-1][1],
@@ -105,7 +106,14 @@ def main() -> None:
     parser.add_argument("--calibration-tokens", type=int, default=65536)
     parser.add_argument("--workdir", default=None, help="keep converted and uptrained models here")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--smoke", action="store_true",
+                        help="kv 2, mean and calibrated only, 3 steps of 2 x 32 tokens, 2 eval blocks (run by a test)")
     args = parser.parse_args()
+    args.overrides = []
+    if args.smoke:
+        args.kv, args.variants, args.calibration_tokens = "2", "mean,calibrated", 512
+        args.alpha, args.pretrain_tokens = 1.0, 3 * 2 * 32
+        args.overrides = ["seq_len=32", "micro_batch_size=2", "data.eval_blocks=2", "log_every=1", "eval_every=1"]
     args.kv = [int(k) for k in args.kv.split(",")]
     args.variants = args.variants.split(",")
     result = run(args)
