@@ -4,6 +4,7 @@
     python bench/convert.py --sizes 4 --repeats 5
     python bench/convert.py --cold           # drop the page cache before every job (root only)
     python bench/convert.py --jobs convert cp import-torch   # leave out the naive job; time a bare torch import
+    python bench/convert.py --smoke          # every job once on a ~3 MB toy checkpoint (run by a test)
 
 Each size: a sharded bf16 checkpoint (hidden 4096, 32 heads, 32 kv heads, LAYERS layers) is written
 under --workdir; each job runs as its own process (median of --repeats, after one warm-up that puts
@@ -26,25 +27,25 @@ from _measure import measure  # noqa: E402
 
 HIDDEN, HEADS, INTERMEDIATE, VOCAB = 4096, 32, 11008, 32000
 LAYERS_FOR_GB = {2: 4, 4: 8}  # ~0.4 GB per layer + 0.5 GB embeddings, in bf16
+SMOKE = 0  # --smoke: the size key of a ~3 MB toy (hidden 256, 32 heads of 8, 2 layers), every job once
 
 NAIVE = """
 import sys, torch
 from transformers import AutoModelForCausalLM
+from mha2gqa.convert.methods import group_heads, group_mean, ungroup
 src, dst, groups = sys.argv[1], sys.argv[2], int(sys.argv[3])
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
 config = model.config
-r = config.num_key_value_heads // groups
-hd = config.hidden_size // config.num_attention_heads
 for layer in model.model.layers:
     for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
-        pooled = proj.weight.data.float().view(groups, r, hd, -1).mean(1).reshape(groups * hd, -1)
+        pooled = ungroup(group_mean(group_heads(proj.weight.data, config.num_key_value_heads, groups)))
         proj.weight = torch.nn.Parameter(pooled.to(torch.bfloat16))
 config.num_key_value_heads = groups
 model.save_pretrained(dst)
 """
 
 
-def build_checkpoint(path: Path, layers: int) -> None:
+def build_checkpoint(path: Path, layers: int, hidden=HIDDEN, intermediate=INTERMEDIATE, vocab=VOCAB) -> None:
     """A Llama config and one ~0.4 GB shard per layer; values are cheap to make but touched on read.
     Runs in its own process (see main): the measuring parent must stay small, because a child's peak
     RSS as the kernel reports it starts from its parent's at fork time."""
@@ -52,9 +53,9 @@ def build_checkpoint(path: Path, layers: int) -> None:
     from safetensors.torch import save_file
 
     path.mkdir(parents=True)
-    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=HIDDEN, num_attention_heads=HEADS,
-                  num_key_value_heads=HEADS, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
-                  vocab_size=VOCAB, max_position_embeddings=4096, rms_norm_eps=1e-5, dtype="bfloat16",
+    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=hidden, num_attention_heads=HEADS,
+                  num_key_value_heads=HEADS, intermediate_size=intermediate, num_hidden_layers=layers,
+                  vocab_size=vocab, max_position_embeddings=4096, rms_norm_eps=1e-5, dtype="bfloat16",
                   tie_word_embeddings=False)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     block = torch.randn(1 << 20).to(torch.bfloat16)
@@ -65,15 +66,15 @@ def build_checkpoint(path: Path, layers: int) -> None:
             numel *= dim
         return block.repeat(numel // block.numel() + 1)[:numel].reshape(shape).clone()
 
-    shards = [{"model.embed_tokens.weight": tensor(VOCAB, HIDDEN), "lm_head.weight": tensor(VOCAB, HIDDEN),
-               "model.norm.weight": tensor(HIDDEN)}]
+    shards = [{"model.embed_tokens.weight": tensor(vocab, hidden), "lm_head.weight": tensor(vocab, hidden),
+               "model.norm.weight": tensor(hidden)}]
     for i in range(layers):
         p = f"model.layers.{i}."
         shards.append({
-            **{f"{p}self_attn.{n}.weight": tensor(HIDDEN, HIDDEN) for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
-            f"{p}mlp.gate_proj.weight": tensor(INTERMEDIATE, HIDDEN), f"{p}mlp.up_proj.weight": tensor(INTERMEDIATE, HIDDEN),
-            f"{p}mlp.down_proj.weight": tensor(HIDDEN, INTERMEDIATE),
-            f"{p}input_layernorm.weight": tensor(HIDDEN), f"{p}post_attention_layernorm.weight": tensor(HIDDEN),
+            **{f"{p}self_attn.{n}.weight": tensor(hidden, hidden) for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+            f"{p}mlp.gate_proj.weight": tensor(intermediate, hidden), f"{p}mlp.up_proj.weight": tensor(intermediate, hidden),
+            f"{p}mlp.down_proj.weight": tensor(hidden, intermediate),
+            f"{p}input_layernorm.weight": tensor(hidden), f"{p}post_attention_layernorm.weight": tensor(hidden),
         })
     weight_map, total = {}, 0
     for n, shard in enumerate(shards):
@@ -109,7 +110,8 @@ def drop_page_cache() -> None:
 def run_size(workdir: Path, gigabytes: int, repeats: int, cold: bool, chosen=JOBS[:3]) -> dict[str, dict]:
     src, out = workdir / f"llama-{gigabytes}gb", workdir / "out"
     if not src.exists():
-        subprocess.run([sys.executable, __file__, "--build", str(src), str(LAYERS_FOR_GB[gigabytes])], check=True)
+        build = [str(src), "2", "smoke"] if gigabytes == SMOKE else [str(src), str(LAYERS_FOR_GB[gigabytes])]
+        subprocess.run([sys.executable, __file__, "--build", *build], check=True)
     results: dict[str, list[dict]] = {}
     for attempt in range(repeats + 1):  # interleaved, so background load hits all jobs alike
         for name, command in jobs(src, out, chosen).items():
@@ -127,7 +129,8 @@ def run_size(workdir: Path, gigabytes: int, repeats: int, cold: bool, chosen=JOB
 
 def main() -> None:
     if sys.argv[1:2] == ["--build"]:
-        build_checkpoint(Path(sys.argv[2]), int(sys.argv[3]))
+        toy = dict(hidden=256, intermediate=512, vocab=1024) if sys.argv[4:5] == ["smoke"] else {}
+        build_checkpoint(Path(sys.argv[2]), int(sys.argv[3]), **toy)
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4], choices=sorted(LAYERS_FOR_GB))
@@ -137,7 +140,10 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="drop the page cache before every job (needs root)")
     parser.add_argument("--jobs", nargs="+", choices=JOBS, default=list(JOBS[:3]),
                         help="which jobs to run (convert is always run: the ratios are to it)")
+    parser.add_argument("--smoke", action="store_true", help="every job once on a ~3 MB toy checkpoint")
     args = parser.parse_args()
+    if args.smoke:
+        args.sizes, args.repeats, args.jobs = [SMOKE], 1, list(JOBS)
     print(f"page cache: {'dropped before every job' if args.cold else 'warm'}; median of {args.repeats}")
     print("| checkpoint | job | wall s | x convert | peak RSS MiB | peak anon MiB | anon x convert |")
     print("|---|---|---:|---:|---:|---:|---:|")
