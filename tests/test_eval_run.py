@@ -100,7 +100,10 @@ def test_peak_memory_catches_a_transient_allocation_on_cpu():
     with PeakMemory(torch.device("cpu")) as mem:
         start = psutil.Process().memory_info().rss
         buffer = torch.ones(size // 4, dtype=torch.float32)  # touched, so resident
-        time.sleep(0.05)  # several sampling intervals
+        # Hold it until the sampler thread has run (a busy machine can starve it for a while), at most 10 s.
+        deadline = time.monotonic() + 10
+        while mem.peak_bytes - start < 0.9 * size and time.monotonic() < deadline:
+            time.sleep(0.01)
         del buffer  # freed before the region ends: only the sampler can have seen it
         end = psutil.Process().memory_info().rss
     assert mem.peak_bytes - start >= 0.9 * size
