@@ -7,6 +7,7 @@ import json
 import click
 
 from mha2gqa.cli.format import human_bytes
+from mha2gqa.eval.options import SpeedPreset
 
 
 def _int_list(ctx, param, value):
@@ -39,7 +40,8 @@ def _str_list(ctx, param, value):
 @click.option("--batch-size", default=1, show_default=True, help="Windows per forward pass in perplexity.")
 @click.option("--dtype", default="auto", show_default=True, help="auto (the checkpoint's), float32, bfloat16 or float16.")
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:N.")
-@click.option("--speed", "speed_preset", type=click.Choice(["auto", "cpu", "gpu", "off"]), default="auto", show_default=True,
+@click.option("--speed", "speed_preset", type=click.Choice([p.value for p in SpeedPreset]), default=SpeedPreset.AUTO.value,
+              show_default=True,
               help="Decode-speed grid: cpu (batches 1,4 x context 32, 16 new tokens: seconds), gpu (batches 1,8,32,64 x "
               "contexts 512,2048, 64 new tokens), auto (gpu on CUDA else cpu), off.")
 @click.option("--speed-batches", callback=_int_list, help="Override the preset's batch sizes, e.g. 1,8,64.")
@@ -70,9 +72,10 @@ def eval_command(model, quiet, out, **options):
 
     Example: mha2gqa eval ./llama-gqa8 --data held_out.txt --reference ./llama --out gqa8.json
     """
+    from mha2gqa.eval.options import EvalOptions
     from mha2gqa.eval.run import evaluate
 
-    result = evaluate(model, out=out, progress=not quiet, **options)
+    result = evaluate(model, options=EvalOptions(**options, out=out, progress=not quiet))
     click.echo(summary(result), err=out is None)
     for message in result["warnings"]:
         click.secho(f"WARNING: {message}", fg="red", bold=True, err=True)

@@ -22,6 +22,7 @@ from mha2gqa.eval.attention_maps import attention_maps, plot_attention_maps
 from mha2gqa.eval.data import load_eval_text
 from mha2gqa.eval.kvcache import measure_kv_cache
 from mha2gqa.eval.lmeval import check_lm_eval_installed, run_lm_eval, task_manager
+from mha2gqa.eval.options import EvalOptions, SpeedPreset
 from mha2gqa.eval.schema import SCHEMA, check_writable, write_result
 from mha2gqa.loading import require_safetensors
 from mha2gqa.sources import resolve_model_dir
@@ -29,28 +30,31 @@ from mha2gqa.sources import resolve_model_dir
 DEFAULT_CONTEXT = 1024
 
 
-def evaluate(model_path, data=None, reference=None, *, tokenizer=None, data_config=None, data_split="test",
-             data_column="text", max_tokens=None, context=None, stride=None, batch_size=1, dtype="auto",
-             device="auto", speed_preset="auto", speed_batches=None, speed_contexts=None, new_tokens=None,
-             repeats=None, kv_batch=2, kv_tokens=32, attention_text=None, attention_layer=0,
-             attention_png=None, lm_eval_tasks=None, lm_eval_limit=None, role=None, label=None, seed=0,
-             out=None, progress=True) -> dict:
+def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | None = None, **kwargs) -> dict:
     """Measure MODEL_PATH (a dir or hub id) and return the result dict; write it to `out` if given.
 
-    data: a text file, a folder of text files, or a hub dataset name (perplexity is skipped without
-    it). reference: a parent model to measure KL and top-1 agreement against. speed_preset: "auto"
-    (gpu on CUDA, else cpu), "cpu", "gpu", or None/"off" to skip decode speed. See `mha2gqa eval --help`.
+    The keywords are the fields of EvalOptions (eval/options.py, one docstring each); or pass
+    `options=EvalOptions(...)`. data: a text file, a folder of text files, or a hub dataset name
+    (perplexity is skipped without it). reference: a parent model to measure KL and top-1 agreement
+    against. speed_preset: "auto" (gpu on CUDA, else cpu), "cpu", "gpu", or None/"off" to skip decode
+    speed. See `mha2gqa eval --help`.
     """
-    torch.manual_seed(seed)
-    dev, torch_dtype = M.pick_device(device), M.pick_dtype(dtype)
-    preset = None if speed_preset in (None, False, "off") else speed_preset
-    if preset == "auto":
+    if options is None:
+        options = EvalOptions.from_kwargs({"data": data, "reference": reference, **kwargs})
+    elif kwargs or data is not None or reference is not None:
+        raise TypeError("evaluate(): pass either options=EvalOptions(...) or data, reference and keywords, not both")
+    o = options
+    data, reference, context, stride, out = o.data, o.reference, o.context, o.stride, o.out
+    torch.manual_seed(o.seed)
+    dev, torch_dtype = M.pick_device(o.device), M.pick_dtype(o.dtype)
+    preset = o.speed
+    if preset == SpeedPreset.AUTO:
         preset = "gpu" if dev.type == "cuda" else "cpu"
-    grid = speed.make_grid(preset, speed_batches, speed_contexts, new_tokens, repeats) if preset else None
-    _check_inputs(data, reference, context, stride, batch_size, max_tokens, kv_batch, kv_tokens, role,
-                  attention_text, attention_png, out, lm_eval_tasks, lm_eval_limit)
+    grid = speed.make_grid(preset, o.speed_batches, o.speed_contexts, o.new_tokens, o.repeats) if preset else None
+    _check_inputs(data, reference, context, stride, o.batch_size, o.max_tokens, o.kv_batch, o.kv_tokens, o.role,
+                  o.attention_text, o.attention_png, out, o.lm_eval_tasks, o.lm_eval_limit)
     # Task names are checked (and the task index built) before any weights are loaded.
-    tasks = task_manager(lm_eval_tasks) if lm_eval_tasks else None
+    tasks = task_manager(o.lm_eval_tasks) if o.lm_eval_tasks else None
 
     # Everything read from config and tokenizer is checked before any weights are loaded.
     model_dir = resolve_model_dir(model_path)
@@ -59,36 +63,36 @@ def evaluate(model_path, data=None, reference=None, *, tokenizer=None, data_conf
     if ref_dir:
         require_safetensors(ref_dir, "--reference")
     prov = model_provenance.read(model_dir)
-    role = provenance.infer_role(prov, role)
+    role = provenance.infer_role(prov, o.role)
     config = M.load_config(model_dir)
-    tok = M.load_tokenizer(model_dir, tokenizer)
+    tok = M.load_tokenizer(model_dir, o.tokenizer)
     M.check_vocab(tok, config, "the model")
     context, stride = _window(config, context, stride)
     if grid:
         speed.check_grid_fits(grid, getattr(config, "max_position_embeddings", None))
-    text = load_eval_text(data, tok, config=data_config, split=data_split, column=data_column,
-                          max_tokens=max_tokens) if data else None
+    text = load_eval_text(data, tok, config=o.data_config, split=o.data_split, column=o.data_column,
+                          max_tokens=o.max_tokens) if data else None
 
-    model = M.load_model(model_dir, torch_dtype, dev, progress)
-    ref_model = M.load_model(ref_dir, torch_dtype, dev, progress, "--reference") if ref_dir else None
+    model = M.load_model(model_dir, torch_dtype, dev, o.progress)
+    ref_model = M.load_model(ref_dir, torch_dtype, dev, o.progress, "--reference") if ref_dir else None
     shape = M.shape_of(model.config)
-    result = _skeleton(model_path, model_dir, model, shape, prov, role, label, reference, ref_dir, dev, seed)
+    result = _skeleton(model_path, model_dir, model, shape, prov, role, o.label, reference, ref_dir, dev, o.seed)
     result["data"] = text.identity if text else None
     if text:
-        result.update(_quality(model, ref_model, text.ids, context, stride, batch_size, progress))
-    result["kv_cache"] = measure_kv_cache(model, shape, kv_batch, kv_tokens, seed)
+        result.update(_quality(model, ref_model, text.ids, context, stride, o.batch_size, o.progress))
+    result["kv_cache"] = measure_kv_cache(model, shape, o.kv_batch, o.kv_tokens, o.seed)
     if "warning" in result["kv_cache"]:
         result["warnings"].append(result["kv_cache"]["warning"])
     if grid:
-        result["speed"] = speed.decode_speed(model, grid, seed, progress)
-    if attention_text:
-        png = Path(attention_png) if attention_png else Path(out).with_suffix(".attention.png")
-        found = attention_maps(model, tok, attention_text, attention_layer, ref_model)
+        result["speed"] = speed.decode_speed(model, grid, o.seed, o.progress)
+    if o.attention_text:
+        png = Path(o.attention_png) if o.attention_png else Path(out).with_suffix(".attention.png")
+        found = attention_maps(model, tok, o.attention_text, o.attention_layer, ref_model)
         labels = {"model": result["label"], "reference": f"{(result['reference'] or {}).get('label', '')} (reference)"}
         result["attention_maps"] = {"png": str(plot_attention_maps(found, png, labels, shape.kv_heads)),
                                     "layer": found["layer"]}
-    if lm_eval_tasks:
-        result["lm_eval"] = run_lm_eval(model, tok, lm_eval_tasks, lm_eval_limit, batch_size, tasks)
+    if o.lm_eval_tasks:
+        result["lm_eval"] = run_lm_eval(model, tok, o.lm_eval_tasks, o.lm_eval_limit, o.batch_size, tasks)
     for message in result["warnings"]:
         warnings.warn(message, stacklevel=2)
     if out:

@@ -1,0 +1,107 @@
+"""What `evaluate` is asked to measure: a typed schema, one docstring per field, importable without torch.
+
+`mha2gqa.evaluate(model, data, reference, **fields)` builds an EvalOptions from its keywords; the
+`mha2gqa eval` command builds one from its flags. Values are checked by `evaluate` before any model
+is loaded (eval/run.py), with the flag named in each message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Sequence
+
+
+class SpeedPreset(str, Enum):
+    """The decode-speed grid (eval/speed.py PRESETS); str() and format() are the value."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    AUTO = "auto"
+    """gpu on CUDA, else cpu."""
+    CPU = "cpu"
+    """batches 1,4 x context 32, 16 new tokens: seconds."""
+    GPU = "gpu"
+    """batches 1,8,32,64 x contexts 512,2048, 64 new tokens."""
+    OFF = "off"
+    """No decode-speed measurement (None and False mean the same)."""
+
+
+@dataclass
+class EvalOptions:
+    data: str | None = None
+    """Held-out text: a file, a folder of files, or a hub dataset name (perplexity is skipped without it)."""
+    reference: str | None = None
+    """Parent model (dir or hub id): adds mean KL(reference||model) and top-1 agreement on `data`."""
+    tokenizer: str | None = None
+    """Tokenizer dir or hub id (default: the model directory's tokenizer)."""
+    data_config: str | None = None
+    """Hub dataset config, e.g. wikitext-2-raw-v1."""
+    data_split: str = "test"
+    """Hub dataset split."""
+    data_column: str = "text"
+    """Field or column holding the text (jsonl/json/parquet files, hub datasets)."""
+    max_tokens: int | None = None
+    """Score at most this many tokens of `data`."""
+    context: int | None = None
+    """Perplexity window in tokens (default: min(1024, max_position_embeddings))."""
+    stride: int | None = None
+    """Tokens between window starts, 1..context; each token is scored once (default: context/2)."""
+    batch_size: int = 1
+    """Windows per forward pass in perplexity (also lm-eval's batch)."""
+    dtype: str = "auto"
+    """auto (the checkpoint's), float32, bfloat16 or float16."""
+    device: str = "auto"
+    """auto (cuda when available), cpu, cuda, cuda:N."""
+    speed_preset: SpeedPreset | str | None = SpeedPreset.AUTO
+    """Decode-speed grid (see SpeedPreset); None, False or "off" skips it."""
+    speed_batches: Sequence[int] | None = None
+    """Override the preset's batch sizes."""
+    speed_contexts: Sequence[int] | None = None
+    """Override the preset's prefill lengths."""
+    new_tokens: int | None = None
+    """Greedy tokens decoded per speed measurement (overrides the preset)."""
+    repeats: int | None = None
+    """Timed repeats per speed grid point; the median is reported (after 1 warm-up)."""
+    kv_batch: int = 2
+    """Batch of the prefill whose live KV cache is measured."""
+    kv_tokens: int = 32
+    """Tokens of that prefill."""
+    attention_text: str | None = None
+    """A short text: save per-head attention maps of `attention_layer` as a PNG grid."""
+    attention_layer: int = 0
+    """Layer of the attention maps (negative counts from the end)."""
+    attention_png: str | None = None
+    """Where the attention PNG goes (default: `out` with .attention.png)."""
+    lm_eval_tasks: Sequence[str] | None = None
+    """lm-evaluation-harness tasks run on the loaded model (docs/lmeval.md)."""
+    lm_eval_limit: int | None = None
+    """Examples per lm-eval task (for quick checks only)."""
+    role: str | None = None
+    """parent, converted or uptrained (default: from the model's mha2gqa.json)."""
+    label: str | None = None
+    """Short name in the report (default: the model directory's name)."""
+    seed: int = 0
+    """Seed of torch and of the random prefill ids."""
+    out: str | None = None
+    """Write the result JSON here (atomically, at the end)."""
+    progress: bool = True
+    """Show progress bars."""
+
+    @property
+    def speed(self):
+        """The preset to run ("auto" still unresolved), or None when speed is off."""
+        if self.speed_preset in (None, False, SpeedPreset.OFF):
+            return None
+        preset = self.speed_preset
+        return preset.value if isinstance(preset, SpeedPreset) else preset
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> "EvalOptions":
+        """The options of `evaluate(model, **kwargs)`; an unknown keyword is a TypeError, as it was when these
+        were evaluate's own parameters."""
+        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(f"evaluate() got an unexpected keyword argument {unknown[0]!r}")
+        return cls(**kwargs)

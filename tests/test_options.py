@@ -1,0 +1,74 @@
+"""ConvertOptions / EvalOptions: typed, documented, torch-free, and the keyword APIs still build them."""
+
+import ast
+import inspect
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mha2gqa.convert.options import ConvertOptions, Grouping, Method
+from mha2gqa.errors import InputError
+from mha2gqa.eval.options import EvalOptions, SpeedPreset
+
+
+def _field_docstrings(cls) -> dict:
+    """field name -> the string literal right after its annotation in the class body."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+            docs[node.target.id] = following.value.value
+    return docs
+
+
+@pytest.mark.parametrize("cls", [ConvertOptions, EvalOptions])
+def test_every_field_has_a_docstring(cls):
+    from dataclasses import fields
+
+    docs = _field_docstrings(cls)
+    assert [f.name for f in fields(cls)] == list(docs)
+    assert all(len(text.split()) >= 2 for text in docs.values())
+
+
+def test_enums_are_strings_with_the_same_json_and_text():
+    options = ConvertOptions(groups=2, method="mean-norm", grouping="similarity")
+    assert options.method is Method.MEAN_NORM and options.method == "mean-norm"
+    assert options.grouping is Grouping.SIMILARITY
+    assert f"{options.method} {options.grouping}" == "mean-norm similarity"
+    assert json.dumps({"m": options.method, "s": SpeedPreset.OFF}) == '{"m": "mean-norm", "s": "off"}'
+
+
+def test_unknown_values_and_keywords_are_refused():
+    with pytest.raises(InputError, match=r"--method 'avg' is unknown \(valid: mean, first, random, mean-norm, calibrated\)"):
+        ConvertOptions(groups=2, method="avg")
+    with pytest.raises(InputError, match="--grouping 'best' is unknown"):
+        ConvertOptions(groups=2, grouping="best")
+    with pytest.raises(TypeError, match="'grups'"):
+        ConvertOptions.from_kwargs(2, {"grups": 2})
+    with pytest.raises(TypeError, match="'speed'"):
+        EvalOptions.from_kwargs({"speed": "off"})
+
+
+def test_speed_off_spellings():
+    assert [EvalOptions(speed_preset=p).speed for p in (None, False, "off", SpeedPreset.OFF)] == [None] * 4
+    assert EvalOptions().speed == "auto" and EvalOptions(speed_preset="cpu").speed == "cpu"
+
+
+def test_convert_with_options_matches_keywords(tmp_path):
+    from mha2gqa import convert
+    from tiny_models import save_tiny_model
+
+    save_tiny_model(tmp_path / "src", "llama")
+    by_keywords = convert(tmp_path / "src", tmp_path / "a", groups=2, method="first", dry_run=True, progress=False)
+    by_options = convert(tmp_path / "src", tmp_path / "b", options=ConvertOptions(2, Method.FIRST, dry_run=True))
+    assert by_keywords.plan.method == by_options.plan.method == "first"
+    assert type(by_options.plan.method) is str  # plain text in mha2gqa.json and the printed plan
+    with pytest.raises(TypeError, match="not both"):
+        convert(tmp_path / "src", tmp_path / "c", 2, options=ConvertOptions(2))
+
+
+def test_options_modules_import_no_torch():
+    code = "import sys, mha2gqa.convert.options, mha2gqa.eval.options; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
