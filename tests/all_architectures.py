@@ -52,12 +52,16 @@ def tiny_config(model_type: str):
     return cls(**settings)
 
 
-def plant_redundant_groups(model, layout, shape, groups: int) -> None:
-    """Make the kv heads of each of `groups` contiguous groups identical in every layer (k/v rows and
-    biases, key-norm slices), so pooling them changes nothing: the converted model must match its
-    parent exactly. unpack() returns views, so writing through them edits the model's parameters."""
+def plant_redundant_groups(model, layout, shape, groups: int | list[list[int]]) -> None:
+    """Make the kv heads of each group identical in every layer (k/v rows and biases, key-norm slices),
+    so pooling them changes nothing: the converted model must match its parent exactly. `groups` is a
+    count of contiguous groups, or the kv-head indices of each group (scattered groups). unpack()
+    returns views, so writing through them edits the model's parameters."""
     from mha2gqa.convert.roles import KV_ROLES, layer_names, unpack
 
+    if isinstance(groups, int):
+        size = shape.kv_heads // groups
+        groups = [list(range(g * size, (g + 1) * size)) for g in range(groups)]
     params = dict(model.named_parameters())
     with torch.no_grad():
         for layer in range(shape.layers):
@@ -65,8 +69,9 @@ def plant_redundant_groups(model, layout, shape, groups: int) -> None:
             roles = unpack({role: params[name] for role, name in stored.items()}, shape)
             for role in KV_ROLES:
                 if role in roles:
-                    heads = roles[role].unflatten(0, (groups, shape.kv_heads // groups, -1))  # (G, r, hd, ...)
-                    heads[:, 1:] = heads[:, :1]
+                    heads = roles[role].unflatten(0, (shape.kv_heads, -1))  # (n_kv, hd, ...) view
+                    for group in groups:
+                        heads[group[1:]] = heads[group[0]].clone()
 
 
 @dataclass

@@ -154,9 +154,8 @@ def test_similarity_grouping_finds_scattered_groups_on_a_generic_type(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from all_architectures import IDS, tiny_config
+    from all_architectures import IDS, plant_redundant_groups, tiny_config
     from mha2gqa import convert
-    from mha2gqa.convert.roles import KV_ROLES, layer_names, unpack
     from mha2gqa.layouts import attention_shape, layout_for
     from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer
 
@@ -164,16 +163,8 @@ def test_similarity_grouping_finds_scattered_groups_on_a_generic_type(tmp_path):
     parent = AutoModelForCausalLM.from_config(tiny_config("mixtral")).eval()
     config = parent.config.to_dict()
     layout, shape = layout_for(config), attention_shape(config)
-    params = dict(parent.named_parameters())
+    plant_redundant_groups(parent, layout, shape, [[0, 3, 5, 6], [1, 2, 4, 7]])
     with torch.no_grad():
-        for layer in range(shape.layers):
-            stored = layer_names(layout, layer, shape.kv_heads, set(params))
-            roles = unpack({role: params[name] for role, name in stored.items()}, shape)
-            for role in KV_ROLES:
-                if role in roles:
-                    heads = roles[role].unflatten(0, (shape.kv_heads, -1))  # (n_kv, hd, ...) view
-                    for group in ([0, 3, 5, 6], [1, 2, 4, 7]):
-                        heads[group[1:]] = heads[group[0]].clone()
         expected = parent(IDS).logits
     parent.save_pretrained(tmp_path / "src")
     make_tiny_tokenizer(tmp_path / "src")
