@@ -23,6 +23,10 @@ Each reports tokens per wall second and per CPU second of this process.
     python bench/uptrain.py --mode both --seq-len 256
     python bench/uptrain.py --mode profile --steps 15
     python bench/uptrain.py --smoke --json /tmp/u.json   # both modes at toy sizes, seconds (run by a test)
+
+The runs mode uses only the public load_recipe/train. The paired and profile modes time the loop's
+per-step code, which has no public entry point, so they reach into mha2gqa.uptrain's modules by name;
+tests/test_bench_smoke.py runs --smoke so a rename there breaks a test, not a later measurement.
 """
 
 from __future__ import annotations
