@@ -1,0 +1,116 @@
+"""Every bench/ script at its --smoke size, as its own process, on CPU: the scripts keep running against
+the package as it changes, and what they print and write has the measured quantities, finite.
+(bf16_numpy_pool.py, cli_startup.py, refine.py and train_memory.py have their own tests.)"""
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_smoke(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, f"bench/{script}", "--smoke", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout
+
+
+def table_rows(stdout: str, first_cell: str) -> list[list[str]]:
+    """The cells of a printed markdown table's rows whose first cell matches `first_cell` (a regex)."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in stdout.splitlines()
+            if line.startswith("|")]
+    return [r for r in rows if re.fullmatch(first_cell, r[0])]
+
+
+def finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def test_convert_smoke_times_every_job(tmp_path):
+    out = run_smoke("convert.py", "--workdir", str(tmp_path))
+    rows = table_rows(out, r"\d+\.\d\d GB")
+    assert [r[1] for r in rows] == ["mha2gqa convert", "cp -r", "naive (from_pretrained+save_pretrained)",
+                                    "python -c 'import torch'"]
+    for row in rows:
+        wall, ratio, rss, anon = (float(row[i]) for i in (2, 3, 4, 5))
+        assert wall >= 0 and ratio >= 0 and rss > 0 and anon >= 0
+    assert rows[0][3] == "1.00"  # the ratios are to convert
+    assert float(rows[0][4]) > 100  # convert imports torch: its peak RSS is well over 100 MiB
+    assert not (tmp_path / "llama-0gb").exists()  # the synthetic checkpoint is removed without --keep
+
+
+@pytest.mark.slow  # ~85 s on a loaded 2-core machine: one paired run and one pair of whole train() runs
+def test_uptrain_smoke_reports_both_modes(tmp_path):
+    out = run_smoke("uptrain.py", "--json", str(tmp_path / "u.json"))
+    assert len(table_rows(out, r"tokens / (wall|process CPU) second")) == 4
+    result = json.loads((tmp_path / "u.json").read_text())
+    assert result["seq_len"] == 32 and result["batch"] == 2
+    assert {len(result["paired_step_seconds"][k]) for k in ("uptrain", "hand")} == {2}  # 4 pairs, 2 warm-up
+    for key in ("paired tokens / wall second", "runs tokens / process CPU second"):
+        assert finite(result[key]["median_overhead"])
+    for side in ("uptrain", "hand"):
+        assert result["paired tokens / wall second"][side] > 0
+        assert all(r[0] > 0 and r[1] > 0 for r in result["runs_intervals"][0][side])
+
+
+def test_uptrain_gpu_smoke_runs_on_cpu_with_baseline(tmp_path):
+    out = run_smoke("uptrain_gpu.py", "--baseline", "--json", str(tmp_path / "g.json"))
+    assert "uptrain loop:" in out and "hand-written loop:" in out
+    result = json.loads((tmp_path / "g.json").read_text())
+    assert result["gpu"] == "cpu (smoke)" and result["compile"] is False and result["seq_len"] == 32
+    assert result["matmul_params"] > 0 and result["flops_per_token"] > 6 * result["matmul_params"]
+    assert len(result["uptrain_intervals"]) == 1  # 3 intervals: one warm-up and the last (final eval) dropped
+    for key in ("uptrain_tok_s", "hand_tok_s", "mfu", "overhead"):
+        assert finite(result[key]), key
+    assert result["uptrain_tok_s"] > 0 and result["hand_tok_s"] > 0 and result["peak_mem_gib"] is None
+
+
+def test_eval_gpu_smoke_is_the_cpu_tiny_preset(tmp_path):
+    out = run_smoke("eval_gpu.py", "--out", str(tmp_path / "e.json"))
+    record = json.loads((tmp_path / "e.json").read_text())
+    assert record["preset"] == "cpu-tiny"
+    assert [v["kv_heads"] for v in record["variants"]] == [8, 2]
+    mha, gqa = (v["kv_cache"] for v in record["variants"])
+    assert mha["match"] and gqa["match"]
+    assert mha["measured_bytes_per_token"] == 4 * gqa["measured_bytes_per_token"]  # 8 -> 2 kv heads
+    for variant in record["variants"]:
+        assert [p["batch"] for p in variant["points"]] == [1, 2]
+        for point in variant["points"]:
+            assert point["eager"]["tokens_per_s"] > 0
+            assert point["graph"].get("tokens_per_s", 0) > 0, point["graph"]  # CPU: plain StaticCache decode
+    assert set(record["ratio_at_largest_batch"]) == {"eager", "graph"}
+    assert len(table_rows(out, r"\d+")) == 2
+
+
+def test_calibrated_merge_smoke_rows(tmp_path):
+    out = run_smoke("calibrated_merge.py", "--out", str(tmp_path / "m.json"))
+    result = json.loads((tmp_path / "m.json").read_text())
+    assert result["parent_kv_heads"] == 8 and result["eval_tokens"] == 256 and result["context"] == 64
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["mean", "mean-norm", "calibrated", "calibrated+similarity"]
+    assert all(r["kv_heads"] == 2 and finite(r["perplexity"]) and finite(r["key_error"]) for r in rows.values())
+    parent = result["parent_perplexity"]
+    assert rows["mean"]["perplexity"] > parent  # pooling 8 -> 2 heads loses something
+    assert rows["mean"]["gap_closed"] == pytest.approx(0.0)
+    assert rows["calibrated"]["perplexity"] < rows["mean"]["perplexity"]  # the point of the method
+    assert len(table_rows(out, "2")) == 4
+
+
+@pytest.mark.slow  # ~95 s on a loaded 2-core machine: three uptrain runs
+def test_calibrated_uptrain_smoke_rows(tmp_path):
+    out = run_smoke("calibrated_uptrain.py", "--out", str(tmp_path / "u.json"))
+    result = json.loads((tmp_path / "u.json").read_text())
+    assert finite(result["parent_ppl"]) and result["pretrain_tokens"] == 192
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["mean", "calibrated"]
+    for row in rows.values():
+        assert row["final_tokens"] == 192 and finite(row["start_ppl"]) and finite(row["final_ppl"])
+        assert [t for t, _ in row["curve"]] == [0, 64, 128, 192]  # eval at start and after every step
+    assert rows["mean"]["tokens_to_mean_final"] == 192
+    assert len(table_rows(out, "2")) == 2
