@@ -72,3 +72,22 @@ def test_convert_with_options_matches_keywords(tmp_path):
 def test_options_modules_import_no_torch():
     code = "import sys, mha2gqa.convert.options, mha2gqa.eval.options; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_result_accessors_read_measured_sections_and_none_otherwise():
+    from mha2gqa.eval import schema
+
+    measured = {"perplexity": {"perplexity": 12.5, "context": 64, "stride": 32}, "data": {"ids_sha256": "ab"},
+                "agreement": {"kl_mean": 0.1, "top1_agreement": 0.9},
+                "kv_cache": {"measured_bytes_per_token": 512, "match": True}, "speed": {"points": [{"batch": 1}]},
+                "env": {"device_name": "cpu"},
+                "lm_eval": {"tasks": {"t": {"metrics": {"acc": {"value": 0.5, "stderr": None}, "f1": {"value": None}}}}}}
+    assert (schema.perplexity(measured), schema.perplexity_window(measured), schema.data_digest(measured)) == (12.5, (64, 32), "ab")
+    assert (schema.kl_mean(measured), schema.top1_agreement(measured)) == (0.1, 0.9)
+    assert (schema.kv_bytes_per_token(measured), schema.kv_match(measured)) == (512, True)
+    assert schema.speed_points(measured) == [{"batch": 1}] and schema.device_name(measured) == "cpu"
+    assert schema.lm_eval_metric(measured, "t", "acc") == {"value": 0.5, "stderr": None}
+    assert schema.lm_eval_metric(measured, "t", "f1") is None and schema.lm_eval_metric(measured, "u", "acc") is None
+    skipped = dict.fromkeys(measured)
+    assert schema.perplexity(skipped) is None and schema.perplexity_window(skipped) == (None, None)
+    assert schema.speed_points(skipped) == [] and schema.lm_eval_tasks(skipped) == {} and schema.kv_match(skipped) is None

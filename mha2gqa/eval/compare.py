@@ -8,12 +8,7 @@ result given, and is shown only for uptrained rows.
 from __future__ import annotations
 
 from mha2gqa.errors import InputError
-
-
-def _get(result: dict, *keys):
-    for key in keys:
-        result = result.get(key) if isinstance(result, dict) else None
-    return result
+from mha2gqa.eval import schema
 
 
 def pick_baseline(results: list[dict], paths: list[str], baseline: str | None) -> int:
@@ -37,7 +32,7 @@ def speed_point(results: list[dict]) -> tuple[int, int] | None:
 
 
 def tokens_per_s(result: dict, point: tuple[int, int] | None) -> float | None:
-    for p in _get(result, "speed", "points") or []:
+    for p in schema.speed_points(result):
         if point is not None and (p["batch"], p["context"]) == point:
             return p["tokens_per_s"]
     return None
@@ -50,8 +45,8 @@ def _ratio(a, b):
 def comparison_rows(results: list[dict], base: int) -> tuple[list[dict], dict]:
     """One row per result, in the given order; and notes that apply to the whole table."""
     point = speed_point(results)
-    ppl = [_get(r, "perplexity", "perplexity") for r in results]
-    kv = [_get(r, "kv_cache", "measured_bytes_per_token") for r in results]
+    ppl = [schema.perplexity(r) for r in results]
+    kv = [schema.kv_bytes_per_token(r) for r in results]
     tps = [tokens_per_s(r, point) for r in results]
     parent = next((p for r, p in zip(results, ppl) if r["role"] == "parent" and p is not None), None)
     converted = next((p for r, p in zip(results, ppl) if r["role"] == "converted" and p is not None), None)
@@ -64,10 +59,9 @@ def comparison_rows(results: list[dict], base: int) -> tuple[list[dict], dict]:
         rows.append({
             "label": r["label"], "role": r["role"], "heads": r["model"]["heads"], "kv_heads": r["model"]["kv_heads"],
             "perplexity": ppl[i], "perplexity_change": None if change is None else change - 1.0,
-            "recovery": recovery, "kl_mean": _get(r, "agreement", "kl_mean"),
-            "top1_agreement": _get(r, "agreement", "top1_agreement"),
+            "recovery": recovery, "kl_mean": schema.kl_mean(r), "top1_agreement": schema.top1_agreement(r),
             "kv_bytes_per_token": kv[i], "kv_saving": _ratio(kv[base], kv[i]),
-            "kv_match": _get(r, "kv_cache", "match"), "tokens_per_s": tps[i], "speedup": _ratio(tps[i], tps[base]),
+            "kv_match": schema.kv_match(r), "tokens_per_s": tps[i], "speedup": _ratio(tps[i], tps[base]),
         })
     lm_columns = add_lm_eval(rows, results, base)
     return rows, {"baseline": results[base]["label"], "speed_point": point, "notes": table_notes(results),
@@ -80,16 +74,14 @@ def add_lm_eval(rows: list[dict], results: list[dict], base: int) -> list[dict]:
     whose scale is multiplicative). Returns the columns in first-seen order."""
     columns: dict[str, dict] = {}
     for r in results:
-        for task, section in ((r.get("lm_eval") or {}).get("tasks") or {}).items():
+        for task, section in schema.lm_eval_tasks(r).items():
             for metric, found in (section.get("metrics") or {}).items():
                 columns.setdefault(f"{task}:{metric}", {"task": task, "metric": metric,
                                                         "higher_is_better": found.get("higher_is_better"),
                                                         "relative": "perplexity" in metric})
 
     def cell(r, key):
-        c = columns[key]
-        found = (((r.get("lm_eval") or {}).get("tasks") or {}).get(c["task"]) or {}).get("metrics", {}).get(c["metric"])
-        return found if found and found.get("value") is not None else None
+        return schema.lm_eval_metric(r, columns[key]["task"], columns[key]["metric"])
 
     for key, c in columns.items():
         base_cell = cell(results[base], key)
@@ -113,14 +105,14 @@ def add_lm_eval(rows: list[dict], results: list[dict], base: int) -> list[dict]:
 def table_notes(results: list[dict]) -> list[str]:
     """What makes numbers in the table not comparable, or not to be trusted, said in words."""
     notes = []
-    data = {_get(r, "data", "ids_sha256") for r in results if r.get("perplexity")}
+    data = {schema.data_digest(r) for r in results if r.get("perplexity")}
     if len(data) > 1:
         notes.append("Perplexities were measured on different token streams (data or tokenizer differ): "
                      "compare them with care.")
-    windows = {(_get(r, "perplexity", "context"), _get(r, "perplexity", "stride")) for r in results if r.get("perplexity")}
+    windows = {schema.perplexity_window(r) for r in results if r.get("perplexity")}
     if len(windows) > 1:
         notes.append(f"Perplexities used different context/stride settings: {sorted(windows)}.")
-    devices = {_get(r, "env", "device_name") for r in results if r.get("speed")}
+    devices = {schema.device_name(r) for r in results if r.get("speed")}
     if len(devices) > 1:
         notes.append(f"Decode speeds were measured on different devices: {', '.join(sorted(map(str, devices)))}.")
     if sum(1 for r in results if r.get("speed")) > 1 and speed_point(results) is None:

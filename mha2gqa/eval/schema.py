@@ -31,6 +31,64 @@ REQUIRED = ("label", "role", "model", "kv_cache", "env")
 MODEL_REQUIRED = ("kv_heads", "heads", "layers", "head_dim")
 
 
+# Reading a result: one accessor per value a comparison needs, None where the section was not measured.
+def _value(result: dict, section: str, key: str):
+    part = result.get(section)
+    return part.get(key) if isinstance(part, dict) else None
+
+
+def perplexity(result: dict) -> float | None:
+    return _value(result, "perplexity", "perplexity")
+
+
+def perplexity_window(result: dict) -> tuple[int | None, int | None]:
+    """(context, stride) of the perplexity windows."""
+    return _value(result, "perplexity", "context"), _value(result, "perplexity", "stride")
+
+
+def data_digest(result: dict) -> str | None:
+    """sha256 of the token ids scored: equal digests mean the same token stream."""
+    return _value(result, "data", "ids_sha256")
+
+
+def kl_mean(result: dict) -> float | None:
+    return _value(result, "agreement", "kl_mean")
+
+
+def top1_agreement(result: dict) -> float | None:
+    return _value(result, "agreement", "top1_agreement")
+
+
+def kv_bytes_per_token(result: dict) -> int | None:
+    """The live KV cache's bytes per token, as measured (not the formula)."""
+    return _value(result, "kv_cache", "measured_bytes_per_token")
+
+
+def kv_match(result: dict) -> bool | None:
+    """Whether the measured KV cache matches the formula."""
+    return _value(result, "kv_cache", "match")
+
+
+def speed_points(result: dict) -> list[dict]:
+    """The decode-speed grid points measured, [] without speed."""
+    return _value(result, "speed", "points") or []
+
+
+def device_name(result: dict) -> str | None:
+    return _value(result, "env", "device_name")
+
+
+def lm_eval_tasks(result: dict) -> dict:
+    """{task: {samples, metrics: {metric: {value, stderr, higher_is_better}}}}, {} without lm-eval."""
+    return _value(result, "lm_eval", "tasks") or {}
+
+
+def lm_eval_metric(result: dict, task: str, metric: str) -> dict | None:
+    """{value, stderr, higher_is_better} of one task metric, or None when absent or without a value."""
+    found = ((lm_eval_tasks(result).get(task) or {}).get("metrics") or {}).get(metric)
+    return found if found and found.get("value") is not None else None
+
+
 def write_result(result: dict, out: Path) -> Path:
     """Write atomically: a reader never sees half a file, and a failed run leaves none (a full or
     read-only disk is one line naming the file)."""
