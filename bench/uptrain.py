@@ -22,7 +22,7 @@ Each reports tokens per wall second and per CPU second of this process.
     python bench/uptrain.py --mode runs         # 8 ABBA pairs of 12-step train() runs
     python bench/uptrain.py --mode both --seq-len 256
     python bench/uptrain.py --mode profile --steps 15
-    python bench/uptrain.py --smoke --json /tmp/u.json   # both modes at toy sizes, seconds (run by a test)
+    python bench/uptrain.py --smoke --json /tmp/u.json   # every mode at toy sizes (run by a test)
 
 The runs mode uses only the public load_recipe/train. The paired and profile modes time the loop's
 per-step code, which has no public entry point, so they reach into mha2gqa.uptrain's modules by name;
@@ -166,9 +166,10 @@ def run_profile(args, work: Path) -> dict:
     Both parts are measured in the same steps, so load from other processes largely cancels; the
     profiler's per-call cost lands mostly on the Python bookkeeping, so this overstates our overhead."""
     import cProfile
+    import inspect
     import pstats
 
-    from mha2gqa.uptrain import load_recipe, train
+    from mha2gqa.uptrain import load_recipe, losses, steps, train
 
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe_dict(args, work / f"profile-{time.monotonic_ns()}")))
@@ -177,16 +178,22 @@ def run_profile(args, work: Path) -> dict:
     profiler.runcall(train, recipe)
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, ncalls, tottime, cumtime, callers)}
 
-    def cumulative(file_end: str, name: str) -> float:
-        return sum(v[3] for (f, _, n), v in stats.items() if f.endswith(file_end) and n == name)
+    def cumulative(function) -> float:
+        """Cumulative seconds in `function` (its own code, under any decorator); a function the run
+        never entered is an error, so a rename cannot silently report 0."""
+        code = inspect.unwrap(function).__code__
+        key = (code.co_filename, code.co_firstlineno, code.co_name)
+        if key not in stats:
+            raise SystemExit(f"profile: {function.__qualname__} was never called; update bench/uptrain.py")
+        return stats[key][3]
 
     parts = {
-        "run_steps": cumulative("uptrain/steps.py", "run_steps"),
-        "eval": cumulative("uptrain/steps.py", "_evaluate"),
-        "forward+loss": cumulative("uptrain/losses.py", "lm_loss") - cumulative("uptrain/losses.py", "evaluate"),
-        "backward": cumulative("torch/_tensor.py", "backward"),
-        "clip": cumulative("torch/nn/utils/clip_grad.py", "clip_grad_norm_"),
-        "adamw": cumulative("torch/optim/adam.py", "step"),  # AdamW inherits Adam.step
+        "run_steps": cumulative(steps.run_steps),
+        "eval": cumulative(steps._evaluate),
+        "forward+loss": cumulative(losses.lm_loss) - cumulative(losses.evaluate),
+        "backward": cumulative(torch.Tensor.backward),
+        "clip": cumulative(torch.nn.utils.clip_grad_norm_),
+        "adamw": cumulative(torch.optim.AdamW.step),  # AdamW inherits Adam.step
     }
     compute = parts["forward+loss"] + parts["backward"] + parts["clip"] + parts["adamw"]
     parts["loop_overhead_s"] = parts["run_steps"] - parts["eval"] - compute
@@ -238,7 +245,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=NOVEL, help="training text (one novel by default)")
     parser.add_argument("--json", type=Path, default=ROOT / ".bench" / "uptrain.json", help="where results go")
     parser.add_argument("--smoke", action="store_true",
-                        help="mode both at toy sizes (4 pairs, 1 run of 6 steps each, seq_len 32, batch 2): seconds")
+                        help="modes both and profile at toy sizes (4 pairs, 1 run of 6 steps each, seq_len 32, batch 2): seconds")
     args = parser.parse_args()
     if args.smoke:
         args.mode, args.pairs, args.steps, args.interval, args.repeats, args.seq_len, args.batch = "both", 4, 6, 2, 1, 32, 2
@@ -250,7 +257,7 @@ def main() -> None:
             times = run_paired(args, Path(tmp))
             result["paired_step_seconds"] = times
             _report_paired(times, args.seq_len * args.batch, result)
-        if args.mode == "profile":
+        if args.mode == "profile" or args.smoke:
             result["profile"] = run_profile(args, Path(tmp))
         if args.mode in ("runs", "both"):
             runs = []

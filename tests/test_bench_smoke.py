@@ -45,8 +45,8 @@ def test_convert_smoke_times_every_job(tmp_path):
     assert not (tmp_path / "llama-0gb").exists()  # the synthetic checkpoint is removed without --keep
 
 
-@pytest.mark.slow  # ~85 s on a loaded 2-core machine: one paired run and one pair of whole train() runs
-def test_uptrain_smoke_reports_both_modes(tmp_path):
+@pytest.mark.slow  # ~60-90 s on a loaded 2-core machine: a paired run, two whole train() runs, a profiled one
+def test_uptrain_smoke_reports_every_mode(tmp_path):
     out = run_smoke("uptrain.py", "--json", str(tmp_path / "u.json"))
     assert len(table_rows(out, r"tokens / (wall|process CPU) second")) == 4
     result = json.loads((tmp_path / "u.json").read_text())
@@ -54,6 +54,10 @@ def test_uptrain_smoke_reports_both_modes(tmp_path):
     assert {len(result["paired_step_seconds"][k]) for k in ("uptrain", "hand")} == {2}  # 4 pairs, 2 warm-up
     for key in ("paired tokens / wall second", "runs tokens / process CPU second"):
         assert finite(result[key]["median_overhead"])
+    profile = result["profile"]  # seconds by function, found by the functions themselves (none may be 0)
+    for key in ("run_steps", "eval", "forward+loss", "backward", "clip", "adamw"):
+        assert finite(profile[key]) and profile[key] > 0, key
+    assert profile["run_steps"] > profile["backward"] and finite(profile["overhead"])
     for side in ("uptrain", "hand"):
         assert result["paired tokens / wall second"][side] > 0
         assert all(r[0] > 0 and r[1] > 0 for r in result["runs_intervals"][0][side])
