@@ -58,7 +58,7 @@ def uptrain(args, model: Path, source: Path, out: Path, alpha: float, total: int
     overrides = embedded_run_overrides(model, out, eval_blocks=1) + [
         f"tokenizer={source}", f"budget.alpha={alpha}", f"budget.pretrain_tokens={total}",
         f"micro_batch_size={args.micro_batch}", f"optim.warmup_steps={args.warmup}", "eval_at_start=false",
-        "eval_every=0", "save_every=0", "log_every=1000"]
+        "eval_every=0", "save_every=0", "log_every=1000"] + ([f"optim.lr={args.lr}"] if args.lr else [])
     recipe = load_recipe(DEMO_RECIPE, overrides)
     train(recipe)
     return total_steps(recipe, 1) * tokens_per_step(recipe, 1)
@@ -78,21 +78,26 @@ def run(args) -> dict:
     parent = model_perplexity(source, ids, context)
     result = {"model": str(source), "parent_perplexity": parent, "eval_tokens": len(ids), "context": context,
               "pretrain_tokens": total, "alphas": args.alphas, "micro_batch_size": args.micro_batch,
-              "warmup_steps": args.warmup, "recipe": "mha2gqa/demo/demo-uptrain.yaml",
+              "warmup_steps": args.warmup, "lr": args.lr, "recipe": "mha2gqa/demo/demo-uptrain.yaml",
               "calibration": args.calibration, "calibration_tokens": args.calibration_tokens,
               "refine_steps": args.refine_steps, "load_average_start": os.getloadavg(), "rows": []}
     print(f"parent: ppl {parent:.2f} on {len(ids)} tokens; load {os.getloadavg()}", flush=True)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="refine-recovery-"))
     (work / "stats").mkdir(parents=True, exist_ok=True)
-    stats = calibrate(source, layout_for(config), attention_shape(config), expand_corpus_name(args.calibration),
-                      args.calibration_tokens, work / "stats", progress=False)
+    stats = None  # gathered once, on the first conversion that needs it
     for kv in args.kv:
         for start in args.starts:
             if start == "parent" and kv != args.kv[0]:
                 continue  # the parent's own curve does not depend on kv
             model = source if start == "parent" else work / f"{start}-kv{kv}"
             row = {"kv_heads": None if start == "parent" else kv, "start": start}
-            if start != "parent":
+            if start != "parent" and args.reuse and (model / "config.json").exists():
+                row["reused"] = True  # converted by an earlier run into the same --workdir
+            elif start != "parent":
+                if stats is None:
+                    stats = calibrate(source, layout_for(config), attention_shape(config),
+                                      expand_corpus_name(args.calibration), args.calibration_tokens, work / "stats",
+                                      progress=False)
                 row.update(convert_start(args, source, stats, kv, start, model))
             points = [{"alpha": 0.0, "tokens": 0, "perplexity": model_perplexity(model, ids, context)}]
             for alpha in args.alphas:
@@ -112,11 +117,20 @@ def run(args) -> dict:
 def merged(paths: list[str]) -> dict:
     """One result from several runs of this script on the same model and eval (e.g. one per kv)."""
     parts = [json.loads(Path(path).read_text()) for path in paths]
-    result = dict(parts[0], rows=[row for part in parts for row in part["rows"]], sources=paths)
-    for part in parts[1:]:
-        if not math.isclose(part["parent_perplexity"], result["parent_perplexity"]):
+    rows: dict[tuple, dict] = {}  # (kv, start) -> row; runs that reused a conversion add their alphas to it
+    for part in parts:
+        if not math.isclose(part["parent_perplexity"], parts[0]["parent_perplexity"]):
             raise SystemExit(f"--merge: {paths} differ in parent perplexity (different model or eval)")
-    return result
+        for row in part["rows"]:
+            kept = rows.setdefault((row["kv_heads"], row["start"]), dict(row, points=[]))
+            if "convert_s" in row:
+                kept["convert_s"] = row["convert_s"]
+            known = {p["alpha"] for p in kept["points"]}
+            kept["points"] = sorted(kept["points"] + [p for p in row["points"] if p["alpha"] not in known],
+                                    key=lambda p: p["alpha"])
+    alphas = sorted({p["alpha"] for row in rows.values() for p in row["points"]} - {0.0})
+    return dict(parts[0], rows=list(rows.values()), alphas=alphas, sources=paths,
+                load_average_end=parts[-1].get("load_average_end"))
 
 
 def target_checks(result: dict) -> list[dict]:
@@ -139,8 +153,9 @@ def table(result: dict) -> str:
     lines = [f"parent: {result['parent_perplexity']:.2f} (the first {result['eval_tokens']} tokens of Persuasion)",
              "", head, "|---|---|" + "---:|" * (len(alphas) + 2)]
     for row in result["rows"]:
-        cells = " | ".join(f"{p['perplexity']:.2f}" for p in row["points"])
-        lines.append(f"| {row['kv_heads'] or '-'} | {row['start']} | {cells} | {row.get('convert_s', '')} |")
+        by_alpha = {p["alpha"]: p["perplexity"] for p in row["points"]}
+        cells = " | ".join(f"{by_alpha[a]:.2f}" if a in by_alpha else "" for a in [0.0] + alphas)
+        lines.append(f"| {row['kv_heads'] or '-'} | {row['start']} | {cells} | {row.get('convert_s', 'reused' if row.get('reused') else '')} |")
     for check in target_checks(result):
         lines.append(f"\nkv {check['kv_heads']} {check['start']}: {check['excess']:+.2%} of the parent at alpha 0.5% "
                      f"(target <= {check['target']:.0%}): {'met' if check['met'] else 'missed'}")
@@ -186,6 +201,7 @@ def main() -> None:
     parser.add_argument("--alphas", default=",".join(map(str, ALPHAS)))
     parser.add_argument("--pretrain-tokens", type=int, default=None, help="default: the embedded model's")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per step (the demo uses 8)")
+    parser.add_argument("--lr", type=float, default=None, help="peak optim.lr (default: the recipe's 3e-4)")
     parser.add_argument("--warmup", type=int, default=2, help="optim.warmup_steps of every run")
     parser.add_argument("--calibration", default="austen")
     parser.add_argument("--calibration-tokens", type=int, default=65536)
@@ -193,6 +209,7 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=32768)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--workdir", default=None, help="keep converted and uptrained models here")
+    parser.add_argument("--reuse", action="store_true", help="reuse conversions already in --workdir")
     parser.add_argument("--merge", default=None, help="combine these results JSONs (comma-separated) and "
                         "only print, --out and --plot them")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: kv 2, two starts, one step per alpha")
