@@ -122,6 +122,8 @@ def merged(paths: list[str]) -> dict:
         if not math.isclose(part["parent_perplexity"], parts[0]["parent_perplexity"]):
             raise SystemExit(f"--merge: {paths} differ in parent perplexity (different model or eval)")
         for row in part["rows"]:
+            if part.get("lr"):  # another recipe: its own line
+                row = dict(row, start=f"{row['start']} @ lr {part['lr']:g}")
             kept = rows.setdefault((row["kv_heads"], row["start"]), dict(row, points=[]))
             if "convert_s" in row:
                 kept["convert_s"] = row["convert_s"]
@@ -174,8 +176,8 @@ def plot(result: dict, path: Path) -> None:
     for axis, kv in zip(axes[0], kvs):
         for row in result["rows"]:
             if row["kv_heads"] in (kv, None):
-                style = "--" if row["start"] == "parent" else "-"
-                label = "parent, uptrained the same way" if row["start"] == "parent" else row["start"]
+                style = "--" if row["start"].startswith("parent") else "-"
+                label = row["start"].replace("parent", "parent uptrained", 1)
                 axis.plot([p["tokens"] for p in row["points"]], [p["perplexity"] for p in row["points"]], style,
                           marker="o", label=label)
         axis.axhline(parent, color="black", linewidth=1, label=f"parent {parent:.2f}")
