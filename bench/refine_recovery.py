@@ -5,7 +5,7 @@ at each, the parent as the reference line.
     python bench/refine_recovery.py --kv 2,1 --out bench/refine-results/recovery-austen-mha.json \
         --plot docs/refine-recovery.png
     python bench/refine_recovery.py --merge a.json,b.json --out all.json --plot p.png   # combine runs
-    python bench/refine_recovery.py --smoke          # about a minute; run by a test
+    python bench/refine_recovery.py --smoke          # ~25 s; run by a slow test
 
 Starts: `mean`, `calibrated`, `calibrated+refine`, `mean+refine` (a merge from calibration statistics
 gathered once, then `--refine` at its defaults), and `parent` (the parent itself uptrained the same way:

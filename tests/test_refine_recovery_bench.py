@@ -10,7 +10,7 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "refine_recovery.py"
 
 
-@pytest.mark.slow  # a minute or more on 2 busy cores: a --refine conversion and four 1-2 step uptraining runs
+@pytest.mark.slow  # 25 s at load 1 (2 cores): a --refine conversion and four 1-2 step uptraining runs
 def test_recovery_smoke(tmp_path):
     out, png = tmp_path / "recovery.json", tmp_path / "recovery.png"
     subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(out), "--plot", str(png)], check=True,
