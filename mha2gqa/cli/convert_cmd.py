@@ -9,43 +9,33 @@ import click
 from mha2gqa.cli.format import human_bytes, human_count, table
 from mha2gqa.convert.options import (DEFAULT_CALIBRATION_TOKENS, METHOD_SUMMARIES, ConvertOptions, Grouping,
                                      Method)
+from mha2gqa.docfields import choice_docs, option_help
 
 
-def _method_help() -> str:
-    return "; ".join(f"{name}: {summary}" for name, summary in METHOD_SUMMARIES.items())
+def _help(field: str, choices: dict[str, str] | None = None) -> str:
+    """An option's help is its ConvertOptions field's docstring (tests/test_docfields.py holds them equal)."""
+    return option_help(ConvertOptions, field, choices)
 
 
 @click.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--groups", "-g", type=int, required=True,
-              help="Target number of kv heads (1 = multi-query). Must divide the source's kv heads.")
-@click.option("--method", default=Method.MEAN.value, show_default=True, help=f"How each group's kv heads become one. {_method_help()}.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the random method.")
-@click.option("--dtype", default=None, help="Cast floating tensors to float32, float16 or bfloat16 (default: keep each tensor's dtype).")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")
-@click.option("--force", is_flag=True, help="Replace DST if it exists and is not empty (SRC is never touched).")
-@click.option("--dry-run", is_flag=True, help="Print the plan (every output tensor and what it is made of) and write nothing.")
+@click.option("--groups", "-g", type=int, required=True, help=_help("groups"))
+@click.option("--method", default=Method.MEAN.value, show_default=True, help=_help("method", METHOD_SUMMARIES))
+@click.option("--seed", default=0, show_default=True, help=_help("seed"))
+@click.option("--dtype", default=None, help=_help("dtype"))
+@click.option("--max-shard-size", default="5GB", show_default=True, help=_help("max_shard_size"))
+@click.option("--force", is_flag=True, help=_help("force"))
+@click.option("--dry-run", is_flag=True, help=_help("dry_run"))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--calibration", default=None, metavar="DATA",
-              help="Calibration text for --method calibrated, --grouping similarity and the per-layer "
-                   "reconstruction errors: a .txt/.md/.jsonl/.json/.parquet file (.gz/.bz2/.xz/.zst too), a folder "
-                   "of them, 'austen' (the embedded novels) or a hub dataset with a 'text' column (online). Tokenized with SRC's tokenizer.")
+@click.option("--calibration", default=None, metavar="DATA", help=_help("calibration"))
 @click.option("--calibration-tokens", default=DEFAULT_CALIBRATION_TOKENS, show_default=True,
-              help="How many calibration tokens to run through SRC (once) to gather statistics.")
-@click.option("--calibration-memory", default="4GiB", show_default=True,
-              help="Most memory for the statistics ((hidden+1)^2 float64 per layer); beyond it the tokens go "
-                   "through SRC once per slice of layers.")
+              help=_help("calibration_tokens"))
+@click.option("--calibration-memory", default="4GiB", show_default=True, help=_help("calibration_memory"))
 @click.option("--grouping", type=click.Choice([g.value for g in Grouping]), default=Grouping.CONTIGUOUS.value,
-              show_default=True,
-              help="Which kv heads share a group: contiguous (transformers' order) or similarity (chosen per layer "
-                   "from calibrated K/V similarity, then query heads and o_proj columns permuted to match; "
-                   "needs --calibration).")
-@click.option("--refine", is_flag=True,
-              help="After the merge, fit each layer's attention parameters, layer by layer, so that its output on "
-                   "the calibration tokens matches the parent's (inputs from the already-refined layers below). "
-                   "Needs --calibration; works with every --method and --grouping. Per-layer errors on fit and "
-                   "held-out calibration tokens go to the terminal and mha2gqa.json.")
+              show_default=True, help=_help("grouping", choice_docs(Grouping)))
+@click.option("--refine", is_flag=True, help=_help("refine"))
+# RefineOptions (convert/refine.py) imports torch and documents its fields in comments: literal help here
 @click.option("--refine-steps", default=50, show_default=True,
               help="Adam steps per layer for --refine (0: only the closed-form o_proj solve).")
 @click.option("--refine-lr", default=1e-3, show_default=True, help="Peak Adam learning rate for --refine (cosine to 0).")

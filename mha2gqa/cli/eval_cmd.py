@@ -7,7 +7,13 @@ import json
 import click
 
 from mha2gqa.cli.format import human_bytes
-from mha2gqa.eval.options import SpeedPreset
+from mha2gqa.docfields import choice_docs, option_help
+from mha2gqa.eval.options import EvalOptions, SpeedPreset
+
+
+def _help(field: str, choices: dict[str, str] | None = None) -> str:
+    """An option's help is its EvalOptions field's docstring (tests/test_docfields.py holds them equal)."""
+    return option_help(EvalOptions, field, choices)
 
 
 def _int_list(ctx, param, value):
@@ -26,43 +32,35 @@ def _str_list(ctx, param, value):
 
 @click.command("eval")
 @click.argument("model")
-@click.option("--data", help="Held-out text: a .txt/.md file (one document), .jsonl/.json/.parquet (a document per "
-              "record, from --data-column), each .gz/.bz2/.xz/.zst too, a folder of them, or a hub dataset name "
-              "such as wikitext (online only). Without it perplexity is skipped.")
-@click.option("--data-config", help="Hub dataset config, e.g. wikitext-2-raw-v1.")
-@click.option("--data-split", default="test", show_default=True, help="Hub dataset split.")
-@click.option("--data-column", default="text", show_default=True, help="Field or column holding the text (jsonl/json/parquet files, hub datasets).")
-@click.option("--max-tokens", type=int, help="Score at most this many tokens of --data (a hub dataset is then read only as far as needed).")
-@click.option("--tokenizer", help="Tokenizer dir or hub id (default: the MODEL directory's tokenizer).")
-@click.option("--reference", help="Parent model (dir or hub id): adds mean KL(reference||model) and top-1 agreement on --data.")
-@click.option("--context", type=int, help="Perplexity window in tokens [default: min(1024, max_position_embeddings)].")
-@click.option("--stride", type=int, help="Tokens between window starts, 1..context; each token is scored once [default: context/2].")
-@click.option("--batch-size", default=1, show_default=True, help="Windows per forward pass in perplexity.")
-@click.option("--dtype", default="auto", show_default=True, help="auto (the checkpoint's), float32, bfloat16 or float16.")
-@click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:N.")
+@click.option("--data", help=_help("data"))
+@click.option("--data-config", help=_help("data_config"))
+@click.option("--data-split", default="test", show_default=True, help=_help("data_split"))
+@click.option("--data-column", default="text", show_default=True, help=_help("data_column"))
+@click.option("--max-tokens", type=int, help=_help("max_tokens"))
+@click.option("--tokenizer", help=_help("tokenizer"))
+@click.option("--reference", help=_help("reference"))
+@click.option("--context", type=int, help=_help("context"))
+@click.option("--stride", type=int, help=_help("stride"))
+@click.option("--batch-size", default=1, show_default=True, help=_help("batch_size"))
+@click.option("--dtype", default="auto", show_default=True, help=_help("dtype"))
+@click.option("--device", default="auto", show_default=True, help=_help("device"))
 @click.option("--speed", "speed_preset", type=click.Choice([p.value for p in SpeedPreset]), default=SpeedPreset.AUTO.value,
-              show_default=True,
-              help="Decode-speed grid: cpu (batches 1,4 x context 32, 16 new tokens: seconds), gpu (batches 1,8,32,64 x "
-              "contexts 512,2048, 64 new tokens), auto (gpu on CUDA else cpu), off.")
-@click.option("--speed-batches", callback=_int_list, help="Override the preset's batch sizes, e.g. 1,8,64.")
-@click.option("--speed-contexts", callback=_int_list, help="Override the preset's prefill lengths, e.g. 512,2048.")
-@click.option("--new-tokens", type=int, help="Greedy tokens decoded per measurement (overrides the preset).")
-@click.option("--repeats", type=int, help="Timed repeats per grid point; the median is reported (after 1 warm-up).")
-@click.option("--kv-batch", default=2, show_default=True, help="Batch of the prefill whose live KV cache is measured.")
-@click.option("--kv-tokens", default=32, show_default=True, help="Tokens of that prefill.")
-@click.option("--attention-maps", "attention_text", help="A short text: save per-head attention maps of --attention-layer "
-              "as a PNG grid (beside --reference's heads when given).")
-@click.option("--attention-layer", default=0, show_default=True, help="Layer of the attention maps (negative counts from the end).")
-@click.option("--attention-png", type=click.Path(dir_okay=False), help="Where the attention PNG goes [default: OUT with .attention.png].")
-@click.option("--lm-eval-tasks", callback=_str_list, help="lm-evaluation-harness tasks on the loaded model: the offline "
-              "persuasion_cloze,persuasion_next_sentence (or the tag mha2gqa_offline), or hub tasks such as hellaswag "
-              "when online (needs pip install 'mha2gqa[lmeval]'; see docs/lmeval.md).")
-@click.option("--lm-eval-limit", type=int, help="Examples per lm-eval task (for quick checks only).")
-@click.option("--role", type=click.Choice(["parent", "converted", "uptrained"]),
-              help="Role in the report [default: from MODEL/mha2gqa.json: uptrain -> uptrained, conversion -> converted, none -> parent].")
-@click.option("--label", help="Short name in the report [default: the MODEL directory's name].")
-@click.option("--seed", default=0, show_default=True, help="Seed of the random prefill ids.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Write the result JSON here (default: print it to stdout).")
+              show_default=True, help=_help("speed_preset", choice_docs(SpeedPreset)))
+@click.option("--speed-batches", callback=_int_list, help=_help("speed_batches"))
+@click.option("--speed-contexts", callback=_int_list, help=_help("speed_contexts"))
+@click.option("--new-tokens", type=int, help=_help("new_tokens"))
+@click.option("--repeats", type=int, help=_help("repeats"))
+@click.option("--kv-batch", default=2, show_default=True, help=_help("kv_batch"))
+@click.option("--kv-tokens", default=32, show_default=True, help=_help("kv_tokens"))
+@click.option("--attention-maps", "attention_text", help=_help("attention_text"))
+@click.option("--attention-layer", default=0, show_default=True, help=_help("attention_layer"))
+@click.option("--attention-png", type=click.Path(dir_okay=False), help=_help("attention_png"))
+@click.option("--lm-eval-tasks", callback=_str_list, help=_help("lm_eval_tasks"))
+@click.option("--lm-eval-limit", type=int, help=_help("lm_eval_limit"))
+@click.option("--role", type=click.Choice(["parent", "converted", "uptrained"]), help=_help("role"))
+@click.option("--label", help=_help("label"))
+@click.option("--seed", default=0, show_default=True, help=_help("seed"))
+@click.option("--out", type=click.Path(dir_okay=False), help=_help("out"))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def eval_command(model, quiet, out, **options):
     """Measure MODEL (a local directory or a hub id when online): sliding-window perplexity on --data,
@@ -72,7 +70,6 @@ def eval_command(model, quiet, out, **options):
 
     Example: mha2gqa eval ./llama-gqa8 --data held_out.txt --reference ./llama --out gqa8.json
     """
-    from mha2gqa.eval.options import EvalOptions
     from mha2gqa.eval.run import evaluate
 
     result = evaluate(model, options=EvalOptions(**options, out=out, progress=not quiet))

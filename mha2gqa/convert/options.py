@@ -60,9 +60,10 @@ class Grouping(_StrEnum):
     """Which kv heads share a group."""
 
     CONTIGUOUS = "contiguous"
-    """transformers' order: group g holds heads [g*r, (g+1)*r)."""
+    """transformers' order, group g holds heads [g*r, (g+1)*r)."""
     SIMILARITY = "similarity"
-    """Chosen per layer from calibrated K/V similarity; query heads and o_proj columns permuted to match."""
+    """chosen per layer from calibrated K/V similarity, then query heads and o_proj columns permuted to match
+    (needs --calibration)."""
 
 
 @dataclass
@@ -70,33 +71,39 @@ class ConvertOptions:
     groups: int
     """Target number of kv heads (1 = multi-query). Must divide the source's kv heads."""
     method: Method | str = Method.MEAN
-    """How each group's kv heads become one (see METHOD_SUMMARIES)."""
+    """How each group's kv heads become one."""
     seed: int = 0
     """Seed of the random method (and of --refine's held-out split)."""
     dtype: str | None = None
-    """Cast floating tensors to float32, float16 or bfloat16; None keeps each tensor's dtype."""
+    """Cast floating tensors to float32, float16 or bfloat16 (default: keep each tensor's dtype)."""
     max_shard_size: str | int = "5GB"
     """Largest output shard, e.g. 5GB, 500MB, 2GiB, or bytes."""
     force: bool = False
     """Replace DST if it exists and is not empty (SRC is never touched)."""
     dry_run: bool = False
-    """Plan only: return the plan and write nothing."""
+    """Plan only, write nothing: the plan (every output tensor and what it is made of) is returned, and printed
+    by the command."""
     progress: bool = True
     """Show progress bars."""
     calibration: str | list[str] | CalibrationStats | None = None
-    """Calibration text (files, folders or a hub dataset: see mha2gqa.textdata) for the calibrated method,
-    similarity grouping and the per-layer reconstruction errors; a sweep may pass the CalibrationStats it
-    gathered once with calibration.calibrate instead."""
+    """Calibration text for --method calibrated, --grouping similarity, --refine and the per-layer
+    reconstruction errors: a .txt/.md/.jsonl/.json/.parquet file (.gz/.bz2/.xz/.zst too), a folder of them,
+    'austen' (the embedded novels; command line only) or a hub dataset with a 'text' column (online).
+    Tokenized with SRC's tokenizer. In Python a sweep may pass the CalibrationStats it gathered once with
+    calibration.calibrate instead."""
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
     """How many calibration tokens to run through SRC (once) to gather statistics."""
     grouping: Grouping | str = Grouping.CONTIGUOUS
-    """Which kv heads share a group (see Grouping)."""
+    """Which kv heads share a group."""
     calibration_memory: str | int = DEFAULT_CALIBRATION_MEMORY
     """Most memory for the statistics ((hidden+1)^2 float64 per layer); beyond it the tokens go through SRC
     once per slice of layers."""
     refine: RefineOptions | None = None
-    """After the merge, fit each layer's attention to the parent's output on the calibration tokens
-    (convert/refine.py); needs `calibration`."""
+    """After the merge, fit each layer's attention parameters, layer by layer, so that its output on the
+    calibration tokens matches the parent's (inputs from the already-refined layers below). Needs
+    --calibration; works with every --method and --grouping. Per-layer errors on fit and held-out
+    calibration tokens go to the terminal and mha2gqa.json. Settings: the --refine-* flags (in Python a
+    RefineOptions, convert/refine.py; None: no refinement)."""
 
     def __post_init__(self):
         self.method = Method.parse(self.method, "--method")

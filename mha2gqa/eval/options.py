@@ -25,15 +25,17 @@ class SpeedPreset(str, Enum):
     GPU = "gpu"
     """batches 1,8,32,64 x contexts 512,2048, 64 new tokens."""
     OFF = "off"
-    """No decode-speed measurement (None and False mean the same)."""
+    """no decode-speed measurement (in Python None and False mean the same)."""
 
 
 @dataclass
 class EvalOptions:
     data: str | None = None
-    """Held-out text: a file, a folder of files, or a hub dataset name (perplexity is skipped without it)."""
+    """Held-out text: a .txt/.md file (one document), .jsonl/.json/.parquet (a document per record, from
+    --data-column), each .gz/.bz2/.xz/.zst too, a folder of them, or a hub dataset name such as wikitext
+    (online only). Without it perplexity is skipped."""
     reference: str | None = None
-    """Parent model (dir or hub id): adds mean KL(reference||model) and top-1 agreement on `data`."""
+    """Parent model (dir or hub id): adds mean KL(reference||model) and top-1 agreement on --data."""
     tokenizer: str | None = None
     """Tokenizer dir or hub id (default: the model directory's tokenizer)."""
     data_config: str | None = None
@@ -43,7 +45,7 @@ class EvalOptions:
     data_column: str = "text"
     """Field or column holding the text (jsonl/json/parquet files, hub datasets)."""
     max_tokens: int | None = None
-    """Score at most this many tokens of `data`."""
+    """Score at most this many tokens of --data (a hub dataset is then read only as far as needed)."""
     context: int | None = None
     """Perplexity window in tokens (default: min(1024, max_position_embeddings))."""
     stride: int | None = None
@@ -55,11 +57,11 @@ class EvalOptions:
     device: str = "auto"
     """auto (cuda when available), cpu, cuda, cuda:N."""
     speed_preset: SpeedPreset | str | None = SpeedPreset.AUTO
-    """Decode-speed grid (see SpeedPreset); None, False or "off" skips it."""
+    """Decode-speed grid."""
     speed_batches: Sequence[int] | None = None
-    """Override the preset's batch sizes."""
+    """Override the preset's batch sizes, e.g. 1,8,64."""
     speed_contexts: Sequence[int] | None = None
-    """Override the preset's prefill lengths."""
+    """Override the preset's prefill lengths, e.g. 512,2048."""
     new_tokens: int | None = None
     """Greedy tokens decoded per speed measurement (overrides the preset)."""
     repeats: int | None = None
@@ -69,23 +71,27 @@ class EvalOptions:
     kv_tokens: int = 32
     """Tokens of that prefill."""
     attention_text: str | None = None
-    """A short text: save per-head attention maps of `attention_layer` as a PNG grid."""
+    """A short text: save per-head attention maps of --attention-layer as a PNG grid (beside --reference's
+    heads when given)."""
     attention_layer: int = 0
     """Layer of the attention maps (negative counts from the end)."""
     attention_png: str | None = None
-    """Where the attention PNG goes (default: `out` with .attention.png)."""
+    """Where the attention PNG goes (default: --out with .attention.png)."""
     lm_eval_tasks: Sequence[str] | None = None
-    """lm-evaluation-harness tasks run on the loaded model (docs/lmeval.md)."""
+    """lm-evaluation-harness tasks on the loaded model: the offline persuasion_cloze,persuasion_next_sentence
+    (or the tag mha2gqa_offline), or hub tasks such as hellaswag when online (needs pip install
+    'mha2gqa[lmeval]'; see docs/lmeval.md)."""
     lm_eval_limit: int | None = None
     """Examples per lm-eval task (for quick checks only)."""
     role: str | None = None
-    """parent, converted or uptrained (default: from the model's mha2gqa.json)."""
+    """Role in the report: parent, converted or uptrained (default: from the model's mha2gqa.json: uptrain ->
+    uptrained, conversion -> converted, none -> parent)."""
     label: str | None = None
     """Short name in the report (default: the model directory's name)."""
     seed: int = 0
     """Seed of torch and of the random prefill ids."""
     out: str | None = None
-    """Write the result JSON here (atomically, at the end)."""
+    """Write the result JSON here, atomically at the end (default: the command prints it to stdout)."""
     progress: bool = True
     """Show progress bars."""
 
