@@ -28,7 +28,8 @@ def test_each_options_help_is_its_fields_docstring(command, cls):
         if option.name in names:
             expected = " ".join(docs[option.name].split())
             if option.name in CHOICES:
-                expected += " " + "; ".join(f"{value}: {doc.rstrip('.')}" for value, doc in CHOICES[option.name].items()) + "."
+                listed = (f"{value}: {doc.rstrip('.')}" for value, doc in CHOICES[option.name].items())
+                expected += " " + "; ".join(listed) + "."
             assert option.help == expected, option.opts[0]
 
 
