@@ -86,7 +86,7 @@ def hand_setup(args, work: Path, steps: int):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from mha2gqa.uptrain import load_recipe
-    from mha2gqa.uptrain.data_setup import build_data
+    from mha2gqa.uptrain.data import build_data
 
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe_dict(args, work / "unused")))
@@ -120,10 +120,9 @@ def run_paired(args, work: Path) -> dict:
     from transformers import AutoTokenizer
 
     from mha2gqa.uptrain import load_recipe
-    from mha2gqa.uptrain.data_setup import build_data
-    from mha2gqa.uptrain.metrics import Metrics
+    from mha2gqa.uptrain.data import build_data
     from mha2gqa.uptrain.models import load_student, make_optimizer
-    from mha2gqa.uptrain.steps import Run, loss_function, optimizer_step
+    from mha2gqa.uptrain.steps import Metrics, Run, loss_function, optimizer_step
 
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe_dict(args, work / "paired", budget={"max_steps": args.pairs})))
@@ -169,7 +168,7 @@ def run_profile(args, work: Path) -> dict:
     import inspect
     import pstats
 
-    from mha2gqa.uptrain import load_recipe, losses, steps, train
+    from mha2gqa.uptrain import load_recipe, steps, train
 
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe_dict(args, work / f"profile-{time.monotonic_ns()}")))
@@ -190,7 +189,7 @@ def run_profile(args, work: Path) -> dict:
     parts = {
         "run_steps": cumulative(steps.run_steps),
         "eval": cumulative(steps._evaluate),
-        "forward+loss": cumulative(losses.lm_loss) - cumulative(losses.evaluate),
+        "forward+loss": cumulative(steps.lm_loss) - cumulative(steps.evaluate),
         "backward": cumulative(torch.Tensor.backward),
         "clip": cumulative(torch.nn.utils.clip_grad_norm_),
         "adamw": cumulative(torch.optim.AdamW.step),  # AdamW inherits Adam.step

@@ -170,7 +170,7 @@ def test_model_provenance_records_its_pretraining():
 def test_pretrain_recipe_names_its_command_and_holds_out_persuasion(monkeypatch):
     first = RECIPE.read_text().splitlines()[0]
     assert first == f"# mha2gqa uptrain --recipe recipes/{RECIPE.name}"
-    from mha2gqa.uptrain.recipe import load_recipe
+    from mha2gqa.uptrain import load_recipe
 
     monkeypatch.chdir(ROOT)  # the recipe's paths are relative to the repository root
     recipe = load_recipe(RECIPE)

@@ -17,7 +17,7 @@ from mha2gqa.errors import InputError
 from mha2gqa.provenance import latest
 from mha2gqa.uptrain import load_recipe, train
 from mha2gqa.uptrain import lora as L
-from mha2gqa.uptrain.data_setup import build_data
+from mha2gqa.uptrain.data import build_data
 from mha2gqa.uptrain.models import load_student
 
 pytest.importorskip("peft")  # in [test]; .ci/run installs it

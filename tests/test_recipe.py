@@ -10,9 +10,8 @@ import yaml
 from click.testing import CliRunner
 
 from mha2gqa.errors import InputError
-from mha2gqa.uptrain.recipe import Recipe, load_recipe
-from mha2gqa.uptrain.recipe_doc import describe
-from mha2gqa.uptrain.recipe_load import all_keys
+from mha2gqa.uptrain.recipe import Recipe, all_keys, describe
+from mha2gqa.uptrain.recipe_load import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 # recipes/ and the ones shipped inside the package (the demo's)

@@ -10,11 +10,10 @@ from uptrain_helpers import corpus, recipe_file
 
 from mha2gqa import textdata
 from mha2gqa.errors import InputError
-from mha2gqa.uptrain.batches import MemoryBatches, StreamBatches
-from mha2gqa.uptrain.data import block_hash, pack, pack_all, rank_slice
-from mha2gqa.uptrain.data_setup import build_data
-from mha2gqa.uptrain.recipe import OptimConfig, load_recipe
-from mha2gqa.uptrain.schedule import lr_at, total_steps
+from mha2gqa.uptrain import load_recipe
+from mha2gqa.uptrain.data import MemoryBatches, StreamBatches, block_hash, build_data, pack, pack_all, rank_slice
+from mha2gqa.uptrain.recipe import OptimConfig
+from mha2gqa.uptrain.steps import lr_at, total_steps
 from tiny_models import make_tiny_tokenizer
 
 EOS = 2

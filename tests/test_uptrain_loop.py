@@ -16,10 +16,8 @@ from uptrain_helpers import corpus, metrics, recipe_file, tiny_model_dir
 from mha2gqa.errors import InputError
 from mha2gqa.provenance import latest, lineage
 from mha2gqa.uptrain import load_recipe, train
-from mha2gqa.uptrain.batches import MemoryBatches
-from mha2gqa.uptrain.data_setup import build_data
-from mha2gqa.uptrain.losses import kl_teacher_student
-from mha2gqa.uptrain.steps import TrainingDiverged
+from mha2gqa.uptrain.data import MemoryBatches, build_data
+from mha2gqa.uptrain.steps import TrainingDiverged, kl_teacher_student
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,7 +186,7 @@ def test_distillation_after_updates_mixes_a_nonzero_kl(tmp_path, tiny):
     """Step 0 has KL 0 by construction; at step 3 the student has moved. With a constant learning rate a
     2-step run ends where the 3-step run stood before its third step, so that step's logged loss is
     (1 - w) * LM + w * T^2 * KL of the 2-step result against the teacher, on the third batch."""
-    from mha2gqa.uptrain.losses import lm_loss
+    from mha2gqa.uptrain.steps import lm_loss
 
     keys = dict(log_every=1, eval_every=0, optim={"lr": 3e-3, "schedule": "constant", "warmup_steps": 0},
                 distill={"teacher": str(tiny["model"]), "kl_weight": 0.25, "temperature": 2.0})

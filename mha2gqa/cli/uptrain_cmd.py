@@ -8,7 +8,7 @@ import click
 def _print_keys(ctx, _param, value):
     if not value or ctx.resilient_parsing:
         return
-    from mha2gqa.uptrain.recipe_doc import describe
+    from mha2gqa.uptrain.recipe import describe
 
     for key, default, doc in describe():
         click.echo(f"{key} (default {default})\n    {doc}")

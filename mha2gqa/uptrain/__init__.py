@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mha2gqa.uptrain.recipe import Recipe, load_recipe
+from mha2gqa.uptrain.recipe import Recipe
+from mha2gqa.uptrain.recipe_load import load_recipe
 
 __all__ = ["Recipe", "load_recipe", "train"]
 

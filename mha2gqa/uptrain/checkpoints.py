@@ -1,6 +1,6 @@
-"""The output directory: resumable checkpoints (accelerate save_state + our progress.json), the
-checks that decide whether a run may start or resume there (sources, room, damaged checkpoints),
-keep-last-K pruning, and how a failed write is worded.
+"""The output directory: resumable checkpoints (accelerate save_state + our progress.json; saved,
+loaded, pruned to the last K), the checks that decide whether a run may start or resume there
+(sources, room, damaged checkpoints), and how a failed write is worded.
 
 A checkpoint counts only once its progress.json exists: it is written last, so a run killed
 while saving leaves a folder that resume ignores.
@@ -27,7 +27,7 @@ FULL_BELOW = 2**20  # a write that failed with less free space than this failed 
 STRICT_KEYS = ("model", "init_from_config", "tokenizer", "seed", "seq_len", "micro_batch_size",
                "grad_accum", "trainable", "data.", "budget.", "lora.")
 # What a fresh run may delete in an existing output_dir when overwrite=true: only our own files, and
-# never a previous final model (weights, config, tokenizer, mha2gqa.json): final.py replaces that only
+# never a previous final model (weights, config, tokenizer, mha2gqa.json): loop.save_final replaces that only
 # once the new one is complete, so a run that fails leaves the old one whole.
 OWN_FILES = ("checkpoints", "metrics.jsonl", "trace", "tensorboard")
 
@@ -62,6 +62,46 @@ def write_progress(ckpt: Path, progress: dict) -> None:
 def prune(out: Path, keep_last: int) -> None:
     for old in complete_checkpoints(out)[:-keep_last]:
         shutil.rmtree(old)
+
+
+def save_checkpoint(accelerator, out: Path, progress: dict, keep_last: int) -> Path:
+    """accelerate save_state (model, optimizer, RNG of every rank), then progress.json, which marks
+    the checkpoint complete; older checkpoints beyond keep_last go. A disk that is full or read-only
+    ends the run with one line (the previous checkpoints stay)."""
+    ckpt = checkpoint_dir(out, progress["step"])
+    if accelerator.is_main_process:
+        (ckpt / PROGRESS).unlink(missing_ok=True)  # re-saving a step: incomplete until done
+        (ckpt / DAMAGED).unlink(missing_ok=True)  # set aside by a --resume; replaced now
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(ckpt))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            write_progress(ckpt, progress)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP while saving: no half checkpoint either
+        if accelerator.is_main_process:
+            shutil.rmtree(ckpt, ignore_errors=True)
+        raise
+    except Exception as err:  # noqa: BLE001 - torch.save and safetensors do not raise OSError for a full disk
+        fault = write_failure(err, ckpt)
+        if fault is None:
+            raise
+        if accelerator.is_main_process:
+            shutil.rmtree(ckpt, ignore_errors=True)  # half a checkpoint is no checkpoint
+        raise fault from err
+    if accelerator.is_main_process:
+        prune(out, keep_last)
+    accelerator.wait_for_everyone()
+    return ckpt
+
+
+def saved_eval_loss(out: Path, step: int) -> float | None:
+    """The eval loss the checkpoint a run resumes from was saved with (its bar for divergence)."""
+    if step == 0:
+        return None
+    progress = read_progress(checkpoint_dir(out, step)) or {}
+    value = progress.get("eval_loss")
+    return value if isinstance(value, float) else None
 
 
 def flat(d: dict, prefix: str = "") -> dict:

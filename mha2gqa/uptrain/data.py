@@ -1,7 +1,10 @@
-"""Text -> tokens -> packed seq_len blocks, with EOS between documents and no padding.
+"""A recipe's data, ready for the loop: text -> tokens -> packed seq_len blocks (EOS between
+documents, no padding) -> per-rank training batches and the held-out eval blocks.
 
-Documents come from mha2gqa.textdata (a `datasets` Dataset of local files or a hub dataset); batches.py
-turns the blocks into per-rank training batches and data_setup.py puts the pieces together for a recipe.
+Documents come from mha2gqa.textdata (a `datasets` Dataset of local files or a hub dataset). Training
+batches are a pure function of (seed, micro-step, rank): a resumed run asks for the batches from its
+micro-step on and gets exactly what the uninterrupted run saw; the ranks take disjoint slices of
+every global batch (in memory) or disjoint documents (streaming).
 """
 
 from __future__ import annotations
@@ -9,10 +12,18 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
+from mha2gqa import textdata
+from mha2gqa.errors import InputError
+from mha2gqa.uptrain.recipe import DataConfig, Recipe
+
+
+# ---- packing ----
 
 def token_docs(texts: Iterable[str], tokenizer, batch: int = 64) -> Iterator[list[int]]:
     """Token ids per document, without BOS/EOS (packing adds the separators)."""
@@ -56,3 +67,163 @@ def rank_slice(blocks: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
     """Every world_size-th block from `rank`, the same count on each rank (collective forwards need it)."""
     usable = len(blocks) // world_size * world_size
     return blocks[rank:usable:world_size]
+
+
+# ---- training batches ----
+
+class MemoryBatches:
+    """In-memory blocks, reshuffled exactly every epoch from the seed."""
+
+    def __init__(self, blocks: torch.Tensor, micro_batch: int, rank: int, world_size: int, seed: int):
+        self.blocks, self.mb, self.rank, self.ws, self.seed = blocks, micro_batch, rank, world_size, seed
+        # Global micro-batches per epoch; the tail that cannot give every rank a full batch waits a epoch.
+        self.per_epoch = len(blocks) // (micro_batch * world_size)
+        if self.per_epoch == 0:
+            raise InputError(
+                f"the training data holds {len(blocks)} blocks of seq_len tokens, fewer than one batch "
+                f"(micro_batch_size x processes = {micro_batch * world_size}): add data or lower seq_len/micro_batch_size"
+            )
+        self._epoch, self._perm = -1, None
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 1)
+            self._epoch, self._perm = epoch, torch.randperm(len(self.blocks), generator=gen)
+        return self._perm
+
+    def batch(self, micro_step: int) -> torch.Tensor:
+        """(micro_batch, seq_len) int64 for this rank at global micro-step `micro_step`."""
+        epoch, index = divmod(micro_step, self.per_epoch)
+        lo = (index * self.ws + self.rank) * self.mb
+        return self.blocks[self._permutation(epoch)[lo: lo + self.mb]].long()
+
+    def batches(self, start: int) -> Iterator[torch.Tensor]:
+        for micro_step in itertools.count(start):
+            yield self.batch(micro_step)
+
+
+class StreamBatches:
+    """Documents streamed through a seeded shuffle buffer, split between ranks by document."""
+
+    def __init__(self, ds, field: str, tokenizer, eos_id: int, seq_len: int, micro_batch: int,
+                 rank: int, world_size: int, seed: int, buffer: int):
+        self.ds, self.field, self.tokenizer, self.eos_id, self.seq_len = ds, field, tokenizer, eos_id, seq_len
+        self.mb, self.rank, self.ws, self.seed, self.buffer = micro_batch, rank, world_size, seed, buffer
+
+    def _rows(self, epoch: int) -> Iterator[np.ndarray]:
+        from datasets.distributed import split_dataset_by_node
+
+        # Shuffle first with the same seed on every rank, then split: the ranks see disjoint documents.
+        ds = self.ds.shuffle(seed=self.seed, buffer_size=self.buffer)
+        ds.set_epoch(epoch)
+        ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.ws)
+        texts = textdata.dataset_texts(ds, self.field, "data.train", "data.text_field")
+        for chunk in pack(token_docs(texts, self.tokenizer), self.eos_id, self.seq_len):
+            yield from chunk
+
+    def batches(self, start: int) -> Iterator[torch.Tensor]:
+        """(micro_batch, seq_len) int64 batches from micro-step `start` on; resuming re-reads the skipped
+        part of the stream (exact, but it costs time proportional to the progress)."""
+        produced = 0
+        for epoch in itertools.count():
+            full = 0
+            rows = self._rows(epoch)
+            while len(batch := list(itertools.islice(rows, self.mb))) == self.mb:
+                full += 1
+                if produced >= start:
+                    yield torch.from_numpy(np.stack(batch)).long()
+                produced += 1
+            if full == 0:
+                raise InputError(
+                    f"rank {self.rank} got no full batch of {self.mb} blocks from the stream: "
+                    "add data or lower seq_len/micro_batch_size"
+                )
+
+
+# ---- a recipe's data ----
+
+@dataclass
+class TrainData:
+    train: MemoryBatches | StreamBatches
+    eval: torch.Tensor
+    """(n_eval, seq_len) int32 held-out blocks, the same on every rank."""
+    train_blocks: int | None
+    """Training blocks in memory (None when streaming: unknown until read)."""
+
+
+def build_data(recipe: Recipe, tokenizer, rank: int, world_size: int, show_progress: bool) -> TrainData:
+    cfg, seq_len = recipe.data, recipe.seq_len
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise InputError("the tokenizer has no eos_token: packing needs one between documents (set tokenizer=...)")
+    train_src, eval_src = _sources(cfg)
+
+    def tokenized(source, streaming):
+        ds = textdata.load_documents(source, cfg.text_field, field_key="data.text_field", streaming=streaming,
+                                     sample_by=cfg.sample_by, hub_config=cfg.name, hub_split=cfg.split)
+        total = None if streaming else len(ds)
+        bar = tqdm(textdata.dataset_texts(ds, cfg.text_field, source.key, "data.text_field"), total=total,
+                   desc="tokenizing", unit="doc", disable=streaming or not show_progress)
+        return ds, token_docs(bar, tokenizer)
+
+    eval_blocks = None
+    if eval_src is not None:
+        eval_blocks = pack_all(tokenized(eval_src, True)[1], eos_id, seq_len, limit=cfg.eval_blocks)
+        _need_blocks(eval_blocks, "data.eval")
+    if cfg.streaming:
+        ds, docs = tokenized(train_src, True)
+        if eval_blocks is None:
+            # Hold out the stream's first documents: enough of them to fill eval_blocks blocks.
+            used = [0]
+            eval_blocks = pack_all(_counting(docs, used), eos_id, seq_len, limit=cfg.eval_blocks)
+            _need_blocks(eval_blocks, "data.train (for the held-out eval blocks)")
+            ds = ds.skip(used[0])
+        train = StreamBatches(ds, cfg.text_field, tokenizer, eos_id, seq_len, recipe.micro_batch_size,
+                              rank, world_size, recipe.seed, cfg.shuffle_buffer)
+        return TrainData(train, eval_blocks, None)
+    blocks = pack_all(tokenized(train_src, False)[1], eos_id, seq_len)
+    if eval_blocks is None:
+        blocks, eval_blocks = _hold_out(blocks, cfg.eval_blocks, recipe.seed)
+    train = MemoryBatches(blocks, recipe.micro_batch_size, rank, world_size, recipe.seed)
+    return TrainData(train, eval_blocks, len(blocks))
+
+
+def _sources(cfg: DataConfig) -> tuple[textdata.TextSource, textdata.TextSource | None]:
+    """data.train and data.eval as text sources: those load_recipe found while it checked the files,
+    or, for a recipe loaded with check_files=False, built in code or changed since, found (and
+    checked) now."""
+    checked, problems, found = getattr(cfg, "checked_sources", {}), [], []
+    for key, entries in (("data.train", cfg.train), ("data.eval", cfg.eval)):
+        if entries is None:
+            found.append(None)
+        elif key in checked and checked[key][0] == list(entries):
+            found.append(checked[key][1])
+        else:
+            found.append(textdata.resolve(key, entries, problems, one_format=True))
+    if problems:
+        raise InputError("; ".join(problems))
+    return found[0], found[1]
+
+
+def _counting(docs, used: list[int]):
+    for ids in docs:
+        used[0] += 1
+        yield ids
+
+
+def _need_blocks(blocks: torch.Tensor, key: str) -> None:
+    if len(blocks) == 0:
+        raise InputError(f"{key} holds fewer tokens than one block of seq_len: add text or lower seq_len")
+
+
+def _hold_out(blocks: torch.Tensor, n_eval: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded random set of n_eval blocks for eval; the rest (in corpus order) for training."""
+    if len(blocks) <= n_eval:
+        raise InputError(
+            f"data.train packs into {len(blocks)} blocks, not more than data.eval_blocks={n_eval}: "
+            "add data, lower seq_len or data.eval_blocks, or give data.eval"
+        )
+    perm = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))
+    held = torch.zeros(len(blocks), dtype=torch.bool)
+    held[perm[:n_eval]] = True
+    return blocks[~held], blocks[held]

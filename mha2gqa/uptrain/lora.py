@@ -8,43 +8,10 @@ load of the source checkpoint in its own dtype.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import layout_for
-
-
-def check(recipe, problems: list[str]) -> None:
-    """Recipe rules of the lora section (appended to `problems`, as recipe_checks does)."""
-    lora, uses = recipe.lora, recipe.trainable == "lora"
-    from mha2gqa.uptrain.recipe import LoraConfig
-
-    if not uses and lora != LoraConfig():
-        problems.append(f"lora.* keys are set but trainable={recipe.trainable}: set trainable=lora or drop them")
-        return
-    if not uses:
-        return
-    if importlib.util.find_spec("peft") is None:
-        problems.append("trainable=lora needs peft: pip install 'mha2gqa[lora]'")
-    if lora.rank < 1:
-        problems.append(f"lora.rank={lora.rank} must be at least 1 (e.g. 16)")
-    if lora.alpha <= 0:
-        problems.append(f"lora.alpha={lora.alpha} must be positive (e.g. twice lora.rank)")
-    if not 0 <= lora.dropout < 1:
-        problems.append(f"lora.dropout={lora.dropout} must be in [0, 1)")
-    if lora.target_modules is not None and not lora.target_modules:
-        problems.append("lora.target_modules is empty: list module names (e.g. [q_proj, v_proj]) or unset it")
-    if lora.load_in_4bit and recipe.model is None:
-        problems.append("lora.load_in_4bit=true needs model=<pretrained dir>: a 4-bit base is a trained one")
-    if lora.load_in_4bit:
-        import torch
-
-        missing = [what for what, ok in (("bitsandbytes", importlib.util.find_spec("bitsandbytes") is not None),
-                                         ("a CUDA GPU", torch.cuda.is_available())) if not ok]
-        if missing:
-            problems.append(f"lora.load_in_4bit=true (QLoRA) needs {' and '.join(missing)}, absent here: "
-                            "set lora.load_in_4bit=false (plain LoRA holds the base as stored, e.g. bf16)")
 
 
 def target_modules(model, lora) -> list[str]:

@@ -1,13 +1,18 @@
-"""The uptraining recipe: a typed schema, one docstring per field.
+"""The uptraining recipe: a typed schema, one docstring per field (the documentation: `describe` and
+`mha2gqa uptrain --keys` read it from here).
 
-A recipe is YAML whose keys are the fields below (nested sections for data, optim, budget and
-distill). Every key can be overridden on the command line as `key=value`, dotted for sections
-(`optim.lr=1e-4`). `load_recipe` (in recipe_load.py) collects every problem before raising.
-Relative paths are relative to the working directory the command runs in.
+A recipe is YAML whose keys are the fields below (nested sections for data, optim, budget, distill
+and lora). Every key can be overridden on the command line as `key=value`, dotted for sections
+(`optim.lr=1e-4`). `load_recipe` (recipe_load.py) reads one and checks it, collecting every problem
+before raising. Relative paths are relative to the working directory the command runs in.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+import typing
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
 
@@ -176,11 +181,32 @@ RESUME_FREE_KEYS = {
 }
 
 
-def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
-    """Read a YAML recipe, apply `key=value` overrides, validate; raise InputError listing every problem.
+def all_keys(cls=Recipe, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (for suggestions and section errors)."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        keys += all_keys(hint, f"{prefix}{f.name}.") if dataclasses.is_dataclass(hint) else [prefix + f.name]
+    return keys
 
-    check_files=False skips the checks that local model/data paths exist (to validate a shipped
-    recipe for a machine that has its files)."""
-    from mha2gqa.uptrain.recipe_load import load
 
-    return load(path, list(overrides), check_files=check_files)
+def describe(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
+    """[(dotted key, default, doc)] for every key of the schema, sections expanded."""
+    rows, docs, hints = [], _field_docs(cls), typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += describe(hints[f.name], f"{prefix}{f.name}.")
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        rows.append((prefix + f.name, "null" if default is None else str(default), docs.get(f.name, "")))
+    return rows
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """{field: docstring} of one dataclass: the string literal right after each annotated field."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs

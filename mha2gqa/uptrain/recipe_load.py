@@ -1,26 +1,47 @@
-"""YAML + `key=value` overrides -> a validated Recipe, with every problem reported together."""
+"""A recipe file -> a checked Recipe: YAML, `key=value` overrides, typed values, then the value and
+cross-key rules. Every problem is collected and reported together, each naming the key the user
+typed, the rule and the fix.
+
+This is the one place a recipe is checked. Later stages check only what needs what they first
+build: the tokenizer (EOS) and the packed data in data.py, the model (vocabulary, positions,
+trainable set) and output_dir against --resume in loop.py.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
+import re
 import typing
 from pathlib import Path
 
 import yaml
 
 from mha2gqa.errors import InputError
-from mha2gqa.uptrain import recipe_checks
-from mha2gqa.uptrain.recipe import Recipe
+from mha2gqa.layouts import read_config
+from mha2gqa.sources import hub_offline
+from mha2gqa.textdata import resolve
+from mha2gqa.uptrain.recipe import LoraConfig, Recipe, all_keys
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
-def load(path, overrides: list[str], check_files: bool = True) -> Recipe:
+def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
+    """Read a YAML recipe, apply `key=value` overrides, check it; raise InputError listing every problem.
+
+    check_files=False skips the checks that local model/data paths exist (to check a shipped recipe
+    for a machine that has its files); data.py then checks the data files when it reads them."""
     raw = _read_yaml(path)
     problems: list[str] = []
-    _apply_overrides(raw, overrides, problems)
+    _apply_overrides(raw, list(overrides), problems)
     recipe = _build(Recipe, raw, "", problems)
-    recipe_checks.check(recipe, problems, check_files=check_files)
+    _check_numbers(recipe, problems)
+    _check_budget(recipe, problems)
+    _check_sources(recipe, problems, check_files)
+    _check_data(recipe, problems, check_files)
+    _check_lora(recipe, problems)
     if problems:
         raise InputError(f"recipe {path} has {len(problems)} problem(s): " + "; ".join(problems))
     return recipe
@@ -62,15 +83,6 @@ def _apply_overrides(raw: dict, overrides: list[str], problems: list[str]) -> No
                 node[part] = {}
             node = node[part]
         node[leaf] = value
-
-
-def all_keys(cls=Recipe, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema (for suggestions and --help)."""
-    keys = []
-    for f in dataclasses.fields(cls):
-        hint = typing.get_type_hints(cls)[f.name]
-        keys += all_keys(hint, f"{prefix}{f.name}.") if dataclasses.is_dataclass(hint) else [prefix + f.name]
-    return keys
 
 
 def _build(cls, raw: dict, prefix: str, problems: list[str]):
@@ -148,3 +160,130 @@ def _scalar(value, hint):
     if hint is str and isinstance(value, str):
         return value
     raise ValueError(f"expected {'a number' if hint in (int, float) else 'text'}, got {value!r}")
+
+
+# ---- the rules: each appends one message; nothing raises, so that the user sees every problem ----
+
+def _need(problems: list[str], ok: bool, message: str) -> None:
+    if not ok:
+        problems.append(message)
+
+
+def _check_numbers(r: Recipe, p: list[str]) -> None:
+    for key, value in [("seq_len", r.seq_len - 1), ("micro_batch_size", r.micro_batch_size),
+                       ("grad_accum", r.grad_accum), ("log_every", r.log_every), ("keep_last", r.keep_last),
+                       ("data.eval_blocks", r.data.eval_blocks), ("data.shuffle_buffer", r.data.shuffle_buffer)]:
+        _need(p, value >= 1, f"{key} must be at least {2 if key == 'seq_len' else 1}")
+    for key, value in [("eval_every", r.eval_every), ("save_every", r.save_every),
+                       ("optim.warmup_steps", r.optim.warmup_steps), ("optim.weight_decay", r.optim.weight_decay),
+                       ("optim.grad_clip", r.optim.grad_clip)]:
+        _need(p, value >= 0, f"{key}={value} must be 0 or more")
+    _need(p, r.exit_after_steps is None or r.exit_after_steps >= 1, "exit_after_steps must be at least 1 (or unset)")
+    _need(p, r.optim.lr > 0, f"optim.lr={r.optim.lr} must be positive (e.g. 1e-4)")
+    _need(p, 0 <= r.optim.min_lr_ratio <= 1, f"optim.min_lr_ratio={r.optim.min_lr_ratio} must be in [0, 1]")
+    _need(p, r.optim.eps > 0, f"optim.eps={r.optim.eps} must be positive")
+    _need(p, all(0 <= b < 1 for b in r.optim.betas), f"optim.betas={list(r.optim.betas)} must each be in [0, 1)")
+    _need(p, 0 <= r.distill.kl_weight <= 1, f"distill.kl_weight={r.distill.kl_weight} must be in [0, 1]")
+    _need(p, r.distill.temperature > 0, f"distill.temperature={r.distill.temperature} must be positive")
+
+
+def _check_budget(r: Recipe, p: list[str]) -> None:
+    b = r.budget
+    chosen = [k for k in ("max_steps", "tokens", "alpha") if getattr(b, k) is not None]
+    if len(chosen) != 1:
+        got = ", ".join(f"budget.{k}" for k in chosen) or "none"
+        p.append(f"set exactly one of budget.max_steps, budget.tokens, budget.alpha (got {got})")
+    for key in ("max_steps", "tokens", "alpha", "pretrain_tokens"):
+        value = getattr(b, key)
+        _need(p, value is None or value > 0, f"budget.{key}={value} must be positive")
+    _need(p, b.alpha is None or b.pretrain_tokens is not None,
+          "budget.alpha needs budget.pretrain_tokens (the tokens the source model was pretrained on)")
+
+
+def _check_sources(r: Recipe, p: list[str], check_files: bool) -> None:
+    if (r.model is None) == (r.init_from_config is None):
+        p.append("set exactly one of model (to uptrain) and init_from_config (to train from scratch)")
+    _need(p, bool(r.output_dir), "output_dir is required (where checkpoints and the final model go)")
+    if r.output_dir and Path(r.output_dir).expanduser().is_file():
+        p.append(f"output_dir={r.output_dir} is a file: choose a directory")
+    if check_files:
+        for key, value in [("model", r.model), ("tokenizer", r.tokenizer), ("distill.teacher", r.distill.teacher)]:
+            if value is not None:
+                _check_model_ref(key, value, p)
+        if r.init_from_config is not None:
+            _check_config_ref(r.init_from_config, p)
+    if r.init_from_config and r.init_from_config.endswith(".json") and r.tokenizer is None:
+        p.append("tokenizer is required with init_from_config=<file>.json (a config file carries no tokenizer)")
+
+
+def _check_model_ref(key: str, value: str, p: list[str]) -> None:
+    path = Path(value).expanduser()
+    if path.is_dir():
+        if key == "tokenizer":
+            return
+        if not (path / "config.json").is_file():
+            p.append(f"{key}={value} has no config.json: pass a HF model dir")
+            return
+        try:  # a binary or list config.json, or string head counts, fail here and not in transformers
+            read_config(path)
+        except InputError as err:
+            p.append(f"{key}={value}: {err}")
+    elif path.exists():
+        p.append(f"{key}={value} is a file: pass a model directory or a hub id like org/name")
+    elif not _HUB_ID.match(value):
+        p.append(f"{key}={value}: no such directory, and not a hub id like org/name")
+    elif hub_offline():
+        p.append(f"{key}={value} is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)")
+
+
+def _check_config_ref(value: str, p: list[str]) -> None:
+    path = Path(value).expanduser()
+    if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
+        return
+    if path.is_dir():
+        p.append(f"init_from_config={value} holds no config.json")
+    elif value.endswith(".json") or not _HUB_ID.match(value):
+        p.append(f"init_from_config={value}: no such file")
+    elif hub_offline():
+        p.append(f"init_from_config={value} is not local and the hub is offline (HF_HUB_OFFLINE=1)")
+
+
+def _check_data(r: Recipe, p: list[str], check_files: bool) -> None:
+    """data.train and data.eval name text of one format. With the files checked, the sources found
+    are kept on r.data for data.py, which reads exactly them rather than walking the folders again."""
+    checked = {}
+    for key, entries in (("data.train", r.data.train), ("data.eval", r.data.eval)):
+        if entries is not None:
+            checked[key] = (list(entries), resolve(key, entries, p, check_files, one_format=True))
+    if check_files:
+        r.data.checked_sources = checked
+
+
+def _check_lora(recipe: Recipe, problems: list[str]) -> None:
+    """The lora section is used by trainable=lora only, which needs peft (and QLoRA bitsandbytes and CUDA)."""
+    lora, uses = recipe.lora, recipe.trainable == "lora"
+    if not uses and lora != LoraConfig():
+        problems.append(f"lora.* keys are set but trainable={recipe.trainable}: set trainable=lora or drop them")
+        return
+    if not uses:
+        return
+    if importlib.util.find_spec("peft") is None:
+        problems.append("trainable=lora needs peft: pip install 'mha2gqa[lora]'")
+    if lora.rank < 1:
+        problems.append(f"lora.rank={lora.rank} must be at least 1 (e.g. 16)")
+    if lora.alpha <= 0:
+        problems.append(f"lora.alpha={lora.alpha} must be positive (e.g. twice lora.rank)")
+    if not 0 <= lora.dropout < 1:
+        problems.append(f"lora.dropout={lora.dropout} must be in [0, 1)")
+    if lora.target_modules is not None and not lora.target_modules:
+        problems.append("lora.target_modules is empty: list module names (e.g. [q_proj, v_proj]) or unset it")
+    if lora.load_in_4bit and recipe.model is None:
+        problems.append("lora.load_in_4bit=true needs model=<pretrained dir>: a 4-bit base is a trained one")
+    if lora.load_in_4bit:
+        import torch
+
+        missing = [what for what, ok in (("bitsandbytes", importlib.util.find_spec("bitsandbytes") is not None),
+                                         ("a CUDA GPU", torch.cuda.is_available())) if not ok]
+        if missing:
+            problems.append(f"lora.load_in_4bit=true (QLoRA) needs {' and '.join(missing)}, absent here: "
+                            "set lora.load_in_4bit=false (plain LoRA holds the base as stored, e.g. bf16)")

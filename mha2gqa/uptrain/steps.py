@@ -1,4 +1,5 @@
-"""The step loop: accumulate, clip when gradients sync, check the loss, step, log, eval, save.
+"""The step loop and what it needs: the learning rate at each step, the losses, the divergence
+guard, and what a run reports (metrics.jsonl, tensorboard, the tqdm bar, the per-rank data trace).
 
 Kept lean on purpose: on CPU the loop must cost within 5% of a hand-written torch loop
 (bench/uptrain.py), so per-step work outside forward/backward/step is a few scalar ops.
@@ -7,21 +8,96 @@ Kept lean on purpose: on CPU the loop must cost within 5% of a hand-written torc
 from __future__ import annotations
 
 import functools
+import json
 import math
-import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from mha2gqa.uptrain import checkpoints
-from mha2gqa.uptrain.data import rank_slice
-from mha2gqa.uptrain.data_setup import TrainData
-from mha2gqa.uptrain.losses import distill_loss, evaluate, lm_loss
-from mha2gqa.uptrain.metrics import Metrics, Trace, finite
-from mha2gqa.uptrain.recipe import Recipe
-from mha2gqa.uptrain.schedule import lr_at, tokens_per_step
+from mha2gqa.uptrain.data import TrainData, block_hash, rank_slice
+from mha2gqa.uptrain.recipe import OptimConfig, Recipe
 
+
+# ---- how long, and the learning rate at each step (a pure function of the step, so that a
+# resumed run needs no scheduler state to continue exactly) ----
+
+def tokens_per_step(recipe: Recipe, world_size: int) -> int:
+    """Tokens in one optimizer step over all processes (packed blocks: no padding to discount)."""
+    return recipe.seq_len * recipe.micro_batch_size * recipe.grad_accum * world_size
+
+
+def total_steps(recipe: Recipe, world_size: int) -> int:
+    """Optimizer steps the budget allows; a token budget rounds up to whole steps."""
+    b = recipe.budget
+    if b.max_steps is not None:
+        return b.max_steps
+    tokens = b.tokens if b.tokens is not None else b.alpha * b.pretrain_tokens
+    return max(1, math.ceil(tokens / tokens_per_step(recipe, world_size)))
+
+
+def lr_at(step: int, total: int, optim: OptimConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based) of `total`: linear warmup, then decay."""
+    if step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    floor = optim.lr * optim.min_lr_ratio
+    span = max(1, total - 1 - optim.warmup_steps)
+    progress = min(1.0, (step - optim.warmup_steps) / span)
+    if optim.schedule == "cosine":
+        return floor + (optim.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if optim.schedule == "linear":
+        return optim.lr - (optim.lr - floor) * progress
+    return optim.lr
+
+
+# ---- losses on packed blocks (every position is a real token: no mask needed) ----
+
+def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of (B, S) token ids; the model shifts the labels itself."""
+    return model(input_ids=batch, labels=batch, use_cache=False).loss
+
+
+def kl_teacher_student(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(teacher || student) of next-token distributions, mean over positions, scaled by T^2 so that
+    its gradient does not shrink as T grows (Hinton et al. 2015)."""
+    vocab = student_logits.shape[-1]
+    # (B, S, V) -> (B*S, V), float32: log-softmax over a large vocab loses too much in bf16
+    log_s = F.log_softmax(student_logits.reshape(-1, vocab).float() / temperature, dim=-1)
+    log_t = F.log_softmax(teacher_logits.reshape(-1, vocab).float() / temperature, dim=-1)
+    return F.kl_div(log_s, log_t, log_target=True, reduction="batchmean") * temperature**2
+
+
+def distill_loss(model, teacher, batch: torch.Tensor, kl_weight: float, temperature: float, autocast) -> torch.Tensor:
+    """(1 - w) * LM loss + w * T^2 * KL(teacher || student)."""
+    out = model(input_ids=batch, labels=batch, use_cache=False)
+    with torch.no_grad(), autocast():
+        teacher_logits = teacher(input_ids=batch, use_cache=False).logits
+    return (1 - kl_weight) * out.loss + kl_weight * kl_teacher_student(out.logits, teacher_logits, temperature)
+
+
+@torch.no_grad()
+def evaluate(model, blocks: torch.Tensor, micro_batch: int, accelerator) -> tuple[float, float]:
+    """Mean next-token loss and perplexity over this rank's eval blocks, combined over all ranks.
+    Every rank runs the same number of forwards (FSDP and ZeRO-3 forwards are collective)."""
+    model.eval()
+    loss_sum, count = torch.zeros((), dtype=torch.float64, device=accelerator.device), 0
+    for lo in range(0, len(blocks), micro_batch):
+        batch = blocks[lo: lo + micro_batch].long().to(accelerator.device)
+        # Equal-length blocks: batch means weighted by batch size average to the token mean.
+        loss_sum += lm_loss(model, batch).double() * len(batch)
+        count += len(batch)
+    model.train()
+    total = accelerator.reduce(torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64,
+                                                                   device=loss_sum.device)]), "sum")
+    loss = (total[0] / total[1].clamp(min=1)).item()
+    return loss, math.exp(min(loss, 700.0))
+
+
+# ---- the step loop: accumulate, clip when gradients sync, check the loss, step, log, eval, save ----
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf, the loss jumped far above its running level, or an
@@ -128,7 +204,7 @@ def run_steps(run: Run, start: int) -> dict | None:
     model = torch.compile(run.model) if r.compile else run.model
     loss_fn = loss_function(run, model)
     eval_blocks = rank_slice(run.data.eval, acc.process_index, acc.num_processes)
-    guard = Guard(acc.unwrap_model(run.model).config.vocab_size, _checkpoint_eval(run, start))
+    guard = Guard(acc.unwrap_model(run.model).config.vocab_size, checkpoints.saved_eval_loss(run.out, start))
     evals = None
     if start == 0 and r.eval_at_start:
         evals = _checked_eval(run, eval_blocks, guard, 0, lr_at(0, run.total, r.optim))
@@ -146,7 +222,7 @@ def run_steps(run: Run, start: int) -> dict | None:
         if (r.save_every and done % r.save_every == 0) or done == stop_at < run.total:
             # Only weights that pass an eval are saved: a checkpoint must be good to resume from.
             checked = evals or _checked_eval(run, eval_blocks, guard, done, lr)
-            save_checkpoint(run, done, tps, checked["eval_loss"])
+            _save_checkpoint(run, done, tps, checked["eval_loss"])
     if stop_at < run.total:
         return None
     # A resume from a checkpoint taken at the very last step runs no step: evaluate for the record
@@ -169,47 +245,12 @@ def _checked_eval(run: Run, blocks: torch.Tensor, guard: Guard, step: int, lr: f
     return evals
 
 
-def _checkpoint_eval(run: Run, step: int) -> float | None:
-    """The eval loss the checkpoint a run resumes from was saved with (its bar for divergence)."""
-    if step == 0:
-        return None
-    progress = checkpoints.read_progress(checkpoints.checkpoint_dir(run.out, step)) or {}
-    value = progress.get("eval_loss")
-    return value if isinstance(value, float) else None
-
-
-def save_checkpoint(run: Run, step: int, tps: int, eval_loss: float | None = None) -> Path:
-    """accelerate save_state (model, optimizer, RNG of every rank), then progress.json, which marks
-    the checkpoint complete; older checkpoints beyond keep_last go. A disk that is full or read-only
-    ends the run with one line (the previous checkpoints stay)."""
-    acc, ckpt = run.accelerator, checkpoints.checkpoint_dir(run.out, step)
-    if acc.is_main_process:
-        (ckpt / checkpoints.PROGRESS).unlink(missing_ok=True)  # re-saving a step: incomplete until done
-        (ckpt / checkpoints.DAMAGED).unlink(missing_ok=True)  # set aside by a --resume; replaced now
-    acc.wait_for_everyone()
-    try:
-        acc.save_state(str(ckpt))
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            checkpoints.write_progress(ckpt, {
-                "step": step, "tokens": step * tps, "total_steps": run.total, "eval_loss": eval_loss,
-                "world_size": acc.num_processes, "recipe": run.recipe.to_dict(),
-            })
-    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP while saving: no half checkpoint either
-        if acc.is_main_process:
-            shutil.rmtree(ckpt, ignore_errors=True)
-        raise
-    except Exception as err:  # noqa: BLE001 - torch.save and safetensors do not raise OSError for a full disk
-        fault = checkpoints.write_failure(err, ckpt)
-        if fault is None:
-            raise
-        if acc.is_main_process:
-            shutil.rmtree(ckpt, ignore_errors=True)  # half a checkpoint is no checkpoint
-        raise fault from err
-    if acc.is_main_process:
-        checkpoints.prune(run.out, run.recipe.keep_last)
-    acc.wait_for_everyone()
-    return ckpt
+def _save_checkpoint(run: Run, step: int, tps: int, eval_loss: float) -> Path:
+    """A resumable checkpoint; its progress.json holds what --resume checks and continues from."""
+    acc = run.accelerator
+    progress = {"step": step, "tokens": step * tps, "total_steps": run.total, "eval_loss": eval_loss,
+                "world_size": acc.num_processes, "recipe": run.recipe.to_dict()}
+    return checkpoints.save_checkpoint(acc, run.out, progress, run.recipe.keep_last)
 
 
 def _diverged(run: Run, step: int, what: str, lr: float, applied: bool = False) -> str:
@@ -222,3 +263,89 @@ def _diverged(run: Run, step: int, what: str, lr: float, applied: bool = False) 
     # --resume would be refused (no checkpoint): do not suggest it.
     return (f"training diverged at step {step}: {what}, lr {lr:.3g}. {done}; no checkpoint was saved. "
             f"{fix}, then start over (add overwrite=true to reuse output_dir)")
+
+
+# ---- what a run reports: only the main process writes metrics; every rank writes its own trace ----
+
+METRICS = "metrics.jsonl"
+
+
+class Metrics:
+    """One JSON object per line: step, tokens, loss (mean since the previous line; null on the
+    step-0 line), lr, grad_norm, tokens_per_s, elapsed_s, cpu_s (this process's CPU seconds since the
+    previous line: on a shared CPU, tokens_per_s falls with contention while cpu_s shows the work),
+    and eval_loss/eval_ppl on eval steps."""
+
+    def __init__(self, out: Path, accelerator, start_step: int, total: int, tensorboard: bool):
+        self.main = accelerator.is_main_process
+        self.accelerator, self.tensorboard = accelerator, tensorboard
+        path = out / METRICS
+        if self.main:
+            # A resumed run keeps the lines up to its checkpoint; a fresh run (start_step -1) none.
+            checkpoints.truncate_jsonl(path, lambda rec: rec["step"] <= start_step)
+            self.file = path.open("a")
+        self.bar = tqdm(total=total, initial=max(start_step, 0), unit="step", disable=not accelerator.is_local_main_process,
+                        dynamic_ncols=True, desc="uptrain")
+        self._losses: list[float] = []
+        self._since, self._tokens_since, self._cpu_since = time.perf_counter(), 0, time.process_time()
+        self._started = self._since
+
+    def step(self, loss: float, tokens: int) -> None:
+        self._losses.append(loss)
+        self._tokens_since += tokens
+        self.bar.update(1)
+
+    def write(self, step: int, tokens: int, lr: float, grad_norm: float | None, evals: dict | None = None) -> dict:
+        now, cpu = time.perf_counter(), time.process_time()
+        record = {
+            "step": step,
+            "tokens": tokens,
+            "loss": sum(self._losses) / len(self._losses) if self._losses else None,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": self._tokens_since / (now - self._since) if self._tokens_since else None,
+            "elapsed_s": round(now - self._started, 3),
+            "cpu_s": round(cpu - self._cpu_since, 3),
+            **(evals or {}),
+        }
+        self._losses, self._since, self._tokens_since, self._cpu_since = [], now, 0, cpu
+        if self.main:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            if self.tensorboard:
+                numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+                self.accelerator.log(numbers, step=step)
+        shown = {k: record[k] for k in ("loss", "eval_ppl") if record.get(k) is not None}
+        if record["tokens_per_s"]:
+            shown["tok/s"] = record["tokens_per_s"]
+        self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+        return record
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.main:
+            self.file.close()
+
+
+def finite(value: float | None) -> bool:
+    return value is None or math.isfinite(value)
+
+
+class Trace:
+    """Audit trail of the data order: trace/rank<N>.jsonl gets a content hash of every block this rank
+    trained on, and at the end a checksum of its parameters (equal on every rank under DDP)."""
+
+    def __init__(self, out: Path, rank: int, start_micro: int):
+        path = out / "trace" / f"rank{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        checkpoints.truncate_jsonl(path, lambda rec: "micro" in rec and rec["micro"] < start_micro)
+        self.file = path.open("a")
+
+    def batch(self, step: int, micro: int, batch: torch.Tensor) -> None:
+        hashes = [block_hash(row) for row in batch.cpu()]
+        self.file.write(json.dumps({"step": step, "micro": micro, "blocks": hashes}) + "\n")
+
+    def finish(self, model: torch.nn.Module) -> None:
+        sums = {name: float(p.detach().double().sum()) for name, p in model.named_parameters()}
+        self.file.write(json.dumps({"final_param_sums": sums}) + "\n")
+        self.file.close()
