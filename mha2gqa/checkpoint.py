@@ -28,6 +28,7 @@ SINGLE_NAME = "model.safetensors"
 # (DTYPES, CODES) are made on first use, so reading a checkpoint's shapes (`inspect`) never imports torch.
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
             "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+FLOAT_CODES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # what --dtype casts
 
 
 @functools.cache
@@ -181,8 +182,8 @@ class SafetensorsCheckpoint:
             )
         return files
 
-    def load(self, name: str) -> torch.Tensor:
-        """One tensor, in memory that it owns (no mmap, no pickle)."""
+    def read_bytes(self, name: str) -> bytearray:
+        """One tensor's raw bytes, in memory that it owns (no mmap, no pickle)."""
         info = self.tensors[name]
         buffer = bytearray(info.nbytes)
         with open(info.file, "rb", buffering=0) as f:
@@ -190,6 +191,11 @@ class SafetensorsCheckpoint:
             view = memoryview(buffer)
             while view:
                 view = view[f.readinto(view):]
+        return buffer
+
+    def load(self, name: str) -> torch.Tensor:
+        """One tensor as torch, in memory that it owns."""
+        info, buffer = self.tensors[name], self.read_bytes(name)
         import torch
 
         dtype = torch_dtypes()[info.dtype]
@@ -262,10 +268,13 @@ class ShardedWriter:
         self._file.write(_header_bytes(self.shards[index]))
 
     def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        self._next(name, tensor.numel() * tensor.element_size())
-        if tensor.numel():
-            data = tensor.contiguous().reshape(-1).view(torch_dtypes()["U8"]).numpy()
-            self._file.write(memoryview(data))
+        self.write_array(name, tensor.contiguous().reshape(-1).view(torch_dtypes()["U8"]).numpy())
+
+    def write_array(self, name: str, array) -> None:
+        """A numpy array's bytes, in C order (the torch-free executor writes these directly)."""
+        self._next(name, array.nbytes)
+        if array.nbytes:
+            self._file.write(memoryview(array.reshape(-1) if array.flags.c_contiguous else array.copy().reshape(-1)))
 
     def copy_bytes(self, name: str, source: TensorInfo) -> None:
         """Copy a tensor unchanged, file to file, inside the kernel where the platform allows."""

@@ -103,7 +103,7 @@ def test_an_interrupted_run_leaves_no_destination(tmp_path, monkeypatch):
         if len(calls) == 3:
             raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-way
 
-    monkeypatch.setattr(ShardedWriter, "write_tensor", failing_write)
+    monkeypatch.setattr(ShardedWriter, "write_array", failing_write)  # both executors write through it
     with pytest.raises(KeyboardInterrupt):
         convert(tmp_path / "src", tmp_path / "dst", groups=2, progress=False)
     assert len(calls) == 3

@@ -53,16 +53,19 @@ def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_ru
 
     Example: mha2gqa convert ./llama-2-7b ./llama-2-7b-gqa8 --groups 8
     """
-    from mha2gqa.convert.refine import RefineOptions
     from mha2gqa.convert.run import convert as run_convert, parse_size
     from mha2gqa.embedded import expand_corpus_name
 
+    refine_options = None
+    if refine:  # refine imports torch: a plain conversion (mean, first) runs without it (convert/fast.py)
+        from mha2gqa.convert.refine import RefineOptions
+
+        refine_options = RefineOptions(refine_steps, refine_lr, parse_size(refine_memory, "--refine-memory"), seed=seed)
     options = ConvertOptions(
         groups=groups, method=method, seed=seed, dtype=dtype, max_shard_size=max_shard_size, force=force,
         dry_run=dry_run, progress=not quiet, calibration=expand_corpus_name(calibration),
         calibration_tokens=calibration_tokens, calibration_memory=calibration_memory, grouping=grouping,
-        refine=RefineOptions(refine_steps, refine_lr, parse_size(refine_memory, "--refine-memory"),
-                             seed=seed) if refine else None)
+        refine=refine_options)
     result = run_convert(src, dst, options=options)
     plan = result.plan
     if dry_run:

@@ -1,15 +1,12 @@
-"""The conversion plan: what each output tensor is made of. Pure: reads no tensor data, writes nothing.
-`convert --dry-run` prints it; run.py executes it."""
+"""The conversion plan: what each output tensor is made of. Pure: reads no tensor data, writes nothing,
+imports no torch. `convert --dry-run` prints it; run.py (torch) or fast.py (numpy) executes it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from mha2gqa.checkpoint import CODES, DTYPES, OutputTensor, TensorInfo
-from mha2gqa.convert.methods import METHODS
-from mha2gqa.convert.roles import KV_ROLES, check_layer_count, layer_names, pack, unpack
+from mha2gqa.checkpoint import FLOAT_CODES, OutputTensor, TensorInfo
+from mha2gqa.convert.roles import KV_ROLES, check_layer_count, layer_names
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import AttentionShape, Layout
 
@@ -65,16 +62,17 @@ def _line(out: OutputTensor, how: str) -> str:
 
 
 def make_plan(tensors: dict[str, TensorInfo], layout: Layout, shape: AttentionShape, groups: int,
-              method: str, out_dtype: torch.dtype | None = None, route_query_output: bool = False) -> Plan:
-    """route_query_output: q/o pass through the layer step even if the method leaves them (a head
-    permutation rewrites them)."""
+              method: str, out_dtype: str | None = None, route_query_output: bool = False) -> Plan:
+    """out_dtype: a safetensors code (F32, F16, BF16) every floating tensor is cast to, or None.
+    route_query_output: q/o pass through the layer step (a method that rewrites them, or a head
+    permutation)."""
     available = set(tensors)
     check_layer_count(available, layout, shape)
     layer_steps: dict[str, Step] = {}  # every source name of a layer step -> that step
     for layer in range(shape.layers):
         stored = layer_names(layout, layer, shape.kv_heads, available)
         _check_attention_shapes(stored, tensors, shape)
-        if not (METHODS[method].rewrites_query_output or route_query_output) and not layout.qkv:
+        if not route_query_output and not layout.qkv:
             stored = {role: name for role, name in stored.items() if role.split(".")[0] not in ("q", "o")}
         step = _layer_step(layer, stored, tensors, shape, groups, out_dtype)
         for name in stored.values():
@@ -134,22 +132,34 @@ def _check_attention_shapes(stored: dict[str, str], tensors: dict[str, TensorInf
 
 
 def _layer_step(layer, stored, tensors, shape, groups, out_dtype) -> Step:
-    # Output shapes by running unpack/pack on meta tensors: the same code path as the real tensors.
-    meta = {role: torch.empty(tensors[name].shape, device="meta") for role, name in stored.items()}
-    roles = unpack(meta, shape)
-    for role in KV_ROLES:
-        if role in roles:
-            rows = roles[role].shape[0] * groups // shape.kv_heads
-            roles[role] = torch.empty((rows, *roles[role].shape[1:]), device="meta")
-    packed = pack(roles, list(stored), groups)
-    outputs = tuple(
-        OutputTensor(stored[role], _out_code(tensors[stored[role]].dtype, out_dtype), tuple(t.shape))
-        for role, t in packed.items()
-    )
+    outputs = tuple(OutputTensor(stored[role], _out_code(tensors[stored[role]].dtype, out_dtype), out_shape)
+                    for role, out_shape in output_shapes(stored, tensors, shape, groups).items())
     return Step(dict(stored), outputs, layer)
 
 
-def _out_code(source_code: str, out_dtype: torch.dtype | None) -> str:
-    if out_dtype is None or not DTYPES[source_code].is_floating_point:
-        return source_code
-    return CODES[out_dtype]
+def output_shapes(stored: dict[str, str], tensors: dict[str, TensorInfo], shape: AttentionShape,
+                  groups: int) -> dict[str, tuple[int, ...]]:
+    """The shape of every stored role after roles.pack(method(roles.unpack(...))), from the source shapes
+    alone: kv rows scale by groups / kv_heads, fused q/k/v keep q's rows, per-head key norms past the new
+    count are dropped, a Conv1D qkv_t is written as Linear rows. ShardedWriter checks every tensor's
+    byte count against these, so a shape that disagreed with pack() would stop the conversion."""
+    q_rows, kv_out = shape.heads * shape.head_dim, groups * shape.head_dim
+    shapes = {}
+    for role, name in stored.items():
+        got, (part, kind) = tensors[name].shape, role.rsplit(".", 1)
+        if part == "qkv_t" and kind == "weight":  # (d, rows) -> rows as Linear (rows, d)
+            shapes[role] = (q_rows + 2 * kv_out, got[0])
+        elif part in ("qkv", "qkv_t"):  # rows [q | k | v]
+            shapes[role] = (q_rows + 2 * kv_out, *got[1:])
+        elif part.startswith("k_norm."):  # stablelm: one (hd,) norm per kv head
+            if int(part.split(".")[1]) < groups:
+                shapes[role] = got
+        elif role in KV_ROLES:  # (n_kv*hd, *rest) -> (G*hd, *rest)
+            shapes[role] = (got[0] * groups // shape.kv_heads, *got[1:])
+        else:
+            shapes[role] = got
+    return shapes
+
+
+def _out_code(source_code: str, out_dtype: str | None) -> str:
+    return source_code if out_dtype is None or source_code not in FLOAT_CODES else out_dtype

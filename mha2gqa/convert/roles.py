@@ -6,7 +6,8 @@ Methods see the same dict for every architecture:
     k_norm.weight (n_kv*hd,) [k_norm.bias]   a key norm with one slice per kv head
 unpack() maps a layout's tensors onto these roles (splitting phi3's fused qkv_proj or gpt2's Conv1D
 c_attn, stacking stablelm's per-head norms) and pack() maps them back, so adding a layout never
-touches a method.
+touches a method. Both take torch tensors or numpy arrays (the torch-free executor, fast.py), so
+there is one mapping for both executors.
 """
 
 from __future__ import annotations
@@ -77,10 +78,19 @@ def check_layer_count(available: set[str], layout: Layout, shape: AttentionShape
                       WeightWarning, stacklevel=3)
 
 
-def unpack(stored: dict[str, torch.Tensor], shape: AttentionShape) -> dict[str, torch.Tensor]:
-    """Stored-role tensors -> canonical roles (views where possible)."""
-    import torch
+def _cat(parts: list):
+    """torch.cat or numpy.concatenate, whichever the parts are."""
+    if type(parts[0]).__module__.split(".")[0] == "torch":
+        import torch
 
+        return torch.cat(parts)
+    import numpy
+
+    return numpy.concatenate(parts)
+
+
+def unpack(stored: dict[str, torch.Tensor], shape: AttentionShape) -> dict[str, torch.Tensor]:
+    """Stored-role tensors (or numpy arrays) -> canonical roles (views where possible)."""
     roles = {}
     q_rows = shape.heads * shape.head_dim
     kv_rows = shape.kv_heads * shape.head_dim
@@ -88,31 +98,33 @@ def unpack(stored: dict[str, torch.Tensor], shape: AttentionShape) -> dict[str, 
     for role, tensor in stored.items():
         part, kind = role.rsplit(".", 1)
         if part in ("qkv", "qkv_t"):  # rows [q (H*hd) | k (n_kv*hd) | v (n_kv*hd)]; qkv_t: (d, rows) columns
-            rows = tensor.t() if part == "qkv_t" and kind == "weight" else tensor
-            q, k, v = rows.split([q_rows, kv_rows, kv_rows], dim=0)
+            rows = tensor.T if part == "qkv_t" and kind == "weight" else tensor  # .T: a 2-D weight
+            if rows.shape[0] != q_rows + 2 * kv_rows:
+                raise ValueError(f"{role} has {rows.shape[0]} rows, not q {q_rows} + k, v {kv_rows} each")
+            q, k, v = rows[:q_rows], rows[q_rows:q_rows + kv_rows], rows[q_rows + kv_rows:]
             roles.update({f"q.{kind}": q, f"k.{kind}": k, f"v.{kind}": v})
         elif part.startswith("k_norm."):  # stablelm: one (hd,) norm per kv head
             per_head_norms.setdefault(kind, [None] * shape.kv_heads)[int(part.split(".")[1])] = tensor
         else:
             roles[role] = tensor
     for kind, norms in per_head_norms.items():
-        roles[f"k_norm.{kind}"] = torch.cat(norms)  # (n_kv*hd,)
+        roles[f"k_norm.{kind}"] = _cat(norms)  # (n_kv*hd,)
     return roles
 
 
 def pack(roles: dict[str, torch.Tensor], stored_roles: list[str], kv_heads: int) -> dict[str, torch.Tensor]:
     """Canonical roles -> the stored roles of `stored_roles`' layout, for a model with `kv_heads`."""
-    import torch
-
     stored = {}
     for role in stored_roles:
         part, kind = role.rsplit(".", 1)
         if part in ("qkv", "qkv_t"):  # qkv_t is written as Linear rows: its target (gpt_bigcode) has no Conv1D
-            stored[role] = torch.cat([roles[f"q.{kind}"], roles[f"k.{kind}"], roles[f"v.{kind}"]])
+            stored[role] = _cat([roles[f"q.{kind}"], roles[f"k.{kind}"], roles[f"v.{kind}"]])
         elif part.startswith("k_norm."):
             head = int(part.split(".")[1])
             if head < kv_heads:  # norms of heads past the new count are dropped
-                stored[role] = roles[f"k_norm.{kind}"].chunk(kv_heads)[head]
+                norms = roles[f"k_norm.{kind}"]  # (kv_heads*hd,)
+                size = norms.shape[0] // kv_heads
+                stored[role] = norms[head * size:(head + 1) * size]
         else:
             stored[role] = roles[role]
     return stored

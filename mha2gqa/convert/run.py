@@ -1,4 +1,9 @@
-"""`convert`: check the request, plan, then stream tensors from SRC into a new DST atomically."""
+"""`convert`: check the request, plan, then stream tensors from SRC into a new DST atomically.
+
+Two executors run the plan: fast.py (numpy, no torch imported) for the plain methods where its output
+is byte-identical, and the torch one below for everything else. The checks and the plan are shared,
+and this module imports torch only inside the torch executor and the calibration/refine branches.
+"""
 
 from __future__ import annotations
 
@@ -7,31 +12,25 @@ import json
 import re
 import shutil
 import tempfile
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from mha2gqa import provenance
 from mha2gqa.card import write_card
-from mha2gqa.checkpoint import (DTYPES, INDEX_NAME, SafetensorsCheckpoint, ShardedWriter, atomic_directory,
-                                check_destination)
-from mha2gqa.convert.calibration import CalibrationStats, calibrate
-from mha2gqa.convert.layer_step import check_request, transform_layer
-from mha2gqa.convert.methods import METHODS, LayerContext
+from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint, ShardedWriter, atomic_directory, check_destination
+from mha2gqa.convert import fast
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, ConvertOptions, Grouping  # noqa: F401 (re-exported)
 from mha2gqa.convert.plan import Plan, make_plan
-from mha2gqa.convert.refine import calibration_token_ids, check_refine, refine_checkpoint
 from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.convert.rope import check_refine_layout
-from mha2gqa.errors import InputError, WeightWarning
+from mha2gqa.errors import InputError
 from mha2gqa.layouts import (attention_shape, check_groups, check_target, converted_config, layout_for,
                               read_config)
 from mha2gqa.sources import PICKLE_SUFFIXES, resolve_model_dir
 
-OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
 _NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME}
 
 
@@ -123,8 +122,17 @@ def convert(src, dst, groups: int | None = None, options: ConvertOptions | None 
     layout, shape = layout_for(config), attention_shape(config)
     check_groups(shape, groups)
     check_target(config, groups)
-    check_request(config, method, METHODS[method], calibration, grouping)
+    torch_reason = fast.request_refusal(options, config)  # None: a plain request, done without torch
+    rewrites = False
+    if torch_reason:  # a plain request (mean/first, no calibration, contiguous) has nothing for these to refuse
+        from mha2gqa.convert.layer_step import check_request
+        from mha2gqa.convert.methods import METHODS
+
+        check_request(config, method, METHODS[method], calibration, grouping)
+        rewrites = METHODS[method].rewrites_query_output
     if refine is not None:
+        from mha2gqa.convert.refine import check_refine
+
         check_refine(refine, calibration, config, calibration_tokens)
         check_refine_layout(config)
     memory_bytes = parse_size(options.calibration_memory, "--calibration-memory")
@@ -135,23 +143,30 @@ def convert(src, dst, groups: int | None = None, options: ConvertOptions | None 
     provenance.lineage(source)  # a broken SRC/mha2gqa.json fails now, not after every tensor is written
     checkpoint = SafetensorsCheckpoint(source)
     plan = make_plan(checkpoint.tensors, layout, shape, groups, method.value, OUT_DTYPES.get(dtype),
-                     route_query_output=grouping != Grouping.CONTIGUOUS)
+                     route_query_output=rewrites or grouping != Grouping.CONTIGUOUS)
     if options.dry_run:
         return ConversionResult(plan, None, source)
+    torch_reason = torch_reason or fast.plan_refusal(plan, checkpoint.tensors)
     # Claimed, checked for room and cleared of debris before calibration, the long part, starts. The
     # statistics ((d+1)^2 float64 per layer: GBs for a 7B) live inside the partial directory, so they
     # count against DST's room, not a small /tmp, and a killed run's are removed with its debris.
-    gathering = calibration is not None and not isinstance(calibration, CalibrationStats)
+    gathering = calibration is not None and not _is_stats(calibration)
     stats_bytes = shape.layers * (shape.hidden + 1) ** 2 * 8 if gathering else 0
     with atomic_directory(dst, replace=force, needed_bytes=_bytes_needed(source, plan) + stats_bytes) as tmp, \
             tempfile.TemporaryDirectory(prefix=".calibration-", dir=tmp) as stats_dir:
-        stats = calibration if isinstance(calibration, CalibrationStats) or calibration is None else calibrate(
-            source, layout, shape, calibration, calibration_tokens, Path(stats_dir), memory_bytes, progress)
-        layers = _write_tensors(checkpoint, plan, tmp, shard_bytes, seed, progress, stats, grouping)
+        layers, stats = [], None
+        if torch_reason is None:
+            fast.write_tensors(checkpoint, plan, tmp, shard_bytes, progress)
+        else:
+            stats = calibration if _is_stats(calibration) or calibration is None else _calibrate(
+                source, layout, shape, calibration, calibration_tokens, Path(stats_dir), memory_bytes, progress)
+            layers = _write_tensors(checkpoint, plan, tmp, shard_bytes, seed, progress, stats, grouping)
         _copy_other_files(source, tmp)
         _write_config(config, groups, dtype, tmp)
         refined = None
         if refine is not None:
+            from mha2gqa.convert.refine import calibration_token_ids, refine_checkpoint
+
             ids = calibration_token_ids(source, calibration, calibration_tokens)
             refined = refine_checkpoint(source, tmp, layout, shape, ids, refine, progress)
         extra = {"grouping": grouping.value, "calibration": stats.record if stats else None, "layers": layers,
@@ -161,8 +176,27 @@ def convert(src, dst, groups: int | None = None, options: ConvertOptions | None 
     return ConversionResult(plan, dst, source, layers, refined)
 
 
+def _is_stats(calibration) -> bool:
+    """Statistics a sweep gathered once (calibration.CalibrationStats), not data to gather them from."""
+    if calibration is None or isinstance(calibration, (str, list, tuple, Path)):
+        return False
+    from mha2gqa.convert.calibration import CalibrationStats
+
+    return isinstance(calibration, CalibrationStats)
+
+
+def _calibrate(*args):
+    from mha2gqa.convert.calibration import calibrate
+
+    return calibrate(*args)
+
+
 def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed: int, progress: bool,
                    stats=None, grouping: Grouping = Grouping.CONTIGUOUS) -> list[dict]:
+    """The torch executor: every method, grouping and layout."""
+    from mha2gqa.checkpoint import DTYPES
+    from mha2gqa.convert.methods import METHODS
+
     writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes)
     method = METHODS[plan.method]
     bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="convert", disable=not progress)
@@ -189,6 +223,10 @@ def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed
 def _write_layer(checkpoint, step, plan: Plan, writer, method, seed: int, stats, grouping: Grouping) -> dict:
     """One layer's attention tensors: read, transform, write. A function of its own so that the
     layer's tensors are freed before the next layer is read (memory stays at one layer's K/V)."""
+    from mha2gqa.checkpoint import DTYPES
+    from mha2gqa.convert.layer_step import transform_layer
+    from mha2gqa.convert.methods import LayerContext
+
     stored = {role: checkpoint.load(name) for role, name in step.sources.items()}
     context = LayerContext(plan.shape, plan.groups, step.layer, seed, stats and stats.layer(step.layer))
     source_roles = unpack(stored, plan.shape)
@@ -203,13 +241,12 @@ def _write_layer(checkpoint, step, plan: Plan, writer, method, seed: int, stats,
 
 def _warn_non_finite(roles: dict, sources: dict, layer: int) -> None:
     """Pooling spreads a NaN/inf in one kv head to its whole group: name the tensor, convert anyway."""
+    import torch
+
     for role in ("k.weight", "k.bias", "v.weight", "v.bias"):
         tensor = roles.get(role)
-        if tensor is None or not tensor.is_floating_point() or torch.isfinite(tensor).all():
-            continue
-        name = sources.get(role) or f"{sources.get('qkv.' + role.split('.')[1])} ({role[0]} rows)"
-        warnings.warn(f"{name} has {int((~torch.isfinite(tensor)).sum())} non-finite values (NaN/inf): the merged "
-                      f"kv heads of layer {layer} carry them; check the source checkpoint", WeightWarning, stacklevel=2)
+        if tensor is not None and tensor.is_floating_point():
+            fast.warn_non_finite(int((~torch.isfinite(tensor)).sum()), sources, role, layer)
 
 
 def _copy_other_files(source: Path, out_dir: Path) -> None:

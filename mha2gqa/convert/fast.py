@@ -1,0 +1,178 @@
+"""The plan's executor for the plain methods (mean, first) without torch: numpy on the safetensors bytes.
+
+A plain conversion is I/O plus a mean over a few rows, and importing torch cost more than the whole
+of it (5 s of a 15 s conversion of a 2 GB checkpoint). Where this executor runs, its output is
+byte-identical to run.py's torch executor (tests/test_convert_fast.py checks every file):
+- bfloat16 is held as its uint16 bit pattern; bf16 -> fp32 is a 16-bit shift, fp32 -> bf16 is
+  round-to-nearest-even on the bits, fp32 -> fp16 numpy's (also nearest even); a tensor holding NaN is
+  converted by torch itself (see _torch_cast: torch's NaN bits depend on where the NaN sits);
+- mean sums fp32 slices in head order and divides by r in fp32, as methods.group_mean does;
+- a pooled tensor goes to its source dtype, then to --dtype, the same two roundings as run.py.
+It is used only where that holds (`refusal` says why not otherwise): method mean or first, contiguous
+groups, no calibration or refine, a layout of layouts.LAYOUTS, attention tensors in F32/F16/BF16,
+and --dtype casts only between those. random draws from torch's generator, so it stays on torch.
+The checks before the plan (header validation, shapes, destination, room, lock) are run.py's own,
+shared by both executors.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from mha2gqa.checkpoint import SafetensorsCheckpoint, ShardedWriter
+from mha2gqa.convert.options import ConvertOptions, Grouping, Method
+from mha2gqa.convert.plan import Plan, Step
+from mha2gqa.convert.roles import KV_ROLES, pack, unpack
+from mha2gqa.errors import WeightWarning
+from mha2gqa.layouts import LAYOUTS
+
+METHODS = (Method.MEAN, Method.FIRST)
+CODES = ("F32", "F16", "BF16")
+# How each code is held: bfloat16 as its bits (numpy has no bfloat16).
+_STORED = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_CODE_OF = {dtype: code for code, dtype in _STORED.items()}
+# Set to 1 to convert with torch even where this executor applies (a check, or a way round a bug).
+TORCH_ENV = "MHA2GQA_CONVERT_WITH_TORCH"
+
+
+def request_refusal(options: ConvertOptions, config: dict) -> str | None:
+    """Why the request itself needs torch, or None. Decided before the plan, so a plain request never
+    imports the torch-side checks (every one of them passes on a plain request)."""
+    if os.environ.get(TORCH_ENV, "0") not in ("", "0"):
+        return f"{TORCH_ENV} is set"
+    if options.method not in METHODS:
+        return f"method {options.method} ({', '.join(METHODS)} run without torch)"
+    if options.calibration is not None or options.refine is not None or options.grouping != Grouping.CONTIGUOUS:
+        return "calibration, refine or similarity grouping"
+    if config.get("model_type") not in LAYOUTS:
+        return f"model_type {config.get('model_type')!r} has no explicit layout (generic or retargeted)"
+    return None
+
+
+def plan_refusal(plan: Plan, tensors: dict) -> str | None:
+    """Why the plan's dtypes need torch, or None: every pooled tensor, and every cast, in F32/F16/BF16."""
+    for step in plan.steps:
+        if step.transpose:
+            return f"{step.sources['tensor']} is transposed"
+        if step.is_transform:
+            other = next((name for name in step.sources.values() if tensors[name].dtype not in CODES), None)
+            if other:
+                return f"{other} is {tensors[other].dtype}"
+        elif tensors[step.sources["tensor"]].dtype not in (step.outputs[0].dtype, *CODES):
+            return f"{step.sources['tensor']} would be cast from {tensors[step.sources['tensor']].dtype}"
+    return None
+
+
+def write_tensors(checkpoint: SafetensorsCheckpoint, plan: Plan, out_dir: Path, shard_bytes: int,
+                  progress: bool) -> None:
+    """Every step of the plan into DST's shards: copies inside the kernel, casts and pooling in numpy."""
+    writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes)
+    bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    for step in plan.steps:
+        if step.is_transform:
+            with np.errstate(all="ignore"):  # inf/NaN in the weights are warned about once, by name
+                _write_layer(checkpoint, step, plan, writer)
+        else:
+            out, info = step.outputs[0], checkpoint.tensors[step.sources["tensor"]]
+            if out.dtype == info.dtype:
+                writer.copy_bytes(out.name, info)
+            else:
+                with np.errstate(all="ignore"):  # overflow to inf, as torch casts it
+                    writer.write_array(out.name, cast(_load(checkpoint, info.name), out.dtype))
+        bar.update(sum(out.nbytes for out in step.outputs))
+    writer.close()
+    bar.close()
+
+
+def _load(checkpoint: SafetensorsCheckpoint, name: str) -> np.ndarray:
+    info = checkpoint.tensors[name]
+    return np.frombuffer(checkpoint.read_bytes(name), dtype=_STORED[info.dtype]).reshape(info.shape)
+
+
+def _write_layer(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, writer: ShardedWriter) -> None:
+    """One layer's attention tensors: read, pool the kv roles, write (one layer in memory at a time)."""
+    shape, groups = plan.shape, plan.groups
+    roles = unpack({role: _load(checkpoint, name) for role, name in step.sources.items()}, shape)
+    for role in KV_ROLES:
+        if role in roles:
+            source = roles[role]
+            pooled = pool(source, shape.kv_heads, groups, plan.method)  # (G*hd, *rest) fp32
+            if role in _CHECKED and (plan.method == Method.FIRST or not np.isfinite(pooled).all()):
+                warn_non_finite(_non_finite(source), step.sources, role, step.layer)
+            roles[role] = cast(pooled, _CODE_OF[source.dtype])
+    names = {step.sources[role]: array for role, array in pack(roles, list(step.sources), groups).items()}
+    for out in step.outputs:
+        writer.write_array(out.name, cast(names[out.name], out.dtype))
+
+
+_CHECKED = ("k.weight", "k.bias", "v.weight", "v.bias")  # what run.py's check covers: projections, not norms
+
+
+def pool(rows: np.ndarray, kv_heads: int, groups: int, method: str) -> np.ndarray:
+    """(n_kv*hd, *rest) -> (G*hd, *rest) in fp32: methods.group_mean's order of operations (fp32 sum of
+    slices in head order, then / r), or the first head of each group."""
+    grouped = rows.reshape(groups, kv_heads // groups, -1, *rows.shape[1:])  # (G, r, hd, *rest)
+    total = to_float32(grouped[:, 0])  # a new array: never adds into the source
+    if method == Method.MEAN:
+        for j in range(1, grouped.shape[1]):
+            total += to_float32(grouped[:, j])
+        total /= np.float32(grouped.shape[1])
+    return total.reshape(-1, *rows.shape[1:])
+
+
+def to_float32(array: np.ndarray) -> np.ndarray:
+    """A new fp32 array; exact: fp16 and bf16 (its bits shifted up) are subsets of fp32."""
+    if array.dtype == _STORED["BF16"]:
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array.astype(np.float32)
+
+
+def cast(array: np.ndarray, code: str) -> np.ndarray:
+    """A stored array (or an fp32 result) to `code`, as torch's .to() writes it: one rounding to nearest
+    even, through fp32 (exact on the way up)."""
+    if _CODE_OF[array.dtype] == code:
+        return array
+    wide = array if array.dtype == _STORED["F32"] else to_float32(array)
+    if code == "F32":
+        return wide
+    if np.isnan(wide).any():
+        return _torch_cast(array, code)
+    if code == "F16":
+        return wide.astype(_STORED["F16"])
+    bits = wide.view(np.uint32)  # bf16: round the low 16 bits to nearest even
+    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+
+
+def _torch_cast(array: np.ndarray, code: str) -> np.ndarray:
+    """NaN is the one value whose bits torch writes unevenly: its vectorised loop and its scalar tail
+    (whose split depends on the tensor's length and the thread count) give bf16 0xFFFF or 0x7FC0 and drop
+    or keep fp16 payloads. A tensor holding NaN is rare (and warned about), so torch converts it itself,
+    the same tensor in the same shape as the torch executor converts: the bytes then match."""
+    import torch
+
+    from mha2gqa.checkpoint import torch_dtypes
+
+    dtypes = torch_dtypes()
+    as_int = {"BF16": torch.uint16, "F16": torch.float16, "F32": torch.float32}
+    tensor = torch.from_numpy(np.ascontiguousarray(array)).view(dtypes[_CODE_OF[array.dtype]])
+    return tensor.to(dtypes[code]).view(as_int[code]).numpy().view(_STORED[code])
+
+
+def _non_finite(array: np.ndarray) -> int:
+    if array.dtype == _STORED["BF16"]:  # exponent bits all ones: inf or NaN
+        return int(np.count_nonzero((array & np.uint16(0x7F80)) == np.uint16(0x7F80)))
+    return int(array.size - np.count_nonzero(np.isfinite(array)))
+
+
+def warn_non_finite(count: int, sources: dict, role: str, layer: int) -> None:
+    """Pooling spreads a NaN/inf in one kv head to its whole group: name the tensor, convert anyway."""
+    if not count:
+        return
+    name = sources.get(role) or f"{sources.get('qkv.' + role.split('.')[1])} ({role[0]} rows)"
+    warnings.warn(f"{name} has {count} non-finite values (NaN/inf): the merged kv heads of layer {layer} carry "
+                  "them; check the source checkpoint", WeightWarning, stacklevel=3)
