@@ -9,12 +9,12 @@ before raising. Relative paths are relative to the working directory the command
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import typing
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
+
+from mha2gqa.docfields import field_docs
 
 
 @dataclass
@@ -192,7 +192,7 @@ def all_keys(cls=Recipe, prefix: str = "") -> list[str]:
 
 def describe(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
     """[(dotted key, default, doc)] for every key of the schema, sections expanded."""
-    rows, docs, hints = [], _field_docs(cls), typing.get_type_hints(cls)
+    rows, docs, hints = [], field_docs(cls), typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             rows += describe(hints[f.name], f"{prefix}{f.name}.")
@@ -200,13 +200,3 @@ def describe(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         rows.append((prefix + f.name, "null" if default is None else str(default), docs.get(f.name, "")))
     return rows
-
-
-def _field_docs(cls) -> dict[str, str]:
-    """{field: docstring} of one dataclass: the string literal right after each annotated field."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(after.value.value).split())
-    return docs
