@@ -127,3 +127,28 @@ def test_budget_and_learning_rate_schedule(tmp_path):
     linear = OptimConfig(lr=1.0, warmup_steps=0, min_lr_ratio=0.0, schedule="linear")
     assert [lr_at(s, 5, linear) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
     assert lr_at(3, 5, OptimConfig(lr=0.5, schedule="constant")) == 0.5
+
+
+def test_data_files_are_checked_once_when_loaded_and_when_read_otherwise(tmp_path, monkeypatch):
+    """load_recipe checks the data files and build_data reads the sources it found (no second walk);
+    a recipe loaded without the file checks, or changed since, has them checked when its data is read."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama", "num_attention_heads": 4, "hidden_size": 32, '
+                                       '"num_hidden_layers": 2}')
+    path = recipe_file(tmp_path / "r.yaml", model=str(model), output_dir=str(tmp_path / "o"), seq_len=16,
+                       data={"train": str(corpus(tmp_path / "t.jsonl", docs=40)), "eval_blocks": 5})
+    recipe, tokenizer = load_recipe(path), make_tiny_tokenizer()
+    resolved = []
+    resolve = textdata.resolve
+    monkeypatch.setattr(textdata, "resolve", lambda key, *a, **kw: resolved.append(key) or resolve(key, *a, **kw))
+    assert len(build_data(recipe, tokenizer, 0, 1, show_progress=False).eval) == 5
+    assert resolved == []
+    gone = tmp_path / "gone.jsonl"
+    recipe.data.train = [str(gone)]
+    with pytest.raises(InputError, match=f"data.train {gone}: no such file or folder"):
+        build_data(recipe, tokenizer, 0, 1, show_progress=False)
+    unchecked = load_recipe(path, [f"data.train={gone}"], check_files=False)
+    with pytest.raises(InputError, match=f"data.train {gone}: no such file or folder"):
+        build_data(unchecked, tokenizer, 0, 1, show_progress=False)
+    assert resolved == ["data.train", "data.train"]
