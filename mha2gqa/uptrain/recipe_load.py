@@ -2,9 +2,10 @@
 cross-key rules. Every problem is collected and reported together, each naming the key the user
 typed, the rule and the fix.
 
-This is the one place a recipe is checked. Later stages check only what needs what they first
-build: the tokenizer (EOS) and the packed data in data.py, the model (vocabulary, positions,
-trainable set) and output_dir against --resume in loop.py.
+This is the one place a recipe is checked. What needs more than the recipe is checked where it
+first exists: the tokenizer's EOS and the packed data in data.py (and there the data files of a
+recipe loaded with check_files=False); the model's vocabulary and positions, the trainable set, the
+teacher, and output_dir (against the sources and --resume, room on its disk) in loop.py.
 """
 
 from __future__ import annotations
