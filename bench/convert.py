@@ -4,6 +4,7 @@
     python bench/convert.py --sizes 4 --repeats 5
     python bench/convert.py --cold           # drop the page cache before every job (root only)
     python bench/convert.py --jobs convert cp import-torch   # leave out the naive job; time a bare torch import
+    python bench/convert.py --jobs convert convert-torch cp  # the torch-free executor vs the torch one (before it)
     python bench/convert.py --smoke          # every job once on a ~3 MB toy checkpoint (run by a test)
 
 Each size: a sharded bf16 checkpoint (hidden 4096, 32 heads, 32 kv heads, LAYERS layers) is written
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -88,18 +90,22 @@ def build_checkpoint(path: Path, layers: int, hidden=HIDDEN, intermediate=INTERM
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-JOBS = ("convert", "cp", "naive", "import-torch")
+JOBS = ("convert", "cp", "naive", "import-torch", "convert-torch")
 
 
-def jobs(src: Path, out: Path, chosen=JOBS[:3]) -> dict[str, list[str]]:
+def jobs(src: Path, out: Path, chosen=JOBS[:3]) -> dict[str, tuple[list[str], dict | None]]:
+    """label -> (command, environment or None)."""
+    convert = [sys.executable, "-m", "mha2gqa", "convert", str(src), str(out), "--groups", "8", "-q"]
     every = {
-        "convert": ("mha2gqa convert", [sys.executable, "-m", "mha2gqa", "convert", str(src), str(out), "--groups", "8", "-q"]),
-        "cp": ("cp -r", ["cp", "-r", str(src), str(out)]),
-        "naive": ("naive (from_pretrained+save_pretrained)", [sys.executable, "-c", NAIVE, str(src), str(out), "8"]),
-        # the fixed cost inside convert's time: a process that only imports torch
-        "import-torch": ("python -c 'import torch'", [sys.executable, "-c", "import torch"]),
+        "convert": ("mha2gqa convert", convert, None),
+        # the torch executor on the same plan (what convert ran before convert/fast.py)
+        "convert-torch": ("mha2gqa convert (torch executor)", convert, {**os.environ, "MHA2GQA_CONVERT_WITH_TORCH": "1"}),
+        "cp": ("cp -r", ["cp", "-r", str(src), str(out)], None),
+        "naive": ("naive (from_pretrained+save_pretrained)", [sys.executable, "-c", NAIVE, str(src), str(out), "8"], None),
+        # the fixed cost of any torch process: one that only imports torch
+        "import-torch": ("python -c 'import torch'", [sys.executable, "-c", "import torch"], None),
     }
-    return dict(every[job] for job in chosen)
+    return {every[job][0]: every[job][1:] for job in chosen}
 
 
 def drop_page_cache() -> None:
@@ -114,11 +120,11 @@ def run_size(workdir: Path, gigabytes: int, repeats: int, cold: bool, chosen=JOB
         subprocess.run([sys.executable, __file__, "--build", *build], check=True)
     results: dict[str, list[dict]] = {}
     for attempt in range(repeats + 1):  # interleaved, so background load hits all jobs alike
-        for name, command in jobs(src, out, chosen).items():
+        for name, (command, env) in jobs(src, out, chosen).items():
             shutil.rmtree(out, ignore_errors=True)
             if cold:
                 drop_page_cache()
-            measured = measure(command)
+            measured = measure(command, env)
             if attempt:  # the first round is a warm-up
                 results.setdefault(name, []).append(measured)
     shutil.rmtree(out, ignore_errors=True)
@@ -144,7 +150,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.sizes, args.repeats, args.jobs = [SMOKE], 1, list(JOBS)
-    print(f"page cache: {'dropped before every job' if args.cold else 'warm'}; median of {args.repeats}")
+    print(f"page cache: {'dropped before every job' if args.cold else 'warm'}; median of {args.repeats}; "
+          f"load average {os.getloadavg()[0]:.1f} at the start")
     print("| checkpoint | job | wall s | x convert | peak RSS MiB | peak anon MiB | anon x convert |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for gigabytes in args.sizes:
@@ -155,6 +162,7 @@ def main() -> None:
             print(f"| {r['bytes'] / 1e9:.2f} GB | {name} | {r['wall_s']:.2f} | {r['wall_s'] / base['wall_s']:.2f} "
                   f"| {r['peak_rss_mib']:.0f} | {r['peak_anon_mib']:.0f} | {r['peak_anon_mib'] / base['peak_anon_mib']:.1f} |",
                   flush=True)
+        print(f"(load average {os.getloadavg()[0]:.1f} after {gigabytes} GB)", flush=True)
         if not args.keep:
             shutil.rmtree(args.workdir / f"llama-{gigabytes}gb")
 

@@ -217,3 +217,25 @@ def test_planned_shapes_are_what_pack_writes(tmp_path, model_type):
                                           device="meta")
         packed = {role: tuple(t.shape) for role, t in pack(roles, list(stored), groups).items()}
         assert output_shapes(stored, tensors, shape, groups) == packed
+
+
+@pytest.mark.parametrize("phase", ["same page offset (kernel copy)", "other page offset (buffer)"])
+def test_copies_are_byte_exact_through_the_kernel_and_through_the_buffer(tmp_path, phase, monkeypatch):
+    from mha2gqa import checkpoint
+    from mha2gqa.checkpoint import OutputTensor, ShardedWriter, TensorInfo
+
+    data = bytes(range(256)) * (9 << 12)  # 9 MiB: more than one 4 MiB buffer
+    out = OutputTensor("t", "U8", (len(data),))
+    dst_start = len(checkpoint._header_bytes([out]))
+    skip = dst_start % 4096 + (0 if phase.startswith("same") else 8)
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"h" * skip + data)
+    paths, original = [], ShardedWriter._copy_through_buffer
+    monkeypatch.setattr(ShardedWriter, "_copy_through_buffer",
+                        lambda self, *args: (paths.append("buffer"), original(self, *args))[1])
+    writer = ShardedWriter(tmp_path, [out], 1 << 30)
+    writer.copy_bytes("t", TensorInfo("t", "U8", (len(data),), source, skip, skip + len(data)))
+    writer.close()
+    written = SafetensorsCheckpoint(tmp_path).tensors["t"]
+    assert (tmp_path / "model.safetensors").read_bytes()[written.start:written.end] == data
+    assert paths == ([] if phase.startswith("same") else ["buffer"])

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -68,25 +70,39 @@ def plan_refusal(plan: Plan, tensors: dict) -> str | None:
     return None
 
 
+AHEAD = 2  # steps computed ahead of the writer: bounds memory at a few layers' pooled K/V
+
+
 def write_tensors(checkpoint: SafetensorsCheckpoint, plan: Plan, out_dir: Path, shard_bytes: int,
                   progress: bool) -> None:
-    """Every step of the plan into DST's shards: copies inside the kernel, casts and pooling in numpy."""
+    """Every step of the plan into DST's shards, in order: unchanged tensors copied inside the kernel by
+    this thread while a worker thread reads and pools the next layers (both release the GIL), so the
+    pooling hides behind the copying. Only this thread writes, and warnings are raised here, in order."""
     writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes)
     bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="convert", disable=not progress)
-    for step in plan.steps:
-        if step.is_transform:
-            with np.errstate(all="ignore"):  # inf/NaN in the weights are warned about once, by name
-                _write_layer(checkpoint, step, plan, writer)
-        else:
-            out, info = step.outputs[0], checkpoint.tensors[step.sources["tensor"]]
-            if out.dtype == info.dtype:
-                writer.copy_bytes(out.name, info)
+    to_compute = deque(step for step in plan.steps if not _is_copy(checkpoint, step))
+    worker, pending = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mha2gqa-pool"), deque()
+    try:
+        for step in plan.steps:
+            while to_compute and len(pending) < AHEAD:
+                pending.append(worker.submit(_compute, checkpoint, to_compute.popleft(), plan))
+            if _is_copy(checkpoint, step):
+                writer.copy_bytes(step.outputs[0].name, checkpoint.tensors[step.sources["tensor"]])
             else:
-                with np.errstate(all="ignore"):  # overflow to inf, as torch casts it
-                    writer.write_array(out.name, cast(_load(checkpoint, info.name), out.dtype))
-        bar.update(sum(out.nbytes for out in step.outputs))
+                arrays, non_finite = pending.popleft().result()
+                for role, count in non_finite:
+                    warn_non_finite(count, step.sources, role, step.layer)
+                for out, array in zip(step.outputs, arrays):
+                    writer.write_array(out.name, array)
+            bar.update(sum(out.nbytes for out in step.outputs))
+    finally:
+        worker.shutdown(wait=True, cancel_futures=True)  # on Ctrl-C: the running step finishes (under a second)
     writer.close()
     bar.close()
+
+
+def _is_copy(checkpoint: SafetensorsCheckpoint, step: Step) -> bool:
+    return not step.is_transform and step.outputs[0].dtype == checkpoint.tensors[step.sources["tensor"]].dtype
 
 
 def _load(checkpoint: SafetensorsCheckpoint, name: str) -> np.ndarray:
@@ -94,20 +110,28 @@ def _load(checkpoint: SafetensorsCheckpoint, name: str) -> np.ndarray:
     return np.frombuffer(checkpoint.read_bytes(name), dtype=_STORED[info.dtype]).reshape(info.shape)
 
 
-def _write_layer(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, writer: ShardedWriter) -> None:
-    """One layer's attention tensors: read, pool the kv roles, write (one layer in memory at a time)."""
+def _compute(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan) -> tuple[list, list]:
+    """A step's output arrays (in step.outputs order) and its kv roles' non-finite counts, (role, count)."""
+    with np.errstate(all="ignore"):  # inf/NaN/overflow as torch gives them; the weights' are warned about by name
+        if not step.is_transform:  # a cast (--dtype)
+            return [cast(_load(checkpoint, step.sources["tensor"]), step.outputs[0].dtype)], []
+        return _pool_layer(checkpoint, step, plan)
+
+
+def _pool_layer(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan) -> tuple[list, list]:
+    """One layer's attention tensors: read, pool the kv roles (one layer in memory at a time)."""
     shape, groups = plan.shape, plan.groups
     roles = unpack({role: _load(checkpoint, name) for role, name in step.sources.items()}, shape)
+    non_finite = []
     for role in KV_ROLES:
         if role in roles:
             source = roles[role]
             pooled = pool(source, shape.kv_heads, groups, plan.method)  # (G*hd, *rest) fp32
             if role in _CHECKED and (plan.method == Method.FIRST or not np.isfinite(pooled).all()):
-                warn_non_finite(_non_finite(source), step.sources, role, step.layer)
+                non_finite.append((role, _non_finite(source)))
             roles[role] = cast(pooled, _CODE_OF[source.dtype])
     names = {step.sources[role]: array for role, array in pack(roles, list(step.sources), groups).items()}
-    for out in step.outputs:
-        writer.write_array(out.name, cast(names[out.name], out.dtype))
+    return [cast(names[out.name], out.dtype) for out in step.outputs], non_finite
 
 
 _CHECKED = ("k.weight", "k.bias", "v.weight", "v.bias")  # what run.py's check covers: projections, not norms
