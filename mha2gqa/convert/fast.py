@@ -78,15 +78,17 @@ def write_tensors(checkpoint: SafetensorsCheckpoint, plan: Plan, out_dir: Path, 
     """Every step of the plan into DST's shards, in order: unchanged tensors copied inside the kernel by
     this thread while a worker thread reads and pools the next layers (both release the GIL), so the
     pooling hides behind the copying. Only this thread writes, and warnings are raised here, in order."""
-    writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes)
+    copies = plan.copies(checkpoint.tensors)
+    writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes, copies)
     bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="convert", disable=not progress)
-    to_compute = deque(step for step in plan.steps if not _is_copy(checkpoint, step))
+    to_compute = deque(step for step in plan.steps if step.outputs[0].name not in copies)
     worker, pending = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mha2gqa-pool"), deque()
+    scratch = _Scratch()  # used by the one worker thread only
     try:
         for step in plan.steps:
             while to_compute and len(pending) < AHEAD:
-                pending.append(worker.submit(_compute, checkpoint, to_compute.popleft(), plan))
-            if _is_copy(checkpoint, step):
+                pending.append(worker.submit(_compute, checkpoint, to_compute.popleft(), plan, scratch))
+            if step.outputs[0].name in copies:
                 writer.copy_bytes(step.outputs[0].name, checkpoint.tensors[step.sources["tensor"]])
             else:
                 arrays, non_finite = pending.popleft().result()
@@ -101,52 +103,83 @@ def write_tensors(checkpoint: SafetensorsCheckpoint, plan: Plan, out_dir: Path, 
     bar.close()
 
 
-def _is_copy(checkpoint: SafetensorsCheckpoint, step: Step) -> bool:
-    return not step.is_transform and step.outputs[0].dtype == checkpoint.tensors[step.sources["tensor"]].dtype
-
-
-def _load(checkpoint: SafetensorsCheckpoint, name: str) -> np.ndarray:
+def _load(checkpoint: SafetensorsCheckpoint, name: str, scratch: _Scratch | None = None, key: str = "") -> np.ndarray:
+    """A stored tensor as an array: in memory of its own, or in scratch[key] (valid until its next use)."""
     info = checkpoint.tensors[name]
-    return np.frombuffer(checkpoint.read_bytes(name), dtype=_STORED[info.dtype]).reshape(info.shape)
+    if scratch is None:
+        return np.frombuffer(checkpoint.read_bytes(name), dtype=_STORED[info.dtype]).reshape(info.shape)
+    array = scratch.array(("read", key), info.shape, _STORED[info.dtype])
+    checkpoint.read_into(name, array)
+    return array
 
 
-def _compute(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan) -> tuple[list, list]:
+class _Scratch(dict):
+    """The worker thread's reused buffers, by key: an array of tens of MB made afresh costs a page fault
+    per 4 KiB every time (glibc maps and unmaps each one), which was most of the pooling's time."""
+
+    def array(self, key, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if key not in self or self[key].nbytes < nbytes:
+            self[key] = np.empty(nbytes, np.uint8)
+        return self[key][:nbytes].view(dtype).reshape(shape)
+
+    def holds(self, array: np.ndarray) -> bool:
+        return any(np.may_share_memory(array, buffer) for buffer in self.values())
+
+
+def _compute(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, scratch: _Scratch) -> tuple[list, list]:
     """A step's output arrays (in step.outputs order) and its kv roles' non-finite counts, (role, count)."""
     with np.errstate(all="ignore"):  # inf/NaN/overflow as torch gives them; the weights' are warned about by name
         if not step.is_transform:  # a cast (--dtype)
             return [cast(_load(checkpoint, step.sources["tensor"]), step.outputs[0].dtype)], []
-        return _pool_layer(checkpoint, step, plan)
+        return _pool_layer(checkpoint, step, plan, scratch)
 
 
-def _pool_layer(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan) -> tuple[list, list]:
+def _pool_layer(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, scratch: _Scratch) -> tuple[list, list]:
     """One layer's attention tensors: read, pool the kv roles (one layer in memory at a time)."""
     shape, groups = plan.shape, plan.groups
-    roles = unpack({role: _load(checkpoint, name) for role, name in step.sources.items()}, shape)
+    roles = unpack({role: _load(checkpoint, name, scratch, role) for role, name in step.sources.items()}, shape)
     non_finite = []
     for role in KV_ROLES:
         if role in roles:
             source = roles[role]
-            pooled = pool(source, shape.kv_heads, groups, plan.method)  # (G*hd, *rest) fp32
+            pooled = pool(source, shape.kv_heads, groups, plan.method, scratch)  # (G*hd, *rest) fp32
             if role in _CHECKED and (plan.method == Method.FIRST or not np.isfinite(pooled).all()):
                 non_finite.append((role, _non_finite(source)))
             roles[role] = cast(pooled, _CODE_OF[source.dtype])
+            if scratch.holds(roles[role]):  # fp32 stays fp32: keep it past the next role's pooling
+                roles[role] = roles[role].copy()
     names = {step.sources[role]: array for role, array in pack(roles, list(step.sources), groups).items()}
-    return [cast(names[out.name], out.dtype) for out in step.outputs], non_finite
+    outputs = [cast(names[out.name], out.dtype) for out in step.outputs]
+    return [array.copy() if scratch.holds(array) else array for array in outputs], non_finite  # the writer's now
 
 
 _CHECKED = ("k.weight", "k.bias", "v.weight", "v.bias")  # what run.py's check covers: projections, not norms
 
 
-def pool(rows: np.ndarray, kv_heads: int, groups: int, method: str) -> np.ndarray:
+def pool(rows: np.ndarray, kv_heads: int, groups: int, method: str, scratch: _Scratch | None = None) -> np.ndarray:
     """(n_kv*hd, *rest) -> (G*hd, *rest) in fp32: methods.group_mean's order of operations (fp32 sum of
-    slices in head order, then / r), or the first head of each group."""
+    slices in head order, then / r), or the first head of each group. With `scratch`, the result lives
+    in it (valid until the next call)."""
     grouped = rows.reshape(groups, kv_heads // groups, -1, *rows.shape[1:])  # (G, r, hd, *rest)
-    total = to_float32(grouped[:, 0])  # a new array: never adds into the source
+    head_shape = (groups, *grouped.shape[2:])
+    buffer = scratch.array if scratch is not None else (lambda key, shape, dtype: np.empty(shape, dtype))
+    total = _into_float32(grouped[:, 0], buffer("total", head_shape, np.float32))  # never adds into the source
     if method == Method.MEAN:
+        head = buffer("head", head_shape, np.float32)
         for j in range(1, grouped.shape[1]):
-            total += to_float32(grouped[:, j])
+            total += _into_float32(grouped[:, j], head)
         total /= np.float32(grouped.shape[1])
     return total.reshape(-1, *rows.shape[1:])
+
+
+def _into_float32(array: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """`array` (any stored dtype) written exactly into the fp32 array `out`, in one pass."""
+    if array.dtype == _STORED["BF16"]:
+        np.left_shift(array, 16, out=out.view(np.uint32), dtype=np.uint32)
+    else:
+        np.copyto(out, array)
+    return out
 
 
 def to_float32(array: np.ndarray) -> np.ndarray:

@@ -197,7 +197,7 @@ def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed
     from mha2gqa.checkpoint import DTYPES
     from mha2gqa.convert.methods import METHODS
 
-    writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes)
+    writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes, plan.copies(checkpoint.tensors))
     method = METHODS[plan.method]
     bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="convert", disable=not progress)
     layers = []
