@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -37,6 +36,9 @@ EXPLORE = {
     "ls-only": dict(steps=0),
     "adam50+ls": dict(steps=50),
     "adam50-b4+ls": dict(steps=50, batch_blocks=4),  # a quarter of the tokens per step
+    "adam50-b8+ls": dict(steps=50, batch_blocks=8),
+    "adam25-b4+ls": dict(steps=25, batch_blocks=4),
+    "adam100-b4+ls": dict(steps=100, batch_blocks=4),
     "adam200": dict(steps=200, solve_output=False),
     "adam200+ls": dict(steps=200),
     "adam200-lr3e-3+ls": dict(steps=200, lr=3e-3),
@@ -59,7 +61,7 @@ def convert_row(args, source: Path, out: Path, kv: int, method: str, refine: boo
            "peak_rss_mib": round(cost["peak_rss_mib"], 1)}
     if refine:
         layers = record["refine"]["layers"]
-        row.update(refine_s=record["refine"]["wall_s"],
+        row.update(refine_s=record["refine"]["wall_s"], refine_cpu_s=record["refine"].get("cpu_s"),
                    heldout_error_before=_mean(layers, "heldout_error_before"),
                    heldout_error_after=_mean(layers, "heldout_error_after"),
                    fit_error_after=_mean(layers, "fit_error_after"))
@@ -70,17 +72,18 @@ def _mean(layers: list[dict], key: str) -> float:
     return sum(row[key] for row in layers) / len(layers)
 
 
-def calibration_seconds(args, source: Path) -> float:
+def calibration_seconds(args, source: Path) -> tuple[float, float]:
+    """Wall and CPU seconds (all threads of this process) of calibration alone, model load included."""
     from mha2gqa.convert.calibration import calibrate
     from mha2gqa.embedded import expand_corpus_name
     from mha2gqa.layouts import attention_shape, layout_for, read_config
 
     config = read_config(source)
     with tempfile.TemporaryDirectory(prefix="refine-bench-stats-") as stats_dir:
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         calibrate(source, layout_for(config), attention_shape(config), expand_corpus_name(args.calibration),
                   args.calibration_tokens, Path(stats_dir), progress=False)
-        return time.perf_counter() - started
+        return time.perf_counter() - started, time.process_time() - started_cpu
 
 
 def run_grid(args, source: Path, work: Path, ids, context: int) -> list[dict]:
@@ -96,7 +99,7 @@ def run_grid(args, source: Path, work: Path, ids, context: int) -> list[dict]:
     return rows
 
 
-def run_explore(args, source: Path, work: Path, ids, context: int) -> list[dict]:
+def run_explore(args, source: Path, work: Path, ids, context: int) -> tuple[list[dict], tuple[float, float]]:
     from mha2gqa.convert.calibration import calibrate
     from mha2gqa.convert.refine import RefineOptions
     from mha2gqa.convert.run import convert
@@ -105,8 +108,10 @@ def run_explore(args, source: Path, work: Path, ids, context: int) -> list[dict]
 
     config = read_config(source)
     (work / "stats").mkdir()
+    started, started_cpu = time.perf_counter(), time.process_time()
     stats = calibrate(source, layout_for(config), attention_shape(config), expand_corpus_name(args.calibration),
                       args.calibration_tokens, work / "stats", progress=False)
+    calibration_s = time.perf_counter() - started, time.process_time() - started_cpu
     rows = []
     for kv in args.kv:
         for method in args.methods:
@@ -120,11 +125,12 @@ def run_explore(args, source: Path, work: Path, ids, context: int) -> list[dict]
                        "perplexity": model_perplexity(out, ids, context)}
                 if result.refine:
                     layers = result.refine["layers"]
+                    row.update(refine_s=result.refine["wall_s"], refine_cpu_s=result.refine["cpu_s"])
                     row.update({key: _mean(layers, key) for key in ("fit_error_after", "heldout_error_before",
                                                                     "heldout_error_after")})
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    return rows
+    return rows, calibration_s
 
 
 def add_gaps(rows: list[dict], parent: float, method_key: str = "method") -> None:
@@ -135,18 +141,21 @@ def add_gaps(rows: list[dict], parent: float, method_key: str = "method") -> Non
 
 
 def table(result: dict) -> str:
-    lines = [f"parent: {result['parent_perplexity']:.2f}; calibration {result['calibration_s']:.1f} s "
-             f"({result['calibration_tokens']} tokens)", "",
+    lines = [f"parent: {result['parent_perplexity']:.2f}; calibration {result['calibration_s']:.1f} s wall, "
+             f"{result['calibration_cpu_s']:.1f} s CPU ({result['calibration_tokens']} tokens)", "",
              "| kv heads | method | refine | ppl | gap closed | held-out err before -> after | convert s | refine s "
-             "| refine / calibration | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| refine / calibration, wall | refine / calibration, CPU | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         gap = "" if row.get("gap_closed") is None else f"{row['gap_closed']:.3f}"
         errors = (f"{row['heldout_error_before']:.4f} -> {row['heldout_error_after']:.4f}"
                   if "heldout_error_after" in row else "")
         refine_s = row.get("refine_s")
-        ratio = f"{refine_s / result['calibration_s']:.2f}" if refine_s and result["calibration_s"] else ""
+        ratio = f"{refine_s / result['calibration_s']:.2f}" if refine_s else ""
+        cpu_ratio = f"{row['refine_cpu_s'] / result['calibration_cpu_s']:.2f}" if row.get("refine_cpu_s") else ""
         lines.append(f"| {row['kv_heads']} | {row['method']} | {row['refine']} | {row['perplexity']:.2f} | {gap} | "
-                     f"{errors} | {row['convert_s']} | {refine_s or ''} | {ratio} | {row.get('peak_rss_mib', '')} |")
+                     f"{errors} | {row['convert_s']} | {refine_s or ''} | {ratio} | {cpu_ratio} | "
+                     f"{row.get('peak_rss_mib', '')} |")
     return "\n".join(lines)
 
 
@@ -181,15 +190,16 @@ def main() -> None:
     print(f"parent: ppl {parent:.2f} on {len(ids)} held-out tokens; load {os.getloadavg()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="refine-bench-") as work:
         if args.explore:
-            rows, calibration_s = run_explore(args, source, Path(work), ids, context), math.nan
+            rows, (calibration_s, calibration_cpu_s) = run_explore(args, source, Path(work), ids, context)
         else:
-            calibration_s = calibration_seconds(args, source)
-            print(f"calibration alone: {calibration_s:.1f} s for {args.calibration_tokens} tokens", flush=True)
+            calibration_s, calibration_cpu_s = calibration_seconds(args, source)
+            print(f"calibration alone: {calibration_s:.1f} s wall, {calibration_cpu_s:.1f} s CPU for "
+                  f"{args.calibration_tokens} tokens", flush=True)
             rows = run_grid(args, source, Path(work), ids, context)
     add_gaps(rows, parent)
     result = {"model": str(source), "parent_perplexity": parent, "eval_tokens": len(ids), "context": context,
               "calibration": args.calibration, "calibration_tokens": args.calibration_tokens,
-              "calibration_s": round(calibration_s, 2), "steps": args.steps, "lr": args.lr,
+              "calibration_s": round(calibration_s, 2), "calibration_cpu_s": round(calibration_cpu_s, 2), "steps": args.steps, "lr": args.lr,
               "load_average": os.getloadavg(), "rows": rows}
     print(table(result))
     if args.out:

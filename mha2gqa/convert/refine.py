@@ -136,7 +136,7 @@ def refine_checkpoint(source: Path, converted: Path, layout: Layout, shape: Atte
     the parent in `source`. Returns the JSON-able record: options, token counts and per-layer errors."""
     from mha2gqa.convert.calibration import load_source_model
 
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     torch.manual_seed(options.seed)
     parent = load_source_model(source, device, progress=progress).requires_grad_(False)
     model = load_source_model(converted, device, progress=progress).requires_grad_(False)
@@ -187,7 +187,8 @@ def refine_checkpoint(source: Path, converted: Path, layout: Layout, shape: Atte
     tokens = {name: len(idx) * seq_len for name, idx in split.items()}
     return {"options": asdict(options), "sequence_length": seq_len, "fit_tokens": tokens["fit"],
             "heldout_tokens": tokens["heldout"], "device": str(run_device), "spilled_to_disk": buffers.spill_dir is not None,
-            "buffer_bytes": buffers.bytes, "wall_s": round(time.perf_counter() - started, 2), "layers": layers}
+            "buffer_bytes": buffers.bytes, "wall_s": round(time.perf_counter() - started, 2),
+            "cpu_s": round(time.process_time() - started_cpu, 2), "layers": layers}
 
 
 def _layer_path(layout: Layout, index: int) -> str:
@@ -213,9 +214,14 @@ def _capture_kwargs(kwargs: dict, batch: int) -> dict:
     return {key: _batch_one(value, batch) for key, value in kwargs.items() if key != "hidden_states"}
 
 
+class _StopForward(Exception):
+    """Raised by a hook once it has what it needs, to skip the rest of a forward pass."""
+
+
 def _first_hidden_states(parent, layout: Layout, n_layers: int, blocks: torch.Tensor, buffers, batch_blocks: int):
-    """One pass of the parent: the first layer's input for every block into buffers['parent'], and
-    the keyword arguments the model passes to each layer (masks, rotary tables), from the first batch."""
+    """The first layer's input for every block into buffers['parent'] (each forward stops at the first
+    layer, so this costs the embeddings only), and the keyword arguments the model passes to each layer
+    (masks, rotary tables), from one full forward of a single block."""
     device = next(parent.parameters()).device
     layer_kwargs: dict[int, dict] = {}
     cursor = {"start": 0}
@@ -224,24 +230,30 @@ def _first_hidden_states(parent, layout: Layout, n_layers: int, blocks: torch.Te
         hidden = args[0] if args else kwargs["hidden_states"]
         start = cursor["start"]
         buffers["parent"][start:start + len(hidden)] = hidden.float().to(buffers["parent"].device)
+        raise _StopForward
 
     def keep_kwargs(index):
         def hook(module, args, kwargs):
-            if index not in layer_kwargs:
-                batch = (args[0] if args else kwargs["hidden_states"]).shape[0]
-                layer_kwargs[index] = _capture_kwargs(kwargs, batch)
+            layer_kwargs[index] = _capture_kwargs(kwargs, (args[0] if args else kwargs["hidden_states"]).shape[0])
         return hook
 
     layers = [parent.get_submodule(_layer_path(layout, i)) for i in range(n_layers)]
-    handles = [layers[0].register_forward_pre_hook(keep_input, with_kwargs=True)]
-    handles += [layer.register_forward_pre_hook(keep_kwargs(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
-        with torch.no_grad():
+    with torch.no_grad():
+        handles = [layer.register_forward_pre_hook(keep_kwargs(i), with_kwargs=True) for i, layer in enumerate(layers)]
+        try:
+            parent.base_model(blocks[:1].to(device), use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        handle = layers[0].register_forward_pre_hook(keep_input, with_kwargs=True)
+        try:
             for start in range(0, len(blocks), batch_blocks):
                 cursor["start"] = start
-                parent.base_model(blocks[start:start + batch_blocks].to(device), use_cache=False)
-    finally:
-        for handle in handles:
+                try:
+                    parent.base_model(blocks[start:start + batch_blocks].to(device), use_cache=False)
+                except _StopForward:
+                    pass
+        finally:
             handle.remove()
     return layer_kwargs
 
@@ -293,6 +305,7 @@ def _layer_targets(parent_layer, layer, layout: Layout, kwargs: dict, buffers, b
     handles = [parent_attn.register_forward_hook(keep_target, with_kwargs=True),
                attn.register_forward_pre_hook(keep_input, with_kwargs=True),
                attn.register_forward_hook(lambda m, a, out: _block_errors(out, buffers["targets"], cursor["start"], errors))]
+    handles.append(attn.register_forward_hook(_stop))  # the converted layer's MLP is not needed here
     dtype = next(layer.parameters()).dtype
     try:
         with torch.no_grad():
@@ -301,11 +314,18 @@ def _layer_targets(parent_layer, layer, layout: Layout, kwargs: dict, buffers, b
                 end = start + batch_blocks
                 hidden = buffers["parent"][start:end].to(device, dtype)
                 buffers["parent"][start:end] = _call_layer(parent_layer, hidden, kwargs).float().to(buffers["parent"].device)
-                _call_layer(layer, buffers["converted"][start:end].to(device, dtype), kwargs)
+                try:
+                    _call_layer(layer, buffers["converted"][start:end].to(device, dtype), kwargs)
+                except _StopForward:
+                    pass
     finally:
         for handle in handles:
             handle.remove()
     return attn_kwargs, errors, power
+
+
+def _stop(*_):
+    raise _StopForward
 
 
 def _advance(layer, layout: Layout, kwargs: dict, buffers, batch_blocks: int) -> torch.Tensor:
