@@ -8,13 +8,14 @@ import pytest
 
 from mha2gqa.cli.convert_cmd import convert
 from mha2gqa.cli.eval_cmd import eval_command
-from mha2gqa.convert.options import METHOD_SUMMARIES, ConvertOptions, Grouping, Method
+from mha2gqa.convert.options import METHOD_SUMMARIES, ConvertOptions, Grouping, Method, RefineOptions
 from mha2gqa.docfields import choice_docs, field_docs
 from mha2gqa.eval.options import EvalOptions, SpeedPreset
 
 # options that set no field of the command's options type, so keep a literal help
-NOT_FIELDS = {"convert": {"quiet", "refine_steps", "refine_lr", "refine_memory"},  # RefineOptions imports torch
-              "eval": {"quiet"}}
+NOT_FIELDS = {"convert": {"quiet", "refine_steps", "refine_lr", "refine_memory"}, "eval": {"quiet"}}
+# --refine-* options set RefineOptions fields (ConvertOptions.refine)
+REFINE_FIELDS = {"refine_steps": "steps", "refine_lr": "lr", "refine_memory": "memory"}
 # options that pick one of several: their help lists each choice after the field's docstring
 CHOICES = {"method": METHOD_SUMMARIES, "grouping": choice_docs(Grouping), "speed_preset": choice_docs(SpeedPreset)}
 
@@ -33,7 +34,13 @@ def test_each_options_help_is_its_fields_docstring(command, cls):
             assert option.help == expected, option.opts[0]
 
 
-@pytest.mark.parametrize("cls", [ConvertOptions, EvalOptions])
+def test_refine_options_help_is_the_refine_fields_docstring():
+    docs = field_docs(RefineOptions)
+    helps = {p.name: p.help for p in convert.params if p.name in REFINE_FIELDS}
+    assert helps == {option: docs[field] for option, field in REFINE_FIELDS.items()}
+
+
+@pytest.mark.parametrize("cls", [ConvertOptions, EvalOptions, RefineOptions])
 def test_every_field_has_a_docstring(cls):
     docs = field_docs(cls)
     assert [f.name for f in fields(cls)] == list(docs)

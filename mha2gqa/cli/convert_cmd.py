@@ -7,14 +7,15 @@ import json
 import click
 
 from mha2gqa.cli.format import human_bytes, human_count, table
-from mha2gqa.convert.options import (DEFAULT_CALIBRATION_TOKENS, METHOD_SUMMARIES, ConvertOptions, Grouping,
-                                     Method)
+from mha2gqa.convert.options import (DEFAULT_CALIBRATION_TOKENS, DEFAULT_REFINE_LR, DEFAULT_REFINE_STEPS,
+                                     METHOD_SUMMARIES, ConvertOptions, Grouping, Method, RefineOptions)
 from mha2gqa.docfields import choice_docs, option_help
 
 
-def _help(field: str, choices: dict[str, str] | None = None) -> str:
-    """An option's help is its ConvertOptions field's docstring (tests/test_docfields.py holds them equal)."""
-    return option_help(ConvertOptions, field, choices)
+def _help(field: str, choices: dict[str, str] | None = None, cls=ConvertOptions) -> str:
+    """An option's help is its ConvertOptions (or RefineOptions) field's docstring (tests/test_docfields.py
+    holds them equal)."""
+    return option_help(cls, field, choices)
 
 
 @click.command()
@@ -35,13 +36,10 @@ def _help(field: str, choices: dict[str, str] | None = None) -> str:
 @click.option("--grouping", type=click.Choice([g.value for g in Grouping]), default=Grouping.CONTIGUOUS.value,
               show_default=True, help=_help("grouping", choice_docs(Grouping)))
 @click.option("--refine", is_flag=True, help=_help("refine"))
-# RefineOptions (convert/refine.py) imports torch and documents its fields in comments: literal help here
-@click.option("--refine-steps", default=50, show_default=True,
-              help="Adam steps per layer for --refine (0: only the closed-form o_proj solve).")
-@click.option("--refine-lr", default=1e-3, show_default=True, help="Peak Adam learning rate for --refine (cosine to 0).")
-@click.option("--refine-memory", default="4GiB", show_default=True,
-              help="Most memory for one layer's activations during --refine (4 x tokens x hidden float32); beyond "
-                   "it they are memory-mapped files under $TMPDIR.")
+@click.option("--refine-steps", default=DEFAULT_REFINE_STEPS, show_default=True,
+              help=_help("steps", cls=RefineOptions))
+@click.option("--refine-lr", default=DEFAULT_REFINE_LR, show_default=True, help=_help("lr", cls=RefineOptions))
+@click.option("--refine-memory", default="4GiB", show_default=True, help=_help("memory", cls=RefineOptions))
 def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_run, quiet, calibration,
             calibration_tokens, calibration_memory, grouping, refine, refine_steps, refine_lr, refine_memory):
     """Convert the checkpoint SRC (a local directory with config.json and safetensors, or a hub id when
@@ -56,11 +54,8 @@ def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_ru
     from mha2gqa.convert.run import convert as run_convert, parse_size
     from mha2gqa.embedded import expand_corpus_name
 
-    refine_options = None
-    if refine:  # refine imports torch: a plain conversion (mean, first) runs without it (convert/fast.py)
-        from mha2gqa.convert.refine import RefineOptions
-
-        refine_options = RefineOptions(refine_steps, refine_lr, parse_size(refine_memory, "--refine-memory"), seed=seed)
+    refine_options = RefineOptions(refine_steps, refine_lr, parse_size(refine_memory, "--refine-memory"),
+                                   seed=seed) if refine else None
     options = ConvertOptions(
         groups=groups, method=method, seed=seed, dtype=dtype, max_shard_size=max_shard_size, force=force,
         dry_run=dry_run, progress=not quiet, calibration=expand_corpus_name(calibration),

@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING
 
 from mha2gqa.errors import InputError
 
-if TYPE_CHECKING:  # annotations only: both modules import torch
+if TYPE_CHECKING:  # annotations only: it imports torch
     from mha2gqa.convert.calibration import CalibrationStats
-    from mha2gqa.convert.refine import RefineOptions
 
 DEFAULT_CALIBRATION_TOKENS = 131072
 DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held at once
+DEFAULT_REFINE_STEPS = 50
+DEFAULT_REFINE_LR = 1e-3
+DEFAULT_REFINE_MEMORY = 4 << 30
 
 
 class _StrEnum(str, Enum):
@@ -66,6 +68,34 @@ class Grouping(_StrEnum):
     (needs --calibration)."""
 
 
+@dataclass(frozen=True)
+class RefineOptions:
+    """How `--refine` fits each layer (convert/refine.py; the defaults were chosen by measurement,
+    docs/refine.md)."""
+
+    steps: int = DEFAULT_REFINE_STEPS
+    """Adam steps per layer for --refine (0: only the closed-form o_proj solve)."""
+    lr: float = DEFAULT_REFINE_LR
+    """Peak Adam learning rate for --refine (cosine-decayed to 0)."""
+    memory: int = DEFAULT_REFINE_MEMORY
+    """Most memory for one layer's activations during --refine (4 x tokens x hidden float32), a size such as
+    4GiB (in Python: bytes); beyond it they are memory-mapped files under $TMPDIR."""
+    batch_blocks: int = 16
+    """Calibration sequences per Adam step."""
+    solve_output: bool = True
+    """Finish each layer with the closed-form least-squares o_proj."""
+    seed: int = 0
+    """Seeds the mini-batch order and the held-out split (the CLI passes --seed)."""
+
+    def check(self) -> None:
+        if self.steps < 0:
+            raise InputError(f"--refine-steps {self.steps} must be 0 or more (e.g. {DEFAULT_REFINE_STEPS})")
+        if not self.lr > 0:
+            raise InputError(f"--refine-lr {self.lr} must be positive (e.g. {DEFAULT_REFINE_LR})")
+        if self.memory < 1:
+            raise InputError(f"--refine-memory {self.memory} must be positive (e.g. 4GiB)")
+
+
 @dataclass
 class ConvertOptions:
     groups: int
@@ -103,7 +133,7 @@ class ConvertOptions:
     calibration tokens matches the parent's (inputs from the already-refined layers below). Needs
     --calibration; works with every --method and --grouping. Per-layer errors on fit and held-out
     calibration tokens go to the terminal and mha2gqa.json. Settings: the --refine-* flags (in Python a
-    RefineOptions, convert/refine.py; None: no refinement)."""
+    RefineOptions; None: no refinement)."""
 
     def __post_init__(self):
         self.method = Method.parse(self.method, "--method")

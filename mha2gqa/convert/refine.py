@@ -29,40 +29,20 @@ import math
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from mha2gqa.convert.options import RefineOptions
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import AttentionShape, Layout
 
-DEFAULT_MEMORY = 4 << 30
-DEFAULT_STEPS = 50
-DEFAULT_LR = 1e-3
 HOLDOUT_FRACTION = 1 / 8
 SEQ_LEN = 512
 EXACT = 1e-10  # relative output error treated as exact
 BUFFERS = ("parent", "converted", "inputs", "targets")
-
-
-@dataclass(frozen=True)
-class RefineOptions:
-    steps: int = DEFAULT_STEPS  # Adam steps per layer (0: only the o_proj least-squares solve)
-    lr: float = DEFAULT_LR  # peak Adam learning rate, cosine-decayed to 0
-    memory: int = DEFAULT_MEMORY  # bytes for one layer's activation buffers before spilling to disk
-    batch_blocks: int = 16  # sequences per Adam step
-    solve_output: bool = True  # finish with the closed-form least-squares o_proj
-    seed: int = 0
-
-    def check(self) -> None:
-        if self.steps < 0:
-            raise InputError(f"--refine-steps {self.steps} must be 0 or more (e.g. {DEFAULT_STEPS})")
-        if not self.lr > 0:
-            raise InputError(f"--refine-lr {self.lr} must be positive (e.g. {DEFAULT_LR})")
-        if self.memory < 1:
-            raise InputError(f"--refine-memory {self.memory} must be positive (e.g. 4GiB)")
 
 
 def check_refine(options: RefineOptions, calibration, config: dict | None = None, tokens: int | None = None) -> None:
