@@ -31,18 +31,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import measure  # noqa: E402
 from calibrated_merge import gap_closed, heldout_ids, model_perplexity  # noqa: E402
 
-# name -> RefineOptions fields (steps, lr, solve_output); the shipped default is "adam50+ls".
+# name -> RefineOptions fields changed from the shipped defaults ("default": none changed).
 EXPLORE = {
+    "default": dict(),  # the shipped RefineOptions: 64 x hidden tokens, Adam 50 steps of 4 blocks, then the solve
     "ls-only": dict(steps=0),
-    "adam50+ls": dict(steps=50),
-    "adam50-b4+ls": dict(steps=50, batch_blocks=4),  # a quarter of the tokens per step
-    "adam50-b8+ls": dict(steps=50, batch_blocks=8),
-    "adam25-b4+ls": dict(steps=25, batch_blocks=4),
-    "adam100-b4+ls": dict(steps=100, batch_blocks=4),
-    "adam200": dict(steps=200, solve_output=False),
-    "adam200+ls": dict(steps=200),
-    "adam200-lr3e-3+ls": dict(steps=200, lr=3e-3),
-    "adam400+ls": dict(steps=400),
+    "all-tokens": dict(tokens=1 << 40),  # every calibration token
+    "b16": dict(batch_blocks=16),  # 16 blocks per Adam step
+    "all-tokens-b16": dict(tokens=1 << 40, batch_blocks=16),  # the first shipped setting
+    "b8": dict(batch_blocks=8),
+    "t32k": dict(tokens=32768),
+    "steps100": dict(steps=100),
+    "steps200": dict(steps=200),
+    "steps200-no-ls": dict(steps=200, solve_output=False),
+    "steps200-lr3e-3": dict(steps=200, lr=3e-3),
 }
 
 

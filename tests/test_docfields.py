@@ -13,9 +13,9 @@ from mha2gqa.docfields import choice_docs, field_docs
 from mha2gqa.eval.options import EvalOptions, SpeedPreset
 
 # options that set no field of the command's options type, so keep a literal help
-NOT_FIELDS = {"convert": {"quiet", "refine_steps", "refine_lr", "refine_memory"}, "eval": {"quiet"}}
 # --refine-* options set RefineOptions fields (ConvertOptions.refine)
-REFINE_FIELDS = {"refine_steps": "steps", "refine_lr": "lr", "refine_memory": "memory"}
+REFINE_FIELDS = {"refine_steps": "steps", "refine_lr": "lr", "refine_memory": "memory", "refine_tokens": "tokens"}
+NOT_FIELDS = {"convert": {"quiet", *REFINE_FIELDS}, "eval": {"quiet"}}
 # options that pick one of several: their help lists each choice after the field's docstring
 CHOICES = {"method": METHOD_SUMMARIES, "grouping": choice_docs(Grouping), "speed_preset": choice_docs(SpeedPreset)}
 

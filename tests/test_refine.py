@@ -176,6 +176,7 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, tiny_src, calibration
         (["--refine", "--calibration", calibration_file, "--refine-steps", "-1"], "--refine-steps -1 must be 0 or more"),
         (["--refine", "--calibration", calibration_file, "--refine-lr", "0"], "--refine-lr 0.0 must be positive"),
         (["--refine", "--calibration", calibration_file, "--refine-memory", "lots"], "--refine-memory 'lots' is not a size"),
+        (["--refine", "--calibration", calibration_file, "--refine-tokens", "0"], "--refine-tokens 0 must be positive"),
     ]
     for extra, message in cases:
         result = runner.invoke(main, ["convert", str(tiny_src), str(tmp_path / "dst"), "-g", "2", *extra])
@@ -192,11 +193,23 @@ def test_cli_refine_prints_errors(tmp_path, tiny_src, calibration_file):
     result = CliRunner().invoke(main, [
         "convert", str(tiny_src), str(tmp_path / "dst"), "-g", "2", "--method", "calibrated", "--grouping", "similarity",
         "--calibration", calibration_file, "--calibration-tokens", "1024", "--refine", "--refine-steps", "10",
-        "--refine-lr", "0.003", "--quiet"])
+        "--refine-lr", "0.003", "--refine-tokens", "256", "--quiet"])
     assert result.exit_code == 0, result.output
     assert "refine: relative attention-output error" in result.output
-    record = latest(tmp_path / "dst", "conversion")
-    assert record["refine"]["options"]["steps"] == 10 and len(record["refine"]["layers"]) == 2
+    record = latest(tmp_path / "dst", "conversion")["refine"]
+    assert record["options"]["steps"] == 10 and record["options"]["tokens"] == 256 and len(record["layers"]) == 2
+    assert (record["fit_tokens"], record["heldout_tokens"]) == (192, 64)  # 4 of the 16 blocks of 64: 3 fit, 1 held out
+
+
+def test_default_refine_tokens_scale_with_hidden_size(tmp_path, tiny_src, calibration_file):
+    """Unset, --refine uses 64 x hidden tokens (a tiny model with hidden 8 -> 512: 8 blocks of 64)."""
+    src = tmp_path / "src"
+    save_tiny_model(src, "llama", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, **SMALL)
+    make_tiny_tokenizer(src)
+    record = convert(src, tmp_path / "dst", 2, calibration=calibration_file, calibration_tokens=1024,
+                     refine=RefineOptions(steps=2), progress=False).refine
+    assert record["options"]["tokens"] is None
+    assert record["fit_tokens"] + record["heldout_tokens"] == 64 * 8
 
 
 @pytest.mark.slow  # ~2 minutes on 2 busy cores: four CLI conversions of the embedded model

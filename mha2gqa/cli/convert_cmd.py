@@ -40,8 +40,9 @@ def _help(field: str, choices: dict[str, str] | None = None, cls=ConvertOptions)
               help=_help("steps", cls=RefineOptions))
 @click.option("--refine-lr", default=DEFAULT_REFINE_LR, show_default=True, help=_help("lr", cls=RefineOptions))
 @click.option("--refine-memory", default="4GiB", show_default=True, help=_help("memory", cls=RefineOptions))
+@click.option("--refine-tokens", type=int, default=None, help=_help("tokens", cls=RefineOptions))
 def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_run, quiet, calibration,
-            calibration_tokens, calibration_memory, grouping, refine, refine_steps, refine_lr, refine_memory):
+            calibration_tokens, calibration_memory, grouping, refine, refine_steps, refine_lr, refine_memory, refine_tokens):
     """Convert the checkpoint SRC (a local directory with config.json and safetensors, or a hub id when
     online) into a grouped-query checkpoint DST with GROUPS kv heads.
 
@@ -55,7 +56,7 @@ def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_ru
     from mha2gqa.embedded import expand_corpus_name
 
     refine_options = RefineOptions(refine_steps, refine_lr, parse_size(refine_memory, "--refine-memory"),
-                                   seed=seed) if refine else None
+                                   tokens=refine_tokens, seed=seed) if refine else None
     options = ConvertOptions(
         groups=groups, method=method, seed=seed, dtype=dtype, max_shard_size=max_shard_size, force=force,
         dry_run=dry_run, progress=not quiet, calibration=expand_corpus_name(calibration),

@@ -21,6 +21,7 @@ DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held a
 DEFAULT_REFINE_STEPS = 50
 DEFAULT_REFINE_LR = 1e-3
 DEFAULT_REFINE_MEMORY = 4 << 30
+REFINE_TOKENS_PER_HIDDEN = 64  # default --refine-tokens per unit of hidden size (docs/refine.md)
 
 
 class _StrEnum(str, Enum):
@@ -80,7 +81,11 @@ class RefineOptions:
     memory: int = DEFAULT_REFINE_MEMORY
     """Most memory for one layer's activations during --refine (4 x tokens x hidden float32), a size such as
     4GiB (in Python: bytes); beyond it they are memory-mapped files under $TMPDIR."""
-    batch_blocks: int = 16
+    tokens: int | None = None
+    """Calibration tokens --refine fits and checks on, in whole sequences spread evenly over the calibration
+    tokens (all of them when fewer). Unset: 64 x the model's hidden size (the o_proj solve has that many
+    unknowns per output), e.g. 16,384 for hidden 256 and 262,144 for hidden 4096."""
+    batch_blocks: int = 4
     """Calibration sequences per Adam step."""
     solve_output: bool = True
     """Finish each layer with the closed-form least-squares o_proj."""
@@ -94,6 +99,8 @@ class RefineOptions:
             raise InputError(f"--refine-lr {self.lr} must be positive (e.g. {DEFAULT_REFINE_LR})")
         if self.memory < 1:
             raise InputError(f"--refine-memory {self.memory} must be positive (e.g. 4GiB)")
+        if self.tokens is not None and self.tokens < 1:
+            raise InputError(f"--refine-tokens {self.tokens} must be positive (e.g. 32768)")
 
 
 @dataclass

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mha2gqa.convert.options import RefineOptions
+from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN, RefineOptions
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import AttentionShape, Layout
 
@@ -123,6 +123,9 @@ def refine_checkpoint(source: Path, converted: Path, layout: Layout, shape: Atte
     run_device = next(model.parameters()).device
     seq_len = block_length(model.config)
     blocks = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)  # (n, S): full blocks only
+    wanted = options.tokens or REFINE_TOKENS_PER_HIDDEN * shape.hidden
+    if wanted < blocks.numel():  # a subset spread over the whole text
+        blocks = blocks[torch.linspace(0, len(blocks) - 1, max(2, wanted // seq_len)).round().long()]
     if len(blocks) < 2:
         raise InputError(f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {len(ids)} tokens): "
                          f"raise --calibration-tokens to {2 * seq_len} or more")
