@@ -4,6 +4,7 @@ time and peak memory of each conversion, and refinement time against calibration
     python bench/refine.py --out refine-austen.json                          # the embedded Austen model
     python bench/refine.py --model DIR --context 256 --out refine-small.json  # the second model
     python bench/refine.py --explore --kv 2 --methods calibrated             # fit settings, side by side
+    python bench/refine.py --timing 5 --kv 1 --methods calibrated            # refine vs calibration time only
     python bench/refine.py --smoke                                           # seconds; run by a test
 
 Grid: kv heads (--kv) x methods (--methods) x {merge only, merge + --refine}. Each conversion is the
@@ -134,6 +135,38 @@ def run_explore(args, source: Path, work: Path, ids, context: int) -> tuple[list
     return rows, calibration_s
 
 
+def run_timing(args, source: Path, work: Path) -> dict:
+    """--timing R: R rounds, each calibration alone then a conversion with `--refine` (its defaults, but
+    --steps and --lr) from those statistics, side by side in this process; medians of wall and CPU seconds
+    and of each round's refine / calibration ratio (the issue's target: at most 3x on CPU)."""
+    import statistics
+
+    from mha2gqa.convert.calibration import calibrate
+    from mha2gqa.convert.options import RefineOptions
+    from mha2gqa.convert.run import convert
+    from mha2gqa.embedded import expand_corpus_name
+    from mha2gqa.layouts import attention_shape, layout_for, read_config
+
+    config, rounds = read_config(source), []
+    for index in range(args.timing):
+        (work / f"stats-{index}").mkdir()
+        started, started_cpu = time.perf_counter(), time.process_time()
+        stats = calibrate(source, layout_for(config), attention_shape(config), expand_corpus_name(args.calibration),
+                          args.calibration_tokens, work / f"stats-{index}", progress=False)
+        calibration = time.perf_counter() - started, time.process_time() - started_cpu
+        record = convert(source, work / f"out-{index}", args.kv[0], method=args.methods[0], calibration=stats,
+                         refine=RefineOptions(steps=args.steps, lr=args.lr), progress=False, force=True).refine
+        rounds.append({"calibration_s": round(calibration[0], 2), "calibration_cpu_s": round(calibration[1], 2),
+                       "refine_s": record["wall_s"], "refine_cpu_s": record["cpu_s"],
+                       "ratio_wall": round(record["wall_s"] / calibration[0], 2),
+                       "ratio_cpu": round(record["cpu_s"] / calibration[1], 2), "load_average": os.getloadavg()})
+        print(json.dumps(rounds[-1]), flush=True)
+    medians = {key: statistics.median(r[key] for r in rounds)
+               for key in ("calibration_s", "calibration_cpu_s", "refine_s", "refine_cpu_s", "ratio_wall", "ratio_cpu")}
+    return {"model": str(source), "kv_heads": args.kv[0], "method": args.methods[0],
+            "calibration_tokens": args.calibration_tokens, "rounds": rounds, "medians": medians}
+
+
 def add_gaps(rows: list[dict], parent: float, method_key: str = "method") -> None:
     for row in rows:
         mean = next((r["perplexity"] for r in rows if r["kv_heads"] == row["kv_heads"] and r[method_key] == "mean"
@@ -175,6 +208,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--explore", action="store_true", help="compare refine settings (EXPLORE) in-process")
     parser.add_argument("--settings", default=",".join(EXPLORE), help="--explore settings, comma-separated")
+    parser.add_argument("--timing", type=int, default=0, metavar="R",
+                        help="only time R rounds of calibration vs --refine (first --kv and --methods), side by side")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: kv 2, 2048 tokens, 3 steps")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -183,6 +218,13 @@ def main() -> None:
     args.kv = [int(k) for k in str(args.kv).split(",")]
     args.methods, args.settings = args.methods.split(","), args.settings.split(",")
     source = Path(args.model)
+    if args.timing:
+        with tempfile.TemporaryDirectory(prefix="refine-bench-") as work:
+            result = run_timing(args, source, Path(work))
+        print("medians:", json.dumps(result["medians"]))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        return
     from mha2gqa.layouts import read_config
 
     context = min(args.context, read_config(source).get("max_position_embeddings") or args.context)

@@ -223,3 +223,16 @@ def test_bench_smoke(tmp_path):
                                                           ("calibrated", True)}
     for row in rows:
         assert row["perplexity"] > 1 and row["convert_s"] > 0 and row["peak_rss_mib"] > 0
+
+
+def test_bench_timing_smoke(tmp_path):
+    """bench/refine.py --timing: calibration and refinement side by side, medians of the rounds."""
+    out = tmp_path / "timing.json"
+    bench = Path(__file__).resolve().parent.parent / "bench" / "refine.py"
+    subprocess.run([sys.executable, str(bench), "--smoke", "--timing", "1", "--methods", "calibrated", "--out", str(out)],
+                   check=True, timeout=600, capture_output=True)
+    result = json.loads(out.read_text())
+    (round_,) = result["rounds"]
+    assert round_["calibration_s"] > 0 and round_["refine_s"] > 0 and round_["refine_cpu_s"] > 0
+    assert round_["ratio_wall"] == pytest.approx(round_["refine_s"] / round_["calibration_s"], abs=0.01)
+    assert result["medians"]["ratio_wall"] == round_["ratio_wall"] and result["kv_heads"] == 2  # --smoke: kv 2
