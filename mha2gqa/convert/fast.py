@@ -8,9 +8,10 @@ byte-identical to run.py's torch executor (tests/test_convert_fast.py checks eve
   converted by torch itself (see _torch_cast: torch's NaN bits depend on where the NaN sits);
 - mean sums fp32 slices in head order and divides by r in fp32, as methods.group_mean does;
 - a pooled tensor goes to its source dtype, then to --dtype, the same two roundings as run.py.
-It is used only where that holds (`refusal` says why not otherwise): method mean or first, contiguous
-groups, no calibration or refine, a layout of layouts.LAYOUTS, attention tensors in F32/F16/BF16,
-and --dtype casts only between those. random draws from torch's generator, so it stays on torch.
+It is used only where that holds (request_refusal and plan_refusal say why not otherwise): method mean
+or first, contiguous groups, no calibration or refine, a layout of layouts.LAYOUTS, attention tensors in
+F32/F16/BF16, and --dtype casts only between those. random draws from torch's generator and mean-norm
+reduces in torch's summation order, so both stay on torch.
 The checks before the plan (header validation, shapes, destination, room, lock) are run.py's own,
 shared by both executors.
 """
