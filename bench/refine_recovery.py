@@ -39,11 +39,11 @@ TARGETS = {2: 0.01, 1: 0.02}
 
 
 def convert_start(args, source: Path, stats, kv: int, start: str, out: Path) -> dict:
-    from mha2gqa.convert.refine import RefineOptions
+    from mha2gqa.convert.options import RefineOptions
     from mha2gqa.convert.run import convert
 
     method, _, refine = start.partition("+")
-    options = RefineOptions(steps=args.refine_steps) if refine else None
+    options = RefineOptions(steps=args.refine_steps, tokens=args.refine_tokens) if refine else None
     started = time.perf_counter()
     convert(source, out, kv, method=method, calibration=stats, refine=options, progress=False, force=True)
     return {"convert_s": round(time.perf_counter() - started, 1)}
@@ -80,7 +80,8 @@ def run(args) -> dict:
               "pretrain_tokens": total, "alphas": args.alphas, "micro_batch_size": args.micro_batch,
               "warmup_steps": args.warmup, "lr": args.lr, "recipe": "mha2gqa/demo/demo-uptrain.yaml",
               "calibration": args.calibration, "calibration_tokens": args.calibration_tokens,
-              "refine_steps": args.refine_steps, "load_average_start": os.getloadavg(), "rows": []}
+              "refine_steps": args.refine_steps,
+              "refine_tokens": args.refine_tokens, "load_average_start": os.getloadavg(), "rows": []}
     print(f"parent: ppl {parent:.2f} on {len(ids)} tokens; load {os.getloadavg()}", flush=True)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="refine-recovery-"))
     (work / "stats").mkdir(parents=True, exist_ok=True)
@@ -208,6 +209,7 @@ def main() -> None:
     parser.add_argument("--calibration", default="austen")
     parser.add_argument("--calibration-tokens", type=int, default=65536)
     parser.add_argument("--refine-steps", type=int, default=50)
+    parser.add_argument("--refine-tokens", type=int, default=None, help="default: --refine's (64 x hidden)")
     parser.add_argument("--eval-tokens", type=int, default=32768)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--workdir", default=None, help="keep converted and uptrained models here")
