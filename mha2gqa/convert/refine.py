@@ -9,8 +9,9 @@ and the converted layer's attention module (every parameter it has: projections,
 norms) is fitted to the target. The module is transformers' own, called as the model calls it, so
 every layout the merge supports is refined exactly as it runs and the checkpoint keeps its shapes.
 
-Cost is linear in depth: one pass of the parent gives the first layer's input; after that both
-models' hidden states are carried forward one layer at a time (never re-running the prefix).
+Cost is linear in depth: the parent's embeddings give the first layer's input (forwards stopped at
+layer 0); after that both models' hidden states are carried forward one layer at a time (never
+re-running the prefix). The fit uses `tokens` of the calibration tokens (default 64 x hidden).
 Memory: four (tokens, hidden) float32 buffers for the current layer (parent and converted hidden
 states, the converted attention input, the target), on the device when they fit in `memory` bytes,
 else memory-mapped files under $TMPDIR. The last 1/8 of the calibration blocks are held out: each
@@ -261,8 +262,8 @@ def _relative(errors: torch.Tensor, power: torch.Tensor, blocks: torch.Tensor) -
 
 def _layer_targets(parent_layer, layer, layout: Layout, kwargs: dict, buffers, batch_blocks: int):
     """Advance the parent's hidden states through its layer, keeping its attention output as the
-    target; run the converted layer on its own hidden states, keeping its attention input and the
-    merged attention's error. Returns the keyword arguments the layer passes to its attention module,
+    target; run the converted layer on its own hidden states up to the end of its attention, keeping
+    its attention input and the merged attention's error. Returns the keyword arguments the layer passes to its attention module,
     and per block the squared error (blocks,) and the target power (blocks,), float64."""
     path = _attention_path(layout)
     parent_attn, attn = parent_layer.get_submodule(path), layer.get_submodule(path)
