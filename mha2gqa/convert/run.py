@@ -158,7 +158,9 @@ def convert(src, dst, groups: int | None = None, options: ConvertOptions | None 
         if torch_reason is None:
             fast.write_tensors(checkpoint, plan, tmp, shard_bytes, progress)
         else:
-            stats = calibration if _is_stats(calibration) or calibration is None else _calibrate(
+            from mha2gqa.convert.calibration import calibrate
+
+            stats = calibration if _is_stats(calibration) or calibration is None else calibrate(
                 source, layout, shape, calibration, calibration_tokens, Path(stats_dir), memory_bytes, progress)
             layers = _write_tensors(checkpoint, plan, tmp, shard_bytes, seed, progress, stats, grouping)
         _copy_other_files(source, tmp)
@@ -183,12 +185,6 @@ def _is_stats(calibration) -> bool:
     from mha2gqa.convert.calibration import CalibrationStats
 
     return isinstance(calibration, CalibrationStats)
-
-
-def _calibrate(*args):
-    from mha2gqa.convert.calibration import calibrate
-
-    return calibrate(*args)
 
 
 def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed: int, progress: bool,
