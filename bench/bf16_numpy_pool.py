@@ -1,7 +1,7 @@
-"""Could mean-pooling run without torch? numpy has no bfloat16, but bf16 -> fp32 is a 16-bit shift and
-fp32 -> bf16 is round-to-nearest-even on the bit pattern. This pools a bf16 K projection of
-(32 kv heads x 128, 4096) into 8 groups both ways, checks the results are bit-identical to the
-package's `group_mean`, and times both (medians). A measurement for issue 14 item 8, not a code path.
+"""Mean-pooling without torch: numpy has no bfloat16, but bf16 -> fp32 is a 16-bit shift and fp32 -> bf16
+is round-to-nearest-even on the bit pattern (mha2gqa/convert/fast.py, the torch-free executor). This
+pools a bf16 K projection of (32 kv heads x 128, 4096) into 8 groups with fast.pool + fast.cast and with
+torch's `group_mean`, checks the results are bit-identical, and times both (medians).
 
     python bench/bf16_numpy_pool.py
     python bench/bf16_numpy_pool.py --smoke      # a small tensor, one repeat (run by a test)
@@ -17,27 +17,9 @@ import time
 import numpy as np
 import torch
 
+from mha2gqa.convert.fast import cast, pool
 from mha2gqa.convert.methods import group_heads, group_mean, ungroup
-
-
-def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
-    return (u16.astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16(f32: np.ndarray) -> np.ndarray:
-    u = f32.view(np.uint32)
-    rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    return np.where(np.isnan(f32), np.uint16(0x7FC0), rounded)
-
-
-def numpy_pool(u16: np.ndarray, kv_heads: int, groups: int) -> np.ndarray:
-    """(n_kv*hd, d) bf16 bits -> (groups*hd, d): the same slice-by-slice fp32 sum as group_mean."""
-    grouped = u16.reshape(groups, kv_heads // groups, -1, u16.shape[-1])  # (G, r, hd, d)
-    total = bf16_to_f32(grouped[:, 0])
-    for j in range(1, grouped.shape[1]):
-        total += bf16_to_f32(grouped[:, j])
-    total /= np.float32(grouped.shape[1])
-    return f32_to_bf16(total).reshape(-1, u16.shape[-1])
+from mha2gqa.convert.options import Method
 
 
 def main(argv=None) -> None:
@@ -55,7 +37,7 @@ def main(argv=None) -> None:
         expected = ungroup(group_mean(group_heads(weight, kv, groups))).to(torch.bfloat16)
         torch_s.append(time.perf_counter() - start)
         start = time.perf_counter()
-        pooled = numpy_pool(bits, kv, groups)
+        pooled = cast(pool(bits, kv, groups, Method.MEAN), "BF16")
         numpy_s.append(time.perf_counter() - start)
     identical = np.array_equal(expected.view(torch.int16).numpy().view(np.uint16), pooled)
     print(f"({kv * hd}, {d}) bf16, {kv} -> {groups} kv heads, median of {repeats}, load average "

@@ -145,7 +145,7 @@ def _pool_layer(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, scrat
         if role in roles:
             source = roles[role]
             pooled = pool(source, shape.kv_heads, groups, plan.method, scratch)  # (G*hd, *rest) fp32
-            if role in _CHECKED and (plan.method == Method.FIRST or not np.isfinite(pooled).all()):
+            if role in CHECKED_ROLES and (plan.method == Method.FIRST or not np.isfinite(pooled).all()):
                 non_finite.append((role, _non_finite(source)))
             roles[role] = cast(pooled, _CODE_OF[source.dtype])
             if scratch.holds(roles[role]):  # fp32 stays fp32: keep it past the next role's pooling
@@ -155,7 +155,8 @@ def _pool_layer(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, scrat
     return [array.copy() if scratch.holds(array) else array for array in outputs], non_finite  # the writer's now
 
 
-_CHECKED = ("k.weight", "k.bias", "v.weight", "v.bias")  # what run.py's check covers: projections, not norms
+# The kv roles whose non-finite values are warned about (both executors): projections, not norms.
+CHECKED_ROLES = ("k.weight", "k.bias", "v.weight", "v.bias")
 
 
 def pool(rows: np.ndarray, kv_heads: int, groups: int, method: str, scratch: _Scratch | None = None) -> np.ndarray:
@@ -185,9 +186,7 @@ def _into_float32(array: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 def to_float32(array: np.ndarray) -> np.ndarray:
     """A new fp32 array; exact: fp16 and bf16 (its bits shifted up) are subsets of fp32."""
-    if array.dtype == _STORED["BF16"]:
-        return (array.astype(np.uint32) << 16).view(np.float32)
-    return array.astype(np.float32)
+    return _into_float32(array, np.empty(array.shape, np.float32))
 
 
 def cast(array: np.ndarray, code: str) -> np.ndarray:

@@ -239,7 +239,7 @@ def _warn_non_finite(roles: dict, sources: dict, layer: int) -> None:
     """Pooling spreads a NaN/inf in one kv head to its whole group: name the tensor, convert anyway."""
     import torch
 
-    for role in ("k.weight", "k.bias", "v.weight", "v.bias"):
+    for role in fast.CHECKED_ROLES:
         tensor = roles.get(role)
         if tensor is not None and tensor.is_floating_point():
             fast.warn_non_finite(int((~torch.isfinite(tensor)).sum()), sources, role, layer)
