@@ -40,9 +40,11 @@ def main(argv=None) -> None:
         pooled = cast(pool(bits, kv, groups, Method.MEAN), "BF16")
         numpy_s.append(time.perf_counter() - start)
     identical = np.array_equal(expected.view(torch.int16).numpy().view(np.uint16), pooled)
-    print(f"({kv * hd}, {d}) bf16, {kv} -> {groups} kv heads, median of {repeats}, load average "
-          f"{os.getloadavg()[0]:.1f}: torch group_mean {statistics.median(torch_s):.3f} s, numpy "
-          f"{statistics.median(numpy_s):.3f} s, bit-identical: {identical}")
+    print(
+        f"({kv * hd}, {d}) bf16, {kv} -> {groups} kv heads, median of {repeats}, load average "
+        f"{os.getloadavg()[0]:.1f}: torch group_mean {statistics.median(torch_s):.3f} s, numpy "
+        f"{statistics.median(numpy_s):.3f} s, bit-identical: {identical}"
+    )
     if not identical:
         raise SystemExit(1)
 

@@ -59,7 +59,9 @@ def gap_closed(ppl: float, mean: float, parent: float) -> float:
 
 def run(args) -> dict:
     import mha2gqa
-    from mha2gqa.convert.calibration import calibrate  # no public form: the statistics are gathered once, shared by every row
+    from mha2gqa.convert.calibration import (
+        calibrate,
+    )  # no public form: the statistics are gathered once, shared by every row
     from mha2gqa.embedded import expand_corpus_name
     from mha2gqa.layouts import attention_shape, layout_for, read_config
 
@@ -75,18 +77,33 @@ def run(args) -> dict:
         work = Path(work)
         (work / "stats").mkdir()
         started = time.perf_counter()
-        stats = calibrate(source, layout, shape, expand_corpus_name(args.calibration), args.calibration_tokens, work / "stats", progress=False)
+        stats = calibrate(
+            source,
+            layout,
+            shape,
+            expand_corpus_name(args.calibration),
+            args.calibration_tokens,
+            work / "stats",
+            progress=False,
+        )
         print(f"calibration: {stats.tokens} tokens in {time.perf_counter() - started:.1f} s", flush=True)
         for kv in args.kv:
             for name in args.variants:
                 method, grouping = VARIANTS[name]
                 out = work / f"{name}-kv{kv}"
                 started = time.perf_counter()
-                result = mha2gqa.convert(source, out, kv, method=method, calibration=stats, grouping=grouping, progress=False)
+                result = mha2gqa.convert(
+                    source, out, kv, method=method, calibration=stats, grouping=grouping, progress=False
+                )
                 seconds = time.perf_counter() - started
-                row = {"kv_heads": kv, "variant": name, "perplexity": model_perplexity(out, ids, context),
-                       "key_error": _mean(result.layers, "key_error"), "value_error": _mean(result.layers, "value_error"),
-                       "convert_s": round(seconds, 2)}
+                row = {
+                    "kv_heads": kv,
+                    "variant": name,
+                    "perplexity": model_perplexity(out, ids, context),
+                    "key_error": _mean(result.layers, "key_error"),
+                    "value_error": _mean(result.layers, "value_error"),
+                    "convert_s": round(seconds, 2),
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if args.keep:
@@ -95,8 +112,15 @@ def run(args) -> dict:
     for row in rows:
         mean = next(r["perplexity"] for r in rows if r["kv_heads"] == row["kv_heads"] and r["variant"] == "mean")
         row["gap_closed"] = gap_closed(row["perplexity"], mean, parent) if mean > parent else None
-    return {"model": str(source), "parent_kv_heads": shape.kv_heads, "parent_perplexity": parent,
-            "eval_tokens": len(ids), "context": context, "calibration": stats.record, "rows": rows}
+    return {
+        "model": str(source),
+        "parent_kv_heads": shape.kv_heads,
+        "parent_perplexity": parent,
+        "eval_tokens": len(ids),
+        "context": context,
+        "calibration": stats.record,
+        "rows": rows,
+    }
 
 
 def _mean(layers: list[dict], key: str) -> float:
@@ -104,12 +128,18 @@ def _mean(layers: list[dict], key: str) -> float:
 
 
 def table(result: dict) -> str:
-    lines = [f"parent: {result['parent_perplexity']:.2f} ({result['parent_kv_heads']} kv heads)", "",
-             "| kv heads | variant | ppl | gap closed | key err | value err |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"parent: {result['parent_perplexity']:.2f} ({result['parent_kv_heads']} kv heads)",
+        "",
+        "| kv heads | variant | ppl | gap closed | key err | value err |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in result["rows"]:
         gap = "" if row["gap_closed"] is None else f"{row['gap_closed']:.3f}"
-        lines.append(f"| {row['kv_heads']} | {row['variant']} | {row['perplexity']:.2f} | {gap} | "
-                     f"{row['key_error']:.3f} | {row['value_error']:.3f} |")
+        lines.append(
+            f"| {row['kv_heads']} | {row['variant']} | {row['perplexity']:.2f} | {gap} | "
+            f"{row['key_error']:.3f} | {row['value_error']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -127,8 +157,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--keep", default=None, help="copy every converted model into this directory")
-    parser.add_argument("--smoke", action="store_true",
-                        help="every variant at kv 2 with 512 calibration and 256 held-out tokens, context 64 (run by a test)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every variant at kv 2 with 512 calibration and 256 held-out tokens, context 64 (run by a test)",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.kv, args.calibration_tokens, args.eval_tokens, args.context = "2", 512, 256, 64

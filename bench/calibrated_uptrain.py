@@ -19,8 +19,12 @@ import tempfile
 from pathlib import Path
 
 RECIPE = Path(__file__).parent / "calibrated" / "uptrain.yaml"
-VARIANTS = {"mean": ("mean", "contiguous"), "mean-norm": ("mean-norm", "contiguous"),
-            "calibrated": ("calibrated", "contiguous"), "calibrated+similarity": ("calibrated", "similarity")}
+VARIANTS = {
+    "mean": ("mean", "contiguous"),
+    "mean-norm": ("mean-norm", "contiguous"),
+    "calibrated": ("calibrated", "contiguous"),
+    "calibrated+similarity": ("calibrated", "similarity"),
+}
 
 
 def pretrain_tokens(model: Path) -> int | None:
@@ -43,7 +47,9 @@ def tokens_to_reach(points: list[tuple[int, float]], target: float) -> int | Non
 
 def run(args) -> dict:
     import mha2gqa
-    from mha2gqa.convert.calibration import calibrate  # no public form: the statistics are gathered once, shared by every row
+    from mha2gqa.convert.calibration import (
+        calibrate,
+    )  # no public form: the statistics are gathered once, shared by every row
     from mha2gqa.embedded import expand_corpus_name
     from mha2gqa.layouts import attention_shape, layout_for, read_config
     from mha2gqa.uptrain import load_recipe, train
@@ -57,39 +63,86 @@ def run(args) -> dict:
     results = []
     work = Path(args.workdir or tempfile.mkdtemp(prefix="calibrated-uptrain-"))
     (work / "stats").mkdir(parents=True, exist_ok=True)
-    stats = calibrate(source, layout, shape, expand_corpus_name(args.calibration), args.calibration_tokens, work / "stats", progress=False)
+    stats = calibrate(
+        source,
+        layout,
+        shape,
+        expand_corpus_name(args.calibration),
+        args.calibration_tokens,
+        work / "stats",
+        progress=False,
+    )
     # The parent on the same eval blocks: the step-0 eval of a one-step run.
-    train(load_recipe(RECIPE, [f"model={source}", f"output_dir={work / 'parent'}", "budget.alpha=null",
-                                "budget.max_steps=1", f"tokenizer={source}", *args.overrides]))
+    train(
+        load_recipe(
+            RECIPE,
+            [
+                f"model={source}",
+                f"output_dir={work / 'parent'}",
+                "budget.alpha=null",
+                "budget.max_steps=1",
+                f"tokenizer={source}",
+                *args.overrides,
+            ],
+        )
+    )
     parent = curve(work / "parent")[0][1]
     print(json.dumps({"parent_ppl": parent}), flush=True)
     for kv in args.kv:
         for name in args.variants:
             method, grouping = VARIANTS[name]
             model_dir, out = work / f"{name}-kv{kv}", work / f"{name}-kv{kv}-uptrained"
-            mha2gqa.convert(source, model_dir, kv, method=method, calibration=stats, grouping=grouping, progress=False, force=True)
-            overrides = [f"model={model_dir}", f"output_dir={out}", f"budget.alpha={args.alpha}",
-                         f"budget.pretrain_tokens={total}", f"tokenizer={source}", *args.overrides]
+            mha2gqa.convert(
+                source, model_dir, kv, method=method, calibration=stats, grouping=grouping, progress=False, force=True
+            )
+            overrides = [
+                f"model={model_dir}",
+                f"output_dir={out}",
+                f"budget.alpha={args.alpha}",
+                f"budget.pretrain_tokens={total}",
+                f"tokenizer={source}",
+                *args.overrides,
+            ]
             train(load_recipe(RECIPE, overrides))
             points = curve(out)
-            results.append({"kv_heads": kv, "variant": name, "start_ppl": points[0][1], "final_ppl": points[-1][1],
-                            "final_tokens": points[-1][0], "curve": points})
+            results.append(
+                {
+                    "kv_heads": kv,
+                    "variant": name,
+                    "start_ppl": points[0][1],
+                    "final_ppl": points[-1][1],
+                    "final_tokens": points[-1][0],
+                    "curve": points,
+                }
+            )
             print(json.dumps({k: v for k, v in results[-1].items() if k != "curve"}), flush=True)
     for row in results:
         mean = next(r for r in results if r["kv_heads"] == row["kv_heads"] and r["variant"] == "mean")
         row["tokens_to_mean_final"] = tokens_to_reach(row["curve"], mean["final_ppl"])
-    return {"model": str(source), "alpha": args.alpha, "pretrain_tokens": total, "recipe": str(RECIPE),
-            "parent_ppl": parent, "rows": results}
+    return {
+        "model": str(source),
+        "alpha": args.alpha,
+        "pretrain_tokens": total,
+        "recipe": str(RECIPE),
+        "parent_ppl": parent,
+        "rows": results,
+    }
 
 
 def table(result: dict) -> str:
-    lines = [f"alpha = {result['alpha']} of {result['pretrain_tokens']} pretraining tokens; parent ppl "
-             f"{result['parent_ppl']:.2f} on the same eval blocks", "",
-             "| kv heads | variant | ppl at start | ppl after | tokens to reach mean's final ppl |", "|---|---|---|---|---|"]
+    lines = [
+        f"alpha = {result['alpha']} of {result['pretrain_tokens']} pretraining tokens; parent ppl "
+        f"{result['parent_ppl']:.2f} on the same eval blocks",
+        "",
+        "| kv heads | variant | ppl at start | ppl after | tokens to reach mean's final ppl |",
+        "|---|---|---|---|---|",
+    ]
     for row in result["rows"]:
         reach = row["tokens_to_mean_final"]
         share = "not reached" if reach is None else f"{reach} ({reach / row['final_tokens']:.0%})"
-        lines.append(f"| {row['kv_heads']} | {row['variant']} | {row['start_ppl']:.2f} | {row['final_ppl']:.2f} | {share} |")
+        lines.append(
+            f"| {row['kv_heads']} | {row['variant']} | {row['start_ppl']:.2f} | {row['final_ppl']:.2f} | {share} |"
+        )
     return "\n".join(lines)
 
 
@@ -106,8 +159,11 @@ def main() -> None:
     parser.add_argument("--calibration-tokens", type=int, default=65536)
     parser.add_argument("--workdir", default=None, help="keep converted and uptrained models here")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-    parser.add_argument("--smoke", action="store_true",
-                        help="kv 2, mean and calibrated only, 3 steps of 2 x 32 tokens, 2 eval blocks (run by a test)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="kv 2, mean and calibrated only, 3 steps of 2 x 32 tokens, 2 eval blocks (run by a test)",
+    )
     args = parser.parse_args()
     args.overrides = []
     if args.smoke:

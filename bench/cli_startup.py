@@ -35,8 +35,9 @@ SMOKE = ("python -c pass", "mha2gqa --help")
 
 def time_once(args: list[str], env: dict, cwd: Path) -> float:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, *args], env=env, cwd=cwd, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(
+        [sys.executable, *args], env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     elapsed = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(args)} in {cwd} exited {done.returncode}:\n{done.stderr}")
@@ -55,7 +56,7 @@ def measure(names: list[str], roots: list[Path], repeats: int) -> dict[tuple[Pat
     times = {job: [] for job in jobs}
     envs = {root: checkout_env(root) for root in roots}
     for round_ in range(repeats + 1):  # round 0 warms the page cache and is not counted
-        for root, name in (jobs if round_ % 2 else jobs[::-1]):
+        for root, name in jobs if round_ % 2 else jobs[::-1]:
             elapsed = time_once(COMMANDS[name][0], envs[root], root)
             if round_:
                 times[root, name].append(elapsed)
@@ -74,24 +75,34 @@ def table(times: dict[tuple[Path, str], list[float]], root: Path) -> list[str]:
             kind, limit = COMMANDS[name][1]
             value = median - bare if kind == "over bare start" else median
             verdict = f"<= {limit:g} s {kind}: {'met' if value <= limit else 'MISSED'} ({value:.2f} s)"
-        lines.append(f"{name:<26} {median:>9.3f} {median - bare:>11.3f} {min(values):>7.3f} {max(values):>7.3f}  {verdict}")
+        lines.append(
+            f"{name:<26} {median:>9.3f} {median - bare:>11.3f} {min(values):>7.3f} {max(values):>7.3f}  {verdict}"
+        )
     return lines
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="counted rounds (after one warm-up round)")
-    parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose mha2gqa to time (default: this one)")
-    parser.add_argument("--before", type=Path, default=None,
-                        help="another checkout (e.g. `git archive OLD | tar -x -C DIR`), timed in the same rounds")
+    parser.add_argument(
+        "--root", type=Path, default=ROOT, help="the checkout whose mha2gqa to time (default: this one)"
+    )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="another checkout (e.g. `git archive OLD | tar -x -C DIR`), timed in the same rounds",
+    )
     parser.add_argument("--smoke", action="store_true", help="one round of the two cheapest commands")
     args = parser.parse_args(argv)
     roots = [args.root.resolve()] + ([args.before.resolve()] if args.before else [])
     names = list(SMOKE) if args.smoke else list(COMMANDS)
     repeats = 1 if args.smoke else args.repeats
     times = measure(names, roots, repeats)
-    print(f"{repeats} rounds, load average {os.getloadavg()[0]:.2f} at the end, {os.cpu_count()} CPUs, "
-          f"Python {sys.version.split()[0]}")
+    print(
+        f"{repeats} rounds, load average {os.getloadavg()[0]:.2f} at the end, {os.cpu_count()} CPUs, "
+        f"Python {sys.version.split()[0]}"
+    )
     for root in roots:
         print(f"\n{root}")
         print("\n".join(table(times, root)))

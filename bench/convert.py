@@ -55,10 +55,20 @@ def build_checkpoint(path: Path, layers: int, hidden=HIDDEN, intermediate=INTERM
     from safetensors.torch import save_file
 
     path.mkdir(parents=True)
-    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=hidden, num_attention_heads=HEADS,
-                  num_key_value_heads=HEADS, intermediate_size=intermediate, num_hidden_layers=layers,
-                  vocab_size=vocab, max_position_embeddings=4096, rms_norm_eps=1e-5, dtype="bfloat16",
-                  tie_word_embeddings=False)
+    config = dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=hidden,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        dtype="bfloat16",
+        tie_word_embeddings=False,
+    )
     (path / "config.json").write_text(json.dumps(config, indent=2))
     block = torch.randn(1 << 20).to(torch.bfloat16)
 
@@ -68,16 +78,27 @@ def build_checkpoint(path: Path, layers: int, hidden=HIDDEN, intermediate=INTERM
             numel *= dim
         return block.repeat(numel // block.numel() + 1)[:numel].reshape(shape).clone()
 
-    shards = [{"model.embed_tokens.weight": tensor(vocab, hidden), "lm_head.weight": tensor(vocab, hidden),
-               "model.norm.weight": tensor(hidden)}]
+    shards = [
+        {
+            "model.embed_tokens.weight": tensor(vocab, hidden),
+            "lm_head.weight": tensor(vocab, hidden),
+            "model.norm.weight": tensor(hidden),
+        }
+    ]
     for i in range(layers):
         p = f"model.layers.{i}."
-        shards.append({
-            **{f"{p}self_attn.{n}.weight": tensor(hidden, hidden) for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
-            f"{p}mlp.gate_proj.weight": tensor(intermediate, hidden), f"{p}mlp.up_proj.weight": tensor(intermediate, hidden),
-            f"{p}mlp.down_proj.weight": tensor(hidden, intermediate),
-            f"{p}input_layernorm.weight": tensor(hidden), f"{p}post_attention_layernorm.weight": tensor(hidden),
-        })
+        shards.append(
+            {
+                **{
+                    f"{p}self_attn.{n}.weight": tensor(hidden, hidden) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+                },
+                f"{p}mlp.gate_proj.weight": tensor(intermediate, hidden),
+                f"{p}mlp.up_proj.weight": tensor(intermediate, hidden),
+                f"{p}mlp.down_proj.weight": tensor(hidden, intermediate),
+                f"{p}input_layernorm.weight": tensor(hidden),
+                f"{p}post_attention_layernorm.weight": tensor(hidden),
+            }
+        )
     weight_map, total = {}, 0
     for n, shard in enumerate(shards):
         name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -99,9 +120,17 @@ def jobs(src: Path, out: Path, chosen=JOBS[:3]) -> dict[str, tuple[list[str], di
     every = {
         "convert": ("mha2gqa convert", convert, None),
         # the torch executor on the same plan (what convert ran before convert/fast.py)
-        "convert-torch": ("mha2gqa convert (torch executor)", convert, {**os.environ, "MHA2GQA_CONVERT_WITH_TORCH": "1"}),
+        "convert-torch": (
+            "mha2gqa convert (torch executor)",
+            convert,
+            {**os.environ, "MHA2GQA_CONVERT_WITH_TORCH": "1"},
+        ),
         "cp": ("cp -r", ["cp", "-r", str(src), str(out)], None),
-        "naive": ("naive (from_pretrained+save_pretrained)", [sys.executable, "-c", NAIVE, str(src), str(out), "8"], None),
+        "naive": (
+            "naive (from_pretrained+save_pretrained)",
+            [sys.executable, "-c", NAIVE, str(src), str(out), "8"],
+            None,
+        ),
         # the fixed cost of any torch process: one that only imports torch
         "import-torch": ("python -c 'import torch'", [sys.executable, "-c", "import torch"], None),
     }
@@ -129,8 +158,10 @@ def run_size(workdir: Path, gigabytes: int, repeats: int, cold: bool, chosen=JOB
                 results.setdefault(name, []).append(measured)
     shutil.rmtree(out, ignore_errors=True)
     size = sum(p.stat().st_size for p in src.iterdir())
-    return {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} | {"bytes": size}
-            for name, runs in results.items()}
+    return {
+        name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} | {"bytes": size}
+        for name, runs in results.items()
+    }
 
 
 def main() -> None:
@@ -144,14 +175,21 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path(".bench"))
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
     parser.add_argument("--cold", action="store_true", help="drop the page cache before every job (needs root)")
-    parser.add_argument("--jobs", nargs="+", choices=JOBS, default=list(JOBS[:3]),
-                        help="which jobs to run (convert is always run: the ratios are to it)")
+    parser.add_argument(
+        "--jobs",
+        nargs="+",
+        choices=JOBS,
+        default=list(JOBS[:3]),
+        help="which jobs to run (convert is always run: the ratios are to it)",
+    )
     parser.add_argument("--smoke", action="store_true", help="every job once on a ~3 MB toy checkpoint")
     args = parser.parse_args()
     if args.smoke:
         args.sizes, args.repeats, args.jobs = [SMOKE], 1, list(JOBS)
-    print(f"page cache: {'dropped before every job' if args.cold else 'warm'}; median of {args.repeats}; "
-          f"load average {os.getloadavg()[0]:.1f} at the start")
+    print(
+        f"page cache: {'dropped before every job' if args.cold else 'warm'}; median of {args.repeats}; "
+        f"load average {os.getloadavg()[0]:.1f} at the start"
+    )
     print("| checkpoint | job | wall s | x convert | peak RSS MiB | peak anon MiB | anon x convert |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for gigabytes in args.sizes:
@@ -159,9 +197,11 @@ def main() -> None:
         results = run_size(args.workdir, gigabytes, args.repeats, args.cold, chosen)
         base = results["mha2gqa convert"]
         for name, r in results.items():
-            print(f"| {r['bytes'] / 1e9:.2f} GB | {name} | {r['wall_s']:.2f} | {r['wall_s'] / base['wall_s']:.2f} "
-                  f"| {r['peak_rss_mib']:.0f} | {r['peak_anon_mib']:.0f} | {r['peak_anon_mib'] / base['peak_anon_mib']:.1f} |",
-                  flush=True)
+            print(
+                f"| {r['bytes'] / 1e9:.2f} GB | {name} | {r['wall_s']:.2f} | {r['wall_s'] / base['wall_s']:.2f} "
+                f"| {r['peak_rss_mib']:.0f} | {r['peak_anon_mib']:.0f} | {r['peak_anon_mib'] / base['peak_anon_mib']:.1f} |",
+                flush=True,
+            )
         print(f"(load average {os.getloadavg()[0]:.1f} after {gigabytes} GB)", flush=True)
         if not args.keep:
             shutil.rmtree(args.workdir / f"llama-{gigabytes}gb")

@@ -36,18 +36,62 @@ from mha2gqa.eval.speed import SpeedGrid, measure_point
 
 PRESETS = {
     # name: (model dims, kv-head variants, batches, context, new tokens, repeats, device, dtype)
-    "h200": (dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                  head_dim=64, vocab_size=32000), (32, 8), (1, 4, 16, 64), 2048, 32, 3, "cuda", torch.bfloat16),
-    "cpu-small": (dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                       head_dim=32, vocab_size=4096), (8, 2), (1, 8, 32), 256, 16, 5, "cpu", torch.float32),
-    "cpu-tiny": (dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-                      head_dim=8, vocab_size=128), (8, 2), (1, 2), 32, 4, 2, "cpu", torch.float32),
+    "h200": (
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            head_dim=64,
+            vocab_size=32000,
+        ),
+        (32, 8),
+        (1, 4, 16, 64),
+        2048,
+        32,
+        3,
+        "cuda",
+        torch.bfloat16,
+    ),
+    "cpu-small": (
+        dict(
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            head_dim=32,
+            vocab_size=4096,
+        ),
+        (8, 2),
+        (1, 8, 32),
+        256,
+        16,
+        5,
+        "cpu",
+        torch.float32,
+    ),
+    "cpu-tiny": (
+        dict(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, head_dim=8, vocab_size=128
+        ),
+        (8, 2),
+        (1, 2),
+        32,
+        4,
+        2,
+        "cpu",
+        torch.float32,
+    ),
 }
 
 
 def build(dims: dict, kv_heads: int, context: int, new_tokens: int, device: str, dtype):
-    config = LlamaConfig(**dims, num_key_value_heads=kv_heads, max_position_embeddings=context + new_tokens + 64,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        **dims,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=context + new_tokens + 64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the device: no 5 GB host copy
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -106,16 +150,26 @@ def graph_point(model, batch: int, context: int, new_tokens: int, repeats: int) 
             _sync(device)
             times.append(time.perf_counter() - t0)
     median = statistics.median(times[1:])
-    return {"batch": batch, "context": context, "tokens_per_s": batch * new_tokens / median,
-            "decode_s_median": median, "cuda_graph": graph is not None, "peak_memory_bytes": mem.peak_bytes}
+    return {
+        "batch": batch,
+        "context": context,
+        "tokens_per_s": batch * new_tokens / median,
+        "decode_s_median": median,
+        "cuda_graph": graph is not None,
+        "peak_memory_bytes": mem.peak_bytes,
+    }
 
 
 def run_variant(preset, kv_heads: int) -> dict:
     dims, _, batches, context, new_tokens, repeats, device, dtype = preset
     model = build(dims, kv_heads, context, new_tokens, device, dtype)
     grid = SpeedGrid(batches=batches, contexts=(context,), new_tokens=new_tokens, repeats=repeats)
-    out = {"kv_heads": kv_heads, "params": sum(p.numel() for p in model.parameters()),
-           "kv_cache": measure_kv_cache(model, shape_of(model.config), batch=2, tokens=64), "points": []}
+    out = {
+        "kv_heads": kv_heads,
+        "params": sum(p.numel() for p in model.parameters()),
+        "kv_cache": measure_kv_cache(model, shape_of(model.config), batch=2, tokens=64),
+        "points": [],
+    }
     for batch in batches:
         point = {"batch": batch, "eager": measure_point(model, batch, context, grid)}
         try:
@@ -123,8 +177,11 @@ def run_variant(preset, kv_heads: int) -> dict:
         except Exception as err:  # a benchmark row, not control flow: the eager number still stands
             point["graph"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
         out["points"].append(point)
-        print(f"  kv={kv_heads} B={batch}: eager {point['eager']['tokens_per_s']:,.0f} tok/s, "
-              f"graph {point['graph'].get('tokens_per_s', float('nan')):,.0f} tok/s", flush=True)
+        print(
+            f"  kv={kv_heads} B={batch}: eager {point['eager']['tokens_per_s']:,.0f} tok/s, "
+            f"graph {point['graph'].get('tokens_per_s', float('nan')):,.0f} tok/s",
+            flush=True,
+        )
         if device == "cuda":
             torch.cuda.empty_cache()
     del model
@@ -136,22 +193,28 @@ def run_variant(preset, kv_heads: int) -> dict:
 
 def table(variants: list[dict]) -> str:
     mha, gqa = variants
-    lines = [f"| batch | MHA eager tok/s | GQA-{gqa['kv_heads']} eager tok/s | eager ratio | MHA graph tok/s | "
-             f"GQA graph tok/s | graph ratio | MHA peak GiB | GQA peak GiB |", "|" + "---|" * 9]
+    lines = [
+        f"| batch | MHA eager tok/s | GQA-{gqa['kv_heads']} eager tok/s | eager ratio | MHA graph tok/s | "
+        f"GQA graph tok/s | graph ratio | MHA peak GiB | GQA peak GiB |",
+        "|" + "---|" * 9,
+    ]
     for a, b in zip(mha["points"], gqa["points"]):
         ge, gg = a["graph"].get("tokens_per_s"), b["graph"].get("tokens_per_s")
         lines.append(
             f"| {a['batch']} | {a['eager']['tokens_per_s']:,.0f} | {b['eager']['tokens_per_s']:,.0f} | "
             f"{b['eager']['tokens_per_s'] / a['eager']['tokens_per_s']:.2f}x | "
             + (f"{ge:,.0f} | {gg:,.0f} | {gg / ge:.2f}x" if ge and gg else "failed | failed | -")
-            + f" | {a['eager']['peak_memory_bytes'] / 2**30:.2f} | {b['eager']['peak_memory_bytes'] / 2**30:.2f} |")
+            + f" | {a['eager']['peak_memory_bytes'] / 2**30:.2f} | {b['eager']['peak_memory_bytes'] / 2**30:.2f} |"
+        )
     return "\n".join(lines)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h200")
-    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) / "eval_gpu.json" if os.environ.get("OUT") else None)
+    parser.add_argument(
+        "--out", type=Path, default=Path(os.environ["OUT"]) / "eval_gpu.json" if os.environ.get("OUT") else None
+    )
     parser.add_argument("--smoke", action="store_true", help="the same as --preset cpu-tiny (run by a test)")
     args = parser.parse_args()
     if args.smoke:
@@ -163,8 +226,10 @@ def main():
     variants = [run_variant(preset, kv) for kv in preset[1]]
     for v in variants:
         kv = v["kv_cache"]
-        print(f"kv_heads={v['kv_heads']}: {v['params'] / 1e9:.3f}B params, KV {kv['measured_bytes_per_token']:,.0f} "
-              f"B/token measured vs {kv['formula_bytes_per_token']:,} formula ({'match' if kv['match'] else 'MISMATCH'})")
+        print(
+            f"kv_heads={v['kv_heads']}: {v['params'] / 1e9:.3f}B params, KV {kv['measured_bytes_per_token']:,.0f} "
+            f"B/token measured vs {kv['formula_bytes_per_token']:,} formula ({'match' if kv['match'] else 'MISMATCH'})"
+        )
     print(table(variants))
     last = [v["points"][-1] for v in variants]
     verdict = {}
@@ -172,10 +237,18 @@ def main():
         if all("tokens_per_s" in p[mode] for p in last):
             ratio = last[1][mode]["tokens_per_s"] / last[0][mode]["tokens_per_s"]
             verdict[mode] = ratio
-            print(f"{mode}: GQA/MHA at batch {last[0]['batch']} = {ratio:.2f}x (target >= 3x: {'PASS' if ratio >= 3 else 'FAIL'})")
+            print(
+                f"{mode}: GQA/MHA at batch {last[0]['batch']} = {ratio:.2f}x (target >= 3x: {'PASS' if ratio >= 3 else 'FAIL'})"
+            )
     device = torch.device(preset[6])
-    record = {"preset": args.preset, "device_name": device_name(device), "versions": versions(),
-              "seconds": time.time() - start, "variants": variants, "ratio_at_largest_batch": verdict}
+    record = {
+        "preset": args.preset,
+        "device_name": device_name(device),
+        "versions": versions(),
+        "seconds": time.time() - start,
+        "variants": variants,
+        "ratio_at_largest_batch": verdict,
+    }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=2))

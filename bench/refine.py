@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,23 +49,46 @@ EXPLORE = {
 
 def convert_row(args, source: Path, out: Path, kv: int, method: str, refine: bool) -> dict:
     """One conversion through the CLI in a child process: wall time, peak RSS, the refine record."""
-    command = [sys.executable, "-m", "mha2gqa", "convert", str(source), str(out), "--groups", str(kv),
-               "--method", method, "--calibration", args.calibration, "--calibration-tokens",
-               str(args.calibration_tokens), "--quiet", "--force"]
+    command = [
+        sys.executable,
+        "-m",
+        "mha2gqa",
+        "convert",
+        str(source),
+        str(out),
+        "--groups",
+        str(kv),
+        "--method",
+        method,
+        "--calibration",
+        args.calibration,
+        "--calibration-tokens",
+        str(args.calibration_tokens),
+        "--quiet",
+        "--force",
+    ]
     if refine:
         command += ["--refine", "--refine-steps", str(args.steps), "--refine-lr", str(args.lr)]
     cost = measure(command, env=dict(os.environ))
     from mha2gqa.provenance import latest
 
     record = latest(out, "conversion")
-    row = {"kv_heads": kv, "method": method, "refine": refine, "convert_s": round(cost["wall_s"], 2),
-           "peak_rss_mib": round(cost["peak_rss_mib"], 1)}
+    row = {
+        "kv_heads": kv,
+        "method": method,
+        "refine": refine,
+        "convert_s": round(cost["wall_s"], 2),
+        "peak_rss_mib": round(cost["peak_rss_mib"], 1),
+    }
     if refine:
         layers = record["refine"]["layers"]
-        row.update(refine_s=record["refine"]["wall_s"], refine_cpu_s=record["refine"].get("cpu_s"),
-                   heldout_error_before=_mean(layers, "heldout_error_before"),
-                   heldout_error_after=_mean(layers, "heldout_error_after"),
-                   fit_error_after=_mean(layers, "fit_error_after"))
+        row.update(
+            refine_s=record["refine"]["wall_s"],
+            refine_cpu_s=record["refine"].get("cpu_s"),
+            heldout_error_before=_mean(layers, "heldout_error_before"),
+            heldout_error_after=_mean(layers, "heldout_error_after"),
+            fit_error_after=_mean(layers, "fit_error_after"),
+        )
     return row
 
 
@@ -83,8 +105,15 @@ def calibration_seconds(args, source: Path) -> tuple[float, float]:
     config = read_config(source)
     with tempfile.TemporaryDirectory(prefix="refine-bench-stats-") as stats_dir:
         started, started_cpu = time.perf_counter(), time.process_time()
-        calibrate(source, layout_for(config), attention_shape(config), expand_corpus_name(args.calibration),
-                  args.calibration_tokens, Path(stats_dir), progress=False)
+        calibrate(
+            source,
+            layout_for(config),
+            attention_shape(config),
+            expand_corpus_name(args.calibration),
+            args.calibration_tokens,
+            Path(stats_dir),
+            progress=False,
+        )
         return time.perf_counter() - started, time.process_time() - started_cpu
 
 
@@ -111,8 +140,15 @@ def run_explore(args, source: Path, work: Path, ids, context: int) -> tuple[list
     config = read_config(source)
     (work / "stats").mkdir()
     started, started_cpu = time.perf_counter(), time.process_time()
-    stats = calibrate(source, layout_for(config), attention_shape(config), expand_corpus_name(args.calibration),
-                      args.calibration_tokens, work / "stats", progress=False)
+    stats = calibrate(
+        source,
+        layout_for(config),
+        attention_shape(config),
+        expand_corpus_name(args.calibration),
+        args.calibration_tokens,
+        work / "stats",
+        progress=False,
+    )
     calibration_s = time.perf_counter() - started, time.process_time() - started_cpu
     rows = []
     for kv in args.kv:
@@ -121,15 +157,25 @@ def run_explore(args, source: Path, work: Path, ids, context: int) -> tuple[list
                 out = work / f"{method}-kv{kv}-{name}"
                 options = None if name == "merge" else RefineOptions(**EXPLORE[name])
                 started = time.perf_counter()
-                result = convert(source, out, kv, method=method, calibration=stats, refine=options, progress=False,
-                                 force=True)
-                row = {"kv_heads": kv, "method": method, "refine": name, "convert_s": round(time.perf_counter() - started, 2),
-                       "perplexity": model_perplexity(out, ids, context)}
+                result = convert(
+                    source, out, kv, method=method, calibration=stats, refine=options, progress=False, force=True
+                )
+                row = {
+                    "kv_heads": kv,
+                    "method": method,
+                    "refine": name,
+                    "convert_s": round(time.perf_counter() - started, 2),
+                    "perplexity": model_perplexity(out, ids, context),
+                }
                 if result.refine:
                     layers = result.refine["layers"]
                     row.update(refine_s=result.refine["wall_s"], refine_cpu_s=result.refine["cpu_s"])
-                    row.update({key: _mean(layers, key) for key in ("fit_error_after", "heldout_error_before",
-                                                                    "heldout_error_after")})
+                    row.update(
+                        {
+                            key: _mean(layers, key)
+                            for key in ("fit_error_after", "heldout_error_before", "heldout_error_after")
+                        }
+                    )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows, calibration_s
@@ -151,45 +197,89 @@ def run_timing(args, source: Path, work: Path) -> dict:
     for index in range(args.timing):
         (work / f"stats-{index}").mkdir()
         started, started_cpu = time.perf_counter(), time.process_time()
-        stats = calibrate(source, layout_for(config), attention_shape(config), expand_corpus_name(args.calibration),
-                          args.calibration_tokens, work / f"stats-{index}", progress=False)
+        stats = calibrate(
+            source,
+            layout_for(config),
+            attention_shape(config),
+            expand_corpus_name(args.calibration),
+            args.calibration_tokens,
+            work / f"stats-{index}",
+            progress=False,
+        )
         calibration = time.perf_counter() - started, time.process_time() - started_cpu
-        record = convert(source, work / f"out-{index}", args.kv[0], method=args.methods[0], calibration=stats,
-                         refine=RefineOptions(steps=args.steps, lr=args.lr), progress=False, force=True).refine
-        rounds.append({"calibration_s": round(calibration[0], 2), "calibration_cpu_s": round(calibration[1], 2),
-                       "refine_s": record["wall_s"], "refine_cpu_s": record["cpu_s"],
-                       "ratio_wall": round(record["wall_s"] / calibration[0], 2),
-                       "ratio_cpu": round(record["cpu_s"] / calibration[1], 2), "load_average": os.getloadavg()})
+        record = convert(
+            source,
+            work / f"out-{index}",
+            args.kv[0],
+            method=args.methods[0],
+            calibration=stats,
+            refine=RefineOptions(steps=args.steps, lr=args.lr),
+            progress=False,
+            force=True,
+        ).refine
+        rounds.append(
+            {
+                "calibration_s": round(calibration[0], 2),
+                "calibration_cpu_s": round(calibration[1], 2),
+                "refine_s": record["wall_s"],
+                "refine_cpu_s": record["cpu_s"],
+                "ratio_wall": round(record["wall_s"] / calibration[0], 2),
+                "ratio_cpu": round(record["cpu_s"] / calibration[1], 2),
+                "load_average": os.getloadavg(),
+            }
+        )
         print(json.dumps(rounds[-1]), flush=True)
-    medians = {key: statistics.median(r[key] for r in rounds)
-               for key in ("calibration_s", "calibration_cpu_s", "refine_s", "refine_cpu_s", "ratio_wall", "ratio_cpu")}
-    return {"model": str(source), "kv_heads": args.kv[0], "method": args.methods[0],
-            "calibration_tokens": args.calibration_tokens, "rounds": rounds, "medians": medians}
+    medians = {
+        key: statistics.median(r[key] for r in rounds)
+        for key in ("calibration_s", "calibration_cpu_s", "refine_s", "refine_cpu_s", "ratio_wall", "ratio_cpu")
+    }
+    return {
+        "model": str(source),
+        "kv_heads": args.kv[0],
+        "method": args.methods[0],
+        "calibration_tokens": args.calibration_tokens,
+        "rounds": rounds,
+        "medians": medians,
+    }
 
 
 def add_gaps(rows: list[dict], parent: float, method_key: str = "method") -> None:
     for row in rows:
-        mean = next((r["perplexity"] for r in rows if r["kv_heads"] == row["kv_heads"] and r[method_key] == "mean"
-                     and r["refine"] in (False, "merge")), None)
+        mean = next(
+            (
+                r["perplexity"]
+                for r in rows
+                if r["kv_heads"] == row["kv_heads"] and r[method_key] == "mean" and r["refine"] in (False, "merge")
+            ),
+            None,
+        )
         row["gap_closed"] = gap_closed(row["perplexity"], mean, parent) if mean and mean > parent else None
 
 
 def table(result: dict) -> str:
-    lines = [f"parent: {result['parent_perplexity']:.2f}; calibration {result['calibration_s']:.1f} s wall, "
-             f"{result['calibration_cpu_s']:.1f} s CPU ({result['calibration_tokens']} tokens)", "",
-             "| kv heads | method | refine | ppl | gap closed | held-out err before -> after | convert s | refine s "
-             "| refine / calibration, wall | refine / calibration, CPU | peak RSS MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"parent: {result['parent_perplexity']:.2f}; calibration {result['calibration_s']:.1f} s wall, "
+        f"{result['calibration_cpu_s']:.1f} s CPU ({result['calibration_tokens']} tokens)",
+        "",
+        "| kv heads | method | refine | ppl | gap closed | held-out err before -> after | convert s | refine s "
+        "| refine / calibration, wall | refine / calibration, CPU | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in result["rows"]:
         gap = "" if row.get("gap_closed") is None else f"{row['gap_closed']:.3f}"
-        errors = (f"{row['heldout_error_before']:.4f} -> {row['heldout_error_after']:.4f}"
-                  if "heldout_error_after" in row else "")
+        errors = (
+            f"{row['heldout_error_before']:.4f} -> {row['heldout_error_after']:.4f}"
+            if "heldout_error_after" in row
+            else ""
+        )
         refine_s = row.get("refine_s")
         ratio = f"{refine_s / result['calibration_s']:.2f}" if refine_s else ""
         cpu_ratio = f"{row['refine_cpu_s'] / result['calibration_cpu_s']:.2f}" if row.get("refine_cpu_s") else ""
-        lines.append(f"| {row['kv_heads']} | {row['method']} | {row['refine']} | {row['perplexity']:.2f} | {gap} | "
-                     f"{errors} | {row['convert_s']} | {refine_s or ''} | {ratio} | {cpu_ratio} | "
-                     f"{row.get('peak_rss_mib', '')} |")
+        lines.append(
+            f"| {row['kv_heads']} | {row['method']} | {row['refine']} | {row['perplexity']:.2f} | {gap} | "
+            f"{errors} | {row['convert_s']} | {refine_s or ''} | {ratio} | {cpu_ratio} | "
+            f"{row.get('peak_rss_mib', '')} |"
+        )
     return "\n".join(lines)
 
 
@@ -208,8 +298,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--explore", action="store_true", help="compare refine settings (EXPLORE) in-process")
     parser.add_argument("--settings", default=",".join(EXPLORE), help="--explore settings, comma-separated")
-    parser.add_argument("--timing", type=int, default=0, metavar="R",
-                        help="only time R rounds of calibration vs --refine (first --kv and --methods), side by side")
+    parser.add_argument(
+        "--timing",
+        type=int,
+        default=0,
+        metavar="R",
+        help="only time R rounds of calibration vs --refine (first --kv and --methods), side by side",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: kv 2, 2048 tokens, 3 steps")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -236,14 +331,27 @@ def main() -> None:
             rows, (calibration_s, calibration_cpu_s) = run_explore(args, source, Path(work), ids, context)
         else:
             calibration_s, calibration_cpu_s = calibration_seconds(args, source)
-            print(f"calibration alone: {calibration_s:.1f} s wall, {calibration_cpu_s:.1f} s CPU for "
-                  f"{args.calibration_tokens} tokens", flush=True)
+            print(
+                f"calibration alone: {calibration_s:.1f} s wall, {calibration_cpu_s:.1f} s CPU for "
+                f"{args.calibration_tokens} tokens",
+                flush=True,
+            )
             rows = run_grid(args, source, Path(work), ids, context)
     add_gaps(rows, parent)
-    result = {"model": str(source), "parent_perplexity": parent, "eval_tokens": len(ids), "context": context,
-              "calibration": args.calibration, "calibration_tokens": args.calibration_tokens,
-              "calibration_s": round(calibration_s, 2), "calibration_cpu_s": round(calibration_cpu_s, 2), "steps": args.steps, "lr": args.lr,
-              "load_average": os.getloadavg(), "rows": rows}
+    result = {
+        "model": str(source),
+        "parent_perplexity": parent,
+        "eval_tokens": len(ids),
+        "context": context,
+        "calibration": args.calibration,
+        "calibration_tokens": args.calibration_tokens,
+        "calibration_s": round(calibration_s, 2),
+        "calibration_cpu_s": round(calibration_cpu_s, 2),
+        "steps": args.steps,
+        "lr": args.lr,
+        "load_average": os.getloadavg(),
+        "rows": rows,
+    }
     print(table(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

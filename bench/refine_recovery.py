@@ -55,20 +55,31 @@ def uptrain(args, model: Path, source: Path, out: Path, alpha: float, total: int
     from mha2gqa.uptrain import load_recipe, train
     from mha2gqa.uptrain.steps import tokens_per_step, total_steps
 
-    overrides = embedded_run_overrides(model, out, eval_blocks=1) + [
-        f"tokenizer={source}", f"budget.alpha={alpha}", f"budget.pretrain_tokens={total}",
-        f"micro_batch_size={args.micro_batch}", f"optim.warmup_steps={args.warmup}", "eval_at_start=false",
-        "eval_every=0", "save_every=0", "log_every=1000"] + ([f"optim.lr={args.lr}"] if args.lr else [])
+    overrides = (
+        embedded_run_overrides(model, out, eval_blocks=1)
+        + [
+            f"tokenizer={source}",
+            f"budget.alpha={alpha}",
+            f"budget.pretrain_tokens={total}",
+            f"micro_batch_size={args.micro_batch}",
+            f"optim.warmup_steps={args.warmup}",
+            "eval_at_start=false",
+            "eval_every=0",
+            "save_every=0",
+            "log_every=1000",
+        ]
+        + ([f"optim.lr={args.lr}"] if args.lr else [])
+    )
     recipe = load_recipe(DEMO_RECIPE, overrides)
     train(recipe)
     return total_steps(recipe, 1) * tokens_per_step(recipe, 1)
 
 
 def run(args) -> dict:
+    from mha2gqa import embedded
     from mha2gqa.convert.calibration import calibrate
     from mha2gqa.embedded import expand_corpus_name
     from mha2gqa.layouts import attention_shape, layout_for, read_config
-    from mha2gqa import embedded
 
     source = Path(args.model)
     config = read_config(source)
@@ -76,12 +87,24 @@ def run(args) -> dict:
     total = args.pretrain_tokens or embedded.pretrain_tokens()
     ids = heldout_ids(source, None, args.eval_tokens)
     parent = model_perplexity(source, ids, context)
-    result = {"model": str(source), "parent_perplexity": parent, "eval_tokens": len(ids), "context": context,
-              "pretrain_tokens": total, "alphas": args.alphas, "micro_batch_size": args.micro_batch,
-              "warmup_steps": args.warmup, "lr": args.lr, "recipe": "mha2gqa/demo/demo-uptrain.yaml",
-              "calibration": args.calibration, "calibration_tokens": args.calibration_tokens,
-              "refine_steps": args.refine_steps,
-              "refine_tokens": args.refine_tokens, "load_average_start": os.getloadavg(), "rows": []}
+    result = {
+        "model": str(source),
+        "parent_perplexity": parent,
+        "eval_tokens": len(ids),
+        "context": context,
+        "pretrain_tokens": total,
+        "alphas": args.alphas,
+        "micro_batch_size": args.micro_batch,
+        "warmup_steps": args.warmup,
+        "lr": args.lr,
+        "recipe": "mha2gqa/demo/demo-uptrain.yaml",
+        "calibration": args.calibration,
+        "calibration_tokens": args.calibration_tokens,
+        "refine_steps": args.refine_steps,
+        "refine_tokens": args.refine_tokens,
+        "load_average_start": os.getloadavg(),
+        "rows": [],
+    }
     print(f"parent: ppl {parent:.2f} on {len(ids)} tokens; load {os.getloadavg()}", flush=True)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="refine-recovery-"))
     (work / "stats").mkdir(parents=True, exist_ok=True)
@@ -96,17 +119,29 @@ def run(args) -> dict:
                 row["reused"] = True  # converted by an earlier run into the same --workdir
             elif start != "parent":
                 if stats is None:
-                    stats = calibrate(source, layout_for(config), attention_shape(config),
-                                      expand_corpus_name(args.calibration), args.calibration_tokens, work / "stats",
-                                      progress=False)
+                    stats = calibrate(
+                        source,
+                        layout_for(config),
+                        attention_shape(config),
+                        expand_corpus_name(args.calibration),
+                        args.calibration_tokens,
+                        work / "stats",
+                        progress=False,
+                    )
                 row.update(convert_start(args, source, stats, kv, start, model))
             points = [{"alpha": 0.0, "tokens": 0, "perplexity": model_perplexity(model, ids, context)}]
             for alpha in args.alphas:
                 out = work / f"{start}-kv{kv}-alpha{alpha}"
                 started = time.perf_counter()
                 tokens = uptrain(args, model, source, out, alpha, total)
-                points.append({"alpha": alpha, "tokens": tokens, "perplexity": model_perplexity(out, ids, context),
-                               "train_s": round(time.perf_counter() - started, 1)})
+                points.append(
+                    {
+                        "alpha": alpha,
+                        "tokens": tokens,
+                        "perplexity": model_perplexity(out, ids, context),
+                        "train_s": round(time.perf_counter() - started, 1),
+                    }
+                )
             row.update(points=points, load_average=os.getloadavg())
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
@@ -129,11 +164,17 @@ def merged(paths: list[str]) -> dict:
             if "convert_s" in row:
                 kept["convert_s"] = row["convert_s"]
             known = {p["alpha"] for p in kept["points"]}
-            kept["points"] = sorted(kept["points"] + [p for p in row["points"] if p["alpha"] not in known],
-                                    key=lambda p: p["alpha"])
+            kept["points"] = sorted(
+                kept["points"] + [p for p in row["points"] if p["alpha"] not in known], key=lambda p: p["alpha"]
+            )
     alphas = sorted({p["alpha"] for row in rows.values() for p in row["points"]} - {0.0})
-    return dict(parts[0], rows=list(rows.values()), alphas=alphas, sources=paths,
-                load_average_end=parts[-1].get("load_average_end"))
+    return dict(
+        parts[0],
+        rows=list(rows.values()),
+        alphas=alphas,
+        sources=paths,
+        load_average_end=parts[-1].get("load_average_end"),
+    )
 
 
 def target_checks(result: dict) -> list[dict]:
@@ -145,23 +186,38 @@ def target_checks(result: dict) -> list[dict]:
         if share is None or at is None:
             continue
         excess = at["perplexity"] / parent - 1
-        checks.append({"kv_heads": row["kv_heads"], "start": row["start"], "excess": excess, "target": share,
-                       "met": excess <= share})
+        checks.append(
+            {
+                "kv_heads": row["kv_heads"],
+                "start": row["start"],
+                "excess": excess,
+                "target": share,
+                "met": excess <= share,
+            }
+        )
     return checks
 
 
 def table(result: dict) -> str:
     alphas = result["alphas"]
     head = "| kv heads | start | " + " | ".join(f"alpha {a:g}" for a in [0.0] + alphas) + " | convert s |"
-    lines = [f"parent: {result['parent_perplexity']:.2f} (the first {result['eval_tokens']} tokens of Persuasion)",
-             "", head, "|---|---|" + "---:|" * (len(alphas) + 2)]
+    lines = [
+        f"parent: {result['parent_perplexity']:.2f} (the first {result['eval_tokens']} tokens of Persuasion)",
+        "",
+        head,
+        "|---|---|" + "---:|" * (len(alphas) + 2),
+    ]
     for row in result["rows"]:
         by_alpha = {p["alpha"]: p["perplexity"] for p in row["points"]}
         cells = " | ".join(f"{by_alpha[a]:.2f}" if a in by_alpha else "" for a in [0.0] + alphas)
-        lines.append(f"| {row['kv_heads'] or '-'} | {row['start']} | {cells} | {row.get('convert_s', 'reused' if row.get('reused') else '')} |")
+        lines.append(
+            f"| {row['kv_heads'] or '-'} | {row['start']} | {cells} | {row.get('convert_s', 'reused' if row.get('reused') else '')} |"
+        )
     for check in target_checks(result):
-        lines.append(f"\nkv {check['kv_heads']} {check['start']}: {check['excess']:+.2%} of the parent at alpha 0.5% "
-                     f"(target <= {check['target']:.0%}): {'met' if check['met'] else 'missed'}")
+        lines.append(
+            f"\nkv {check['kv_heads']} {check['start']}: {check['excess']:+.2%} of the parent at alpha 0.5% "
+            f"(target <= {check['target']:.0%}): {'met' if check['met'] else 'missed'}"
+        )
     return "\n".join(lines)
 
 
@@ -179,12 +235,22 @@ def plot(result: dict, path: Path) -> None:
             if row["kv_heads"] in (kv, None):
                 style = "--" if row["start"].startswith("parent") else "-"
                 label = row["start"].replace("parent", "parent uptrained", 1)
-                axis.plot([p["tokens"] for p in row["points"]], [p["perplexity"] for p in row["points"]], style,
-                          marker="o", label=label)
+                axis.plot(
+                    [p["tokens"] for p in row["points"]],
+                    [p["perplexity"] for p in row["points"]],
+                    style,
+                    marker="o",
+                    label=label,
+                )
         axis.axhline(parent, color="black", linewidth=1, label=f"parent {parent:.2f}")
         if kv in TARGETS:
-            axis.axhline(parent * (1 + TARGETS[kv]), color="grey", linestyle=":", linewidth=1,
-                         label=f"target: parent + {TARGETS[kv]:.0%}")
+            axis.axhline(
+                parent * (1 + TARGETS[kv]),
+                color="grey",
+                linestyle=":",
+                linewidth=1,
+                label=f"target: parent + {TARGETS[kv]:.0%}",
+            )
         axis.set_yscale("log")
         axis.set_title(f"{kv} kv head{'s' if kv > 1 else ''}")
         axis.set_xlabel(f"uptraining tokens (alpha x {result['pretrain_tokens']:,})")
@@ -214,8 +280,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--workdir", default=None, help="keep converted and uptrained models here")
     parser.add_argument("--reuse", action="store_true", help="reuse conversions already in --workdir")
-    parser.add_argument("--merge", default=None, help="combine these results JSONs (comma-separated) and "
-                        "only print, --out and --plot them")
+    parser.add_argument(
+        "--merge",
+        default=None,
+        help="combine these results JSONs (comma-separated) and only print, --out and --plot them",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: kv 2, two starts, one step per alpha")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--plot", default=None, help="write the recovery plot (PNG) here")

@@ -53,12 +53,23 @@ def child(model_dir: str, mode: str, batch: int, seq_len: int) -> dict:
     loss.backward()
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     optimizer.step()
-    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-                if torch.is_tensor(t) and t.dim() > 0)
+    state = sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"mode": mode, "trainable_params": trainable, "weights_bytes": weights, "grad_bytes": grads,
-            "adam_bytes": state, "peak_rss_bytes": peak, "step_rise_bytes": peak - before}
+    return {
+        "mode": mode,
+        "trainable_params": trainable,
+        "weights_bytes": weights,
+        "grad_bytes": grads,
+        "adam_bytes": state,
+        "peak_rss_bytes": peak,
+        "step_rise_bytes": peak - before,
+    }
 
 
 def measure(model_dir: Path, batch: int, seq_len: int, repeats: int) -> list[dict]:
@@ -66,9 +77,23 @@ def measure(model_dir: Path, batch: int, seq_len: int, repeats: int) -> list[dic
     for mode in MODES:
         runs = []
         for _ in range(repeats):
-            done = subprocess.run([sys.executable, __file__, "--child", mode, "--model", str(model_dir),
-                                   "--batch", str(batch), "--seq-len", str(seq_len)],
-                                  capture_output=True, text=True, check=True)
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    mode,
+                    "--model",
+                    str(model_dir),
+                    "--batch",
+                    str(batch),
+                    "--seq-len",
+                    str(seq_len),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
         row = dict(runs[0])
         for key in ("peak_rss_bytes", "step_rise_bytes"):
@@ -91,21 +116,43 @@ def computed_7b(m=LLAMA_7B_GQA8, seq_len: int = 4096, rank: int = 16) -> list[di
     adapters = m.layers * rank * ((m.hidden + m.heads * m.head_dim) * 2 + (m.hidden + m.kv_heads * m.head_dim) * 2)
     # Gradient checkpointing keeps each layer's bf16 input; add one layer's recompute (attention
     # projections and the MLP's three ffn-wide bf16 tensors) and the fp32 logits and their gradient.
-    activations = (m.layers * seq_len * m.hidden * 2 + seq_len * (4 * m.hidden + 3 * m.ffn) * 2
-                   + 2 * seq_len * m.vocab * 4)
+    activations = (
+        m.layers * seq_len * m.hidden * 2 + seq_len * (4 * m.hidden + 3 * m.ffn) * 2 + 2 * seq_len * m.vocab * 4
+    )
     linear = m.layers * (layer - 2 * m.hidden)
-    trainable = {"all": total, "attention": m.layers * (q + k + v + o + m.hidden), "kv": m.layers * (k + v),
-                 "lora": adapters, "qlora": adapters}
-    base = {"all": 4 * total, "attention": 4 * total, "kv": 4 * total, "lora": 2 * total,
-            # NF4 with double quantisation: 4 bits + about 0.127 bits of scales per weight; the rest bf16
-            "qlora": linear * (4.127 / 8) + (total - linear) * 2}
+    trainable = {
+        "all": total,
+        "attention": m.layers * (q + k + v + o + m.hidden),
+        "kv": m.layers * (k + v),
+        "lora": adapters,
+        "qlora": adapters,
+    }
+    base = {
+        "all": 4 * total,
+        "attention": 4 * total,
+        "kv": 4 * total,
+        "lora": 2 * total,
+        # NF4 with double quantisation: 4 bits + about 0.127 bits of scales per weight; the rest bf16
+        "qlora": linear * (4.127 / 8) + (total - linear) * 2,
+    }
     rows = []
     for mode, n in trainable.items():
         adapter_weights = 4 * n if mode in ("lora", "qlora") else 0
         need = base[mode] + adapter_weights + 4 * n + 8 * n + activations
-        rows.append({"mode": mode, "params": total, "trainable_params": n, "weights_bytes": base[mode] + adapter_weights,
-                     "grad_bytes": 4 * n, "adam_bytes": 8 * n, "activation_bytes": activations, "total_bytes": need,
-                     "fits_24GB": need < 24 * GB * 0.95, "fits_80GB": need < 80 * GB * 0.95})
+        rows.append(
+            {
+                "mode": mode,
+                "params": total,
+                "trainable_params": n,
+                "weights_bytes": base[mode] + adapter_weights,
+                "grad_bytes": 4 * n,
+                "adam_bytes": 8 * n,
+                "activation_bytes": activations,
+                "total_bytes": need,
+                "fits_24GB": need < 24 * GB * 0.95,
+                "fits_80GB": need < 80 * GB * 0.95,
+            }
+        )
     return rows
 
 
@@ -136,21 +183,27 @@ def main(argv=None) -> int:
         model = Path(tmp) / "gqa2"
         convert(embedded.model_dir(), model, groups=2, progress=False)
         rows = measure(model, args.batch, args.seq_len, args.repeats)
-    print(f"embedded model converted to 2 kv heads, one step of batch {args.batch} x {args.seq_len} tokens, "
-          f"fp32, CPU, median of {args.repeats} (MiB):")
+    print(
+        f"embedded model converted to 2 kv heads, one step of batch {args.batch} x {args.seq_len} tokens, "
+        f"fp32, CPU, median of {args.repeats} (MiB):"
+    )
     print("| trainable | params trained | weights | gradients | AdamW state | peak RSS | rise during the step |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['trainable_params']:,} | {_mib(r['weights_bytes'])} | {_mib(r['grad_bytes'])} | "
-              f"{_mib(r['adam_bytes'])} | {_mib(r['peak_rss_bytes'])} | {_mib(r['step_rise_bytes'])} |")
+        print(
+            f"| {r['mode']} | {r['trainable_params']:,} | {_mib(r['weights_bytes'])} | {_mib(r['grad_bytes'])} | "
+            f"{_mib(r['adam_bytes'])} | {_mib(r['peak_rss_bytes'])} | {_mib(r['step_rise_bytes'])} |"
+        )
     big = computed_7b()
     print("\nLlama-2-7B shape, 8 kv heads, computed (GB = 1e9 bytes; one 4096-token sequence, gradient checkpointing):")
     print("| trainable | params trained | weights | gradients + AdamW | activations | total | 24 GB GPU | 80 GB GPU |")
     print("|---|---|---|---|---|---|---|---|")
     for r in big:
-        print(f"| {r['mode']} | {r['trainable_params'] / 1e6:,.1f} M | {r['weights_bytes'] / GB:.1f} | "
-              f"{(r['grad_bytes'] + r['adam_bytes']) / GB:.1f} | {r['activation_bytes'] / GB:.1f} | "
-              f"{r['total_bytes'] / GB:.1f} | {'fits' if r['fits_24GB'] else 'no'} | {'fits' if r['fits_80GB'] else 'no'} |")
+        print(
+            f"| {r['mode']} | {r['trainable_params'] / 1e6:,.1f} M | {r['weights_bytes'] / GB:.1f} | "
+            f"{(r['grad_bytes'] + r['adam_bytes']) / GB:.1f} | {r['activation_bytes'] / GB:.1f} | "
+            f"{r['total_bytes'] / GB:.1f} | {'fits' if r['fits_24GB'] else 'no'} | {'fits' if r['fits_80GB'] else 'no'} |"
+        )
     if args.json:
         args.json.write_text(json.dumps({"measured": rows, "computed_7b": big}, indent=2) + "\n")
     return 0

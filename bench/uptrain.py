@@ -58,13 +58,23 @@ NOVEL = ROOT / "mha2gqa" / "data" / "austen" / "emma.txt.gz"
 
 def recipe_dict(args, out: Path, **extra) -> dict:
     return {
-        "init_from_config": str(args.config), "tokenizer": str(args.tokenizer), "output_dir": str(out),
-        "seed": 0, "seq_len": args.seq_len, "micro_batch_size": args.batch, "grad_accum": 1,
-        "mixed_precision": args.precision, "log_every": args.interval, "eval_every": 0, "eval_at_start": False,
-        "save_every": 0, "tensorboard": False,
+        "init_from_config": str(args.config),
+        "tokenizer": str(args.tokenizer),
+        "output_dir": str(out),
+        "seed": 0,
+        "seq_len": args.seq_len,
+        "micro_batch_size": args.batch,
+        "grad_accum": 1,
+        "mixed_precision": args.precision,
+        "log_every": args.interval,
+        "eval_every": 0,
+        "eval_at_start": False,
+        "save_every": 0,
+        "tensorboard": False,
         "data": {"train": [str(args.data)], "eval_blocks": 1},
         "optim": {"lr": 1e-3, "warmup_steps": 5, "weight_decay": 0.1, "grad_clip": 1.0},
-        "budget": {"max_steps": args.steps}, **extra,
+        "budget": {"max_steps": args.steps},
+        **extra,
     }
 
 
@@ -199,8 +209,9 @@ def run_profile(args, work: Path) -> dict:
     parts["overhead"] = parts["loop_overhead_s"] / compute
     print("\n| run_steps (s) | of which eval | forward+loss | backward | clip | AdamW | everything else | overhead |")
     print("|---|---|---|---|---|---|---|---|")
-    cells = [f"{parts[k]:.2f}" for k in ("run_steps", "eval", "forward+loss", "backward", "clip", "adamw",
-                                         "loop_overhead_s")]
+    cells = [
+        f"{parts[k]:.2f}" for k in ("run_steps", "eval", "forward+loss", "backward", "clip", "adamw", "loop_overhead_s")
+    ]
     print("| " + " | ".join(cells) + f" | {100 * parts['overhead']:+.2f}% |")
     return parts
 
@@ -212,10 +223,15 @@ def _report_paired(times: dict, tokens: int, result: dict) -> None:
         ours = [t[i] for t in times["uptrain"]]
         hand = [t[i] for t in times["hand"]]
         overhead = statistics.median(o / h for o, h in zip(ours, hand)) - 1
-        result[f"paired {name}"] = {"uptrain": tokens / statistics.median(ours),
-                                    "hand": tokens / statistics.median(hand), "median_overhead": overhead}
-        print(f"| {name} | {tokens / statistics.median(hand):.0f} | {tokens / statistics.median(ours):.0f} | "
-              f"{100 * overhead:+.1f}% |")
+        result[f"paired {name}"] = {
+            "uptrain": tokens / statistics.median(ours),
+            "hand": tokens / statistics.median(hand),
+            "median_overhead": overhead,
+        }
+        print(
+            f"| {name} | {tokens / statistics.median(hand):.0f} | {tokens / statistics.median(ours):.0f} | "
+            f"{100 * overhead:+.1f}% |"
+        )
 
 
 def _report_runs(runs: list, result: dict) -> None:
@@ -243,14 +259,29 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, default=TOKENIZER)
     parser.add_argument("--data", type=Path, default=NOVEL, help="training text (one novel by default)")
     parser.add_argument("--json", type=Path, default=ROOT / ".bench" / "uptrain.json", help="where results go")
-    parser.add_argument("--smoke", action="store_true",
-                        help="modes both and profile at toy sizes (4 pairs, 1 run of 6 steps each, seq_len 32, batch 2): seconds")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="modes both and profile at toy sizes (4 pairs, 1 run of 6 steps each, seq_len 32, batch 2): seconds",
+    )
     args = parser.parse_args()
     if args.smoke:
-        args.mode, args.pairs, args.steps, args.interval, args.repeats, args.seq_len, args.batch = "both", 4, 6, 2, 1, 32, 2
+        args.mode, args.pairs, args.steps, args.interval, args.repeats, args.seq_len, args.batch = (
+            "both",
+            4,
+            6,
+            2,
+            1,
+            32,
+            2,
+        )
 
-    result = {"threads": torch.get_num_threads(), "seq_len": args.seq_len, "batch": args.batch,
-              "precision": args.precision}
+    result = {
+        "threads": torch.get_num_threads(),
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "precision": args.precision,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         if args.mode in ("paired", "both"):
             times = run_paired(args, Path(tmp))

@@ -92,14 +92,20 @@ def render(model_dir: Path, source_card: Path | None, name: str) -> str:
     conversion = stages[conversions[-1]] if conversions else None
     if conversion is not None:  # older or hand-written records may lack fields: fall back on the config
         heads = config.get("num_attention_heads")
-        conversion = {"source": "unknown-source", "heads": heads, "source_kv_heads": heads, "method": "unknown",
-                      "groups": config.get("num_key_value_heads", heads), "seed": 0, **conversion}
-    after = stages[conversions[-1] + 1:] if conversions else stages
+        conversion = {
+            "source": "unknown-source",
+            "heads": heads,
+            "source_kv_heads": heads,
+            "method": "unknown",
+            "groups": config.get("num_key_value_heads", heads),
+            "seed": 0,
+            **conversion,
+        }
+    after = stages[conversions[-1] + 1 :] if conversions else stages
     source_meta = front_matter(source_card.read_text(errors="replace")) if source_card else {}
     results = eval_results(model_dir)
 
-    lines = ["---", *_yaml_lines(conversion, after, source_meta, config), "---", MARKER, "",
-             f"# {name}", ""]
+    lines = ["---", *_yaml_lines(conversion, after, source_meta, config), "---", MARKER, "", f"# {name}", ""]
     lines += _summary(conversion, after, config)
     if conversion:
         lines += _conversion_section(conversion, config)
@@ -125,19 +131,26 @@ def _yaml_lines(conversion, after, source_meta, config) -> list[str]:
             meta[key] = source_meta[key]
     out = yaml.safe_dump(meta, sort_keys=False).strip().splitlines()
     if conversion and not base:
-        out.append(f"# base_model: set the source's hub id before pushing (converted from the local folder "
-                   f"{Path(conversion['source']).name})")
+        out.append(
+            f"# base_model: set the source's hub id before pushing (converted from the local folder "
+            f"{Path(conversion['source']).name})"
+        )
     return out
 
 
 def _summary(conversion, after, config) -> list[str]:
     if not conversion:
-        return [f"A {config.get('model_type')} model trained by mha2gqa {__version__} "
-                f"({len(after)} training stage(s), see below).", ""]
+        return [
+            f"A {config.get('model_type')} model trained by mha2gqa {__version__} "
+            f"({len(after)} training stage(s), see below).",
+            "",
+        ]
     src, dst = conversion["source_kv_heads"], conversion["groups"]
     kind = "multi-query" if dst == 1 else "grouped-query"
-    text = (f"{_source_name(conversion)} converted from {src} to {dst} key/value heads ({kind} attention, "
-            f"{conversion['heads']} query heads) by mha2gqa {conversion.get('version')}")
+    text = (
+        f"{_source_name(conversion)} converted from {src} to {dst} key/value heads ({kind} attention, "
+        f"{conversion['heads']} query heads) by mha2gqa {conversion.get('version')}"
+    )
     text += ", then uptrained." if after else "; not trained since (expect a quality loss: see the evaluation)."
     return [text, ""]
 
@@ -148,12 +161,19 @@ def _source_name(conversion) -> str:
 
 def _conversion_section(c: dict, config: dict) -> list[str]:
     before, after = kv_bytes_per_token(config, c["source_kv_heads"]), kv_bytes_per_token(config, c["groups"])
-    rows = [("method", c["method"] + (f" (seed {c['seed']})" if c["method"] == "random" else "")),
-            ("key/value heads", f"{c['source_kv_heads']} → {c['groups']} (query heads: {c['heads']})"),
-            ("grouping of heads", c.get("grouping", "contiguous"))]
+    rows = [
+        ("method", c["method"] + (f" (seed {c['seed']})" if c["method"] == "random" else "")),
+        ("key/value heads", f"{c['source_kv_heads']} → {c['groups']} (query heads: {c['heads']})"),
+        ("grouping of heads", c.get("grouping", "contiguous")),
+    ]
     if before and after:
-        rows.append(("KV cache per token", f"{_human(before)} → {_human(after)} ({before / after:.0f}× smaller, "
-                                           f"{_human(before - after)} saved per token)"))
+        rows.append(
+            (
+                "KV cache per token",
+                f"{_human(before)} → {_human(after)} ({before / after:.0f}× smaller, "
+                f"{_human(before - after)} saved per token)",
+            )
+        )
     calib = c.get("calibration")
     if calib:
         rows.append(("calibration data", f"{_data_name(calib.get('data'))}, {calib.get('tokens', 0):,} tokens"))
@@ -169,17 +189,24 @@ def _uptrain_section(stages: list[dict], converted: bool) -> list[str]:
         r = s.get("recipe", {})
         budget = {k: v for k, v in (r.get("budget") or {}).items() if v is not None}
         adapter = s.get("adapter")
-        trained = (f"LoRA adapters (rank {adapter['rank']}, alpha {adapter['alpha']}, on "
-                   f"{', '.join(adapter['target_modules'])}), merged into the weights" if adapter
-                   else f"trainable: {r.get('trainable', 'all')}")
+        trained = (
+            f"LoRA adapters (rank {adapter['rank']}, alpha {adapter['alpha']}, on "
+            f"{', '.join(adapter['target_modules'])}), merged into the weights"
+            if adapter
+            else f"trainable: {r.get('trainable', 'all')}"
+        )
         teacher = (r.get("distill") or {}).get("teacher")
-        rows = [("budget", ", ".join(f"{k} {v}" for k, v in budget.items())),
-                ("steps, tokens", f"{s.get('steps')} steps, {s.get('tokens_seen', 0):,} tokens "
-                                  f"({s.get('world_size')} process(es))"),
-                ("parameters trained", f"{trained}: {s.get('trainable_params', 0):,}"),
-                ("data", ", ".join(_data_name(d) for d in (r.get("data") or {}).get("train") or [])),
-                ("distillation", f"from {teacher} (KL weight {r['distill'].get('kl_weight')})" if teacher else "no"),
-                ("final held-out perplexity", f"{s['final_eval_ppl']:.2f}" if s.get("final_eval_ppl") else "—")]
+        rows = [
+            ("budget", ", ".join(f"{k} {v}" for k, v in budget.items())),
+            (
+                "steps, tokens",
+                f"{s.get('steps')} steps, {s.get('tokens_seen', 0):,} tokens ({s.get('world_size')} process(es))",
+            ),
+            ("parameters trained", f"{trained}: {s.get('trainable_params', 0):,}"),
+            ("data", ", ".join(_data_name(d) for d in (r.get("data") or {}).get("train") or [])),
+            ("distillation", f"from {teacher} (KL weight {r['distill'].get('kl_weight')})" if teacher else "no"),
+            ("final held-out perplexity", f"{s['final_eval_ppl']:.2f}" if s.get("final_eval_ppl") else "—"),
+        ]
         lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
     return lines
 
@@ -200,18 +227,30 @@ def eval_results(model_dir: Path) -> list[tuple[str, dict]]:
 
 
 def _eval_section(results) -> list[str]:
-    lines = ["## Evaluation", "", "Measured by `mha2gqa eval` (files beside this card):", "",
-             "| result | data | perplexity | KV / token | lm-eval |", "|---|---|---|---|---|"]
+    lines = [
+        "## Evaluation",
+        "",
+        "Measured by `mha2gqa eval` (files beside this card):",
+        "",
+        "| result | data | perplexity | KV / token | lm-eval |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in results:
         ppl = (r.get("perplexity") or {}).get("perplexity")
         data = r.get("data") or {}
         kv = (r.get("kv_cache") or {}).get("measured_bytes_per_token")
-        tasks = ((r.get("lm_eval") or {}).get("tasks") or {})
-        shown = "; ".join(f"{task} {metric} {m['value']:.4g}" + (f" ± {m['stderr']:.2g}" if m.get("stderr") is not None else "")
-                          for task, section in tasks.items() for metric, m in section["metrics"].items())
-        lines.append(f"| [{name}]({name}) | {_data_name(data.get('path') or data.get('name'))}"
-                     f"{', %s tokens' % format(data['tokens'], ',') if data.get('tokens') else ''} | "
-                     f"{'%.2f' % ppl if ppl else '—'} | {_human(kv) if kv else '—'} | {shown or '—'} |")
+        tasks = (r.get("lm_eval") or {}).get("tasks") or {}
+        shown = "; ".join(
+            f"{task} {metric} {m['value']:.4g}" + (f" ± {m['stderr']:.2g}" if m.get("stderr") is not None else "")
+            for task, section in tasks.items()
+            for metric, m in section["metrics"].items()
+        )
+        tokens = f", {data['tokens']:,} tokens" if data.get("tokens") else ""
+        ppl_text = f"{ppl:.2f}" if ppl else "—"
+        lines.append(
+            f"| [{name}]({name}) | {_data_name(data.get('path') or data.get('name'))}{tokens} | "
+            f"{ppl_text} | {_human(kv) if kv else '—'} | {shown or '—'} |"
+        )
     return lines + [""]
 
 
@@ -233,25 +272,44 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
             cmd += f" --dtype {conversion['dtype']}"
         lines.append(cmd)
     if any(s["stage"] == "uptrain" for s in after):
-        lines += ["# the resolved recipe is below; save it as recipe.yaml (set model: and output_dir:)",
-                  "mha2gqa uptrain --recipe recipe.yaml"]
-    lines += [f"mha2gqa eval {name} --data HELD_OUT_TEXT --out {name}/eval.json  # the card then lists it",
-              "```", ""]
+        lines += [
+            "# the resolved recipe is below; save it as recipe.yaml (set model: and output_dir:)",
+            "mha2gqa uptrain --recipe recipe.yaml",
+        ]
+    lines += [f"mha2gqa eval {name} --data HELD_OUT_TEXT --out {name}/eval.json  # the card then lists it", "```", ""]
     for s in after:
         if s["stage"] == "uptrain" and s.get("recipe"):
-            lines += ["<details><summary>recipe.yaml</summary>", "", "```yaml",
-                      yaml.safe_dump(s["recipe"], sort_keys=False).strip(), "```", "", "</details>", ""]
+            lines += [
+                "<details><summary>recipe.yaml</summary>",
+                "",
+                "```yaml",
+                yaml.safe_dump(s["recipe"], sort_keys=False).strip(),
+                "```",
+                "",
+                "</details>",
+                "",
+            ]
     lines += [f"Everything above is read from [{provenance.FILE_NAME}]({provenance.FILE_NAME}), the full record.", ""]
     return lines
 
 
 def _source_section(conversion, source_card: Path | None, source_meta: dict) -> list[str]:
     if source_card is None:
-        return ["## Source model card", "", "The source model had no README.md card." if conversion else
-                "There was no earlier card.", ""]
-    license_line = f" Its license ({source_meta['license']}) applies to this model too." if "license" in source_meta else ""
-    return ["## Source model card", "",
-            f"The source model's own card is kept unchanged in [{SOURCE_CARD}]({SOURCE_CARD}).{license_line}", ""]
+        return [
+            "## Source model card",
+            "",
+            "The source model had no README.md card." if conversion else "There was no earlier card.",
+            "",
+        ]
+    license_line = (
+        f" Its license ({source_meta['license']}) applies to this model too." if "license" in source_meta else ""
+    )
+    return [
+        "## Source model card",
+        "",
+        f"The source model's own card is kept unchanged in [{SOURCE_CARD}]({SOURCE_CARD}).{license_line}",
+        "",
+    ]
 
 
 def _data_name(data) -> str:

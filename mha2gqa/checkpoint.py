@@ -19,15 +19,31 @@ import struct
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mha2gqa.errors import InputError, is_user_fault, user_file_error
+
+if TYPE_CHECKING:  # annotations only: reading headers must not import torch
+    import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Bytes per element of every safetensors dtype code we read. Headers need only this; the torch dtypes
 # (DTYPES, CODES) are made on first use, so reading a checkpoint's shapes (`inspect`) never imports torch.
-ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-            "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 FLOAT_CODES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # what --dtype casts
 
 
@@ -36,9 +52,20 @@ def torch_dtypes() -> dict:
     """safetensors dtype code -> torch dtype."""
     import torch
 
-    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-            "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+    return {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }
 
 
 def __getattr__(name: str):
@@ -48,6 +75,8 @@ def __getattr__(name: str):
     if name == "CODES":
         return {dtype: code for code, dtype in torch_dtypes().items()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 _COPY_CHUNK = 64 << 20  # bytes per copy_file_range call: bounded kernel work per step
 # copy_file_range on ext4 (a 0.4 GB shard, page cache warm) took 0.10 s when source and destination sat
 # at the same offset within a page and 0.24 s otherwise; shard headers are padded to match (_page_phase).
@@ -85,8 +114,10 @@ def read_header(path: Path) -> tuple[dict, int]:
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise InputError(f"{path} has a corrupt safetensors header ({err}): re-save the checkpoint") from err
     if not isinstance(header, dict):
-        raise InputError(f"{path} has a safetensors header that is a JSON {type(header).__name__}, not an object: "
-                         "re-save the checkpoint")
+        raise InputError(
+            f"{path} has a safetensors header that is a JSON {type(header).__name__}, not an object: "
+            "re-save the checkpoint"
+        )
     return header, 8 + length
 
 
@@ -112,12 +143,18 @@ def _tensor_infos(path: Path) -> list[TensorInfo]:
             raise corrupt(name, f"has a header entry that is a JSON {type(entry).__name__}, not an object")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in ITEMSIZE:
-            raise InputError(f"{path}: tensor {name!r} has dtype {dtype!r}, which mha2gqa cannot read "
-                             f"(readable: {', '.join(ITEMSIZE)})")
+            raise InputError(
+                f"{path}: tensor {name!r} has dtype {dtype!r}, which mha2gqa cannot read "
+                f"(readable: {', '.join(ITEMSIZE)})"
+            )
         if not isinstance(shape, list) or not all(_is_count(dim) for dim in shape):
             raise corrupt(name, f"has shape {shape!r} (must be a list of non-negative integers)")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets)) \
-                or offsets[0] > offsets[1]:
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(map(_is_count, offsets))
+            or offsets[0] > offsets[1]
+        ):
             raise corrupt(name, f"has data_offsets {offsets!r} (must be [begin, end], 0 <= begin <= end)")
         numel = 1
         for dim in shape:
@@ -134,8 +171,10 @@ def _tensor_infos(path: Path) -> list[TensorInfo]:
             raise corrupt(info.name, f"has a byte range that {what}")
         expected = info.end
     if expected - data_start != data_size:
-        raise InputError(f"{path} holds {data_size} data bytes but its header describes {expected - data_start}: "
-                         "the file is truncated or corrupt; download or re-save it")
+        raise InputError(
+            f"{path} holds {data_size} data bytes but its header describes {expected - data_start}: "
+            "the file is truncated or corrupt; download or re-save it"
+        )
     return infos
 
 
@@ -148,14 +187,20 @@ def _index_shards(index: Path) -> dict[str, str]:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InputError(f"{index} is not valid JSON ({err}): download or re-save the checkpoint") from err
     except AttributeError:  # the index is a list, a number...
-        raise InputError(f"{index} is not a JSON object with a weight_map: download or re-save the checkpoint") from None
+        raise InputError(
+            f"{index} is not a JSON object with a weight_map: download or re-save the checkpoint"
+        ) from None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise InputError(f"{index} has no weight_map object (tensor name -> shard file): download or re-save the checkpoint")
+        raise InputError(
+            f"{index} has no weight_map object (tensor name -> shard file): download or re-save the checkpoint"
+        )
     for name, shard in weight_map.items():
         parts = Path(shard).parts if isinstance(shard, str) else ()
         if not parts or Path(shard).is_absolute() or ".." in parts or "\0" in shard:
-            raise InputError(f"{index} maps {name!r} to {shard!r}, which is not a file inside {index.parent}: "
-                             "shard names must be relative paths within the model directory; fix the index")
+            raise InputError(
+                f"{index} maps {name!r} to {shard!r}, which is not a file inside {index.parent}: "
+                "shard names must be relative paths within the model directory; fix the index"
+            )
     return weight_map
 
 
@@ -200,8 +245,10 @@ class SafetensorsCheckpoint:
             while view:
                 count = f.readinto(view)
                 if not count:
-                    raise InputError(f"{info.file} ended before tensor {name!r}: it changed during the conversion; "
-                                     "convert again from a stable copy")
+                    raise InputError(
+                        f"{info.file} ended before tensor {name!r}: it changed during the conversion; "
+                        "convert again from a stable copy"
+                    )
                 view = view[count:]
 
     def load(self, name: str) -> torch.Tensor:
@@ -252,8 +299,13 @@ class ShardedWriter:
     """Writes tensors in a fixed order straight into their shards: each shard's header is known up front
     (every output name, dtype and shape comes from the plan), so no tensor is held back in memory."""
 
-    def __init__(self, out_dir: Path, tensors: list[OutputTensor], max_shard_bytes: int,
-                 copied_from: dict[str, int] | None = None):
+    def __init__(
+        self,
+        out_dir: Path,
+        tensors: list[OutputTensor],
+        max_shard_bytes: int,
+        copied_from: dict[str, int] | None = None,
+    ):
         """copied_from: the source byte offset of each tensor copy_bytes will copy (Plan.copies): each shard's
         header is padded so that most of those bytes land at their source's offset within a page."""
         self.out_dir = Path(out_dir)
@@ -358,11 +410,14 @@ def check_destination(dst: Path, replace: bool) -> None:
     link (the swap would replace the link, not what it points to), a file, or a non-empty directory
     without `replace`."""
     if dst.name in ("", ".", ".."):
-        raise InputError(f"DST {str(dst)!r} names the current, a parent or the root directory: pass a new "
-                         "directory path, e.g. ./model-gqa")
+        raise InputError(
+            f"DST {str(dst)!r} names the current, a parent or the root directory: pass a new "
+            "directory path, e.g. ./model-gqa"
+        )
     if dst.is_symlink():
-        raise InputError(f"DST {dst} is a symbolic link (to {os.readlink(dst)}): pass the directory it points to, "
-                         "or remove the link")
+        raise InputError(
+            f"DST {dst} is a symbolic link (to {os.readlink(dst)}): pass the directory it points to, or remove the link"
+        )
     if dst.exists() and not dst.is_dir():
         raise InputError(f"DST {dst} is a file: choose a directory path")
     if dst.is_dir() and any(dst.iterdir()) and not replace:
@@ -417,8 +472,9 @@ def _make_parents(directory: Path) -> list[Path]:
     if not directory.is_dir():
         raise InputError(f"{directory} is a file, so the DST below it cannot be created: choose another path")
     if not os.access(directory, os.W_OK):
-        raise InputError(f"{directory} is not writable (read-only filesystem or no permission): choose a writable "
-                         "location for DST")
+        raise InputError(
+            f"{directory} is not writable (read-only filesystem or no permission): choose a writable location for DST"
+        )
     for path in reversed(missing):
         path.mkdir()
     return list(reversed(missing))
@@ -436,8 +492,10 @@ def _claim(dst: Path):
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise InputError(f"DST {dst} is being written by another mha2gqa run (PID {holder}, lock {lock_path}): "
-                             "wait for it to finish or choose another DST") from None
+            raise InputError(
+                f"DST {dst} is being written by another mha2gqa run (PID {holder}, lock {lock_path}): "
+                "wait for it to finish or choose another DST"
+            ) from None
         try:
             current = os.stat(lock_path)
         except FileNotFoundError:
@@ -470,7 +528,7 @@ def _remove_debris(dst: Path) -> None:
     mha2gqa run is writing them). A live PID's directory is left alone, whatever it is."""
     prefix = f".{dst.name}.partial-"
     for path in dst.parent.iterdir():
-        pid = path.name[len(prefix):].split("-")[0] if path.name.startswith(prefix) else ""
+        pid = path.name[len(prefix) :].split("-")[0] if path.name.startswith(prefix) else ""
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
 
@@ -478,8 +536,10 @@ def _remove_debris(dst: Path) -> None:
 def _check_room(dst: Path, needed_bytes: int) -> None:
     free = shutil.disk_usage(dst.parent).free
     if needed_bytes > free:
-        raise InputError(f"DST {dst} needs {needed_bytes / 2**20:.1f} MiB but its filesystem has "
-                         f"{free / 2**20:.1f} MiB free: free space or choose another location")
+        raise InputError(
+            f"DST {dst} needs {needed_bytes / 2**20:.1f} MiB but its filesystem has "
+            f"{free / 2**20:.1f} MiB free: free space or choose another location"
+        )
 
 
 _AT_FDCWD = -100

@@ -8,10 +8,10 @@ from __future__ import annotations
 import ast
 import sys
 from enum import Enum
-from functools import lru_cache
+from functools import cache
 
 
-@lru_cache(maxsize=None)
+@cache
 def _classes(path: str) -> dict[str, ast.ClassDef]:
     """{qualified name: class node} of every class in one source file, nested classes included."""
     with open(path, encoding="utf-8") as f:
@@ -31,8 +31,9 @@ def field_docs(cls: type) -> dict[str, str]:
     body = _classes(sys.modules[cls.__module__].__file__)[cls.__qualname__].body
     docs = {}
     for node, after in zip(body, body[1:]):
-        if not (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
+        if not (
+            isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
+        ):
             continue
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             docs[node.target.id] = " ".join(after.value.value.split())

@@ -44,8 +44,14 @@ def config_counts(config: dict) -> GenericArchitecture:
     heads = _config_value(built, "num_attention_heads")
     hidden = _config_value(built, "hidden_size")
     head_dim = _config_value(built, "head_dim") or hidden // heads
-    return GenericArchitecture(None, _config_value(built, "num_hidden_layers"), heads,
-                               _config_value(built, "num_key_value_heads") or heads, head_dim, hidden)
+    return GenericArchitecture(
+        None,
+        _config_value(built, "num_hidden_layers"),
+        heads,
+        _config_value(built, "num_key_value_heads") or heads,
+        head_dim,
+        hidden,
+    )
 
 
 def generic_architecture(config: dict) -> GenericArchitecture:
@@ -59,32 +65,42 @@ def _derive(config_json: str) -> GenericArchitecture:
     model_type = config.get("model_type")
     fail = _refusal_prefix(model_type)
     if isinstance(config.get("text_config"), dict):
-        raise InputError(f"{fail}: it is a composite model (vision/audio + text) whose decoder is configured in "
-                         "text_config, which the converter does not rewrite")
+        raise InputError(
+            f"{fail}: it is a composite model (vision/audio + text) whose decoder is configured in "
+            "text_config, which the converter does not rewrite"
+        )
     source = _build(config, model_type, kv_heads=None)
     layer_count = _config_value(source.config, "num_hidden_layers")
     heads = _config_value(source.config, "num_attention_heads")
     kv_heads = _config_value(source.config, "num_key_value_heads")
     if not (layer_count and heads and kv_heads):
-        raise InputError(f"{fail}: its config has no num_hidden_layers/num_attention_heads/num_key_value_heads, "
-                         "so its attention cannot be grouped")
+        raise InputError(
+            f"{fail}: its config has no num_hidden_layers/num_attention_heads/num_key_value_heads, "
+            "so its attention cannot be grouped"
+        )
     modules = dict(source.named_modules())
     attention = {name: module for name, module in modules.items() if _is_attention(module)}
     if not attention:
-        raise InputError(f"{fail}: no module owns q_proj, k_proj, v_proj and an output projection "
-                         f"({', '.join(OUTPUT_NAMES)}), so no layer has attention with separate k/v heads"
-                         f"{_low_rank_hint(modules)}")
+        raise InputError(
+            f"{fail}: no module owns q_proj, k_proj, v_proj and an output projection "
+            f"({', '.join(OUTPUT_NAMES)}), so no layer has attention with separate k/v heads"
+            f"{_low_rank_hint(modules)}"
+        )
     matches = [_LAYER.match(name) for name in attention]
     places = {(m["prefix"], m["attention"]) for m in matches if m}
     if len(places) != 1 or len(matches) != len([m for m in matches if m]):
-        raise InputError(f"{fail}: attention modules sit at different places ({_some(sorted(attention))}); "
-                         "only one attention module per decoder layer is supported")
-    (prefix, relative), = places
+        raise InputError(
+            f"{fail}: attention modules sit at different places ({_some(sorted(attention))}); "
+            "only one attention module per decoder layer is supported"
+        )
+    ((prefix, relative),) = places
     indices = sorted(int(m["index"]) for m in matches)
     missing = sorted(set(range(layer_count)) - set(indices))
     if missing:
-        raise InputError(f"{fail}: decoder layers {_some(missing)} of {layer_count} have no q/k/v/o attention (linear "
-                         "attention or state-space layers in a hybrid), so num_key_value_heads does not describe them")
+        raise InputError(
+            f"{fail}: decoder layers {_some(missing)} of {layer_count} have no q/k/v/o attention (linear "
+            "attention or state-space layers in a hybrid), so num_key_value_heads does not describe them"
+        )
     probe = kv_heads // 2 if kv_heads % 2 == 0 else (1 if kv_heads > 1 else 2)
     target = _build(config, model_type, kv_heads=probe)
     return _check_shapes(source, target, probe, prefix, relative, layer_count, heads, kv_heads, fail)
@@ -94,13 +110,19 @@ def check_target(config: dict, groups: int) -> None:
     """Refuse a kv-head count the model class cannot be built with (diffllama needs an even count)
     or builds with other k_proj shapes than the conversion writes."""
     derived = generic_architecture(config)
-    target = _build(config, config.get("model_type"), kv_heads=groups,
-                    fail=f"--groups {groups}: model_type {config.get('model_type')!r} cannot have that many kv heads")
+    target = _build(
+        config,
+        config.get("model_type"),
+        kv_heads=groups,
+        fail=f"--groups {groups}: model_type {config.get('model_type')!r} cannot have that many kv heads",
+    )
     name = derived.layout.layer_prefix.format(layer=0) + derived.layout.k + ".weight"
     rows = dict(target.named_parameters())[name].shape[0]
     if rows != groups * derived.head_dim:
-        raise InputError(f"--groups {groups}: transformers builds {config.get('model_type')!r} with {rows} k_proj rows "
-                         f"for num_key_value_heads={groups}, not {groups} x head_dim {derived.head_dim}")
+        raise InputError(
+            f"--groups {groups}: transformers builds {config.get('model_type')!r} with {rows} k_proj rows "
+            f"for num_key_value_heads={groups}, not {groups} x head_dim {derived.head_dim}"
+        )
 
 
 def _check_shapes(source, target, probe, prefix, relative, layer_count, heads, kv_heads, fail):
@@ -111,16 +133,20 @@ def _check_shapes(source, target, probe, prefix, relative, layer_count, heads, k
     first = source.get_submodule(f"{prefix}0.{relative}")
     k_rows, v_rows = first.k_proj.weight.shape[0], first.v_proj.weight.shape[0]
     if k_rows % kv_heads or k_rows != v_rows:
-        raise InputError(f"{fail}: layer 0's k_proj has {k_rows} rows and v_proj {v_rows}, not the same multiple of "
-                         f"num_key_value_heads={kv_heads}")
+        raise InputError(
+            f"{fail}: layer 0's k_proj has {k_rows} rows and v_proj {v_rows}, not the same multiple of "
+            f"num_key_value_heads={kv_heads}"
+        )
     head_dim = k_rows // kv_heads
     configured = _config_value(source.config, "head_dim")
     if configured and configured != head_dim:
         raise InputError(f"{fail}: k_proj rows / num_key_value_heads = {head_dim} but config head_dim={configured}")
     q_rows, o_columns = first.q_proj.weight.shape[0], _output(first).weight.shape[1]
     if q_rows != heads * head_dim or o_columns != heads * head_dim:
-        raise InputError(f"{fail}: q_proj has {q_rows} rows and the output projection {o_columns} columns, not "
-                         f"num_attention_heads x head_dim = {heads * head_dim} (a gated or differently shaped query)")
+        raise InputError(
+            f"{fail}: q_proj has {q_rows} rows and the output projection {o_columns} columns, not "
+            f"num_attention_heads x head_dim = {heads * head_dim} (a gated or differently shaped query)"
+        )
     k_norm_rows = None
     for name, shape in before.items():
         if after.get(name) == shape:
@@ -130,29 +156,44 @@ def _check_shapes(source, target, probe, prefix, relative, layer_count, heads, k
         scaled = after.get(name) == (shape[0] // kv_heads * probe, *shape[1:]) and shape[0] % kv_heads == 0
         if role.startswith(f"{relative}.k_proj.") or role.startswith(f"{relative}.v_proj."):
             if not scaled or shape[0] != k_rows:
-                raise InputError(f"{fail}: {name} has shape {list(shape)}; layer 0 has {k_rows} rows (layers with "
-                                 "their own kv-head counts or head sizes, e.g. sliding/global, are not supported)")
+                raise InputError(
+                    f"{fail}: {name} has shape {list(shape)}; layer 0 has {k_rows} rows (layers with "
+                    "their own kv-head counts or head sizes, e.g. sliding/global, are not supported)"
+                )
         elif role.startswith(f"{relative}.") and "norm" in role and scaled and shape == (k_rows,):
             norm = role.rsplit(".", 1)[0]
             if k_norm_rows not in (None, norm) or not norm.split(".")[-1].startswith("k"):
                 raise InputError(f"{fail}: {name} {list(shape)} follows num_key_value_heads but is not a key norm")
             k_norm_rows = norm
         else:
-            raise InputError(f"{fail}: {name} {list(shape)} changes shape with num_key_value_heads but is not a "
-                             "k_proj/v_proj or key norm, so the converter cannot rewrite it")
+            raise InputError(
+                f"{fail}: {name} {list(shape)} changes shape with num_key_value_heads but is not a "
+                "k_proj/v_proj or key norm, so the converter cannot rewrite it"
+            )
     for layer in range(layer_count):
         name = f"{prefix}{layer}.{relative}.k_proj.weight"
         if after.get(name, (None,))[0] != probe * head_dim:
-            raise InputError(f"{fail}: {name} does not have {probe} x head_dim rows with num_key_value_heads="
-                             f"{probe}: the model class does not read num_key_value_heads for every layer")
-    extras = sorted({name[len(attention_prefix):].rsplit(".", 1)[0] for name in before
-                     if name.startswith(attention_prefix)} - {"q_proj", "k_proj", "v_proj", _output_name(first)})
+            raise InputError(
+                f"{fail}: {name} does not have {probe} x head_dim rows with num_key_value_heads="
+                f"{probe}: the model class does not read num_key_value_heads for every layer"
+            )
+    extras = sorted(
+        {name[len(attention_prefix) :].rsplit(".", 1)[0] for name in before if name.startswith(attention_prefix)}
+        - {"q_proj", "k_proj", "v_proj", _output_name(first)}
+    )
     layout = Layout(
-        q=f"{relative}.q_proj", k=f"{relative}.k_proj", v=f"{relative}.v_proj",
-        o=f"{relative}.{_output_name(first)}", k_norm_rows=k_norm_rows, layer_prefix=prefix + "{layer}.",
+        q=f"{relative}.q_proj",
+        k=f"{relative}.k_proj",
+        v=f"{relative}.v_proj",
+        o=f"{relative}.{_output_name(first)}",
+        k_norm_rows=k_norm_rows,
+        layer_prefix=prefix + "{layer}.",
         calibrated_barrier=_key_path_refusal(first, extras),
-        grouping_barrier=(f"its attention has {', '.join(extras)} besides q/k/v/o, which a query-head "
-                          "permutation would leave behind") if extras else None,
+        grouping_barrier=(
+            f"its attention has {', '.join(extras)} besides q/k/v/o, which a query-head permutation would leave behind"
+        )
+        if extras
+        else None,
     )
     hidden = _config_value(source.config, "hidden_size") or first.q_proj.weight.shape[1]
     return GenericArchitecture(layout, layer_count, heads, kv_heads, head_dim, hidden)
@@ -162,7 +203,9 @@ def _key_path_refusal(attention, extras: list[str]) -> str | None:
     """Why a per-head key map folded into q_proj may not be exact: a parameterised module (a norm, a
     gate) inside the attention, or a RoPE that is not transformers' standard rotate_half."""
     if extras:
-        return f"its attention has {', '.join(extras)} besides q/k/v/o (a norm or gate on the key path is not ruled out)"
+        return (
+            f"its attention has {', '.join(extras)} besides q/k/v/o (a norm or gate on the key path is not ruled out)"
+        )
     module = inspect.getmodule(type(attention))
     forward = inspect.getsource(type(attention).forward)
     if "apply_rotary_pos_emb(" not in forward:
@@ -186,21 +229,24 @@ def _code(function) -> str:
 
 def _build(config: dict, model_type, kv_heads: int | None, fail: str | None = None):
     import torch
-    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     fail = fail or _refusal_prefix(model_type)
     if model_type not in CONFIG_MAPPING or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise InputError(f"{fail}: the installed transformers has no causal-LM class for it (upgrade transformers, or "
-                         "check config.json's model_type)")
+        raise InputError(
+            f"{fail}: the installed transformers has no causal-LM class for it (upgrade transformers, or "
+            "check config.json's model_type)"
+        )
     try:
         built = _config_object(config if kv_heads is None else dict(config, num_key_value_heads=kv_heads))
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(built)
     except Exception as err:  # a class that cannot be built from this config is a refusal, not a crash
         message = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
-        raise InputError(f"{fail}: transformers could not build it from this config "
-                         f"({type(err).__name__}: {message})") from err
+        raise InputError(
+            f"{fail}: transformers could not build it from this config ({type(err).__name__}: {message})"
+        ) from err
 
 
 def _config_object(config: dict):

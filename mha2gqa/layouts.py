@@ -88,8 +88,9 @@ LAYOUTS: dict[str, Layout] = {
         pre_rope_norm="its qk_layernorm sits between q/k_proj and RoPE",
         per_query_head_norm="its q_layernorm has one norm per query head",
     ),
-    "phi": Layout(o="self_attn.dense", norms_when="qk_layernorm",
-                  pre_rope_norm="its qk_layernorm sits between q/k_proj and RoPE"),
+    "phi": Layout(
+        o="self_attn.dense", norms_when="qk_layernorm", pre_rope_norm="its qk_layernorm sits between q/k_proj and RoPE"
+    ),
     "phi3": Layout(qkv="self_attn.qkv_proj"),
 }
 
@@ -98,9 +99,13 @@ LAYOUTS: dict[str, Layout] = {
 _CONV1D_QO = "its q and o projections are Conv1D weights that the merge does not rewrite"
 RETARGETED: dict[str, Layout] = {
     "gpt2": Layout(
-        o="attn.c_proj", qkv_columns="attn.c_attn", transposed=("attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
-        layer_prefix="transformer.h.{layer}.", target="gpt_bigcode",
-        calibrated_barrier=_CONV1D_QO, grouping_barrier=_CONV1D_QO,
+        o="attn.c_proj",
+        qkv_columns="attn.c_attn",
+        transposed=("attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
+        layer_prefix="transformer.h.{layer}.",
+        target="gpt_bigcode",
+        calibrated_barrier=_CONV1D_QO,
+        grouping_barrier=_CONV1D_QO,
         refine_barrier="the converted model is another type (gpt_bigcode) than the parent it would be fitted to",
     ),
 }
@@ -109,7 +114,7 @@ RETARGETED: dict[str, Layout] = {
 REFUSED: dict[str, str] = {
     "falcon": "its transformers cache stores K/V broadcast to every query head, so GQA saves no memory",
     "gpt_bigcode": "its multi-query form is the target of gpt2 conversion (convert the gpt2 parent instead); "
-                   "its multi-head c_attn interleaves q/k/v per head, which is not implemented",
+    "its multi-head c_attn interleaves q/k/v per head, which is not implemented",
 }
 for _name in ("gpt_neox", "opt", "gptj", "bloom", "t5", "mt5", "bart"):
     REFUSED[_name] = "transformers has no grouped-query attention for it"
@@ -158,8 +163,10 @@ def read_config(model_dir: str | Path) -> dict:
     if not isinstance(config, dict):
         raise InputError(f"{path} is a JSON {type(config).__name__}, not an object of settings: fix or re-save it")
     if not isinstance(config.get("model_type"), str):
-        raise InputError(f"{path} has model_type={json.dumps(config.get('model_type'))}: it must name the "
-                         "architecture (e.g. \"llama\"); use the model's own config.json")
+        raise InputError(
+            f"{path} has model_type={json.dumps(config.get('model_type'))}: it must name the "
+            'architecture (e.g. "llama"); use the model\'s own config.json'
+        )
     for key in _REQUIRED_COUNTS + _OPTIONAL_COUNTS:
         value = config.get(key)
         if value is None and (key in _OPTIONAL_COUNTS or config.get("model_type") not in LAYOUTS):
@@ -226,17 +233,17 @@ def check_groups(shape: AttentionShape, groups: int) -> None:
     listed = ", ".join(map(str, valid)) or "none: it already has a single kv head"
     target = RETARGETED[shape.model_type].target if shape.model_type in RETARGETED else None
     if target and groups != 1:
-        raise InputError(f"--groups {groups}: model_type {shape.model_type!r} converts to {target!r}, whose only "
-                         "grouped form is multi-query attention; use --groups 1")
+        raise InputError(
+            f"--groups {groups}: model_type {shape.model_type!r} converts to {target!r}, whose only "
+            "grouped form is multi-query attention; use --groups 1"
+        )
     if groups == shape.kv_heads:
         raise InputError(
             f"--groups {groups} equals the source's num_key_value_heads={shape.kv_heads}: nothing to convert "
             f"(valid: {listed})"
         )
     if groups < 1 or shape.kv_heads % groups:
-        raise InputError(
-            f"--groups {groups} must divide num_key_value_heads={shape.kv_heads} (valid: {listed})"
-        )
+        raise InputError(f"--groups {groups} must divide num_key_value_heads={shape.kv_heads} (valid: {listed})")
 
 
 def check_target(config: dict, groups: int) -> None:
@@ -255,15 +262,18 @@ def converted_config(config: dict, groups: int) -> dict:
     if layout.target != "gpt_bigcode":
         return dict(config, num_key_value_heads=groups)
     if config.get("scale_attn_by_inverse_layer_idx"):
-        raise InputError("config.json has scale_attn_by_inverse_layer_idx=true, which gpt_bigcode does not "
-                         "implement: the converted model would not match its parent")
+        raise InputError(
+            "config.json has scale_attn_by_inverse_layer_idx=true, which gpt_bigcode does not "
+            "implement: the converted model would not match its parent"
+        )
     from transformers import GPTBigCodeConfig
 
     # gpt2 keys gpt_bigcode also reads (sizes, activation, dropouts, eps, scale_attn_weights, token ids).
     shared = set(GPTBigCodeConfig().to_dict()) - {"model_type", "architectures", "transformers_version"}
     new = {key: value for key, value in config.items() if key in shared}
-    return dict(new, model_type="gpt_bigcode", architectures=["GPTBigCodeForCausalLM"], multi_query=True,
-                num_key_value_heads=1)
+    return dict(
+        new, model_type="gpt_bigcode", architectures=["GPTBigCodeForCausalLM"], multi_query=True, num_key_value_heads=1
+    )
 
 
 def describe_layout(config: dict) -> dict:
@@ -278,6 +288,9 @@ def describe_layout(config: dict) -> dict:
         attention = layout.layer_prefix.format(layer="N") + layout.k.rsplit(".", 1)[0]
         modules = ", ".join(name.rsplit(".", 1)[-1] for name in (layout.q, layout.k, layout.v, layout.o))
         source = f"generic, derived from the model class: attention at {attention} ({modules})"
-    return {"layout": source, "calibrated": layout.calibrated_refusal(config) or "supported",
-            "similarity_grouping": layout.grouping_refusal(config) or "supported",
-            "refine": layout.refine_barrier or "supported"}
+    return {
+        "layout": source,
+        "calibrated": layout.calibrated_refusal(config) or "supported",
+        "similarity_grouping": layout.grouping_refusal(config) or "supported",
+        "refine": layout.refine_barrier or "supported",
+    }

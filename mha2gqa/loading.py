@@ -27,7 +27,7 @@ def require_safetensors(model_dir: Path, what: str = "model") -> None:
     found = f"only pickled weights ({', '.join(pickles[:3])})" if pickles else "no .safetensors weights"
     raise InputError(
         f"{what} {model_dir} has {found}: mha2gqa never unpickles files; re-save it as safetensors once, where you "
-        "trust it: python -c \"from transformers import AutoModelForCausalLM as M; "
+        'trust it: python -c "from transformers import AutoModelForCausalLM as M; '
         f"M.from_pretrained('{model_dir}').save_pretrained('{model_dir}-safetensors')\" and pass that directory"
     )
 
@@ -46,12 +46,18 @@ def load_causal_lm(model_dir: Path, what: str = "model", progress: bool = True, 
             # ignore_mismatched_sizes: report a wrong shape in the loading info instead of raising
             # transformers' multi-line RuntimeError; the check below refuses it all the same.
             model, info = AutoModelForCausalLM.from_pretrained(
-                model_dir, use_safetensors=True, trust_remote_code=False, output_loading_info=True,
-                ignore_mismatched_sizes=True, **kwargs)
+                model_dir,
+                use_safetensors=True,
+                trust_remote_code=False,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,
+                **kwargs,
+            )
     except (OSError, SafetensorError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise InputError(f"{what} {model_dir}: its weights could not be read ({first}): "
-                         "re-download or re-save the checkpoint") from err
+        raise InputError(
+            f"{what} {model_dir}: its weights could not be read ({first}): re-download or re-save the checkpoint"
+        ) from err
     problems = loading_problems(info)
     if problems:
         raise InputError(

@@ -48,11 +48,15 @@ def read(model_dir: str | os.PathLike) -> dict | None:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise InputError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): fix it, or delete it "
-                         "(it only records how the model was made)") from err
+        raise InputError(
+            f"{path} is not valid JSON ({err.msg} at line {err.lineno}): fix it, or delete it "
+            "(it only records how the model was made)"
+        ) from err
     if not isinstance(data, dict):
-        raise InputError(f"{path} is a JSON {type(data).__name__}, not an object: fix it, or delete it "
-                         "(it only records how the model was made)")
+        raise InputError(
+            f"{path} is a JSON {type(data).__name__}, not an object: fix it, or delete it "
+            "(it only records how the model was made)"
+        )
     return data
 
 
@@ -69,8 +73,10 @@ def lineage_of(record: dict | None) -> list[dict]:
         return _legacy_lineage(record)
     stages = record["lineage"]
     if not isinstance(stages, list) or not all(isinstance(s, dict) and s.get("stage") in STAGES for s in stages):
-        raise InputError(f"{FILE_NAME}: 'lineage' must be a list of stages, each with a 'stage' of "
-                         f"{', '.join(STAGES)}: fix it, or delete it (it only records how the model was made)")
+        raise InputError(
+            f"{FILE_NAME}: 'lineage' must be a list of stages, each with a 'stage' of "
+            f"{', '.join(STAGES)}: fix it, or delete it (it only records how the model was made)"
+        )
     return [dict(stage) for stage in stages]
 
 
@@ -91,7 +97,7 @@ def role_of(record: dict | None) -> str:
     if "conversion" not in kinds:
         return "parent"
     last = len(kinds) - 1 - kinds[::-1].index("conversion")
-    return "uptrained" if "uptrain" in kinds[last + 1:] else "converted"
+    return "uptrained" if "uptrain" in kinds[last + 1 :] else "converted"
 
 
 def append(out_dir: str | os.PathLike, stage: str, fields: dict, source: str | os.PathLike | None = None) -> dict:
@@ -100,8 +106,7 @@ def append(out_dir: str | os.PathLike, stage: str, fields: dict, source: str | o
     if stage not in STAGES:
         raise ValueError(f"stage {stage!r} is not one of {STAGES}")
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    record = {"schema": SCHEMA, "tool": "mha2gqa",
-              "lineage": lineage(source) if source is not None else []}
+    record = {"schema": SCHEMA, "tool": "mha2gqa", "lineage": lineage(source) if source is not None else []}
     record["lineage"].append({"stage": stage, "version": __version__, "date": now, **fields})
     path = Path(out_dir) / FILE_NAME
     tmp = path.with_name(f".{FILE_NAME}.tmp")

@@ -19,10 +19,10 @@ import gzip
 import io
 import json
 import lzma
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from mha2gqa.errors import InputError
 from mha2gqa.sources import hub_offline
@@ -65,16 +65,22 @@ def _looks_local(entry: str) -> bool:
     return entry.startswith((".", "/", "~")) or file_format(Path(entry)) is not None
 
 
-def resolve(key: str, entries: str | Sequence[str], problems: list[str] | None = None,
-            check_files: bool = True, one_format: bool = False) -> TextSource | None:
+def resolve(
+    key: str,
+    entries: str | Sequence[str],
+    problems: list[str] | None = None,
+    check_files: bool = True,
+    one_format: bool = False,
+) -> TextSource | None:
     """What `entries` (paths or one hub name) name, as a TextSource.
 
     With `problems`, each problem is appended (to be shown with others) and None may be returned;
     without, the first problems raise one InputError. check_files=False accepts missing local paths
     (validating a recipe for another machine); one_format refuses a mix (one `datasets` builder)."""
     collected: list[str] = []
-    source = _resolve(key, [entries] if isinstance(entries, (str, Path)) else list(entries), collected,
-                      check_files, one_format)
+    source = _resolve(
+        key, [entries] if isinstance(entries, (str, Path)) else list(entries), collected, check_files, one_format
+    )
     if problems is not None:
         problems.extend(collected)
         return source
@@ -108,8 +114,10 @@ def _resolve(key, entries, problems, check_files, one_format) -> TextSource | No
         elif len(entries) > 1:
             problems.append(f"{key} {entry}: not a local path, and a hub dataset must be the only entry")
         elif check_files and hub_offline():
-            problems.append(f"{key} {entry}: not a local file or folder, and the hub is offline "
-                            "(HF_HUB_OFFLINE=1): pass local files")
+            problems.append(
+                f"{key} {entry}: not a local file or folder, and the hub is offline "
+                "(HF_HUB_OFFLINE=1): pass local files"
+            )
         else:
             return TextSource(key, hub=entry)
     formats = {file_format(f) for f in files} - {None}
@@ -122,9 +130,17 @@ def _resolve(key, entries, problems, check_files, one_format) -> TextSource | No
 
 # ---- plain strings: calibration and eval ----
 
-def iter_texts(source: TextSource, field: str = "text", *, field_key: str | None = None,
-               piece_chars: int | None = None, end_with_blank_line: bool = False,
-               hub_config: str | None = None, hub_split: str = "train") -> Iterator[str]:
+
+def iter_texts(
+    source: TextSource,
+    field: str = "text",
+    *,
+    field_key: str | None = None,
+    piece_chars: int | None = None,
+    end_with_blank_line: bool = False,
+    hub_config: str | None = None,
+    hub_split: str = "train",
+) -> Iterator[str]:
     """The documents of `source` in order. piece_chars: a text file comes in pieces of about that many
     characters, cut at line ends (a huge file costs little memory). end_with_blank_line: newlines are
     added to each document's last piece until it ends in a blank line (a document boundary).
@@ -176,10 +192,14 @@ def _read_errors(key: str, path: Path):
     except (EOFError, OSError, lzma.LZMAError) as err:  # gzip.BadGzipFile is an OSError
         codec = COMPRESSIONS.get(path.suffix.lower())
         if codec is None:
-            raise InputError(f"{key} {path}: cannot be read ({type(err).__name__}: {getattr(err, 'strerror', None) or err}): "
-                             "check that it is a readable file") from err
-        raise InputError(f"{key} {path}: ends in {path.suffix} but is not readable {codec} data "
-                         f"({type(err).__name__}): re-compress it or remove the suffix") from err
+            raise InputError(
+                f"{key} {path}: cannot be read ({type(err).__name__}: {getattr(err, 'strerror', None) or err}): "
+                "check that it is a readable file"
+            ) from err
+        raise InputError(
+            f"{key} {path}: ends in {path.suffix} but is not readable {codec} data "
+            f"({type(err).__name__}): re-compress it or remove the suffix"
+        ) from err
 
 
 def _open_text(key: str, path: Path):
@@ -195,8 +215,10 @@ def _open_text(key: str, path: Path):
         try:
             import zstandard
         except ImportError as err:
-            raise InputError(f"{key} {path}: reading .zst needs the zstandard package: pip install zstandard "
-                             "(or decompress the file)") from err
+            raise InputError(
+                f"{key} {path}: reading .zst needs the zstandard package: pip install zstandard "
+                "(or decompress the file)"
+            ) from err
         raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
         return io.TextIOWrapper(raw, encoding="utf-8")
     return open(path, encoding="utf-8")
@@ -235,7 +257,9 @@ def _json_texts(key: str, path: Path, f, field: str, field_key: str | None) -> I
         try:
             records = json.loads("[" + f.read())
         except json.JSONDecodeError as err:
-            raise InputError(f"{key} {path}: not valid JSON ({err.msg} at line {err.lineno}): fix or re-export it") from err
+            raise InputError(
+                f"{key} {path}: not valid JSON ({err.msg} at line {err.lineno}): fix or re-export it"
+            ) from err
         for number, record in enumerate(records, 1):
             yield _record_text(key, f"{path} record {number}", record, field, field_key)
         return
@@ -245,8 +269,10 @@ def _json_texts(key: str, path: Path, f, field: str, field_key: str | None) -> I
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise InputError(f"{key} {path}:{number}: not valid JSON ({err.msg}): each line must be one JSON "
-                             f"object with a {field!r} field") from err
+            raise InputError(
+                f"{key} {path}:{number}: not valid JSON ({err.msg}): each line must be one JSON "
+                f"object with a {field!r} field"
+            ) from err
         yield _record_text(key, f"{path}:{number}", record, field, field_key)
 
 
@@ -265,8 +291,10 @@ def _record_text(key: str, where: str, record, field: str, field_key: str | None
     if not isinstance(record, dict):
         raise InputError(f"{key} {where}: a {type(record).__name__}, not a JSON object with a {field!r} field")
     if field not in record:
-        raise InputError(f"{key} {where}: has no {field!r} field (fields: {', '.join(record) or 'none'}): "
-                         + _name_it(field, field_key))
+        raise InputError(
+            f"{key} {where}: has no {field!r} field (fields: {', '.join(record) or 'none'}): "
+            + _name_it(field, field_key)
+        )
     if not isinstance(record[field], str):
         raise InputError(f"{key} {where}: field {field!r} is a {type(record[field]).__name__}, not a string")
     return record[field]
@@ -279,43 +307,59 @@ def _parquet_texts(key: str, path: Path, field: str, field_key: str | None) -> I
     try:
         table = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
-        raise InputError(f"{key} {path}: not a parquet file ({type(err).__name__}): re-export it or fix the suffix") from err
+        raise InputError(
+            f"{key} {path}: not a parquet file ({type(err).__name__}): re-export it or fix the suffix"
+        ) from err
     columns = table.schema_arrow.names
     if field not in columns:
-        raise InputError(f"{key} {path}: has no {field!r} column (columns: {', '.join(columns)}): "
-                         + _name_it(field, field_key))
+        raise InputError(
+            f"{key} {path}: has no {field!r} column (columns: {', '.join(columns)}): " + _name_it(field, field_key)
+        )
     for batch in table.iter_batches(columns=[field]):
         yield from (text or "" for text in batch.column(0).to_pylist())
 
 
-def _hub_texts(source: TextSource, field: str, field_key: str | None, config: str | None,
-               split: str) -> Iterator[str]:
+def _hub_texts(source: TextSource, field: str, field_key: str | None, config: str | None, split: str) -> Iterator[str]:
     for row in _hub_dataset(source, config, split, streaming=True):
         if field not in row:
-            raise InputError(f"{source.key} {source.hub}: has no {field!r} column (columns: {', '.join(row)}): "
-                             + _name_it(field, field_key))
+            raise InputError(
+                f"{source.key} {source.hub}: has no {field!r} column (columns: {', '.join(row)}): "
+                + _name_it(field, field_key)
+            )
         yield row[field]
 
 
 def _hub_dataset(source: TextSource, config: str | None, split: str, streaming: bool):
     if hub_offline():
-        raise InputError(f"{source.key} {source.hub}: not a local file or folder, and the hub is offline "
-                         "(HF_HUB_OFFLINE=1): pass local files")
+        raise InputError(
+            f"{source.key} {source.hub}: not a local file or folder, and the hub is offline "
+            "(HF_HUB_OFFLINE=1): pass local files"
+        )
     import datasets
 
     try:
         return datasets.load_dataset(source.hub, config, split=split, streaming=streaming)
     except Exception as err:  # missing dataset/config/split, network, auth: all the user's to fix
         first = str(err).splitlines()[0] if str(err) else ""
-        raise InputError(f"{source.key} {source.hub} (config {config}, split {split}) could not be loaded "
-                         f"({type(err).__name__}: {first}): check the name, config and split, or pass local files") from err
+        raise InputError(
+            f"{source.key} {source.hub} (config {config}, split {split}) could not be loaded "
+            f"({type(err).__name__}: {first}): check the name, config and split, or pass local files"
+        ) from err
 
 
 # ---- datasets: uptrain ----
 
-def load_documents(source: TextSource, field: str = "text", *, field_key: str = "text field",
-                   streaming: bool = False, sample_by: str = "document", hub_config: str | None = None,
-                   hub_split: str = "train"):
+
+def load_documents(
+    source: TextSource,
+    field: str = "text",
+    *,
+    field_key: str = "text field",
+    streaming: bool = False,
+    sample_by: str = "document",
+    hub_config: str | None = None,
+    hub_split: str = "train",
+):
     """A `datasets` Dataset (IterableDataset when streaming) with a `field` column. Local files are
     checked first (the head of each), so a bad file is one line naming it, not a DatasetGenerationError."""
     import datasets
@@ -331,14 +375,19 @@ def load_documents(source: TextSource, field: str = "text", *, field_key: str = 
             check_file(source.key, path, field, field_key)
         kwargs = {"sample_by": sample_by} if fmt == "text" else {}
         try:
-            ds = datasets.load_dataset(fmt, data_files=[str(f) for f in source.files], split="train",
-                                       streaming=streaming, **kwargs)
+            ds = datasets.load_dataset(
+                fmt, data_files=[str(f) for f in source.files], split="train", streaming=streaming, **kwargs
+            )
         except datasets.exceptions.DatasetGenerationError as err:
-            raise InputError(f"{source.key}: `datasets` could not read the files ({_cause(err)}): "
-                             "check that each is valid text, jsonl or parquet") from err
+            raise InputError(
+                f"{source.key}: `datasets` could not read the files ({_cause(err)}): "
+                "check that each is valid text, jsonl or parquet"
+            ) from err
     columns = ds.column_names
     if columns is not None and field not in columns:
-        raise InputError(f"{field_key}={field!r} is not a column of the data in {source.key} (columns: {', '.join(columns)})")
+        raise InputError(
+            f"{field_key}={field!r} is not a column of the data in {source.key} (columns: {', '.join(columns)})"
+        )
     return ds
 
 
@@ -353,8 +402,10 @@ def dataset_texts(ds, field: str, key: str, field_key: str = "text field") -> It
         except StopIteration:
             return
         except (UnicodeDecodeError, pa.ArrowException, ValueError) as err:
-            raise InputError(f"{key}: a file could not be read while streaming ({type(err).__name__}: "
-                             f"{str(err).splitlines()[0] if str(err) else ''}): check that each file is valid") from err
+            raise InputError(
+                f"{key}: a file could not be read while streaming ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}): check that each file is valid"
+            ) from err
         if field not in row:  # streams may not know their columns before the first row
             raise InputError(f"{field_key}={field!r} is not a column of the data in {key} (columns: {', '.join(row)})")
         yield row[field]

@@ -88,9 +88,15 @@ def mean_pooled(model, groups: int):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(embedded.model_dir()), help="model directory (default: the embedded model)")
-    parser.add_argument("--block", type=int, default=512, help="window length for perplexity (default 512, the training block)")
-    parser.add_argument("--max-tokens", type=int, default=0, help="evaluate on the first N tokens of Persuasion only (0: all)")
+    parser.add_argument(
+        "--model", default=str(embedded.model_dir()), help="model directory (default: the embedded model)"
+    )
+    parser.add_argument(
+        "--block", type=int, default=512, help="window length for perplexity (default 512, the training block)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=0, help="evaluate on the first N tokens of Persuasion only (0: all)"
+    )
     parser.add_argument("--pooled", default="", help="comma-separated kv group counts to mean-pool into, e.g. 4,2,1")
     parser.add_argument("--json", default="", help="also write the numbers to this JSON file")
     args = parser.parse_args(argv)

@@ -56,9 +56,9 @@ def cloze_examples(text: str, sents: list[tuple[int, int]], rng: random.Random, 
     target; the closing punctuation is dropped, as in LAMBADA."""
     candidates, first = [], 0
     for i, (_, end) in enumerate(sents):
-        while len(text[sents[first][0]:end].split()) > 120 and first < i:
+        while len(text[sents[first][0] : end].split()) > 120 and first < i:
             first += 1
-        passage = text[sents[first][0]:end].rstrip(_PUNCT)
+        passage = text[sents[first][0] : end].rstrip(_PUNCT)
         context, _, last = passage.rpartition(" ")
         words = context.split()
         if len(words) >= 29 and _WORD.match(last) and last.lower() in {w.strip(_PUNCT).lower() for w in words}:
@@ -72,8 +72,11 @@ def next_sentence_examples(text: str, spans: list[tuple[int, int]], rng: random.
     """Three sentences of context (consecutive in the novel), the fourth among distractors."""
     words = list(itertools.accumulate(len(text[a:b].split()) for a, b in spans))  # word offset of each end
     sents = [(offset, text[a:b]) for offset, (a, b) in zip(words, spans)]
-    usable = [i for i in range(3, len(sents)) if 6 <= len(sents[i][1].split()) <= 40
-              and "Chapter" not in text[spans[i - 3][0]:spans[i][1]]]  # not across a chapter heading
+    usable = [
+        i
+        for i in range(3, len(sents))
+        if 6 <= len(sents[i][1].split()) <= 40 and "Chapter" not in text[spans[i - 3][0] : spans[i][1]]
+    ]  # not across a chapter heading
     examples = []
     for i in sorted(rng.sample(usable, min(count, len(usable)))):
         offset, answer = sents[i]
@@ -82,7 +85,7 @@ def next_sentence_examples(text: str, spans: list[tuple[int, int]], rng: random.
         choices = rng.sample(pool, CHOICES - 1)
         gold = rng.randrange(CHOICES)
         choices.insert(gold, answer)
-        context = text[spans[i - 3][0]:spans[i - 1][1]]
+        context = text[spans[i - 3][0] : spans[i - 1][1]]
         examples.append({"context": context, "choices": choices, "gold": gold})
     return examples
 

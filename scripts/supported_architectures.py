@@ -23,11 +23,15 @@ REASONS = [
     ("is not supported:", "known family without grouped-query attention in transformers"),
     ("composite model", "composite (vision/audio + text) config: decoder in text_config"),
     ("multi-query form is the target", "known family without grouped-query attention in transformers"),
-    ("has no num_hidden_layers/num_attention_heads/num_key_value_heads", "no num_key_value_heads in its config "
-                                                                         "(MHA-only, encoder or encoder-decoder)"),
+    (
+        "has no num_hidden_layers/num_attention_heads/num_key_value_heads",
+        "no num_key_value_heads in its config (MHA-only, encoder or encoder-decoder)",
+    ),
     ("low-rank K/V", "low-rank K/V (MLA)"),
-    ("no module owns q_proj", "no separate q/k/v projections in its tiny 2-layer form (fused qkv, other attention, "
-                              "or hybrid layers only)"),
+    (
+        "no module owns q_proj",
+        "no separate q/k/v projections in its tiny 2-layer form (fused qkv, other attention, or hybrid layers only)",
+    ),
     ("have no q/k/v/o attention", "hybrid: linear-attention or state-space layers"),
     ("sit at different places", "attention modules at different places (hybrid or multimodal)"),
     ("their own kv-head counts", "layers with their own kv-head counts or head sizes (sliding/global)"),
@@ -104,8 +108,11 @@ def render(outcomes, version: str, seconds: float) -> str:
         "",
         "| model_type | outcome | layout | calibrated merge | MoE | note |",
         "|---|---|---|---|---|---|",
-        *[f"| `{o.model_type}` | converts exactly | {o.layout} | {o.calibrated} | {'yes' if o.moe else ''} | "
-          f"{_cell(o.reason)} |" for o in exact],
+        *[
+            f"| `{o.model_type}` | converts exactly | {o.layout} | {o.calibrated} | {'yes' if o.moe else ''} | "
+            f"{_cell(o.reason)} |"
+            for o in exact
+        ],
         "",
         "| model_type | outcome | reason |",
         "|---|---|---|",

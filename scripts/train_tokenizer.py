@@ -51,9 +51,18 @@ def train(vocab_size: int, model_max_length: int) -> PreTrainedTokenizerFast:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=embedded.tokenizer_dir(), help="directory to write the HF tokenizer files into")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size including the 3 special tokens (default 4096)")
-    parser.add_argument("--model-max-length", type=int, default=512, help="context length recorded in tokenizer_config.json (default 512)")
+    parser.add_argument(
+        "--out", type=Path, default=embedded.tokenizer_dir(), help="directory to write the HF tokenizer files into"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=4096, help="BPE vocabulary size including the 3 special tokens (default 4096)"
+    )
+    parser.add_argument(
+        "--model-max-length",
+        type=int,
+        default=512,
+        help="context length recorded in tokenizer_config.json (default 512)",
+    )
     args = parser.parse_args(argv)
     if args.vocab_size < 256 + len(SPECIALS):
         parser.error(f"--vocab-size {args.vocab_size} must be at least {256 + len(SPECIALS)} (256 bytes + specials)")
@@ -62,7 +71,9 @@ def main(argv=None):
     fast.save_pretrained(args.out)
     sample = embedded.read_novel(embedded.HELDOUT_NOVEL)
     n_tokens = len(fast(sample)["input_ids"])
-    print(f"wrote {args.out}: vocab {len(fast)}, Persuasion = {n_tokens} tokens ({len(sample) / n_tokens:.2f} chars/token)")
+    print(
+        f"wrote {args.out}: vocab {len(fast)}, Persuasion = {n_tokens} tokens ({len(sample) / n_tokens:.2f} chars/token)"
+    )
 
 
 if __name__ == "__main__":

@@ -17,14 +17,32 @@ HEADS = 8  # the tiny models' query and kv heads: converted to 4 (exact on plant
 HEAD_DIM = 8
 # Attribute -> tiny value, applied where the type's config has the attribute.
 SIZES = {
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-    "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "head_dim": HEAD_DIM,
-    "max_position_embeddings": 256, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-    "shared_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-    "sliding_window": 16, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    "tie_word_embeddings": False, "first_k_dense_replace": 1,
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": HEADS,
+    "head_dim": HEAD_DIM,
+    "max_position_embeddings": 256,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "shared_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "sliding_window": 16,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+    "first_k_dense_replace": 1,
 }
 IDS = torch.tensor([[5, 9, 17, 33, 60, 7, 21, 90]])
 
@@ -99,8 +117,8 @@ def _check_type(model_type: str, workdir: Path) -> Outcome:
     from transformers import AutoModelForCausalLM
 
     from mha2gqa import convert
-    from mha2gqa.errors import InputError
     from mha2gqa.convert.rope import rotary_dims
+    from mha2gqa.errors import InputError
     from mha2gqa.layouts import attention_shape, describe_layout, layout_for
 
     try:
@@ -190,11 +208,11 @@ def _check_key_maps_fold(parent, layout, shape, rotary: int, expected) -> None:
                 query_maps = torch.linalg.inv(maps).T
                 for kind in ("weight", "bias"):
                     if f"k.{kind}" in roles:
-                        rows = roles[f"k.{kind}"][j * hd:(j + 1) * hd]
+                        rows = roles[f"k.{kind}"][j * hd : (j + 1) * hd]
                         rows.copy_(maps @ rows)
                     if f"q.{kind}" in roles:
                         for i in range(j * per_kv, (j + 1) * per_kv):
-                            rows = roles[f"q.{kind}"][i * hd:(i + 1) * hd]
+                            rows = roles[f"q.{kind}"][i * hd : (i + 1) * hd]
                             rows.copy_(query_maps @ rows)
         torch.testing.assert_close(model(IDS).logits, expected, rtol=1e-4, atol=1e-4)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tiny_models import SAMPLE_TEXT, make_tiny_model, make_tiny_tokenizer
 
 from mha2gqa.convert.roles import layer_names, pack, unpack
 from mha2gqa.layouts import attention_shape, layout_for
-from tiny_models import SAMPLE_TEXT, make_tiny_model, make_tiny_tokenizer
 
 
 def rotary_dims_of(model, head_dim: int) -> int:
@@ -32,7 +32,9 @@ def commuting_map(head_dim: int, rot: int, gen: torch.Generator) -> torch.Tensor
     m = torch.zeros(head_dim, head_dim, dtype=torch.float64)
     m[i, i], m[i, i + half], m[i + half, i], m[i + half, i + half] = a, -b, b, a
     rest = head_dim - rot
-    m[rot:, rot:] = torch.eye(rest, dtype=torch.float64) + 0.3 * torch.randn(rest, rest, generator=gen, dtype=torch.float64)
+    m[rot:, rot:] = torch.eye(rest, dtype=torch.float64) + 0.3 * torch.randn(
+        rest, rest, generator=gen, dtype=torch.float64
+    )
     return m
 
 
@@ -62,7 +64,7 @@ def plant_redundancy(model, groups: int, order: list[int] | None = None, seed: i
                         continue
                     heads = roles[role].double().reshape(n, hd, -1).clone()  # (n, hd, d or 1)
                     for g in range(groups):
-                        members = order[g * r:(g + 1) * r]
+                        members = order[g * r : (g + 1) * r]
                         for j in members[1:]:
                             heads[j] = maps[j] @ heads[members[0]]
                     roles[role] = heads.reshape(roles[role].shape).to(roles[role].dtype)
@@ -71,8 +73,9 @@ def plant_redundancy(model, groups: int, order: list[int] | None = None, seed: i
     return model
 
 
-def save_redundant_model(path: Path, model_type: str = "llama", groups: int = 2, order: list[int] | None = None,
-                         seed: int = 0, **overrides):
+def save_redundant_model(
+    path: Path, model_type: str = "llama", groups: int = 2, order: list[int] | None = None, seed: int = 0, **overrides
+):
     model = plant_redundancy(make_tiny_model(model_type, seed=seed, **overrides), groups, order, seed)
     model.save_pretrained(path)
     make_tiny_tokenizer(path)

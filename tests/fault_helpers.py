@@ -22,8 +22,10 @@ def tree_digest(path: Path) -> dict[str, str]:
     """sha256 of every file under `path` (or of the file itself), by relative path."""
     path = Path(path)
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return {str(p.relative_to(path.parent if path.is_file() else path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in files}
+    return {
+        str(p.relative_to(path.parent if path.is_file() else path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in files
+    }
 
 
 def cli(*args, cwd: Path | None = None):
@@ -98,7 +100,9 @@ def pickle_only(src: Path, dst: Path) -> Path:
 def tmpfs(path: Path, size: str = "1m"):
     """A real tmpfs of `size` mounted at `path` (created); skips the test where mounting is not allowed."""
     path.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode}): needs root")
     try:

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from all_architectures import causal_lm_types, check_type
+
 from mha2gqa.layouts import LAYOUTS, RETARGETED
 
 TYPES = causal_lm_types()
@@ -38,8 +38,11 @@ def test_type_converts_exactly_or_is_refused_in_one_line(outcome, model_type):
 def test_enough_types_convert_and_the_documented_list_matches(outcome):
     exact = sorted(t for t in TYPES if outcome(t).status == "exact")
     assert len(exact) >= 40, exact
-    documented = [line.split("|")[1].strip(" `") for line in DOC.read_text().splitlines()
-                  if line.startswith("| `") and "| converts exactly |" in line]
+    documented = [
+        line.split("|")[1].strip(" `")
+        for line in DOC.read_text().splitlines()
+        if line.startswith("| `") and "| converts exactly |" in line
+    ]
     assert documented == exact, "docs/architectures.md is stale: run python scripts/supported_architectures.py"
 
 
@@ -53,9 +56,8 @@ def _run(*args):
 
 def _save(model_type, path, weights=True):
     import torch
-    from transformers import AutoModelForCausalLM
-
     from all_architectures import tiny_config
+    from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type)
     if weights:
@@ -69,8 +71,10 @@ def _save(model_type, path, weights=True):
 def test_inspect_names_the_generic_layout_and_its_calibrated_support(tmp_path):
     result = _run("inspect", _save("mixtral", tmp_path / "mixtral"))
     assert result.exit_code == 0, result.output
-    assert "layout: generic, derived from the model class: attention at model.layers.N.self_attn " \
-           "(q_proj, k_proj, v_proj, o_proj); calibrated merge: supported" in result.output
+    assert (
+        "layout: generic, derived from the model class: attention at model.layers.N.self_attn "
+        "(q_proj, k_proj, v_proj, o_proj); calibrated merge: supported" in result.output
+    )
     result = _run("inspect", _save("cohere", tmp_path / "cohere"), "--json")
     info = json.loads(result.output)
     assert info["layout"].startswith("generic") and "rotate_half differs" in info["calibrated"]
@@ -108,18 +112,24 @@ def test_calibrated_merge_is_refused_where_the_generic_layout_cannot_vouch_for_r
 
 
 def test_calibrated_merge_runs_on_a_generic_type_and_beats_mean_pooling(tmp_path):
+    from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer
     from transformers import AutoModelForCausalLM
 
     from mha2gqa import convert
-    from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer
 
     src = _save("mixtral", tmp_path / "mixtral")
     make_tiny_tokenizer(src)
     (tmp_path / "calibration.txt").write_text(SAMPLE_TEXT * 20)
     errors = {}
     for method in ("mean", "calibrated"):
-        result = convert(src, tmp_path / method, groups=2, method=method, calibration=str(tmp_path / "calibration.txt"),
-                         progress=False)
+        result = convert(
+            src,
+            tmp_path / method,
+            groups=2,
+            method=method,
+            calibration=str(tmp_path / "calibration.txt"),
+            progress=False,
+        )
         _, info = AutoModelForCausalLM.from_pretrained(tmp_path / method, output_loading_info=True)
         assert not any(info.values()), info
         errors[method] = [row["key_error"] + row["value_error"] for row in result.layers]
@@ -128,19 +138,20 @@ def test_calibrated_merge_runs_on_a_generic_type_and_beats_mean_pooling(tmp_path
 
 
 def test_refine_runs_on_a_generic_type_and_is_refused_for_gpt2(tmp_path):
+    from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer
     from transformers import AutoModelForCausalLM
 
     from mha2gqa import convert
     from mha2gqa.convert.refine import RefineOptions
     from mha2gqa.errors import InputError
-    from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer
 
     calibration = tmp_path / "calibration.txt"
     calibration.write_text(SAMPLE_TEXT * 20)
     src = _save("cohere", tmp_path / "cohere")  # RoPE convention unknown to the merge; refine folds nothing
     make_tiny_tokenizer(src)
-    result = convert(src, tmp_path / "refined", groups=2, calibration=str(calibration), refine=RefineOptions(steps=2),
-                     progress=False)
+    result = convert(
+        src, tmp_path / "refined", groups=2, calibration=str(calibration), refine=RefineOptions(steps=2), progress=False
+    )
     AutoModelForCausalLM.from_pretrained(tmp_path / "refined")
     assert all(row["fit_error_after"] < row["fit_error_before"] for row in result.refine["layers"]), result.refine
     gpt2 = _save("gpt2", tmp_path / "gpt2", weights=False)
@@ -152,12 +163,12 @@ def test_similarity_grouping_finds_scattered_groups_on_a_generic_type(tmp_path):
     """mixtral (generic layout): kv heads {0, 3, 5, 6} and {1, 2, 4, 7} planted identical; similarity
     grouping reorders heads (q rows and o columns with them) so that mean pooling to 2 is exact."""
     import torch
+    from all_architectures import IDS, plant_redundant_groups, tiny_config
+    from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer
     from transformers import AutoModelForCausalLM
 
-    from all_architectures import IDS, plant_redundant_groups, tiny_config
     from mha2gqa import convert
     from mha2gqa.layouts import attention_shape, layout_for
-    from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer
 
     torch.manual_seed(0)
     parent = AutoModelForCausalLM.from_config(tiny_config("mixtral")).eval()
@@ -171,8 +182,15 @@ def test_similarity_grouping_finds_scattered_groups_on_a_generic_type(tmp_path):
     (tmp_path / "calibration.txt").write_text(SAMPLE_TEXT * 8)
     logits = {}
     for grouping in ("contiguous", "similarity"):
-        result = convert(tmp_path / "src", tmp_path / grouping, groups=2, calibration=str(tmp_path / "calibration.txt"),
-                         calibration_tokens=400, grouping=grouping, progress=False)
+        result = convert(
+            tmp_path / "src",
+            tmp_path / grouping,
+            groups=2,
+            calibration=str(tmp_path / "calibration.txt"),
+            calibration_tokens=400,
+            grouping=grouping,
+            progress=False,
+        )
         with torch.no_grad():
             logits[grouping] = AutoModelForCausalLM.from_pretrained(tmp_path / grouping).eval()(IDS).logits
     assert [row["kv_order"] for row in result.layers] == [[0, 3, 5, 6, 1, 2, 4, 7]] * 2

@@ -15,16 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_smoke(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, f"bench/{script}", "--smoke", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=900)
+    done = subprocess.run(
+        [sys.executable, f"bench/{script}", "--smoke", *args], capture_output=True, text=True, cwd=ROOT, timeout=900
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done.stdout
 
 
 def table_rows(stdout: str, first_cell: str) -> list[list[str]]:
     """The cells of a printed markdown table's rows whose first cell matches `first_cell` (a regex)."""
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in stdout.splitlines()
-            if line.startswith("|")]
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")] for line in stdout.splitlines() if line.startswith("|")
+    ]
     return [r for r in rows if re.fullmatch(first_cell, r[0])]
 
 
@@ -35,8 +37,13 @@ def finite(value) -> bool:
 def test_convert_smoke_times_every_job(tmp_path):
     out = run_smoke("convert.py", "--workdir", str(tmp_path))
     rows = table_rows(out, r"\d+\.\d\d GB")
-    assert [r[1] for r in rows] == ["mha2gqa convert", "cp -r", "naive (from_pretrained+save_pretrained)",
-                                    "python -c 'import torch'", "mha2gqa convert (torch executor)"]
+    assert [r[1] for r in rows] == [
+        "mha2gqa convert",
+        "cp -r",
+        "naive (from_pretrained+save_pretrained)",
+        "python -c 'import torch'",
+        "mha2gqa convert (torch executor)",
+    ]
     for row in rows:
         wall, ratio, rss, anon = (float(row[i]) for i in (2, 3, 4, 5))
         assert wall >= 0 and ratio >= 0 and rss > 0 and anon >= 0

@@ -3,15 +3,14 @@ on the calibration data, and its key maps commute with RoPE."""
 
 import pytest
 import torch
+from calibrated_models import commuting_map, save_redundant_model, write_calibration_text
+from tiny_models import make_tiny_tokenizer, save_tiny_model
 from transformers import AutoModelForCausalLM
 
-from calibrated_models import commuting_map, save_redundant_model, write_calibration_text
-from mha2gqa.convert.calibrated import (fold_queries, merge_keys, merge_values, projection_gram,
-                                        relative_error)
+from mha2gqa.convert.calibrated import fold_queries, merge_keys, merge_values, projection_gram, relative_error
 from mha2gqa.convert.run import convert
 from mha2gqa.errors import InputError
 from mha2gqa.provenance import latest
-from tiny_models import save_tiny_model, make_tiny_tokenizer
 
 F64 = torch.float64
 
@@ -47,14 +46,27 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("model_type,overrides,groups", CASES, ids=[f"{c[0]}-{c[2]}{'-gqa' if c[1].get('num_key_value_heads') else ''}" for c in CASES])
-def test_calibrated_merge_reproduces_parent_where_mean_does_not(tmp_path, calibration_file, model_type, overrides, groups):
+@pytest.mark.parametrize(
+    "model_type,overrides,groups",
+    CASES,
+    ids=[f"{c[0]}-{c[2]}{'-gqa' if c[1].get('num_key_value_heads') else ''}" for c in CASES],
+)
+def test_calibrated_merge_reproduces_parent_where_mean_does_not(
+    tmp_path, calibration_file, model_type, overrides, groups
+):
     src = tmp_path / "src"
     save_redundant_model(src, model_type, groups=groups, **overrides)
     ids = ids_for_test()
     parent = logits(src, ids)
-    calibrated = convert(src, tmp_path / "cal", groups=groups, method="calibrated", calibration=str(calibration_file),
-                         calibration_tokens=400, progress=False)
+    calibrated = convert(
+        src,
+        tmp_path / "cal",
+        groups=groups,
+        method="calibrated",
+        calibration=str(calibration_file),
+        calibration_tokens=400,
+        progress=False,
+    )
     convert(src, tmp_path / "mean", groups=groups, method="mean", progress=False)
     torch.testing.assert_close(logits(tmp_path / "cal", ids), parent, rtol=1e-4, atol=1e-4)
     assert (logits(tmp_path / "mean", ids) - parent).abs().max() > 1e-2  # mean-pooling loses the planted maps
@@ -68,8 +80,18 @@ def test_errors_are_reported_for_mean_too_and_calibrated_is_lower(tmp_path, cali
     src = tmp_path / "src"
     save_tiny_model(src, "llama")
     make_tiny_tokenizer(src)
-    runs = {method: convert(src, tmp_path / method, groups=2, method=method, calibration=str(calibration_file),
-                            calibration_tokens=300, progress=False).layers for method in ("mean", "calibrated")}
+    runs = {
+        method: convert(
+            src,
+            tmp_path / method,
+            groups=2,
+            method=method,
+            calibration=str(calibration_file),
+            calibration_tokens=300,
+            progress=False,
+        ).layers
+        for method in ("mean", "calibrated")
+    }
     for mean_row, cal_row in zip(runs["mean"], runs["calibrated"]):
         assert 0 < cal_row["key_error"] < mean_row["key_error"] < 2
         assert 0 < cal_row["value_error"] < mean_row["value_error"] < 2
@@ -135,8 +157,12 @@ def test_key_maps_commute_with_rope_and_preserve_scores():
 def test_without_rope_keys_merge_exactly_under_any_invertible_maps():
     hd, gen = 8, torch.Generator().manual_seed(3)
     _, gram, base = random_setup(n=2, hd=hd)
-    heads = [base[:hd], torch.randn(hd, hd, generator=gen, dtype=F64) @ base[:hd],
-             base[hd:], torch.randn(hd, hd, generator=gen, dtype=F64) @ base[hd:]]
+    heads = [
+        base[:hd],
+        torch.randn(hd, hd, generator=gen, dtype=F64) @ base[:hd],
+        base[hd:],
+        torch.randn(hd, hd, generator=gen, dtype=F64) @ base[hd:],
+    ]
     w = torch.cat(heads)  # two groups of two, the second head of each an invertible map of the first
     shared, maps = merge_keys(w, gram, 2, hd, rot=0)
     assert relative_error(w, shared, maps, gram) < 1e-20
@@ -173,11 +199,19 @@ def test_bf16_source_keeps_its_dtype_and_dry_run_gathers_nothing(tmp_path, calib
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "src").to(torch.bfloat16)
     model.save_pretrained(tmp_path / "bf16")
     make_tiny_tokenizer(tmp_path / "bf16")
-    plan = convert(tmp_path / "bf16", tmp_path / "dry", groups=2, method="calibrated", calibration="no-such-data",
-                   dry_run=True).plan  # dry run: the data is not even opened
+    plan = convert(
+        tmp_path / "bf16", tmp_path / "dry", groups=2, method="calibrated", calibration="no-such-data", dry_run=True
+    ).plan  # dry run: the data is not even opened
     assert any("q_proj" in out.name for out in plan.output_tensors()) and not (tmp_path / "dry").exists()
-    convert(tmp_path / "bf16", tmp_path / "dst", groups=2, method="calibrated", calibration=str(calibration_file),
-            calibration_tokens=300, progress=False)
+    convert(
+        tmp_path / "bf16",
+        tmp_path / "dst",
+        groups=2,
+        method="calibrated",
+        calibration=str(calibration_file),
+        calibration_tokens=300,
+        progress=False,
+    )
     out = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype="auto")
     assert {p.dtype for p in out.parameters()} == {torch.bfloat16}
     ids = ids_for_test()

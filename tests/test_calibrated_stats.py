@@ -1,21 +1,18 @@
 """Calibration statistics and data, mean-norm, and the convert CLI's calibration flags."""
 
-import gzip
-import json
-
 import pytest
 import torch
-from click.testing import CliRunner
-
 from calibrated_models import write_calibration_text
-from mha2gqa.cli import main
+from click.testing import CliRunner
+from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+
 from mha2gqa import embedded, textdata
+from mha2gqa.cli import main
 from mha2gqa.convert.calibration import GramAccumulator, calibration_ids, collect_statistics, load_source_model
 from mha2gqa.convert.methods import LayerContext, mean_layer, mean_norm_layer
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, layout_for, read_config
 from mha2gqa.provenance import latest
-from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 
 def test_gram_accumulates_identically_in_one_pass_or_in_chunks():
@@ -47,16 +44,27 @@ def test_statistics_do_not_depend_on_batching_or_layer_slices(tiny, tmp_path):
     (tmp_path / "b").mkdir()
     one = collect_statistics(model, layout, shape, ids, tmp_path / "a", 8, seq_len=128, batch_size=8, progress=False)
     # one sequence per batch, one layer per pass: (64+1)^2 * 8 bytes hold one layer
-    sliced = collect_statistics(model, layout, shape, ids, tmp_path / "b", 8, seq_len=128, batch_size=1,
-                                memory_bytes=65 * 65 * 8, progress=False)
+    sliced = collect_statistics(
+        model,
+        layout,
+        shape,
+        ids,
+        tmp_path / "b",
+        8,
+        seq_len=128,
+        batch_size=1,
+        memory_bytes=65 * 65 * 8,
+        progress=False,
+    )
     assert one.record["passes"] == 1 and sliced.record["passes"] == 2
     for layer in range(shape.layers):
         torch.testing.assert_close(sliced.layer(layer).gram, one.layer(layer).gram)
         assert one.layer(layer).tokens == 700
     # layer 0's attention input, computed directly: input_layernorm of the embeddings, block by block
     with torch.no_grad():
-        blocks = [model.model.layers[0].input_layernorm(model.model.embed_tokens(block[None]))[0]
-                  for block in ids.split(128)]
+        blocks = [
+            model.model.layers[0].input_layernorm(model.model.embed_tokens(block[None]))[0] for block in ids.split(128)
+        ]
     x = torch.cat(blocks).double()
     x1 = torch.cat([x, torch.ones(len(x), 1, dtype=torch.float64)], dim=1)
     torch.testing.assert_close(one.layer(0).gram, x1.T @ x1, rtol=1e-6, atol=1e-6)
@@ -75,30 +83,53 @@ def test_calibration_ids_take_the_first_n_tokens_and_austen_is_available():
 def test_mean_norm_rescales_each_pooled_head_to_its_group_mean_norm(tiny):
     _, _, shape = tiny
     gen = torch.Generator().manual_seed(0)
-    roles = {"k.weight": torch.randn(64, 64, generator=gen), "k.bias": torch.randn(64, generator=gen),
-             "v.weight": torch.randn(64, 64, generator=gen)}
+    roles = {
+        "k.weight": torch.randn(64, 64, generator=gen),
+        "k.bias": torch.randn(64, generator=gen),
+        "v.weight": torch.randn(64, 64, generator=gen),
+    }
     ctx = LayerContext(shape, groups=2, layer=0)
     pristine = {name: tensor.clone() for name, tensor in roles.items()}
     out, mean = mean_norm_layer(roles, ctx), mean_layer(roles, ctx)
     for name, tensor in pristine.items():  # methods must leave the source tensors alone (fp32 views!)
         assert torch.equal(roles[name], tensor), f"mean/mean-norm modified the source's {name} in place"
-    for part, names in (("k", ["k.weight", "k.bias"]), ("v", ["v.weight"])):
-        def head_norms(tensors, heads):
+    for names in (["k.weight", "k.bias"], ["v.weight"]):
+
+        def head_norms(tensors, heads, names=names):
             return sum(tensors[n].reshape(heads, -1).pow(2).sum(1) for n in names).sqrt()
+
         torch.testing.assert_close(head_norms(out, 2), head_norms(roles, 8).reshape(2, 4).mean(1))
         assert (head_norms(out, 2) > 1.5 * head_norms(mean, 2)).all()  # random heads: the mean shrinks ~1/sqrt(4)
         cosine = torch.nn.functional.cosine_similarity(out[names[0]].reshape(2, -1), mean[names[0]].reshape(2, -1))
         torch.testing.assert_close(cosine, torch.ones(2))  # same direction as the mean
     # identical heads within each group: mean-norm is the mean is any one of them
-    same = {name: torch.cat([roles[name][:8].repeat(4, 1), roles[name][8:16].repeat(4, 1)]) for name in ("k.weight", "v.weight")}
+    same = {
+        name: torch.cat([roles[name][:8].repeat(4, 1), roles[name][8:16].repeat(4, 1)])
+        for name in ("k.weight", "v.weight")
+    }
     torch.testing.assert_close(mean_norm_layer(same, ctx)["k.weight"], roles["k.weight"][:16])
 
 
 def test_cli_prints_per_layer_errors_and_records_them(tiny, tmp_path):
     path, _, _ = tiny
     cal = write_calibration_text(tmp_path / "cal.txt")
-    result = CliRunner().invoke(main, ["convert", str(path), str(tmp_path / "dst"), "-g", "2", "--method", "calibrated",
-                                       "--calibration", str(cal), "--calibration-tokens", "300", "-q"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "convert",
+            str(path),
+            str(tmp_path / "dst"),
+            "-g",
+            "2",
+            "--method",
+            "calibrated",
+            "--calibration",
+            str(cal),
+            "--calibration-tokens",
+            "300",
+            "-q",
+        ],
+    )
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0].split() == ["layer", "key", "error", "value", "error"]
@@ -112,10 +143,19 @@ def test_cli_prints_per_layer_errors_and_records_them(tiny, tmp_path):
 
 def test_cli_refuses_calibrated_without_data_in_one_line(tiny, tmp_path):
     path, _, _ = tiny
-    result = CliRunner().invoke(main, ["convert", str(path), str(tmp_path / "dst"), "-g", "2", "--method", "calibrated"])
+    result = CliRunner().invoke(
+        main, ["convert", str(path), str(tmp_path / "dst"), "-g", "2", "--method", "calibrated"]
+    )
     assert result.exit_code == 2
     assert result.output.strip().count("\n") == 0 and "--calibration DATA" in result.output
     assert not (tmp_path / "dst").exists()
     result = CliRunner().invoke(main, ["convert", "--help"])
-    for flag in ("--calibration ", "--calibration-tokens", "--calibration-memory", "--grouping", "mean-norm", "calibrated"):
+    for flag in (
+        "--calibration ",
+        "--calibration-tokens",
+        "--calibration-memory",
+        "--grouping",
+        "mean-norm",
+        "calibrated",
+    ):
         assert flag in result.output

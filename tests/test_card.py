@@ -68,15 +68,27 @@ def test_eval_beside_the_model_joins_its_card(hub_source, tmp_path):
 def test_uptrain_card_records_the_training_and_carries_the_source_card(hub_source, tmp_path):
     converted = tmp_path / "tiny-gqa2"
     convert(hub_source, converted, groups=2, progress=False)
-    recipe = load_recipe(recipe_file(tmp_path / "r.yaml", model=str(converted), output_dir=str(tmp_path / "up"),
-                                     data={"train": str(corpus(tmp_path / "c.jsonl"))}, budget={"max_steps": 2},
-                                     trainable="lora", lora={"rank": 2}))
+    recipe = load_recipe(
+        recipe_file(
+            tmp_path / "r.yaml",
+            model=str(converted),
+            output_dir=str(tmp_path / "up"),
+            data={"train": str(corpus(tmp_path / "c.jsonl"))},
+            budget={"max_steps": 2},
+            trainable="lora",
+            lora={"rank": 2},
+        )
+    )
     out = train(recipe)
     meta, text = _card(out)
-    assert "uptrained" in meta["tags"] and meta["base_model"] == "someorg/tiny-llama" and meta["license"] == "apache-2.0"
+    assert (
+        "uptrained" in meta["tags"] and meta["base_model"] == "someorg/tiny-llama" and meta["license"] == "apache-2.0"
+    )
     assert "## Training after the conversion" in text
-    assert "LoRA adapters (rank 2, alpha 32.0, on self_attn.k_proj, self_attn.o_proj, self_attn.q_proj, " \
-           "self_attn.v_proj), merged into the weights" in text
+    assert (
+        "LoRA adapters (rank 2, alpha 32.0, on self_attn.k_proj, self_attn.o_proj, self_attn.q_proj, "
+        "self_attn.v_proj), merged into the weights" in text
+    )
     assert "| steps, tokens | 2 steps, 256 tokens (1 process(es)) |" in text
     assert "| key/value heads | 8 → 2 (query heads: 8) |" in text  # the conversion is still described
     recipe_block = text.split("```yaml\n", 1)[1].split("```", 1)[0]

@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import MODEL_TYPES, save_tiny_model
 
 from mha2gqa import embedded
 from mha2gqa.convert.inspect import _count_on_meta, _count_parameters
 from mha2gqa.layouts import attention_shape, layout_for, read_config
-from tiny_models import MODEL_TYPES, save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "accelerate", "datasets", "matplotlib", "safetensors", "numpy")
@@ -20,8 +20,7 @@ HEAVY = ("torch", "transformers", "accelerate", "datasets", "matplotlib", "safet
 
 def heavy_modules_after(code: str) -> dict:
     """Run `code` in a fresh interpreter; return what it printed last (JSON) and the heavy modules loaded."""
-    script = (f"import json, sys\n{code}\n"
-              f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))")
+    script = f"import json, sys\n{code}\nprint(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     return {"heavy": json.loads(done.stdout.splitlines()[-1]), "stdout": done.stdout}
@@ -42,13 +41,19 @@ def test_help_lists_every_command_without_torch():
 
 
 def test_every_commands_help_answers_without_torch():
-    code = "\n".join(["import contextlib, io", "from mha2gqa.cli import main", "helps = {}",
-                      f"for command in {COMMANDS!r}:",
-                      "    out = io.StringIO()",
-                      "    with contextlib.redirect_stdout(out):",
-                      "        main([command, '--help'], standalone_mode=False)",
-                      "    helps[command] = out.getvalue()",
-                      "print(json.dumps(helps))"])
+    code = "\n".join(
+        [
+            "import contextlib, io",
+            "from mha2gqa.cli import main",
+            "helps = {}",
+            f"for command in {COMMANDS!r}:",
+            "    out = io.StringIO()",
+            "    with contextlib.redirect_stdout(out):",
+            "        main([command, '--help'], standalone_mode=False)",
+            "    helps[command] = out.getvalue()",
+            "print(json.dumps(helps))",
+        ]
+    )
     run = heavy_modules_after(code)
     assert run["heavy"] == []
     helps = json.loads(run["stdout"].splitlines()[-2])
@@ -59,7 +64,7 @@ def test_inspect_reads_config_and_headers_without_torch():
     code = f"from mha2gqa.cli import main\nmain(['inspect', {str(embedded.model_dir())!r}, '--json'], standalone_mode=False)"
     run = heavy_modules_after(code)
     assert run["heavy"] == []
-    info = json.loads(run["stdout"][:run["stdout"].rindex("[")])
+    info = json.loads(run["stdout"][: run["stdout"].rindex("[")])
     assert (info["heads"], info["kv_heads"], info["parameters"]) == (8, 8, 6_163_712)
 
 
@@ -76,14 +81,16 @@ def test_convert_help_lists_every_method_without_torch():
 
 
 def test_mha2gqa_convert_is_callable_and_imported_on_first_use():
-    code = ("import mha2gqa\nassert 'mha2gqa.convert' not in sys.modules\n"
-            "assert callable(mha2gqa.convert) and 'mha2gqa.convert' in sys.modules\n"
-            "import mha2gqa.convert.plan\nfrom mha2gqa import convert\nassert convert is sys.modules['mha2gqa.convert']")
+    code = (
+        "import mha2gqa\nassert 'mha2gqa.convert' not in sys.modules\n"
+        "assert callable(mha2gqa.convert) and 'mha2gqa.convert' in sys.modules\n"
+        "import mha2gqa.convert.plan\nfrom mha2gqa import convert\nassert convert is sys.modules['mha2gqa.convert']"
+    )
     heavy_modules_after(code)  # the asserts run in a fresh interpreter: nothing imported mha2gqa.convert before
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         import mha2gqa
 
-        mha2gqa.nothing
+        _ = mha2gqa.nothing
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -96,8 +103,9 @@ def test_header_count_equals_the_models_parameter_count(tmp_path, model_type):
 
 
 def test_the_startup_benchmark_runs_at_its_smoke_size():
-    done = subprocess.run([sys.executable, "bench/cli_startup.py", "--smoke"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "bench/cli_startup.py", "--smoke"], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("1 rounds, load average")

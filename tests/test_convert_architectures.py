@@ -3,10 +3,10 @@
 import pytest
 import torch
 from safetensors import safe_open
+from tiny_models import MODEL_TYPES, save_tiny_model
 from transformers import AutoModelForCausalLM
 
 from mha2gqa import convert
-from tiny_models import MODEL_TYPES, save_tiny_model
 
 GROUPS = [4, 2, 1]  # the tiny models have 8 kv heads
 

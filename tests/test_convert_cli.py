@@ -9,10 +9,10 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM
 
 from mha2gqa.cli import main
-from tiny_models import save_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +81,14 @@ def test_pickled_weights_are_refused_with_the_fix(tmp_path):
     assert not (tmp_path / "dst").exists()
 
 
-@pytest.mark.parametrize("model_type,reason", [("gpt_neox", "no grouped-query attention"), ("falcon", "saves no memory"),
-                                               ("mamba", "the generic one does not fit: its config has no")])
+@pytest.mark.parametrize(
+    "model_type,reason",
+    [
+        ("gpt_neox", "no grouped-query attention"),
+        ("falcon", "saves no memory"),
+        ("mamba", "the generic one does not fit: its config has no"),
+    ],
+)
 def test_unsupported_architectures_list_the_supported_ones(tmp_path, model_type, reason):
     (tmp_path / "src").mkdir()
     config = {"model_type": model_type, "num_attention_heads": 8, "hidden_size": 64, "num_hidden_layers": 2}
@@ -106,7 +112,10 @@ def test_missing_path_and_offline_hub_id_are_one_line_errors(tmp_path):
 def test_dry_run_prints_the_plan(src, tmp_path):
     result = _run("convert", src, tmp_path / "dst", "--groups", "2", "--dry-run")
     assert result.exit_code == 0, result.output
-    assert "model.layers.0.self_attn.k_proj.weight  F32 [16, 64]  <- mean over groups of 4 kv heads of layer 0" in result.output
+    assert (
+        "model.layers.0.self_attn.k_proj.weight  F32 [16, 64]  <- mean over groups of 4 kv heads of layer 0"
+        in result.output
+    )
     assert "model.embed_tokens.weight  F32 [128, 64]  <- copy" in result.output
     assert "would write" in result.output and not (tmp_path / "dst").exists()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import MODEL_TYPES, make_tiny_tokenizer, save_tiny_model
 
 from mha2gqa.checkpoint import SafetensorsCheckpoint
 from mha2gqa.convert import fast
@@ -21,7 +22,6 @@ from mha2gqa.convert.plan import make_plan, output_shapes
 from mha2gqa.convert.roles import KV_ROLES, layer_names, pack, unpack
 from mha2gqa.convert.run import convert
 from mha2gqa.layouts import LAYOUTS, attention_shape, layout_for, read_config
-from tiny_models import MODEL_TYPES, make_tiny_tokenizer, save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -91,8 +91,9 @@ def _poisoned(path: Path, dtype: torch.dtype) -> Path:
     """6 kv heads (r = 3 for --groups 2: a division that is not a power of two) and the values where
     conversions differ: NaN of both signs in torch's vectorised body and its scalar tail, inf, -inf and
     inf in one group (NaN after pooling), finite values whose group sum overflows, fp32 subnormals."""
-    save_tiny_model(path, "qwen2", dtype=dtype, num_attention_heads=12, num_key_value_heads=6, hidden_size=48,
-                    head_dim=4)
+    save_tiny_model(
+        path, "qwen2", dtype=dtype, num_attention_heads=12, num_key_value_heads=6, hidden_size=48, head_dim=4
+    )
     file = path / "model.safetensors"
     tensors = load_file(file)
     k = tensors["model.layers.0.self_attn.k_proj.weight"]  # (24, 48)
@@ -109,22 +110,29 @@ def _poisoned(path: Path, dtype: torch.dtype) -> Path:
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_nan_inf_and_overflow_convert_to_the_same_bytes_and_warnings(tmp_path, monkeypatch, dtype):
     src = _poisoned(tmp_path / "src", DTYPES[dtype])
-    for name, options in {"mean": dict(groups=2), "first": dict(groups=3, method="first"),
-                          "mean-bf16": dict(groups=2, dtype="bfloat16"), "mean-fp16": dict(groups=1, dtype="float16")
-                          }.items():
+    for name, options in {
+        "mean": dict(groups=2),
+        "first": dict(groups=3, method="first"),
+        "mean-bf16": dict(groups=2, dtype="bfloat16"),
+        "mean-fp16": dict(groups=1, dtype="float16"),
+    }.items():
         fast_warnings, torch_warnings = both_ways(src, tmp_path / name, monkeypatch, **options)
         assert fast_warnings == torch_warnings
         assert [w.split(" has ")[0] for w in fast_warnings] == [
-            "model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.bias"]
+            "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.1.self_attn.v_proj.bias",
+        ]
         assert "has 5 non-finite values" in fast_warnings[0] and "has 1 non-finite" in fast_warnings[1]
         assert_same_output(tmp_path / name)
 
 
 def heavy_after_cli(*args: str) -> tuple[list[str], str]:
     """Run the CLI in a fresh interpreter; the heavy modules it imported, and its stderr."""
-    script = ("import sys, json\nfrom mha2gqa.cli import main\n"
-              f"try:\n    main({list(args)!r})\nexcept SystemExit as end:\n    assert not end.code, end.code\n"
-              "print(json.dumps(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules)))")
+    script = (
+        "import sys, json\nfrom mha2gqa.cli import main\n"
+        f"try:\n    main({list(args)!r})\nexcept SystemExit as end:\n    assert not end.code, end.code\n"
+        "print(json.dumps(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules)))"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1]), done.stderr
@@ -134,13 +142,22 @@ def test_the_cli_converts_plainly_without_torch_and_otherwise_with_it(tmp_path):
     src = tmp_path / "src"
     save_tiny_model(src, "llama", dtype=torch.bfloat16)
     plain = heavy_after_cli("convert", str(src), str(tmp_path / "mean"), "--groups", "2", "-q")[0]
-    first = heavy_after_cli("convert", str(src), str(tmp_path / "first"), "--groups", "2", "--method", "first",
-                            "--dtype", "float32", "-q")[0]
+    first = heavy_after_cli(
+        "convert", str(src), str(tmp_path / "first"), "--groups", "2", "--method", "first", "--dtype", "float32", "-q"
+    )[0]
     assert plain == first == []
-    assert "torch" in heavy_after_cli("convert", str(src), str(tmp_path / "random"), "--groups", "2",
-                                      "--method", "random", "-q")[0]
-    assert "torch" in heavy_after_cli("convert", str(src), str(tmp_path / "mean-norm"), "--groups", "2",
-                                      "--method", "mean-norm", "-q")[0]
+    assert (
+        "torch"
+        in heavy_after_cli("convert", str(src), str(tmp_path / "random"), "--groups", "2", "--method", "random", "-q")[
+            0
+        ]
+    )
+    assert (
+        "torch"
+        in heavy_after_cli(
+            "convert", str(src), str(tmp_path / "mean-norm"), "--groups", "2", "--method", "mean-norm", "-q"
+        )[0]
+    )
     assert (tmp_path / "mean" / "model.safetensors").is_file() and (tmp_path / "random" / "mha2gqa.json").is_file()
 
 
@@ -154,8 +171,10 @@ def test_a_nan_in_k_is_named_in_one_warning_line_by_the_torch_free_cli(tmp_path)
     heavy, stderr = heavy_after_cli("convert", str(src), str(tmp_path / "dst"), "--groups", "2", "-q")
     assert heavy == []
     lines = [line for line in stderr.splitlines() if line.startswith("Warning:")]
-    assert lines == [f"Warning: {name} has 1 non-finite values (NaN/inf): the merged kv heads of layer 1 carry them; "
-                     "check the source checkpoint"]
+    assert lines == [
+        f"Warning: {name} has 1 non-finite values (NaN/inf): the merged kv heads of layer 1 carry them; "
+        "check the source checkpoint"
+    ]
 
 
 def _refusal(src: Path, **options) -> str | None:
@@ -166,8 +185,9 @@ def _refusal(src: Path, **options) -> str | None:
         return reason
     checkpoint = SafetensorsCheckpoint(src)
     out = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(options.dtype)
-    plan = make_plan(checkpoint.tensors, layout_for(config), attention_shape(config), options.groups,
-                     options.method.value, out)
+    plan = make_plan(
+        checkpoint.tensors, layout_for(config), attention_shape(config), options.groups, options.method.value, out
+    )
     return fast.plan_refusal(plan, checkpoint.tensors)
 
 
@@ -213,8 +233,9 @@ def test_planned_shapes_are_what_pack_writes(tmp_path, model_type):
         roles = unpack({role: torch.empty(tensors[name].shape, device="meta") for role, name in stored.items()}, shape)
         for role in KV_ROLES:
             if role in roles:
-                roles[role] = torch.empty((roles[role].shape[0] * groups // shape.kv_heads, *roles[role].shape[1:]),
-                                          device="meta")
+                roles[role] = torch.empty(
+                    (roles[role].shape[0] * groups // shape.kv_heads, *roles[role].shape[1:]), device="meta"
+                )
         packed = {role: tuple(t.shape) for role, t in pack(roles, list(stored), groups).items()}
         assert output_shapes(stored, tensors, shape, groups) == packed
 
@@ -233,5 +254,7 @@ def test_copied_tensors_keep_their_offset_within_a_page(tmp_path):
         by_shift[shift] = by_shift.get(shift, 0) + out[name].nbytes
     assert len(by_shift) > 1 and by_shift.get(0, 0) == max(by_shift.values())
     for name in copied:
-        assert (source[name].file.read_bytes()[source[name].start:source[name].end]
-                == out[name].file.read_bytes()[out[name].start:out[name].end])
+        assert (
+            source[name].file.read_bytes()[source[name].start : source[name].end]
+            == out[name].file.read_bytes()[out[name].start : out[name].end]
+        )

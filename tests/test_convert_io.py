@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from tiny_models import make_tiny_tokenizer, save_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mha2gqa import convert
 from mha2gqa.checkpoint import ShardedWriter
 from mha2gqa.provenance import latest
-from tiny_models import make_tiny_tokenizer, save_tiny_model
 
 
 def test_sharded_source_gives_sharded_output_with_a_correct_index(tmp_path):
@@ -69,7 +69,10 @@ def test_provenance_records_how_it_was_made(tmp_path):
     conversion = latest(tmp_path / "dst", "conversion")
     assert record["tool"] == "mha2gqa" and conversion["version"] and conversion["date"]
     assert conversion["method"] == "first" and conversion["groups"] == 2 and conversion["source_kv_heads"] == 8
-    assert conversion["source_config_sha256"] == hashlib.sha256((tmp_path / "src" / "config.json").read_bytes()).hexdigest()
+    assert (
+        conversion["source_config_sha256"]
+        == hashlib.sha256((tmp_path / "src" / "config.json").read_bytes()).hexdigest()
+    )
     assert conversion["date"].startswith("20")
 
 

@@ -4,12 +4,12 @@ regrouping, and the RoPE-permutation invariant."""
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import MODEL_TYPES, make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from mha2gqa import convert
 from mha2gqa.convert.methods import group_heads, group_mean, ungroup
 from mha2gqa.provenance import latest, lineage
-from tiny_models import MODEL_TYPES, make_tiny_model
 
 KV, HD = 8, 8  # tiny models: 8 kv heads of head_dim 8 (gemma: 16)
 
@@ -36,7 +36,7 @@ def make_redundant(model, groups):
             if hasattr(attn, "qkv_proj"):  # phi3: rows [q | k | v]
                 q_rows = model.config.num_attention_heads * hd
                 for start in (q_rows, q_rows + kv * hd):
-                    _copy_first_head_of_each_group(attn.qkv_proj.weight[start:start + kv * hd], kv, groups)
+                    _copy_first_head_of_each_group(attn.qkv_proj.weight[start : start + kv * hd], kv, groups)
                 continue
             for proj in (attn.k_proj, attn.v_proj):
                 _copy_first_head_of_each_group(proj.weight, kv, groups)
@@ -80,7 +80,9 @@ def _arange_checkpoint(path, model_type="llama"):
     model = make_tiny_model(model_type)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ".layers.0." in name and any(key in name for key in ("k_proj", "v_proj", "k_norm", "qkv_proj", "k_layernorm")):
+            if ".layers.0." in name and any(
+                key in name for key in ("k_proj", "v_proj", "k_norm", "qkv_proj", "k_layernorm")
+            ):
                 param.copy_(torch.arange(param.numel(), dtype=torch.float32).reshape(param.shape))
     model.save_pretrained(path)
     return load_file(path / "model.safetensors")
@@ -89,19 +91,22 @@ def _arange_checkpoint(path, model_type="llama"):
 def _reference_pool(rows, kv, groups, pick=None):
     """Hand arithmetic: output head g = mean (or the `pick`-th) of source heads g*r .. g*r+r-1."""
     hd, r = rows.shape[0] // kv, kv // groups
-    heads = [rows[j * hd:(j + 1) * hd] for j in range(kv)]
+    heads = [rows[j * hd : (j + 1) * hd] for j in range(kv)]
     out = []
     for g in range(groups):
-        members = heads[g * r:(g + 1) * r]
+        members = heads[g * r : (g + 1) * r]
         out.append(members[pick] if pick is not None else sum(members) / r)
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("model_type,tensors", [
-    ("llama", ["k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"]),
-    ("qwen2", ["k_proj.bias", "v_proj.bias"]),
-    ("olmo2", ["k_norm.weight", "k_proj.weight"]),
-])
+@pytest.mark.parametrize(
+    "model_type,tensors",
+    [
+        ("llama", ["k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"]),
+        ("qwen2", ["k_proj.bias", "v_proj.bias"]),
+        ("olmo2", ["k_norm.weight", "k_proj.weight"]),
+    ],
+)
 @pytest.mark.parametrize("groups", [4, 1])
 def test_mean_pool_matches_reference_arithmetic(tmp_path, model_type, tensors, groups):
     source = _arange_checkpoint(tmp_path / "src", model_type)
@@ -172,13 +177,18 @@ def test_regrouping_in_two_steps_equals_one_step(tmp_path):
     for name in one:
         torch.testing.assert_close(two[name], one[name])
     history = lineage(tmp_path / "two_steps")
-    assert [(s["stage"], s["source_kv_heads"], s["groups"]) for s in history] == [("conversion", 8, 4), ("conversion", 4, 2)]
+    assert [(s["stage"], s["source_kv_heads"], s["groups"]) for s in history] == [
+        ("conversion", 8, 4),
+        ("conversion", 4, 2),
+    ]
 
 
 def _meta_to_hf_rope_permutation(rows: torch.Tensor, heads: int) -> torch.Tensor:
     """The row permutation transformers' Llama conversion applies to q/k (interleaved -> rotate_half)."""
     out_features, in_features = rows.shape
-    return rows.view(heads, out_features // heads // 2, 2, in_features).transpose(1, 2).reshape(out_features, in_features)
+    return (
+        rows.view(heads, out_features // heads // 2, 2, in_features).transpose(1, 2).reshape(out_features, in_features)
+    )
 
 
 def test_mean_pooling_commutes_with_the_llama_rope_permutation():

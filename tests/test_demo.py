@@ -6,14 +6,17 @@ import pytest
 from click.testing import CliRunner
 
 from mha2gqa.cli import main
+from mha2gqa.demo import markdown_table
 from mha2gqa.provenance import lineage
-from mha2gqa.demo import markdown_table, plot
 
 
-@pytest.mark.parametrize("flags", [
-    pytest.param(["--quick"], id="quick"),
-    pytest.param([], id="full", marks=pytest.mark.slow),  # ~10 minutes: python -m pytest -m slow
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        pytest.param(["--quick"], id="quick"),
+        pytest.param([], id="full", marks=pytest.mark.slow),  # ~10 minutes: python -m pytest -m slow
+    ],
+)
 def test_demo_runs_the_whole_job_and_uptraining_recovers(tmp_path, flags):
     result = CliRunner().invoke(main, ["demo", *flags, "--out", str(tmp_path / "demo")])
     assert result.exit_code == 0, result.output
@@ -22,8 +25,10 @@ def test_demo_runs_the_whole_job_and_uptraining_recovers(tmp_path, flags):
         assert stage in result.output
     for name in ("report.md", "report.html", "report.json", "quality_vs_kv.png"):
         assert (out / "report" / name).is_file(), name
-    results = {role: json.loads((out / "results" / f"{role}.json").read_text())
-               for role in ("parent", "converted", "uptrained")}
+    results = {
+        role: json.loads((out / "results" / f"{role}.json").read_text())
+        for role in ("parent", "converted", "uptrained")
+    }
     assert [results[r]["role"] for r in results] == ["parent", "converted", "uptrained"]
     ppl = {role: r["perplexity"]["perplexity"] for role, r in results.items()}
     # Pooling 8 distinct kv heads into 2 costs quality, and uptraining wins some of it back.
@@ -38,14 +43,30 @@ def test_demo_runs_the_whole_job_and_uptraining_recovers(tmp_path, flags):
     # the offline last-word cloze (lm-eval, installed by [test]) is a column of the report
     assert "persuasion_cloze acc" in report and "Δ acc" in report
     cloze = {role: r["lm_eval"]["tasks"]["persuasion_cloze"] for role, r in results.items()}
-    assert all(0 <= c["metrics"]["acc"]["value"] <= 1 and c["samples"] == (40 if flags else 355) for c in cloze.values())
+    assert all(
+        0 <= c["metrics"]["acc"]["value"] <= 1 and c["samples"] == (40 if flags else 355) for c in cloze.values()
+    )
     assert "recovery" in result.output
 
 
 def test_reproduce_cli_on_a_slice_writes_table_and_plots(tmp_path):
     out = tmp_path / "ablations"
-    result = CliRunner().invoke(main, ["reproduce", "--out", str(out), "--methods", "mean,random", "--kv-heads", "4",
-                                       "--alphas", "0,0.005", "--eval-blocks", "2"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "reproduce",
+            "--out",
+            str(out),
+            "--methods",
+            "mean,random",
+            "--kv-heads",
+            "4",
+            "--alphas",
+            "0,0.005",
+            "--eval-blocks",
+            "2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     table = json.loads((out / "ablations.json").read_text())
     rows = table["rows"]
@@ -73,12 +94,25 @@ def test_reproduce_cli_refuses_a_bad_list_in_one_line(tmp_path):
 def test_ablation_kv_bytes_come_from_the_parents_config_and_dtype(tmp_path, monkeypatch):
     import mha2gqa.demo.ablations as ablations
 
-    config = {"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 8,
-              "hidden_size": 64, "head_dim": 16, "dtype": "bfloat16", "vocab_size": 100}
+    config = {
+        "model_type": "llama",
+        "num_hidden_layers": 3,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "hidden_size": 64,
+        "head_dim": 16,
+        "dtype": "bfloat16",
+        "vocab_size": 100,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    table = {"parent": str(tmp_path), "eval": "2 blocks", "rows": [
-        {"method": "parent (MHA)", "kv_heads": 8, "alpha": 0.0, "perplexity": 100.0},
-        {"method": "mean", "kv_heads": 4, "alpha": 0.0, "perplexity": 200.0, "alpha_exact": 0.0}]}
+    table = {
+        "parent": str(tmp_path),
+        "eval": "2 blocks",
+        "rows": [
+            {"method": "parent (MHA)", "kv_heads": 8, "alpha": 0.0, "perplexity": 100.0},
+            {"method": "mean", "kv_heads": 4, "alpha": 0.0, "perplexity": 200.0, "alpha_exact": 0.0},
+        ],
+    }
     seen = {}
     monkeypatch.setattr(ablations, "plot", lambda t, out, **kw: seen.update(kw) or [out / "a.png", out / "b.png"])
     written = ablations.write_ablations(table, tmp_path)

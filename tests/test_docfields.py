@@ -47,8 +47,10 @@ def test_every_field_has_a_docstring(cls):
     assert all(len(text.split()) >= 2 for text in docs.values())
 
 
-@pytest.mark.parametrize("enum, summaries", [(Method, METHOD_SUMMARIES), (Grouping, choice_docs(Grouping)),
-                                             (SpeedPreset, choice_docs(SpeedPreset))])
+@pytest.mark.parametrize(
+    "enum, summaries",
+    [(Method, METHOD_SUMMARIES), (Grouping, choice_docs(Grouping)), (SpeedPreset, choice_docs(SpeedPreset))],
+)
 def test_every_choice_is_documented(enum, summaries):
     assert list(summaries) == [member.value for member in enum]
 

@@ -198,9 +198,13 @@ def test_heads_are_distinct_and_the_similarity_measure_sees_copies(model_and_inf
     assert len(rows) == model.config.num_hidden_layers
     assert all(abs(row["k"]) < 0.05 and abs(row["v"]) < 0.05 for row in rows), rows
     pooled = stats.mean_pooled(model, groups=1)  # every head replaced by the mean: all identical
-    assert all(row["k"] == pytest.approx(1.0) and row["v"] == pytest.approx(1.0) for row in stats.head_similarity(pooled))
+    assert all(
+        row["k"] == pytest.approx(1.0) and row["v"] == pytest.approx(1.0) for row in stats.head_similarity(pooled)
+    )
     same = stats.mean_pooled(model, groups=model.config.num_key_value_heads)  # groups of one: unchanged
-    torch.testing.assert_close(same.model.layers[0].self_attn.k_proj.weight, model.model.layers[0].self_attn.k_proj.weight)
+    torch.testing.assert_close(
+        same.model.layers[0].self_attn.k_proj.weight, model.model.layers[0].self_attn.k_proj.weight
+    )
 
 
 def test_the_stats_scripts_pooled_model_is_the_converted_one(model_and_info, tmp_path):
@@ -215,6 +219,7 @@ def test_the_stats_scripts_pooled_model_is_the_converted_one(model_and_info, tmp
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "gqa2", dtype=torch.float32).eval()
     ids = torch.tensor([list(range(5, 69))])
     with torch.no_grad():
-        torch.testing.assert_close(stats.mean_pooled(model, groups=2)(ids).logits, converted(ids).logits,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            stats.mean_pooled(model, groups=2)(ids).logits, converted(ids).logits, rtol=1e-5, atol=1e-5
+        )
         assert (model(ids).logits - converted(ids).logits).abs().max() > 1e-2  # pooling changed something

@@ -3,11 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import VOCAB, make_tiny_model
 
 from mha2gqa.errors import InputError
 from mha2gqa.eval.agreement import agreement
 from mha2gqa.eval.perplexity import perplexity
-from tiny_models import VOCAB, make_tiny_model
 
 IDS = torch.randint(4, VOCAB, (40,), generator=torch.Generator().manual_seed(0))
 

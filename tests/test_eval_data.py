@@ -1,10 +1,10 @@
 """Eval text: files, folders, hub names when offline, identity hashes."""
 
 import pytest
+from tiny_models import make_tiny_tokenizer
 
 from mha2gqa.errors import InputError
 from mha2gqa.eval.data import SEPARATOR, load_eval_text
-from tiny_models import make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,10 @@ def test_gzip_text_reads_like_the_plain_file(tmp_path, tok):
 
     (tmp_path / "plain.txt").write_text("a single man in possession")
     (tmp_path / "packed.txt.gz").write_bytes(gzip.compress(b"a single man in possession"))
-    plain, packed = load_eval_text(str(tmp_path / "plain.txt"), tok), load_eval_text(str(tmp_path / "packed.txt.gz"), tok)
+    plain, packed = (
+        load_eval_text(str(tmp_path / "plain.txt"), tok),
+        load_eval_text(str(tmp_path / "packed.txt.gz"), tok),
+    )
     assert packed.ids.tolist() == plain.ids.tolist()
     assert load_eval_text(str(tmp_path), tok).identity["documents"] == 2
 
@@ -41,12 +44,15 @@ def test_same_text_same_hash_and_max_tokens_cuts(tmp_path, tok):
     assert cut.ids.tolist() == one.ids[:5].tolist() and cut.identity["ids_sha256"] != one.identity["ids_sha256"]
 
 
-@pytest.mark.parametrize("setup,message", [
-    (lambda p: (p / "empty").mkdir(), "the folder holds no .txt/.text/.md/.jsonl/.json/.parquet"),
-    (lambda p: (p / "fake.txt.gz").write_text("not gzip"), "ends in .gz but is not readable gzip data"),
-    (lambda p: (p / "bad.txt").write_bytes(b"\xff\xfe abc"), "not UTF-8 text"),
-    (lambda p: (p / "blank.txt").write_text("   \n"), "has no text"),
-])
+@pytest.mark.parametrize(
+    "setup,message",
+    [
+        (lambda p: (p / "empty").mkdir(), "the folder holds no .txt/.text/.md/.jsonl/.json/.parquet"),
+        (lambda p: (p / "fake.txt.gz").write_text("not gzip"), "ends in .gz but is not readable gzip data"),
+        (lambda p: (p / "bad.txt").write_bytes(b"\xff\xfe abc"), "not UTF-8 text"),
+        (lambda p: (p / "blank.txt").write_text("   \n"), "has no text"),
+    ],
+)
 def test_bad_local_data_is_refused(tmp_path, tok, setup, message):
     setup(tmp_path)
     target = next(tmp_path.iterdir())

@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 import torch
+from tiny_models import MODEL_TYPES, make_tiny_model
 
 from mha2gqa.eval.kvcache import measure_kv_cache
 from mha2gqa.eval.model import shape_of
-from tiny_models import MODEL_TYPES, make_tiny_model
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from tiny_models import make_tiny_model, make_tiny_tokenizer
 
 from mha2gqa.errors import InputError
 from mha2gqa.eval.attention_maps import attention_maps, plot_attention_maps
-from tiny_models import make_tiny_model, make_tiny_tokenizer
 
 
 def test_maps_are_row_stochastic_causal_and_plotted(tmp_path):

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import VOCAB, make_tiny_model
 
 from mha2gqa.errors import InputError
 from mha2gqa.eval.perplexity import Window, perplexity, windows
-from tiny_models import VOCAB, make_tiny_model
 
 
 def test_windows_overlapping_score_each_token_once():

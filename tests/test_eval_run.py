@@ -7,11 +7,11 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 from mha2gqa.cli import main
 from mha2gqa.eval import evaluate, write_report
 from mha2gqa.eval.schema import SCHEMA, load_result
-from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 QUICK = dict(context=32, stride=16, speed_preset="off", progress=False)
 
@@ -21,8 +21,11 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
     tok = make_tiny_tokenizer()
     dirs = {}
-    for name, kv, provenance in (("parent", 8, None), ("gqa", 2, {"conversion": {"groups": 2}}),
-                                 ("gqa-up", 2, {"conversion": {"groups": 2}, "uptrain": {"steps": 1}})):
+    for name, kv, provenance in (
+        ("parent", 8, None),
+        ("gqa", 2, {"conversion": {"groups": 2}}),
+        ("gqa-up", 2, {"conversion": {"groups": 2}, "uptrain": {"steps": 1}}),
+    ):
         dirs[name] = root / name
         save_tiny_model(dirs[name], "llama", num_key_value_heads=kv, seed=len(name))
         tok.save_pretrained(dirs[name])
@@ -35,11 +38,16 @@ def models(tmp_path_factory):
 
 def test_evaluate_with_reference_writes_a_complete_result(models, tmp_path):
     out = tmp_path / "gqa.json"
-    r = evaluate(models["gqa"], models["text"], reference=models["parent"], out=out,
-                 attention_text="It is a truth", **QUICK)
+    r = evaluate(
+        models["gqa"], models["text"], reference=models["parent"], out=out, attention_text="It is a truth", **QUICK
+    )
     assert load_result(out) == json.loads(json.dumps(r))  # what was returned is what was written
     assert (r["schema"], r["label"], r["role"]) == (SCHEMA, "gqa", "converted")
-    assert r["model"]["kv_heads"] == 2 and r["model"]["heads"] == 8 and r["model"]["provenance"] == {"conversion": {"groups": 2}}
+    assert (
+        r["model"]["kv_heads"] == 2
+        and r["model"]["heads"] == 8
+        and r["model"]["provenance"] == {"conversion": {"groups": 2}}
+    )
     assert r["model"]["params"] > 0 and r["model"]["dtype"] == "float32"
     assert r["data"]["tokens"] > 100 and len(r["data"]["ids_sha256"]) == 64
     assert r["perplexity"]["tokens_scored"] == r["data"]["tokens"] - 1
@@ -52,8 +60,10 @@ def test_evaluate_with_reference_writes_a_complete_result(models, tmp_path):
     assert r["env"]["versions"]["torch"] and r["env"]["seed"] == 0
 
 
-@pytest.mark.parametrize("name,role_flag,role", [("parent", None, "parent"), ("gqa-up", None, "uptrained"),
-                                                 ("gqa-up", "converted", "converted")])
+@pytest.mark.parametrize(
+    "name,role_flag,role",
+    [("parent", None, "parent"), ("gqa-up", None, "uptrained"), ("gqa-up", "converted", "converted")],
+)
 def test_role_comes_from_the_flag_or_the_provenance_file(models, name, role_flag, role):
     r = evaluate(models[name], role=role_flag, label="x", **QUICK)
     assert (r["role"], r["label"], r["perplexity"]) == (role, "x", None)
@@ -76,8 +86,15 @@ def test_decode_speed_grid(models):
     import psutil
 
     before = psutil.Process().memory_info().rss
-    r = evaluate(models["gqa"], speed_preset="cpu", speed_batches=(1, 3), speed_contexts=(8,), new_tokens=2,
-                 repeats=2, progress=False)
+    r = evaluate(
+        models["gqa"],
+        speed_preset="cpu",
+        speed_batches=(1, 3),
+        speed_contexts=(8,),
+        new_tokens=2,
+        repeats=2,
+        progress=False,
+    )
     lifetime_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     points = r["speed"]["points"]
     assert [(p["batch"], p["context"], p["new_tokens"]) for p in points] == [(1, 8, 2), (3, 8, 2)]
@@ -117,23 +134,27 @@ def test_peak_memory_catches_a_transient_allocation_on_cpu():
     assert m["peak"] - m["end"] >= 0.5 * m["size"]  # the peak is not just the RSS at exit
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--stride", "64", "--context", "32"], "--stride 64 must be between 1 and --context 32"),
-    (["--context", "512"], "--context 512 exceeds the model's max_position_embeddings=256"),
-    (["--speed-contexts", "250"], "exceeds the model's max_position_embeddings=256"),
-    (["--speed-batches", "1,0"], "--speed-batches 1,0: every value must be a positive integer"),
-    (["--speed-batches", "1,x"], "'1,x' is not a comma-separated list of integers"),
-    (["--data", "no/such/dir/"], "not a local file or folder, and the hub is offline"),
-    (["--attention-maps", "hello"], "--attention-maps needs --out or --attention-png"),
-    (["--reference", "PARENT"], "--reference needs --data"),
-    (["--lm-eval-tasks", "hellaswag", "HIDE_LM_EVAL"], "pip install 'mha2gqa[lmeval]'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--stride", "64", "--context", "32"], "--stride 64 must be between 1 and --context 32"),
+        (["--context", "512"], "--context 512 exceeds the model's max_position_embeddings=256"),
+        (["--speed-contexts", "250"], "exceeds the model's max_position_embeddings=256"),
+        (["--speed-batches", "1,0"], "--speed-batches 1,0: every value must be a positive integer"),
+        (["--speed-batches", "1,x"], "'1,x' is not a comma-separated list of integers"),
+        (["--data", "no/such/dir/"], "not a local file or folder, and the hub is offline"),
+        (["--attention-maps", "hello"], "--attention-maps needs --out or --attention-png"),
+        (["--reference", "PARENT"], "--reference needs --data"),
+        (["--lm-eval-tasks", "hellaswag", "HIDE_LM_EVAL"], "pip install 'mha2gqa[lmeval]'"),
+    ],
+)
 def test_cli_bad_input_is_one_line_exit_2_and_writes_nothing(models, tmp_path, monkeypatch, args, message):
     if "HIDE_LM_EVAL" in args:  # CI installs lm_eval: hide it to see the message a user without it gets
         args = [a for a in args if a != "HIDE_LM_EVAL"]
         find_spec = importlib.util.find_spec
-        monkeypatch.setattr(importlib.util, "find_spec",
-                            lambda name, *rest: None if name == "lm_eval" else find_spec(name, *rest))
+        monkeypatch.setattr(
+            importlib.util, "find_spec", lambda name, *rest: None if name == "lm_eval" else find_spec(name, *rest)
+        )
     out = tmp_path / "r.json"
     args = [a.replace("PARENT", str(models["parent"])) for a in args]
     if "--attention-maps" not in args:
@@ -149,8 +170,22 @@ def test_cli_as_a_subprocess_then_report_on_three_real_results(models, tmp_path)
     paths = []
     for name in ("parent", "gqa", "gqa-up"):
         paths.append(tmp_path / f"{name}.json")
-        cmd = [sys.executable, "-c", "from mha2gqa.cli import main; main()", "eval", str(models[name]),
-               "--data", str(models["text"]), "--context", "32", "--speed", "off", "-q", "--out", str(paths[-1])]
+        cmd = [
+            sys.executable,
+            "-c",
+            "from mha2gqa.cli import main; main()",
+            "eval",
+            str(models[name]),
+            "--data",
+            str(models["text"]),
+            "--context",
+            "32",
+            "--speed",
+            "off",
+            "-q",
+            "--out",
+            str(paths[-1]),
+        ]
         if name != "parent":
             cmd += ["--reference", str(models["parent"])]
         if name == "gqa":  # the subprocess run; the others in-process keep the test quick

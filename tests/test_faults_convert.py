@@ -25,10 +25,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 from mha2gqa.checkpoint import _exchange
 from mha2gqa.cli import main
-from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 K = "model.layers.0.self_attn.k_proj.weight"
 V = "model.layers.0.self_attn.v_proj.weight"
@@ -53,8 +53,11 @@ def src(pristine, tmp_path):
 
 
 def digests(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def cli(*args):
@@ -90,7 +93,7 @@ def rewrite_header(file: Path, edit) -> None:
     raw bytes), keeping the data bytes as they are."""
     raw = file.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
-    header, data = json.loads(raw[8:8 + length]), raw[8 + length:]
+    header, data = json.loads(raw[8 : 8 + length]), raw[8 + length :]
     new = edit(header)
     new = header if new is None else new
     blob = new if isinstance(new, bytes) else json.dumps(new).encode()
@@ -118,12 +121,14 @@ def edit_config(src: Path, **changes) -> None:
 def _set(name, key, value):
     def edit(header):
         header[name][key] = value
+
     return edit
 
 
 def _drop(name, key):
     def edit(header):
         del header[name][key]
+
     return edit
 
 
@@ -155,15 +160,24 @@ def test_header_faults_are_refused(src, tmp_path, fault):
     convert_refused(src, tmp_path / "out" / "dst", words)
 
 
-@pytest.mark.parametrize("fault,words", [
-    ("truncated", "truncated"), ("trailing bytes", "data bytes but its header describes"),
-    ("too short", "too short"), ("header length past the end", "corrupt safetensors header"),
-])
+@pytest.mark.parametrize(
+    "fault,words",
+    [
+        ("truncated", "truncated"),
+        ("trailing bytes", "data bytes but its header describes"),
+        ("too short", "too short"),
+        ("header length past the end", "corrupt safetensors header"),
+    ],
+)
 def test_file_length_faults_are_refused(src, tmp_path, fault, words):
     file = src / "model.safetensors"
     raw = file.read_bytes()
-    broken = {"truncated": raw[:-100], "trailing bytes": raw + b"\0" * 64, "too short": raw[:5],
-              "header length past the end": struct.pack("<Q", len(raw)) + raw[8:]}[fault]
+    broken = {
+        "truncated": raw[:-100],
+        "trailing bytes": raw + b"\0" * 64,
+        "too short": raw[:5],
+        "header length past the end": struct.pack("<Q", len(raw)) + raw[8:],
+    }[fault]
     file.write_bytes(broken)
     convert_refused(src, tmp_path / "dst", words)
 
@@ -184,16 +198,23 @@ def _sharded(src: Path) -> dict:
 
 
 INDEX_FAULTS = {
-    "escapes with ..": (lambda ix, src: ix["weight_map"].update({K: "../outside/model-00001-of-00002.safetensors"}),
-                        "not a file inside"),
-    "absolute path": (lambda ix, src: ix["weight_map"].update({K: str(src.parent / "outside" / "model-00001-of-00002.safetensors")}),
-                      "not a file inside"),
+    "escapes with ..": (
+        lambda ix, src: ix["weight_map"].update({K: "../outside/model-00001-of-00002.safetensors"}),
+        "not a file inside",
+    ),
+    "absolute path": (
+        lambda ix, src: ix["weight_map"].update({K: str(src.parent / "outside" / "model-00001-of-00002.safetensors")}),
+        "not a file inside",
+    ),
     "value is a number": (lambda ix, src: ix["weight_map"].update({K: 3}), "not a file inside"),
-    "missing shard": (lambda ix, src: ix["weight_map"].update({K: "model-00009-of-00009.safetensors"}), "missing shards"),
+    "missing shard": (
+        lambda ix, src: ix["weight_map"].update({K: "model-00009-of-00009.safetensors"}),
+        "missing shards",
+    ),
     "no weight_map": (lambda ix, src: ix.pop("weight_map"), "no weight_map"),
     "weight_map is a list": (lambda ix, src: ix.update(weight_map=list(ix["weight_map"])), "no weight_map"),
     "index is a list": (lambda ix, src: [ix], "not a JSON object"),
-    "not JSON": (lambda ix, src: b"{\"weight_map\": {", "not valid JSON"),
+    "not JSON": (lambda ix, src: b'{"weight_map": {', "not valid JSON"),
     "binary": (lambda ix, src: b"\x89PNG\r\n\x1a\n\xff\xff", "not valid JSON"),
 }
 
@@ -215,21 +236,27 @@ def test_shard_index_faults_are_refused(src, tmp_path, fault):
 CONFIG_FAULTS = {
     "a list": (lambda p: p.write_text("[1, 2]"), "not an object"),
     "binary": (lambda p: p.write_bytes(b"\x80\x81\xfe\xff" * 8), "config.json"),
-    "invalid JSON": (lambda p: p.write_text("{\"model_type\": "), "not valid JSON"),
+    "invalid JSON": (lambda p: p.write_text('{"model_type": '), "not valid JSON"),
     "no model_type": (lambda p: edit_config(p.parent, model_type=...), "model_type=null"),
-    "model_type a list": (lambda p: edit_config(p.parent, model_type=["llama"]), "model_type=[\"llama\"]"),
+    "model_type a list": (lambda p: edit_config(p.parent, model_type=["llama"]), 'model_type=["llama"]'),
     "no num_attention_heads": (lambda p: edit_config(p.parent, num_attention_heads=...), "no num_attention_heads"),
     "zero kv heads": (lambda p: edit_config(p.parent, num_key_value_heads=0), "num_key_value_heads=0"),
-    "string heads": (lambda p: edit_config(p.parent, num_attention_heads="8"), "num_attention_heads=\"8\""),
+    "string heads": (lambda p: edit_config(p.parent, num_attention_heads="8"), 'num_attention_heads="8"'),
     "negative hidden_size": (lambda p: edit_config(p.parent, hidden_size=-64), "hidden_size=-64"),
     "boolean head_dim": (lambda p: edit_config(p.parent, head_dim=True), "head_dim=true"),
     "heads not divisible": (lambda p: edit_config(p.parent, num_key_value_heads=3), "not divisible"),
-    "more layers than the checkpoint": (lambda p: edit_config(p.parent, num_hidden_layers=4),
-                                        "no tensors for layer(s) 2, 3"),
-    "10^12 layers": (lambda p: edit_config(p.parent, num_hidden_layers=10**12),
-                     "no tensors for layer(s) 2, 3, 4, 5, 6, 7, 8, 9, ..."),
-    "quantized": (lambda p: edit_config(p.parent, quantization_config={"quant_method": "gptq", "bits": 4}),
-                  "is quantized (quantization_config quant_method=gptq)"),
+    "more layers than the checkpoint": (
+        lambda p: edit_config(p.parent, num_hidden_layers=4),
+        "no tensors for layer(s) 2, 3",
+    ),
+    "10^12 layers": (
+        lambda p: edit_config(p.parent, num_hidden_layers=10**12),
+        "no tensors for layer(s) 2, 3, 4, 5, 6, 7, 8, 9, ...",
+    ),
+    "quantized": (
+        lambda p: edit_config(p.parent, quantization_config={"quant_method": "gptq", "bits": 4}),
+        "is quantized (quantization_config quant_method=gptq)",
+    ),
 }
 
 
@@ -280,16 +307,23 @@ def _config_kv_heads_8_for_weights_with_4(src):
 
 TENSOR_FAULTS = {
     "k_proj of 4 heads, config says 8": (_config_kv_heads_8_for_weights_with_4, f"{K} has shape [32, 64]"),
-    "head_dim disagrees with q_proj": (lambda src: edit_config(src, head_dim=4),
-                                       "q_proj.weight has shape [64, 64]"),
-    "v_proj reads another width": (lambda src: resave(src, lambda t: t.update({V: t[V][:, :32]})),
-                                   f"{V} has shape [64, 32]"),
-    "o_proj of the wrong width": (lambda src: resave(src, lambda t: t.update({
-        "model.layers.1.self_attn.o_proj.weight": torch.zeros(64, 32)})), "o_proj.weight has shape [64, 32]"),
-    "k bias of the wrong length": (lambda src: resave(src, lambda t: t.update({
-        "model.layers.1.self_attn.k_proj.bias": torch.zeros(60)})), "k_proj.bias has shape [60]"),
-    "fp8 k_proj": (lambda src: resave(src, lambda t: t.update({K: t[K].to(torch.float8_e4m3fn)})),
-                   f"{K} is stored as F8_E4M3"),
+    "head_dim disagrees with q_proj": (lambda src: edit_config(src, head_dim=4), "q_proj.weight has shape [64, 64]"),
+    "v_proj reads another width": (
+        lambda src: resave(src, lambda t: t.update({V: t[V][:, :32]})),
+        f"{V} has shape [64, 32]",
+    ),
+    "o_proj of the wrong width": (
+        lambda src: resave(src, lambda t: t.update({"model.layers.1.self_attn.o_proj.weight": torch.zeros(64, 32)})),
+        "o_proj.weight has shape [64, 32]",
+    ),
+    "k bias of the wrong length": (
+        lambda src: resave(src, lambda t: t.update({"model.layers.1.self_attn.k_proj.bias": torch.zeros(60)})),
+        "k_proj.bias has shape [60]",
+    ),
+    "fp8 k_proj": (
+        lambda src: resave(src, lambda t: t.update({K: t[K].to(torch.float8_e4m3fn)})),
+        f"{K} is stored as F8_E4M3",
+    ),
     "int8 v_proj": (lambda src: resave(src, lambda t: t.update({V: t[V].to(torch.int8)})), f"{V} is stored as I8"),
 }
 
@@ -306,6 +340,7 @@ def test_non_finite_kv_weights_convert_with_a_warning_naming_the_tensor(src, tmp
     def poison(tensors):
         tensors[name] = tensors[name].clone()
         tensors[name].view(-1)[3] = value
+
     resave(src, poison)
     before = digests(src)
     result = cli("convert", src, tmp_path / "dst", "--groups", "2", "-q")
@@ -316,10 +351,13 @@ def test_non_finite_kv_weights_convert_with_a_warning_naming_the_tensor(src, tmp
 
 
 # ------------------------------------------------- class: OS-level faults of SRC (the central rule)
-@pytest.mark.parametrize("fault,words", [
-    ("weights file is a directory", "model.safetensors: it is a directory where a file was expected"),
-    ("weights file is a dangling link", "model.safetensors: no such file or directory"),
-])
+@pytest.mark.parametrize(
+    "fault,words",
+    [
+        ("weights file is a directory", "model.safetensors: it is a directory where a file was expected"),
+        ("weights file is a dangling link", "model.safetensors: no such file or directory"),
+    ],
+)
 def test_os_errors_on_the_users_files_are_one_line(src, tmp_path, fault, words):
     (src / "model.safetensors").unlink()
     if fault == "weights file is a directory":
@@ -347,7 +385,8 @@ def test_only_faults_of_the_users_files_become_one_line():
 
     full = CliRunner().invoke(group, ["fail", str(errno.ENOSPC)])
     assert full.exit_code == 2 and full.stderr.strip() == (
-        "Error: /data/model.safetensors: no space left on the device: free space or choose a location with room")
+        "Error: /data/model.safetensors: no space left on the device: free space or choose a location with room"
+    )
     bug = CliRunner().invoke(group, ["fail", str(errno.EBADF)])  # a bad file descriptor is our bug: traceback
     assert isinstance(bug.exception, OSError) and bug.exception.errno == errno.EBADF
 
@@ -447,8 +486,11 @@ def test_file_size_limit_mid_write_is_one_line_and_leaves_nothing(src, tmp_path)
     limit = 100_000  # the shard is ~340 kB
     done = subprocess.run(
         [sys.executable, "-m", "mha2gqa", "convert", str(src), str(tmp_path / "dst"), "--groups", "2", "-q"],
-        capture_output=True, text=True, timeout=300,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert len(lines) == 1 and lines[0].startswith(f"Error: {tmp_path / 'dst'}: file too large"), lines
@@ -477,13 +519,25 @@ def test_force_replaces_in_place_and_leaves_no_debris(src, tmp_path):
 
 
 # ----------------------------------------------------------------------------- class: flags
-@pytest.mark.parametrize("args,words", [
-    (["convert", "{src}", "{dst}", "--groups", "2", "--calibration-memory", "0"], "--calibration-memory '0' must be positive"),
-    (["convert", "{src}", "{dst}", "--groups", "2", "--calibration-memory", "lots"], "--calibration-memory 'lots' is not a size"),
-    (["convert", "{src}", "{dst}", "--groups", "2", "--max-shard-size", "0"], "--max-shard-size '0' must be positive"),
-    (["inspect", "{src}", "--context", "-5", "--batch", "0"], "--context -5 must be a positive integer"),
-    (["inspect", "{src}", "--batch", "0"], "--batch 0 must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (
+            ["convert", "{src}", "{dst}", "--groups", "2", "--calibration-memory", "0"],
+            "--calibration-memory '0' must be positive",
+        ),
+        (
+            ["convert", "{src}", "{dst}", "--groups", "2", "--calibration-memory", "lots"],
+            "--calibration-memory 'lots' is not a size",
+        ),
+        (
+            ["convert", "{src}", "{dst}", "--groups", "2", "--max-shard-size", "0"],
+            "--max-shard-size '0' must be positive",
+        ),
+        (["inspect", "{src}", "--context", "-5", "--batch", "0"], "--context -5 must be a positive integer"),
+        (["inspect", "{src}", "--batch", "0"], "--batch 0 must be a positive integer"),
+    ],
+)
 def test_bad_sizes_and_counts_name_their_own_flag(src, tmp_path, args, words):
     before = digests(src)
     result = cli(*[a.format(src=src, dst=tmp_path / "dst") for a in args])
@@ -497,9 +551,27 @@ def _start_slow_convert(src: Path, dst: Path, tmp_path: Path) -> subprocess.Pope
     if not text.exists():
         text.write_text(SAMPLE_TEXT * 10000)  # ~3.8 MB: minutes here, seconds even on a fast GPU machine
     return subprocess.Popen(
-        [sys.executable, "-m", "mha2gqa", "convert", str(src), str(dst), "--groups", "2", "--method", "calibrated",
-         "--calibration", str(text), "--calibration-tokens", "4000000", "-q"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "mha2gqa",
+            "convert",
+            str(src),
+            str(dst),
+            "--groups",
+            "2",
+            "--method",
+            "calibrated",
+            "--calibration",
+            str(text),
+            "--calibration-tokens",
+            "4000000",
+            "-q",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_partial(process: subprocess.Popen, dst: Path, timeout: float = 240) -> Path:
@@ -516,8 +588,7 @@ def _wait_for_partial(process: subprocess.Popen, dst: Path, timeout: float = 240
     return partial
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
-                         ids=["SIGINT", "SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_signals_clean_up_and_exit_128_plus_the_signal(src, tmp_path, signum):
     before = digests(src)
     dst = tmp_path / "dst"
@@ -564,12 +635,29 @@ def test_a_second_run_to_the_same_destination_is_refused_while_the_first_runs(sr
 # ------------------------------------------------------------------------- per-layer table order
 def test_per_layer_error_table_is_in_layer_order(tmp_path):
     src = tmp_path / "src"
-    save_tiny_model(src, "llama", num_hidden_layers=12, hidden_size=32, intermediate_size=32, num_attention_heads=4,
-                    num_key_value_heads=4)
+    save_tiny_model(
+        src,
+        "llama",
+        num_hidden_layers=12,
+        hidden_size=32,
+        intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
     make_tiny_tokenizer(src)
     (tmp_path / "text.txt").write_text(SAMPLE_TEXT * 4)
-    result = cli("convert", src, tmp_path / "dst", "--groups", "2", "--calibration", tmp_path / "text.txt",
-                 "--calibration-tokens", "256", "-q")
+    result = cli(
+        "convert",
+        src,
+        tmp_path / "dst",
+        "--groups",
+        "2",
+        "--calibration",
+        tmp_path / "text.txt",
+        "--calibration-tokens",
+        "256",
+        "-q",
+    )
     assert result.exit_code == 0, result.output
     rows = [line.split()[0] for line in result.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
     assert rows == [str(i) for i in range(12)]

@@ -11,8 +11,19 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_helpers import (add_tensor, assert_refused, cli, drop_tensor, edit_weights, fill, pickle_only,
-                           remount_readonly, reshape_tensor, tmpfs, tree_digest)
+from fault_helpers import (
+    add_tensor,
+    assert_refused,
+    cli,
+    drop_tensor,
+    edit_weights,
+    fill,
+    pickle_only,
+    remount_readonly,
+    reshape_tensor,
+    tmpfs,
+    tree_digest,
+)
 from tiny_models import SAMPLE_TEXT
 from uptrain_helpers import tiny_model_dir
 
@@ -47,17 +58,23 @@ def _eval(model, *args):
 
 # --- eval: weights that do not match, pickles ---------------------------------------------------
 
-@pytest.mark.parametrize("fault,edit,named", [
-    ("missing", drop_tensor(K_PROJ), f"missing: {K_PROJ}"),
-    ("unexpected", add_tensor("model.layers.1.extra.weight"), "unexpected: model.layers.1.extra.weight"),
-    ("shape", reshape_tensor(K_PROJ), f"wrong shape: {K_PROJ} is [32, 64] not [64, 64]"),
-])
+
+@pytest.mark.parametrize(
+    "fault,edit,named",
+    [
+        ("missing", drop_tensor(K_PROJ), f"missing: {K_PROJ}"),
+        ("unexpected", add_tensor("model.layers.1.extra.weight"), "unexpected: model.layers.1.extra.weight"),
+        ("shape", reshape_tensor(K_PROJ), f"wrong shape: {K_PROJ} is [32, 64] not [64, 64]"),
+    ],
+)
 def test_eval_refuses_a_model_whose_tensors_do_not_match(tmp_path, src, sources, fault, edit, named):
     """These used to load with fresh random tensors: exit 0, a plausible perplexity, no warning."""
     bad = edit_weights(src["model"], tmp_path / fault, edit)
     before = tree_digest(bad)
     out = tmp_path / "r.json"
-    assert_refused(_eval(bad, "--data", src["text"], "--out", out), f"model {bad} does not match its config.json", named)
+    assert_refused(
+        _eval(bad, "--data", src["text"], "--out", out), f"model {bad} does not match its config.json", named
+    )
     assert not out.exists() and tree_digest(bad) == before
 
 
@@ -78,12 +95,18 @@ def test_eval_refuses_pickle_only_weights_before_loading_anything(tmp_path, src,
     assert "Loading weights" not in result.stderr  # refused before any weights were read
 
 
-@pytest.mark.parametrize("edit,says", [
-    (lambda c: b"\x00\xff\xfe", "config.json is not text"),
-    (lambda c: b'["llama"]', "config.json is a JSON list, not an object"),
-    (lambda c: json.dumps({**c, "num_key_value_heads": 0}).encode(), "num_key_value_heads=0: it must be a positive integer"),
-    (lambda c: json.dumps({**c, "model_type": "frobnicator"}).encode(), "could not be read by transformers"),
-])
+@pytest.mark.parametrize(
+    "edit,says",
+    [
+        (lambda c: b"\x00\xff\xfe", "config.json is not text"),
+        (lambda c: b'["llama"]', "config.json is a JSON list, not an object"),
+        (
+            lambda c: json.dumps({**c, "num_key_value_heads": 0}).encode(),
+            "num_key_value_heads=0: it must be a positive integer",
+        ),
+        (lambda c: json.dumps({**c, "model_type": "frobnicator"}).encode(), "could not be read by transformers"),
+    ],
+)
 def test_eval_refuses_a_malformed_config_json_in_one_line(tmp_path, src, sources, edit, says):
     bad = tmp_path / "bad-config"
     shutil.copytree(src["model"], bad)
@@ -94,6 +117,7 @@ def test_eval_refuses_a_malformed_config_json_in_one_line(tmp_path, src, sources
 
 
 # --- eval: destinations and data ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("flag", ["--out", "--attention-png"])
 def test_eval_refuses_a_read_only_destination_before_measuring(tmp_path, src, sources, flag):
@@ -118,9 +142,12 @@ def test_eval_refuses_a_full_destination_before_measuring(tmp_path, src, sources
         assert sorted(p.name for p in mount.iterdir()) == ["filler"]
 
 
-@pytest.mark.parametrize("content,says", [
-    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe\x9c", "not UTF-8 text"),
-])
+@pytest.mark.parametrize(
+    "content,says",
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe\x9c", "not UTF-8 text"),
+    ],
+)
 def test_eval_refuses_binary_data_in_one_line(tmp_path, src, sources, content, says):
     data = tmp_path / "data.txt"
     data.write_bytes(content)
@@ -130,6 +157,7 @@ def test_eval_refuses_binary_data_in_one_line(tmp_path, src, sources, content, s
 
 
 # --- report: results and metrics of the wrong shape -------------------------------------------------
+
 
 def _report(tmp_path, *inputs, metrics=()):
     out = tmp_path / "report"
@@ -147,15 +175,18 @@ def _edited_result(tmp_path, src, edit) -> Path:
     return path
 
 
-@pytest.mark.parametrize("edit,says", [
-    (lambda r: r["model"].__setitem__("kv_heads", "two"), 'model.kv_heads is "two", must be a whole number'),
-    (lambda r: r.__setitem__("perplexity", "low"), 'perplexity is "low", must be an object or null'),
-    (lambda r: r["perplexity"].__setitem__("perplexity", [1]), "perplexity.perplexity is [1], must be a number"),
-    (lambda r: r.__setitem__("speed", {"points": ["fast"]}), "speed is"),
-    (lambda r: r.__setitem__("warnings", "none"), 'warnings is "none", must be a list of text'),
-    (lambda r: r.__setitem__("role", 3), "role is 3, must be parent, converted or uptrained"),
-    (lambda r: r.pop("kv_cache"), "lacks kv_cache"),
-])
+@pytest.mark.parametrize(
+    "edit,says",
+    [
+        (lambda r: r["model"].__setitem__("kv_heads", "two"), 'model.kv_heads is "two", must be a whole number'),
+        (lambda r: r.__setitem__("perplexity", "low"), 'perplexity is "low", must be an object or null'),
+        (lambda r: r["perplexity"].__setitem__("perplexity", [1]), "perplexity.perplexity is [1], must be a number"),
+        (lambda r: r.__setitem__("speed", {"points": ["fast"]}), "speed is"),
+        (lambda r: r.__setitem__("warnings", "none"), 'warnings is "none", must be a list of text'),
+        (lambda r: r.__setitem__("role", 3), "role is 3, must be parent, converted or uptrained"),
+        (lambda r: r.pop("kv_cache"), "lacks kv_cache"),
+    ],
+)
 def test_report_refuses_results_of_the_wrong_types(tmp_path, src, sources, edit, says):
     bad = _edited_result(tmp_path, src, edit)
     result, out = _report(tmp_path, src["result"], bad)
@@ -163,11 +194,14 @@ def test_report_refuses_results_of_the_wrong_types(tmp_path, src, sources, edit,
     assert not out.exists()
 
 
-@pytest.mark.parametrize("content,says", [
-    (b"[1, 2, 3]", "has schema 'list'"),
-    (b"\xff\xd8\xff\xe0 binary", "is not UTF-8 text"),
-    (b'{"schema": "mha2gqa.eval/1", "label": ', "is not JSON"),
-])
+@pytest.mark.parametrize(
+    "content,says",
+    [
+        (b"[1, 2, 3]", "has schema 'list'"),
+        (b"\xff\xd8\xff\xe0 binary", "is not UTF-8 text"),
+        (b'{"schema": "mha2gqa.eval/1", "label": ', "is not JSON"),
+    ],
+)
 def test_report_refuses_result_files_that_are_not_results(tmp_path, src, sources, content, says):
     bad = tmp_path / "bad.json"
     bad.write_bytes(content)
@@ -176,13 +210,16 @@ def test_report_refuses_result_files_that_are_not_results(tmp_path, src, sources
     assert not out.exists()
 
 
-@pytest.mark.parametrize("content,says", [
-    (b"\x00\x01\x02\xff\xfe garbage", "is not UTF-8 text"),
-    (b"[1, 2]\n3\n", "line 1 is not an object with a numeric 'step'"),
-    (b'{"step": "one", "loss": 1}\n', "line 1 is not an object with a numeric 'step'"),
-    (b'{"step": 1, "lr": 0.1}\n', "has no numeric loss or ppl keys"),
-    (b"not json at all\n", "line 1 is not JSON"),
-])
+@pytest.mark.parametrize(
+    "content,says",
+    [
+        (b"\x00\x01\x02\xff\xfe garbage", "is not UTF-8 text"),
+        (b"[1, 2]\n3\n", "line 1 is not an object with a numeric 'step'"),
+        (b'{"step": "one", "loss": 1}\n', "line 1 is not an object with a numeric 'step'"),
+        (b'{"step": 1, "lr": 0.1}\n', "has no numeric loss or ppl keys"),
+        (b"not json at all\n", "line 1 is not JSON"),
+    ],
+)
 def test_report_refuses_a_garbage_metrics_file(tmp_path, src, sources, content, says):
     bad = tmp_path / "metrics.jsonl"
     bad.write_bytes(content)
@@ -208,11 +245,15 @@ def test_report_writes_when_inputs_are_good(tmp_path, src, sources):
 
 # --- demo ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args,says", [
-    (["--groups", "3"], "--groups 3 must divide the embedded model's 8 kv heads (valid: 1, 2, 4, 8)"),
-    (["--groups", "0"], "--groups 0 must divide"),
-    (["--alpha", "2"], "--alpha 2.0 must be in (0, 1]"),
-])
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["--groups", "3"], "--groups 3 must divide the embedded model's 8 kv heads (valid: 1, 2, 4, 8)"),
+        (["--groups", "0"], "--groups 0 must divide"),
+        (["--alpha", "2"], "--alpha 2.0 must be in (0, 1]"),
+    ],
+)
 def test_demo_refuses_bad_flags_before_creating_anything(tmp_path, args, says):
     out = tmp_path / "demo"
     assert_refused(cli("demo", "--out", out, *args), says)

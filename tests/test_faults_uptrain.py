@@ -15,8 +15,20 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_helpers import (add_tensor, assert_refused, cli, drop_tensor, edit_weights, fill, pickle_only,
-                           remount_readonly, reshape_tensor, subprocess_error, tmpfs, tree_digest)
+from fault_helpers import (
+    add_tensor,
+    assert_refused,
+    cli,
+    drop_tensor,
+    edit_weights,
+    fill,
+    pickle_only,
+    remount_readonly,
+    reshape_tensor,
+    subprocess_error,
+    tmpfs,
+    tree_digest,
+)
 from safetensors.torch import load_file
 from uptrain_helpers import corpus, metrics, recipe_file, tiny_model_dir
 
@@ -30,8 +42,13 @@ def src(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults_uptrain")
     model = tiny_model_dir(root / "model")
     data = corpus(root / "train.jsonl")
-    recipe = recipe_file(root / "pretrain.yaml", model=str(model), output_dir=str(root / "trained"),
-                         data={"train": str(data)}, budget={"max_steps": 8})
+    recipe = recipe_file(
+        root / "pretrain.yaml",
+        model=str(model),
+        output_dir=str(root / "trained"),
+        data={"train": str(data)},
+        budget={"max_steps": 8},
+    )
     assert cli("uptrain", "--recipe", recipe).exit_code == 0
     return {"model": model, "trained": root / "trained", "data": data, "root": root}
 
@@ -61,14 +78,19 @@ def _steps_saved(out: Path) -> list[str]:
 
 # --- 1. an output_dir that would overwrite a source ------------------------------------------------
 
+
 @pytest.mark.parametrize("where", ["equal", "inside", "contains", "symlink"])
 def test_output_dir_over_the_model_is_refused(tmp_path, src, sources, where):
     model = tmp_path / "holder" / "model" if where == "contains" else src["model"]
     if where == "contains":  # output_dir holds the model: overwrite and the final save would reach it
         shutil.copytree(src["model"], model)
     before = tree_digest(model)
-    out = {"equal": src["model"], "inside": src["model"] / "run", "contains": model.parent,
-           "symlink": tmp_path / "link"}[where]
+    out = {
+        "equal": src["model"],
+        "inside": src["model"] / "run",
+        "contains": model.parent,
+        "symlink": tmp_path / "link",
+    }[where]
     if where == "symlink":
         out.symlink_to(src["model"], target_is_directory=True)
     result = _uptrain(_recipe(tmp_path, src, model=str(model), output_dir=str(out), overwrite=True))
@@ -77,8 +99,9 @@ def test_output_dir_over_the_model_is_refused(tmp_path, src, sources, where):
 
 
 def test_output_dir_equal_to_the_teacher_is_refused(tmp_path, src, sources):
-    result = _uptrain(_recipe(tmp_path, src, output_dir=str(src["trained"]), overwrite=True,
-                              distill={"teacher": str(src["trained"])}))
+    result = _uptrain(
+        _recipe(tmp_path, src, output_dir=str(src["trained"]), overwrite=True, distill={"teacher": str(src["trained"])})
+    )
     assert_refused(result, f"is distill.teacher={src['trained']}")
 
 
@@ -87,8 +110,16 @@ def test_overwrite_keeps_the_previous_final_model_until_a_new_one_is_complete(tm
     shutil.copytree(src["trained"], out)  # a finished run's output: weights, tokenizer, mha2gqa.json
     before = tree_digest(out)
     final_files = {k: v for k, v in before.items() if not k.startswith(("checkpoints", "metrics"))}
-    result = _uptrain(_recipe(tmp_path, src, model=str(src["trained"]), overwrite=True, budget={"max_steps": 1},
-                              optim={"lr": 1e30, "warmup_steps": 0}))
+    result = _uptrain(
+        _recipe(
+            tmp_path,
+            src,
+            model=str(src["trained"]),
+            overwrite=True,
+            budget={"max_steps": 1},
+            optim={"lr": 1e30, "warmup_steps": 0},
+        )
+    )
     assert_refused(result, "training diverged at step 1", code=1, strict=False)
     after = tree_digest(out)
     assert {k: after.get(k) for k in final_files} == final_files  # the old model is whole
@@ -102,11 +133,15 @@ def test_overwrite_keeps_the_previous_final_model_until_a_new_one_is_complete(tm
 
 # --- 2. weights that do not match their config, pickles ---------------------------------------------
 
-@pytest.mark.parametrize("fault,edit,named", [
-    ("missing", drop_tensor(K_PROJ), f"missing: {K_PROJ}"),
-    ("unexpected", add_tensor("model.layers.0.extra.weight"), "unexpected: model.layers.0.extra.weight"),
-    ("shape", reshape_tensor(K_PROJ), f"wrong shape: {K_PROJ} is [32, 64] not [64, 64]"),
-])
+
+@pytest.mark.parametrize(
+    "fault,edit,named",
+    [
+        ("missing", drop_tensor(K_PROJ), f"missing: {K_PROJ}"),
+        ("unexpected", add_tensor("model.layers.0.extra.weight"), "unexpected: model.layers.0.extra.weight"),
+        ("shape", reshape_tensor(K_PROJ), f"wrong shape: {K_PROJ} is [32, 64] not [64, 64]"),
+    ],
+)
 def test_model_whose_tensors_do_not_match_is_refused(tmp_path, src, sources, fault, edit, named):
     bad = edit_weights(src["model"], tmp_path / fault, edit)
     before = tree_digest(bad)
@@ -129,11 +164,14 @@ def test_pickle_only_model_is_refused_with_how_to_resave(tmp_path, src, sources)
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("config,says", [
-    (b"\x00\xff\xfe", "config.json is not text"),
-    (b"[1, 2]", "config.json is a JSON list, not an object"),
-    (None, 'num_attention_heads="eight": it must be a positive integer'),
-])
+@pytest.mark.parametrize(
+    "config,says",
+    [
+        (b"\x00\xff\xfe", "config.json is not text"),
+        (b"[1, 2]", "config.json is a JSON list, not an object"),
+        (None, 'num_attention_heads="eight": it must be a positive integer'),
+    ],
+)
 def test_a_malformed_config_json_is_one_line(tmp_path, src, sources, config, says):
     bad = tmp_path / "bad-config"
     shutil.copytree(src["model"], bad)
@@ -145,11 +183,15 @@ def test_a_malformed_config_json_is_one_line(tmp_path, src, sources, config, say
 
 # --- 3. divergence --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("override,says", [
-    ("optim.lr=.inf", "optim.lr: expected a finite number, got inf"),
-    ("optim.lr=nan", "optim.lr: expected a finite number, got nan"),
-    ("optim.eps=-1e-8", "optim.eps=-1e-08 must be positive"),
-])
+
+@pytest.mark.parametrize(
+    "override,says",
+    [
+        ("optim.lr=.inf", "optim.lr: expected a finite number, got inf"),
+        ("optim.lr=nan", "optim.lr: expected a finite number, got nan"),
+        ("optim.eps=-1e-8", "optim.eps=-1e-08 must be positive"),
+    ],
+)
 def test_non_finite_or_negative_hyper_parameters_are_refused(tmp_path, src, sources, override, says):
     result = _uptrain(_recipe(tmp_path, src), override)
     assert_refused(result, says)
@@ -160,8 +202,16 @@ def test_non_finite_or_negative_hyper_parameters_are_refused(tmp_path, src, sour
 def test_a_destructive_update_saves_nothing_and_does_not_suggest_resume(tmp_path, src, sources, lr, save_every, steps):
     """lr=1e30 for one step used to exit 0 with a model at uniform perplexity; lr=1e6 used to
     checkpoint the poisoned weights as 'the last good checkpoint'."""
-    result = _uptrain(_recipe(tmp_path, src, model=str(src["trained"]), save_every=save_every,
-                              budget={"max_steps": steps}, optim={"lr": lr, "warmup_steps": 0}))
+    result = _uptrain(
+        _recipe(
+            tmp_path,
+            src,
+            model=str(src["trained"]),
+            save_every=save_every,
+            budget={"max_steps": steps},
+            optim={"lr": lr, "warmup_steps": 0},
+        )
+    )
     line = assert_refused(result, "training diverged at step 1", "no checkpoint was saved", code=1, strict=False)
     assert "--resume" not in line
     out = tmp_path / "out"
@@ -173,9 +223,14 @@ def test_divergence_after_the_last_checkpoint_writes_no_final_model(tmp_path, sr
     assert _uptrain(recipe, "exit_after_steps=2").exit_code == 0
     result = _uptrain(recipe, "optim.lr=1e30", resume=True)
     out = tmp_path / "out"
-    assert_refused(result, "training diverged at step 4",  # step 3's update was destructive, step 4's loss NaN
-                   f"the last good checkpoint is {out / 'checkpoints' / 'step-00000002'}", "--resume",
-                   code=1, strict=False)
+    assert_refused(
+        result,
+        "training diverged at step 4",  # step 3's update was destructive, step 4's loss NaN
+        f"the last good checkpoint is {out / 'checkpoints' / 'step-00000002'}",
+        "--resume",
+        code=1,
+        strict=False,
+    )
     assert not (out / "model.safetensors").exists() and _steps_saved(out) == ["step-00000002"]
     # ... and that checkpoint really is good: resuming from it with the recipe's lr finishes.
     assert _uptrain(recipe, resume=True).exit_code == 0
@@ -184,11 +239,15 @@ def test_divergence_after_the_last_checkpoint_writes_no_final_model(tmp_path, sr
 
 # --- one line instead of a traceback --------------------------------------------------------------
 
-@pytest.mark.parametrize("content,says", [
-    (b"\xff\xfe\x00binary\x00\x9c", "is not UTF-8 text"),
-    (b"- a\n- list\n", "must be a mapping of key: value, not a list"),
-    (b"model: [unclosed\n", "is not valid YAML"),
-])
+
+@pytest.mark.parametrize(
+    "content,says",
+    [
+        (b"\xff\xfe\x00binary\x00\x9c", "is not UTF-8 text"),
+        (b"- a\n- list\n", "must be a mapping of key: value, not a list"),
+        (b"model: [unclosed\n", "is not valid YAML"),
+    ],
+)
 def test_a_recipe_that_is_not_a_yaml_mapping_is_one_line(tmp_path, src, content, says):
     recipe = tmp_path / "r.yaml"
     recipe.write_bytes(content)
@@ -228,8 +287,11 @@ def test_disk_full_during_save_state_is_one_line_and_leaves_no_half_checkpoint(t
     # Room for the first checkpoints (the check before training passes), not for keep_last=9 of them.
     with tmpfs(tmp_path / "full", "3m") as mount:
         out = mount / "out"
-        result = _uptrain(_recipe(tmp_path, src, output_dir=str(out), save_every=1, keep_last=9,
-                                  eval_every=0, budget={"max_steps": 12}))
+        result = _uptrain(
+            _recipe(
+                tmp_path, src, output_dir=str(out), save_every=1, keep_last=9, eval_every=0, budget={"max_steps": 12}
+            )
+        )
         assert_refused(result, "no space left on the device", code=2, strict=False)
         folders = sorted(p.name for p in (out / "checkpoints").iterdir())
         assert folders and folders == _steps_saved(out)  # finished checkpoints only: resumable
@@ -254,9 +316,11 @@ def test_disk_full_at_the_final_save_is_one_line_and_leaves_no_half_model(tmp_pa
 
 # --- damaged checkpoints and kill -9 ----------------------------------------------------------------
 
+
 def _two_checkpoints(tmp_path, src):
-    recipe = _recipe(tmp_path, src, model=str(src["trained"]), save_every=1, keep_last=3, eval_every=0,
-                     budget={"max_steps": 4})
+    recipe = _recipe(
+        tmp_path, src, model=str(src["trained"]), save_every=1, keep_last=3, eval_every=0, budget={"max_steps": 4}
+    )
     assert _uptrain(recipe, "exit_after_steps=2").exit_code == 0
     out = tmp_path / "out"
     assert _steps_saved(out) == ["step-00000001", "step-00000002"]
@@ -290,8 +354,12 @@ def _start(recipe: Path, log: Path, *args) -> subprocess.Popen:
     """A real `python -m mha2gqa uptrain` (stderr to a file: a full pipe would stall the child)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     with log.open("w") as err:
-        return subprocess.Popen([sys.executable, "-m", "mha2gqa", "uptrain", "--recipe", str(recipe), *args],
-                                env=env, stdout=subprocess.DEVNULL, stderr=err)
+        return subprocess.Popen(
+            [sys.executable, "-m", "mha2gqa", "uptrain", "--recipe", str(recipe), *args],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
 
 
 def _wait_until_saved(proc: subprocess.Popen, out: Path, step: int) -> None:
@@ -304,8 +372,16 @@ def _wait_until_saved(proc: subprocess.Popen, out: Path, step: int) -> None:
 
 
 def test_sigterm_then_kill_9_during_training_then_resume_finishes(tmp_path, src, sources):
-    recipe = _recipe(tmp_path, src, model=str(src["trained"]), save_every=1, keep_last=2, eval_every=0,
-                     log_every=1, budget={"max_steps": 40})
+    recipe = _recipe(
+        tmp_path,
+        src,
+        model=str(src["trained"]),
+        save_every=1,
+        keep_last=2,
+        eval_every=0,
+        log_every=1,
+        budget={"max_steps": 40},
+    )
     out, log = tmp_path / "out", tmp_path / "stderr.txt"
     # SIGTERM unwinds like Ctrl-C: exit 143, one line, no half-written checkpoint.
     proc = _start(recipe, log)
@@ -335,7 +411,12 @@ def test_sigterm_then_kill_9_during_training_then_resume_finishes(tmp_path, src,
 def test_the_accelerate_entry_point_reports_bad_input_in_one_line(tmp_path, src, sources):
     recipe = _recipe(tmp_path, src, output_dir=str(src["model"]), overwrite=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mha2gqa.uptrain", "--recipe", str(recipe)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mha2gqa.uptrain", "--recipe", str(recipe)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert f"is model={src['model']} or lies inside it" in subprocess_error(proc)
     assert json.loads((src["model"] / "config.json").read_text())["model_type"] == "llama"

@@ -3,10 +3,11 @@ calibrated merge after it is exact where contiguous grouping is not."""
 
 import pytest
 import torch
+from calibrated_models import save_redundant_model, write_calibration_text
 from click.testing import CliRunner
+from tiny_models import make_tiny_model, save_tiny_model
 from transformers import AutoModelForCausalLM
 
-from calibrated_models import save_redundant_model, write_calibration_text
 from mha2gqa.cli import main
 from mha2gqa.convert.grouping import pair_costs, partition, permute_heads
 from mha2gqa.convert.roles import layer_names, pack, unpack
@@ -14,7 +15,6 @@ from mha2gqa.convert.run import convert
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, layout_for
 from mha2gqa.provenance import latest
-from tiny_models import make_tiny_model, save_tiny_model
 
 SCATTERED = [0, 3, 5, 6, 1, 2, 4, 7]  # planted groups {0, 3, 5, 6} and {1, 2, 4, 7}
 
@@ -24,8 +24,16 @@ def run(model, ids):
         return model(ids).logits
 
 
-@pytest.mark.parametrize("model_type,overrides", [("llama", {}), ("llama", {"num_key_value_heads": 4}),
-                                                  ("phi3", {}), ("qwen3", {}), ("stablelm", {"qk_layernorm": False})])
+@pytest.mark.parametrize(
+    "model_type,overrides",
+    [
+        ("llama", {}),
+        ("llama", {"num_key_value_heads": 4}),
+        ("phi3", {}),
+        ("qwen3", {}),
+        ("stablelm", {"qk_layernorm": False}),
+    ],
+)
 def test_head_permutation_alone_leaves_logits_unchanged(model_type, overrides):
     model = make_tiny_model(model_type, **overrides)
     config = model.config.to_dict()
@@ -38,8 +46,9 @@ def test_head_permutation_alone_leaves_logits_unchanged(model_type, overrides):
     with torch.no_grad():
         for layer in range(shape.layers):
             names = layer_names(layout, layer, shape.kv_heads, set(state))
-            roles = permute_heads(unpack({r: state[n].clone() for r, n in names.items()}, shape), order,
-                                  shape.kv_heads, shape.head_dim)
+            roles = permute_heads(
+                unpack({r: state[n].clone() for r, n in names.items()}, shape), order, shape.kv_heads, shape.head_dim
+            )
             for role, tensor in pack(roles, list(names), shape.kv_heads).items():
                 state[names[role]].copy_(tensor)
     after = run(model, ids)
@@ -49,10 +58,12 @@ def test_head_permutation_alone_leaves_logits_unchanged(model_type, overrides):
 
 
 def test_permutation_moves_query_heads_with_their_kv_head():
-    roles = {"k.weight": torch.arange(4.0).repeat_interleave(2)[:, None],  # 4 kv heads of hd 2
-             "v.weight": torch.arange(4.0).repeat_interleave(2)[:, None],
-             "q.weight": torch.arange(8.0).repeat_interleave(2)[:, None],  # 8 query heads, 2 per kv head
-             "o.weight": torch.arange(8.0).repeat_interleave(2)[None, :]}
+    roles = {
+        "k.weight": torch.arange(4.0).repeat_interleave(2)[:, None],  # 4 kv heads of hd 2
+        "v.weight": torch.arange(4.0).repeat_interleave(2)[:, None],
+        "q.weight": torch.arange(8.0).repeat_interleave(2)[:, None],  # 8 query heads, 2 per kv head
+        "o.weight": torch.arange(8.0).repeat_interleave(2)[None, :],
+    }
     out = permute_heads(roles, [2, 0, 3, 1], kv_heads=4, head_dim=2)
     assert out["k.weight"][::2, 0].tolist() == [2, 0, 3, 1]
     assert out["q.weight"][::2, 0].tolist() == [4, 5, 0, 1, 6, 7, 2, 3]
@@ -62,7 +73,9 @@ def test_permutation_moves_query_heads_with_their_kv_head():
 def test_partition_finds_planted_groups():
     n, groups = 12, 3
     planted = [[0, 4, 7, 9], [1, 2, 8, 11], [3, 5, 6, 10]]
-    costs = torch.full((n, n), 1.0, dtype=torch.float64) + 0.1 * torch.rand(n, n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    costs = torch.full((n, n), 1.0, dtype=torch.float64) + 0.1 * torch.rand(
+        n, n, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
     costs = (costs + costs.T) / 2
     for group in planted:
         for a in group:
@@ -94,8 +107,16 @@ def test_similarity_grouping_makes_the_merge_exact_on_scattered_groups(tmp_path)
     parent = run(AutoModelForCausalLM.from_pretrained(src), ids)
     outs = {}
     for grouping in ("contiguous", "similarity"):
-        result = convert(src, tmp_path / grouping, groups=2, method="calibrated", calibration=str(cal),
-                         calibration_tokens=400, grouping=grouping, progress=False)
+        result = convert(
+            src,
+            tmp_path / grouping,
+            groups=2,
+            method="calibrated",
+            calibration=str(cal),
+            calibration_tokens=400,
+            grouping=grouping,
+            progress=False,
+        )
         outs[grouping] = (result, run(AutoModelForCausalLM.from_pretrained(tmp_path / grouping), ids))
     result, similar = outs["similarity"]
     assert [row["kv_order"] for row in result.layers] == [SCATTERED, SCATTERED]
@@ -109,8 +130,16 @@ def test_similarity_grouping_with_mean_rewrites_q_and_o(tmp_path):
     src = tmp_path / "src"
     save_redundant_model(src, "llama", groups=2, order=SCATTERED)
     cal = write_calibration_text(tmp_path / "cal.txt")
-    result = convert(src, tmp_path / "dst", groups=2, method="mean", calibration=str(cal), calibration_tokens=300,
-                     grouping="similarity", progress=False)
+    result = convert(
+        src,
+        tmp_path / "dst",
+        groups=2,
+        method="mean",
+        calibration=str(cal),
+        calibration_tokens=300,
+        grouping="similarity",
+        progress=False,
+    )
     assert result.layers[0]["kv_order"] == SCATTERED
     source = AutoModelForCausalLM.from_pretrained(src).state_dict()
     out = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").state_dict()
@@ -125,8 +154,20 @@ def test_similarity_grouping_refusals(tmp_path):
     with pytest.raises(InputError, match="--grouping 'best' is unknown"):
         convert(tmp_path / "src", tmp_path / "dst", groups=2, grouping="best", calibration="x")
     save_tiny_model(tmp_path / "olmo2", "olmo2")
-    result = CliRunner().invoke(main, ["convert", str(tmp_path / "olmo2"), str(tmp_path / "dst"), "-g", "2",
-                                       "--grouping", "similarity", "--calibration", str(write_calibration_text(tmp_path / "c.txt"))])
+    result = CliRunner().invoke(
+        main,
+        [
+            "convert",
+            str(tmp_path / "olmo2"),
+            str(tmp_path / "dst"),
+            "-g",
+            "2",
+            "--grouping",
+            "similarity",
+            "--calibration",
+            str(write_calibration_text(tmp_path / "c.txt")),
+        ],
+    )
     assert result.exit_code == 2 and "q_norm has one slice per query head" in result.output
     assert not (tmp_path / "dst").exists()
     save_tiny_model(tmp_path / "stablelm", "stablelm")  # qk_layernorm: one norm per query head

@@ -34,8 +34,9 @@ def direct_harness(model_dir: Path, tasks, limit: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     wrapped = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(model_dir), batch_size=1)
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
-    return lm_eval.simple_evaluate(model=wrapped, tasks=list(tasks), limit=limit, task_manager=manager,
-                                   bootstrap_iters=BOOTSTRAP_ITERS)["results"]
+    return lm_eval.simple_evaluate(
+        model=wrapped, tasks=list(tasks), limit=limit, task_manager=manager, bootstrap_iters=BOOTSTRAP_ITERS
+    )["results"]
 
 
 def assert_same_numbers(ours: dict, theirs: dict) -> None:
@@ -56,8 +57,12 @@ def tiny(tmp_path_factory):
 
 
 def test_shipped_task_data_is_what_the_script_makes():
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_lmeval_tasks.py"), "--check"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_lmeval_tasks.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     cloze = [json.loads(line) for line in (TASKS_DIR / "persuasion_cloze.jsonl").read_text().splitlines()]
     choice = [json.loads(line) for line in (TASKS_DIR / "persuasion_next_sentence.jsonl").read_text().splitlines()]
@@ -70,8 +75,14 @@ def test_shipped_task_data_is_what_the_script_makes():
 
 
 def test_tiny_model_numbers_equal_the_harness_called_directly(tiny, tmp_path):
-    result = evaluate(tiny, lm_eval_tasks=list(OFFLINE_TASKS), lm_eval_limit=LIMIT, speed_preset=None,
-                      out=tmp_path / "tiny.json", progress=False)
+    result = evaluate(
+        tiny,
+        lm_eval_tasks=list(OFFLINE_TASKS),
+        lm_eval_limit=LIMIT,
+        speed_preset=None,
+        out=tmp_path / "tiny.json",
+        progress=False,
+    )
     section = result["lm_eval"]
     assert section["harness"].startswith("lm-eval 0.4") and section["limit"] == LIMIT
     assert_same_numbers(section, direct_harness(tiny, OFFLINE_TASKS, LIMIT))
@@ -80,21 +91,46 @@ def test_tiny_model_numbers_equal_the_harness_called_directly(tiny, tmp_path):
 
 def test_embedded_default_through_the_cli_equals_the_harness_and_reaches_the_report(tiny, tmp_path):
     out = tmp_path / "embedded.json"
-    run = CliRunner().invoke(main, ["eval", str(embedded.model_dir()), "--lm-eval-tasks", "mha2gqa_offline",
-                                    "--lm-eval-limit", str(LIMIT), "--speed", "off", "--quiet", "--out", str(out)])
+    run = CliRunner().invoke(
+        main,
+        [
+            "eval",
+            str(embedded.model_dir()),
+            "--lm-eval-tasks",
+            "mha2gqa_offline",
+            "--lm-eval-limit",
+            str(LIMIT),
+            "--speed",
+            "off",
+            "--quiet",
+            "--out",
+            str(out),
+        ],
+    )
     assert run.exit_code == 0, run.output
     assert f"persuasion_cloze ({LIMIT} examples): perplexity " in run.output
     ours = json.loads(out.read_text())["lm_eval"]
     assert_same_numbers(ours, direct_harness(embedded.model_dir(), OFFLINE_TASKS, LIMIT))
 
     # The report gains one column per task metric and its change vs the baseline.
-    other = evaluate(tiny, lm_eval_tasks=["persuasion_next_sentence"], lm_eval_limit=LIMIT, speed_preset=None,
-                     label="tiny", out=tmp_path / "tiny.json", progress=False)
+    other = evaluate(
+        tiny,
+        lm_eval_tasks=["persuasion_next_sentence"],
+        lm_eval_limit=LIMIT,
+        speed_preset=None,
+        label="tiny",
+        out=tmp_path / "tiny.json",
+        progress=False,
+    )
     written = write_report([out, tmp_path / "tiny.json"], tmp_path / "report")
     table = written["markdown"].read_text()
     header = next(line for line in table.splitlines() if line.startswith("| model"))
-    for column in ("persuasion_cloze perplexity", "persuasion_cloze acc", "persuasion_next_sentence acc_norm",
-                   "Δ acc_norm"):
+    for column in (
+        "persuasion_cloze perplexity",
+        "persuasion_cloze acc",
+        "persuasion_next_sentence acc_norm",
+        "Δ acc_norm",
+    ):
         assert column in header
     base = ours["tasks"]["persuasion_next_sentence"]["metrics"]["acc"]["value"]
     mine = other["lm_eval"]["tasks"]["persuasion_next_sentence"]["metrics"]["acc"]["value"]

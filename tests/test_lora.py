@@ -91,8 +91,15 @@ def test_interrupted_and_resumed_lora_run_equals_the_uninterrupted_one(tmp_path,
 
 def test_lora_distillation_starts_from_the_teacher(tmp_path, tiny):
     # fp32 student and teacher: the same numbers in both forwards, so the first KL is exactly 0
-    recipe = _recipe(tmp_path, tiny, model=str(tiny["model32"]), log_every=1, eval_every=0, budget={"max_steps": 3},
-                     distill={"teacher": str(tiny["model32"]), "kl_weight": 0.25, "temperature": 2.0})
+    recipe = _recipe(
+        tmp_path,
+        tiny,
+        model=str(tiny["model32"]),
+        log_every=1,
+        eval_every=0,
+        budget={"max_steps": 3},
+        distill={"teacher": str(tiny["model32"]), "kl_weight": 0.25, "temperature": 2.0},
+    )
     out = train(recipe)
     losses = [ln["loss"] for ln in metrics(out)[1:]]
     # fresh adapters add zero (B = 0): student == teacher, KL is 0, the loss is (1 - w) * LM loss
@@ -107,8 +114,16 @@ def test_lora_distillation_starts_from_the_teacher(tmp_path, tiny):
 def test_qlora_merge_path_equals_the_in_place_merge(tiny):
     """QLoRA merges into a fresh load of the source (a 4-bit base cannot take the merge); on CPU the
     same path runs on a full-precision base and must give the in-place merge's weights."""
-    recipe = load_recipe(recipe_file(tiny["model"].parent / "q.yaml", model=str(tiny["model"]), output_dir="unused",
-                                     trainable="lora", lora={"rank": RANK}, data={"train": str(tiny["train"])}))
+    recipe = load_recipe(
+        recipe_file(
+            tiny["model"].parent / "q.yaml",
+            model=str(tiny["model"]),
+            output_dir="unused",
+            trainable="lora",
+            lora={"rank": RANK},
+            data={"train": str(tiny["train"])},
+        )
+    )
     base = AutoModelForCausalLM.from_pretrained(tiny["model"], dtype=torch.float32)
     wrapped = L.add_adapters(base, recipe.lora)
     torch.manual_seed(0)
@@ -120,16 +135,22 @@ def test_qlora_merge_path_equals_the_in_place_merge(tiny):
     assert fresh.keys() == in_place.keys()
     for name in fresh:
         torch.testing.assert_close(fresh[name], in_place[name], msg=name)
-    assert any(not torch.equal(in_place[k], base_w) for k, base_w in
-               load_file(str(tiny["model"] / "model.safetensors")).items() if k.endswith(ATTENTION))
+    assert any(
+        not torch.equal(in_place[k], base_w)
+        for k, base_w in load_file(str(tiny["model"] / "model.safetensors")).items()
+        if k.endswith(ATTENTION)
+    )
 
 
-@pytest.mark.parametrize("keys, message", [
-    ({"lora": {"load_in_4bit": True}}, "lora.load_in_4bit=true (QLoRA) needs "),
-    ({"trainable": "all", "lora": {"rank": 8}}, "lora.* keys are set but trainable=all"),
-    ({"lora": {"rank": 0, "dropout": 1.0}}, "lora.rank=0 must be at least 1"),
-    ({"lora": {"alpha": -1}}, "lora.alpha=-1.0 must be positive"),
-])
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"lora": {"load_in_4bit": True}}, "lora.load_in_4bit=true (QLoRA) needs "),
+        ({"trainable": "all", "lora": {"rank": 8}}, "lora.* keys are set but trainable=all"),
+        ({"lora": {"rank": 0, "dropout": 1.0}}, "lora.rank=0 must be at least 1"),
+        ({"lora": {"alpha": -1}}, "lora.alpha=-1.0 must be positive"),
+    ],
+)
 def test_lora_recipe_rules(tmp_path, tiny, keys, message):
     if "load_in_4bit" in keys.get("lora", {}) and torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the refusal is for machines without one")
@@ -145,16 +166,24 @@ def test_unknown_target_module_is_refused_before_anything_is_written(tmp_path, t
 
 
 def test_two_cpu_ranks_train_one_lora_model(tmp_path, tiny):
-    recipe = recipe_file(tmp_path / "r.yaml", model=str(tiny["model"]), output_dir=str(tmp_path / "out"),
-                         data={"train": str(tiny["train"])}, trainable="lora", lora={"rank": RANK},
-                         save_every=2, eval_every=2)
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        model=str(tiny["model"]),
+        output_dir=str(tmp_path / "out"),
+        data={"train": str(tiny["train"])},
+        trainable="lora",
+        lora={"rank": RANK},
+        save_every=2,
+        eval_every=2,
+    )
     result = _launch(["--recipe", str(recipe), "trace_samples=true", "budget.max_steps=4"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "out"
     record = latest(out, "uptrain")
     assert record["world_size"] == 2 and record["adapter"]["rank"] == RANK
-    sums = [json.loads((out / "trace" / f"rank{r}.jsonl").read_text().splitlines()[-1])["final_param_sums"]
-            for r in (0, 1)]
+    sums = [
+        json.loads((out / "trace" / f"rank{r}.jsonl").read_text().splitlines()[-1])["final_param_sums"] for r in (0, 1)
+    ]
     lora_sums = [name for name in sums[0] if "lora_" in name]
     assert lora_sums  # the replicas held adapters ...
     for name in sums[0]:  # ... and DDP kept them identical
@@ -170,13 +199,19 @@ def test_memory_benchmark_runs_at_its_smoke_size(tmp_path):
     from pathlib import Path
 
     bench = Path(__file__).resolve().parents[1] / "bench" / "train_memory.py"
-    done = subprocess.run([sys.executable, str(bench), "--smoke", "--json", str(tmp_path / "m.json")],
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(bench), "--smoke", "--json", str(tmp_path / "m.json")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads((tmp_path / "m.json").read_text())
     measured = {r["mode"]: r for r in found["measured"]}
     assert measured["all"]["grad_bytes"] == measured["all"]["weights_bytes"]  # every weight has a gradient
-    assert measured["lora"]["trainable_params"] < measured["kv"]["trainable_params"] < measured["all"]["trainable_params"]
+    assert (
+        measured["lora"]["trainable_params"] < measured["kv"]["trainable_params"] < measured["all"]["trainable_params"]
+    )
     assert measured["lora"]["adam_bytes"] == 2 * measured["lora"]["grad_bytes"]  # exp_avg + exp_avg_sq
     computed = {r["mode"]: r for r in found["computed_7b"]}
     assert computed["lora"]["fits_24GB"] and not computed["all"]["fits_80GB"]

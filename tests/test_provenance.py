@@ -4,11 +4,11 @@ stage), the role read from the lineage, and files of the old schema still read."
 import json
 
 import pytest
+from tiny_models import save_tiny_model
 
 from mha2gqa import embedded, provenance
 from mha2gqa.convert.run import convert
 from mha2gqa.errors import InputError
-from tiny_models import save_tiny_model
 
 
 def test_parent_converted_uptrained_reads_back_as_a_list(tmp_path):
@@ -64,7 +64,12 @@ def test_old_nested_and_carried_files_give_the_same_list():
     uptrained_twice = {**converted, "uptrain": {"steps": 4, "previous": uptrained["uptrain"]}}
     stages = provenance.lineage_of(uptrained_twice)
     assert [(s["stage"], s.get("steps", s.get("groups"))) for s in stages] == [
-        ("uptrain", 1), ("uptrain", 2), ("conversion", 2), ("uptrain", 3), ("uptrain", 4)]
+        ("uptrain", 1),
+        ("uptrain", 2),
+        ("conversion", 2),
+        ("uptrain", 3),
+        ("uptrain", 4),
+    ]
     assert stages[0]["version"] == "0.0.9" and stages[2]["version"] == "0.1.0"
     assert all("previous" not in s and "parent_provenance" not in s for s in stages)
     roles = [provenance.role_of(r) for r in (pretrain, again, converted, uptrained, uptrained_twice)]
@@ -80,11 +85,14 @@ def test_appending_to_a_source_with_an_old_file_writes_the_new_schema(tmp_path):
     assert "conversion" not in written and "parent_provenance" not in written
 
 
-@pytest.mark.parametrize("content,message", [
-    ("{not json", "is not valid JSON"),
-    ("[1, 2]", "is a JSON list, not an object"),
-    ('{"lineage": [{"stage": "pretrain"}]}', "'lineage' must be a list of stages"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("{not json", "is not valid JSON"),
+        ("[1, 2]", "is a JSON list, not an object"),
+        ('{"lineage": [{"stage": "pretrain"}]}', "'lineage' must be a list of stages"),
+    ],
+)
 def test_a_broken_file_is_one_clear_error(tmp_path, content, message):
     (tmp_path / provenance.FILE_NAME).write_text(content)
     with pytest.raises(InputError, match=message) as err:
@@ -107,14 +115,21 @@ def test_a_broken_source_file_stops_convert_before_anything_is_written(tmp_path)
 
 
 def test_a_broken_source_file_stops_uptrain_before_training(tmp_path):
-    from mha2gqa.uptrain import load_recipe, train
     from uptrain_helpers import corpus, recipe_file, tiny_model_dir
+
+    from mha2gqa.uptrain import load_recipe, train
 
     model = tiny_model_dir(tmp_path / "model")
     (model / provenance.FILE_NAME).write_text('{"lineage": "none"}')
-    recipe = load_recipe(recipe_file(tmp_path / "r.yaml", model=str(model), output_dir=str(tmp_path / "out"),
-                                     data={"train": str(corpus(tmp_path / "train.jsonl", docs=40))},
-                                     budget={"max_steps": 2}))
+    recipe = load_recipe(
+        recipe_file(
+            tmp_path / "r.yaml",
+            model=str(model),
+            output_dir=str(tmp_path / "out"),
+            data={"train": str(corpus(tmp_path / "train.jsonl", docs=40))},
+            budget={"max_steps": 2},
+        )
+    )
     with pytest.raises(InputError, match="'lineage' must be a list of stages"):
         train(recipe)
     assert not (tmp_path / "out").exists()  # nothing written

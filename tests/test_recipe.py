@@ -24,21 +24,38 @@ def valid(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     # A config.json that reads as one (the recipe check refuses malformed ones); no weights needed here.
-    (model / "config.json").write_text('{"model_type": "llama", "num_attention_heads": 4, "hidden_size": 32, '
-                                       '"num_hidden_layers": 2}')
+    (model / "config.json").write_text(
+        '{"model_type": "llama", "num_attention_heads": 4, "hidden_size": 32, "num_hidden_layers": 2}'
+    )
     data = tmp_path / "train.txt"
     data.write_text("hello\n")
     path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": str(model), "output_dir": str(tmp_path / "out"),
-        "data": {"train": str(data)}, "budget": {"max_steps": 10},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(model),
+                "output_dir": str(tmp_path / "out"),
+                "data": {"train": str(data)},
+                "budget": {"max_steps": 10},
+            }
+        )
+    )
     return path
 
 
 def test_loads_typed_values_and_applies_overrides(valid):
-    r = load_recipe(valid, ["optim.lr=2e-4", "optim.betas=[0.8, 0.9]", "seq_len=64.0", "mixed_precision=no",
-                            "budget.max_steps=1_000", "data.eval_blocks=3", "trainable=kv"])
+    r = load_recipe(
+        valid,
+        [
+            "optim.lr=2e-4",
+            "optim.betas=[0.8, 0.9]",
+            "seq_len=64.0",
+            "mixed_precision=no",
+            "budget.max_steps=1_000",
+            "data.eval_blocks=3",
+            "trainable=kv",
+        ],
+    )
     assert isinstance(r, Recipe)
     assert r.optim.lr == pytest.approx(2e-4) and isinstance(r.optim.lr, float)  # YAML reads 2e-4 as text
     assert r.optim.betas == (0.8, 0.9)
@@ -62,21 +79,24 @@ def test_every_problem_is_reported_together_each_naming_its_key(valid):
     assert "\n" not in message  # the CLI shows it as one line
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["budget.max_steps=null"], "set exactly one of budget.max_steps, budget.tokens, budget.alpha (got none)"),
-    (["budget.tokens=100"], "(got budget.max_steps, budget.tokens)"),
-    (["budget.max_steps=null", "budget.alpha=0.05"], "budget.alpha needs budget.pretrain_tokens"),
-    (["budget.max_steps=0"], "budget.max_steps=0 must be positive"),
-    (["seq_len=1"], "seq_len must be at least 2"),
-    (["optim.betas=[0.9]"], "optim.betas: expected a list of 2 numbers"),
-    (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2.0 must be in [0, 1]"),
-    (["distill.kl_weight=1.5"], "distill.kl_weight=1.5 must be in [0, 1]"),
-    (["init_from_config=cfg.json"], "set exactly one of model (to uptrain) and init_from_config"),
-    (["output_dir=null"], "output_dir is required"),
-    (["model=nobody/nothing"], "model=nobody/nothing is not a local directory and the hub is offline"),
-    (["optim=3"], "optim is a section: give its keys (optim.lr, "),
-    (["oops"], "override 'oops' is not key=value"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["budget.max_steps=null"], "set exactly one of budget.max_steps, budget.tokens, budget.alpha (got none)"),
+        (["budget.tokens=100"], "(got budget.max_steps, budget.tokens)"),
+        (["budget.max_steps=null", "budget.alpha=0.05"], "budget.alpha needs budget.pretrain_tokens"),
+        (["budget.max_steps=0"], "budget.max_steps=0 must be positive"),
+        (["seq_len=1"], "seq_len must be at least 2"),
+        (["optim.betas=[0.9]"], "optim.betas: expected a list of 2 numbers"),
+        (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2.0 must be in [0, 1]"),
+        (["distill.kl_weight=1.5"], "distill.kl_weight=1.5 must be in [0, 1]"),
+        (["init_from_config=cfg.json"], "set exactly one of model (to uptrain) and init_from_config"),
+        (["output_dir=null"], "output_dir is required"),
+        (["model=nobody/nothing"], "model=nobody/nothing is not a local directory and the hub is offline"),
+        (["optim=3"], "optim is a section: give its keys (optim.lr, "),
+        (["oops"], "override 'oops' is not key=value"),
+    ],
+)
 def test_rule_violations_name_the_key(valid, overrides, expected):
     with pytest.raises(InputError, match=re.escape(expected)):
         load_recipe(valid, overrides)

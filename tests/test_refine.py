@@ -8,23 +8,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from calibrated_models import save_redundant_model
 from click.testing import CliRunner
 from safetensors.torch import load_file
+from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 from transformers import AutoModelForCausalLM
 
-from calibrated_models import save_redundant_model
 from mha2gqa.cli import main
 from mha2gqa.convert.refine import RefineOptions, calibration_token_ids, refine_checkpoint
 from mha2gqa.convert.run import convert
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, layout_for, read_config
 from mha2gqa.provenance import latest
-from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 SMALL = dict(max_position_embeddings=64)  # refine blocks are min(512, context) tokens: 64 here
 FAST = RefineOptions(steps=30, lr=3e-3, batch_blocks=4)
-OTHER_TEXT = ("Sir Walter Elliot, of Kellynch Hall, in Somersetshire, was a man who, for his own amusement, "
-              "never took up any book but the Baronetage; there he found occupation for an idle hour.\n")
+OTHER_TEXT = (
+    "Sir Walter Elliot, of Kellynch Hall, in Somersetshire, was a man who, for his own amusement, "
+    "never took up any book but the Baronetage; there he found occupation for an idle hour.\n"
+)
 
 
 def logits(model_dir, ids):
@@ -58,8 +60,16 @@ def heldout_ids(src):
 def test_exact_merge_stays_exact(tmp_path, calibration_file):
     src = tmp_path / "src"
     save_redundant_model(src, "llama", groups=2, **SMALL)
-    result = convert(src, tmp_path / "dst", 2, method="calibrated", calibration=calibration_file,
-                     calibration_tokens=1024, refine=FAST, progress=False)
+    result = convert(
+        src,
+        tmp_path / "dst",
+        2,
+        method="calibrated",
+        calibration=calibration_file,
+        calibration_tokens=1024,
+        refine=FAST,
+        progress=False,
+    )
     for row in result.refine["layers"]:
         assert row["fit_error_after"] < 1e-9 and row["heldout_error_after"] < 1e-9, row
     ids = heldout_ids(src)
@@ -67,10 +77,25 @@ def test_exact_merge_stays_exact(tmp_path, calibration_file):
 
 
 def test_refine_beats_the_merge_on_heldout_text(tmp_path, tiny_src, calibration_file):
-    merged = convert(tiny_src, tmp_path / "mean", 2, method="mean", calibration=calibration_file,
-                     calibration_tokens=1024, progress=False)
-    refined = convert(tiny_src, tmp_path / "refined", 2, method="mean", calibration=calibration_file,
-                      calibration_tokens=1024, refine=FAST, progress=False)
+    merged = convert(
+        tiny_src,
+        tmp_path / "mean",
+        2,
+        method="mean",
+        calibration=calibration_file,
+        calibration_tokens=1024,
+        progress=False,
+    )
+    refined = convert(
+        tiny_src,
+        tmp_path / "refined",
+        2,
+        method="mean",
+        calibration=calibration_file,
+        calibration_tokens=1024,
+        refine=FAST,
+        progress=False,
+    )
     assert merged.refine is None
     for row in refined.refine["layers"]:  # per layer, on the held-out calibration blocks too
         assert row["heldout_error_after"] < row["heldout_error_before"], row
@@ -92,8 +117,16 @@ def test_deterministic_with_seed_and_same_when_spilled_to_disk(tmp_path, tiny_sr
     runs = {}
     for name, memory in [("a", FAST.memory), ("b", FAST.memory), ("spill", 1)]:
         options = RefineOptions(**{**FAST.__dict__, "memory": memory})
-        result = convert(tiny_src, tmp_path / name, 1, method="mean", calibration=calibration_file,
-                         calibration_tokens=1024, refine=options, progress=False)
+        result = convert(
+            tiny_src,
+            tmp_path / name,
+            1,
+            method="mean",
+            calibration=calibration_file,
+            calibration_tokens=1024,
+            refine=options,
+            progress=False,
+        )
         assert result.refine["spilled_to_disk"] == (name == "spill")
         runs[name] = load_file(tmp_path / name / "model.safetensors")
     assert not list(tmp_path.glob("mha2gqa-refine-*"))  # the spill files are removed
@@ -101,16 +134,39 @@ def test_deterministic_with_seed_and_same_when_spilled_to_disk(tmp_path, tiny_sr
         assert runs[name].keys() == runs["a"].keys()
         for key, tensor in runs["a"].items():
             assert torch.equal(runs[name][key], tensor), (name, key)
-    other = convert(tiny_src, tmp_path / "seed1", 1, method="mean", calibration=calibration_file,
-                    calibration_tokens=1024, refine=RefineOptions(**{**FAST.__dict__, "seed": 1}), progress=False)
+    other = convert(
+        tiny_src,
+        tmp_path / "seed1",
+        1,
+        method="mean",
+        calibration=calibration_file,
+        calibration_tokens=1024,
+        refine=RefineOptions(**{**FAST.__dict__, "seed": 1}),
+        progress=False,
+    )
     assert other.refine["layers"] != latest(tmp_path / "a", "conversion")["refine"]["layers"]
 
 
 def test_output_is_a_stock_checkpoint_of_the_merged_shapes(tmp_path, tiny_src, calibration_file):
-    convert(tiny_src, tmp_path / "merged", 2, method="calibrated", calibration=calibration_file,
-            calibration_tokens=1024, progress=False)
-    convert(tiny_src, tmp_path / "refined", 2, method="calibrated", calibration=calibration_file,
-            calibration_tokens=1024, refine=FAST, progress=False)
+    convert(
+        tiny_src,
+        tmp_path / "merged",
+        2,
+        method="calibrated",
+        calibration=calibration_file,
+        calibration_tokens=1024,
+        progress=False,
+    )
+    convert(
+        tiny_src,
+        tmp_path / "refined",
+        2,
+        method="calibrated",
+        calibration=calibration_file,
+        calibration_tokens=1024,
+        refine=FAST,
+        progress=False,
+    )
     merged, refined = (load_file(tmp_path / n / "model.safetensors") for n in ("merged", "refined"))
     assert {k: v.shape for k, v in merged.items()} == {k: v.shape for k, v in refined.items()}
     changed = {k for k in merged if not torch.equal(merged[k], refined[k])}
@@ -136,8 +192,15 @@ def test_cost_is_linear_in_depth(tmp_path, calibration_file):
     ids = calibration_token_ids(src, calibration_file, 1024)
     handle = torch.nn.modules.module.register_module_forward_hook(count)
     try:
-        record = refine_checkpoint(src, tmp_path / "dst", layout_for(config), attention_shape(config), ids,
-                                   RefineOptions(steps=2, batch_blocks=4), progress=False)
+        record = refine_checkpoint(
+            src,
+            tmp_path / "dst",
+            layout_for(config),
+            attention_shape(config),
+            ids,
+            RefineOptions(steps=2, batch_blocks=4),
+            progress=False,
+        )
     finally:
         handle.remove()
     blocks = (record["fit_tokens"] + record["heldout_tokens"]) // record["sequence_length"]
@@ -160,8 +223,16 @@ def test_every_layout_refines(tmp_path, calibration_file, model_type):
     src = tmp_path / "src"
     save_tiny_model(src, model_type, **SMALL)
     make_tiny_tokenizer(src)
-    result = convert(src, tmp_path / "dst", 2, method="mean", calibration=calibration_file, calibration_tokens=1024,
-                     refine=FAST, progress=False)
+    result = convert(
+        src,
+        tmp_path / "dst",
+        2,
+        method="mean",
+        calibration=calibration_file,
+        calibration_tokens=1024,
+        refine=FAST,
+        progress=False,
+    )
     rows = result.refine["layers"]
     assert all(r["heldout_error_after"] <= r["heldout_error_before"] for r in rows), rows
     assert any(r["heldout_error_after"] < r["heldout_error_before"] for r in rows), rows
@@ -173,9 +244,15 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, tiny_src, calibration
     runner = CliRunner()
     cases = [
         (["--refine"], "--refine needs calibration data"),
-        (["--refine", "--calibration", calibration_file, "--refine-steps", "-1"], "--refine-steps -1 must be 0 or more"),
+        (
+            ["--refine", "--calibration", calibration_file, "--refine-steps", "-1"],
+            "--refine-steps -1 must be 0 or more",
+        ),
         (["--refine", "--calibration", calibration_file, "--refine-lr", "0"], "--refine-lr 0.0 must be positive"),
-        (["--refine", "--calibration", calibration_file, "--refine-memory", "lots"], "--refine-memory 'lots' is not a size"),
+        (
+            ["--refine", "--calibration", calibration_file, "--refine-memory", "lots"],
+            "--refine-memory 'lots' is not a size",
+        ),
         (["--refine", "--calibration", calibration_file, "--refine-tokens", "0"], "--refine-tokens 0 must be positive"),
     ]
     for extra, message in cases:
@@ -184,16 +261,45 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, tiny_src, calibration
         assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
         assert not (tmp_path / "dst").exists()
     with pytest.raises(InputError, match="at least 2 calibration blocks"):
-        convert(tiny_src, tmp_path / "dst", 2, calibration=calibration_file, calibration_tokens=64, refine=FAST,
-                progress=False)
+        convert(
+            tiny_src,
+            tmp_path / "dst",
+            2,
+            calibration=calibration_file,
+            calibration_tokens=64,
+            refine=FAST,
+            progress=False,
+        )
     assert not (tmp_path / "dst").exists()
 
 
 def test_cli_refine_prints_errors(tmp_path, tiny_src, calibration_file):
-    result = CliRunner().invoke(main, [
-        "convert", str(tiny_src), str(tmp_path / "dst"), "-g", "2", "--method", "calibrated", "--grouping", "similarity",
-        "--calibration", calibration_file, "--calibration-tokens", "1024", "--refine", "--refine-steps", "10",
-        "--refine-lr", "0.003", "--refine-tokens", "256", "--quiet"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "convert",
+            str(tiny_src),
+            str(tmp_path / "dst"),
+            "-g",
+            "2",
+            "--method",
+            "calibrated",
+            "--grouping",
+            "similarity",
+            "--calibration",
+            calibration_file,
+            "--calibration-tokens",
+            "1024",
+            "--refine",
+            "--refine-steps",
+            "10",
+            "--refine-lr",
+            "0.003",
+            "--refine-tokens",
+            "256",
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "refine: relative attention-output error" in result.output
     record = latest(tmp_path / "dst", "conversion")["refine"]
@@ -206,8 +312,15 @@ def test_default_refine_tokens_scale_with_hidden_size(tmp_path, tiny_src, calibr
     src = tmp_path / "src"
     save_tiny_model(src, "llama", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, **SMALL)
     make_tiny_tokenizer(src)
-    record = convert(src, tmp_path / "dst", 2, calibration=calibration_file, calibration_tokens=1024,
-                     refine=RefineOptions(steps=2), progress=False).refine
+    record = convert(
+        src,
+        tmp_path / "dst",
+        2,
+        calibration=calibration_file,
+        calibration_tokens=1024,
+        refine=RefineOptions(steps=2),
+        progress=False,
+    ).refine
     assert record["options"]["tokens"] is None
     assert record["fit_tokens"] + record["heldout_tokens"] == 64 * 8
 
@@ -216,11 +329,16 @@ def test_default_refine_tokens_scale_with_hidden_size(tmp_path, tiny_src, calibr
 def test_bench_smoke(tmp_path):
     out = tmp_path / "refine.json"
     bench = Path(__file__).resolve().parent.parent / "bench" / "refine.py"
-    subprocess.run([sys.executable, str(bench), "--smoke", "--out", str(out)], check=True, timeout=600,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(bench), "--smoke", "--out", str(out)], check=True, timeout=600, capture_output=True
+    )
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["method"], r["refine"]) for r in rows} == {("mean", False), ("mean", True), ("calibrated", False),
-                                                          ("calibrated", True)}
+    assert {(r["method"], r["refine"]) for r in rows} == {
+        ("mean", False),
+        ("mean", True),
+        ("calibrated", False),
+        ("calibrated", True),
+    }
     for row in rows:
         assert row["perplexity"] > 1 and row["convert_s"] > 0 and row["peak_rss_mib"] > 0
 
@@ -229,8 +347,12 @@ def test_bench_timing_smoke(tmp_path):
     """bench/refine.py --timing: calibration and refinement side by side, medians of the rounds."""
     out = tmp_path / "timing.json"
     bench = Path(__file__).resolve().parent.parent / "bench" / "refine.py"
-    subprocess.run([sys.executable, str(bench), "--smoke", "--timing", "1", "--methods", "calibrated", "--out", str(out)],
-                   check=True, timeout=600, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(bench), "--smoke", "--timing", "1", "--methods", "calibrated", "--out", str(out)],
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
     result = json.loads(out.read_text())
     (round_,) = result["rounds"]
     assert round_["calibration_s"] > 0 and round_["refine_s"] > 0 and round_["refine_cpu_s"] > 0

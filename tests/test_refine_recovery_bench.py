@@ -13,8 +13,12 @@ BENCH = Path(__file__).resolve().parent.parent / "bench" / "refine_recovery.py"
 @pytest.mark.slow  # 25 s at load 1 (2 cores): a --refine conversion and four 1-2 step uptraining runs
 def test_recovery_smoke(tmp_path):
     out, png = tmp_path / "recovery.json", tmp_path / "recovery.png"
-    subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(out), "--plot", str(png)], check=True,
-                   timeout=900, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--out", str(out), "--plot", str(png)],
+        check=True,
+        timeout=900,
+        capture_output=True,
+    )
     result = json.loads(out.read_text())
     assert [row["start"] for row in result["rows"]] == ["mean", "calibrated+refine"]
     for row in result["rows"]:

@@ -17,18 +17,43 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def fake_result(label, role, kv_heads, ppl, kv_bytes, tps, kl=None, top1=None, data_hash="abc"):
     """A schema-valid result with chosen numbers; tps: {batch: tokens/s} at context 128."""
     return {
-        "schema": SCHEMA, "label": label, "role": role,
-        "model": {"path": f"/m/{label}", "model_type": "llama", "layers": 2, "heads": 8, "kv_heads": kv_heads,
-                  "head_dim": 8, "hidden": 64, "params": 1000, "dtype": "float32", "provenance": None},
+        "schema": SCHEMA,
+        "label": label,
+        "role": role,
+        "model": {
+            "path": f"/m/{label}",
+            "model_type": "llama",
+            "layers": 2,
+            "heads": 8,
+            "kv_heads": kv_heads,
+            "head_dim": 8,
+            "hidden": 64,
+            "params": 1000,
+            "dtype": "float32",
+            "provenance": None,
+        },
         "reference": None,
         "data": {"source": "file", "tokens": 500, "ids_sha256": data_hash},
         "perplexity": {"perplexity": ppl, "tokens_scored": 499, "context": 64, "stride": 32},
         "agreement": None if kl is None else {"kl_mean": kl, "top1_agreement": top1, "tokens": 499},
         "kv_cache": {"formula_bytes_per_token": kv_bytes, "measured_bytes_per_token": kv_bytes, "match": True},
-        "speed": {"grid": {}, "points": [
-            {"batch": b, "context": 128, "new_tokens": 16, "tokens_per_s": t, "peak_memory_bytes": 2**20,
-             "peak_memory_kind": "cpu_rss"} for b, t in tps.items()]},
-        "attention_maps": None, "lm_eval": None, "warnings": [],
+        "speed": {
+            "grid": {},
+            "points": [
+                {
+                    "batch": b,
+                    "context": 128,
+                    "new_tokens": 16,
+                    "tokens_per_s": t,
+                    "peak_memory_bytes": 2**20,
+                    "peak_memory_kind": "cpu_rss",
+                }
+                for b, t in tps.items()
+            ],
+        },
+        "attention_maps": None,
+        "lm_eval": None,
+        "warnings": [],
         "env": {"device": "cpu", "device_name": "x86_64", "seed": 0},
     }
 
@@ -66,7 +91,10 @@ def test_report_writes_every_output_with_expected_rows_and_numbers(three, tmp_pa
 
     md = written["markdown"].read_text()
     rows = [line for line in md.splitlines() if line.startswith("| gqa2-up |")]
-    assert rows[0] == "| gqa2-up | uptrained | 2/8 | 12.00 | +20.0% | 80% | 0.1000 | 90.0% | 256 B | 4.00× | 1,200 | 3.00× |"
+    assert (
+        rows[0]
+        == "| gqa2-up | uptrained | 2/8 | 12.00 | +20.0% | 80% | 0.1000 | 90.0% | 256 B | 4.00× | 1,200 | 3.00× |"
+    )
     assert rows[1].startswith("| gqa2-up | /m/gqa2-up | 1,000 | float32 | 500 tokens")  # provenance
     assert "decode tok/s @ B=8, T=128" in md
     assert "![quality_vs_kv](quality_vs_kv.png)" in md
@@ -80,9 +108,17 @@ def test_report_writes_every_output_with_expected_rows_and_numbers(three, tmp_pa
 
 def test_baseline_by_label_and_training_curve(three, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("\n".join(json.dumps(m) for m in [
-        {"step": 0, "loss": None, "eval_loss": 3.0, "eval_ppl": 20.0},
-        {"step": 10, "loss": 2.8}, {"step": 20, "loss": 2.5, "eval_loss": 2.6, "eval_ppl": 13.5}]) + "\n")
+    metrics.write_text(
+        "\n".join(
+            json.dumps(m)
+            for m in [
+                {"step": 0, "loss": None, "eval_loss": 3.0, "eval_ppl": 20.0},
+                {"step": 10, "loss": 2.8},
+                {"step": 20, "loss": 2.5, "eval_loss": 2.6, "eval_ppl": 13.5},
+            ]
+        )
+        + "\n"
+    )
     written = write_report(three, tmp_path / "rep", baseline="gqa2", metrics=metrics)
     assert written["training_curve"].read_bytes()[:8] == PNG_MAGIC
     rows = json.loads(written["json"].read_text())["rows"]

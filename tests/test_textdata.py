@@ -52,8 +52,17 @@ def test_every_record_format_gives_the_same_documents_by_both_readers(tmp_path, 
     assert [row["text"] for row in ds] == DOCS  # `datasets` (uptrain) reads the same records
 
 
-@pytest.mark.parametrize("suffix,compress", [(".txt", bytes), (".md", bytes), (".text", bytes), (".txt.gz", gzip.compress),
-                                             (".txt.bz2", bz2.compress), (".txt.xz", lzma.compress)])
+@pytest.mark.parametrize(
+    "suffix,compress",
+    [
+        (".txt", bytes),
+        (".md", bytes),
+        (".text", bytes),
+        (".txt.gz", gzip.compress),
+        (".txt.bz2", bz2.compress),
+        (".txt.xz", lzma.compress),
+    ],
+)
 def test_a_text_file_is_one_document_exactly_as_written(tmp_path, suffix, compress):
     text = "Chapter 1\n\nIt is a truth \u2014 universally acknowledged.\n"
     (tmp_path / f"novel{suffix}").write_bytes(compress(text.encode("utf-8")))
@@ -101,18 +110,37 @@ def test_a_field_other_than_text(tmp_path):
 FAULTS = {
     "binary file": ("model.txt", lambda p: p.write_bytes(bytes(range(256)) * 4), "model.txt: not UTF-8 text"),
     "NUL bytes": ("weights.txt", lambda p: p.write_bytes(b"abc\0\0\0def"), "weights.txt: holds NUL bytes"),
-    "invalid jsonl": ("bad.jsonl", lambda p: p.write_text(_jsonl(DOCS) + "{not json\n"), r"bad.jsonl:3: not valid JSON"),
+    "invalid jsonl": (
+        "bad.jsonl",
+        lambda p: p.write_text(_jsonl(DOCS) + "{not json\n"),
+        r"bad.jsonl:3: not valid JSON",
+    ),
     "invalid json array": ("bad.json", lambda p: p.write_text('[{"text": "a"}, '), r"bad.json: not valid JSON"),
-    "missing field": ("c.jsonl", lambda p: p.write_text(_jsonl(DOCS, field="body")),
-                      r"c.jsonl:1: has no 'text' field \(fields: body, id\)"),
+    "missing field": (
+        "c.jsonl",
+        lambda p: p.write_text(_jsonl(DOCS, field="body")),
+        r"c.jsonl:1: has no 'text' field \(fields: body, id\)",
+    ),
     "not an object": ("c.jsonl", lambda p: p.write_text('["a list"]\n'), r"c.jsonl:1: a list, not a JSON object"),
     "missing column": ("t.parquet", lambda p: _parquet(p, DOCS, field="body"), r"t.parquet: has no 'text' column"),
     "not parquet": ("t.parquet", lambda p: p.write_text("hello"), r"t.parquet: not a parquet file"),
-    "not gzip": ("fake.txt.gz", lambda p: p.write_text("not gzip"), r"fake.txt.gz: ends in .gz but is not readable gzip"),
-    "truncated xz": ("cut.txt.xz", lambda p: p.write_bytes(lzma.compress(b"x" * 1000)[:20]), r"cut.txt.xz: ends in .xz"),
+    "not gzip": (
+        "fake.txt.gz",
+        lambda p: p.write_text("not gzip"),
+        r"fake.txt.gz: ends in .gz but is not readable gzip",
+    ),
+    "truncated xz": (
+        "cut.txt.xz",
+        lambda p: p.write_bytes(lzma.compress(b"x" * 1000)[:20]),
+        r"cut.txt.xz: ends in .xz",
+    ),
     "unknown extension": ("data.csv", lambda p: p.write_text("a,b\n"), r"data.csv: unknown suffix \(use .txt/"),
     "empty folder": ("empty", lambda p: p.mkdir(), r"empty: the folder holds no .txt/"),
-    "folder of unknowns": ("bins", lambda p: (p.mkdir(), (p / "x.bin").write_bytes(b"\0")), r"bins: the folder holds no"),
+    "folder of unknowns": (
+        "bins",
+        lambda p: (p.mkdir(), (p / "x.bin").write_bytes(b"\0")),
+        r"bins: the folder holds no",
+    ),
 }
 
 
@@ -147,8 +175,10 @@ def test_missing_paths_hub_names_and_mixed_formats(tmp_path, monkeypatch):
     assert _texts(str(tmp_path)) == ["a", "b"]  # plain reading takes a mix
     problems = []
     textdata.resolve("data.train", ["./gone.jsonl", "org/name"], problems)
-    assert problems == ["data.train ./gone.jsonl: no such file or folder",
-                        "data.train org/name: not a local path, and a hub dataset must be the only entry"]
+    assert problems == [
+        "data.train ./gone.jsonl: no such file or folder",
+        "data.train org/name: not a local path, and a hub dataset must be the only entry",
+    ]
     # validating a recipe for another machine accepts missing local paths and hub names
     assert textdata.resolve("data.train", ["./gone.jsonl"], check_files=False).files[0].name == "gone.jsonl"
     assert textdata.resolve("data.train", "org/name", check_files=False).hub == "org/name"
@@ -170,14 +200,38 @@ def test_zst_without_zstandard_says_what_to_install(tmp_path):
 def test_cli_eval_and_convert_print_one_line_and_write_nothing(tmp_path):
     (tmp_path / "bad.jsonl").write_text("{oops\n")
     runner = CliRunner()
-    result = runner.invoke(main, ["eval", str(embedded.model_dir()), "--data", str(tmp_path / "bad.jsonl"),
-                                  "--out", str(tmp_path / "r.json"), "--speed", "off"])
+    result = runner.invoke(
+        main,
+        [
+            "eval",
+            str(embedded.model_dir()),
+            "--data",
+            str(tmp_path / "bad.jsonl"),
+            "--out",
+            str(tmp_path / "r.json"),
+            "--speed",
+            "off",
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert f"Error: --data {tmp_path / 'bad.jsonl'}:1: not valid JSON" in result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "r.json").exists()
     (tmp_path / "blob.txt").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(128, 256)))
-    result = runner.invoke(main, ["convert", str(embedded.model_dir()), str(tmp_path / "out"), "--groups", "2",
-                                  "--method", "calibrated", "--calibration", str(tmp_path / "blob.txt"), "--quiet"])
+    result = runner.invoke(
+        main,
+        [
+            "convert",
+            str(embedded.model_dir()),
+            str(tmp_path / "out"),
+            "--groups",
+            "2",
+            "--method",
+            "calibrated",
+            "--calibration",
+            str(tmp_path / "blob.txt"),
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert f"Error: --calibration {tmp_path / 'blob.txt'}: not UTF-8 text" in result.output
     assert not (tmp_path / "out").exists()
@@ -196,8 +250,21 @@ def test_persuasion_reads_to_the_same_text_and_ids_as_before_the_merge():
 
 
 def test_cli_calibration_austen_reads_the_five_training_novels(tmp_path):
-    result = CliRunner().invoke(main, ["convert", str(embedded.model_dir()), str(tmp_path / "out"), "--groups", "4",
-                                       "--calibration", "austen", "--calibration-tokens", "256", "--quiet"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "convert",
+            str(embedded.model_dir()),
+            str(tmp_path / "out"),
+            "--groups",
+            "4",
+            "--calibration",
+            "austen",
+            "--calibration-tokens",
+            "256",
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "out" / "mha2gqa.json").read_text())
     calibration = json.dumps(record)  # wherever the provenance layout keeps it
@@ -221,8 +288,9 @@ def test_a_fault_past_the_checked_head_is_still_one_line(tmp_path):
 
 
 def test_eval_reads_jsonl_now(tmp_path):
-    from mha2gqa.eval.data import SEPARATOR, load_eval_text
     from tiny_models import make_tiny_tokenizer
+
+    from mha2gqa.eval.data import SEPARATOR, load_eval_text
 
     tok = make_tiny_tokenizer()
     (tmp_path / "held.jsonl").write_text(_jsonl(DOCS))
@@ -237,7 +305,8 @@ def test_python_api_takes_paths_and_lists_for_calibration(tmp_path):
     from mha2gqa.convert.run import convert
 
     novels = [Path(p) for p in embedded.expand_corpus_name("austen")][:2]
-    result = convert(embedded.model_dir(), tmp_path / "out", groups=4, calibration=novels, calibration_tokens=128,
-                     progress=False)
+    result = convert(
+        embedded.model_dir(), tmp_path / "out", groups=4, calibration=novels, calibration_tokens=128, progress=False
+    )
     assert result.dst == tmp_path / "out"
     assert json.dumps(json.loads((tmp_path / "out" / "mha2gqa.json").read_text())).count(str(novels[1])) == 1

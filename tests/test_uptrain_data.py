@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from tiny_models import make_tiny_tokenizer
 from uptrain_helpers import corpus, recipe_file
 
 from mha2gqa import textdata
@@ -14,7 +15,6 @@ from mha2gqa.uptrain import load_recipe
 from mha2gqa.uptrain.data import MemoryBatches, StreamBatches, block_hash, build_data, pack, pack_all, rank_slice
 from mha2gqa.uptrain.recipe import OptimConfig
 from mha2gqa.uptrain.steps import lr_at, total_steps
-from tiny_models import make_tiny_tokenizer
 
 EOS = 2
 
@@ -72,8 +72,12 @@ def test_streaming_ranks_take_disjoint_documents_and_resume_exactly(tmp_path):
     tokenizer = make_tiny_tokenizer()
     data = corpus(tmp_path / "c.jsonl", docs=60)
     source = textdata.resolve("data.train", [str(data)])
-    recipe = load_recipe(recipe_file(tmp_path / "r.yaml", model=str(tmp_path), output_dir="o",
-                                     data={"train": str(data), "streaming": True}), check_files=False)
+    recipe = load_recipe(
+        recipe_file(
+            tmp_path / "r.yaml", model=str(tmp_path), output_dir="o", data={"train": str(data), "streaming": True}
+        ),
+        check_files=False,
+    )
     ds = textdata.load_documents(source, recipe.data.text_field, streaming=True)
     streams = [StreamBatches(ds, "text", tokenizer, EOS, 16, 2, rank, 2, seed=3, buffer=16) for rank in range(2)]
     batches = [[b for _, b in zip(range(10), s.batches(0))] for s in streams]
@@ -87,9 +91,16 @@ def test_streaming_ranks_take_disjoint_documents_and_resume_exactly(tmp_path):
 def test_held_out_eval_blocks_never_train(tmp_path, streaming):
     tokenizer = make_tiny_tokenizer()
     data = corpus(tmp_path / "c.jsonl", docs=80)
-    recipe = load_recipe(recipe_file(tmp_path / "r.yaml", model=str(tmp_path), output_dir="o", seq_len=16,
-                                     data={"train": str(data), "eval_blocks": 10, "streaming": streaming}),
-                         check_files=False)
+    recipe = load_recipe(
+        recipe_file(
+            tmp_path / "r.yaml",
+            model=str(tmp_path),
+            output_dir="o",
+            seq_len=16,
+            data={"train": str(data), "eval_blocks": 10, "streaming": streaming},
+        ),
+        check_files=False,
+    )
     data = build_data(recipe, tokenizer, rank=0, world_size=1, show_progress=False)
     assert data.eval.shape == (10, 16)
     held = {block_hash(b) for b in data.eval}
@@ -102,12 +113,25 @@ def test_held_out_eval_blocks_never_train(tmp_path, streaming):
 def test_separate_eval_file_and_missing_text_field(tmp_path):
     tokenizer = make_tiny_tokenizer()
     train, held = corpus(tmp_path / "t.jsonl", docs=40), corpus(tmp_path / "e.jsonl", docs=20, seed=1)
-    recipe = load_recipe(recipe_file(tmp_path / "r.yaml", model=str(tmp_path), output_dir="o", seq_len=16,
-                                     data={"train": str(train), "eval": str(held), "eval_blocks": 5}),
-                         check_files=False)
+    recipe = load_recipe(
+        recipe_file(
+            tmp_path / "r.yaml",
+            model=str(tmp_path),
+            output_dir="o",
+            seq_len=16,
+            data={"train": str(train), "eval": str(held), "eval_blocks": 5},
+        ),
+        check_files=False,
+    )
     data = build_data(recipe, tokenizer, 0, 1, show_progress=False)
-    expected = pack_all(tokenizer([r["text"] for r in textdata.load_documents(textdata.resolve("e", [str(held)]))],
-                                  add_special_tokens=False)["input_ids"], EOS, 16, limit=5)
+    expected = pack_all(
+        tokenizer(
+            [r["text"] for r in textdata.load_documents(textdata.resolve("e", [str(held)]))], add_special_tokens=False
+        )["input_ids"],
+        EOS,
+        16,
+        limit=5,
+    )
     assert torch.equal(data.eval, expected)
     recipe.data.text_field = "body"
     with pytest.raises(InputError, match=r"e.jsonl:1: has no 'body' field \(fields: text\): set data.text_field"):
@@ -115,9 +139,16 @@ def test_separate_eval_file_and_missing_text_field(tmp_path):
 
 
 def test_budget_and_learning_rate_schedule(tmp_path):
-    recipe = load_recipe(recipe_file(tmp_path / "r.yaml", model=str(tmp_path), output_dir="o", data={"train": "x.txt"},
-                                     budget={"max_steps": None, "alpha": 0.05, "pretrain_tokens": 1_000_000}),
-                         check_files=False)
+    recipe = load_recipe(
+        recipe_file(
+            tmp_path / "r.yaml",
+            model=str(tmp_path),
+            output_dir="o",
+            data={"train": "x.txt"},
+            budget={"max_steps": None, "alpha": 0.05, "pretrain_tokens": 1_000_000},
+        ),
+        check_files=False,
+    )
     # 0.05 * 1e6 tokens / (32 seq * 4 batch * 1 accum * 2 ranks) = 195.3 -> 196 steps
     assert total_steps(recipe, world_size=2) == math.ceil(50_000 / 256) == 196
     optim = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule="cosine")
@@ -134,10 +165,16 @@ def test_data_files_are_checked_once_when_loaded_and_when_read_otherwise(tmp_pat
     a recipe loaded without the file checks, or changed since, has them checked when its data is read."""
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text('{"model_type": "llama", "num_attention_heads": 4, "hidden_size": 32, '
-                                       '"num_hidden_layers": 2}')
-    path = recipe_file(tmp_path / "r.yaml", model=str(model), output_dir=str(tmp_path / "o"), seq_len=16,
-                       data={"train": str(corpus(tmp_path / "t.jsonl", docs=40)), "eval_blocks": 5})
+    (model / "config.json").write_text(
+        '{"model_type": "llama", "num_attention_heads": 4, "hidden_size": 32, "num_hidden_layers": 2}'
+    )
+    path = recipe_file(
+        tmp_path / "r.yaml",
+        model=str(model),
+        output_dir=str(tmp_path / "o"),
+        seq_len=16,
+        data={"train": str(corpus(tmp_path / "t.jsonl", docs=40)), "eval_blocks": 5},
+    )
     recipe, tokenizer = load_recipe(path), make_tiny_tokenizer()
     resolved = []
     resolve = textdata.resolve

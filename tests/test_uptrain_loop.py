@@ -127,8 +127,17 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tin
     save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     data = tmp_path / "z.jsonl"
     data.write_text(tiny["train"].read_text() + json.dumps({"text": "Z Z Z Z"}) + "\n")
-    recipe = _recipe(tmp_path, tiny, model=str(model_dir), save_every=1, keep_last=1, eval_at_start=False,
-                     eval_every=0, data={"train": str(data), "eval": str(tiny["eval"])}, budget={"max_steps": 500})
+    recipe = _recipe(
+        tmp_path,
+        tiny,
+        model=str(model_dir),
+        save_every=1,
+        keep_last=1,
+        eval_at_start=False,
+        eval_every=0,
+        data={"train": str(data), "eval": str(tiny["eval"])},
+        budget={"max_steps": 500},
+    )
     recipe.seed, bad_step = _seed_poisoning_step(recipe, tokenizer, token)
     with pytest.raises(TrainingDiverged) as err:
         train(recipe)
@@ -170,8 +179,14 @@ def test_kl_is_zero_for_identical_distributions_and_matches_the_definition():
 
 
 def test_distillation_mixes_kl_and_lm_loss(tmp_path, tiny):
-    recipe = _recipe(tmp_path, tiny, log_every=1, eval_every=0, budget={"max_steps": 3},
-                     distill={"teacher": str(tiny["model"]), "kl_weight": 0.25, "temperature": 2.0})
+    recipe = _recipe(
+        tmp_path,
+        tiny,
+        log_every=1,
+        eval_every=0,
+        budget={"max_steps": 3},
+        distill={"teacher": str(tiny["model"]), "kl_weight": 0.25, "temperature": 2.0},
+    )
     out = train(recipe)
     losses = [ln["loss"] for ln in metrics(out)[1:]]
     # before the first update student == teacher: KL is 0 and the loss is (1 - w) * LM loss
@@ -188,8 +203,12 @@ def test_distillation_after_updates_mixes_a_nonzero_kl(tmp_path, tiny):
     (1 - w) * LM + w * T^2 * KL of the 2-step result against the teacher, on the third batch."""
     from mha2gqa.uptrain.steps import lm_loss
 
-    keys = dict(log_every=1, eval_every=0, optim={"lr": 3e-3, "schedule": "constant", "warmup_steps": 0},
-                distill={"teacher": str(tiny["model"]), "kl_weight": 0.25, "temperature": 2.0})
+    keys = dict(
+        log_every=1,
+        eval_every=0,
+        optim={"lr": 3e-3, "schedule": "constant", "warmup_steps": 0},
+        distill={"teacher": str(tiny["model"]), "kl_weight": 0.25, "temperature": 2.0},
+    )
     three = _recipe(tmp_path / "three", tiny, budget={"max_steps": 3}, **keys)
     losses = [ln["loss"] for ln in metrics(train(three))[1:]]
     two = train(_recipe(tmp_path / "two", tiny, budget={"max_steps": 2}, **keys))
@@ -205,8 +224,17 @@ def test_distillation_after_updates_mixes_a_nonzero_kl(tmp_path, tiny):
 def test_from_scratch_through_the_cli_with_the_shipped_tiny_recipe(tmp_path):
     from mha2gqa.cli import main
 
-    args = ["uptrain", "--recipe", str(ROOT / "recipes" / "tiny-cpu.yaml"), f"output_dir={tmp_path / 'scratch'}",
-            "budget.max_steps=2", "seq_len=32", "micro_batch_size=2", "eval_every=0", "data.eval_blocks=2"]
+    args = [
+        "uptrain",
+        "--recipe",
+        str(ROOT / "recipes" / "tiny-cpu.yaml"),
+        f"output_dir={tmp_path / 'scratch'}",
+        "budget.max_steps=2",
+        "seq_len=32",
+        "micro_batch_size=2",
+        "eval_every=0",
+        "data.eval_blocks=2",
+    ]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     out = tmp_path / "scratch"

@@ -15,10 +15,22 @@ import sys
 
 import pytest
 from uptrain_helpers import corpus, metrics, recipe_file, tiny_model_dir
+
 from mha2gqa.provenance import latest
 
-LAUNCH = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-          "--mixed_precision", "no", "--dynamo_backend", "no"]
+LAUNCH = [
+    "-m",
+    "accelerate.commands.launch",
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+]
 
 
 def _free_port() -> int:
@@ -28,10 +40,21 @@ def _free_port() -> int:
 
 
 def _launch(args: list[str], cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, *LAUNCH, "--main_process_port", str(_free_port()), "-m", "mha2gqa.uptrain", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "1",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    return subprocess.run(
+        [sys.executable, *LAUNCH, "--main_process_port", str(_free_port()), "-m", "mha2gqa.uptrain", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _trace(out, rank: int) -> list[dict]:
@@ -40,9 +63,16 @@ def _trace(out, rank: int) -> list[dict]:
 
 def test_two_cpu_ranks_train_one_model_on_disjoint_data(tmp_path):
     model = tiny_model_dir(tmp_path / "model")
-    recipe = recipe_file(tmp_path / "r.yaml", model=str(model), output_dir=str(tmp_path / "out"),
-                         data={"train": str(corpus(tmp_path / "c.jsonl"))}, grad_accum=2, save_every=2,
-                         eval_every=2, keep_last=5)
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        model=str(model),
+        output_dir=str(tmp_path / "out"),
+        data={"train": str(corpus(tmp_path / "c.jsonl"))},
+        grad_accum=2,
+        save_every=2,
+        eval_every=2,
+        keep_last=5,
+    )
     result = _launch(["--recipe", str(recipe), "trace_samples=true", "budget.max_steps=4"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "out"

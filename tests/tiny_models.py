@@ -77,7 +77,7 @@ def make_tiny_tokenizer(path: Path | None = None):
     """A character-level BPE tokenizer whose ids fit the tiny models' vocabulary (VOCAB)."""
     import string
 
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2, 3 match the tiny configs
@@ -85,7 +85,9 @@ def make_tiny_tokenizer(path: Path | None = None):
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=list(string.printable[:95]) + ["▁"],
+        vocab_size=VOCAB,
+        special_tokens=specials,
+        initial_alphabet=list(string.printable[:95]) + ["▁"],
         show_progress=False,
     )
     tok.train_from_iterator([SAMPLE_TEXT] * 4, trainer=trainer)

@@ -7,7 +7,6 @@ import random
 from pathlib import Path
 
 import yaml
-
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 
@@ -32,8 +31,13 @@ def corpus(path: Path, docs: int = 120, seed: int = 0) -> Path:
 def recipe_file(path: Path, **keys) -> Path:
     """A recipe for a tiny fast run; keys override (sections as dicts)."""
     base = {
-        "seq_len": 32, "micro_batch_size": 4, "grad_accum": 1, "log_every": 2, "eval_every": 4,
-        "save_every": 0, "tensorboard": False,
+        "seq_len": 32,
+        "micro_batch_size": 4,
+        "grad_accum": 1,
+        "log_every": 2,
+        "eval_every": 4,
+        "save_every": 0,
+        "tensorboard": False,
         "optim": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.0},
         "budget": {"max_steps": 8},
         "data": {"eval_blocks": 8},

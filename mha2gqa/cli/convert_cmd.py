@@ -7,8 +7,16 @@ import json
 import click
 
 from mha2gqa.cli.format import human_bytes, human_count, table
-from mha2gqa.convert.options import (DEFAULT_CALIBRATION_TOKENS, DEFAULT_REFINE_LR, DEFAULT_REFINE_STEPS,
-                                     METHOD_SUMMARIES, ConvertOptions, Grouping, Method, RefineOptions)
+from mha2gqa.convert.options import (
+    DEFAULT_CALIBRATION_TOKENS,
+    DEFAULT_REFINE_LR,
+    DEFAULT_REFINE_STEPS,
+    METHOD_SUMMARIES,
+    ConvertOptions,
+    Grouping,
+    Method,
+    RefineOptions,
+)
 from mha2gqa.docfields import choice_docs, option_help
 
 
@@ -30,19 +38,43 @@ def _help(field: str, choices: dict[str, str] | None = None, cls=ConvertOptions)
 @click.option("--dry-run", is_flag=True, help=_help("dry_run"))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--calibration", default=None, metavar="DATA", help=_help("calibration"))
-@click.option("--calibration-tokens", default=DEFAULT_CALIBRATION_TOKENS, show_default=True,
-              help=_help("calibration_tokens"))
+@click.option(
+    "--calibration-tokens", default=DEFAULT_CALIBRATION_TOKENS, show_default=True, help=_help("calibration_tokens")
+)
 @click.option("--calibration-memory", default="4GiB", show_default=True, help=_help("calibration_memory"))
-@click.option("--grouping", type=click.Choice([g.value for g in Grouping]), default=Grouping.CONTIGUOUS.value,
-              show_default=True, help=_help("grouping", choice_docs(Grouping)))
+@click.option(
+    "--grouping",
+    type=click.Choice([g.value for g in Grouping]),
+    default=Grouping.CONTIGUOUS.value,
+    show_default=True,
+    help=_help("grouping", choice_docs(Grouping)),
+)
 @click.option("--refine", is_flag=True, help=_help("refine"))
-@click.option("--refine-steps", default=DEFAULT_REFINE_STEPS, show_default=True,
-              help=_help("steps", cls=RefineOptions))
+@click.option("--refine-steps", default=DEFAULT_REFINE_STEPS, show_default=True, help=_help("steps", cls=RefineOptions))
 @click.option("--refine-lr", default=DEFAULT_REFINE_LR, show_default=True, help=_help("lr", cls=RefineOptions))
 @click.option("--refine-memory", default="4GiB", show_default=True, help=_help("memory", cls=RefineOptions))
 @click.option("--refine-tokens", type=int, default=None, help=_help("tokens", cls=RefineOptions))
-def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_run, quiet, calibration,
-            calibration_tokens, calibration_memory, grouping, refine, refine_steps, refine_lr, refine_memory, refine_tokens):
+def convert(
+    src,
+    dst,
+    groups,
+    method,
+    seed,
+    dtype,
+    max_shard_size,
+    force,
+    dry_run,
+    quiet,
+    calibration,
+    calibration_tokens,
+    calibration_memory,
+    grouping,
+    refine,
+    refine_steps,
+    refine_lr,
+    refine_memory,
+    refine_tokens,
+):
     """Convert the checkpoint SRC (a local directory with config.json and safetensors, or a hub id when
     online) into a grouped-query checkpoint DST with GROUPS kv heads.
 
@@ -52,16 +84,32 @@ def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_ru
 
     Example: mha2gqa convert ./llama-2-7b ./llama-2-7b-gqa8 --groups 8
     """
-    from mha2gqa.convert.run import convert as run_convert, parse_size
+    from mha2gqa.convert.run import convert as run_convert
+    from mha2gqa.convert.run import parse_size
     from mha2gqa.embedded import expand_corpus_name
 
-    refine_options = RefineOptions(refine_steps, refine_lr, parse_size(refine_memory, "--refine-memory"),
-                                   tokens=refine_tokens, seed=seed) if refine else None
+    refine_options = (
+        RefineOptions(
+            refine_steps, refine_lr, parse_size(refine_memory, "--refine-memory"), tokens=refine_tokens, seed=seed
+        )
+        if refine
+        else None
+    )
     options = ConvertOptions(
-        groups=groups, method=method, seed=seed, dtype=dtype, max_shard_size=max_shard_size, force=force,
-        dry_run=dry_run, progress=not quiet, calibration=expand_corpus_name(calibration),
-        calibration_tokens=calibration_tokens, calibration_memory=calibration_memory, grouping=grouping,
-        refine=refine_options)
+        groups=groups,
+        method=method,
+        seed=seed,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        force=force,
+        dry_run=dry_run,
+        progress=not quiet,
+        calibration=expand_corpus_name(calibration),
+        calibration_tokens=calibration_tokens,
+        calibration_memory=calibration_memory,
+        grouping=grouping,
+        refine=refine_options,
+    )
     result = run_convert(src, dst, options=options)
     plan = result.plan
     if dry_run:
@@ -85,18 +133,29 @@ def convert(src, dst, groups, method, seed, dtype, max_shard_size, force, dry_ru
 def layer_table(layers: list[dict]) -> str:
     """Per-layer relative reconstruction errors of keys and values (and the kv order when regrouped)."""
     headers = ["layer", "key error", "value error"] + (["kv order"] if "kv_order" in layers[0] else [])
-    rows = [[str(row["layer"])] + [f"{row.get(key, float('nan')):.4f}" for key in ("key_error", "value_error")]
-            + ([" ".join(map(str, row["kv_order"]))] if "kv_order" in row else []) for row in layers]
+    rows = [
+        [str(row["layer"])]
+        + [f"{row.get(key, float('nan')):.4f}" for key in ("key_error", "value_error")]
+        + ([" ".join(map(str, row["kv_order"]))] if "kv_order" in row else [])
+        for row in layers
+    ]
     return table(headers, rows)
 
 
 def refine_table(record: dict) -> str:
     """Per-layer relative attention-output error before/after --refine, on fit and held-out tokens."""
-    rows = [[str(row["layer"])] + [f"{row[key]:.4f}" for key in
-                                   ("fit_error_before", "fit_error_after", "heldout_error_before", "heldout_error_after")]
-            for row in record["layers"]]
-    title = (f"refine: relative attention-output error, {record['fit_tokens']} fit and {record['heldout_tokens']} "
-             "held-out calibration tokens")
+    rows = [
+        [str(row["layer"])]
+        + [
+            f"{row[key]:.4f}"
+            for key in ("fit_error_before", "fit_error_after", "heldout_error_before", "heldout_error_after")
+        ]
+        for row in record["layers"]
+    ]
+    title = (
+        f"refine: relative attention-output error, {record['fit_tokens']} fit and {record['heldout_tokens']} "
+        "held-out calibration tokens"
+    )
     return title + "\n" + table(["layer", "fit before", "fit after", "held-out before", "held-out after"], rows)
 
 
@@ -122,9 +181,15 @@ def inspect(src, context, batch, as_json):
     )
     click.echo(f"layout: {info['layout']}; calibrated merge: {info['calibrated']}")
     rows = [
-        [str(t["kv_heads"]) + (" (now)" if t["kv_heads"] == info["kv_heads"] else ""), str(t["queries_per_kv_head"]),
-         human_bytes(t["kv_bytes_per_token"]), human_bytes(t["kv_bytes_per_sequence"]),
-         human_bytes(t["kv_bytes_per_batch"]), f"{t['saving']:g}x", human_count(t["parameters"])]
+        [
+            str(t["kv_heads"]) + (" (now)" if t["kv_heads"] == info["kv_heads"] else ""),
+            str(t["queries_per_kv_head"]),
+            human_bytes(t["kv_bytes_per_token"]),
+            human_bytes(t["kv_bytes_per_sequence"]),
+            human_bytes(t["kv_bytes_per_batch"]),
+            f"{t['saving']:g}x",
+            human_count(t["parameters"]),
+        ]
         for t in info["targets"]
     ]
     headers = ["kv heads", "q per kv", "KV/token", f"KV/seq@{context}", f"KV/batch of {batch}", "saving", "params"]

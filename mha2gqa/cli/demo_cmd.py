@@ -26,12 +26,23 @@ def _summary(report_json: Path) -> str:
 
 
 @click.command()
-@click.option("--groups", default=2, show_default=True, help="Target kv heads for the embedded 8-head model (1, 2 or 4).")
-@click.option("--out", default="./mha2gqa-demo", show_default=True, type=click.Path(path_type=Path),
-              help="Where the converted and uptrained models, results and report go.")
+@click.option(
+    "--groups", default=2, show_default=True, help="Target kv heads for the embedded 8-head model (1, 2 or 4)."
+)
+@click.option(
+    "--out",
+    default="./mha2gqa-demo",
+    show_default=True,
+    type=click.Path(path_type=Path),
+    help="Where the converted and uptrained models, results and report go.",
+)
 @click.option("--quick", is_flag=True, help="About 2 minutes: a slice of the held-out novel, alpha=1%, no speed grid.")
-@click.option("--alpha", type=float, default=None,
-              help="Uptraining budget as a fraction of the parent's pretraining tokens [default: 0.05; 0.01 with --quick].")
+@click.option(
+    "--alpha",
+    type=float,
+    default=None,
+    help="Uptraining budget as a fraction of the parent's pretraining tokens [default: 0.05; 0.01 with --quick].",
+)
 def demo(groups, out, quick, alpha):
     """Run the whole job on the embedded default (a small Llama MHA model trained on five Jane Austen
     novels; no download): inspect, convert to GROUPS kv heads by mean-pooling, evaluate the parent and
@@ -45,17 +56,29 @@ def demo(groups, out, quick, alpha):
 
 
 @click.command()
-@click.option("--out", default="docs/ablations", show_default=True, type=click.Path(path_type=Path),
-              help="Where ablations.json, ablations.md and the plots go.")
+@click.option(
+    "--out",
+    default="docs/ablations",
+    show_default=True,
+    type=click.Path(path_type=Path),
+    help="Where ablations.json, ablations.md and the plots go.",
+)
 @click.option("--methods", default="mean,first,random", show_default=True, help="Conversion methods, comma-separated.")
 @click.option("--kv-heads", default="1,2,4", show_default=True, help="Target kv-head counts, comma-separated.")
-@click.option("--alphas", default="0,0.025,0.05,0.1", show_default=True,
-              help="Uptraining budgets (fractions of the parent's pretraining tokens), comma-separated.")
-@click.option("--eval-blocks", default=32, show_default=True, help="Held-out 512-token blocks of Persuasion per evaluation.")
+@click.option(
+    "--alphas",
+    default="0,0.025,0.05,0.1",
+    show_default=True,
+    help="Uptraining budgets (fractions of the parent's pretraining tokens), comma-separated.",
+)
+@click.option(
+    "--eval-blocks", default=32, show_default=True, help="Held-out 512-token blocks of Persuasion per evaluation."
+)
 def reproduce(out, methods, kv_heads, alphas, eval_blocks):
     """Reproduce the GQA paper's ablations at small scale on the embedded default: perplexity on
     held-out Persuasion for every method x kv heads x alpha, as a table and plots under OUT."""
-    from mha2gqa.demo import markdown_table, reproduce as run_reproduce
+    from mha2gqa.demo import markdown_table
+    from mha2gqa.demo import reproduce as run_reproduce
     from mha2gqa.errors import InputError
 
     def parse(text, kind, flag):
@@ -64,8 +87,13 @@ def reproduce(out, methods, kv_heads, alphas, eval_blocks):
         except ValueError:
             raise InputError(f"{flag} {text!r} must be a comma-separated list of numbers, e.g. 0,0.05") from None
 
-    grid, written = run_reproduce(out, methods=tuple(m.strip() for m in methods.split(",")),
-                                  kv_heads=parse(kv_heads, int, "--kv-heads"), alphas=parse(alphas, float, "--alphas"),
-                                  eval_blocks=eval_blocks, echo=click.echo)
+    grid, written = run_reproduce(
+        out,
+        methods=tuple(m.strip() for m in methods.split(",")),
+        kv_heads=parse(kv_heads, int, "--kv-heads"),
+        alphas=parse(alphas, float, "--alphas"),
+        eval_blocks=eval_blocks,
+        echo=click.echo,
+    )
     click.echo(markdown_table(grid))
     click.echo("wrote " + ", ".join(map(str, written.values())))

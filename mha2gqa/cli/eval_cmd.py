@@ -44,8 +44,14 @@ def _str_list(ctx, param, value):
 @click.option("--batch-size", default=1, show_default=True, help=_help("batch_size"))
 @click.option("--dtype", default="auto", show_default=True, help=_help("dtype"))
 @click.option("--device", default="auto", show_default=True, help=_help("device"))
-@click.option("--speed", "speed_preset", type=click.Choice([p.value for p in SpeedPreset]), default=SpeedPreset.AUTO.value,
-              show_default=True, help=_help("speed_preset", choice_docs(SpeedPreset)))
+@click.option(
+    "--speed",
+    "speed_preset",
+    type=click.Choice([p.value for p in SpeedPreset]),
+    default=SpeedPreset.AUTO.value,
+    show_default=True,
+    help=_help("speed_preset", choice_docs(SpeedPreset)),
+)
 @click.option("--speed-batches", callback=_int_list, help=_help("speed_batches"))
 @click.option("--speed-contexts", callback=_int_list, help=_help("speed_contexts"))
 @click.option("--new-tokens", type=int, help=_help("new_tokens"))
@@ -85,32 +91,51 @@ def summary(result: dict) -> str:
     lines = [f"{result['label']} ({result['role']}): {result['model']['kv_heads']}/{result['model']['heads']} kv heads"]
     if result["perplexity"]:
         p = result["perplexity"]
-        lines.append(f"  perplexity {p['perplexity']:.3f} over {p['tokens_scored']:,} tokens (context {p['context']}, stride {p['stride']})")
+        lines.append(
+            f"  perplexity {p['perplexity']:.3f} over {p['tokens_scored']:,} tokens (context {p['context']}, stride {p['stride']})"
+        )
     if result["agreement"]:
         a = result["agreement"]
-        lines.append(f"  vs reference: KL {a['kl_mean']:.4f}, top-1 agreement {100 * a['top1_agreement']:.1f}%, "
-                     f"reference perplexity {a['reference_perplexity']:.3f}")
+        lines.append(
+            f"  vs reference: KL {a['kl_mean']:.4f}, top-1 agreement {100 * a['top1_agreement']:.1f}%, "
+            f"reference perplexity {a['reference_perplexity']:.3f}"
+        )
     kv = result["kv_cache"]
-    lines.append(f"  KV cache {human_bytes(kv['measured_bytes_per_token'])}/token measured, "
-                 f"{human_bytes(kv['formula_bytes_per_token'])} by formula: {'match' if kv['match'] else 'MISMATCH'}")
+    lines.append(
+        f"  KV cache {human_bytes(kv['measured_bytes_per_token'])}/token measured, "
+        f"{human_bytes(kv['formula_bytes_per_token'])} by formula: {'match' if kv['match'] else 'MISMATCH'}"
+    )
     for p in (result["speed"] or {}).get("points", []):
-        lines.append(f"  decode B={p['batch']} T={p['context']}: {p['tokens_per_s']:,.1f} tok/s, "
-                     f"peak {human_bytes(p['peak_memory_bytes'])} ({p['peak_memory_kind']})")
+        lines.append(
+            f"  decode B={p['batch']} T={p['context']}: {p['tokens_per_s']:,.1f} tok/s, "
+            f"peak {human_bytes(p['peak_memory_bytes'])} ({p['peak_memory_kind']})"
+        )
     if result["attention_maps"]:
         lines.append(f"  attention maps: {result['attention_maps']['png']}")
     for task, section in ((result["lm_eval"] or {}).get("tasks") or {}).items():
-        shown = ", ".join(f"{name} {m['value']:.4g}" + (f" ± {m['stderr']:.2g}" if m["stderr"] is not None else "")
-                          for name, m in section["metrics"].items())
+        shown = ", ".join(
+            f"{name} {m['value']:.4g}" + (f" ± {m['stderr']:.2g}" if m["stderr"] is not None else "")
+            for name, m in section["metrics"].items()
+        )
         lines.append(f"  {task} ({section['samples']} examples): {shown}")
     return "\n".join(lines)
 
 
 @click.command("report")
 @click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory for report.md, report.html, report.json and the PNG plots.")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Directory for report.md, report.html, report.json and the PNG plots.",
+)
 @click.option("--baseline", help="Label or path of the result the others are compared with [default: the first].")
-@click.option("--metrics", multiple=True, type=click.Path(dir_okay=False),
-              help="An uptrain metrics.jsonl to plot as a training curve (repeatable).")
+@click.option(
+    "--metrics",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="An uptrain metrics.jsonl to plot as a training curve (repeatable).",
+)
 def report_command(results, out, baseline, metrics):
     """Compare RESULTS (JSON files written by `mha2gqa eval`) side by side: perplexity and its change vs the
     baseline, recovery of uptrained models, KL and top-1 agreement, KV bytes per token and saving, decode

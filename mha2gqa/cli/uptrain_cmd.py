@@ -16,13 +16,26 @@ def _print_keys(ctx, _param, value):
 
 
 @click.command("uptrain", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--recipe", required=True, type=click.Path(dir_okay=False),
-              help="YAML recipe; the shipped ones are in recipes/ and each starts with the command that runs it.")
-@click.option("--resume", is_flag=True,
-              help="Continue the run in the recipe's output_dir from its last checkpoint: same data order, step, "
-                   "learning rate, optimizer and RNG state.")
-@click.option("--keys", is_flag=True, expose_value=False, is_eager=True, callback=_print_keys,
-              help="List every recipe key with its default and meaning, then exit.")
+@click.option(
+    "--recipe",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="YAML recipe; the shipped ones are in recipes/ and each starts with the command that runs it.",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue the run in the recipe's output_dir from its last checkpoint: same data order, step, "
+    "learning rate, optimizer and RNG state.",
+)
+@click.option(
+    "--keys",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_keys,
+    help="List every recipe key with its default and meaning, then exit.",
+)
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 def uptrain(recipe, resume, overrides):
     """Uptrain (continue pre-training) a model as the YAML RECIPE says, in this process.

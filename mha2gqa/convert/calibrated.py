@@ -80,8 +80,9 @@ def merge_rotary(w: torch.Tensor, pg: torch.Tensor) -> tuple[torch.Tensor, torch
     return torch.cat([shared.real, shared.imag], dim=1), maps
 
 
-def merge_keys(w: torch.Tensor, gram: torch.Tensor, groups: int, head_dim: int,
-               rot: int) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_keys(
+    w: torch.Tensor, gram: torch.Tensor, groups: int, head_dim: int, rot: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(n*hd, D) -> shared (G*hd, D), maps (n, hd, hd): rotated dims [0, rot) per frequency pair,
     the unrotated rest [rot, hd) by subspace; the maps are block diagonal over the two parts."""
     n = w.shape[0] // head_dim
@@ -154,8 +155,10 @@ def calibrated_layer(roles: dict, ctx) -> tuple[dict, dict]:
     _store(out, roles, "v", v_shared)
     _store(out, roles, "q", fold_queries(augment(roles["q.weight"], roles.get("q.bias"), device), k_maps))
     out["o.weight"] = fold_outputs(roles["o.weight"].to(device), v_maps).to("cpu", roles["o.weight"].dtype)
-    report = {"key_error": relative_error(k, k_shared, k_maps, gram),
-              "value_error": relative_error(v, v_shared, v_maps, gram)}
+    report = {
+        "key_error": relative_error(k, k_shared, k_maps, gram),
+        "value_error": relative_error(v, v_shared, v_maps, gram),
+    }
     return out, report
 
 

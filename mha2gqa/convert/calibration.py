@@ -16,9 +16,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import SafetensorError
@@ -98,9 +98,18 @@ def _save_gram(gram: torch.Tensor, path: Path) -> None:
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from err
 
 
-def collect_statistics(model, layout: Layout, shape: AttentionShape, ids: torch.Tensor, out_dir: Path,
-                       rotary_dims: int, seq_len: int = DEFAULT_SEQ_LEN, batch_size: int = 8,
-                       memory_bytes: int = DEFAULT_MEMORY, progress: bool = True) -> CalibrationStats:
+def collect_statistics(
+    model,
+    layout: Layout,
+    shape: AttentionShape,
+    ids: torch.Tensor,
+    out_dir: Path,
+    rotary_dims: int,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    batch_size: int = 8,
+    memory_bytes: int = DEFAULT_MEMORY,
+    progress: bool = True,
+) -> CalibrationStats:
     """Run ids (N,) through `model` (a loaded causal LM) and write each layer's gram to out_dir."""
     device = next(model.parameters()).device
     width = model.get_submodule(input_module(layout, 0)).weight.shape[1]
@@ -111,8 +120,12 @@ def collect_statistics(model, layout: Layout, shape: AttentionShape, ids: torch.
     for first in passes:
         layers = range(first, min(first + per_pass, shape.layers))
         sums = {layer: GramAccumulator(width, device) for layer in layers}
-        handles = [model.get_submodule(input_module(layout, layer)).register_forward_pre_hook(
-            lambda module, args, acc=sums[layer]: acc.add(args[0])) for layer in layers]
+        handles = [
+            model.get_submodule(input_module(layout, layer)).register_forward_pre_hook(
+                lambda module, args, acc=sums[layer]: acc.add(args[0])
+            )
+            for layer in layers
+        ]
         try:
             with torch.no_grad():
                 for batch in batches:
@@ -124,8 +137,13 @@ def collect_statistics(model, layout: Layout, shape: AttentionShape, ids: torch.
         for layer, acc in sums.items():
             _save_gram(acc.gram, _layer_file(out_dir, layer))
     bar.close()
-    record = {"tokens": len(ids), "sequence_length": seq_len, "passes": len(passes), "device": str(device),
-              "ids_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}
+    record = {
+        "tokens": len(ids),
+        "sequence_length": seq_len,
+        "passes": len(passes),
+        "device": str(device),
+        "ids_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
+    }
     return CalibrationStats(Path(out_dir), shape.layers, len(ids), rotary_dims, record, str(device))
 
 
@@ -133,14 +151,22 @@ def _batches(ids: torch.Tensor, seq_len: int, batch_size: int) -> list[torch.Ten
     """(N,) -> batches (B, seq_len) of consecutive blocks; a shorter last block is a batch of its own."""
     blocks = list(ids.split(seq_len))
     full = [block for block in blocks if len(block) == seq_len]
-    batches = [torch.stack(full[i:i + batch_size]) for i in range(0, len(full), batch_size)]
+    batches = [torch.stack(full[i : i + batch_size]) for i in range(0, len(full), batch_size)]
     if len(blocks[-1]) < seq_len:
         batches.append(blocks[-1][None])
     return batches
 
 
-def calibrate(source: Path, layout: Layout, shape: AttentionShape, data: str | list[str], tokens: int,
-              out_dir: Path, memory_bytes: int = DEFAULT_MEMORY, progress: bool = True) -> CalibrationStats:
+def calibrate(
+    source: Path,
+    layout: Layout,
+    shape: AttentionShape,
+    data: str | list[str],
+    tokens: int,
+    out_dir: Path,
+    memory_bytes: int = DEFAULT_MEMORY,
+    progress: bool = True,
+) -> CalibrationStats:
     """Tokenize `data` (files, folders or a hub dataset: mha2gqa.textdata) with the source's tokenizer
     and collect statistics."""
     from transformers import AutoTokenizer
@@ -149,19 +175,32 @@ def calibrate(source: Path, layout: Layout, shape: AttentionShape, data: str | l
     from mha2gqa.convert.rope import rotary_dims
 
     if not any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise InputError(f"--calibration needs the source's tokenizer, and {source} has none: "
-                         "copy the tokenizer files into it")
+        raise InputError(
+            f"--calibration needs the source's tokenizer, and {source} has none: copy the tokenizer files into it"
+        )
     tokenizer = AutoTokenizer.from_pretrained(source)
-    texts = textdata.iter_texts(textdata.resolve("--calibration", data), piece_chars=CALIBRATION_PIECE_CHARS,
-                                end_with_blank_line=True)
+    texts = textdata.iter_texts(
+        textdata.resolve("--calibration", data), piece_chars=CALIBRATION_PIECE_CHARS, end_with_blank_line=True
+    )
     ids = calibration_ids(tokenizer, texts, tokens)
     model = load_source_model(source, progress=progress)
     if int(ids.max()) >= model.config.vocab_size:
-        raise InputError(f"--calibration {data}: token id {int(ids.max())} is outside the model's vocabulary "
-                         f"({model.config.vocab_size}): the tokenizer in {source} does not match its model")
+        raise InputError(
+            f"--calibration {data}: token id {int(ids.max())} is outside the model's vocabulary "
+            f"({model.config.vocab_size}): the tokenizer in {source} does not match its model"
+        )
     seq_len = min(DEFAULT_SEQ_LEN, getattr(model.config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN)
-    stats = collect_statistics(model, layout, shape, ids, out_dir, rotary_dims(source, shape.head_dim),
-                               seq_len=seq_len, memory_bytes=memory_bytes, progress=progress)
+    stats = collect_statistics(
+        model,
+        layout,
+        shape,
+        ids,
+        out_dir,
+        rotary_dims(source, shape.head_dim),
+        seq_len=seq_len,
+        memory_bytes=memory_bytes,
+        progress=progress,
+    )
     del model
     named = [str(d) for d in data] if isinstance(data, (list, tuple)) else str(data)  # Paths too: JSON-able
     return replace(stats, record={"data": named, "rotary_dims": stats.rotary_dims, **stats.record})

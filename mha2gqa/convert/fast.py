@@ -74,8 +74,9 @@ def plan_refusal(plan: Plan, tensors: dict) -> str | None:
 AHEAD = 2  # steps computed ahead of the writer: bounds memory at a few layers' pooled K/V
 
 
-def write_tensors(checkpoint: SafetensorsCheckpoint, plan: Plan, out_dir: Path, shard_bytes: int,
-                  progress: bool) -> None:
+def write_tensors(
+    checkpoint: SafetensorsCheckpoint, plan: Plan, out_dir: Path, shard_bytes: int, progress: bool
+) -> None:
     """Every step of the plan into DST's shards, in order: unchanged tensors copied inside the kernel by
     this thread while a worker thread reads and pools the next layers (both release the GIL), so the
     pooling hides behind the copying. Only this thread writes, and warnings are raised here, in order."""
@@ -231,5 +232,9 @@ def warn_non_finite(count: int, sources: dict, role: str, layer: int) -> None:
     if not count:
         return
     name = sources.get(role) or f"{sources.get('qkv.' + role.split('.')[1])} ({role[0]} rows)"
-    warnings.warn(f"{name} has {count} non-finite values (NaN/inf): the merged kv heads of layer {layer} carry "
-                  "them; check the source checkpoint", WeightWarning, stacklevel=3)
+    warnings.warn(
+        f"{name} has {count} non-finite values (NaN/inf): the merged kv heads of layer {layer} carry "
+        "them; check the source checkpoint",
+        WeightWarning,
+        stacklevel=3,
+    )

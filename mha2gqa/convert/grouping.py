@@ -56,7 +56,7 @@ def _subspace_pair_loss(pg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return lost, total
     a_idx, b_idx = torch.triu_indices(n, n, offset=1, device=pg.device)
     for start in range(0, len(a_idx), _PAIR_CHUNK):
-        a, b = a_idx[start:start + _PAIR_CHUNK], b_idx[start:start + _PAIR_CHUNK]
+        a, b = a_idx[start : start + _PAIR_CHUNK], b_idx[start : start + _PAIR_CHUNK]
         top = torch.cat([pg[a, :, a], pg[a, :, b]], dim=-1)  # (P, p, 2p)
         bottom = torch.cat([pg[b, :, a], pg[b, :, b]], dim=-1)
         values = torch.linalg.eigvalsh(torch.cat([top, bottom], dim=-2))  # (P, 2p) ascending
@@ -86,8 +86,12 @@ def partition(costs: torch.Tensor, groups: int, max_sweeps: int = 100) -> list[l
                     rest_a = [h for h in group_a if h != a]
                     for ib, b in enumerate(group_b):
                         rest_b = [h for h in group_b if h != b]
-                        gain = float(costs[a, rest_a].sum() + costs[b, rest_b].sum()
-                                     - costs[b, rest_a].sum() - costs[a, rest_b].sum())
+                        gain = float(
+                            costs[a, rest_a].sum()
+                            + costs[b, rest_b].sum()
+                            - costs[b, rest_a].sum()
+                            - costs[a, rest_b].sum()
+                        )
                         if gain > best_gain:
                             best_gain, best_swap = gain, (ga, ia, gb, ib)
         if best_swap is None:
@@ -97,8 +101,7 @@ def partition(costs: torch.Tensor, groups: int, max_sweeps: int = 100) -> list[l
     return sorted(sorted(group) for group in chosen)
 
 
-def similarity_order(roles: dict, gram: torch.Tensor, kv_heads: int, groups: int, head_dim: int,
-                     rot: int) -> list[int]:
+def similarity_order(roles: dict, gram: torch.Tensor, kv_heads: int, groups: int, head_dim: int, rot: int) -> list[int]:
     """The source kv heads in their new order: group g is new heads [g*r, (g+1)*r)."""
     costs = pair_costs(roles, gram, kv_heads, head_dim, rot)
     return [head for group in partition(costs, groups) for head in group]

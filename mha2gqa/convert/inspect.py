@@ -70,15 +70,17 @@ def inspect_model(src, context: int = 4096, batch: int = 1) -> dict:
     reachable = [1] if layout.target else shape.valid_groups()  # gpt2 -> gpt_bigcode: multi-query only
     for groups in sorted({shape.kv_heads, *reachable}, reverse=True):
         per_token = shape.kv_bytes_per_token(groups)
-        targets.append({
-            "kv_heads": groups,
-            "queries_per_kv_head": shape.heads // groups,
-            "kv_bytes_per_token": per_token,
-            "kv_bytes_per_sequence": per_token * context,
-            "kv_bytes_per_batch": per_token * context * batch,
-            "saving": source_bytes / per_token,
-            "parameters": params - kv_params + kv_params * groups // shape.kv_heads,
-        })
+        targets.append(
+            {
+                "kv_heads": groups,
+                "queries_per_kv_head": shape.heads // groups,
+                "kv_bytes_per_token": per_token,
+                "kv_bytes_per_sequence": per_token * context,
+                "kv_bytes_per_batch": per_token * context * batch,
+                "saving": source_bytes / per_token,
+                "parameters": params - kv_params + kv_params * groups // shape.kv_heads,
+            }
+        )
     return {
         "model": str(src),
         "model_type": shape.model_type,

@@ -17,12 +17,15 @@ from mha2gqa.convert.options import Grouping
 from mha2gqa.convert.rope import check_calibrated, check_grouping
 from mha2gqa.errors import InputError
 
+
 def check_request(config: dict, method_name: str, method, calibration, grouping: Grouping) -> None:
     """Refuse, before anything is read or written, a method/grouping the model or the flags cannot serve.
     method: a methods.MethodSpec; grouping was parsed by ConvertOptions."""
     if calibration is None and method.needs_calibration:
-        raise InputError(f"--method {method_name} needs calibration data: add --calibration DATA "
-                         "(a text file, a directory of them, or 'austen' for the embedded novels)")
+        raise InputError(
+            f"--method {method_name} needs calibration data: add --calibration DATA "
+            "(a text file, a directory of them, or 'austen' for the embedded novels)"
+        )
     if calibration is None and grouping == Grouping.SIMILARITY:
         raise InputError("--grouping similarity needs calibration data: add --calibration DATA")
     if method.needs_calibration:
@@ -36,15 +39,17 @@ def transform_layer(method, roles: dict, ctx, grouping: Grouping = Grouping.CONT
     report: dict = {}
     shape = ctx.shape
     if grouping == Grouping.SIMILARITY and ctx.groups > 1:  # with one group every order is the same
-        order = similarity_order(roles, ctx.stats.gram.double(), shape.kv_heads, ctx.groups, shape.head_dim,
-                                 ctx.stats.rotary_dims)
+        order = similarity_order(
+            roles, ctx.stats.gram.double(), shape.kv_heads, ctx.groups, shape.head_dim, ctx.stats.rotary_dims
+        )
         roles = permute_heads(roles, order, shape.kv_heads, shape.head_dim)
         report["kv_order"] = order
     # float64 copies taken before the method runs, so a method that reuses its input's memory cannot skew them
     before = {}
     if ctx.stats is not None:
-        before = {part: augment(roles[f"{part}.weight"], roles.get(f"{part}.bias"), ctx.stats.gram.device)
-                  for part in _PARTS}
+        before = {
+            part: augment(roles[f"{part}.weight"], roles.get(f"{part}.bias"), ctx.stats.gram.device) for part in _PARTS
+        }
     out, measured = method.convert_layer(roles, ctx)
     if measured is None and ctx.stats is not None:
         measured = identity_errors(before, out, ctx)
@@ -60,5 +65,9 @@ def identity_errors(before: dict, converted: dict, ctx) -> dict:
     before: {"k"/"v": augmented source projection (n*hd, d+1) float64}."""
     gram, head_dim = ctx.stats.gram.double(), ctx.shape.head_dim
     maps = torch.eye(head_dim, dtype=torch.float64, device=gram.device).expand(ctx.shape.kv_heads, head_dim, head_dim)
-    return {name: relative_error(before[part], augment(converted[f"{part}.weight"], converted.get(f"{part}.bias"),
-                                                       gram.device), maps, gram) for part, name in _PARTS.items()}
+    return {
+        name: relative_error(
+            before[part], augment(converted[f"{part}.weight"], converted.get(f"{part}.bias"), gram.device), maps, gram
+        )
+        for part, name in _PARTS.items()
+    }

@@ -6,13 +6,13 @@ source dtype out.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from mha2gqa.convert.options import METHOD_SUMMARIES, Method
 from mha2gqa.convert.calibrated import calibrated_layer
+from mha2gqa.convert.options import METHOD_SUMMARIES, Method
 from mha2gqa.convert.roles import KINDS, KV_ROLES
 from mha2gqa.layouts import AttentionShape
 
@@ -95,8 +95,10 @@ def mean_norm_layer(roles: dict, ctx: LayerContext) -> dict:
     def norms(tensors: dict, names: list[str], heads: int) -> torch.Tensor:  # (heads,) norm of weight and bias
         return sum(tensors[name].float().reshape(heads, -1).pow(2).sum(1) for name in names).sqrt()
 
-    targets = {part: norms(roles, names, ctx.shape.kv_heads).reshape(groups, -1).mean(1)  # (G,)
-               for part, names in parts.items()}
+    targets = {
+        part: norms(roles, names, ctx.shape.kv_heads).reshape(groups, -1).mean(1)  # (G,)
+        for part, names in parts.items()
+    }
     out = mean_layer(roles, ctx)
     for part, names in parts.items():
         scale = targets[part] / norms(out, names, groups).clamp_min(1e-12)  # (G,)
@@ -126,6 +128,7 @@ METHODS: dict[Method, MethodSpec] = {
     Method.FIRST: MethodSpec(_no_report(first_layer), METHOD_SUMMARIES["first"]),
     Method.RANDOM: MethodSpec(_no_report(random_layer), METHOD_SUMMARIES["random"]),
     Method.MEAN_NORM: MethodSpec(_no_report(mean_norm_layer), METHOD_SUMMARIES["mean-norm"]),
-    Method.CALIBRATED: MethodSpec(calibrated_layer, METHOD_SUMMARIES["calibrated"], rewrites_query_output=True,
-                                 needs_calibration=True),
+    Method.CALIBRATED: MethodSpec(
+        calibrated_layer, METHOD_SUMMARIES["calibrated"], rewrites_query_output=True, needs_calibration=True
+    ),
 }

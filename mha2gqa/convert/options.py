@@ -31,7 +31,7 @@ class _StrEnum(str, Enum):
     __format__ = str.__format__
 
     @classmethod
-    def parse(cls, value: str, flag: str) -> "_StrEnum":
+    def parse(cls, value: str, flag: str) -> _StrEnum:
         try:
             return cls(value)
         except ValueError:
@@ -55,7 +55,7 @@ METHOD_SUMMARIES = {
     Method.RANDOM.value: "random K/V with the source's mean and std, seeded (ablation)",
     Method.MEAN_NORM.value: "mean-pool, each pooled K/V head rescaled to its group's mean norm",
     Method.CALIBRATED.value: "RoPE-aware merge from calibration statistics, maps folded into q_proj/o_proj "
-                             "(needs --calibration)",
+    "(needs --calibration)",
 }
 
 
@@ -147,7 +147,7 @@ class ConvertOptions:
         self.grouping = Grouping.parse(self.grouping, "--grouping")
 
     @classmethod
-    def from_kwargs(cls, groups: int | None, kwargs: dict) -> "ConvertOptions":
+    def from_kwargs(cls, groups: int | None, kwargs: dict) -> ConvertOptions:
         """The options of `convert(src, dst, groups, **kwargs)`; an unknown keyword is a TypeError, as it was
         when these were convert's own parameters."""
         names = {f.name for f in fields(cls)}

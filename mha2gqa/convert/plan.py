@@ -41,9 +41,13 @@ class Plan:
     def copies(self, tensors: dict[str, TensorInfo]) -> dict[str, int]:
         """Output name -> source byte offset of every tensor that passes through byte for byte (no cast, no
         transpose): what the executors copy file to file (ShardedWriter aligns the shards to them)."""
-        return {step.outputs[0].name: tensors[step.sources["tensor"]].start for step in self.steps
-                if not step.is_transform and not step.transpose
-                and step.outputs[0].dtype == tensors[step.sources["tensor"]].dtype}
+        return {
+            step.outputs[0].name: tensors[step.sources["tensor"]].start
+            for step in self.steps
+            if not step.is_transform
+            and not step.transpose
+            and step.outputs[0].dtype == tensors[step.sources["tensor"]].dtype
+        }
 
     def describe(self, tensors: dict[str, TensorInfo]) -> list[str]:
         """One line per output tensor: name, dtype, shape, and where it comes from."""
@@ -57,8 +61,10 @@ class Plan:
                 lines.append(_line(step.outputs[0], how))
                 continue
             r = self.shape.kv_heads // self.groups
-            sources = ", ".join(f"{tensors[n].name.rsplit('.', 2)[-2]}.{n.rsplit('.', 1)[1]} {list(tensors[n].shape)}"
-                                for n in step.sources.values())
+            sources = ", ".join(
+                f"{tensors[n].name.rsplit('.', 2)[-2]}.{n.rsplit('.', 1)[1]} {list(tensors[n].shape)}"
+                for n in step.sources.values()
+            )
             for out in step.outputs:
                 lines.append(_line(out, f"{self.method} over groups of {r} kv heads of layer {step.layer} ({sources})"))
         return lines
@@ -68,8 +74,15 @@ def _line(out: OutputTensor, how: str) -> str:
     return f"{out.name}  {out.dtype} {list(out.shape)}  <- {how}"
 
 
-def make_plan(tensors: dict[str, TensorInfo], layout: Layout, shape: AttentionShape, groups: int,
-              method: str, out_dtype: str | None = None, route_query_output: bool = False) -> Plan:
+def make_plan(
+    tensors: dict[str, TensorInfo],
+    layout: Layout,
+    shape: AttentionShape,
+    groups: int,
+    method: str,
+    out_dtype: str | None = None,
+    route_query_output: bool = False,
+) -> Plan:
     """out_dtype: a safetensors code (F32, F16, BF16) every floating tensor is cast to, or None.
     route_query_output: q/o pass through the layer step (a method that rewrites them, or a head
     permutation)."""
@@ -84,8 +97,11 @@ def make_plan(tensors: dict[str, TensorInfo], layout: Layout, shape: AttentionSh
         step = _layer_step(layer, stored, tensors, shape, groups, out_dtype)
         for name in stored.values():
             layer_steps[name] = step
-    transposed = {layout.layer_prefix.format(layer=layer) + module + ".weight"
-                  for layer in range(shape.layers) for module in layout.transposed}
+    transposed = {
+        layout.layer_prefix.format(layer=layer) + module + ".weight"
+        for layer in range(shape.layers)
+        for module in layout.transposed
+    }
     steps: list[Step] = []
     placed_layers: set[int] = set()
     for name, info in tensors.items():  # file order: the layer step goes where its first tensor was
@@ -97,8 +113,13 @@ def make_plan(tensors: dict[str, TensorInfo], layout: Layout, shape: AttentionSh
             continue
         transpose = name in transposed
         shape_out = tuple(reversed(info.shape)) if transpose else info.shape
-        steps.append(Step({"tensor": name}, (OutputTensor(name, _out_code(info.dtype, out_dtype), shape_out),),
-                          transpose=transpose))
+        steps.append(
+            Step(
+                {"tensor": name},
+                (OutputTensor(name, _out_code(info.dtype, out_dtype), shape_out),),
+                transpose=transpose,
+            )
+        )
     bytes_in = sum(info.nbytes for info in tensors.values())
     bytes_out = sum(out.nbytes for step in steps for out in step.outputs)
     return Plan(shape, groups, method, steps, bytes_in, bytes_out)
@@ -115,9 +136,11 @@ def _check_attention_shapes(stored: dict[str, str], tensors: dict[str, TensorInf
     width = None  # q, k and v read the same input: the first projection's columns (q's, in layer_names order)
     for role, name in stored.items():
         if tensors[name].dtype not in _FLOAT_CODES:  # fp8 / int8 / 4-bit packed: pooling them ignores their scales
-            raise InputError(f"{name} is stored as {tensors[name].dtype}: mha2gqa merges unquantized weights "
-                             f"({', '.join(_FLOAT_CODES)}); dequantize the checkpoint first (e.g. load it with "
-                             "transformers and save_pretrained in bfloat16)")
+            raise InputError(
+                f"{name} is stored as {tensors[name].dtype}: mha2gqa merges unquantized weights "
+                f"({', '.join(_FLOAT_CODES)}); dequantize the checkpoint first (e.g. load it with "
+                "transformers and save_pretrained in bfloat16)"
+            )
         part, kind = role.rsplit(".", 1)
         got = list(tensors[name].shape)
         if part == "o":  # (d, H*hd): what it reads is the heads' output
@@ -135,17 +158,21 @@ def _check_attention_shapes(stored: dict[str, str], tensors: dict[str, TensorInf
             raise InputError(
                 f"{name} has shape {got} but config.json (num_attention_heads={shape.heads}, num_key_value_heads="
                 f"{shape.kv_heads}, head_dim={shape.head_dim}) needs {expected}: the checkpoint does not match its "
-                "config; fix config.json or use the weights it describes")
+                "config; fix config.json or use the weights it describes"
+            )
 
 
 def _layer_step(layer, stored, tensors, shape, groups, out_dtype) -> Step:
-    outputs = tuple(OutputTensor(stored[role], _out_code(tensors[stored[role]].dtype, out_dtype), out_shape)
-                    for role, out_shape in output_shapes(stored, tensors, shape, groups).items())
+    outputs = tuple(
+        OutputTensor(stored[role], _out_code(tensors[stored[role]].dtype, out_dtype), out_shape)
+        for role, out_shape in output_shapes(stored, tensors, shape, groups).items()
+    )
     return Step(dict(stored), outputs, layer)
 
 
-def output_shapes(stored: dict[str, str], tensors: dict[str, TensorInfo], shape: AttentionShape,
-                  groups: int) -> dict[str, tuple[int, ...]]:
+def output_shapes(
+    stored: dict[str, str], tensors: dict[str, TensorInfo], shape: AttentionShape, groups: int
+) -> dict[str, tuple[int, ...]]:
     """The shape of every stored role after roles.pack(method(roles.unpack(...))), from the source shapes
     alone: kv rows scale by groups / kv_heads, fused q/k/v keep q's rows, per-head key norms past the new
     count are dropped, a Conv1D qkv_t is written as Linear rows. ShardedWriter checks every tensor's

@@ -49,19 +49,25 @@ BUFFERS = ("parent", "converted", "inputs", "targets")
 def check_refine(options: RefineOptions, calibration, config: dict | None = None, tokens: int | None = None) -> None:
     """Refuse, before anything is read or written, a refinement the flags cannot serve."""
     if calibration is None:
-        raise InputError("--refine needs calibration data to fit against: add --calibration DATA "
-                         "(a text file, a directory of them, or 'austen' for the embedded novels)")
+        raise InputError(
+            "--refine needs calibration data to fit against: add --calibration DATA "
+            "(a text file, a directory of them, or 'austen' for the embedded novels)"
+        )
     options.check()
     tokens = getattr(calibration, "tokens", tokens)
     seq_len = block_length(config or {})
     if tokens is not None and tokens < 2 * seq_len:
-        raise InputError(f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {tokens} tokens): "
-                         f"raise --calibration-tokens to {2 * seq_len} or more")
+        raise InputError(
+            f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {tokens} tokens): "
+            f"raise --calibration-tokens to {2 * seq_len} or more"
+        )
 
 
 def block_length(config) -> int:
     """Tokens per calibration block: 512, or the model's context when shorter (as calibration uses)."""
-    context = (config.get if isinstance(config, dict) else lambda key: getattr(config, key, None))("max_position_embeddings")
+    context = (config.get if isinstance(config, dict) else lambda key: getattr(config, key, None))(
+        "max_position_embeddings"
+    )
     return min(SEQ_LEN, context or SEQ_LEN)
 
 
@@ -106,13 +112,22 @@ def calibration_token_ids(source: Path, calibration, tokens: int) -> torch.Tenso
 
     if hasattr(calibration, "record"):
         calibration, tokens = calibration.record["data"], calibration.tokens
-    texts = textdata.iter_texts(textdata.resolve("--calibration", calibration), piece_chars=CALIBRATION_PIECE_CHARS,
-                                end_with_blank_line=True)
+    texts = textdata.iter_texts(
+        textdata.resolve("--calibration", calibration), piece_chars=CALIBRATION_PIECE_CHARS, end_with_blank_line=True
+    )
     return calibration_ids(AutoTokenizer.from_pretrained(source), texts, tokens)
 
 
-def refine_checkpoint(source: Path, converted: Path, layout: Layout, shape: AttentionShape, ids: torch.Tensor,
-                      options: RefineOptions, progress: bool = True, device: str | None = None) -> dict:
+def refine_checkpoint(
+    source: Path,
+    converted: Path,
+    layout: Layout,
+    shape: AttentionShape,
+    ids: torch.Tensor,
+    options: RefineOptions,
+    progress: bool = True,
+    device: str | None = None,
+) -> dict:
     """Refine the checkpoint in `converted` (written by the merge) in place, layer by layer, against
     the parent in `source`. Returns the JSON-able record: options, token counts and per-layer errors."""
     from mha2gqa.convert.calibration import load_source_model
@@ -128,8 +143,10 @@ def refine_checkpoint(source: Path, converted: Path, layout: Layout, shape: Atte
     if wanted < blocks.numel():  # a subset spread over the whole text
         blocks = blocks[torch.linspace(0, len(blocks) - 1, max(2, wanted // seq_len)).round().long()]
     if len(blocks) < 2:
-        raise InputError(f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {len(ids)} tokens): "
-                         f"raise --calibration-tokens to {2 * seq_len} or more")
+        raise InputError(
+            f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {len(ids)} tokens): "
+            f"raise --calibration-tokens to {2 * seq_len} or more"
+        )
     held = max(1, round(len(blocks) * HOLDOUT_FRACTION))
     split = {"fit": torch.arange(len(blocks) - held), "heldout": torch.arange(len(blocks) - held, len(blocks))}
     buffers = ActivationBuffers(len(blocks), seq_len, shape.hidden, options.memory, run_device)
@@ -141,14 +158,26 @@ def refine_checkpoint(source: Path, converted: Path, layout: Layout, shape: Atte
         for index in range(shape.layers):
             kwargs = layer_kwargs[index]
             parent_layer, layer = (m.get_submodule(_layer_path(layout, index)) for m in (parent, model))
-            attn_kwargs, before, power = _layer_targets(parent_layer, layer, layout, kwargs, buffers, options.batch_blocks)
+            attn_kwargs, before, power = _layer_targets(
+                parent_layer, layer, layout, kwargs, buffers, options.batch_blocks
+            )
             attn = layer.get_submodule(_attention_path(layout))
             fit_before, held_before = (_relative(before, power, split[part]) for part in ("fit", "heldout"))
             merged = {name: p.detach().clone() for name, p in attn.named_parameters()}
             fitted = fit_before > EXACT  # below it the merge is exact up to rounding: Adam would only add noise
             if fitted:
-                fit_attention(attn, layout, attn_kwargs, buffers["inputs"], buffers["targets"], split["fit"], options,
-                              generator, index, progress)
+                fit_attention(
+                    attn,
+                    layout,
+                    attn_kwargs,
+                    buffers["inputs"],
+                    buffers["targets"],
+                    split["fit"],
+                    options,
+                    generator,
+                    index,
+                    progress,
+                )
             # The next converted states go into the inputs buffer (free once the fit is done), measuring
             # the refined layer's errors on the way; the buffers then swap roles.
             after = _advance(layer, layout, kwargs, buffers, options.batch_blocks)
@@ -163,16 +192,28 @@ def refine_checkpoint(source: Path, converted: Path, layout: Layout, shape: Atte
                 fit_after, held_after = fit_before, held_before
             buffers.swap("converted", "inputs")
             _write_in_place(converted, _tensor_names(layout, index, attn))
-            report = {"fit_error_before": fit_before, "fit_error_after": fit_after,
-                      "heldout_error_before": held_before, "heldout_error_after": held_after}
+            report = {
+                "fit_error_before": fit_before,
+                "fit_error_after": fit_after,
+                "heldout_error_before": held_before,
+                "heldout_error_after": held_after,
+            }
             layers.append({"layer": index, **report})
     finally:
         buffers.close()
     tokens = {name: len(idx) * seq_len for name, idx in split.items()}
-    return {"options": asdict(options), "sequence_length": seq_len, "fit_tokens": tokens["fit"],
-            "heldout_tokens": tokens["heldout"], "device": str(run_device), "spilled_to_disk": buffers.spill_dir is not None,
-            "buffer_bytes": buffers.bytes, "wall_s": round(time.perf_counter() - started, 2),
-            "cpu_s": round(time.process_time() - started_cpu, 2), "layers": layers}
+    return {
+        "options": asdict(options),
+        "sequence_length": seq_len,
+        "fit_tokens": tokens["fit"],
+        "heldout_tokens": tokens["heldout"],
+        "device": str(run_device),
+        "spilled_to_disk": buffers.spill_dir is not None,
+        "buffer_bytes": buffers.bytes,
+        "wall_s": round(time.perf_counter() - started, 2),
+        "cpu_s": round(time.process_time() - started_cpu, 2),
+        "layers": layers,
+    }
 
 
 def _layer_path(layout: Layout, index: int) -> str:
@@ -213,12 +254,13 @@ def _first_hidden_states(parent, layout: Layout, n_layers: int, blocks: torch.Te
     def keep_input(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
         start = cursor["start"]
-        buffers["parent"][start:start + len(hidden)] = hidden.float().to(buffers["parent"].device)
+        buffers["parent"][start : start + len(hidden)] = hidden.float().to(buffers["parent"].device)
         raise _StopForward
 
     def keep_kwargs(index):
         def hook(module, args, kwargs):
             layer_kwargs[index] = _capture_kwargs(kwargs, (args[0] if args else kwargs["hidden_states"]).shape[0])
+
         return hook
 
     layers = [parent.get_submodule(_layer_path(layout, i)) for i in range(n_layers)]
@@ -234,7 +276,7 @@ def _first_hidden_states(parent, layout: Layout, n_layers: int, blocks: torch.Te
             for start in range(0, len(blocks), batch_blocks):
                 cursor["start"] = start
                 try:
-                    parent.base_model(blocks[start:start + batch_blocks].to(device), use_cache=False)
+                    parent.base_model(blocks[start : start + batch_blocks].to(device), use_cache=False)
                 except _StopForward:
                     pass
         finally:
@@ -250,8 +292,8 @@ def _call_layer(layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
 def _block_errors(out, targets: torch.Tensor, start: int, errors: torch.Tensor) -> None:
     """Per-block squared error of an attention output against the targets, into errors[start:...]."""
     out = out[0] if isinstance(out, tuple) else out
-    t = targets[start:start + len(out)].to(out.device)
-    errors[start:start + len(out)] = (out.float() - t).double().pow(2).sum((1, 2)).cpu()
+    t = targets[start : start + len(out)].to(out.device)
+    errors[start : start + len(out)] = (out.float() - t).double().pow(2).sum((1, 2)).cpu()
 
 
 def _relative(errors: torch.Tensor, power: torch.Tensor, blocks: torch.Tensor) -> float:
@@ -276,19 +318,21 @@ def _layer_targets(parent_layer, layer, layout: Layout, kwargs: dict, buffers, b
     def keep_target(module, args, kwargs, output):
         start = cursor["start"]
         out = output[0] if isinstance(output, tuple) else output
-        buffers["targets"][start:start + len(out)] = out.float().to(buffers["targets"].device)
-        power[start:start + len(out)] = out.double().pow(2).sum((1, 2)).cpu()
+        buffers["targets"][start : start + len(out)] = out.float().to(buffers["targets"].device)
+        power[start : start + len(out)] = out.double().pow(2).sum((1, 2)).cpu()
 
     def keep_input(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
         start = cursor["start"]
-        buffers["inputs"][start:start + len(hidden)] = hidden.float().to(buffers["inputs"].device)
+        buffers["inputs"][start : start + len(hidden)] = hidden.float().to(buffers["inputs"].device)
         if not attn_kwargs:
             attn_kwargs.update(_capture_kwargs(kwargs, len(hidden)))
 
-    handles = [parent_attn.register_forward_hook(keep_target, with_kwargs=True),
-               attn.register_forward_pre_hook(keep_input, with_kwargs=True),
-               attn.register_forward_hook(lambda m, a, out: _block_errors(out, buffers["targets"], cursor["start"], errors))]
+    handles = [
+        parent_attn.register_forward_hook(keep_target, with_kwargs=True),
+        attn.register_forward_pre_hook(keep_input, with_kwargs=True),
+        attn.register_forward_hook(lambda m, a, out: _block_errors(out, buffers["targets"], cursor["start"], errors)),
+    ]
     handles.append(attn.register_forward_hook(_stop))  # the converted layer's MLP is not needed here
     dtype = next(layer.parameters()).dtype
     try:
@@ -297,7 +341,9 @@ def _layer_targets(parent_layer, layer, layout: Layout, kwargs: dict, buffers, b
                 cursor["start"] = start
                 end = start + batch_blocks
                 hidden = buffers["parent"][start:end].to(device, dtype)
-                buffers["parent"][start:end] = _call_layer(parent_layer, hidden, kwargs).float().to(buffers["parent"].device)
+                buffers["parent"][start:end] = (
+                    _call_layer(parent_layer, hidden, kwargs).float().to(buffers["parent"].device)
+                )
                 try:
                     _call_layer(layer, buffers["converted"][start:end].to(device, dtype), kwargs)
                 except _StopForward:
@@ -320,13 +366,16 @@ def _advance(layer, layout: Layout, kwargs: dict, buffers, batch_blocks: int) ->
     errors = torch.zeros(len(source), dtype=torch.float64)
     cursor = {"start": 0}
     handle = layer.get_submodule(_attention_path(layout)).register_forward_hook(
-        lambda m, a, out: _block_errors(out, buffers["targets"], cursor["start"], errors))
+        lambda m, a, out: _block_errors(out, buffers["targets"], cursor["start"], errors)
+    )
     try:
         with torch.no_grad():
             for start in range(0, len(source), batch_blocks):
                 cursor["start"] = start
                 end = start + batch_blocks
-                dest[start:end] = _call_layer(layer, source[start:end].to(device, dtype), kwargs).float().to(dest.device)
+                dest[start:end] = (
+                    _call_layer(layer, source[start:end].to(device, dtype), kwargs).float().to(dest.device)
+                )
     finally:
         handle.remove()
     return errors
@@ -337,8 +386,18 @@ def _attention_output(attn, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def fit_attention(attn, layout: Layout, kwargs: dict, inputs: torch.Tensor, targets: torch.Tensor, fit: torch.Tensor,
-                  options: RefineOptions, generator: torch.Generator, index: int = 0, progress: bool = True) -> None:
+def fit_attention(
+    attn,
+    layout: Layout,
+    kwargs: dict,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    fit: torch.Tensor,
+    options: RefineOptions,
+    generator: torch.Generator,
+    index: int = 0,
+    progress: bool = True,
+) -> None:
     """Fit `attn`'s parameters so that attn(inputs) ~= targets on the blocks `fit`: Adam, then the
     closed-form o_proj. Runs in float32 whatever the checkpoint's dtype."""
     dtype = next(attn.parameters()).dtype
@@ -349,16 +408,19 @@ def fit_attention(attn, layout: Layout, kwargs: dict, inputs: torch.Tensor, targ
     attn.to(dtype)
 
 
-def _adam(attn, kwargs, inputs, targets, fit: torch.Tensor, options: RefineOptions, generator, index: int,
-          progress: bool) -> None:
+def _adam(
+    attn, kwargs, inputs, targets, fit: torch.Tensor, options: RefineOptions, generator, index: int, progress: bool
+) -> None:
     if options.steps == 0:
         return
     device = next(attn.parameters()).device
     params = [p for p in attn.parameters()]
     for p in params:
         p.requires_grad_(True)
-    power = float(sum(targets[chunk].double().pow(2).mean(-1).sum() for chunk in fit.split(options.batch_blocks))
-                  / (len(fit) * targets.shape[1]))  # mean ||t||^2 per token: the loss is scale-free
+    power = float(
+        sum(targets[chunk].double().pow(2).mean(-1).sum() for chunk in fit.split(options.batch_blocks))
+        / (len(fit) * targets.shape[1])
+    )  # mean ||t||^2 per token: the loss is scale-free
     optimizer = torch.optim.Adam(params, lr=options.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / options.steps)))
     bar = tqdm(range(options.steps), desc=f"refine layer {index}", unit="step", disable=not progress, leave=False)
@@ -367,7 +429,7 @@ def _adam(attn, kwargs, inputs, targets, fit: torch.Tensor, options: RefineOptio
         for _ in bar:
             if len(order) < min(options.batch_blocks, len(fit)):  # epochs of a seeded permutation
                 order = torch.cat([order, fit[torch.randperm(len(fit), generator=generator)]])
-            chunk, order = order[:options.batch_blocks], order[options.batch_blocks:]
+            chunk, order = order[: options.batch_blocks], order[options.batch_blocks :]
             x, t = inputs[chunk].to(device), targets[chunk].to(device)
             loss = (_attention_output(attn, x, kwargs) - t).pow(2).sum(-1).mean() / power
             optimizer.zero_grad(set_to_none=True)
@@ -406,7 +468,7 @@ def _solve_output(attn, layout: Layout, kwargs, inputs, targets, fit: torch.Tens
     ridge = 1e-6 * gram.diagonal().mean() * torch.eye(width, dtype=torch.float64, device=device)
     solution = torch.linalg.solve(gram + ridge, cross)  # (width, d)
     with torch.no_grad():
-        o_proj.weight.copy_(solution[:o_proj.weight.shape[1]].T)
+        o_proj.weight.copy_(solution[: o_proj.weight.shape[1]].T)
         if has_bias:
             o_proj.bias.copy_(solution[-1])
 

@@ -69,13 +69,18 @@ def check_layer_count(available: set[str], layout: Layout, shape: AttentionShape
         shown = ", ".join(map(str, missing)) + (", ..." if shape.layers - found > 8 else "")
         module = layout.qkv or layout.qkv_columns or layout.k
         example = f"{layout.layer_prefix.format(layer=missing[0])}{module}.weight"
-        raise InputError(f"config.json has num_hidden_layers={shape.layers} but the checkpoint has no tensors for "
-                         f"layer(s) {shown} (e.g. no {example}): fix num_hidden_layers or use the complete checkpoint")
+        raise InputError(
+            f"config.json has num_hidden_layers={shape.layers} but the checkpoint has no tensors for "
+            f"layer(s) {shown} (e.g. no {example}): fix num_hidden_layers or use the complete checkpoint"
+        )
     if shape.layers in present:  # e.g. a multi-token-prediction layer (GLM-4.5) that transformers ignores
-        warnings.warn(f"the checkpoint has tensors for layer {shape.layers} "
-                      f"({layout.layer_prefix.format(layer=shape.layers)}*) beyond config.json's num_hidden_layers="
-                      f"{shape.layers}: they are copied unconverted; if the config is wrong, fix num_hidden_layers",
-                      WeightWarning, stacklevel=3)
+        warnings.warn(
+            f"the checkpoint has tensors for layer {shape.layers} "
+            f"({layout.layer_prefix.format(layer=shape.layers)}*) beyond config.json's num_hidden_layers="
+            f"{shape.layers}: they are copied unconverted; if the config is wrong, fix num_hidden_layers",
+            WeightWarning,
+            stacklevel=3,
+        )
 
 
 def _cat(parts: list):
@@ -101,7 +106,7 @@ def unpack(stored: dict[str, torch.Tensor], shape: AttentionShape) -> dict[str, 
             rows = tensor.T if part == "qkv_t" and kind == "weight" else tensor  # .T: a 2-D weight
             if rows.shape[0] != q_rows + 2 * kv_rows:
                 raise ValueError(f"{role} has {rows.shape[0]} rows, not q {q_rows} + k, v {kv_rows} each")
-            q, k, v = rows[:q_rows], rows[q_rows:q_rows + kv_rows], rows[q_rows + kv_rows:]
+            q, k, v = rows[:q_rows], rows[q_rows : q_rows + kv_rows], rows[q_rows + kv_rows :]
             roles.update({f"q.{kind}": q, f"k.{kind}": k, f"v.{kind}": v})
         elif part.startswith("k_norm."):  # stablelm: one (hd,) norm per kv head
             per_head_norms.setdefault(kind, [None] * shape.kv_heads)[int(part.split(".")[1])] = tensor
@@ -124,7 +129,7 @@ def pack(roles: dict[str, torch.Tensor], stored_roles: list[str], kv_heads: int)
             if head < kv_heads:  # norms of heads past the new count are dropped
                 norms = roles[f"k_norm.{kind}"]  # (kv_heads*hd,)
                 size = norms.shape[0] // kv_heads
-                stored[role] = norms[head * size:(head + 1) * size]
+                stored[role] = norms[head * size : (head + 1) * size]
         else:
             stored[role] = roles[role]
     return stored

@@ -19,6 +19,7 @@ from pathlib import Path
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import layout_for
 
+
 def rotary_dims(model_dir: Path, head_dim: int) -> int:
     """How many leading dims of each head RoPE rotates (head_dim unless partial_rotary_factor < 1).
     Read through transformers' own config class, which knows each type's default (phi: 0.5)."""
@@ -29,8 +30,10 @@ def rotary_dims(model_dir: Path, head_dim: int) -> int:
     factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
     dims = int(head_dim * float(factor))
     if dims % 2:
-        raise InputError(f"rotary dims {dims} (head_dim {head_dim} x partial_rotary_factor {factor}) are odd: "
-                         "RoPE needs pairs; check config.json")
+        raise InputError(
+            f"rotary dims {dims} (head_dim {head_dim} x partial_rotary_factor {factor}) are odd: "
+            "RoPE needs pairs; check config.json"
+        )
     return dims
 
 
@@ -49,8 +52,9 @@ def check_refine_layout(config: dict) -> None:
     folds no map, so RoPE conventions and norms on the key path do not limit it."""
     reason = layout_for(config).refine_barrier
     if reason:
-        raise InputError(f"--refine cannot refine model_type {config.get('model_type')!r}: {reason}; "
-                         "convert without --refine")
+        raise InputError(
+            f"--refine cannot refine model_type {config.get('model_type')!r}: {reason}; convert without --refine"
+        )
 
 
 def check_grouping(config: dict) -> None:

@@ -26,8 +26,7 @@ from mha2gqa.convert.plan import Plan, make_plan
 from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.convert.rope import check_refine_layout
 from mha2gqa.errors import InputError
-from mha2gqa.layouts import (attention_shape, check_groups, check_target, converted_config, layout_for,
-                              read_config)
+from mha2gqa.layouts import attention_shape, check_groups, check_target, converted_config, layout_for, read_config
 from mha2gqa.sources import PICKLE_SUFFIXES, resolve_model_dir
 
 OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
@@ -53,8 +52,17 @@ def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
     if not match:
         raise InputError(f"{flag} {text!r} is not a size: use e.g. 5GB, 500MB or 2GiB")
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    scale = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }[unit]
     if number * scale < 1:
         raise InputError(f"{flag} {text!r} must be positive")
     return int(number * scale)
@@ -71,8 +79,11 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
 
 def _bytes_needed(source: Path, plan: Plan) -> int:
     """What DST will hold: the planned tensors, the files copied beside them, 1 MiB for headers and JSON."""
-    copied = sum(path.stat().st_size for path in source.iterdir()
-                 if path.is_file() and path.suffix not in (".safetensors", *PICKLE_SUFFIXES))
+    copied = sum(
+        path.stat().st_size
+        for path in source.iterdir()
+        if path.is_file() and path.suffix not in (".safetensors", *PICKLE_SUFFIXES)
+    )
     return plan.bytes_out + copied + (1 << 20)
 
 
@@ -82,9 +93,11 @@ def _check_not_quantized(src: Path, config: dict) -> None:
     quantized = config.get("quantization_config")
     if quantized:
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
-        raise InputError(f"{src} is quantized (quantization_config quant_method={method}): mha2gqa merges "
-                         "unquantized weights; dequantize it first (e.g. load it with transformers and "
-                         "save_pretrained in bfloat16) and convert that")
+        raise InputError(
+            f"{src} is quantized (quantization_config quant_method={method}): mha2gqa merges "
+            "unquantized weights; dequantize it first (e.g. load it with transformers and "
+            "save_pretrained in bfloat16) and convert that"
+        )
 
 
 def _check_weights(src: Path) -> None:
@@ -93,13 +106,12 @@ def _check_weights(src: Path) -> None:
     if pickles and not has_safetensors:
         raise InputError(
             f"{src} has only pickled weights ({', '.join(sorted(pickles)[:3])}): mha2gqa never unpickles files; "
-            "re-save them as safetensors first: python -c \"from transformers import AutoModelForCausalLM as M; "
+            're-save them as safetensors first: python -c "from transformers import AutoModelForCausalLM as M; '
             f"M.from_pretrained('{src}').save_pretrained('{src}-safetensors')\""
         )
 
 
-def convert(src, dst, groups: int | None = None, options: ConvertOptions | None = None,
-            **kwargs) -> ConversionResult:
+def convert(src, dst, groups: int | None = None, options: ConvertOptions | None = None, **kwargs) -> ConversionResult:
     """Convert the model at `src` (directory or hub id) to `groups` kv heads, written to `dst`.
     The keywords are the fields of ConvertOptions (convert/options.py, one docstring each); or pass
     `options=ConvertOptions(...)`. With `calibration` (files, folders or a hub dataset: see mha2gqa.textdata),
@@ -142,8 +154,15 @@ def convert(src, dst, groups: int | None = None, options: ConvertOptions | None 
     _check_not_quantized(source, config)
     provenance.lineage(source)  # a broken SRC/mha2gqa.json fails now, not after every tensor is written
     checkpoint = SafetensorsCheckpoint(source)
-    plan = make_plan(checkpoint.tensors, layout, shape, groups, method.value, OUT_DTYPES.get(dtype),
-                     route_query_output=rewrites or grouping != Grouping.CONTIGUOUS)
+    plan = make_plan(
+        checkpoint.tensors,
+        layout,
+        shape,
+        groups,
+        method.value,
+        OUT_DTYPES.get(dtype),
+        route_query_output=rewrites or grouping != Grouping.CONTIGUOUS,
+    )
     if options.dry_run:
         return ConversionResult(plan, None, source)
     torch_reason = torch_reason or fast.plan_refusal(plan, checkpoint.tensors)
@@ -152,16 +171,23 @@ def convert(src, dst, groups: int | None = None, options: ConvertOptions | None 
     # count against DST's room, not a small /tmp, and a killed run's are removed with its debris.
     gathering = calibration is not None and not _is_stats(calibration)
     stats_bytes = shape.layers * (shape.hidden + 1) ** 2 * 8 if gathering else 0
-    with atomic_directory(dst, replace=force, needed_bytes=_bytes_needed(source, plan) + stats_bytes) as tmp, \
-            tempfile.TemporaryDirectory(prefix=".calibration-", dir=tmp) as stats_dir:
+    with (
+        atomic_directory(dst, replace=force, needed_bytes=_bytes_needed(source, plan) + stats_bytes) as tmp,
+        tempfile.TemporaryDirectory(prefix=".calibration-", dir=tmp) as stats_dir,
+    ):
         layers, stats = [], None
         if torch_reason is None:
             fast.write_tensors(checkpoint, plan, tmp, shard_bytes, progress)
         else:
             from mha2gqa.convert.calibration import calibrate
 
-            stats = calibration if _is_stats(calibration) or calibration is None else calibrate(
-                source, layout, shape, calibration, calibration_tokens, Path(stats_dir), memory_bytes, progress)
+            stats = (
+                calibration
+                if _is_stats(calibration) or calibration is None
+                else calibrate(
+                    source, layout, shape, calibration, calibration_tokens, Path(stats_dir), memory_bytes, progress
+                )
+            )
             layers = _write_tensors(checkpoint, plan, tmp, shard_bytes, seed, progress, stats, grouping)
         _copy_other_files(source, tmp)
         _write_config(config, groups, dtype, tmp)
@@ -171,8 +197,12 @@ def convert(src, dst, groups: int | None = None, options: ConvertOptions | None 
 
             ids = calibration_token_ids(source, calibration, calibration_tokens)
             refined = refine_checkpoint(source, tmp, layout, shape, ids, refine, progress)
-        extra = {"grouping": grouping.value, "calibration": stats.record if stats else None, "layers": layers,
-                 "refine": refined}
+        extra = {
+            "grouping": grouping.value,
+            "calibration": stats.record if stats else None,
+            "layers": layers,
+            "refine": refined,
+        }
         _write_provenance(source, config, plan, seed, dtype, tmp, extra)
         write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
     return ConversionResult(plan, dst, source, layers, refined)
@@ -187,8 +217,16 @@ def _is_stats(calibration) -> bool:
     return isinstance(calibration, CalibrationStats)
 
 
-def _write_tensors(checkpoint, plan: Plan, out_dir: Path, shard_bytes: int, seed: int, progress: bool,
-                   stats=None, grouping: Grouping = Grouping.CONTIGUOUS) -> list[dict]:
+def _write_tensors(
+    checkpoint,
+    plan: Plan,
+    out_dir: Path,
+    shard_bytes: int,
+    seed: int,
+    progress: bool,
+    stats=None,
+    grouping: Grouping = Grouping.CONTIGUOUS,
+) -> list[dict]:
     """The torch executor: every method, grouping and layout."""
     from mha2gqa.checkpoint import DTYPES
     from mha2gqa.convert.methods import METHODS
@@ -259,17 +297,23 @@ def _write_config(config: dict, groups: int, dtype: str | None, out_dir: Path) -
     (out_dir / "config.json").write_text(json.dumps(new, indent=2) + "\n")
 
 
-def _write_provenance(source: Path, config: dict, plan: Plan, seed: int, dtype: str | None, out_dir: Path,
-                      extra: dict | None = None) -> None:
-    provenance.append(out_dir, "conversion", {
-        "source": str(source),
-        "source_config_sha256": hashlib.sha256((source / "config.json").read_bytes()).hexdigest(),
-        "model_type": config["model_type"],
-        "method": plan.method,
-        "groups": plan.groups,
-        "source_kv_heads": plan.shape.kv_heads,
-        "heads": plan.shape.heads,
-        "seed": seed,
-        "dtype": dtype or "unchanged",
-        **(extra or {}),
-    }, source=source)
+def _write_provenance(
+    source: Path, config: dict, plan: Plan, seed: int, dtype: str | None, out_dir: Path, extra: dict | None = None
+) -> None:
+    provenance.append(
+        out_dir,
+        "conversion",
+        {
+            "source": str(source),
+            "source_config_sha256": hashlib.sha256((source / "config.json").read_bytes()).hexdigest(),
+            "model_type": config["model_type"],
+            "method": plan.method,
+            "groups": plan.groups,
+            "source_kv_heads": plan.shape.kv_heads,
+            "heads": plan.shape.heads,
+            "seed": seed,
+            "dtype": dtype or "unchanged",
+            **(extra or {}),
+        },
+        source=source,
+    )

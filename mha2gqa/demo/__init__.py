@@ -9,5 +9,15 @@ The CLI only parses flags and calls these. The model and corpus live in mha2gqa/
 from mha2gqa.demo.ablations import markdown_table, plot, reproduce, run_grid, write_ablations
 from mha2gqa.demo.pipeline import DEMO_RECIPE, DemoSettings, embedded_run_overrides, run_demo, summary_rows
 
-__all__ = ["DEMO_RECIPE", "DemoSettings", "embedded_run_overrides", "markdown_table", "plot", "reproduce", "run_demo",
-           "run_grid", "summary_rows", "write_ablations"]
+__all__ = [
+    "DEMO_RECIPE",
+    "DemoSettings",
+    "embedded_run_overrides",
+    "markdown_table",
+    "plot",
+    "reproduce",
+    "run_demo",
+    "run_grid",
+    "summary_rows",
+    "write_ablations",
+]

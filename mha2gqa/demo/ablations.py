@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from mha2gqa import embedded
 from mha2gqa.demo.pipeline import DEMO_RECIPE, embedded_run_overrides
@@ -29,8 +29,14 @@ ALPHAS = (0.0, 0.025, 0.05, 0.1)
 
 def _overrides(model: Path, out: Path, eval_blocks: int) -> list[str]:
     return embedded_run_overrides(model, out, eval_blocks) + [
-        "optim.schedule=constant", "eval_at_start=true", "budget.alpha=null", "budget.pretrain_tokens=null",
-        "log_every=1000000", "save_every=1000000", "overwrite=true"]
+        "optim.schedule=constant",
+        "eval_at_start=true",
+        "budget.alpha=null",
+        "budget.pretrain_tokens=null",
+        "log_every=1000000",
+        "save_every=1000000",
+        "overwrite=true",
+    ]
 
 
 def _evals(run_dir: Path) -> list[dict]:
@@ -38,8 +44,15 @@ def _evals(run_dir: Path) -> list[dict]:
     return [row for row in rows if row.get("eval_ppl") is not None]
 
 
-def run_grid(out: Path, methods=METHODS, kv_heads=KV_HEADS, alphas=ALPHAS, eval_blocks: int = 32,
-             echo: Callable[[str], None] = print, progress: bool = True) -> dict:
+def run_grid(
+    out: Path,
+    methods=METHODS,
+    kv_heads=KV_HEADS,
+    alphas=ALPHAS,
+    eval_blocks: int = 32,
+    echo: Callable[[str], None] = print,
+    progress: bool = True,
+) -> dict:
     """Run the grid into `out` (work files under out/work are removed at the end); returns the table."""
     from mha2gqa.convert.run import convert
     from mha2gqa.uptrain import load_recipe, train
@@ -49,7 +62,9 @@ def run_grid(out: Path, methods=METHODS, kv_heads=KV_HEADS, alphas=ALPHAS, eval_
     positive = sorted(a for a in alphas if a > 0)
     if not positive or min(alphas) < 0:
         raise InputError(f"--alphas {alphas}: give non-negative fractions with at least one above 0, e.g. 0,0.05")
-    recipe_base = load_recipe(DEMO_RECIPE, _overrides(parent, out / "work" / "parent", eval_blocks) + ["budget.max_steps=1"])
+    recipe_base = load_recipe(
+        DEMO_RECIPE, _overrides(parent, out / "work" / "parent", eval_blocks) + ["budget.max_steps=1"]
+    )
     tokens_per_step = recipe_base.seq_len * recipe_base.micro_batch_size * recipe_base.grad_accum
     # Evaluations happen every `unit` steps, so every alpha is rounded to a multiple of the smallest.
     unit = max(1, round(positive[0] * pretrain / tokens_per_step))
@@ -58,16 +73,26 @@ def run_grid(out: Path, methods=METHODS, kv_heads=KV_HEADS, alphas=ALPHAS, eval_
     rows = []
 
     def measure(model: Path, name: str, steps: int, method: str, kv: int) -> None:
-        recipe = load_recipe(DEMO_RECIPE, _overrides(model, work / name, eval_blocks)
-                             + [f"budget.max_steps={max(steps, 1)}", f"eval_every={unit}"])
+        recipe = load_recipe(
+            DEMO_RECIPE,
+            _overrides(model, work / name, eval_blocks) + [f"budget.max_steps={max(steps, 1)}", f"eval_every={unit}"],
+        )
         train(recipe)
         evals = {row["step"]: row for row in _evals(work / name)}
         for alpha, step in step_of.items():
             if step in evals and (steps or step == 0):
-                rows.append({"method": method, "kv_heads": kv, "alpha": alpha, "step": step,
-                             "alpha_exact": step * tokens_per_step / pretrain,
-                             "tokens": step * tokens_per_step, "eval_loss": evals[step]["eval_loss"],
-                             "perplexity": evals[step]["eval_ppl"]})
+                rows.append(
+                    {
+                        "method": method,
+                        "kv_heads": kv,
+                        "alpha": alpha,
+                        "step": step,
+                        "alpha_exact": step * tokens_per_step / pretrain,
+                        "tokens": step * tokens_per_step,
+                        "eval_loss": evals[step]["eval_loss"],
+                        "perplexity": evals[step]["eval_ppl"],
+                    }
+                )
 
     info = json.loads((parent / "config.json").read_text())
     measure(parent, "parent", 0, "parent (MHA)", info.get("num_key_value_heads", info["num_attention_heads"]))
@@ -81,8 +106,13 @@ def run_grid(out: Path, methods=METHODS, kv_heads=KV_HEADS, alphas=ALPHAS, eval_
             cell = [r for r in rows if r["method"] == method and r["kv_heads"] == kv]
             echo(f"{method:>6} kv={kv}: " + "  ".join(f"alpha={r['alpha']:g}: {r['perplexity']:.2f}" for r in cell))
     shutil.rmtree(work)
-    table = {"parent": str(parent), "pretrain_tokens": pretrain, "tokens_per_step": tokens_per_step,
-             "eval": f"{eval_blocks} held-out blocks of {recipe_base.seq_len} tokens of Persuasion", "rows": rows}
+    table = {
+        "parent": str(parent),
+        "pretrain_tokens": pretrain,
+        "tokens_per_step": tokens_per_step,
+        "eval": f"{eval_blocks} held-out blocks of {recipe_base.seq_len} tokens of Persuasion",
+        "rows": rows,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "ablations.json").write_text(json.dumps(table, indent=2) + "\n")
     return table
@@ -94,7 +124,9 @@ def markdown_table(table: dict) -> str:
     parent = next(r for r in rows if r["method"].startswith("parent"))
     head = "| method | kv heads | " + " | ".join(f"alpha={a:g}" for a in alphas) + " |"
     lines = [head, "|---|---:|" + "---:|" * len(alphas)]
-    lines.append(f"| parent (MHA) | {parent['kv_heads']} | {parent['perplexity']:.2f}" + " |" + " |" * (len(alphas) - 1))
+    lines.append(
+        f"| parent (MHA) | {parent['kv_heads']} | {parent['perplexity']:.2f}" + " |" + " |" * (len(alphas) - 1)
+    )
     cells = sorted({(r["method"], r["kv_heads"]) for r in rows if r is not parent}, key=lambda c: (c[0] != "mean", c))
     for method, kv in cells:
         by_alpha = {r["alpha"]: r["perplexity"] for r in rows if (r["method"], r["kv_heads"]) == (method, kv)}
@@ -138,11 +170,21 @@ def plot(table: dict, out_dir: Path, kv_bytes_per_head: int, dtype: str = "float
     fig, ax = plt.subplots(figsize=(6, 4.2))
     alphas = sorted({r["alpha"] for r in rows})
     for alpha in alphas:
-        points = sorted((r["kv_heads"] * kv_bytes_per_head, r["perplexity"]) for r in rows
-                        if r["alpha"] == alpha and r["method"] == "mean")
+        points = sorted(
+            (r["kv_heads"] * kv_bytes_per_head, r["perplexity"])
+            for r in rows
+            if r["alpha"] == alpha and r["method"] == "mean"
+        )
         ax.plot([x / 1024 for x, _ in points], [p for _, p in points], marker="o", label=f"mean, alpha={alpha:g}")
-    ax.scatter([parent["kv_heads"] * kv_bytes_per_head / 1024], [parent["perplexity"]], color="black", marker="*",
-               s=120, label="parent (MHA)", zorder=3)
+    ax.scatter(
+        [parent["kv_heads"] * kv_bytes_per_head / 1024],
+        [parent["perplexity"]],
+        color="black",
+        marker="*",
+        s=120,
+        label="parent (MHA)",
+        zorder=3,
+    )
     ax.set_xlabel(f"KV cache per token (KiB, {dtype})")
     ax.set_ylabel("held-out perplexity (log scale)")
     ax.set_yscale("log")
@@ -164,12 +206,23 @@ def write_ablations(table: dict, out: Path) -> dict:
     shape = attention_shape(read_config(table["parent"]))
     (out / "ablations.md").write_text(markdown_table(table))
     first, second = plot(table, out, kv_bytes_per_head=shape.kv_bytes_per_token(kv_heads=1), dtype=shape.dtype)
-    return {"json": out / "ablations.json", "markdown": out / "ablations.md", "perplexity_vs_alpha": first,
-            "quality_vs_kv": second}
+    return {
+        "json": out / "ablations.json",
+        "markdown": out / "ablations.md",
+        "perplexity_vs_alpha": first,
+        "quality_vs_kv": second,
+    }
 
 
-def reproduce(out: Path, methods=METHODS, kv_heads=KV_HEADS, alphas=ALPHAS, eval_blocks: int = 32,
-              echo: Callable[[str], None] = print, progress: bool = True) -> tuple[dict, dict]:
+def reproduce(
+    out: Path,
+    methods=METHODS,
+    kv_heads=KV_HEADS,
+    alphas=ALPHAS,
+    eval_blocks: int = 32,
+    echo: Callable[[str], None] = print,
+    progress: bool = True,
+) -> tuple[dict, dict]:
     """`mha2gqa reproduce`: run the grid into `out` and write its table and plots; (table, paths)."""
     out = Path(out)
     table = run_grid(out, methods, kv_heads, alphas, eval_blocks, echo, progress)

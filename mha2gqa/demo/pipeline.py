@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from mha2gqa import embedded
 from mha2gqa.errors import InputError
@@ -29,24 +29,45 @@ class DemoSettings:
     cloze_examples: int | None  # examples of the offline persuasion_cloze lm-eval task (None: all 355)
 
     @classmethod
-    def make(cls, quick: bool, alpha: float | None) -> "DemoSettings":
+    def make(cls, quick: bool, alpha: float | None) -> DemoSettings:
         if quick:
-            return cls(eval_tokens=16384, alpha=alpha if alpha is not None else 0.01, speed=False, eval_blocks=4,
-                       cloze_examples=40)
-        return cls(eval_tokens=None, alpha=alpha if alpha is not None else 0.05, speed=True, eval_blocks=16,
-                   cloze_examples=None)
+            return cls(
+                eval_tokens=16384,
+                alpha=alpha if alpha is not None else 0.01,
+                speed=False,
+                eval_blocks=4,
+                cloze_examples=40,
+            )
+        return cls(
+            eval_tokens=None,
+            alpha=alpha if alpha is not None else 0.05,
+            speed=True,
+            eval_blocks=16,
+            cloze_examples=None,
+        )
 
 
 def embedded_run_overrides(model: Path, out: Path, eval_blocks: int) -> list[str]:
     """The shipped recipe pointed at `model`, `out` and the embedded novels (absolute paths, so any
     working directory works): five for training, Persuasion for evaluation."""
     train = [str(p) for p in embedded.train_paths()]
-    return [f"model={model}", f"output_dir={out}", f"data.train={json.dumps(train)}",
-            f"data.eval={json.dumps([str(embedded.heldout_path())])}", f"data.eval_blocks={eval_blocks}"]
+    return [
+        f"model={model}",
+        f"output_dir={out}",
+        f"data.train={json.dumps(train)}",
+        f"data.eval={json.dumps([str(embedded.heldout_path())])}",
+        f"data.eval_blocks={eval_blocks}",
+    ]
 
 
-def run_demo(out: Path, groups: int = 2, quick: bool = False, alpha: float | None = None,
-             echo: Callable[[str], None] = print, progress: bool = True) -> dict:
+def run_demo(
+    out: Path,
+    groups: int = 2,
+    quick: bool = False,
+    alpha: float | None = None,
+    echo: Callable[[str], None] = print,
+    progress: bool = True,
+) -> dict:
     """Run every stage into `out`; returns the paths written (report files included)."""
     from mha2gqa.convert.inspect import inspect_model
     from mha2gqa.convert.run import convert
@@ -60,15 +81,19 @@ def run_demo(out: Path, groups: int = 2, quick: bool = False, alpha: float | Non
     kv_heads = json.loads((parent / "config.json").read_text())["num_key_value_heads"]
     valid = [g for g in range(1, kv_heads + 1) if kv_heads % g == 0]
     if groups not in valid:  # checked here, not by convert: nothing may be created for a bad flag
-        raise InputError(f"--groups {groups} must divide the embedded model's {kv_heads} kv heads "
-                         f"(valid: {', '.join(map(str, valid))})")
+        raise InputError(
+            f"--groups {groups} must divide the embedded model's {kv_heads} kv heads "
+            f"(valid: {', '.join(map(str, valid))})"
+        )
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file: pass a directory")
     out.mkdir(parents=True, exist_ok=True)
     info = inspect_model(parent)
-    echo(f"[1/6] parent: {parent} ({info['layers']} layers, {info['heads']} heads, {info['kv_heads']} kv heads, "
-         f"{info['parameters'] / 1e6:.1f}M parameters)")
+    echo(
+        f"[1/6] parent: {parent} ({info['layers']} layers, {info['heads']} heads, {info['kv_heads']} kv heads, "
+        f"{info['parameters'] / 1e6:.1f}M parameters)"
+    )
 
     converted = out / "converted"
     convert(parent, converted, groups=groups, method="mean", force=True, progress=progress)
@@ -77,25 +102,46 @@ def run_demo(out: Path, groups: int = 2, quick: bool = False, alpha: float | Non
     results = out / "results"
     # Non-overlapping 512-token windows (the model's whole context), batched: the same measure as
     # scripts/embedded_stats.py, and 2x fewer forward passes than the default half-context stride.
-    eval_kwargs = dict(data=str(embedded.heldout_path()), max_tokens=settings.eval_tokens, context=512, stride=512, batch_size=8,
-                       speed_preset="cpu" if settings.speed else None, progress=progress)
+    eval_kwargs = dict(
+        data=str(embedded.heldout_path()),
+        max_tokens=settings.eval_tokens,
+        context=512,
+        stride=512,
+        batch_size=8,
+        speed_preset="cpu" if settings.speed else None,
+        progress=progress,
+    )
     if importlib.util.find_spec("lm_eval") is not None:  # the [lmeval] extra: the report gains cloze accuracy
         eval_kwargs.update(lm_eval_tasks=["persuasion_cloze"], lm_eval_limit=settings.cloze_examples)
     else:
         echo("note: pip install 'mha2gqa[lmeval]' adds the last-word cloze accuracy (lm-eval) to the report")
     evaluate(parent, role="parent", label="parent (MHA)", out=results / "parent.json", **eval_kwargs)
-    evaluate(converted, reference=str(parent), role="converted", label=f"converted (GQA-{groups})",
-             out=results / "converted.json", **eval_kwargs)
+    evaluate(
+        converted,
+        reference=str(parent),
+        role="converted",
+        label=f"converted (GQA-{groups})",
+        out=results / "converted.json",
+        **eval_kwargs,
+    )
     echo(f"[3/6] evaluated parent and converted on held-out Persuasion: {results}")
 
     tokens = embedded.pretrain_tokens()
     budget = [f"budget.alpha={settings.alpha}", f"budget.pretrain_tokens={tokens}"]
-    recipe = load_recipe(DEMO_RECIPE, embedded_run_overrides(converted, out / "uptrained", settings.eval_blocks) + budget)
+    recipe = load_recipe(
+        DEMO_RECIPE, embedded_run_overrides(converted, out / "uptrained", settings.eval_blocks) + budget
+    )
     uptrained = train(recipe)
     echo(f"[4/6] uptrained for alpha={settings.alpha:g} x {tokens:,} pretraining tokens: {uptrained}")
 
-    evaluate(uptrained, reference=str(parent), role="uptrained", label=f"uptrained (GQA-{groups})",
-             out=results / "uptrained.json", **eval_kwargs)
+    evaluate(
+        uptrained,
+        reference=str(parent),
+        role="uptrained",
+        label=f"uptrained (GQA-{groups})",
+        out=results / "uptrained.json",
+        **eval_kwargs,
+    )
     echo("[5/6] evaluated the uptrained model")
 
     names = ("parent", "converted", "uptrained")

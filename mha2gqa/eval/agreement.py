@@ -27,8 +27,9 @@ class AgreementTally:
         return {"kl_mean": self.kl / self.tokens, "top1_agreement": self.same / self.tokens, "tokens": self.tokens}
 
 
-def agreement(model, reference, ids: torch.Tensor, context: int, stride: int, batch_size: int = 1,
-              progress: bool = False) -> tuple[dict, dict, dict]:
+def agreement(
+    model, reference, ids: torch.Tensor, context: int, stride: int, batch_size: int = 1, progress: bool = False
+) -> tuple[dict, dict, dict]:
     """(agreement, model perplexity, reference perplexity) over the same windows of `ids`."""
     if model.config.vocab_size != reference.config.vocab_size:
         raise InputError(

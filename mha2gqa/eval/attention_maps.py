@@ -31,7 +31,9 @@ def layer_attention(model, ids: torch.Tensor, layer: int) -> torch.Tensor:
 def attention_maps(model, tokenizer, text: str, layer: int, reference=None) -> dict:
     n_layers = model.config.num_hidden_layers
     if not -n_layers <= layer < n_layers:
-        raise InputError(f"--attention-layer {layer} is out of range: the model has {n_layers} layers (0..{n_layers - 1})")
+        raise InputError(
+            f"--attention-layer {layer} is out of range: the model has {n_layers} layers (0..{n_layers - 1})"
+        )
     ids = tokenizer(text, return_tensors="pt")["input_ids"]  # (1, T)
     if not 2 <= ids.shape[1] <= 256:
         raise InputError(f"--attention-maps text is {ids.shape[1]} tokens: use a short text of 2..256 tokens")
@@ -66,8 +68,11 @@ def plot_attention_maps(found: dict, out_png: Path, labels: dict[str, str], kv_h
             ax.set_yticks([])
     for slot in range(heads * len(per_head), rows * cols):
         axes[slot // cols][slot % cols].axis("off")
-    fig.suptitle(f"Attention probabilities of layer {found['layer']} ({len(found['tokens'])} tokens; "
-                 "rows: query position, columns: key position; colour 0 (dark) to 1 (yellow))", fontsize=10)
+    fig.suptitle(
+        f"Attention probabilities of layer {found['layer']} ({len(found['tokens'])} tokens; "
+        "rows: query position, columns: key position; colour 0 (dark) to 1 (yellow))",
+        fontsize=10,
+    )
     fig.tight_layout()
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=110)

@@ -56,16 +56,31 @@ def comparison_rows(results: list[dict], base: int) -> tuple[list[dict], dict]:
         if r["role"] == "uptrained" and None not in (parent, converted, ppl[i]) and converted != parent:
             recovery = (converted - ppl[i]) / (converted - parent)
         change = _ratio(ppl[i], ppl[base])
-        rows.append({
-            "label": r["label"], "role": r["role"], "heads": r["model"]["heads"], "kv_heads": r["model"]["kv_heads"],
-            "perplexity": ppl[i], "perplexity_change": None if change is None else change - 1.0,
-            "recovery": recovery, "kl_mean": schema.kl_mean(r), "top1_agreement": schema.top1_agreement(r),
-            "kv_bytes_per_token": kv[i], "kv_saving": _ratio(kv[base], kv[i]),
-            "kv_match": schema.kv_match(r), "tokens_per_s": tps[i], "speedup": _ratio(tps[i], tps[base]),
-        })
+        rows.append(
+            {
+                "label": r["label"],
+                "role": r["role"],
+                "heads": r["model"]["heads"],
+                "kv_heads": r["model"]["kv_heads"],
+                "perplexity": ppl[i],
+                "perplexity_change": None if change is None else change - 1.0,
+                "recovery": recovery,
+                "kl_mean": schema.kl_mean(r),
+                "top1_agreement": schema.top1_agreement(r),
+                "kv_bytes_per_token": kv[i],
+                "kv_saving": _ratio(kv[base], kv[i]),
+                "kv_match": schema.kv_match(r),
+                "tokens_per_s": tps[i],
+                "speedup": _ratio(tps[i], tps[base]),
+            }
+        )
     lm_columns = add_lm_eval(rows, results, base)
-    return rows, {"baseline": results[base]["label"], "speed_point": point, "notes": table_notes(results),
-                  "lm_eval": lm_columns}
+    return rows, {
+        "baseline": results[base]["label"],
+        "speed_point": point,
+        "notes": table_notes(results),
+        "lm_eval": lm_columns,
+    }
 
 
 def add_lm_eval(rows: list[dict], results: list[dict], base: int) -> list[dict]:
@@ -76,9 +91,15 @@ def add_lm_eval(rows: list[dict], results: list[dict], base: int) -> list[dict]:
     for r in results:
         for task, section in schema.lm_eval_tasks(r).items():
             for metric, found in (section.get("metrics") or {}).items():
-                columns.setdefault(f"{task}:{metric}", {"task": task, "metric": metric,
-                                                        "higher_is_better": found.get("higher_is_better"),
-                                                        "relative": "perplexity" in metric})
+                columns.setdefault(
+                    f"{task}:{metric}",
+                    {
+                        "task": task,
+                        "metric": metric,
+                        "higher_is_better": found.get("higher_is_better"),
+                        "relative": "perplexity" in metric,
+                    },
+                )
 
     def cell(r, key):
         return schema.lm_eval_metric(r, columns[key]["task"], columns[key]["metric"])
@@ -107,8 +128,9 @@ def table_notes(results: list[dict]) -> list[str]:
     notes = []
     data = {schema.data_digest(r) for r in results if r.get("perplexity")}
     if len(data) > 1:
-        notes.append("Perplexities were measured on different token streams (data or tokenizer differ): "
-                     "compare them with care.")
+        notes.append(
+            "Perplexities were measured on different token streams (data or tokenizer differ): compare them with care."
+        )
     windows = {schema.perplexity_window(r) for r in results if r.get("perplexity")}
     if len(windows) > 1:
         notes.append(f"Perplexities used different context/stride settings: {sorted(windows)}.")

@@ -24,8 +24,9 @@ class EvalText:
     identity: dict = field(default_factory=dict)
 
 
-def read_documents(data: str, config: str | None = None, split: str = "test", column: str = "text",
-                   max_chars: int | None = None) -> tuple[list[str], dict]:
+def read_documents(
+    data: str, config: str | None = None, split: str = "test", column: str = "text", max_chars: int | None = None
+) -> tuple[list[str], dict]:
     """Documents from a file, a folder of files, or a hub dataset name; and a description. A hub
     dataset is read only until `max_chars` characters (local files are read whole)."""
     source = textdata.resolve("--data", data)
@@ -54,8 +55,9 @@ def tokenize_documents(docs: list[str], tokenizer, max_tokens: int | None = None
     return ids[:max_tokens] if max_tokens else ids
 
 
-def load_eval_text(data: str, tokenizer, *, config=None, split="test", column="text",
-                   max_tokens: int | None = None) -> EvalText:
+def load_eval_text(
+    data: str, tokenizer, *, config=None, split="test", column="text", max_tokens: int | None = None
+) -> EvalText:
     # A hub dataset read with a token budget stops early; no tokenizer averages 16 characters a token.
     max_chars = None if max_tokens is None else 16 * max_tokens
     docs, source = read_documents(data, config, split, column, max_chars)

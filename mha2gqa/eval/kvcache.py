@@ -55,7 +55,11 @@ def measure_kv_cache(model, shape: AttentionShape, batch: int = 2, tokens: int =
 def mismatch_message(r: dict) -> str:
     why = ""
     if r["cached_heads"] and max(r["cached_heads"]) > r["kv_heads"]:
-        why = (f" The cache holds {max(r['cached_heads'])} heads per layer, not {r['kv_heads']}: this model "
-               "broadcasts K/V to every query head before caching, so fewer kv heads save no memory here.")
-    return (f"KV CACHE MISMATCH: the live cache holds {r['measured_bytes_per_token']:g} bytes/token, the formula "
-            f"2*layers*kv_heads*head_dim*bytes gives {r['formula_bytes_per_token']}.{why}")
+        why = (
+            f" The cache holds {max(r['cached_heads'])} heads per layer, not {r['kv_heads']}: this model "
+            "broadcasts K/V to every query head before caching, so fewer kv heads save no memory here."
+        )
+    return (
+        f"KV CACHE MISMATCH: the live cache holds {r['measured_bytes_per_token']:g} bytes/token, the formula "
+        f"2*layers*kv_heads*head_dim*bytes gives {r['formula_bytes_per_token']}.{why}"
+    )

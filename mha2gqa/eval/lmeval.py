@@ -35,13 +35,16 @@ def task_manager(tasks: list[str]):
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         listed = ", ".join(OFFLINE_TASKS)
-        raise InputError(f"--lm-eval-tasks {','.join(unknown)}: not an lm-eval task (offline ones: {listed}; "
-                         "hub tasks such as hellaswag need `lm_eval --tasks list` names)")
+        raise InputError(
+            f"--lm-eval-tasks {','.join(unknown)}: not an lm-eval task (offline ones: {listed}; "
+            "hub tasks such as hellaswag need `lm_eval --tasks list` names)"
+        )
     return manager
 
 
-def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 1,
-                manager=None) -> dict:
+def run_lm_eval(
+    model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 1, manager=None
+) -> dict:
     """Run `tasks` on the loaded `model` (no second copy is loaded) and return the result's lm_eval
     section: harness version, settings, and per task the number of examples and every metric with
     its standard error and direction."""
@@ -57,8 +60,14 @@ def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, ba
     previous = os.environ.get("DISABLE_MULTIPROC")
     os.environ["DISABLE_MULTIPROC"] = "1"
     try:
-        out = lm_eval.simple_evaluate(model=wrapped, tasks=list(tasks), limit=limit, task_manager=manager,
-                                      bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False)
+        out = lm_eval.simple_evaluate(
+            model=wrapped,
+            tasks=list(tasks),
+            limit=limit,
+            task_manager=manager,
+            bootstrap_iters=BOOTSTRAP_ITERS,
+            log_samples=False,
+        )
     finally:
         if previous is None:
             del os.environ["DISABLE_MULTIPROC"]
@@ -68,9 +77,12 @@ def run_lm_eval(model, tokenizer, tasks: list[str], limit: int | None = None, ba
         "harness": f"lm-eval {lm_eval.__version__}",
         "limit": limit,
         "bootstrap_iters": BOOTSTRAP_ITERS,
-        "tasks": {task: fold_task(metrics, out["higher_is_better"].get(task, {}),
-                                  out["n-samples"].get(task, {}).get("effective"))
-                  for task, metrics in out["results"].items()},
+        "tasks": {
+            task: fold_task(
+                metrics, out["higher_is_better"].get(task, {}), out["n-samples"].get(task, {}).get("effective")
+            )
+            for task, metrics in out["results"].items()
+        },
     }
 
 
@@ -85,8 +97,11 @@ def fold_task(raw: dict, higher_is_better: dict, samples: int | None) -> dict:
             continue
         stderr = raw.get(f"{name}_stderr,{filter_name}")
         label = name if filter_name == "none" else f"{name} ({filter_name})"
-        metrics[label] = {"value": value, "stderr": stderr if _is_number(stderr) else None,
-                          "higher_is_better": higher_is_better.get(name)}
+        metrics[label] = {
+            "value": value,
+            "stderr": stderr if _is_number(stderr) else None,
+            "higher_is_better": higher_is_better.get(name),
+        }
     return {"samples": samples, "metrics": metrics}
 
 

@@ -53,8 +53,10 @@ def load_config(model_dir: Path):
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError) as err:  # e.g. a model_type this transformers does not know
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise InputError(f"{Path(model_dir) / 'config.json'} could not be read by transformers ({first}): "
-                         "use the model's own config.json, or a newer transformers") from err
+        raise InputError(
+            f"{Path(model_dir) / 'config.json'} could not be read by transformers ({first}): "
+            "use the model's own config.json, or a newer transformers"
+        ) from err
 
 
 def load_tokenizer(model_dir: Path, tokenizer: str | None = None):
@@ -86,8 +88,13 @@ def shape_of(config) -> AttentionShape:
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
     dtype = str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
     return AttentionShape(
-        model_type=config.model_type, layers=int(config.num_hidden_layers), heads=heads,
-        kv_heads=kv_heads, head_dim=head_dim, hidden=hidden, dtype=dtype,
+        model_type=config.model_type,
+        layers=int(config.num_hidden_layers),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden=hidden,
+        dtype=dtype,
     )
 
 

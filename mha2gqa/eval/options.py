@@ -7,9 +7,9 @@ is loaded (eval/run.py), with the flag named in each message.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from enum import Enum
-from typing import Sequence
 
 
 class SpeedPreset(str, Enum):
@@ -104,7 +104,7 @@ class EvalOptions:
         return preset.value if isinstance(preset, SpeedPreset) else preset
 
     @classmethod
-    def from_kwargs(cls, kwargs: dict) -> "EvalOptions":
+    def from_kwargs(cls, kwargs: dict) -> EvalOptions:
         """The options of `evaluate(model, **kwargs)`; an unknown keyword is a TypeError, as it was when these
         were evaluate's own parameters."""
         unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})

@@ -9,8 +9,8 @@ first token of each window has no prediction inside it: it is left unscored (see
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -43,22 +43,25 @@ def check_window(context: int, stride: int) -> None:
     if context < 2:
         raise InputError(f"--context {context} must be at least 2 (a token and the one it predicts)")
     if not 1 <= stride <= context:
-        raise InputError(f"--stride {stride} must be between 1 and --context {context}: use e.g. {max(1, context // 2)}")
+        raise InputError(
+            f"--stride {stride} must be between 1 and --context {context}: use e.g. {max(1, context // 2)}"
+        )
 
 
-def scored_logits(model, ids: torch.Tensor, wins: list[Window], batch_size: int = 1,
-                  progress: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def scored_logits(
+    model, ids: torch.Tensor, wins: list[Window], batch_size: int = 1, progress: bool = False
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """For each batch of windows: (logits (n, V) float32, targets (n,)) of the tokens scored there."""
     device = next(model.parameters()).device
     bar = tqdm(total=len(wins), desc="windows", unit="win", disable=not progress, leave=False)
     for batch in _same_length_batches(wins, batch_size):
-        inputs = torch.stack([ids[w.start:w.end] for w in batch]).to(device)  # (B, T)
+        inputs = torch.stack([ids[w.start : w.end] for w in batch]).to(device)  # (B, T)
         keep = max(w.scored for w in batch) + 1  # the last position predicts nothing in-window
         with torch.no_grad():
             logits = model(inputs, logits_to_keep=keep).logits  # (B, keep, V)
         for row, w in zip(logits, batch):
             # Positions keep-1-scored .. keep-2 predict targets end-scored .. end-1.
-            yield row[keep - 1 - w.scored:keep - 1].float(), ids[w.end - w.scored:w.end].to(device)
+            yield row[keep - 1 - w.scored : keep - 1].float(), ids[w.end - w.scored : w.end].to(device)
         bar.update(len(batch))
     bar.close()
 
@@ -90,8 +93,9 @@ class NllTally:
         return {"perplexity": math.exp(mean), "nll_per_token": mean, "tokens_scored": self.tokens}
 
 
-def perplexity(model, ids: torch.Tensor, context: int, stride: int, batch_size: int = 1,
-               progress: bool = False) -> dict:
+def perplexity(
+    model, ids: torch.Tensor, context: int, stride: int, batch_size: int = 1, progress: bool = False
+) -> dict:
     """exp(mean NLL) over every scored token of `ids`, with the window settings recorded."""
     wins = windows(ids.numel(), context, stride)
     tally = NllTally()

@@ -47,10 +47,22 @@ def quality_vs_kv(rows: list[dict], out: Path) -> Path | None:
         x, y = r["kv_bytes_per_token"] / div, r["perplexity"]
         at = (round(x, 6), round(y, 6))
         stacked[at] = stacked.get(at, -1) + 1
-        ax.scatter(x, y, s=70, color=ROLE_COLORS.get(r["role"], "gray"), marker=ROLE_MARKERS.get(r["role"], "o"),
-                   alpha=0.8, zorder=3)
-        ax.annotate(f"{r['label']} ({r['kv_heads']} kv)", (x, y), textcoords="offset points",
-                    xytext=(8, 6 + 13 * stacked[at]), fontsize=9)
+        ax.scatter(
+            x,
+            y,
+            s=70,
+            color=ROLE_COLORS.get(r["role"], "gray"),
+            marker=ROLE_MARKERS.get(r["role"], "o"),
+            alpha=0.8,
+            zorder=3,
+        )
+        ax.annotate(
+            f"{r['label']} ({r['kv_heads']} kv)",
+            (x, y),
+            textcoords="offset points",
+            xytext=(8, 6 + 13 * stacked[at]),
+            fontsize=9,
+        )
     for role, color in ROLE_COLORS.items():
         if any(r["role"] == role for r in pts):
             ax.scatter([], [], color=color, marker=ROLE_MARKERS[role], label=role)
@@ -95,23 +107,34 @@ def read_metrics(path: Path) -> list[dict]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as err:
-        raise InputError(f"--metrics {path} is not UTF-8 text (byte {err.start}): pass the uptrain metrics.jsonl") from err
+        raise InputError(
+            f"--metrics {path} is not UTF-8 text (byte {err.start}): pass the uptrain metrics.jsonl"
+        ) from err
     rows = []
     for n, line in enumerate(lines, 1):
         if line.strip():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise InputError(f"--metrics {path} line {n} is not JSON ({err.msg}): pass the uptrain metrics.jsonl") from err
-            if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)) or isinstance(row["step"], bool):
-                raise InputError(f"--metrics {path} line {n} is not an object with a numeric 'step': "
-                                 "pass the uptrain metrics.jsonl")
+                raise InputError(
+                    f"--metrics {path} line {n} is not JSON ({err.msg}): pass the uptrain metrics.jsonl"
+                ) from err
+            if (
+                not isinstance(row, dict)
+                or not isinstance(row.get("step"), (int, float))
+                or isinstance(row["step"], bool)
+            ):
+                raise InputError(
+                    f"--metrics {path} line {n} is not an object with a numeric 'step': pass the uptrain metrics.jsonl"
+                )
             rows.append(row)
     if not rows:
         raise InputError(f"--metrics {path} has no lines with a 'step': pass the uptrain metrics.jsonl")
     if not (_series(rows, "loss") or _series(rows, "ppl")):
-        raise InputError(f"--metrics {path} has no numeric loss or ppl keys (keys: {', '.join(sorted(rows[0]))}): "
-                         "pass the uptrain metrics.jsonl")
+        raise InputError(
+            f"--metrics {path} has no numeric loss or ppl keys (keys: {', '.join(sorted(rows[0]))}): "
+            "pass the uptrain metrics.jsonl"
+        )
     return rows
 
 

@@ -31,7 +31,9 @@ def versions() -> dict:
     import mha2gqa
 
     return {
-        "mha2gqa": mha2gqa.__version__, "python": platform.python_version(), "torch": torch.__version__,
+        "mha2gqa": mha2gqa.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
     }

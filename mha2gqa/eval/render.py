@@ -49,8 +49,11 @@ def lm_eval_columns(found: list[dict]) -> list[tuple[str, str, callable]]:
     cols = []
     for c in found:
         scale = "relative" if c["relative"] else "percent" if c["percent"] else "plain"
-        delta = {"relative": lambda x: f"{100 * x:+.1f}%", "percent": lambda x: f"{100 * x:+.1f} pt",
-                 "plain": lambda x: f"{x:+.4g}"}[scale]
+        delta = {
+            "relative": lambda x: f"{100 * x:+.1f}%",
+            "percent": lambda x: f"{100 * x:+.1f} pt",
+            "plain": lambda x: f"{x:+.4g}",
+        }[scale]
         cols.append((f"{c['task']} {c['metric']}", f"lm_eval:{c['key']}", _fmt_with_stderr(scale)))
         cols.append((f"Δ {c['metric']}", f"lm_eval_delta:{c['key']}", delta))
     return cols
@@ -62,6 +65,7 @@ def _fmt_with_stderr(scale: str):
     def fmt(cell):
         text = one(cell["value"]) + ("%" if scale == "percent" else "")
         return text if cell.get("stderr") is None else f"{text} ± {one(cell['stderr'])}"
+
     return fmt
 
 
@@ -76,14 +80,25 @@ def cells(row: dict, cols) -> list[str]:
 
 def markdown(rows, meta, results, plots: dict[str, Path], out_dir: Path) -> str:
     cols = columns(meta["speed_point"], meta.get("lm_eval"))
-    lines = ["# mha2gqa comparison report", "",
-             f"Baseline: **{meta['baseline']}** (Δ, saving and speed-up are relative to it).", "",
-             "| " + " | ".join(h for h, _, _ in cols) + " |", "|" + "---|" * len(cols)]
+    lines = [
+        "# mha2gqa comparison report",
+        "",
+        f"Baseline: **{meta['baseline']}** (Δ, saving and speed-up are relative to it).",
+        "",
+        "| " + " | ".join(h for h, _, _ in cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
     lines += ["| " + " | ".join(cells(r, cols)) + " |" for r in rows]
     if meta["notes"]:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in meta["notes"]]
     lines += ["", "## Plots", ""] + [f"![{name}]({p.relative_to(out_dir)})" for name, p in plots.items()]
-    lines += ["", "## Provenance", "", "| model | path | params | dtype | data (ids sha256) | device |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Provenance",
+        "",
+        "| model | path | params | dtype | data (ids sha256) | device |",
+        "|---|---|---|---|---|---|",
+    ]
     lines += ["| " + " | ".join(provenance_cells(r)) + " |" for r in results]
     return "\n".join(lines) + "\n"
 
@@ -93,8 +108,14 @@ def provenance_cells(r: dict) -> list[str]:
     digest = (data.get("ids_sha256") or "")[:12]
     tokens = f"{data.get('tokens', 0):,} tokens, {digest}" if data else DASH
     env = r["env"]
-    return [r["label"], r["model"].get("path", DASH), f"{r['model'].get('params', 0):,}", str(r["model"].get("dtype")),
-            tokens, f"{env.get('device_name')} ({env.get('device')})"]
+    return [
+        r["label"],
+        r["model"].get("path", DASH),
+        f"{r['model'].get('params', 0):,}",
+        str(r["model"].get("dtype")),
+        tokens,
+        f"{env.get('device_name')} ({env.get('device')})",
+    ]
 
 
 CSS = """
@@ -115,11 +136,15 @@ def html_page(rows, meta, results, plots: dict[str, Path]) -> str:
     head = "".join(f"<th>{esc(h)}</th>" for h, _, _ in cols)
     body = "".join(
         ("<tr class='baseline'>" if r["label"] == meta["baseline"] else "<tr>")
-        + "".join(f"<td>{esc(c)}</td>" for c in cells(r, cols)) + "</tr>" for r in rows)
+        + "".join(f"<td>{esc(c)}</td>" for c in cells(r, cols))
+        + "</tr>"
+        for r in rows
+    )
     notes = "".join(f"<li>{esc(n)}</li>" for n in meta["notes"])
     imgs = "".join(
         f'<figure><img alt="{esc(name)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></figure>'
-        for name, p in plots.items())
+        for name, p in plots.items()
+    )
     prov = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in provenance_cells(r)) + "</tr>" for r in results)
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>mha2gqa report</title><style>{CSS}</style></head><body>"

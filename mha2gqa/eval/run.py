@@ -51,8 +51,22 @@ def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | No
     if preset == SpeedPreset.AUTO:
         preset = "gpu" if dev.type == "cuda" else "cpu"
     grid = speed.make_grid(preset, o.speed_batches, o.speed_contexts, o.new_tokens, o.repeats) if preset else None
-    _check_inputs(data, reference, context, stride, o.batch_size, o.max_tokens, o.kv_batch, o.kv_tokens, o.role,
-                  o.attention_text, o.attention_png, out, o.lm_eval_tasks, o.lm_eval_limit)
+    _check_inputs(
+        data,
+        reference,
+        context,
+        stride,
+        o.batch_size,
+        o.max_tokens,
+        o.kv_batch,
+        o.kv_tokens,
+        o.role,
+        o.attention_text,
+        o.attention_png,
+        out,
+        o.lm_eval_tasks,
+        o.lm_eval_limit,
+    )
     # Task names are checked (and the task index built) before any weights are loaded.
     tasks = task_manager(o.lm_eval_tasks) if o.lm_eval_tasks else None
 
@@ -70,8 +84,13 @@ def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | No
     context, stride = _window(config, context, stride)
     if grid:
         speed.check_grid_fits(grid, getattr(config, "max_position_embeddings", None))
-    text = load_eval_text(data, tok, config=o.data_config, split=o.data_split, column=o.data_column,
-                          max_tokens=o.max_tokens) if data else None
+    text = (
+        load_eval_text(
+            data, tok, config=o.data_config, split=o.data_split, column=o.data_column, max_tokens=o.max_tokens
+        )
+        if data
+        else None
+    )
 
     model = M.load_model(model_dir, torch_dtype, dev, o.progress)
     ref_model = M.load_model(ref_dir, torch_dtype, dev, o.progress, "--reference") if ref_dir else None
@@ -89,8 +108,10 @@ def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | No
         png = Path(o.attention_png) if o.attention_png else Path(out).with_suffix(".attention.png")
         found = attention_maps(model, tok, o.attention_text, o.attention_layer, ref_model)
         labels = {"model": result["label"], "reference": f"{(result['reference'] or {}).get('label', '')} (reference)"}
-        result["attention_maps"] = {"png": str(plot_attention_maps(found, png, labels, shape.kv_heads)),
-                                    "layer": found["layer"]}
+        result["attention_maps"] = {
+            "png": str(plot_attention_maps(found, png, labels, shape.kv_heads)),
+            "layer": found["layer"],
+        }
     if o.lm_eval_tasks:
         result["lm_eval"] = run_lm_eval(model, tok, o.lm_eval_tasks, o.lm_eval_limit, o.batch_size, tasks)
     for message in result["warnings"]:
@@ -116,7 +137,9 @@ def _window(config, context, stride) -> tuple[int, int]:
     stride = stride or max(1, context // 2)
     P.check_window(context, stride)
     if max_pos and context > max_pos:
-        raise InputError(f"--context {context} exceeds the model's max_position_embeddings={max_pos}: use at most {max_pos}")
+        raise InputError(
+            f"--context {context} exceeds the model's max_position_embeddings={max_pos}: use at most {max_pos}"
+        )
     return context, stride
 
 
@@ -128,15 +151,33 @@ def _quality(model, ref_model, ids, context, stride, batch_size, progress) -> di
     return {"perplexity": ppl, "agreement": {**agree, "reference_perplexity": ref_ppl["perplexity"]}}
 
 
-def _check_inputs(data, reference, context, stride, batch_size, max_tokens, kv_batch, kv_tokens, role,
-                  attention_text, attention_png, out, lm_eval_tasks, lm_eval_limit=None) -> None:
+def _check_inputs(
+    data,
+    reference,
+    context,
+    stride,
+    batch_size,
+    max_tokens,
+    kv_batch,
+    kv_tokens,
+    role,
+    attention_text,
+    attention_png,
+    out,
+    lm_eval_tasks,
+    lm_eval_limit=None,
+) -> None:
     """Everything that can be refused before a model is loaded."""
     if reference and not data:
         raise InputError("--reference needs --data: agreement is measured on the same text")
     if context is not None:
         P.check_window(context, stride or max(1, context // 2))
-    for flag, value, low in (("--batch-size", batch_size, 1), ("--max-tokens", max_tokens, 2),
-                             ("--kv-batch", kv_batch, 1), ("--kv-tokens", kv_tokens, 1)):
+    for flag, value, low in (
+        ("--batch-size", batch_size, 1),
+        ("--max-tokens", max_tokens, 2),
+        ("--kv-batch", kv_batch, 1),
+        ("--kv-tokens", kv_tokens, 1),
+    ):
         if value is not None and value < low:
             raise InputError(f"{flag} {value} must be at least {low}")
     if role is not None:
@@ -160,17 +201,38 @@ def _skeleton(model_path, model_dir, model, shape, prov, role, label, reference,
         "label": label or Path(str(model_path).rstrip("/")).name,
         "role": role,
         "model": {
-            "path": str(model_path), "resolved": str(Path(model_dir).resolve()), "model_type": shape.model_type,
-            "layers": shape.layers, "heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
-            "hidden": shape.hidden, "params": sum(p.numel() for p in model.parameters()),
-            "dtype": str(model.dtype).replace("torch.", ""), "provenance": prov,
+            "path": str(model_path),
+            "resolved": str(Path(model_dir).resolve()),
+            "model_type": shape.model_type,
+            "layers": shape.layers,
+            "heads": shape.heads,
+            "kv_heads": shape.kv_heads,
+            "head_dim": shape.head_dim,
+            "hidden": shape.hidden,
+            "params": sum(p.numel() for p in model.parameters()),
+            "dtype": str(model.dtype).replace("torch.", ""),
+            "provenance": prov,
         },
-        "reference": {"path": str(reference), "resolved": str(Path(ref_dir).resolve()),
-                      "label": Path(str(reference).rstrip("/")).name} if reference else None,
-        "data": None, "perplexity": None, "agreement": None, "kv_cache": None, "speed": None,
-        "attention_maps": None, "lm_eval": None, "warnings": [],
+        "reference": {
+            "path": str(reference),
+            "resolved": str(Path(ref_dir).resolve()),
+            "label": Path(str(reference).rstrip("/")).name,
+        }
+        if reference
+        else None,
+        "data": None,
+        "perplexity": None,
+        "agreement": None,
+        "kv_cache": None,
+        "speed": None,
+        "attention_maps": None,
+        "lm_eval": None,
+        "warnings": [],
         "env": {
-            "device": str(dev), "device_name": provenance.device_name(dev), "versions": provenance.versions(),
-            "seed": seed, "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": str(dev),
+            "device_name": provenance.device_name(dev),
+            "versions": provenance.versions(),
+            "seed": seed,
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         },
     }

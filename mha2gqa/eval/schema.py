@@ -127,8 +127,10 @@ def check_writable(out: Path, flag: str = "--out") -> None:
             os.close(fd)
             os.unlink(probe)
     except OSError as err:
-        raise InputError(f"{flag} {out}: cannot write in {folder} ({os.strerror(err.errno)}): "
-                         "choose a writable location with free space") from err
+        raise InputError(
+            f"{flag} {out}: cannot write in {folder} ({os.strerror(err.errno)}): "
+            "choose a writable location with free space"
+        ) from err
 
 
 def load_result(path: str | os.PathLike) -> dict:
@@ -140,7 +142,9 @@ def load_result(path: str | os.PathLike) -> dict:
     except UnicodeDecodeError as err:
         raise InputError(f"{path} is not UTF-8 text (byte {err.start}): pass a file written by `mha2gqa eval`") from err
     except json.JSONDecodeError as err:
-        raise InputError(f"{path} is not JSON ({err.msg} at line {err.lineno}): pass a file written by `mha2gqa eval`") from err
+        raise InputError(
+            f"{path} is not JSON ({err.msg} at line {err.lineno}): pass a file written by `mha2gqa eval`"
+        ) from err
     if not isinstance(result, dict) or result.get("schema") != SCHEMA:
         found = result.get("schema") if isinstance(result, dict) else type(result).__name__
         raise InputError(f"{path} has schema {found!r}, expected {SCHEMA!r}: pass a file written by `mha2gqa eval`")
@@ -150,8 +154,10 @@ def load_result(path: str | os.PathLike) -> dict:
         raise InputError(f"{path} lacks {', '.join(missing)}: re-run `mha2gqa eval` to write a complete result")
     wrong = type_problems(result)
     if wrong:
-        raise InputError(f"{path} has values of the wrong type ({'; '.join(wrong[:4])}): "
-                         "pass a file written by `mha2gqa eval`, unedited")
+        raise InputError(
+            f"{path} has values of the wrong type ({'; '.join(wrong[:4])}): "
+            "pass a file written by `mha2gqa eval`, unedited"
+        )
     return result
 
 
@@ -177,18 +183,41 @@ def _section(fields: dict):
 _TYPES = {
     "label": (lambda v: isinstance(v, str), "text"),
     "role": (lambda v: v in ("parent", "converted", "uptrained"), "parent, converted or uptrained"),
-    "model.heads": (_count, "a whole number"), "model.kv_heads": (_count, "a whole number"),
-    "model.layers": (_count, "a whole number"), "model.head_dim": (_count, "a whole number"),
+    "model.heads": (_count, "a whole number"),
+    "model.kv_heads": (_count, "a whole number"),
+    "model.layers": (_count, "a whole number"),
+    "model.head_dim": (_count, "a whole number"),
     "perplexity": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
     "perplexity.perplexity": (_maybe(_number), "a number"),
-    "perplexity.context": (_maybe(_count), "a whole number"), "perplexity.stride": (_maybe(_count), "a whole number"),
+    "perplexity.context": (_maybe(_count), "a whole number"),
+    "perplexity.stride": (_maybe(_count), "a whole number"),
     "agreement": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
-    "agreement.kl_mean": (_maybe(_number), "a number"), "agreement.top1_agreement": (_maybe(_number), "a number"),
+    "agreement.kl_mean": (_maybe(_number), "a number"),
+    "agreement.top1_agreement": (_maybe(_number), "a number"),
     "kv_cache": (lambda v: isinstance(v, dict), "an object"),
     "kv_cache.measured_bytes_per_token": (_maybe(_number), "a number"),
-    "speed": (_maybe(_section({"points": (lambda v: isinstance(v, list) and all(
-        isinstance(p, dict) and _count(p.get("batch")) and _count(p.get("context")) and _number(p.get("tokens_per_s"))
-        for p in v), "")})), "null or {points: [{batch, context, tokens_per_s}, ...]}"),
+    "speed": (
+        _maybe(
+            _section(
+                {
+                    "points": (
+                        lambda v: (
+                            isinstance(v, list)
+                            and all(
+                                isinstance(p, dict)
+                                and _count(p.get("batch"))
+                                and _count(p.get("context"))
+                                and _number(p.get("tokens_per_s"))
+                                for p in v
+                            )
+                        ),
+                        "",
+                    )
+                }
+            )
+        ),
+        "null or {points: [{batch, context, tokens_per_s}, ...]}",
+    ),
     "data": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
     "data.ids_sha256": (_maybe(lambda v: isinstance(v, str)), "text"),
     "warnings": (_maybe(lambda v: isinstance(v, list) and all(isinstance(w, str) for w in v)), "a list of text"),

@@ -39,11 +39,18 @@ def make_grid(preset: str, batches=None, contexts=None, new_tokens=None, repeats
         raise InputError(f"--speed {preset!r} is not a preset (use {', '.join(PRESETS)} or off)")
     base = PRESETS[preset]
     grid = SpeedGrid(
-        batches=tuple(batches or base.batches), contexts=tuple(contexts or base.contexts),
-        new_tokens=new_tokens or base.new_tokens, repeats=repeats or base.repeats, warmup=base.warmup,
+        batches=tuple(batches or base.batches),
+        contexts=tuple(contexts or base.contexts),
+        new_tokens=new_tokens or base.new_tokens,
+        repeats=repeats or base.repeats,
+        warmup=base.warmup,
     )
-    for flag, values in (("--speed-batches", grid.batches), ("--speed-contexts", grid.contexts),
-                         ("--new-tokens", (grid.new_tokens,)), ("--repeats", (grid.repeats,))):
+    for flag, values in (
+        ("--speed-batches", grid.batches),
+        ("--speed-contexts", grid.contexts),
+        ("--new-tokens", (grid.new_tokens,)),
+        ("--repeats", (grid.repeats,)),
+    ):
         if not values or min(values) < 1:
             raise InputError(f"{flag} {','.join(map(str, values))}: every value must be a positive integer")
     return grid
@@ -97,10 +104,15 @@ def measure_point(model, batch: int, context: int, grid: SpeedGrid, seed: int = 
             decode.append(d)
     median = statistics.median(decode)
     return {
-        "batch": batch, "context": context, "new_tokens": grid.new_tokens,
+        "batch": batch,
+        "context": context,
+        "new_tokens": grid.new_tokens,
         "tokens_per_s": batch * grid.new_tokens / median,
-        "decode_s_median": median, "prefill_s_median": statistics.median(prefill),
-        "decode_s": decode, "peak_memory_bytes": mem.peak_bytes, "peak_memory_kind": mem.kind,
+        "decode_s_median": median,
+        "prefill_s_median": statistics.median(prefill),
+        "decode_s": decode,
+        "peak_memory_bytes": mem.peak_bytes,
+        "peak_memory_kind": mem.kind,
     }
 
 

@@ -24,8 +24,19 @@ DAMAGED = "progress.damaged.json"  # a finished checkpoint that failed to load o
 FULL_BELOW = 2**20  # a write that failed with less free space than this failed for want of room
 # Keys whose change would change the data order or the parameter set: a resume with them changed
 # could not continue the same run. Other changes (optim.lr after a divergence, say) are reported.
-STRICT_KEYS = ("model", "init_from_config", "tokenizer", "seed", "seq_len", "micro_batch_size",
-               "grad_accum", "trainable", "data.", "budget.", "lora.")
+STRICT_KEYS = (
+    "model",
+    "init_from_config",
+    "tokenizer",
+    "seed",
+    "seq_len",
+    "micro_batch_size",
+    "grad_accum",
+    "trainable",
+    "data.",
+    "budget.",
+    "lora.",
+)
 # What a fresh run may delete in an existing output_dir when overwrite=true: only our own files, and
 # never a previous final model (weights, config, tokenizer, mha2gqa.json): loop.save_final replaces that only
 # once the new one is complete, so a run that fails leaves the old one whole.
@@ -140,8 +151,10 @@ def check_start(out: Path, recipe: Recipe, resume: bool, world_size: int) -> tup
     strict = [k for k in changed if k.startswith(STRICT_KEYS)]
     if strict:
         listed = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in strict)
-        raise InputError(f"--resume: the recipe changed keys that fix the run's data and parameters ({listed}): "
-                         "restore them, or start a new output_dir")
+        raise InputError(
+            f"--resume: the recipe changed keys that fix the run's data and parameters ({listed}): "
+            "restore them, or start a new output_dir"
+        )
     return found[-1], [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed]
 
 
@@ -159,18 +172,26 @@ def check_not_a_source(out: Path, recipe: Recipe) -> None:
     """Refuse an output_dir that is, contains or lies inside a local directory the run reads from:
     overwrite=true and the final save would otherwise delete or replace the source's own files."""
     outs = _spellings(out)
-    for key, value in (("model", recipe.model), ("distill.teacher", recipe.distill.teacher),
-                       ("tokenizer", recipe.tokenizer), ("init_from_config", recipe.init_from_config)):
+    for key, value in (
+        ("model", recipe.model),
+        ("distill.teacher", recipe.distill.teacher),
+        ("tokenizer", recipe.tokenizer),
+        ("init_from_config", recipe.init_from_config),
+    ):
         if value is None or not Path(value).expanduser().exists():
             continue  # a hub id: nothing local to protect
         for src in _spellings(Path(value)):
             src = src.parent if src.is_file() else src
             if any(o == src or src in o.parents for o in outs):
-                raise InputError(f"output_dir {out} is {key}={value} or lies inside it: the run would write over "
-                                 "its source; choose an output_dir outside it")
+                raise InputError(
+                    f"output_dir {out} is {key}={value} or lies inside it: the run would write over "
+                    "its source; choose an output_dir outside it"
+                )
             if any(o in src.parents for o in outs):
-                raise InputError(f"output_dir {out} contains {key}={value}: overwrite or the final save could "
-                                 "delete the source; choose an output_dir that does not hold it")
+                raise InputError(
+                    f"output_dir {out} contains {key}={value}: overwrite or the final save could "
+                    "delete the source; choose an output_dir that does not hold it"
+                )
 
 
 def _spellings(path: Path) -> set[Path]:
@@ -198,10 +219,14 @@ def load_newest_loadable(accelerator, out: Path) -> Path:
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             if accelerator.is_main_process:  # no longer "finished": resume and pruning skip it from now on
                 (ckpt / PROGRESS).replace(ckpt / DAMAGED)
-            accelerator.print(f"note: checkpoint {ckpt} could not be loaded ({type(err).__name__}: {reason[:200]}); "
-                              f"its {PROGRESS} is now {DAMAGED}; trying the one before it")
-    raise InputError(f"--resume: none of the {len(found)} checkpoint(s) under {out / CHECKPOINTS} could be loaded "
-                     "(see the notes above): start over with overwrite=true")
+            accelerator.print(
+                f"note: checkpoint {ckpt} could not be loaded ({type(err).__name__}: {reason[:200]}); "
+                f"its {PROGRESS} is now {DAMAGED}; trying the one before it"
+            )
+    raise InputError(
+        f"--resume: none of the {len(found)} checkpoint(s) under {out / CHECKPOINTS} could be loaded "
+        "(see the notes above): start over with overwrite=true"
+    )
 
 
 def check_room(out: Path, needed: int) -> None:
@@ -211,12 +236,16 @@ def check_room(out: Path, needed: int) -> None:
     if not existing.is_dir():
         raise InputError(f"output_dir {out}: {existing} is a file, not a folder: choose another output_dir")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"output_dir {out}: {existing} is not writable (read-only filesystem or permissions): "
-                         "choose a writable output_dir")
+        raise InputError(
+            f"output_dir {out}: {existing} is not writable (read-only filesystem or permissions): "
+            "choose a writable output_dir"
+        )
     free = shutil.disk_usage(existing).free
     if free < needed:
-        raise InputError(f"output_dir {out}: {free / 2**20:,.0f} MiB free on its filesystem but a checkpoint and the "
-                         f"final model need about {needed / 2**20:,.0f} MiB: free space or choose another output_dir")
+        raise InputError(
+            f"output_dir {out}: {free / 2**20:,.0f} MiB free on its filesystem but a checkpoint and the "
+            f"final model need about {needed / 2**20:,.0f} MiB: free space or choose another output_dir"
+        )
 
 
 def write_failure(err: Exception, path: Path) -> InputError | None:

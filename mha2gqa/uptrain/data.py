@@ -22,8 +22,8 @@ from mha2gqa import textdata
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain.recipe import DataConfig, Recipe
 
-
 # ---- packing ----
+
 
 def token_docs(texts: Iterable[str], tokenizer, batch: int = 64) -> Iterator[list[int]]:
     """Token ids per document, without BOS/EOS (packing adds the separators)."""
@@ -42,7 +42,7 @@ def pack(docs: Iterable[list[int]], eos_id: int, seq_len: int) -> Iterator[np.nd
         n = len(stream) // seq_len
         if n:
             yield stream[: n * seq_len].reshape(n, seq_len)
-        rest = stream[n * seq_len:]
+        rest = stream[n * seq_len :]
 
 
 def pack_all(docs: Iterable[list[int]], eos_id: int, seq_len: int, limit: int | None = None) -> torch.Tensor:
@@ -71,6 +71,7 @@ def rank_slice(blocks: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
 
 # ---- training batches ----
 
+
 class MemoryBatches:
     """In-memory blocks, reshuffled exactly every epoch from the seed."""
 
@@ -95,7 +96,7 @@ class MemoryBatches:
         """(micro_batch, seq_len) int64 for this rank at global micro-step `micro_step`."""
         epoch, index = divmod(micro_step, self.per_epoch)
         lo = (index * self.ws + self.rank) * self.mb
-        return self.blocks[self._permutation(epoch)[lo: lo + self.mb]].long()
+        return self.blocks[self._permutation(epoch)[lo : lo + self.mb]].long()
 
     def batches(self, start: int) -> Iterator[torch.Tensor]:
         for micro_step in itertools.count(start):
@@ -105,8 +106,19 @@ class MemoryBatches:
 class StreamBatches:
     """Documents streamed through a seeded shuffle buffer, split between ranks by document."""
 
-    def __init__(self, ds, field: str, tokenizer, eos_id: int, seq_len: int, micro_batch: int,
-                 rank: int, world_size: int, seed: int, buffer: int):
+    def __init__(
+        self,
+        ds,
+        field: str,
+        tokenizer,
+        eos_id: int,
+        seq_len: int,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        buffer: int,
+    ):
         self.ds, self.field, self.tokenizer, self.eos_id, self.seq_len = ds, field, tokenizer, eos_id, seq_len
         self.mb, self.rank, self.ws, self.seed, self.buffer = micro_batch, rank, world_size, seed, buffer
 
@@ -142,6 +154,7 @@ class StreamBatches:
 
 # ---- a recipe's data ----
 
+
 @dataclass
 class TrainData:
     train: MemoryBatches | StreamBatches
@@ -159,11 +172,23 @@ def build_data(recipe: Recipe, tokenizer, rank: int, world_size: int, show_progr
     train_src, eval_src = _sources(cfg)
 
     def tokenized(source, streaming):
-        ds = textdata.load_documents(source, cfg.text_field, field_key="data.text_field", streaming=streaming,
-                                     sample_by=cfg.sample_by, hub_config=cfg.name, hub_split=cfg.split)
+        ds = textdata.load_documents(
+            source,
+            cfg.text_field,
+            field_key="data.text_field",
+            streaming=streaming,
+            sample_by=cfg.sample_by,
+            hub_config=cfg.name,
+            hub_split=cfg.split,
+        )
         total = None if streaming else len(ds)
-        bar = tqdm(textdata.dataset_texts(ds, cfg.text_field, source.key, "data.text_field"), total=total,
-                   desc="tokenizing", unit="doc", disable=streaming or not show_progress)
+        bar = tqdm(
+            textdata.dataset_texts(ds, cfg.text_field, source.key, "data.text_field"),
+            total=total,
+            desc="tokenizing",
+            unit="doc",
+            disable=streaming or not show_progress,
+        )
         return ds, token_docs(bar, tokenizer)
 
     eval_blocks = None
@@ -178,8 +203,18 @@ def build_data(recipe: Recipe, tokenizer, rank: int, world_size: int, show_progr
             eval_blocks = pack_all(_counting(docs, used), eos_id, seq_len, limit=cfg.eval_blocks)
             _need_blocks(eval_blocks, "data.train (for the held-out eval blocks)")
             ds = ds.skip(used[0])
-        train = StreamBatches(ds, cfg.text_field, tokenizer, eos_id, seq_len, recipe.micro_batch_size,
-                              rank, world_size, recipe.seed, cfg.shuffle_buffer)
+        train = StreamBatches(
+            ds,
+            cfg.text_field,
+            tokenizer,
+            eos_id,
+            seq_len,
+            recipe.micro_batch_size,
+            rank,
+            world_size,
+            recipe.seed,
+            cfg.shuffle_buffer,
+        )
         return TrainData(train, eval_blocks, None)
     blocks = pack_all(tokenized(train_src, False)[1], eos_id, seq_len)
     if eval_blocks is None:

@@ -17,8 +17,17 @@ from mha2gqa.card import write_card
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain import checkpoints, lora
 from mha2gqa.uptrain.data import build_data
-from mha2gqa.uptrain.models import (check_positions, check_teacher, check_vocab, load_student, load_teacher,
-                                    load_tokenizer, make_optimizer, save_bytes, select_trainable)
+from mha2gqa.uptrain.models import (
+    check_positions,
+    check_teacher,
+    check_vocab,
+    load_student,
+    load_teacher,
+    load_tokenizer,
+    make_optimizer,
+    save_bytes,
+    select_trainable,
+)
 from mha2gqa.uptrain.recipe import Recipe
 from mha2gqa.uptrain.steps import Metrics, Run, Trace, TrainingDiverged, run_steps, tokens_per_step, total_steps
 
@@ -45,14 +54,22 @@ def _make_accelerator(recipe: Recipe, out: Path):
 
     log_with = "tensorboard" if recipe.tensorboard and is_tensorboard_available() else None
     try:
-        return Accelerator(gradient_accumulation_steps=recipe.grad_accum, mixed_precision=recipe.mixed_precision,
-                           log_with=log_with, project_dir=str(out))
+        return Accelerator(
+            gradient_accumulation_steps=recipe.grad_accum,
+            mixed_precision=recipe.mixed_precision,
+            log_with=log_with,
+            project_dir=str(out),
+        )
     except ValueError as err:
         if "already been initialized" in str(err):  # accelerate fixes mixed precision for a process's life
-            raise InputError(f"mixed_precision={recipe.mixed_precision}: this Python process already trained with "
-                             "another mixed_precision, which accelerate keeps until the process ends: run this "
-                             "training in a process of its own (mha2gqa uptrain --recipe ...)") from err
-        raise InputError(f"mixed_precision={recipe.mixed_precision} is not usable here ({err}): use no or bf16") from err
+            raise InputError(
+                f"mixed_precision={recipe.mixed_precision}: this Python process already trained with "
+                "another mixed_precision, which accelerate keeps until the process ends: run this "
+                "training in a process of its own (mha2gqa uptrain --recipe ...)"
+            ) from err
+        raise InputError(
+            f"mixed_precision={recipe.mixed_precision} is not usable here ({err}): use no or bf16"
+        ) from err
 
 
 def _release(accelerator) -> None:
@@ -129,9 +146,13 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
         trace.finish(accelerator.unwrap_model(model))
     record = {
         "recipe": recipe.to_dict(),
-        "source": {"model": recipe.model, "model_dir": str(student.source_dir) if student.source_dir else None,
-                   "init_from_config": recipe.init_from_config, "tokenizer": recipe.tokenizer_source,
-                   "teacher": recipe.distill.teacher},
+        "source": {
+            "model": recipe.model,
+            "model_dir": str(student.source_dir) if student.source_dir else None,
+            "init_from_config": recipe.init_from_config,
+            "tokenizer": recipe.tokenizer_source,
+            "teacher": recipe.distill.teacher,
+        },
         "steps": total,
         "tokens_seen": total * tokens_per_step(recipe, world),
         "tokens_per_step": tokens_per_step(recipe, world),
@@ -143,11 +164,16 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
     }
     if recipe.trainable == "lora":  # every rank merges its own (identical) replica: no gathering needed
         record["adapter"] = lora.adapter_record(accelerator.unwrap_model(model), recipe.lora)
-        model = lora.merged_model(accelerator.unwrap_model(model), recipe.lora, student.source_dir,
-                                  student.saved_dtype)
+        model = lora.merged_model(accelerator.unwrap_model(model), recipe.lora, student.source_dir, student.saved_dtype)
     # mha2gqa.json and the card made from it are written with the model and moved in with it.
-    save_final(accelerator, model, tokenizer, out, student.saved_dtype,
-               finish=lambda staging: _record(staging, student.source_dir, record, out.name))
+    save_final(
+        accelerator,
+        model,
+        tokenizer,
+        out,
+        student.saved_dtype,
+        finish=lambda staging: _record(staging, student.source_dir, record, out.name),
+    )
     return out
 
 

@@ -20,8 +20,17 @@ def target_modules(model, lora) -> list[str]:
     if lora.target_modules:
         return list(lora.target_modules)
     layout = layout_for(model.config.to_dict())
-    return [name for name in (layout.qkv or layout.q, None if layout.qkv else layout.k,
-                              None if layout.qkv else layout.v, layout.o, layout.qkv_columns) if name]
+    return [
+        name
+        for name in (
+            layout.qkv or layout.q,
+            None if layout.qkv else layout.k,
+            None if layout.qkv else layout.v,
+            layout.o,
+            layout.qkv_columns,
+        )
+        if name
+    ]
 
 
 def load_kwargs(recipe) -> dict:
@@ -32,16 +41,26 @@ def load_kwargs(recipe) -> dict:
     from accelerate import PartialState
     from transformers import BitsAndBytesConfig
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
     return {"quantization_config": quant, "device_map": {"": PartialState().local_process_index}}
 
 
 def peft_config(model, lora):
     from peft import LoraConfig as PeftLoraConfig
 
-    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                          target_modules=target_modules(model, lora), bias="none", task_type="CAUSAL_LM")
+    return PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=target_modules(model, lora),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def add_adapters(model, lora):
@@ -55,8 +74,10 @@ def add_adapters(model, lora):
     try:
         return get_peft_model(model, config)
     except ValueError as err:  # peft: "Target modules {...} not found in the base model"
-        raise InputError(f"lora.target_modules={sorted(config.target_modules)} do not name modules of this "
-                         f"{model.config.model_type} model ({str(err).splitlines()[0][:160]})") from err
+        raise InputError(
+            f"lora.target_modules={sorted(config.target_modules)} do not name modules of this "
+            f"{model.config.model_type} model ({str(err).splitlines()[0][:160]})"
+        ) from err
 
 
 def merged_model(peft_model, lora, source_dir: Path | None, saved_dtype):
@@ -87,8 +108,12 @@ def adapter_record(peft_model, lora) -> dict:
 
     config = peft_model.peft_config["default"]
     return {
-        "method": "qlora" if lora.load_in_4bit else "lora", "rank": config.r, "alpha": config.lora_alpha,
-        "dropout": config.lora_dropout, "target_modules": sorted(config.target_modules),
+        "method": "qlora" if lora.load_in_4bit else "lora",
+        "rank": config.r,
+        "alpha": config.lora_alpha,
+        "dropout": config.lora_dropout,
+        "target_modules": sorted(config.target_modules),
         "adapter_params": sum(p.numel() for p in peft_model.parameters() if p.requires_grad),
-        "merged": True, "peft_version": peft.__version__,
+        "merged": True,
+        "peft_version": peft.__version__,
     }

@@ -35,8 +35,9 @@ def load_tokenizer(source: str):
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:  # transformers' message runs to several lines: keep its first
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise InputError(f"tokenizer {source} could not be loaded ({first}): "
-                         "set tokenizer=<dir with tokenizer files>") from err
+        raise InputError(
+            f"tokenizer {source} could not be loaded ({first}): set tokenizer=<dir with tokenizer files>"
+        ) from err
 
 
 def load_student(recipe: Recipe) -> Student:
@@ -57,8 +58,10 @@ def load_student(recipe: Recipe) -> Student:
         except InputError:
             raise
         except (ImportError, ValueError) as err:  # e.g. an attention kernel that is not installed
-            raise InputError(f"model={recipe.model} could not be loaded with attn_implementation="
-                             f"{recipe.attn_implementation} ({err})") from err
+            raise InputError(
+                f"model={recipe.model} could not be loaded with attn_implementation="
+                f"{recipe.attn_implementation} ({err})"
+            ) from err
         return Student(model, source, stored if isinstance(stored, torch.dtype) else torch.float32)
     try:
         config = AutoConfig.from_pretrained(recipe.init_from_config)
@@ -141,8 +144,9 @@ def check_positions(model: torch.nn.Module, seq_len: int) -> None:
     learned position table): refuse rather than train silently."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and seq_len > limit:
-        raise InputError(f"seq_len={seq_len} exceeds the model's max_position_embeddings={limit}: use seq_len={limit} "
-                         "or less")
+        raise InputError(
+            f"seq_len={seq_len} exceeds the model's max_position_embeddings={limit}: use seq_len={limit} or less"
+        )
 
 
 def save_bytes(model: torch.nn.Module, saved_dtype: torch.dtype, checkpoints: bool) -> int:

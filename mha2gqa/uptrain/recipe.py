@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 from mha2gqa.docfields import field_docs
 
@@ -22,9 +22,9 @@ class DataConfig:
     train: list[str] = field(default_factory=list)
     """Training text: files (.txt/.md, .jsonl/.json, .parquet; .gz/.bz2/.xz/.zst too), folders of them, or one
     hub dataset name; one format per run (docs/data.md)."""
-    eval: Optional[list[str]] = None
+    eval: list[str] | None = None
     """Separate eval text, same forms as `train`; when unset, `eval_blocks` blocks are held out of train."""
-    name: Optional[str] = None
+    name: str | None = None
     """Hub dataset configuration name (e.g. `sample-10BT`); hub datasets only."""
     split: str = "train"
     """Split of a hub dataset to read."""
@@ -62,19 +62,19 @@ class OptimConfig:
 
 @dataclass
 class BudgetConfig:
-    max_steps: Optional[int] = None
+    max_steps: int | None = None
     """Stop after this many optimizer steps. Set exactly one of max_steps, tokens, alpha."""
-    tokens: Optional[int] = None
+    tokens: int | None = None
     """Stop after this many training tokens (rounded up to whole optimizer steps)."""
-    alpha: Optional[float] = None
+    alpha: float | None = None
     """Train for alpha x pretrain_tokens tokens (the GQA paper uptrains with alpha = 0.05)."""
-    pretrain_tokens: Optional[int] = None
+    pretrain_tokens: int | None = None
     """Tokens the source model was pretrained on; required with alpha."""
 
 
 @dataclass
 class DistillConfig:
-    teacher: Optional[str] = None
+    teacher: str | None = None
     """Teacher model (the MHA parent): local dir or hub id. Unset: no distillation."""
     kl_weight: float = 0.5
     """Loss = (1 - kl_weight) * LM loss + kl_weight * T^2 * KL(teacher || student)."""
@@ -90,7 +90,7 @@ class LoraConfig:
     """Adapter scale numerator: the update B @ A is multiplied by alpha / rank."""
     dropout: float = 0.0
     """Dropout on the adapters' input during training."""
-    target_modules: Optional[list[str]] = None
+    target_modules: list[str] | None = None
     """Modules to adapt, e.g. [self_attn.q_proj, self_attn.v_proj]; unset: every attention projection."""
     load_in_4bit: bool = False
     """QLoRA: hold the frozen base in 4-bit NF4 (needs bitsandbytes and a CUDA GPU; refused elsewhere)."""
@@ -98,13 +98,13 @@ class LoraConfig:
 
 @dataclass
 class Recipe:
-    model: Optional[str] = None
+    model: str | None = None
     """Model to uptrain: local HF dir (e.g. a converted GQA model) or hub id. Unset with init_from_config."""
-    init_from_config: Optional[str] = None
+    init_from_config: str | None = None
     """Train from scratch: a config.json, a dir holding one, or a hub id. Excludes `model`."""
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     """Tokenizer dir or hub id; defaults to `model` (or the init_from_config dir)."""
-    output_dir: Optional[str] = None
+    output_dir: str | None = None
     """Where checkpoints, metrics.jsonl and the final HF model go. Required."""
     overwrite: bool = False
     """Allow writing into a non-empty output_dir without --resume (its checkpoints are replaced)."""
@@ -137,7 +137,7 @@ class Recipe:
     """Optimizer steps between resumable checkpoints (accelerate save_state); 0: never."""
     keep_last: int = 2
     """Resumable checkpoints kept on disk; older ones are deleted."""
-    exit_after_steps: Optional[int] = None
+    exit_after_steps: int | None = None
     """Save state and stop after this many steps in this run (for job time limits); continue with --resume."""
     tensorboard: bool = True
     """Also log to tensorboard (output_dir/tensorboard) when tensorboard is installed."""
@@ -176,8 +176,16 @@ def _config_dir(path: str | None) -> str | None:
 
 # Keys that may change between an interrupted run and its --resume without changing the result.
 RESUME_FREE_KEYS = {
-    "log_every", "eval_every", "eval_at_start", "save_every", "keep_last", "exit_after_steps",
-    "tensorboard", "trace_samples", "overwrite", "output_dir",
+    "log_every",
+    "eval_every",
+    "eval_at_start",
+    "save_every",
+    "keep_last",
+    "exit_after_steps",
+    "tensorboard",
+    "trace_samples",
+    "overwrite",
+    "output_dir",
 }
 
 

@@ -22,9 +22,9 @@ from mha2gqa.uptrain import checkpoints
 from mha2gqa.uptrain.data import TrainData, block_hash, rank_slice
 from mha2gqa.uptrain.recipe import OptimConfig, Recipe
 
-
 # ---- how long, and the learning rate at each step (a pure function of the step, so that a
 # resumed run needs no scheduler state to continue exactly) ----
+
 
 def tokens_per_step(recipe: Recipe, world_size: int) -> int:
     """Tokens in one optimizer step over all processes (packed blocks: no padding to discount)."""
@@ -56,6 +56,7 @@ def lr_at(step: int, total: int, optim: OptimConfig) -> float:
 
 # ---- losses on packed blocks (every position is a real token: no mask needed) ----
 
+
 def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of (B, S) token ids; the model shifts the labels itself."""
     return model(input_ids=batch, labels=batch, use_cache=False).loss
@@ -86,18 +87,20 @@ def evaluate(model, blocks: torch.Tensor, micro_batch: int, accelerator) -> tupl
     model.eval()
     loss_sum, count = torch.zeros((), dtype=torch.float64, device=accelerator.device), 0
     for lo in range(0, len(blocks), micro_batch):
-        batch = blocks[lo: lo + micro_batch].long().to(accelerator.device)
+        batch = blocks[lo : lo + micro_batch].long().to(accelerator.device)
         # Equal-length blocks: batch means weighted by batch size average to the token mean.
         loss_sum += lm_loss(model, batch).double() * len(batch)
         count += len(batch)
     model.train()
-    total = accelerator.reduce(torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64,
-                                                                   device=loss_sum.device)]), "sum")
+    total = accelerator.reduce(
+        torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=loss_sum.device)]), "sum"
+    )
     loss = (total[0] / total[1].clamp(min=1)).item()
     return loss, math.exp(min(loss, 700.0))
 
 
 # ---- the step loop: accumulate, clip when gradients sync, check the loss, step, log, eval, save ----
+
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf, the loss jumped far above its running level, or an
@@ -135,8 +138,10 @@ class Guard:
         # A run that had been better than guessing and is now no better has destroyed the model (a model
         # trained from scratch may start at guessing: that alone is not divergence).
         if self.best_eval is not None and self.best_eval < self.uniform <= eval_loss:
-            return (f"eval loss {eval_loss:.4g} is no better than guessing (log vocab_size {self.vocab_size} = "
-                    f"{self.uniform:.4g}; this run had reached {self.best_eval:.4g})")
+            return (
+                f"eval loss {eval_loss:.4g} is no better than guessing (log vocab_size {self.vocab_size} = "
+                f"{self.uniform:.4g}; this run had reached {self.best_eval:.4g})"
+            )
         self.best_eval = eval_loss if self.best_eval is None else min(self.best_eval, eval_loss)
         return None
 
@@ -159,12 +164,19 @@ def loss_function(run: Run, model):
     """batch (B, S) -> scalar loss: LM loss, or its mix with KL to the teacher."""
     if run.teacher is None:
         return functools.partial(lm_loss, model)
-    return functools.partial(distill_loss, model, run.teacher, kl_weight=run.recipe.distill.kl_weight,
-                             temperature=run.recipe.distill.temperature, autocast=run.accelerator.autocast)
+    return functools.partial(
+        distill_loss,
+        model,
+        run.teacher,
+        kl_weight=run.recipe.distill.kl_weight,
+        temperature=run.recipe.distill.temperature,
+        autocast=run.accelerator.autocast,
+    )
 
 
-def optimizer_step(run: Run, model, loss_fn, batches, step: int, guard: Guard | None = None
-                   ) -> tuple[float, float | None, float]:
+def optimizer_step(
+    run: Run, model, loss_fn, batches, step: int, guard: Guard | None = None
+) -> tuple[float, float | None, float]:
     """One optimizer step (0-based `step`): set the LR, accumulate grad_accum micro-batches, clip when
     the gradients sync, stop on a non-finite loss or norm (or a loss spike, with a guard), apply.
     Returns (loss, grad norm, lr)."""
@@ -227,7 +239,11 @@ def run_steps(run: Run, start: int) -> dict | None:
         return None
     # A resume from a checkpoint taken at the very last step runs no step: evaluate for the record
     # (and check, like every eval, before the final model is written).
-    return evals if evals is not None else _checked_eval(run, eval_blocks, guard, run.total, lr_at(run.total, run.total, r.optim))
+    return (
+        evals
+        if evals is not None
+        else _checked_eval(run, eval_blocks, guard, run.total, lr_at(run.total, run.total, r.optim))
+    )
 
 
 def _evaluate(run: Run, blocks: torch.Tensor) -> dict:
@@ -248,8 +264,14 @@ def _checked_eval(run: Run, blocks: torch.Tensor, guard: Guard, step: int, lr: f
 def _save_checkpoint(run: Run, step: int, tps: int, eval_loss: float) -> Path:
     """A resumable checkpoint; its progress.json holds what --resume checks and continues from."""
     acc = run.accelerator
-    progress = {"step": step, "tokens": step * tps, "total_steps": run.total, "eval_loss": eval_loss,
-                "world_size": acc.num_processes, "recipe": run.recipe.to_dict()}
+    progress = {
+        "step": step,
+        "tokens": step * tps,
+        "total_steps": run.total,
+        "eval_loss": eval_loss,
+        "world_size": acc.num_processes,
+        "recipe": run.recipe.to_dict(),
+    }
     return checkpoints.save_checkpoint(acc, run.out, progress, run.recipe.keep_last)
 
 
@@ -258,11 +280,15 @@ def _diverged(run: Run, step: int, what: str, lr: float, applied: bool = False) 
     done = "The weights were not saved" if applied else "The step was not applied"
     fix = "Lower optim.lr or raise optim.warmup_steps (or use bf16 instead of fp16)"
     if found:
-        return (f"training diverged at step {step}: {what}, lr {lr:.3g}. {done}; the last good checkpoint is "
-                f"{found[-1]}. {fix}, then continue with --resume or start over")
+        return (
+            f"training diverged at step {step}: {what}, lr {lr:.3g}. {done}; the last good checkpoint is "
+            f"{found[-1]}. {fix}, then continue with --resume or start over"
+        )
     # --resume would be refused (no checkpoint): do not suggest it.
-    return (f"training diverged at step {step}: {what}, lr {lr:.3g}. {done}; no checkpoint was saved. "
-            f"{fix}, then start over (add overwrite=true to reuse output_dir)")
+    return (
+        f"training diverged at step {step}: {what}, lr {lr:.3g}. {done}; no checkpoint was saved. "
+        f"{fix}, then start over (add overwrite=true to reuse output_dir)"
+    )
 
 
 # ---- what a run reports: only the main process writes metrics; every rank writes its own trace ----
@@ -284,8 +310,14 @@ class Metrics:
             # A resumed run keeps the lines up to its checkpoint; a fresh run (start_step -1) none.
             checkpoints.truncate_jsonl(path, lambda rec: rec["step"] <= start_step)
             self.file = path.open("a")
-        self.bar = tqdm(total=total, initial=max(start_step, 0), unit="step", disable=not accelerator.is_local_main_process,
-                        dynamic_ncols=True, desc="uptrain")
+        self.bar = tqdm(
+            total=total,
+            initial=max(start_step, 0),
+            unit="step",
+            disable=not accelerator.is_local_main_process,
+            dynamic_ncols=True,
+            desc="uptrain",
+        )
         self._losses: list[float] = []
         self._since, self._tokens_since, self._cpu_since = time.perf_counter(), 0, time.process_time()
         self._started = self._since
