@@ -15,6 +15,7 @@ import difflib
 import importlib.util
 import math
 import re
+import types
 import typing
 from pathlib import Path
 
@@ -55,8 +56,9 @@ def _read_yaml(path) -> dict:
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
-        raise InputError(f"recipe {path} is not UTF-8 text (byte {err.start}): pass a YAML recipe "
-                         "(see recipes/*.yaml)") from err
+        raise InputError(
+            f"recipe {path} is not UTF-8 text (byte {err.start}): pass a YAML recipe (see recipes/*.yaml)"
+        ) from err
     except yaml.YAMLError as err:
         raise InputError(f"recipe {path} is not valid YAML: {str(err).splitlines()[0]}") from err
     if raw is None:
@@ -117,7 +119,7 @@ def _unknown(key: str) -> str:
 def _coerce(value, hint):
     """Check `value` against a type hint, converting only lossless forms (1e-4 typed as text, 3.0 -> 3)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union:
+    if origin in (typing.Union, types.UnionType):  # Optional[X] and X | None
         if value is None:
             return None
         return _coerce(value, next(a for a in args if a is not type(None)))
@@ -165,19 +167,30 @@ def _scalar(value, hint):
 
 # ---- the rules: each appends one message; nothing raises, so that the user sees every problem ----
 
+
 def _need(problems: list[str], ok: bool, message: str) -> None:
     if not ok:
         problems.append(message)
 
 
 def _check_numbers(r: Recipe, p: list[str]) -> None:
-    for key, value in [("seq_len", r.seq_len - 1), ("micro_batch_size", r.micro_batch_size),
-                       ("grad_accum", r.grad_accum), ("log_every", r.log_every), ("keep_last", r.keep_last),
-                       ("data.eval_blocks", r.data.eval_blocks), ("data.shuffle_buffer", r.data.shuffle_buffer)]:
+    for key, value in [
+        ("seq_len", r.seq_len - 1),
+        ("micro_batch_size", r.micro_batch_size),
+        ("grad_accum", r.grad_accum),
+        ("log_every", r.log_every),
+        ("keep_last", r.keep_last),
+        ("data.eval_blocks", r.data.eval_blocks),
+        ("data.shuffle_buffer", r.data.shuffle_buffer),
+    ]:
         _need(p, value >= 1, f"{key} must be at least {2 if key == 'seq_len' else 1}")
-    for key, value in [("eval_every", r.eval_every), ("save_every", r.save_every),
-                       ("optim.warmup_steps", r.optim.warmup_steps), ("optim.weight_decay", r.optim.weight_decay),
-                       ("optim.grad_clip", r.optim.grad_clip)]:
+    for key, value in [
+        ("eval_every", r.eval_every),
+        ("save_every", r.save_every),
+        ("optim.warmup_steps", r.optim.warmup_steps),
+        ("optim.weight_decay", r.optim.weight_decay),
+        ("optim.grad_clip", r.optim.grad_clip),
+    ]:
         _need(p, value >= 0, f"{key}={value} must be 0 or more")
     _need(p, r.exit_after_steps is None or r.exit_after_steps >= 1, "exit_after_steps must be at least 1 (or unset)")
     _need(p, r.optim.lr > 0, f"optim.lr={r.optim.lr} must be positive (e.g. 1e-4)")
@@ -197,8 +210,11 @@ def _check_budget(r: Recipe, p: list[str]) -> None:
     for key in ("max_steps", "tokens", "alpha", "pretrain_tokens"):
         value = getattr(b, key)
         _need(p, value is None or value > 0, f"budget.{key}={value} must be positive")
-    _need(p, b.alpha is None or b.pretrain_tokens is not None,
-          "budget.alpha needs budget.pretrain_tokens (the tokens the source model was pretrained on)")
+    _need(
+        p,
+        b.alpha is None or b.pretrain_tokens is not None,
+        "budget.alpha needs budget.pretrain_tokens (the tokens the source model was pretrained on)",
+    )
 
 
 def _check_sources(r: Recipe, p: list[str], check_files: bool) -> None:
@@ -283,8 +299,16 @@ def _check_lora(recipe: Recipe, problems: list[str]) -> None:
     if lora.load_in_4bit:
         import torch
 
-        missing = [what for what, ok in (("bitsandbytes", importlib.util.find_spec("bitsandbytes") is not None),
-                                         ("a CUDA GPU", torch.cuda.is_available())) if not ok]
+        missing = [
+            what
+            for what, ok in (
+                ("bitsandbytes", importlib.util.find_spec("bitsandbytes") is not None),
+                ("a CUDA GPU", torch.cuda.is_available()),
+            )
+            if not ok
+        ]
         if missing:
-            problems.append(f"lora.load_in_4bit=true (QLoRA) needs {' and '.join(missing)}, absent here: "
-                            "set lora.load_in_4bit=false (plain LoRA holds the base as stored, e.g. bf16)")
+            problems.append(
+                f"lora.load_in_4bit=true (QLoRA) needs {' and '.join(missing)}, absent here: "
+                "set lora.load_in_4bit=false (plain LoRA holds the base as stored, e.g. bf16)"
+            )
