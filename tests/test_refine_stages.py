@@ -10,19 +10,22 @@ from safetensors.torch import load_file
 from tiny_models import make_tiny_tokenizer, save_tiny_model
 from transformers import AutoModelForCausalLM
 
+from mha2gqa.convert.calibration import calibrate
 from mha2gqa.convert.options import RefineOptions
 from mha2gqa.convert.refine import calibration_token_ids, refine_checkpoint
 from mha2gqa.convert.refine_block import is_additive, output_projection
 from mha2gqa.convert.refine_global import kl_divergence
 from mha2gqa.convert.run import convert
-from mha2gqa.embedded import expand_corpus_name, read_novel
+from mha2gqa.embedded import HELDOUT_NOVEL, expand_corpus_name, read_novel
 from mha2gqa.layouts import attention_shape, layout_for, read_config
 
-SMALL = dict(max_position_embeddings=64, num_hidden_layers=3)
+# initializer_range 0.1: attention that matters (at the default 0.02 mean-pooling to one kv head moves the
+# logits by a KL of 1e-5, too little to rank stages by).
+SMALL = dict(max_position_embeddings=64, num_hidden_layers=2, initializer_range=0.1)
 ATTENTION = RefineOptions(steps=30, lr=3e-3, mlp_output=False)
 BLOCK = RefineOptions(steps=30, lr=3e-3)
-GLOBAL = RefineOptions(steps=30, lr=3e-3, global_steps=20, global_lr=3e-3)
-CALIBRATION = dict(calibration=expand_corpus_name("austen"), calibration_tokens=4096, progress=False)
+GLOBAL = RefineOptions(steps=30, lr=3e-3, global_steps=20, global_lr=2e-4)
+CALIBRATION = dict(calibration=expand_corpus_name("austen"), calibration_tokens=2048, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +36,21 @@ def tiny_src(tmp_path_factory):
     return src
 
 
+@pytest.fixture(scope="module")
+def tiny_stats(tmp_path_factory, tiny_src):
+    """Calibration statistics gathered once, shared by the conversions (as a sweep passes them)."""
+    config = read_config(tiny_src)
+    out = tmp_path_factory.mktemp("stats")
+    return calibrate(
+        tiny_src, layout_for(config), attention_shape(config), CALIBRATION["calibration"], 2048, out, progress=False
+    )
+
+
 def heldout_kl(model_dir, src) -> float:
     """KL(parent || model) per token on held-out text (Persuasion, which the calibration never reads)."""
     from transformers import AutoTokenizer
 
-    text = read_novel("persuasion")[:20000]
+    text = read_novel(HELDOUT_NOVEL)[:20000]
     ids = torch.tensor(AutoTokenizer.from_pretrained(src)(text, add_special_tokens=False)["input_ids"][:1024])
     blocks = ids.view(16, 64)
     parent, model = (AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in (src, model_dir))
@@ -61,11 +74,13 @@ def test_exact_model_stays_exact_under_every_stage(tmp_path):
         torch.testing.assert_close(converted(ids).logits, parent(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_each_stage_beats_the_one_before_on_heldout_text(tmp_path, tiny_src):
+def test_each_stage_beats_the_one_before_on_heldout_text(tmp_path, tiny_src, tiny_stats):
     errors = {}
     records = {}
     for name, options in [("merge", None), ("attention", ATTENTION), ("block", BLOCK), ("global", GLOBAL)]:
-        done = convert(tiny_src, tmp_path / name, 1, method="mean", refine=options, **CALIBRATION)
+        done = convert(
+            tiny_src, tmp_path / name, 1, method="mean", calibration=tiny_stats, refine=options, progress=False
+        )
         errors[name], records[name] = heldout_kl(tmp_path / name, tiny_src), done.refine
     print("held-out KL to the parent:", {name: f"{value:.4e}" for name, value in errors.items()})
     assert errors["merge"] > errors["attention"] > errors["block"] > errors["global"]
@@ -82,11 +97,11 @@ def test_each_stage_beats_the_one_before_on_heldout_text(tmp_path, tiny_src):
     assert best < checks[0]["heldout_kl"] and records["global"]["global"]["best_step"] > 0
 
 
-def test_stages_are_deterministic_with_seed(tmp_path, tiny_src):
+def test_stages_are_deterministic_with_seed(tmp_path, tiny_src, tiny_stats):
     runs = {}
     for name, seed in [("a", 0), ("b", 0), ("other", 1)]:
-        options = RefineOptions(**{**GLOBAL.__dict__, "global_steps": 6, "seed": seed})
-        convert(tiny_src, tmp_path / name, 1, method="mean", refine=options, **CALIBRATION)
+        options = RefineOptions(**{**GLOBAL.__dict__, "steps": 5, "global_steps": 5, "seed": seed})
+        convert(tiny_src, tmp_path / name, 1, method="mean", calibration=tiny_stats, refine=options, progress=False)
         runs[name] = load_file(tmp_path / name / "model.safetensors")
     for key, tensor in runs["a"].items():
         assert torch.equal(runs["b"][key], tensor), key
@@ -148,6 +163,12 @@ def test_cost_stays_linear_in_depth(tmp_path):
             handle.remove()
         assert len(calls) == 2 * depth  # the parent's layers and the converted model's
         counts[depth] = sorted(calls.values())
-    # The same multiset of per-layer counts, only twice as many layers: cost per layer does not grow.
-    assert sorted(set(counts[2])) == sorted(set(counts[4])), counts
-    assert sum(counts[4]) == 2 * sum(counts[2]), counts
+    # Per layer, the same number of calls whatever the depth: the parent's layers all alike (kwargs pass,
+    # targets pass, the global stage's forwards); the converted ones too, up to one re-run per rejected
+    # stage (attention refit, MLP solve) of each layer: 4 batches of 4 blocks here.
+    batches = 4
+    for depth, values in counts.items():
+        assert values.count(values[0]) >= depth, (depth, values)  # the parent's layers
+    assert counts[2][0] == counts[4][0], counts
+    converted = {depth: values[depth:] for depth, values in counts.items()}
+    assert max(converted[4]) - min(converted[4]) <= 2 * batches and min(converted[4]) == min(converted[2]), counts
