@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import layout_for, read_config
 from mha2gqa.loading import load_causal_lm
 from mha2gqa.sources import resolve_model_dir
@@ -36,7 +36,7 @@ def load_tokenizer(source: str):
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:  # transformers' message runs to several lines: keep its first
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err, default=type(err).__name__)
         raise InputError(
             f"tokenizer {source} could not be loaded ({first}): set tokenizer=<dir with tokenizer files>"
         ) from err

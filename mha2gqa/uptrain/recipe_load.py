@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import read_config
 from mha2gqa.sources import hub_offline, is_hub_id, looks_local, model_ref_problem
 from mha2gqa.textdata import resolve
@@ -57,7 +57,7 @@ def _read_yaml(path) -> dict:
             f"recipe {path} is not UTF-8 text (byte {err.start}): pass a YAML recipe (see recipes/*.yaml)"
         ) from err
     except yaml.YAMLError as err:
-        raise InputError(f"recipe {path} is not valid YAML: {str(err).splitlines()[0]}") from err
+        raise InputError(f"recipe {path} is not valid YAML: {first_line(err)}") from err
     if raw is None:
         return {}
     if not isinstance(raw, dict):
