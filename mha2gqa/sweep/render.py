@@ -12,6 +12,7 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 from mha2gqa.eval import plots
 from mha2gqa.eval.plots import plt
 from mha2gqa.eval.render import CSS, DASH, fmt_bytes
+from mha2gqa.units import byte_unit
 
 QUALITY_PNG = "sweep_quality_vs_kv.png"
 SENSITIVITY_PNG = "sweep_layer_sensitivity.png"
@@ -34,7 +35,7 @@ def quality_plot(record: dict, out: Path) -> Path:
     """Perplexity (log) against KV bytes per token: one line per method, the parent as a star, the Pareto
     front ringed and joined."""
     points = _points(record)
-    div, unit = plots.byte_unit([x for x, _, _ in points])
+    div, unit = byte_unit(max(x for x, _, _ in points), largest="MiB")
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for method in record["settings"]["methods"]:
         rows = sorted((r for r in record["candidates"] if r["method"] == method), key=lambda r: r["kv_bytes_per_token"])
