@@ -82,5 +82,9 @@ def _register():
     for command in (demo_cmd.demo, demo_cmd.reproduce):
         main.add_command(command)
 
+    from mha2gqa.cli import sweep_cmd  # mha2gqa sweep
+
+    main.add_command(sweep_cmd.sweep)
+
 
 _register()
