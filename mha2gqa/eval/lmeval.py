@@ -185,10 +185,3 @@ def fold_task(raw: dict, higher_is_better: dict, samples: int | None) -> dict:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def metric_value(result: dict, task: str, metric: str) -> float | None:
-    """One number of a result's lm_eval section, or None when that task or metric was not run."""
-    section = ((result.get("lm_eval") or {}).get("tasks") or {}).get(task) or {}
-    found = section.get("metrics", {}).get(metric)
-    return found["value"] if found else None
