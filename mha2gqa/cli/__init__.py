@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from contextlib import contextmanager
 
@@ -57,9 +58,21 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mha2gqa")
-def main():
+@click.option(
+    "--threads",
+    metavar="N",
+    default=None,
+    help="CPU threads for torch (also MHA2GQA_THREADS=N). Default: 1 for demo and reproduce (the small "
+    "embedded model), torch's one per core otherwise; OMP_NUM_THREADS, when set, is kept.",
+)
+def main(threads):
     """Convert multi-head attention (MHA) checkpoints to grouped-query (GQA) or multi-query (MQA)
     attention, uptrain them briefly, and measure what was lost and what was saved."""
+    from mha2gqa import threads as thread_count
+
+    if threads is not None:
+        os.environ[thread_count.ENV] = str(thread_count.parse(threads, "--threads"))
+    thread_count.apply()
 
 
 def _register():
