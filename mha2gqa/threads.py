@@ -4,7 +4,7 @@ Torch starts one thread per core. On a small model (the embedded one of the demo
 tests) the matrices are too small to share out, and on a machine that other processes keep busy the
 extra thread spins against them: on the 2-core development machine at load 14-19, `demo --quick` took
 288 s with one thread against 346 s with torch's two, and `uptrain --recipe recipes/tiny-cpu.yaml` 177 s
-against TINY_DEFAULT (docs/benchmarks.md, `python bench/threads.py`). So `demo`, `reproduce`, and `eval` and
+against over 1,214 s for three quarters of it with two (docs/benchmarks.md, `python bench/threads.py`). So `demo`, `reproduce`, and `eval` and
 `uptrain` of a local model under SMALL_MODEL_BYTES default to one thread; a larger model (whose CPU work
 does share out) keeps torch's default. A user's own OMP_NUM_THREADS is respected as it is. The count
 also reaches the processes a command starts (an `accelerate launch`), through OMP_NUM_THREADS.

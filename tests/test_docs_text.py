@@ -104,6 +104,6 @@ def test_demo_quick_has_one_measured_duration_with_its_load():
                 stated.append((page.relative_to(ROOT).as_posix(), _DURATION.findall(paragraph)))
     assert [page for page, _ in stated] == ["README.md"], stated
     readme = next(p for p in (ROOT / "README.md").read_text().split("\n\n") if "--quick --out" in p)
-    assert re.search(r"load (average )?\d", readme), readme
+    assert re.search(r"load(\s+average)?\s+\d", readme), readme
     help_text = CliRunner().invoke(main, ["demo", "--help"]).output
     assert not _DURATION.search(help_text.split("--quick", 1)[1].split("--alpha", 1)[0]), help_text
