@@ -9,10 +9,12 @@ LAYOUTS. The layout is chosen from config.json's `model_type`, never from a mode
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from mha2gqa.errors import InputError
+from mha2gqa.reading import read_json
 
 
 @dataclass(frozen=True)
@@ -151,15 +153,56 @@ _REQUIRED_COUNTS = ("num_attention_heads", "hidden_size", "num_hidden_layers")
 _OPTIONAL_COUNTS = ("num_key_value_heads", "head_dim")  # null or absent: defaults (heads, hidden // heads)
 
 
-def read_config(model_dir: str | Path) -> dict:
-    """config.json as a dict, with the counts that attention shapes come from checked."""
+# Sizes a config.json states that size loops and allocations (layers built, heads enumerated, a model
+# made on the meta device). Each kind is bounded by what the weights can hold: a layer has a tensor of
+# its own, a head at least one row, an expert an index or a row; without weights, by CEILINGS, which no
+# real decoder is near (the largest today: 128 layers, 128 heads, hidden 18432, 256 experts).
+_SIZE_KEYS = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "heads": ("num_attention_heads", "num_key_value_heads", "n_head", "num_kv_heads", "multi_query_group_num"),
+    "width": ("hidden_size", "head_dim", "n_embd", "d_model", "intermediate_size", "n_inner", "ffn_dim"),
+    "experts": ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "n_shared_experts"),
+}
+CEILINGS = {"layers": 10_000, "heads": 100_000, "width": 10_000_000, "experts": 100_000}
+_INDEXED = {
+    "layers": re.compile(r"\.(?:layers|h|blocks|block|decoder_layers)\.(\d+)\."),
+    "experts": re.compile(r"\.experts\.(\d+)\."),
+}
+
+
+def check_sizes(config: dict, shapes: dict[str, tuple] | None, path) -> None:
+    """Refuse a config whose sizes its weights cannot hold (`shapes`: tensor name -> shape, from the
+    safetensors headers; None when there are no weights: then the CEILINGS). The one check, made before
+    anything loops or allocates by those sizes (10^9 layers hung convert and inspect)."""
+    bounds, indexed = dict(CEILINGS), set()
+    if shapes:
+        widest = max((max(shape, default=1) for shape in shapes.values()), default=1)
+        bounds = {"layers": len(shapes), "heads": widest, "width": widest, "experts": max(len(shapes), widest)}
+        for kind, pattern in _INDEXED.items():
+            indices = [int(m.group(1)) for name in shapes if (m := pattern.search("." + name))]
+            if indices:
+                bounds[kind] = max(indices) + 1
+                indexed.add(kind)
+    for kind, keys in _SIZE_KEYS.items():
+        for key in keys:
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > bounds[kind]:
+                held = "the weights hold" if shapes else "mha2gqa accepts"
+                missing = ""
+                if kind == "layers" and shapes and "layers" in indexed:
+                    shown = ", ".join(str(n) for n in range(bounds[kind], min(value, bounds[kind] + 8)))
+                    missing = f"; no tensors for layer(s) {shown}{', ...' if value > bounds[kind] + 8 else ''}"
+                raise InputError(
+                    f"{path} has {key}={value:,}, more than {held} ({bounds[kind]:,} at most{missing}): "
+                    "fix it or use the model's own config.json"
+                )
+
+
+def read_config(model_dir: str | Path, shapes: dict[str, tuple] | None = None) -> dict:
+    """config.json as a dict, with the counts that attention shapes come from checked, and its sizes
+    against the weights (`shapes`, see check_sizes)."""
     path = Path(model_dir) / "config.json"
-    try:
-        config = json.loads(path.read_bytes())
-    except json.JSONDecodeError as err:
-        raise InputError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): fix or re-save it") from err
-    except UnicodeDecodeError as err:
-        raise InputError(f"{path} is not text ({err.reason} at byte {err.start}): fix or re-save it") from err
+    config = read_json(path, "fix or re-save it", root=Path(model_dir))
     if not isinstance(config, dict):
         raise InputError(f"{path} is a JSON {type(config).__name__}, not an object of settings: fix or re-save it")
     if not isinstance(config.get("model_type"), str):
@@ -175,6 +218,7 @@ def read_config(model_dir: str | Path) -> dict:
             raise InputError(f"{path} has no {key}: add it (a positive integer) or use the model's own config.json")
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InputError(f"{path} has {key}={json.dumps(value)}: it must be a positive integer; fix config.json")
+    check_sizes(config, shapes, path)
     return config
 
 

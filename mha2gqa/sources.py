@@ -22,7 +22,7 @@ def resolve_model_dir(src: str | os.PathLike) -> Path:
     """A local directory holding config.json, downloading `src` from the hub if it is a hub id."""
     path = Path(src).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not os.path.lexists(path / "config.json"):  # present but a FIFO or a link out: the reader says so
             raise InputError(f"{src} has no config.json: pass a Hugging Face model directory")
         return path
     if path.exists():
@@ -47,3 +47,17 @@ def _download(repo_id: str) -> str:
             f"could not download {repo_id} from the hub ({type(err).__name__}): "
             "check the id, your network and HF_TOKEN, or pass a local directory"
         ) from err
+
+
+def require_safetensors(model_dir: Path, what: str = "model") -> None:
+    """Refuse a directory whose weights are pickle only: unpickling runs arbitrary code."""
+    model_dir = Path(model_dir)
+    if any(model_dir.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    found = f"only pickled weights ({', '.join(pickles[:3])})" if pickles else "no .safetensors weights"
+    raise InputError(
+        f"{what} {model_dir} has {found}: mha2gqa never unpickles files; re-save it as safetensors once, where you "
+        'trust it: python -c "from transformers import AutoModelForCausalLM as M; '
+        f"M.from_pretrained('{model_dir}').save_pretrained('{model_dir}-safetensors')\" and pass that directory"
+    )

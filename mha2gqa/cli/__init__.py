@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import signal
+import sys
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import click
 
@@ -13,9 +14,18 @@ from mha2gqa.errors import InputError, Interrupted, WeightWarning, is_user_fault
 
 
 class _OneLineError(click.ClickException):
-    """A user mistake: `Error: <message>` on stderr, exit code 2, no traceback."""
+    """A user mistake: `Error: <message>` on stderr, exit code 2, no traceback. One line whatever the
+    message quotes: a newline in a path shows as \\n, bytes of a name that are not UTF-8 as \\xNN."""
 
     exit_code = 2
+
+    def __init__(self, message: str):
+        super().__init__(one_line(message))
+
+
+def one_line(text: str) -> str:
+    text = text.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="backslashreplace")
+    return "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text)
 
 
 @contextmanager
@@ -42,6 +52,9 @@ class _Group(click.Group):
     and keeps its traceback."""
 
     def invoke(self, ctx):
+        for stream in (sys.stdout, sys.stderr):  # a path that is not UTF-8 prints as \xNN, not a traceback
+            with suppress(AttributeError, ValueError):
+                stream.reconfigure(errors="backslashreplace")
         try:
             with signals_as_interrupts(), _one_line_warnings():
                 return super().invoke(ctx)

@@ -144,8 +144,9 @@ def refine_checkpoint(
         blocks = blocks[torch.linspace(0, len(blocks) - 1, max(2, wanted // seq_len)).round().long()]
     if len(blocks) < 2:
         raise InputError(
-            f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {len(ids)} tokens): "
-            f"raise --calibration-tokens to {2 * seq_len} or more"
+            f"--refine needs at least 2 calibration blocks of {seq_len} tokens, but the calibration data gave "
+            f"{len(ids)} tokens: pass more text (at least {2 * seq_len} tokens), or raise --calibration-tokens "
+            "if it set a lower limit"
         )
     held = max(1, round(len(blocks) * HOLDOUT_FRACTION))
     split = {"fit": torch.arange(len(blocks) - held), "heldout": torch.arange(len(blocks) - held, len(blocks))}

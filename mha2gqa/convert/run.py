@@ -27,7 +27,8 @@ from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.convert.rope import check_refine_layout
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, check_groups, check_target, converted_config, layout_for, read_config
-from mha2gqa.sources import PICKLE_SUFFIXES, resolve_model_dir
+from mha2gqa.reading import check_regular, inside, open_regular, short_read
+from mha2gqa.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir
 
 OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
 _NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME}
@@ -77,14 +78,23 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
     check_destination(dst, force)
 
 
-def _bytes_needed(source: Path, plan: Plan) -> int:
+def _files_to_copy(source: Path) -> dict[Path, int]:
+    """Tokenizer, generation config, README and the like: every top-level entry but folders, weights
+    and config, with its size. Each must be a regular file inside SRC, whatever its name: a link out
+    of SRC or a FIFO is refused here, before anything is written, never followed or left out."""
+    found = {}
+    for path in sorted(source.iterdir()):
+        if path.name in _NOT_COPIED or path.suffix in (".safetensors", *PICKLE_SUFFIXES):
+            continue
+        if path.is_dir() and inside(path, source):
+            continue
+        found[path] = check_regular(path, source)
+    return found
+
+
+def _bytes_needed(copied: dict[Path, int], plan: Plan) -> int:
     """What DST will hold: the planned tensors, the files copied beside them, 1 MiB for headers and JSON."""
-    copied = sum(
-        path.stat().st_size
-        for path in source.iterdir()
-        if path.is_file() and path.suffix not in (".safetensors", *PICKLE_SUFFIXES)
-    )
-    return plan.bytes_out + copied + (1 << 20)
+    return plan.bytes_out + sum(copied.values()) + (1 << 20)
 
 
 def _check_not_quantized(src: Path, config: dict) -> None:
@@ -97,17 +107,6 @@ def _check_not_quantized(src: Path, config: dict) -> None:
             f"{src} is quantized (quantization_config quant_method={method}): mha2gqa merges "
             "unquantized weights; dequantize it first (e.g. load it with transformers and "
             "save_pretrained in bfloat16) and convert that"
-        )
-
-
-def _check_weights(src: Path) -> None:
-    has_safetensors = any(src.glob("*.safetensors"))
-    pickles = [p.name for p in src.iterdir() if p.suffix in PICKLE_SUFFIXES]
-    if pickles and not has_safetensors:
-        raise InputError(
-            f"{src} has only pickled weights ({', '.join(sorted(pickles)[:3])}): mha2gqa never unpickles files; "
-            're-save them as safetensors first: python -c "from transformers import AutoModelForCausalLM as M; '
-            f"M.from_pretrained('{src}').save_pretrained('{src}-safetensors')\""
         )
 
 
@@ -130,7 +129,9 @@ def convert(src, dst, groups: int | None = None, options: ConvertOptions | None 
         raise InputError(f"--dtype {dtype!r} is unknown (valid: {', '.join(OUT_DTYPES)})")
     shard_bytes = parse_size(options.max_shard_size)
     source = resolve_model_dir(src)
-    config = read_config(source)
+    # headers only, the sizes config.json is checked against (none: an unsupported type is still named)
+    checkpoint = SafetensorsCheckpoint(source) if any(source.glob("*.safetensors")) else None
+    config = read_config(source, checkpoint and checkpoint.shapes)
     layout, shape = layout_for(config), attention_shape(config)
     check_groups(shape, groups)
     check_target(config, groups)
@@ -150,10 +151,9 @@ def convert(src, dst, groups: int | None = None, options: ConvertOptions | None 
     memory_bytes = parse_size(options.calibration_memory, "--calibration-memory")
     dst = Path(dst).expanduser()
     _check_destination(source, dst, force)
-    _check_weights(source)
+    require_safetensors(source, "SRC")
     _check_not_quantized(source, config)
     provenance.lineage(source)  # a broken SRC/mha2gqa.json fails now, not after every tensor is written
-    checkpoint = SafetensorsCheckpoint(source)
     plan = make_plan(
         checkpoint.tensors,
         layout,
@@ -166,13 +166,14 @@ def convert(src, dst, groups: int | None = None, options: ConvertOptions | None 
     if options.dry_run:
         return ConversionResult(plan, None, source)
     torch_reason = torch_reason or fast.plan_refusal(plan, checkpoint.tensors)
+    copied = _files_to_copy(source)
     # Claimed, checked for room and cleared of debris before calibration, the long part, starts. The
     # statistics ((d+1)^2 float64 per layer: GBs for a 7B) live inside the partial directory, so they
     # count against DST's room, not a small /tmp, and a killed run's are removed with its debris.
     gathering = calibration is not None and not _is_stats(calibration)
     stats_bytes = shape.layers * (shape.hidden + 1) ** 2 * 8 if gathering else 0
     with (
-        atomic_directory(dst, replace=force, needed_bytes=_bytes_needed(source, plan) + stats_bytes) as tmp,
+        atomic_directory(dst, replace=force, needed_bytes=_bytes_needed(copied, plan) + stats_bytes) as tmp,
         tempfile.TemporaryDirectory(prefix=".calibration-", dir=tmp) as stats_dir,
     ):
         layers, stats = [], None
@@ -189,7 +190,7 @@ def convert(src, dst, groups: int | None = None, options: ConvertOptions | None 
                 )
             )
             layers = _write_tensors(checkpoint, plan, tmp, shard_bytes, seed, progress, stats, grouping)
-        _copy_other_files(source, tmp)
+        _copy_files(copied, source, tmp)
         _write_config(config, groups, dtype, tmp)
         refined = None
         if refine is not None:
@@ -228,7 +229,6 @@ def _write_tensors(
     grouping: Grouping = Grouping.CONTIGUOUS,
 ) -> list[dict]:
     """The torch executor: every method, grouping and layout."""
-    from mha2gqa.checkpoint import DTYPES
     from mha2gqa.convert.methods import METHODS
 
     writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes, plan.copies(checkpoint.tensors))
@@ -239,11 +239,11 @@ def _write_tensors(
         if not step.is_transform:
             out, info = step.outputs[0], checkpoint.tensors[step.sources["tensor"]]
             if step.transpose:
-                writer.write_tensor(out.name, checkpoint.load(info.name).t().contiguous().to(DTYPES[out.dtype]))
+                writer.write_tensor(out.name, _cast(checkpoint.load(info.name).t().contiguous(), out))
             elif out.dtype == info.dtype:
                 writer.copy_bytes(out.name, info)
             else:
-                writer.write_tensor(out.name, checkpoint.load(info.name).to(DTYPES[out.dtype]))
+                writer.write_tensor(out.name, _cast(checkpoint.load(info.name), out))
         else:
             report = _write_layer(checkpoint, step, plan, writer, method, seed, stats, grouping)
             if report:
@@ -257,7 +257,6 @@ def _write_tensors(
 def _write_layer(checkpoint, step, plan: Plan, writer, method, seed: int, stats, grouping: Grouping) -> dict:
     """One layer's attention tensors: read, transform, write. A function of its own so that the
     layer's tensors are freed before the next layer is read (memory stays at one layer's K/V)."""
-    from mha2gqa.checkpoint import DTYPES
     from mha2gqa.convert.layer_step import transform_layer
     from mha2gqa.convert.methods import LayerContext
 
@@ -269,8 +268,19 @@ def _write_layer(checkpoint, step, plan: Plan, writer, method, seed: int, stats,
     packed = pack(roles, list(step.sources), plan.groups)
     names = {step.sources[role]: tensor for role, tensor in packed.items()}
     for out in step.outputs:
-        writer.write_tensor(out.name, names[out.name].to(DTYPES[out.dtype]))
+        writer.write_tensor(out.name, _cast(names[out.name], out))
     return report
+
+
+def _cast(tensor, out):
+    """`tensor` in the output's dtype, under casts.check_cast's rule (no inf, no tensor flushed to zero)."""
+    from mha2gqa.checkpoint import CODES, DTYPES
+    from mha2gqa.convert.casts import check_cast, torch_range
+
+    source = CODES.get(tensor.dtype)
+    if source != out.dtype and tensor.is_floating_point():
+        check_cast(out.name, *torch_range(tensor), source, out.dtype)
+    return tensor.to(DTYPES[out.dtype])
 
 
 def _warn_non_finite(roles: dict, sources: dict, layer: int) -> None:
@@ -283,11 +293,18 @@ def _warn_non_finite(roles: dict, sources: dict, layer: int) -> None:
             fast.warn_non_finite(int((~torch.isfinite(tensor)).sum()), sources, role, layer)
 
 
-def _copy_other_files(source: Path, out_dir: Path) -> None:
-    """Tokenizer, generation config, README and the like: every top-level file but weights and config."""
-    for path in source.iterdir():
-        if path.is_file() and path.name not in _NOT_COPIED and path.suffix not in (".safetensors", *PICKLE_SUFFIXES):
-            shutil.copy2(path, out_dir / path.name)
+def _copy_files(files: dict[Path, int], source: Path, out_dir: Path) -> None:
+    """Copy the checked files (see _files_to_copy), each read to its checked size: a file that
+    changed since is a changing source, one line."""
+    for path, size in files.items():
+        copied = 0
+        with open_regular(path, source) as src, open(out_dir / path.name, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+                copied += len(chunk)
+        if copied != size:
+            raise short_read(path)
+        shutil.copystat(path, out_dir / path.name)
 
 
 def _write_config(config: dict, groups: int, dtype: str | None, out_dir: Path) -> None:
