@@ -18,7 +18,9 @@ import yaml
 
 from mha2gqa import __version__, provenance
 from mha2gqa.errors import InputError
+from mha2gqa.layouts import DTYPE_BYTES, config_dtype, kv_cache_bytes
 from mha2gqa.reading import parse_yaml, read_bytes, read_json
+from mha2gqa.units import format_bytes
 from mha2gqa.writing import write_atomic
 
 CARD = "README.md"
@@ -33,7 +35,6 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 _LINK = re.compile(r"(https?://[^\s<>\"'`]{1,300}|[A-Za-z0-9._-][A-Za-z0-9._/-]{0,199})")
 _LANGUAGE = re.compile(r"[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8}){0,3}")
 _CARRIED = {"license": _ID, "license_name": _ID, "license_link": _LINK, "language": _LANGUAGE}
-_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 def write_card(model_dir: str | Path, source_dir: str | Path | None = None, name: str | None = None) -> Path:
@@ -122,10 +123,10 @@ def kv_bytes_per_token(config: dict, kv_heads: int) -> int | None:
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     layers = config.get("num_hidden_layers")
     head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)
-    size = _BYTES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32").replace("torch.", ""))
+    size = DTYPE_BYTES.get(config_dtype(config))
     if not (layers and head_dim and size):
         return None
-    return 2 * layers * kv_heads * head_dim * size
+    return kv_cache_bytes(layers, kv_heads, head_dim, size)
 
 
 def render(model_dir: Path, source_card: Path | None, name: str) -> str:
@@ -149,7 +150,7 @@ def render(model_dir: Path, source_card: Path | None, name: str) -> str:
     results = eval_results(model_dir)
 
     lines = ["---", *_yaml_lines(conversion, after, source_meta, config), "---", MARKER, "", f"# {_text(name)}", ""]
-    lines += _summary(conversion, after, config)
+    lines += _summary(conversion, after, config, evaluated=bool(results))
     if conversion:
         lines += _conversion_section(conversion, config)
     if after:
@@ -163,8 +164,12 @@ def render(model_dir: Path, source_card: Path | None, name: str) -> str:
 
 def _yaml_lines(conversion, after, source_meta, config) -> list[str]:
     base = hub_id(conversion["source"]) if conversion else None
-    tags = ["mha2gqa", "gqa" if config.get("num_key_value_heads", 0) > 1 else "mqa", "grouped-query-attention"]
-    if after:
+    tags = ["mha2gqa"]
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads", heads)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads < heads:  # an MHA model gets no GQA tags
+        tags += ["gqa" if kv_heads > 1 else "mqa", "grouped-query-attention"]
+    if after and conversion:  # uptraining continues a converted model; training from scratch is not it
         tags.append("uptrained")
     meta = {"library_name": "transformers", "pipeline_tag": "text-generation", "tags": tags}
     if base:
@@ -181,7 +186,7 @@ def _yaml_lines(conversion, after, source_meta, config) -> list[str]:
     return out
 
 
-def _summary(conversion, after, config) -> list[str]:
+def _summary(conversion, after, config, evaluated: bool) -> list[str]:
     if not conversion:
         return [
             f"A {config.get('model_type')} model trained by mha2gqa {__version__} "
@@ -194,7 +199,12 @@ def _summary(conversion, after, config) -> list[str]:
         f"{_source_name(conversion)} converted from {src} to {dst} key/value heads ({kind} attention, "
         f"{conversion['heads']} query heads) by mha2gqa {conversion.get('version')}"
     )
-    text += ", then uptrained." if after else "; not trained since (expect a quality loss: see the evaluation)."
+    if after:
+        text += ", then uptrained."
+    elif evaluated:
+        text += "; not trained since (expect a quality loss: see the evaluation below)."
+    else:
+        text += "; not trained since (expect a quality loss: measure it with `mha2gqa eval`, see Reproduce)."
     return [text, ""]
 
 
@@ -248,10 +258,23 @@ def _uptrain_section(stages: list[dict], converted: bool) -> list[str]:
             ("parameters trained", f"{trained}: {s.get('trainable_params', 0):,}"),
             ("data", ", ".join(_data_name(d) for d in (r.get("data") or {}).get("train") or [])),
             ("distillation", f"from {teacher} (KL weight {r['distill'].get('kl_weight')})" if teacher else "no"),
-            ("final held-out perplexity", f"{s['final_eval_ppl']:.2f}" if s.get("final_eval_ppl") else "—"),
+            ("final held-out perplexity", _final_ppl(s, r)),
         ]
         lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
     return lines
+
+
+def _final_ppl(stage: dict, recipe: dict) -> str:
+    """The training run's own last eval, with the tokens it was measured on: they are not those of an
+    `mha2gqa eval` result (its own data and windows), so the two perplexities differ."""
+    if not stage.get("final_eval_ppl"):
+        return "—"
+    data = recipe.get("data") or {}
+    where = _data_name(data["eval"]) if data.get("eval") else "held out of the training data"
+    return (
+        f"{stage['final_eval_ppl']:.2f} (the training run's own check: up to {data.get('eval_blocks', '?')} blocks "
+        f"of {recipe.get('seq_len', '?')} tokens, {where}; an `mha2gqa eval` result is measured on its own tokens)"
+    )
 
 
 def eval_results(model_dir: Path) -> list[tuple[str, dict]]:
@@ -367,7 +390,4 @@ def _data_name(data) -> str:
 
 
 def _human(n: float) -> str:
-    for div, unit in ((2**20, "MiB"), (2**10, "KiB")):
-        if n >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{n:.0f} B"
+    return format_bytes(n, digits=1, largest="MiB")
