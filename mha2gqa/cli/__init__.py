@@ -9,22 +9,16 @@ from contextlib import contextmanager, suppress
 import click
 
 from mha2gqa import __version__
-from mha2gqa.errors import WeightWarning, exit_report, signals_as_interrupts
+from mha2gqa.errors import WeightWarning, exit_report, one_line, signals_as_interrupts
 
 
 class _OneLineError(click.ClickException):
-    """A user mistake: `Error: <message>` on stderr, exit code 2, no traceback. One line whatever the
-    message quotes: a newline in a path shows as \\n, bytes of a name that are not UTF-8 as \\xNN."""
+    """A user mistake: `Error: <message>` on stderr, exit code 2, no traceback."""
 
     exit_code = 2
 
     def __init__(self, message: str):
         super().__init__(one_line(message))
-
-
-def one_line(text: str) -> str:
-    text = text.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="backslashreplace")
-    return "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text)
 
 
 @contextmanager

@@ -274,13 +274,14 @@ def _write_layer(checkpoint, step, plan: Plan, writer, method, seed: int, stats,
 
 def _cast(tensor, out):
     """`tensor` in the output's dtype, under casts.check_cast's rule (no inf, no tensor flushed to zero)."""
-    from mha2gqa.checkpoint import CODES, DTYPES
+    from mha2gqa.checkpoint import torch_dtypes
     from mha2gqa.convert.casts import check_cast, torch_range
 
-    source = CODES.get(tensor.dtype)
+    dtypes = torch_dtypes()
+    source = next(code for code, dtype in dtypes.items() if dtype == tensor.dtype)
     if source != out.dtype and tensor.is_floating_point():
         check_cast(out.name, *torch_range(tensor), source, out.dtype)
-    return tensor.to(DTYPES[out.dtype])
+    return tensor.to(dtypes[out.dtype])
 
 
 def _warn_non_finite(roles: dict, sources: dict, layer: int) -> None:
