@@ -18,7 +18,7 @@ import yaml
 
 from mha2gqa import __version__, provenance
 from mha2gqa.errors import InputError
-from mha2gqa.layouts import DTYPE_BYTES, config_dtype, kv_cache_bytes
+from mha2gqa.layouts import DTYPE_BYTES, config_dtype, head_counts, kv_cache_bytes
 from mha2gqa.reading import parse_yaml, read_bytes, read_json
 from mha2gqa.units import format_bytes
 from mha2gqa.writing import write_atomic
@@ -120,9 +120,7 @@ def hub_id(path: str | None) -> str | None:
 
 def kv_bytes_per_token(config: dict, kv_heads: int) -> int | None:
     """K and V of every layer for one token: 2 x layers x kv_heads x head_dim x bytes per value."""
-    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
-    layers = config.get("num_hidden_layers")
-    head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)
+    layers, (_, _, head_dim) = config.get("num_hidden_layers"), head_counts(config)
     size = DTYPE_BYTES.get(config_dtype(config))
     if not (layers and head_dim and size):
         return None
@@ -135,13 +133,13 @@ def render(model_dir: Path, source_card: Path | None, name: str) -> str:
     conversions = [i for i, s in enumerate(stages) if s["stage"] == "conversion"]
     conversion = stages[conversions[-1]] if conversions else None
     if conversion is not None:  # older or hand-written records may lack fields: fall back on the config
-        heads = config.get("num_attention_heads")
+        heads, kv_heads, _ = head_counts(config)
         conversion = {
             "source": "unknown-source",
             "heads": heads,
             "source_kv_heads": heads,
             "method": "unknown",
-            "groups": config.get("num_key_value_heads", heads),
+            "groups": kv_heads,
             "seed": 0,
             **conversion,
         }
@@ -165,8 +163,7 @@ def render(model_dir: Path, source_card: Path | None, name: str) -> str:
 def _yaml_lines(conversion, after, source_meta, config) -> list[str]:
     base = hub_id(conversion["source"]) if conversion else None
     tags = ["mha2gqa"]
-    heads = config.get("num_attention_heads")
-    kv_heads = config.get("num_key_value_heads", heads)
+    heads, kv_heads, _ = head_counts(config)
     if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads < heads:  # an MHA model gets no GQA tags
         tags += ["gqa" if kv_heads > 1 else "mqa", "grouped-query-attention"]
     if after and conversion:  # uptraining continues a converted model; training from scratch is not it

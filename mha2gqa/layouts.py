@@ -152,6 +152,16 @@ def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) 
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
+def head_counts(config: dict) -> tuple:
+    """(heads, kv_heads, head_dim) as a config.json dict states them, the one reading of them: kv heads
+    default to the heads, head_dim to hidden_size // heads (read it when present: gemma's differs).
+    None where the config lacks what a value comes from; read_config has checked the values' types."""
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)
+    return heads, kv_heads, head_dim
+
+
 def config_dtype(config: dict) -> str:
     """The weights' dtype a config.json names (`dtype`, formerly `torch_dtype`), float32 when it names none."""
     return str(config.get("dtype") or config.get("torch_dtype") or "float32").replace("torch.", "")
@@ -252,12 +262,8 @@ def attention_shape(config: dict) -> AttentionShape:
     """Heads, kv heads and head_dim of a config, checked: transformers itself does not check them."""
     layout_for(config)
     if config.get("model_type") in LAYOUTS:
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        hidden = int(config["hidden_size"])
-        # head_dim can differ from hidden // heads (gemma): read it when the config has it.
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        layers = int(config["num_hidden_layers"])
+        heads, kv_heads, head_dim = head_counts(config)
+        hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     else:  # read through transformers' config class (defaults, aliases: gpt2's n_head), checked against the model
         from mha2gqa.generic_layout import config_counts, generic_architecture
 

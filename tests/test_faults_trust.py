@@ -80,10 +80,10 @@ def _leftovers(dst: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if p.name == dst.name or p.name.startswith(f".{dst.name}."))
 
 
-def refused(result, *words, sources=(), dst: Path | None = None, tmpdir: Path | None = None) -> str:
+def refused(result, *words, dst: Path | None = None, tmpdir: Path | None = None, strict: bool = True) -> str:
     """The whole promise: exit 2, one Error line naming `words`, sources unchanged (checked by the
-    caller's digests), nothing beside DST, $TMPDIR empty."""
-    line = error_line(result, 2, strict=True)
+    caller's digests), nothing beside DST, $TMPDIR empty. strict=False: progress lines may precede."""
+    line = error_line(result, 2, strict=strict)
     for word in words:
         assert word in line, (word, line)
     if dst is not None:
@@ -213,11 +213,17 @@ def trained(tmp_path_factory):
 
 
 def _recipe(trained, tmp_path, extra: str = "") -> Path:
-    path = tmp_path / "recipe.yaml"
-    path.write_text(
-        f"model: {trained['model']}\noutput_dir: {tmp_path / 'run'}\ndata:\n  train: {trained['data']}\n"
-        f"budget:\n  max_steps: 2\n{extra}"
+    """uptrain_helpers' tiny recipe (2 steps), with `extra` YAML text appended."""
+    from uptrain_helpers import recipe_file
+
+    path = recipe_file(
+        tmp_path / "recipe.yaml",
+        model=str(trained["model"]),
+        output_dir=str(tmp_path / "run"),
+        data={"train": str(trained["data"])},
+        budget={"max_steps": 2},
     )
+    path.write_text(path.read_text() + extra)
     return path
 
 
@@ -581,3 +587,200 @@ def test_a_full_dst_filesystem_while_copying_files_is_one_line(src, tmp_path, tm
             result = cli("convert", src, mount / "dst", "--groups", "2", "-q")
         refused(result, "no space left on the device", tmpdir=tmpdir_env)
         assert sorted(p.name for p in mount.iterdir()) == ["filler"] and _digests(src) == before
+
+
+# ------------------------------------------------------------------- class: eval and report inputs
+@pytest.fixture(scope="module")
+def evaluated(pristine, tmp_path_factory):
+    """A real result file of the tiny model, and a metrics.jsonl."""
+    root = tmp_path_factory.mktemp("trust_report")
+    text = root / "heldout.txt"
+    text.write_text(SAMPLE_TEXT * 8)
+    result = root / "result.json"
+    ran = cli("eval", pristine, "--data", text, "--speed", "off", "--quiet", "--out", result)
+    assert ran.exit_code == 0, ran.output
+    metrics = root / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n" for s in range(5)))
+    return {"result": result, "metrics": metrics, "text": text}
+
+
+def _result_edit(change):
+    def edit(path: Path):
+        data = json.loads(path.read_text())
+        change(data)
+        path.write_text(json.dumps(data))
+
+    return edit
+
+
+REPORT_FAULTS = {
+    "result nested deeply": (lambda p: p.write_text('{"schema": ' + _nested(DEEP) + "}"), "nests JSON deeper than 64"),
+    "integer of 10^400": (lambda p: p.write_text(p.read_text()[:-2] + ', "x": 1' + "0" * 400 + "}"), "401 digits"),
+    "lm_eval.tasks a list": (_result_edit(lambda d: d.update(lm_eval={"tasks": ["hellaswag"]})), "lm_eval.tasks is"),
+    "a metric as text": (
+        _result_edit(lambda d: d.update(lm_eval={"tasks": {"t": {"metrics": {"acc": {"value": "high"}}}}})),
+        "lm_eval.tasks is",
+    ),
+    "model.params as text": (_result_edit(lambda d: d["model"].update(params="many")), "model.params is"),
+    "data.tokens as text": (_result_edit(lambda d: d["data"].update(tokens="lots")), "data.tokens is"),
+    "result a FIFO": (lambda p: _fifo(p), "is a named pipe (FIFO)"),
+    "result over the cap": (lambda p: os.truncate(p, 65 << 20), "over mha2gqa's limit"),
+}
+
+
+@pytest.mark.parametrize("fault", REPORT_FAULTS)
+def test_report_refuses_hostile_results_and_writes_nothing(evaluated, tmp_path, tmpdir_env, fault):
+    """Tracebacks, and for params/tokens as text PNGs and a half report left behind."""
+    edit, words = REPORT_FAULTS[fault]
+    bad = tmp_path / "bad.json"
+    shutil.copyfile(evaluated["result"], bad)
+    edit(bad)
+    before = tree_digest(evaluated["result"])
+    out = tmp_path / "rep_out"
+    refused(cli("report", evaluated["result"], bad, "--out", out), words, tmpdir=tmpdir_env)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["TMPDIR", "bad.json"]  # no rep_out, no partial
+    assert tree_digest(evaluated["result"]) == before
+
+
+@pytest.mark.parametrize(
+    "fault,line,words",
+    [("metrics line nested deeply", _nested(DEEP), "line 2 nests JSON deeper"), ("metrics FIFO", None, "FIFO")],
+)
+def test_report_refuses_hostile_metrics(evaluated, tmp_path, tmpdir_env, fault, line, words):
+    metrics = tmp_path / "metrics.jsonl"
+    if line is None:
+        _fifo(metrics)
+    else:
+        metrics.write_text(json.dumps({"step": 0, "loss": 5.0}) + "\n" + line + "\n")
+    out = tmp_path / "rep"
+    refused(cli("report", evaluated["result"], "--metrics", metrics, "--out", out), words, tmpdir=tmpdir_env)
+    assert not out.exists()
+
+
+def test_a_model_name_matplotlib_would_read_as_mathtext_is_drawn_as_text(evaluated, tmp_path):
+    named = tmp_path / "named.json"
+    data = json.loads(evaluated["result"].read_text())
+    data["label"] = r"$\frac{x"
+    named.write_text(json.dumps(data))
+    result = cli("report", named, "--out", tmp_path / "rep")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "rep" / "quality_vs_kv.png").stat().st_size > 0 and not list(tmp_path.glob(".rep.partial-*"))
+
+
+EVAL_FAULTS = {
+    "config.json nested deeply": (lambda s: (s / "config.json").write_text('{"a": ' + _nested(DEEP) + "}"), "nests"),
+    "mha2gqa.json binary": (lambda s: (s / "mha2gqa.json").write_bytes(b"\x89PNG\xff\xfe\0"), "is not UTF-8 text"),
+    "mha2gqa.json nested deeply": (lambda s: (s / "mha2gqa.json").write_text(_nested(DEEP)), "nests JSON deeper"),
+    "config.json a FIFO": (lambda s: _fifo(s / "config.json"), "config.json is a named pipe (FIFO)"),
+    "weights a FIFO": (lambda s: _fifo(s / "model.safetensors"), "model.safetensors is a named pipe (FIFO)"),
+}
+
+
+@pytest.mark.parametrize("fault", EVAL_FAULTS)
+def test_eval_refuses_hostile_model_files(src, evaluated, tmp_path, tmpdir_env, fault):
+    edit, words = EVAL_FAULTS[fault]
+    edit(src)
+    before = _digests(src)
+    out = tmp_path / "r.json"
+    with _deadline(60):
+        result = cli("eval", src, "--data", evaluated["text"], "--speed", "off", "--quiet", "--out", out)
+    refused(result, words, tmpdir=tmpdir_env)
+    assert not out.exists() and _digests(src) == before
+
+
+# ------------------------------------------------------------- class: wrong accepts, misleading words
+@pytest.mark.parametrize("tasks", ["", ",, ,"])
+def test_lm_eval_tasks_that_name_nothing_are_refused(src, evaluated, tmp_path, tasks):
+    out = tmp_path / "r.json"
+    result = cli("eval", src, "--data", evaluated["text"], "--lm-eval-tasks", tasks, "--out", out)
+    refused(result, "names no task")
+    assert not out.exists()
+
+
+def test_learning_rate_suggests_lr(trained, tmp_path):
+    recipe = _recipe(trained, tmp_path)
+    refused(cli("uptrain", "--recipe", recipe, "optim.learning_rate=1e-4"), "(did you mean optim.lr?)")
+
+
+def test_a_lora_target_that_is_not_linear_says_so(trained, tmp_path, tmpdir_env):
+    recipe = _recipe(trained, tmp_path, "trainable: lora\nlora:\n  rank: 4\n  target_modules: [mlp]\n")
+    line = refused(
+        cli("uptrain", "--recipe", recipe),
+        "'mlp' matches",
+        "not Linear layers",
+        "up_proj",
+        tmpdir=tmpdir_env,
+        strict=False,
+    )
+    assert "LlamaMLP" in line and not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_a_dst_name_near_the_length_limit_converts(src, tmp_path):
+    """A legal 245-character DST was refused as too long because of the derived .DST.partial-PID name."""
+    dst = tmp_path / ("d" * 245)
+    result = cli("convert", src, dst, "--groups", "2", "-q")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["TMPDIR", "src", dst.name])
+
+
+# ------------------------------------------------------------------------- class: divergence
+def test_the_guard_sees_guessing_through_noise():
+    """lr=1e30 for one step left an eval loss 2e-6 below log(4096): 'better than guessing' passed it."""
+    import math
+
+    from mha2gqa.uptrain.steps import Guard
+
+    guard = Guard(4096, best_eval=5.0, weight_scale=1.0)
+    assert "no better than guessing" in guard.eval_problem(math.log(4096) - 2e-6, 1.0)
+    assert guard.eval_problem(5.1, 1.5) is None  # ordinary noise and growth pass
+
+
+def test_the_guard_sees_weights_grown_by_orders_of_magnitude():
+    from mha2gqa.uptrain.steps import Guard
+
+    guard = Guard(4096, best_eval=5.0, weight_scale=1.0)
+    assert "grew from 1 to 1e+30" in guard.eval_problem(4.0, 1e30)
+    assert "non-finite" in guard.eval_problem(4.0, float("nan"))
+
+
+def test_a_destroyed_model_is_not_saved_and_not_named_good(trained, tmp_path, tmpdir_env):
+    """One step at lr=1e30: exit 1, no final model, no checkpoint called 'the last good' one."""
+    recipe = _recipe(trained, tmp_path)
+    before = tree_digest(trained["model"])
+    result = cli("uptrain", "--recipe", recipe, "budget.max_steps=3", "save_every=1", "optim.lr=1e30")
+    line = error_line(result, 1, strict=False)
+    assert "diverged" in line and "last good checkpoint" not in line
+    assert not (tmp_path / "run" / "model.safetensors").exists() and tree_digest(trained["model"]) == before
+
+
+# ----------------------------------------------------------------- class: a real process, real FIFO
+def test_a_fifo_never_blocks_a_real_convert_process(src, tmp_path):
+    """model.safetensors as a FIFO blocked `mha2gqa convert` forever; now one line at once. The
+    process is ended by SIGKILL if it is still running after 60 s (the old behaviour)."""
+    import subprocess
+    import sys
+
+    _fifo(src / "model.safetensors")
+    dst = tmp_path / "dst"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mha2gqa", "convert", src, dst, "--groups", "2", "-q"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        _, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGKILL)
+        process.communicate()
+        raise AssertionError("convert blocked on a FIFO") from None
+    assert process.returncode == 2 and "Traceback" not in stderr
+    assert [ln for ln in stderr.splitlines() if ln.startswith("Error: ")] == [
+        f"Error: {src / 'model.safetensors'} is a named pipe (FIFO), not a regular file: mha2gqa reads only "
+        "regular files; put the file itself there"
+    ]
+    assert _leftovers(dst) == []

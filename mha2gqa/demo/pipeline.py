@@ -17,6 +17,7 @@ from pathlib import Path
 
 from mha2gqa import embedded
 from mha2gqa.errors import InputError
+from mha2gqa.layouts import head_counts, read_config
 
 DEMO_RECIPE = Path(__file__).parent / "demo-uptrain.yaml"
 
@@ -78,7 +79,7 @@ def run_demo(
     if not 0 < settings.alpha <= 1:
         raise InputError(f"--alpha {settings.alpha} must be in (0, 1]: e.g. 0.05 for 5% of the pretraining tokens")
     parent = embedded.model_dir()
-    kv_heads = json.loads((parent / "config.json").read_text())["num_key_value_heads"]
+    _, kv_heads, _ = head_counts(read_config(parent))
     valid = [g for g in range(1, kv_heads + 1) if kv_heads % g == 0]
     if groups not in valid:  # checked here, not by convert: nothing may be created for a bad flag
         raise InputError(

@@ -143,8 +143,9 @@ class Guard:
         """Why weights that evaluate to `eval_loss` (largest |weight| `weight_scale`) are not good, or None."""
         if not math.isfinite(eval_loss):
             return f"eval loss {eval_loss}"
-        if weight_scale is not None and not math.isfinite(weight_scale):
-            return f"weights hold non-finite values (max |w| {weight_scale})"
+        started_finite = self.weight_scale is not None and math.isfinite(self.weight_scale)
+        if started_finite and weight_scale is not None and not math.isfinite(weight_scale):
+            return f"weights hold non-finite values (max |w| {weight_scale})"  # a source's own NaN is not ours
         if self.weight_scale and weight_scale is not None and weight_scale > WEIGHT_GROWTH * self.weight_scale:
             return (
                 f"the largest |weight| grew from {self.weight_scale:.3g} to {weight_scale:.3g} "
