@@ -44,14 +44,17 @@ def _summary(report_json: Path) -> str:
     default=None,
     help="Uptraining budget as a fraction of the parent's pretraining tokens [default: 0.05; 0.01 with --quick].",
 )
-def demo(groups, out, quick, alpha):
+@click.option(
+    "--force", is_flag=True, help="Replace an earlier demo run in OUT (as a whole: none of its files are kept)."
+)
+def demo(groups, out, quick, alpha, force):
     """Run the whole job on the embedded default (a small Llama MHA model trained on five Jane Austen
     novels; no download): inspect, convert to GROUPS kv heads by mean-pooling, evaluate the parent and
     the converted model on held-out Persuasion, uptrain for ALPHA of the parent's pretraining tokens,
     evaluate again, and write a side-by-side report (markdown, html, plots) under OUT."""
     from mha2gqa.demo import run_demo
 
-    written = run_demo(out, groups=groups, quick=quick, alpha=alpha, echo=click.echo)
+    written = run_demo(out, groups=groups, quick=quick, alpha=alpha, echo=click.echo, force=force)
     click.echo(_summary(Path(written["json"])))
     click.echo(f"report: {written['html']}")
 
@@ -59,10 +62,10 @@ def demo(groups, out, quick, alpha):
 @click.command()
 @click.option(
     "--out",
-    default="docs/ablations",
+    default="./mha2gqa-ablations",
     show_default=True,
     type=click.Path(path_type=Path),
-    help="Where ablations.json, ablations.md and the plots go.",
+    help="Where ablations.json, ablations.md and the plots go (docs/ablations in a checkout holds the shipped ones).",
 )
 @click.option("--methods", default="mean,first,random", show_default=True, help="Conversion methods, comma-separated.")
 @click.option("--kv-heads", default="1,2,4", show_default=True, help="Target kv-head counts, comma-separated.")

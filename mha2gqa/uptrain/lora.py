@@ -93,10 +93,11 @@ def merge_into_source(peft_model, source_dir: Path, dtype):
     """Copy the trained adapters onto the source checkpoint loaded afresh (CPU, `dtype`), then merge."""
     import torch
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
+
+    from mha2gqa.loading import load_causal_lm
 
     adapters = {k: v.detach().to("cpu", torch.float32) for k, v in get_peft_model_state_dict(peft_model).items()}
-    base = AutoModelForCausalLM.from_pretrained(source_dir, dtype=dtype)
+    base = load_causal_lm(source_dir, "the QLoRA run's source", dtype=dtype)
     fresh = get_peft_model(base, peft_model.peft_config["default"])
     set_peft_model_state_dict(fresh, adapters)
     return fresh.merge_and_unload()
