@@ -7,8 +7,7 @@ import html
 from pathlib import Path
 
 from mha2gqa.eval import metrics
-
-DASH = metrics.DASH
+from mha2gqa.eval.metrics import DASH, fmt_bytes  # noqa: F401  (the sweep's page formats with them too)
 
 
 def tables(rows: list[dict], results: list[dict]) -> list[tuple[str | None, list[metrics.Metric]]]:
