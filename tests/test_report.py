@@ -360,3 +360,12 @@ def test_training_curve_keeps_the_train_objective_apart_from_the_held_out_loss(t
     assert [t.get_text() for t in held_out.get_legend().get_texts()] == ["held-out LM perplexity"]
     assert held_out.get_ylabel() == "LM perplexity" and train.get_ylabel() == "nats/token"
     assert list(held_out.get_lines()[0].get_ydata()) == [20.0, 13.5]
+
+
+def test_lm_eval_in_a_line_gives_perplexity_an_interval_not_a_bootstrapped_plus_minus():
+    cloze = {"value": 8081.2, "stderr": 57586.4, "higher_is_better": False}
+    assert (
+        metrics.lm_eval_brief("perplexity", {**cloze, "interval_95": [3012.0, 21684.0]}) == "8081 (95% 3012-2.168e+04)"
+    )
+    assert metrics.lm_eval_brief("perplexity", cloze) == "8081"
+    assert metrics.lm_eval_brief("acc", {"value": 0.075, "stderr": 0.042}) == "0.075 ± 0.042"

@@ -392,3 +392,14 @@ def _lm_eval_text(cell: dict | None, scale: str) -> str:
         low_high = cell.get("interval_95")
         return f"{text} ({one(low_high[0])}–{one(low_high[1])})" if low_high else text
     return text if cell.get("stderr") is None else f"{text} ± {one(cell['stderr'])}"
+
+
+def lm_eval_brief(metric: str, m: dict) -> str:
+    """One lm-eval metric in a line of text (terminal summary, model card): '0.075 ± 0.042', or a
+    perplexity with its 95% interval, '8081 (95% 3012-2.17e+04)'; a perplexity without one alone."""
+    if m.get("interval_95"):
+        low, high = m["interval_95"]
+        return f"{m['value']:.4g} (95% {low:.4g}-{high:.4g})"
+    if m.get("stderr") is None or "perplexity" in metric:
+        return f"{m['value']:.4g}"  # a bootstrapped ± of a perplexity says nothing (see lmeval.perplexity_intervals)
+    return f"{m['value']:.4g} ± {m['stderr']:.2g}"
