@@ -79,7 +79,10 @@ def html_page(rows, meta, results, plots: dict[str, Path]) -> str:
 
     def table(title, cols):
         text = {c.name: " class='t'" if c.name in ("label", "role") else "" for c in cols}  # left-aligned
-        head = "".join(f"<th{text[c.name]}>{esc(metrics.header(c, meta['speed_point']))}</th>" for c in cols)
+        # Long task names (persuasion_next_sentence) may break after an underscore, not across the next cell.
+        head = "".join(
+            f"<th{text[c.name]}>{esc(metrics.header(c, meta['speed_point'])).replace('_', '_<wbr>')}</th>" for c in cols
+        )
         body = "".join(
             ("<tr class='baseline'>" if r["label"] == meta["baseline"] else "<tr>")
             + "".join(f"<td{text[c.name]}>{esc(c.text(r))}</td>" for c in cols)
