@@ -57,6 +57,13 @@ _USER_FAULTS = {
 }
 
 
+def first_line(err: BaseException | str, limit: int | None = None, default: str = "") -> str:
+    """The first line of an error's message (libraries' messages often run to many lines), at most `limit`
+    characters; `default` when the message is empty."""
+    text = str(err).strip()
+    return text.splitlines()[0][:limit] if text else default
+
+
 def is_user_fault(err: BaseException) -> bool:
     """True for an OSError that the user's files or machine cause (see _USER_FAULTS)."""
     return isinstance(err, OSError) and err.errno in _USER_FAULTS
@@ -69,6 +76,22 @@ def user_file_error(err: OSError, path: str | os.PathLike | None = None) -> Inpu
     where = err.filename if err.filename is not None else path
     where = f"{os.fsdecode(where)}: " if where is not None else ""
     return InputError(f"{where}{what}: {fix}")
+
+
+def exit_report(err: BaseException) -> tuple[str, int] | None:
+    """The line a fault ends the program with and its exit code, the same for every entry point (the
+    `mha2gqa` CLI, `python -m mha2gqa.uptrain` under accelerate): a user mistake (InputError, a user's
+    OSError) -> `Error: ...`, 2; Ctrl-C, SIGTERM, SIGHUP -> `Interrupted by SIG...` on a new line (a
+    progress bar or ^C may hold the cursor), 128 + the signal number; None for anything else, a bug
+    in mha2gqa that keeps its traceback."""
+    if isinstance(err, InputError):
+        return f"Error: {err}", 2
+    if is_user_fault(err):
+        return f"Error: {user_file_error(err)}", 2
+    if isinstance(err, KeyboardInterrupt):
+        signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
+        return f"\nInterrupted by {signal.Signals(signum).name}", 128 + signum
+    return None
 
 
 @contextmanager
