@@ -41,6 +41,18 @@ class _Group(click.Group):
     unwind as KeyboardInterrupt), one line, exit 128 + the signal number; anything else is our bug
     and keeps its traceback."""
 
+    def format_commands(self, ctx, formatter):
+        """Each command with its whole summary (its short_help, else its help's first sentence),
+        wrapped, not cut mid-sentence to fit one line as click's default does."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=10_000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
     def invoke(self, ctx):
         try:
             with signals_as_interrupts(), _one_line_warnings():

@@ -26,7 +26,7 @@ def _summary(report_json: Path) -> str:
     return table(headers, [[_cell(value, spec) for value, spec in zip(row, _SPECS)] for row in rows])
 
 
-@click.command()
+@click.command(short_help="Run the whole job on the embedded default: convert, evaluate, uptrain, report.")
 @click.option(
     "--groups", default=2, show_default=True, help="Target kv heads for the embedded 8-head model (1, 2 or 4)."
 )
@@ -61,7 +61,7 @@ def demo(groups, out, quick, alpha, force):
     click.echo(f"report: {written['html']}")
 
 
-@click.command()
+@click.command(short_help="Reproduce the GQA paper's ablations at small scale on the embedded default.")
 @click.option(
     "--out",
     default="./mha2gqa-ablations",

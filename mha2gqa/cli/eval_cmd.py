@@ -31,7 +31,7 @@ def _str_list(ctx, param, value):
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
 
-@click.command("eval")
+@click.command("eval", short_help="Measure MODEL: perplexity, agreement with a parent, KV-cache bytes, decode speed.")
 @click.argument("model")
 @_option("--data")
 @_option("--data-config")
@@ -120,7 +120,7 @@ def summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-@click.command("report")
+@click.command("report", short_help="Compare eval results side by side: markdown, html and plots.")
 @click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option(
     "--out",
