@@ -47,8 +47,8 @@ def comparison_rows(results: list[dict], base: int) -> tuple[list[dict], dict]:
     notes = table_notes(results) + recovery_notes(results, starts)
     if any(row["speedup_noisy"] for row in rows):
         notes.append(
-            "A speed-up marked noise has a spread larger than its effect: with either model anywhere in its "
-            "interquartile range of the timed repeats the ratio would cross 1, so none is claimed."
+            "A speed-up marked noise is smaller than its uncertainty: with either model's median anywhere in its "
+            "confidence interval (from the spread of its timed repeats) the ratio would cross 1, so none is claimed."
         )
     empty = [e.column.format(at="") for e in entries if e.column and not metrics.shown(e, rows)]
     if empty:

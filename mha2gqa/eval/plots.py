@@ -215,7 +215,8 @@ def training_figure(metrics_path: Path):
         ),
     ]
     panels = [p for p in panels if p[2]]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
+    # One step axis for both panels: a run logged once shows its one train point where it belongs.
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False, sharex=True)
     for ax, (title, ylabel, series, names) in zip(axes[0], panels):
         for key, pts in sorted(series.items()):
             ax.plot(*zip(*pts), marker="." if len(pts) < 50 else None, label=names.get(key, key))
