@@ -18,6 +18,7 @@ import yaml
 
 from mha2gqa import __version__, provenance
 from mha2gqa.errors import InputError
+from mha2gqa.eval.metrics import lm_eval_brief
 from mha2gqa.layouts import DTYPE_BYTES, config_dtype, head_counts, kv_cache_bytes
 from mha2gqa.reading import parse_yaml, read_bytes, read_json
 from mha2gqa.units import format_bytes
@@ -304,8 +305,7 @@ def _eval_section(results) -> list[str]:
         kv = (r.get("kv_cache") or {}).get("measured_bytes_per_token")
         tasks = (r.get("lm_eval") or {}).get("tasks") or {}
         shown = "; ".join(
-            f"{_text(task)} {_text(metric)} {m['value']:.4g}"
-            + (f" ± {m['stderr']:.2g}" if isinstance(m.get("stderr"), (int, float)) else "")
+            f"{_text(task)} {_text(metric)} {lm_eval_brief(metric, m)}"
             for task, section in tasks.items()
             if isinstance(section, dict) and isinstance(section.get("metrics"), dict)
             for metric, m in section["metrics"].items()

@@ -37,7 +37,7 @@ def _str_list(ctx, param, value):
     return names
 
 
-@click.command("eval")
+@click.command("eval", short_help="Measure MODEL: perplexity, agreement with a parent, KV-cache bytes, decode speed.")
 @click.argument("model")
 @_option("--data")
 @_option("--data-config")
@@ -118,15 +118,14 @@ def summary(result: dict) -> str:
     if result["attention_maps"]:
         lines.append(f"  attention maps: {result['attention_maps']['png']}")
     for task, section in ((result["lm_eval"] or {}).get("tasks") or {}).items():
-        shown = ", ".join(
-            f"{name} {m['value']:.4g}" + (f" ± {m['stderr']:.2g}" if m["stderr"] is not None else "")
-            for name, m in section["metrics"].items()
-        )
+        from mha2gqa.eval.metrics import lm_eval_brief
+
+        shown = ", ".join(f"{name} {lm_eval_brief(name, m)}" for name, m in section["metrics"].items())
         lines.append(f"  {task} ({section['samples']} examples): {shown}")
     return "\n".join(lines)
 
 
-@click.command("report")
+@click.command("report", short_help="Compare eval results side by side: markdown, html and plots.")
 @click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option(
     "--out",
