@@ -369,6 +369,12 @@ class ShardedWriter:
             position += tensor.nbytes
         return max(votes, key=votes.get) if votes else None
 
+    def discard(self) -> None:
+        """After a failure: close the open shard (the caller removes the partial directory)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
     def close(self) -> None:
         if self._position != len(self._pending):
             raise RuntimeError(f"writer closed after {self._position} of {len(self._pending)} tensors")

@@ -100,6 +100,9 @@ def write_tensors(
                 for out, array in zip(step.outputs, arrays):
                     writer.write_array(out.name, array)
             bar.update(sum(out.nbytes for out in step.outputs))
+    except BaseException:
+        writer.discard()
+        raise
     finally:
         worker.shutdown(wait=True, cancel_futures=True)  # on Ctrl-C: the running step finishes (under a second)
     writer.close()

@@ -235,20 +235,24 @@ def _write_tensors(
     method = METHODS[plan.method]
     bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="convert", disable=not progress)
     layers = []
-    for step in plan.steps:
-        if not step.is_transform:
-            out, info = step.outputs[0], checkpoint.tensors[step.sources["tensor"]]
-            if step.transpose:
-                writer.write_tensor(out.name, _cast(checkpoint.load(info.name).t().contiguous(), out))
-            elif out.dtype == info.dtype:
-                writer.copy_bytes(out.name, info)
+    try:
+        for step in plan.steps:
+            if not step.is_transform:
+                out, info = step.outputs[0], checkpoint.tensors[step.sources["tensor"]]
+                if step.transpose:
+                    writer.write_tensor(out.name, _cast(checkpoint.load(info.name).t().contiguous(), out))
+                elif out.dtype == info.dtype:
+                    writer.copy_bytes(out.name, info)
+                else:
+                    writer.write_tensor(out.name, _cast(checkpoint.load(info.name), out))
             else:
-                writer.write_tensor(out.name, _cast(checkpoint.load(info.name), out))
-        else:
-            report = _write_layer(checkpoint, step, plan, writer, method, seed, stats, grouping)
-            if report:
-                layers.append({"layer": step.layer, **report})
-        bar.update(sum(out.nbytes for out in step.outputs))
+                report = _write_layer(checkpoint, step, plan, writer, method, seed, stats, grouping)
+                if report:
+                    layers.append({"layer": step.layer, **report})
+            bar.update(sum(out.nbytes for out in step.outputs))
+    except BaseException:  # a refused cast, a short read, Ctrl-C: no shard left open
+        writer.discard()
+        raise
     writer.close()
     bar.close()
     return sorted(layers, key=lambda row: row["layer"])  # steps follow file order: "layers.10" before "layers.2"
