@@ -163,7 +163,7 @@ def graph_point(model, batch: int, context: int, new_tokens: int, repeats: int) 
 def run_variant(preset, kv_heads: int) -> dict:
     dims, _, batches, context, new_tokens, repeats, device, dtype = preset
     model = build(dims, kv_heads, context, new_tokens, device, dtype)
-    grid = SpeedGrid(batches=batches, contexts=(context,), new_tokens=new_tokens, repeats=repeats)
+    grid = SpeedGrid(batches=batches, contexts=(context,), new_tokens=new_tokens, repeats=repeats, seconds=0.0)
     out = {
         "kv_heads": kv_heads,
         "params": sum(p.numel() for p in model.parameters()),

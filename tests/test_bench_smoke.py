@@ -110,3 +110,15 @@ def test_calibrated_uptrain_smoke_rows(tmp_path):
         assert [t for t, _ in row["curve"]] == [0, 64, 128, 192]  # eval at start and after every step
     assert rows["mean"]["tokens_to_mean_final"] == 192
     assert len(table_rows(out, "2")) == 2
+
+
+def test_eval_speed_noise_smoke():
+    out = run_smoke("eval_speed_noise.py")
+    parent, gqa, pair = table_rows(out, "1")
+    assert parent[1] == "parent" and gqa[1] == "gqa2" and pair[1] == "gqa2 / parent"
+    for row in (parent, gqa):
+        cells = re.match(r"([\d.,]+) \(([\d.,]+)-([\d.,]+)\)", row[2]).groups()
+        median, low, high = (float(c.replace(",", "")) for c in cells)
+        assert 0 < low <= median <= high and int(row[3]) >= 3 and float(row[4]) > 0
+    assert pair[6] in ("noise", "faster", "slower") and re.match(r"[\d.]+x \([\d.]+-[\d.]+\)", pair[5])
+    assert "load average" in out

@@ -112,10 +112,9 @@ def summary(result: dict) -> str:
     if result["attention_maps"]:
         lines.append(f"  attention maps: {result['attention_maps']['png']}")
     for task, section in ((result["lm_eval"] or {}).get("tasks") or {}).items():
-        shown = ", ".join(
-            f"{name} {m['value']:.4g}" + (f" ± {m['stderr']:.2g}" if m["stderr"] is not None else "")
-            for name, m in section["metrics"].items()
-        )
+        from mha2gqa.eval.metrics import lm_eval_brief
+
+        shown = ", ".join(f"{name} {lm_eval_brief(name, m)}" for name, m in section["metrics"].items())
         lines.append(f"  {task} ({section['samples']} examples): {shown}")
     return "\n".join(lines)
 
