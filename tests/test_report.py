@@ -123,19 +123,20 @@ def test_report_writes_every_output_with_expected_rows_and_numbers(three, tmp_pa
     assert not re.search(r"(src|href)=['\"](?!data:)", page)
 
 
+# An uptrain metrics.jsonl: an eval before the first step (loss null), a train-only line, train and eval.
+METRICS_LINES = "".join(
+    json.dumps(m) + "\n"
+    for m in [
+        {"step": 0, "loss": None, "eval_loss": 3.0, "eval_ppl": 20.0},
+        {"step": 10, "loss": 2.8},
+        {"step": 20, "loss": 2.5, "eval_loss": 2.6, "eval_ppl": 13.5},
+    ]
+)
+
+
 def test_baseline_by_label_and_training_curve(three, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text(
-        "\n".join(
-            json.dumps(m)
-            for m in [
-                {"step": 0, "loss": None, "eval_loss": 3.0, "eval_ppl": 20.0},
-                {"step": 10, "loss": 2.8},
-                {"step": 20, "loss": 2.5, "eval_loss": 2.6, "eval_ppl": 13.5},
-            ]
-        )
-        + "\n"
-    )
+    metrics.write_text(METRICS_LINES)
     written = write_report(three, tmp_path / "rep", baseline="gqa2", metrics=metrics)
     assert written["training_curve"].read_bytes()[:8] == PNG_MAGIC
     rows = json.loads(written["json"].read_text())["rows"]
@@ -341,16 +342,7 @@ def test_a_new_metric_is_one_registry_entry(three, tmp_path, monkeypatch):
 def test_training_curve_keeps_the_train_objective_apart_from_the_held_out_loss(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.jsonl").write_text(
-        "\n".join(
-            json.dumps(m)
-            for m in [
-                {"step": 0, "loss": None, "eval_loss": 3.0, "eval_ppl": 20.0},
-                {"step": 10, "loss": 2.8},
-                {"step": 20, "loss": 2.5, "eval_loss": 2.6, "eval_ppl": 13.5},
-            ]
-        )
-    )
+    (run / "metrics.jsonl").write_text(METRICS_LINES)
     assert plots.training_objective(run / "metrics.jsonl").startswith("train loss (LM loss, mixed with KL")
     distill = {"teacher": "/m/parent", "kl_weight": 0.25, "temperature": 2.0}
     (run / "mha2gqa.json").write_text(json.dumps(lineage_of(MEAN2, stage("uptrain", recipe={"distill": distill}))))

@@ -3,9 +3,10 @@ computed, where it sits in a result file, its report column and which direction 
 
 A metric `mha2gqa eval` measures reads its value from the result at `field`; a derived one is
 computed from the table (`derive`: the baseline, the lineage pairs, the speed point, the columns
-before it). compare.py fills report.json's rows from this list, render.py draws the columns and
-report.json carries it as a legend; the demo's summary and the model card name entries of it. A new
-metric is one entry here plus the function that writes its field (eval/run.py).
+before it). compare.py fills report.json's rows from this list (the demo's summary reads them by these
+names), render.py draws the columns, report.json carries the list as its legend, and the eval summary
+and the model card print lm-eval numbers with lm_eval_brief. A new metric is one entry here plus the
+function that writes its field (eval/run.py).
 """
 
 from __future__ import annotations
@@ -104,13 +105,18 @@ def speed_at(result: dict, point: tuple[int, int] | None) -> dict | None:
     return next((p for p in schema.speed_points(result) if point and (p["batch"], p["context"]) == point), None)
 
 
+def repeat_seconds(p: dict) -> list[float]:
+    """The decode seconds of a point's timed repeats (every result since the first keeps them)."""
+    return [s for s in p.get("decode_s") or [] if isinstance(s, (int, float)) and s > 0]
+
+
 def tokens_per_s_iqr(p: dict) -> tuple[float, float] | None:
     """The interquartile range of a point's tokens/s over its timed repeats: stored by eval since the
     spread was recorded, computed from the repeats' decode seconds for older results."""
     if p.get("tokens_per_s_iqr"):
         low, high = p["tokens_per_s_iqr"]
         return low, high
-    seconds = [s for s in p.get("decode_s") or [] if isinstance(s, (int, float)) and s > 0]
+    seconds = repeat_seconds(p)
     if not seconds:
         return None
     fast, _, slow = quartiles(seconds)
@@ -139,7 +145,7 @@ def median_interval(values: list[float]) -> tuple[float, float]:
 
 def _tokens_per_s_interval(t: Table, rows, i):
     p = speed_at(t.results[i], t.speed_point)
-    seconds = [s for s in (p or {}).get("decode_s") or [] if isinstance(s, (int, float)) and s > 0]
+    seconds = repeat_seconds(p or {})
     if not seconds:
         return None
     fast, slow = median_interval(seconds)
@@ -156,7 +162,7 @@ def _speedup_range(t: Table, rows, i):
 
 
 def _speedup_noisy(t: Table, rows, i):
-    """A speed-up whose range holds 1: its spread is larger than the effect, so none is claimed."""
+    """A speed-up whose range holds 1 is smaller than its uncertainty: none is claimed."""
     span = rows[i]["speedup_range"]
     return None if span is None else span[0] <= 1.0 <= span[1]
 
