@@ -16,7 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from mha2gqa import __version__, provenance
+from mha2gqa import provenance
+from mha2gqa.version import __version__
 
 CARD = "README.md"
 SOURCE_CARD = "SOURCE_README.md"

@@ -31,7 +31,7 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mha2gqa import __version__
+from mha2gqa.version import __version__
 from mha2gqa.errors import InputError
 
 FILE_NAME = "mha2gqa.json"

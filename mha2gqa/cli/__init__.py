@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import click
 
-from mha2gqa import __version__
+from mha2gqa.version import __version__
 from mha2gqa.errors import InputError, Interrupted, WeightWarning, is_user_fault, signals_as_interrupts, user_file_error
 
 
