@@ -7,6 +7,7 @@ Persuasion is held out: the tokenizer and the model never saw it, so it measures
 
 from __future__ import annotations
 
+import difflib
 import gzip
 import os
 from pathlib import Path
@@ -43,10 +44,21 @@ def heldout_path() -> Path:
     return novel_path(HELDOUT_NOVEL)
 
 
-def expand_corpus_name(spec):
+def expand_corpus_name(spec, flag: str = "--calibration"):
     """The five training novels' paths for CORPUS_NAME; anything else unchanged. Commands call this on
-    the text a user names, so the readers (mha2gqa.textdata) only ever see files."""
-    return [str(p) for p in train_paths()] if spec == CORPUS_NAME else spec
+    the text a user names, so the readers (mha2gqa.textdata) only ever see files. A name that is no
+    local path and is one typo away from CORPUS_NAME (austin, austen.) is refused here, with the fix,
+    rather than looked up on the hub as a dataset."""
+    if spec == CORPUS_NAME:
+        return [str(p) for p in train_paths()]
+    if isinstance(spec, str) and not Path(spec).expanduser().exists() and _near(spec, CORPUS_NAME):
+        raise InputError(f"{flag} {spec}: no such file or folder; did you mean {CORPUS_NAME} (the embedded novels)?")
+    return spec
+
+
+def _near(name: str, known: str) -> bool:
+    """One edit or a swap away (case ignored), the typos worth a "did you mean"."""
+    return name != known and difflib.SequenceMatcher(None, name.lower(), known).ratio() >= 0.8
 
 
 def read_novel(name: str) -> str:

@@ -57,6 +57,13 @@ _USER_FAULTS = {
 }
 
 
+def first_line(err: BaseException | str, limit: int | None = None, default: str = "") -> str:
+    """The first line of an error's message (libraries' messages often run to many lines), at most `limit`
+    characters; `default` when the message is empty."""
+    text = str(err).strip()
+    return text.splitlines()[0][:limit] if text else default
+
+
 def is_user_fault(err: BaseException) -> bool:
     """True for an OSError that the user's files or machine cause (see _USER_FAULTS)."""
     return isinstance(err, OSError) and err.errno in _USER_FAULTS

@@ -93,10 +93,20 @@ class AttentionShape:
     def kv_bytes_per_token(self, kv_heads: int | None = None, dtype_bytes: int | None = None) -> int:
         """K and V for every layer: 2 * layers * kv_heads * head_dim * bytes."""
         n_kv = self.kv_heads if kv_heads is None else kv_heads
-        return 2 * self.layers * n_kv * self.head_dim * (dtype_bytes or DTYPE_BYTES[self.dtype])
+        return kv_cache_bytes(self.layers, n_kv, self.head_dim, dtype_bytes or DTYPE_BYTES[self.dtype])
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1}
+
+
+def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """K and V of every layer for one token."""
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def config_dtype(config: dict) -> str:
+    """The weights' dtype a config.json names (`dtype`, formerly `torch_dtype`), float32 when it names none."""
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32").replace("torch.", "")
 
 
 # Counts the attention geometry is computed from: positive integers when present; the first three
@@ -165,7 +175,7 @@ def attention_shape(config: dict) -> AttentionShape:
             f"config has num_attention_heads={heads} not divisible by num_key_value_heads={kv_heads}: "
             "the source checkpoint is inconsistent"
         )
-    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").replace("torch.", "")
+    dtype = config_dtype(config)
     return AttentionShape(
         model_type=config["model_type"],
         layers=layers,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import read_config
 from mha2gqa.sources import PICKLE_SUFFIXES
 
@@ -54,7 +54,7 @@ def load_causal_lm(model_dir: Path, what: str = "model", progress: bool = True, 
                 **kwargs,
             )
     except (OSError, SafetensorError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err, default=type(err).__name__)
         raise InputError(
             f"{what} {model_dir}: its weights could not be read ({first}): re-download or re-save the checkpoint"
         ) from err
@@ -78,7 +78,7 @@ def loading_problems(info: dict) -> list[str]:
     if wrong:
         shown = [f"{key} is {list(found)} not {list(expected)}" for key, found, expected in wrong]
         problems.append(f"wrong shape: {_some(shown)}")
-    errors = [str(e).splitlines()[0] for e in info.get("error_msgs") or () if str(e).strip()]
+    errors = [first_line(e) for e in info.get("error_msgs") or () if str(e).strip()]
     if errors:
         problems.append(f"errors: {_some(errors)}")
     return problems

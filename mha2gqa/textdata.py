@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, first_line
 from mha2gqa.sources import hub_offline
 
 # File suffix -> format; the format is also the name of the `datasets` builder that reads it.
@@ -340,7 +340,7 @@ def _hub_dataset(source: TextSource, config: str | None, split: str, streaming: 
     try:
         return datasets.load_dataset(source.hub, config, split=split, streaming=streaming)
     except Exception as err:  # missing dataset/config/split, network, auth: all the user's to fix
-        first = str(err).splitlines()[0] if str(err) else ""
+        first = first_line(err)
         raise InputError(
             f"{source.key} {source.hub} (config {config}, split {split}) could not be loaded "
             f"({type(err).__name__}: {first}): check the name, config and split, or pass local files"
@@ -404,7 +404,7 @@ def dataset_texts(ds, field: str, key: str, field_key: str = "text field") -> It
         except (UnicodeDecodeError, pa.ArrowException, ValueError) as err:
             raise InputError(
                 f"{key}: a file could not be read while streaming ({type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}): check that each file is valid"
+                f"{first_line(err)}): check that each file is valid"
             ) from err
         if field not in row:  # streams may not know their columns before the first row
             raise InputError(f"{field_key}={field!r} is not a column of the data in {key} (columns: {', '.join(row)})")
@@ -429,5 +429,4 @@ def check_file(key: str, path: Path, field: str = "text", field_key: str | None 
 def _cause(err: BaseException) -> str:
     while err.__cause__ is not None or err.__context__ is not None:
         err = err.__cause__ or err.__context__
-    text = str(err).splitlines()[0] if str(err) else ""
-    return f"{type(err).__name__}: {text}"[:200]
+    return f"{type(err).__name__}: {first_line(err)}"[:200]

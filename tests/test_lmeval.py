@@ -145,3 +145,76 @@ def test_unknown_task_is_refused_before_loading(tiny):
         evaluate(tiny, lm_eval_tasks=["not_a_task"], speed_preset=None, progress=False)
     with pytest.raises(InputError, match="--lm-eval-limit 0 must be at least 1"):
         evaluate(tiny, lm_eval_tasks=["persuasion_cloze"], lm_eval_limit=0, speed_preset=None, progress=False)
+
+
+def _hub_task_index(tmp_path):
+    """A TaskManager over two tasks that read hub datasets (as hellaswag does), a group and a tag of them,
+    and one task on local json files: the data check sees exactly the two hub repos."""
+    from lm_eval.tasks import TaskManager
+
+    common = "output_type: loglikelihood\ntest_split: test\ndoc_to_text: '{{text}}'\ndoc_to_target: ' x'\n"
+    (tmp_path / "a.yaml").write_text(f"task: hub_a\ntag: [both_hub]\ndataset_path: someorg/data-a\n{common}")
+    (tmp_path / "b.yaml").write_text(f"task: hub_b\ntag: [both_hub]\ndataset_path: data-b\ndataset_name: cfg\n{common}")
+    (tmp_path / "c.yaml").write_text(
+        f"task: local_c\ndataset_path: json\ndataset_kwargs:\n  data_files: x.jsonl\n{common}"
+    )
+    (tmp_path / "g.yaml").write_text("group: hub_group\ntask: [hub_a, local_c]\n")
+    return TaskManager(include_path=str(tmp_path), include_defaults=False)
+
+
+def test_hub_datasets_of_tasks_groups_and_tags(tmp_path):
+    from mha2gqa.eval.lmeval import hub_datasets
+
+    manager = _hub_task_index(tmp_path)
+    assert hub_datasets(manager, ["hub_group"]) == {"someorg/data-a": "hub_a"}
+    assert set(hub_datasets(manager, ["both_hub", "local_c"])) == {"someorg/data-a", "data-b"}
+
+
+def test_uncached_task_data_offline_is_one_line_before_the_run(tmp_path, monkeypatch):
+    from mha2gqa.eval.lmeval import check_task_data
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(InputError) as err:
+        check_task_data(_hub_task_index(tmp_path), ["both_hub"])
+    assert str(err.value).startswith(
+        "--lm-eval-tasks: the data of hub_a (someorg/data-a), hub_b (data-b) is not in the local cache"
+    )
+
+
+def test_unreachable_hub_for_task_data_is_one_bounded_try(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from mha2gqa.eval.lmeval import check_task_data
+    from mha2gqa.sources import HUB_TIMEOUT_S
+
+    asked = []
+
+    def unreachable(self, repo, timeout=None, **kwargs):
+        asked.append((repo, timeout))
+        raise ConnectionError("no route")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    with pytest.raises(InputError, match=r"hub_a: its data someorg/data-a is not cached here and the hub did not"):
+        check_task_data(_hub_task_index(tmp_path), ["hub_group"])
+    assert asked == [("someorg/data-a", HUB_TIMEOUT_S)]
+
+
+def test_hellaswag_offline_is_refused_in_one_line_before_loading(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(
+        main,
+        ["eval", str(tiny), "--data", str(embedded.heldout_path())]
+        + ["--lm-eval-tasks", "hellaswag", "--out", str(out)],
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        "Error: --lm-eval-tasks: the data of hellaswag (Rowan/hellaswag) is not in the local cache and the hub is "
+        "offline (HF_HUB_OFFLINE=1): run once online to cache it, or use an offline task "
+        "(persuasion_cloze, persuasion_next_sentence)"
+    ]
+    assert not out.exists()

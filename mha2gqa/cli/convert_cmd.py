@@ -6,7 +6,7 @@ import json
 
 import click
 
-from mha2gqa.cli.format import human_bytes, human_count, table
+from mha2gqa.cli.format import human_count, table
 from mha2gqa.convert.options import (
     DEFAULT_CALIBRATION_TOKENS,
     DEFAULT_REFINE_LR,
@@ -18,6 +18,7 @@ from mha2gqa.convert.options import (
     RefineOptions,
 )
 from mha2gqa.docfields import choice_docs, option_help
+from mha2gqa.units import format_bytes
 
 
 def _help(field: str, choices: dict[str, str] | None = None, cls=ConvertOptions) -> str:
@@ -124,8 +125,8 @@ def convert(
     saving = plan.shape.kv_heads / plan.groups
     verb = "would write" if dry_run else "wrote"
     click.echo(
-        f"{verb} {dst}: {len(plan.output_tensors())} tensors, {human_bytes(plan.bytes_out)} "
-        f"(from {human_bytes(plan.bytes_in)}); kv heads {plan.shape.kv_heads} -> {plan.groups} by {plan.method}, "
+        f"{verb} {dst}: {len(plan.output_tensors())} tensors, {format_bytes(plan.bytes_out)} "
+        f"(from {format_bytes(plan.bytes_in)}); kv heads {plan.shape.kv_heads} -> {plan.groups} by {plan.method}, "
         f"KV cache {saving:g}x smaller"
     )
 
@@ -184,9 +185,9 @@ def inspect(src, context, batch, as_json):
         [
             str(t["kv_heads"]) + (" (now)" if t["kv_heads"] == info["kv_heads"] else ""),
             str(t["queries_per_kv_head"]),
-            human_bytes(t["kv_bytes_per_token"]),
-            human_bytes(t["kv_bytes_per_sequence"]),
-            human_bytes(t["kv_bytes_per_batch"]),
+            format_bytes(t["kv_bytes_per_token"]),
+            format_bytes(t["kv_bytes_per_sequence"]),
+            format_bytes(t["kv_bytes_per_batch"]),
             f"{t['saving']:g}x",
             human_count(t["parameters"]),
         ]

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from mha2gqa.cli.format import human_bytes, table
+from mha2gqa.cli.format import table
+from mha2gqa.units import format_bytes
 
 # How each column of mha2gqa.demo.summary_rows prints (the label first, "bytes" as KiB/MiB).
 _SPECS = ["", ".2f", ".4f", ".3f", "bytes", ".2f"]
@@ -15,7 +16,7 @@ _SPECS = ["", ".2f", ".4f", ".3f", "bytes", ".2f"]
 def _cell(value, spec: str) -> str:
     if not isinstance(value, (int, float, str)) or (spec == "bytes" and not value):
         return "-"
-    return human_bytes(value) if spec == "bytes" else format(value, spec)
+    return format_bytes(value) if spec == "bytes" else format(value, spec)
 
 
 def _summary(report_json: Path) -> str:

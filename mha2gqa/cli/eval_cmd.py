@@ -6,9 +6,9 @@ import json
 
 import click
 
-from mha2gqa.cli.format import human_bytes
 from mha2gqa.docfields import choice_docs, option_help
 from mha2gqa.eval.options import EvalOptions, SpeedPreset
+from mha2gqa.units import format_bytes
 
 
 def _help(field: str, choices: dict[str, str] | None = None) -> str:
@@ -102,13 +102,13 @@ def summary(result: dict) -> str:
         )
     kv = result["kv_cache"]
     lines.append(
-        f"  KV cache {human_bytes(kv['measured_bytes_per_token'])}/token measured, "
-        f"{human_bytes(kv['formula_bytes_per_token'])} by formula: {'match' if kv['match'] else 'MISMATCH'}"
+        f"  KV cache {format_bytes(kv['measured_bytes_per_token'])}/token measured, "
+        f"{format_bytes(kv['formula_bytes_per_token'])} by formula: {'match' if kv['match'] else 'MISMATCH'}"
     )
     for p in (result["speed"] or {}).get("points", []):
         lines.append(
             f"  decode B={p['batch']} T={p['context']}: {p['tokens_per_s']:,.1f} tok/s, "
-            f"peak {human_bytes(p['peak_memory_bytes'])} ({p['peak_memory_kind']})"
+            f"peak {format_bytes(p['peak_memory_bytes'])} ({p['peak_memory_kind']})"
         )
     if result["attention_maps"]:
         lines.append(f"  attention maps: {result['attention_maps']['png']}")

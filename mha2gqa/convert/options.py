@@ -8,10 +8,10 @@ Method.MEAN compare equal, hash alike and serialise to the same JSON.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from enum import Enum
+from dataclasses import dataclass
 
 from mha2gqa.errors import InputError
+from mha2gqa.typed import StrEnum, check_keywords
 
 DEFAULT_CALIBRATION_TOKENS = 131072
 DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held at once
@@ -21,21 +21,7 @@ DEFAULT_REFINE_MEMORY = 4 << 30
 REFINE_TOKENS_PER_HIDDEN = 64  # default --refine-tokens per unit of hidden size (docs/refine.md)
 
 
-class _StrEnum(str, Enum):
-    """A str whose str() and format() are its value (enum.StrEnum is Python 3.11+)."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
-
-    @classmethod
-    def parse(cls, value: str, flag: str) -> _StrEnum:
-        try:
-            return cls(value)
-        except ValueError:
-            raise InputError(f"{flag} {value!r} is unknown (valid: {', '.join(m.value for m in cls)})") from None
-
-
-class Method(_StrEnum):
+class Method(StrEnum):
     """How each group's kv heads become one (tensor functions in methods.py)."""
 
     MEAN = "mean"
@@ -68,7 +54,7 @@ METHOD_SUMMARIES = {
 }
 
 
-class Grouping(_StrEnum):
+class Grouping(StrEnum):
     """Which kv heads share a group."""
 
     CONTIGUOUS = "contiguous"
@@ -89,7 +75,8 @@ class RefineOptions:
     """Peak Adam learning rate for --refine (cosine-decayed to 0)."""
     memory: int = DEFAULT_REFINE_MEMORY
     """Most memory for one layer's activations during --refine (4 x tokens x hidden float32), a size such as
-    4GiB (in Python: bytes); beyond it they are memory-mapped files under $TMPDIR."""
+    4GiB (in Python: bytes); beyond it they are memory-mapped files inside DST's partial folder (their room
+    is checked and reserved before the run, and a killed run's are removed with its other debris)."""
     tokens: int | None = None
     """Calibration tokens --refine fits and checks on, in whole sequences spread evenly over the calibration
     tokens (all of them when fewer). Unset: 64 x the model's hidden size (the o_proj solve has that many
@@ -166,10 +153,7 @@ class ConvertOptions:
     def from_kwargs(cls, groups: int | None, kwargs: dict) -> ConvertOptions:
         """The options of `convert(src, dst, groups, **kwargs)`; an unknown keyword is a TypeError, as it was
         when these were convert's own parameters."""
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise TypeError(f"convert() got an unexpected keyword argument {unknown[0]!r}")
+        check_keywords(cls, kwargs, "convert")
         if groups is None and "groups" not in kwargs:
             raise TypeError("convert() missing 1 required argument: 'groups'")
         return cls(**({"groups": groups} if groups is not None else {}), **kwargs)

@@ -11,6 +11,7 @@ here, before DST, its lock or any statistics exist.
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +33,8 @@ from mha2gqa.layouts import (
     layout_for,
     read_config,
 )
-from mha2gqa.sizes import parse_size
 from mha2gqa.sources import PICKLE_SUFFIXES, resolve_model_dir
+from mha2gqa.units import format_bytes
 
 OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
 NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME}  # written anew, not copied from SRC
@@ -138,9 +139,9 @@ class ConversionPlan:
         """The stages and estimates, one line each, for --dry-run."""
         lines = [f"stage {i}: {s.name}: {s.detail}" for i, s in enumerate(self.stages, 1)]
         lines.append(
-            f"estimates: {_human(self.bytes_written)} written to DST"
-            + (f" (+ {_human(self.scratch_bytes)} of scratch files inside it while running)" if self.scratch_bytes else "")
-            + f"; peak memory about {_human(self.peak_memory)}"
+            f"estimates: {format_bytes(self.bytes_written)} written to DST"
+            + (f" (+ {format_bytes(self.scratch_bytes)} of scratch files inside it while running)" if self.scratch_bytes else "")
+            + f"; peak memory about {format_bytes(self.peak_memory)}"
         )
         return lines
 
@@ -232,6 +233,21 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
     return plan
 
 
+def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
+    """'5GB' (10^9), '500MiB' (2^20) or plain bytes, as transformers reads --max-shard-size.
+    `flag` is the option the size came from, for the message."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        text = str(text)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise InputError(f"{flag} {text!r} is not a size: use e.g. 5GB, 500MB or 2GiB")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}.get(unit) or 2 ** (10 * "KMGT".index(unit[0]) + 10)
+    if number * scale < 1:
+        raise InputError(f"{flag} {text!r} must be positive")
+    return int(number * scale)
+
+
 def block_length(config: dict) -> int:
     """Tokens per calibration block: 512, or the model's context when shorter (calibration and refine)."""
     context = config.get("max_position_embeddings")
@@ -282,7 +298,7 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> No
                 "calibrate",
                 f"up to {calibration_tokens:,} tokens of {_data_words(options.calibration)} through SRC "
                 f"({passes} pass{'es' if passes > 1 else ''}), statistics of {shape.layers} layers "
-                f"({_human(stats_bytes)} on disk)",
+                f"({format_bytes(stats_bytes)} on disk)",
             )
         )
         plan.scratch_bytes += stats_bytes
@@ -311,7 +327,7 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> No
                 f"{shape.layers} layers x {refine.steps} Adam steps (lr {refine.lr:g}, {refine.batch_blocks} blocks "
                 f"a step){', then the o_proj solve' if refine.solve_output else ''}; up to {(blocks - held) * seq_len:,} "
                 f"fit and {held * seq_len:,} held-out tokens in blocks of {seq_len}; activations "
-                f"{_human(buffer_bytes)} {where}",
+                f"{format_bytes(buffer_bytes)} {where}",
             )
         )
         stages.append(Stage("write", f"{len(tensors.output_tensors())} tensors streamed into DST, refined attention included"))
@@ -329,13 +345,6 @@ def _data_words(data) -> str:
     if isinstance(data, (list, tuple)):
         return f"{len(data)} files" if len(data) != 1 else str(data[0])
     return "the embedded novels" if data == CORPUS_NAME else str(data)
-
-
-def _human(n: int) -> str:
-    for div, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{n} B"
 
 
 def _check_not_quantized(src: Path, config: dict) -> None:

@@ -39,7 +39,85 @@ def task_manager(tasks: list[str]):
             f"--lm-eval-tasks {','.join(unknown)}: not an lm-eval task (offline ones: {listed}; "
             "hub tasks such as hellaswag need `lm_eval --tasks list` names)"
         )
+    if needs_hub:
+        check_task_data(manager, [t for t in tasks if t not in OFFLINE_TASKS])
     return manager
+
+
+def hub_datasets(manager, names: list[str]) -> dict[str, str]:
+    """{hub dataset repo: the task that reads it} for `names` (tasks, groups and tags, expanded as lm-eval
+    does), from the task YAMLs already indexed: nothing is downloaded. Tasks with a custom or local
+    loader (json/csv/text files, our offline ones) read no hub dataset and are left out."""
+    from lm_eval.tasks._index import Kind
+
+    found: dict[str, str] = {}
+    todo, seen = list(names), set()
+    while todo:
+        name = todo.pop(0)  # breadth first, in the order asked: the message lists tasks as typed
+        entry = manager.task_index.get(name) if isinstance(name, str) else None
+        if entry is None or name in seen:
+            continue
+        seen.add(name)
+        cfg = entry.cfg or {}
+        if entry.kind == Kind.TAG:
+            todo += sorted(entry.tags)
+        elif entry.kind == Kind.GROUP:
+            children = cfg.get("task") or []
+            todo += [c if isinstance(c, str) else c.get("task") for c in children]
+        path = cfg.get("dataset_path")
+        if entry.kind == Kind.TASK and path and not cfg.get("custom_dataset") and _is_hub_dataset(path):
+            found.setdefault(path, name)
+    return found
+
+
+def _is_hub_dataset(path: str) -> bool:
+    from mha2gqa.sources import is_hub_id
+
+    return path not in _LOCAL_BUILDERS and not Path(path).expanduser().exists() and is_hub_id(path)
+
+
+# datasets' packaged builders read local files named in dataset_kwargs, not a hub repo.
+_LOCAL_BUILDERS = {"json", "csv", "text", "parquet", "arrow", "pandas", "webdataset", "imagefolder"}
+
+
+def check_task_data(manager, names: list[str]) -> None:
+    """Before the run: every hub dataset the tasks read is in the local cache or, when online, answers one
+    bounded request; otherwise one line naming the task, the dataset and the fix (not lm-eval's retries
+    and traceback in the middle of an evaluation)."""
+    from huggingface_hub import snapshot_download
+
+    from mha2gqa.sources import HUB_TIMEOUT_S, hub_offline
+
+    missing = {}
+    for repo, task in hub_datasets(manager, names).items():
+        try:
+            snapshot_download(repo, repo_type="dataset", local_files_only=True)
+            continue
+        except Exception:  # not cached (LocalEntryNotFoundError and kin): ask the hub below, or say so
+            pass
+        if hub_offline() or _datasets_offline():
+            missing[repo] = task
+            continue
+        from huggingface_hub import HfApi
+
+        try:
+            HfApi().dataset_info(repo, timeout=HUB_TIMEOUT_S)
+        except Exception as err:  # unreachable, unknown or gated: all the user's to fix
+            raise InputError(
+                f"--lm-eval-tasks {task}: its data {repo} is not cached here and the hub did not answer "
+                f"({type(err).__name__}, one try, {HUB_TIMEOUT_S} s timeout): check your network and HF_TOKEN, "
+                f"or use an offline task ({', '.join(OFFLINE_TASKS)})"
+            ) from None
+    if missing:
+        named = ", ".join(f"{task} ({repo})" for repo, task in missing.items())
+        raise InputError(
+            f"--lm-eval-tasks: the data of {named} is not in the local cache and the hub is offline "
+            f"(HF_HUB_OFFLINE=1): run once online to cache it, or use an offline task ({', '.join(OFFLINE_TASKS)})"
+        )
+
+
+def _datasets_offline() -> bool:
+    return os.environ.get("HF_DATASETS_OFFLINE", "0").upper() in {"1", "ON", "YES", "TRUE"}
 
 
 def run_lm_eval(

@@ -8,15 +8,13 @@ is loaded (eval/run.py), with the flag named in each message.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from enum import Enum
+from dataclasses import dataclass
+
+from mha2gqa.typed import StrEnum, check_keywords
 
 
-class SpeedPreset(str, Enum):
+class SpeedPreset(StrEnum):
     """The decode-speed grid (eval/speed.py PRESETS); str() and format() are the value."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
 
     AUTO = "auto"
     """gpu on CUDA, else cpu."""
@@ -107,7 +105,5 @@ class EvalOptions:
     def from_kwargs(cls, kwargs: dict) -> EvalOptions:
         """The options of `evaluate(model, **kwargs)`; an unknown keyword is a TypeError, as it was when these
         were evaluate's own parameters."""
-        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
-        if unknown:
-            raise TypeError(f"evaluate() got an unexpected keyword argument {unknown[0]!r}")
+        check_keywords(cls, kwargs, "evaluate")
         return cls(**kwargs)

@@ -13,19 +13,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from mha2gqa.errors import InputError  # noqa: E402
+from mha2gqa.units import byte_unit  # noqa: E402
 
 ROLE_COLORS = {"parent": "#1f77b4", "converted": "#d62728", "uptrained": "#2ca02c"}
 ROLE_MARKERS = {"parent": "o", "converted": "s", "uptrained": "^"}
 DPI = 120
 
 
-def byte_unit(values: list[float]) -> tuple[float, str]:
+def _axis_unit(values: list[float]) -> tuple[float, str]:
     """A divisor and unit that keep the largest value between 1 and 1024."""
-    top = max(values)
-    for div, unit in ((2**20, "MiB"), (2**10, "KiB")):
-        if top >= div:
-            return div, unit
-    return 1, "bytes"
+    div, unit = byte_unit(max(values), largest="MiB")
+    return div, "bytes" if div == 1 else unit
 
 
 def _save(fig, out: Path) -> Path:
@@ -40,7 +38,7 @@ def quality_vs_kv(rows: list[dict], out: Path) -> Path | None:
     pts = [r for r in rows if r["perplexity"] is not None and r["kv_bytes_per_token"] is not None]
     if not pts:
         return None
-    div, unit = byte_unit([r["kv_bytes_per_token"] for r in pts])
+    div, unit = _axis_unit([r["kv_bytes_per_token"] for r in pts])
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     stacked: dict[tuple, int] = {}  # labels of points at the same place go one above the other
     for r in pts:

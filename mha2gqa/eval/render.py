@@ -6,6 +6,8 @@ import base64
 import html
 from pathlib import Path
 
+from mha2gqa.units import format_bytes
+
 DASH = "—"
 
 
@@ -14,10 +16,7 @@ def _num(x, fmt):
 
 
 def fmt_bytes(n: float) -> str:
-    for div, unit in ((2**20, "MiB"), (2**10, "KiB")):
-        if n >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{n:.0f} B"
+    return format_bytes(n, digits=1, largest="MiB")
 
 
 def _fmt_ppl(x):

@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from mha2gqa.errors import InputError, is_user_fault, user_file_error
+from mha2gqa.errors import InputError, first_line, is_user_fault, user_file_error
 from mha2gqa.uptrain.recipe import RESUME_FREE_KEYS, Recipe
 
 CHECKPOINTS = "checkpoints"
@@ -216,7 +216,7 @@ def load_newest_loadable(accelerator, out: Path) -> Path:
             accelerator.load_state(str(ckpt))
             return ckpt
         except Exception as err:  # noqa: BLE001 - whatever a damaged file raises (safetensors, pickle, torch)
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            reason = first_line(err, default=type(err).__name__)
             if accelerator.is_main_process:  # no longer "finished": resume and pruning skip it from now on
                 (ckpt / PROGRESS).replace(ckpt / DAMAGED)
             accelerator.print(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import layout_for
 
 
@@ -76,7 +76,7 @@ def add_adapters(model, lora):
     except ValueError as err:  # peft: "Target modules {...} not found in the base model"
         raise InputError(
             f"lora.target_modules={sorted(config.target_modules)} do not name modules of this "
-            f"{model.config.model_type} model ({str(err).splitlines()[0][:160]})"
+            f"{model.config.model_type} model ({first_line(err, 160)})"
         ) from err
 
 

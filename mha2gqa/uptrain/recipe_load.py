@@ -14,20 +14,17 @@ import dataclasses
 import difflib
 import importlib.util
 import math
-import re
 import types
 import typing
 from pathlib import Path
 
 import yaml
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import read_config
-from mha2gqa.sources import hub_offline
+from mha2gqa.sources import hub_offline, is_hub_id, looks_local, model_ref_problem
 from mha2gqa.textdata import resolve
 from mha2gqa.uptrain.recipe import LoraConfig, Recipe, all_keys
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
 def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
@@ -60,7 +57,7 @@ def _read_yaml(path) -> dict:
             f"recipe {path} is not UTF-8 text (byte {err.start}): pass a YAML recipe (see recipes/*.yaml)"
         ) from err
     except yaml.YAMLError as err:
-        raise InputError(f"recipe {path} is not valid YAML: {str(err).splitlines()[0]}") from err
+        raise InputError(f"recipe {path} is not valid YAML: {first_line(err)}") from err
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -235,22 +232,17 @@ def _check_sources(r: Recipe, p: list[str], check_files: bool) -> None:
 
 def _check_model_ref(key: str, value: str, p: list[str]) -> None:
     path = Path(value).expanduser()
+    if key == "tokenizer" and path.is_dir():
+        return
+    problem = model_ref_problem(value, f"{key}=")
+    if problem:
+        p.append(problem)
+        return
     if path.is_dir():
-        if key == "tokenizer":
-            return
-        if not (path / "config.json").is_file():
-            p.append(f"{key}={value} has no config.json: pass a HF model dir")
-            return
         try:  # a binary or list config.json, or string head counts, fail here and not in transformers
             read_config(path)
         except InputError as err:
             p.append(f"{key}={value}: {err}")
-    elif path.exists():
-        p.append(f"{key}={value} is a file: pass a model directory or a hub id like org/name")
-    elif not _HUB_ID.match(value):
-        p.append(f"{key}={value}: no such directory, and not a hub id like org/name")
-    elif hub_offline():
-        p.append(f"{key}={value} is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)")
 
 
 def _check_config_ref(value: str, p: list[str]) -> None:
@@ -259,7 +251,7 @@ def _check_config_ref(value: str, p: list[str]) -> None:
         return
     if path.is_dir():
         p.append(f"init_from_config={value} holds no config.json")
-    elif value.endswith(".json") or not _HUB_ID.match(value):
+    elif value.endswith(".json") or looks_local(value) or not is_hub_id(value):
         p.append(f"init_from_config={value}: no such file")
     elif hub_offline():
         p.append(f"init_from_config={value} is not local and the hub is offline (HF_HUB_OFFLINE=1)")
