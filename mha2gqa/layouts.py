@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mha2gqa.errors import InputError
-from mha2gqa.generic_layout import config_counts, generic_architecture
 from mha2gqa.generic_layout import check_target as check_generic_target
+from mha2gqa.generic_layout import config_counts, generic_architecture
 from mha2gqa.layout_spec import Layout
-
 
 _STANDARD = Layout()
 LAYOUTS: dict[str, Layout] = {

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import click
 
-from mha2gqa.version import __version__
 from mha2gqa.errors import InputError, Interrupted, WeightWarning, is_user_fault, signals_as_interrupts, user_file_error
+from mha2gqa.version import __version__
 
 
 class _OneLineError(click.ClickException):

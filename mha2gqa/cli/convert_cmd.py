@@ -38,7 +38,7 @@ def _help(field: str, choices: dict[str, str] | None = None, cls=ConvertOptions)
 @click.option("--force", is_flag=True, help=_help("force"))
 @click.option("--dry-run", is_flag=True, help=_help("dry_run"))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--calibration", default=None, metavar="DATA", help=_help("calibration"))
+@click.option("--calibration", multiple=True, metavar="DATA", help=_help("calibration"))
 @click.option(
     "--calibration-tokens", default=DEFAULT_CALIBRATION_TOKENS, show_default=True, help=_help("calibration_tokens")
 )
@@ -87,7 +87,6 @@ def convert(
     """
     from mha2gqa.convert.run import convert as run_convert
     from mha2gqa.convert.run import parse_size
-    from mha2gqa.embedded import expand_corpus_name
 
     refine_options = (
         RefineOptions(
@@ -105,7 +104,7 @@ def convert(
         force=force,
         dry_run=dry_run,
         progress=not quiet,
-        calibration=expand_corpus_name(calibration),
+        calibration=(list(calibration) if len(calibration) > 1 else calibration[0]) if calibration else None,
         calibration_tokens=calibration_tokens,
         calibration_memory=calibration_memory,
         grouping=grouping,
@@ -114,9 +113,7 @@ def convert(
     result = run_convert(src, dst, options=options)
     plan = result.plan
     if dry_run:
-        from mha2gqa.checkpoint import SafetensorsCheckpoint
-
-        for line in plan.describe(SafetensorsCheckpoint(result.source).tensors):
+        for line in plan.describe(result.conversion.checkpoint.tensors) + result.conversion.describe():
             click.echo(line)
     if result.layers:
         click.echo(layer_table(result.layers))

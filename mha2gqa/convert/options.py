@@ -129,8 +129,9 @@ class ConvertOptions:
     calibration: str | list[str] | None = None
     """Calibration text for --method calibrated, --grouping similarity, --refine and the per-layer
     reconstruction errors: a .txt/.md/.jsonl/.json/.parquet file (.gz/.bz2/.xz/.zst too), a folder of them,
-    'austen' (the embedded novels) or a hub dataset with a 'text' column (online). Tokenized with SRC's
-    tokenizer. In Python a sweep passes the statistics it gathered once as convert(..., stats=...) instead."""
+    'austen' (the embedded novels) or a hub dataset with a 'text' column (online); repeat the flag for several
+    (in Python: a list). Tokenized with SRC's tokenizer. In Python a sweep passes the statistics it gathered
+    once as convert(..., stats=...) instead."""
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
     """How many calibration tokens to run through SRC (once) to gather statistics."""
     grouping: Grouping | str = Grouping.CONTIGUOUS

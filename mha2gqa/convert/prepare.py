@@ -19,7 +19,7 @@ from pathlib import Path
 from mha2gqa import provenance
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
 from mha2gqa.convert import fast
-from mha2gqa.convert.options import ConvertOptions, Grouping, Method, RefineOptions
+from mha2gqa.convert.options import ConvertOptions, Grouping, RefineOptions
 from mha2gqa.convert.plan import Plan, make_plan
 from mha2gqa.convert.rope import check_calibrated, check_grouping, check_refine_layout
 from mha2gqa.embedded import CORPUS_NAME, expand_corpus_name
@@ -117,7 +117,9 @@ class ConversionPlan:
             words += ["--calibration-tokens", str(o.calibration_tokens)]
         notes = []
         if self.stats is not None:
-            notes.append(f"statistics passed in Python ({self.stats.record.get('tokens')} tokens of {_data_words(self.stats.record.get('data'))})")
+            notes.append(
+                f"statistics passed in Python ({self.stats.record.get('tokens')} tokens of {_data_words(self.stats.record.get('data'))})"
+            )
         if o.refine is not None:
             r, default = o.refine, RefineOptions()
             words += ["--refine", "--refine-steps", str(r.steps), "--refine-lr", repr(r.lr)]
@@ -140,7 +142,11 @@ class ConversionPlan:
         lines = [f"stage {i}: {s.name}: {s.detail}" for i, s in enumerate(self.stages, 1)]
         lines.append(
             f"estimates: {format_bytes(self.bytes_written)} written to DST"
-            + (f" (+ {format_bytes(self.scratch_bytes)} of scratch files inside it while running)" if self.scratch_bytes else "")
+            + (
+                f" (+ {format_bytes(self.scratch_bytes)} of scratch files inside it while running)"
+                if self.scratch_bytes
+                else ""
+            )
             + f"; peak memory about {format_bytes(self.peak_memory)}"
         )
         return lines
@@ -151,6 +157,11 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
     `stats`: calibration.CalibrationStats gathered once by a sweep (then no calibration stage runs).
     Raises InputError for every mistake that can be known before reading a tensor."""
     dtype, method, grouping, refine = options.dtype, options.method, options.grouping, options.refine
+    if options.calibration is not None and not isinstance(options.calibration, (str, Path, list, tuple)):
+        raise TypeError(
+            f"ConvertOptions.calibration is calibration data (a path, a list of paths or a hub dataset name), not "
+            f"{type(options.calibration).__name__}: pass gathered statistics as convert(..., stats=...)"
+        )
     if dtype is not None and dtype not in OUT_DTYPES:
         raise InputError(f"--dtype {dtype!r} is unknown (valid: {', '.join(OUT_DTYPES)})")
     shard_bytes = parse_size(options.max_shard_size)
@@ -184,7 +195,9 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
         not isinstance(options.calibration_tokens, int) or options.calibration_tokens < 1
     ):
         raise InputError(f"--calibration-tokens {options.calibration_tokens} must be at least 1 (e.g. 131072)")
-    calibration_tokens = stats.tokens if stats is not None and options.calibration is None else options.calibration_tokens
+    calibration_tokens = (
+        stats.tokens if stats is not None and options.calibration is None else options.calibration_tokens
+    )
     if refine is not None and calibration_tokens < 2 * seq_len:
         raise InputError(
             f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {calibration_tokens} tokens): "
@@ -216,7 +229,7 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
     torch_reason = fast.request_refusal(options, config, calibrated) or fast.plan_refusal(tensors, checkpoint.tensors)
     plan = ConversionPlan(
         source=source,
-        source_spec=str(src),
+        source_spec=str(source) if Path(str(src)).expanduser().is_dir() else str(src),
         options=options,
         config=config,
         layout=layout,
@@ -242,7 +255,9 @@ def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
     if not match:
         raise InputError(f"{flag} {text!r} is not a size: use e.g. 5GB, 500MB or 2GiB")
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}.get(unit) or 2 ** (10 * "KMGT".index(unit[0]) + 10)
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}.get(unit) or 2 ** (
+        10 * "KMGT".index(unit[0]) + 10
+    )
     if number * scale < 1:
         raise InputError(f"{flag} {text!r} must be positive")
     return int(number * scale)
@@ -287,7 +302,10 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> No
     plan.bytes_written = tensors.bytes_out + copied + (1 << 20)  # 1 MiB for headers and JSON
     params = sum(math.prod(info.shape) for info in plan.checkpoint.tensors.values())
     model_bytes = 4 * params  # the source loaded in float32 on CPU (calibration.load_source_model)
-    layer_bytes = max((sum(plan.checkpoint.tensors[n].nbytes for n in s.sources.values()) for s in tensors.steps if s.is_transform), default=0)
+    layer_bytes = max(
+        (sum(plan.checkpoint.tensors[n].nbytes for n in s.sources.values()) for s in tensors.steps if s.is_transform),
+        default=0,
+    )
     stages, peak = [], 3 * layer_bytes  # the merge: one layer's tensors, their float32 copies, its output
     if plan.gathers_statistics:
         stats_bytes = shape.layers * (shape.hidden + 1) ** 2 * 8
@@ -308,7 +326,9 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> No
         stages.append(Stage("calibrate", f"skipped: statistics passed in ({plan.stats.tokens:,} tokens)"))
     executor = "numpy, no torch" if plan.torch_reason is None else f"torch: {plan.torch_reason}"
     r = shape.kv_heads // options.groups
-    merge = f"{options.method} over groups of {r} kv heads, {options.grouping} grouping, {shape.layers} layers ({executor})"
+    merge = (
+        f"{options.method} over groups of {r} kv heads, {options.grouping} grouping, {shape.layers} layers ({executor})"
+    )
     refine = options.refine
     if refine is None:
         stages.append(Stage("merge", merge + f"; {len(tensors.output_tensors())} tensors streamed into DST"))
@@ -330,7 +350,9 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> No
                 f"{format_bytes(buffer_bytes)} {where}",
             )
         )
-        stages.append(Stage("write", f"{len(tensors.output_tensors())} tensors streamed into DST, refined attention included"))
+        stages.append(
+            Stage("write", f"{len(tensors.output_tensors())} tensors streamed into DST, refined attention included")
+        )
         if spills:
             plan.scratch_bytes += buffer_bytes
         attention = sum(out.nbytes for s in tensors.steps if s.is_transform for out in s.outputs)
