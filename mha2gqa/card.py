@@ -109,7 +109,7 @@ def render(model_dir: Path, source_card: Path | None, name: str) -> str:
     results = eval_results(model_dir)
 
     lines = ["---", *_yaml_lines(conversion, after, source_meta, config), "---", MARKER, "", f"# {name}", ""]
-    lines += _summary(conversion, after, config)
+    lines += _summary(conversion, after, config, evaluated=bool(results))
     if conversion:
         lines += _conversion_section(conversion, config)
     if after:
@@ -123,8 +123,12 @@ def render(model_dir: Path, source_card: Path | None, name: str) -> str:
 
 def _yaml_lines(conversion, after, source_meta, config) -> list[str]:
     base = hub_id(conversion["source"]) if conversion else None
-    tags = ["mha2gqa", "gqa" if config.get("num_key_value_heads", 0) > 1 else "mqa", "grouped-query-attention"]
-    if after:
+    tags = ["mha2gqa"]
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads", heads)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads < heads:  # an MHA model gets no GQA tags
+        tags += ["gqa" if kv_heads > 1 else "mqa", "grouped-query-attention"]
+    if after and conversion:  # uptraining continues a converted model; training from scratch is not it
         tags.append("uptrained")
     meta = {"library_name": "transformers", "pipeline_tag": "text-generation", "tags": tags}
     if base:
@@ -141,7 +145,7 @@ def _yaml_lines(conversion, after, source_meta, config) -> list[str]:
     return out
 
 
-def _summary(conversion, after, config) -> list[str]:
+def _summary(conversion, after, config, evaluated: bool) -> list[str]:
     if not conversion:
         return [
             f"A {config.get('model_type')} model trained by mha2gqa {__version__} "
@@ -154,7 +158,12 @@ def _summary(conversion, after, config) -> list[str]:
         f"{_source_name(conversion)} converted from {src} to {dst} key/value heads ({kind} attention, "
         f"{conversion['heads']} query heads) by mha2gqa {conversion.get('version')}"
     )
-    text += ", then uptrained." if after else "; not trained since (expect a quality loss: see the evaluation)."
+    if after:
+        text += ", then uptrained."
+    elif evaluated:
+        text += "; not trained since (expect a quality loss: see the evaluation below)."
+    else:
+        text += "; not trained since (expect a quality loss: measure it with `mha2gqa eval`, see Reproduce)."
     return [text, ""]
 
 
@@ -208,10 +217,23 @@ def _uptrain_section(stages: list[dict], converted: bool) -> list[str]:
             ("parameters trained", f"{trained}: {s.get('trainable_params', 0):,}"),
             ("data", ", ".join(_data_name(d) for d in (r.get("data") or {}).get("train") or [])),
             ("distillation", f"from {teacher} (KL weight {r['distill'].get('kl_weight')})" if teacher else "no"),
-            ("final held-out perplexity", f"{s['final_eval_ppl']:.2f}" if s.get("final_eval_ppl") else "—"),
+            ("final held-out perplexity", _final_ppl(s, r)),
         ]
         lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
     return lines
+
+
+def _final_ppl(stage: dict, recipe: dict) -> str:
+    """The training run's own last eval, with the tokens it was measured on: they are not those of an
+    `mha2gqa eval` result (its own data and windows), so the two perplexities differ."""
+    if not stage.get("final_eval_ppl"):
+        return "—"
+    data = recipe.get("data") or {}
+    where = _data_name(data["eval"]) if data.get("eval") else "held out of the training data"
+    return (
+        f"{stage['final_eval_ppl']:.2f} (the training run's own check: up to {data.get('eval_blocks', '?')} blocks "
+        f"of {recipe.get('seq_len', '?')} tokens, {where}; an `mha2gqa eval` result is measured on its own tokens)"
+    )
 
 
 def eval_results(model_dir: Path) -> list[tuple[str, dict]]:

@@ -37,7 +37,10 @@ BAD_INPUTS = [
     (["--groups", "3"], "--groups 3 must divide num_key_value_heads=8 (valid: 1, 2, 4)"),
     (["--groups", "8"], "equals the source's num_key_value_heads=8"),
     (["--groups", "0"], "must divide num_key_value_heads=8"),
-    (["--groups", "2", "--method", "median"], "--method 'median' is unknown (valid: mean, first, random"),
+    (
+        ["--groups", "2", "--method", "median"],
+        "'median' is not one of 'mean', 'first', 'random', 'mean-norm', 'calibrated'",
+    ),
     (["--groups", "2", "--dtype", "int8"], "--dtype 'int8' is unknown"),
     (["--groups", "2", "--max-shard-size", "lots"], "--max-shard-size 'lots' is not a size"),
     (["--groups", "two"], "'two' is not a valid integer"),

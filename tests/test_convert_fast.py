@@ -16,7 +16,6 @@ from tiny_models import MODEL_TYPES, make_tiny_tokenizer, save_tiny_model
 
 from mha2gqa.checkpoint import SafetensorsCheckpoint
 from mha2gqa.convert import fast
-from mha2gqa.convert.methods import METHODS
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.plan import make_plan, output_shapes
 from mha2gqa.convert.roles import KV_ROLES, layer_names, pack, unpack

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from mha2gqa.errors import InputError
+from mha2gqa.quiet import LM_EVAL_NOISE, without_datasets_bars, without_log_messages
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 OFFLINE_TASKS = ("persuasion_cloze", "persuasion_next_sentence")
@@ -131,21 +132,23 @@ def run_lm_eval(
     from lm_eval.models.huggingface import HFLM
 
     manager = manager or task_manager(tasks)
-    wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    with without_log_messages(LM_EVAL_NOISE):  # we hand lm-eval our loaded model on purpose, in one process
+        wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     # lm-eval bootstraps perplexity's stderr in a fork()ed multiprocessing pool unless DISABLE_MULTIPROC
     # is set; forking a process that already runs torch's threads can deadlock (seen in the demo), and
     # the in-process path draws the same seeded resamples, so the numbers are identical.
     previous = os.environ.get("DISABLE_MULTIPROC")
     os.environ["DISABLE_MULTIPROC"] = "1"
     try:
-        out = lm_eval.simple_evaluate(
-            model=wrapped,
-            tasks=list(tasks),
-            limit=limit,
-            task_manager=manager,
-            bootstrap_iters=BOOTSTRAP_ITERS,
-            log_samples=False,
-        )
+        with without_log_messages(LM_EVAL_NOISE), without_datasets_bars():
+            out = lm_eval.simple_evaluate(
+                model=wrapped,
+                tasks=list(tasks),
+                limit=limit,
+                task_manager=manager,
+                bootstrap_iters=BOOTSTRAP_ITERS,
+                log_samples=False,
+            )
     finally:
         if previous is None:
             del os.environ["DISABLE_MULTIPROC"]
@@ -185,10 +188,3 @@ def fold_task(raw: dict, higher_is_better: dict, samples: int | None) -> dict:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def metric_value(result: dict, task: str, metric: str) -> float | None:
-    """One number of a result's lm_eval section, or None when that task or metric was not run."""
-    section = ((result.get("lm_eval") or {}).get("tasks") or {}).get(task) or {}
-    found = section.get("metrics", {}).get(metric)
-    return found["value"] if found else None

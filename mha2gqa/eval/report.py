@@ -9,7 +9,7 @@ from pathlib import Path
 from mha2gqa.errors import InputError, user_file_error
 from mha2gqa.eval import plots, render
 from mha2gqa.eval.compare import comparison_rows, pick_baseline
-from mha2gqa.eval.schema import check_writable, load_result
+from mha2gqa.eval.schema import check_writable, load_results
 
 
 def _unique_labels(results: list[dict]) -> None:
@@ -22,7 +22,8 @@ def _unique_labels(results: list[dict]) -> None:
 
 
 def write_report(result_paths, out_dir, baseline: str | None = None, metrics=None) -> dict[str, Path]:
-    """Compare the results in `result_paths` (files written by `mha2gqa eval`).
+    """Compare the results in `result_paths` (files written by `mha2gqa eval`, or a `mha2gqa sweep` sweep.json:
+    its parent and every finished candidate).
 
     baseline: a label or path among them (default: the first). metrics: an uptrain metrics.jsonl
     (or a list of them) to plot as a training curve. Returns {name: path} of every file written:
@@ -34,7 +35,8 @@ def write_report(result_paths, out_dir, baseline: str | None = None, metrics=Non
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--out {out_dir} is a file: pass a directory for the report")
-    results = [load_result(p) for p in paths]
+    loaded = [(p, result) for p in paths for result in load_results(p)]  # a sweep.json holds many results
+    paths, results = [p for p, _ in loaded], [r for _, r in loaded]
     base = pick_baseline(results, paths, baseline)
     metric_paths = [] if metrics is None else [metrics] if isinstance(metrics, (str, Path)) else list(metrics)
     for m in metric_paths:

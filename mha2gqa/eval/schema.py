@@ -27,6 +27,7 @@ from pathlib import Path
 from mha2gqa.errors import InputError, user_file_error
 
 SCHEMA = "mha2gqa.eval/1"
+SWEEP_SCHEMA = "mha2gqa.sweep/1"  # `mha2gqa sweep`'s sweep.json: the parent's and every candidate's result inside
 REQUIRED = ("label", "role", "model", "kv_cache", "env")
 MODEL_REQUIRED = ("kv_heads", "heads", "layers", "head_dim")
 
@@ -134,17 +135,32 @@ def check_writable(out: Path, flag: str = "--out") -> None:
 
 
 def load_result(path: str | os.PathLike) -> dict:
-    path = Path(path)
+    return _checked(_read_json(Path(path)), path)
+
+
+def load_results(path: str | os.PathLike) -> list[dict]:
+    """The results in one file: an eval result, or a sweep.json's parent and finished candidates."""
+    found = _read_json(Path(path))
+    if isinstance(found, dict) and found.get("schema") == SWEEP_SCHEMA:
+        inner = [found.get("parent")] + list(found.get("candidates") or [])
+        return [_checked(part.get("result") if isinstance(part, dict) else None, f"{path} (sweep)") for part in inner]
+    return [_checked(found, path)]
+
+
+def _read_json(path: Path):
     if not path.is_file():
         raise InputError(f"{path}: no such result file (write one with `mha2gqa eval MODEL --out {path}`)")
     try:
-        result = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
         raise InputError(f"{path} is not UTF-8 text (byte {err.start}): pass a file written by `mha2gqa eval`") from err
     except json.JSONDecodeError as err:
         raise InputError(
             f"{path} is not JSON ({err.msg} at line {err.lineno}): pass a file written by `mha2gqa eval`"
         ) from err
+
+
+def _checked(result, path) -> dict:
     if not isinstance(result, dict) or result.get("schema") != SCHEMA:
         found = result.get("schema") if isinstance(result, dict) else type(result).__name__
         raise InputError(f"{path} has schema {found!r}, expected {SCHEMA!r}: pass a file written by `mha2gqa eval`")
