@@ -186,10 +186,14 @@ def attention_shape(config: dict) -> AttentionShape:
     )
 
 
+def target_groups(shape: AttentionShape) -> list[int]:
+    """The kv-head counts a conversion of `shape` may target: the proper divisors of its kv heads."""
+    return [g for g in shape.valid_groups() if g != shape.kv_heads]
+
+
 def check_groups(shape: AttentionShape, groups: int) -> None:
     """Refuse a target kv-head count that is not a proper divisor of the source's kv heads."""
-    valid = [g for g in shape.valid_groups() if g != shape.kv_heads]
-    listed = ", ".join(map(str, valid)) or "none: it already has a single kv head"
+    listed = ", ".join(map(str, target_groups(shape))) or "none: it already has a single kv head"
     target = RETARGETED[shape.model_type].target if shape.model_type in RETARGETED else None
     if target and groups != 1:
         raise InputError(

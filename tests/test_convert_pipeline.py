@@ -111,7 +111,7 @@ def test_dry_run_prints_every_stage_and_writes_nothing(tmp_path, tiny_src, calib
         (["--refine", "--refine-steps", "-2"], "--refine-steps -2 must be 0 or more"),
         (["--method", "calibrated", "--grouping", "similarity", "--calibration-tokens", "0"], "must be at least 1"),
         (["--refine", "--calibration-tokens", "100"], "at least 2 calibration blocks of 64 tokens"),
-        (["--method", "nope"], "--method 'nope' is unknown"),
+        (["--method", "nope"], "'nope' is not one of"),
         (["--dtype", "int8"], "--dtype 'int8' is unknown"),
         (["--max-shard-size", "big"], "--max-shard-size 'big' is not a size"),
         (["--calibration-memory", "0"], "--calibration-memory '0' must be positive"),
@@ -260,3 +260,27 @@ def test_refine_on_a_full_disk_is_one_error_and_a_full_tmpdir_is_not_used(tmp_pa
     assert outcome.output.count("Error:") == 1 and len(outcome.output.strip().splitlines()) == 1, outcome.output
     assert list(small_tmpfs.iterdir()) == []
     assert {p.name: p.read_bytes() for p in tiny_src.iterdir()} == source_bytes
+
+
+@pytest.mark.parametrize("groups", ["8", "3", "0"])
+def test_demo_checks_groups_through_prepare_and_creates_nothing(tmp_path, groups):
+    """`demo --groups 8` left an empty folder and listed 8 as valid; its --help said "1, 2 or 4"."""
+    result = CliRunner().invoke(main, ["demo", "--groups", groups, "--out", str(tmp_path / "demo")])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("Error:") == 1 and "(valid: 1, 2, 4)" in result.output, result.output
+    assert list(tmp_path.iterdir()) == []
+    help_text = " ".join(CliRunner().invoke(main, ["demo", "--help"]).output.split())
+    assert "8-head model (1, 2 or 4)" in help_text
+
+
+def test_a_refit_that_goes_non_finite_is_kept_as_merged_and_said(tmp_path, tiny_src, calibration_file):
+    """lr 1e30 is finite (so accepted) but blows every Adam step up: the layer stays merged, with a warning."""
+    from mha2gqa.errors import WeightWarning
+
+    wild = RefineOptions(steps=2, lr=1e30, tokens=512, solve_output=False)
+    kwargs = dict(method="mean", calibration=calibration_file, calibration_tokens=1024, progress=False)
+    with pytest.warns(WeightWarning, match="went non-finite .* kept as merged"):
+        result = convert(tiny_src, tmp_path / "wild", 2, refine=wild, **kwargs)
+    assert {row.get("kept_merged") for row in result.refine["layers"]} == {"non-finite"}
+    convert(tiny_src, tmp_path / "merged", 2, **kwargs)
+    assert _checkpoint_files(tmp_path / "wild") == _checkpoint_files(tmp_path / "merged")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mha2gqa import provenance
+from mha2gqa.card import hub_id
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
 from mha2gqa.convert import fast
 from mha2gqa.convert.options import ConvertOptions, Grouping, RefineOptions
@@ -72,7 +73,7 @@ class ConversionPlan:
     """A checked convert request: the source, the tensor plan, how each stage runs, and its estimates."""
 
     source: Path
-    source_spec: str  # SRC as the user gave it (a hub id stays a hub id in the card's command)
+    source_spec: str  # SRC for the card's command: a hub id (also one the hub cache resolved), else the folder
     options: ConvertOptions
     config: dict
     layout: Layout
@@ -229,7 +230,7 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
     torch_reason = fast.request_refusal(options, config, calibrated) or fast.plan_refusal(tensors, checkpoint.tensors)
     plan = ConversionPlan(
         source=source,
-        source_spec=str(source) if Path(str(src)).expanduser().is_dir() else str(src),
+        source_spec=hub_id(str(source)) or (str(source) if Path(str(src)).expanduser().is_dir() else str(src)),
         options=options,
         config=config,
         layout=layout,
