@@ -147,7 +147,13 @@ def refine_table(record: dict) -> str:
 
 @click.command(short_help="Show SRC's attention and the KV-cache saving of every kv-head count.")
 @click.argument("src")
-@click.option("--context", default=4096, show_default=True, help="Sequence length for the per-sequence KV-cache size.")
+@click.option(
+    "--context",
+    type=int,
+    default=None,
+    help="Sequence length for the per-sequence KV-cache size [default: the model's context length from its "
+    "config.json, e.g. max_position_embeddings].",
+)
 @click.option("--batch", default=1, show_default=True, help="Batch size for the per-batch KV-cache size.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def inspect(src, context, batch, as_json):
@@ -178,5 +184,7 @@ def inspect(src, context, batch, as_json):
         ]
         for t in info["targets"]
     ]
+    context = info["context"]
     headers = ["kv heads", "q per kv", "KV/token", f"KV/seq@{context}", f"KV/batch of {batch}", "saving", "params"]
     click.echo(table(headers, rows))
+    click.echo(f"KV/seq at {context:,} tokens ({info['context_from']}); --context N for another length")
