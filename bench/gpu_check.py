@@ -48,9 +48,10 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEEL_DIR = ROOT / "bench" / "wheels"
 BUDGET_S = 480  # the issue's bound for the whole check on one H200: 8 minutes
 # What the GPU machine lacks of what the parts import (the device docs' package list of its image, 2026-11-17),
-# with the versions CI runs (constraints.txt) where it has them. bitsandbytes 0.50.2 ships a CUDA 13.0 build
-# (the GPU machine's torch is 2.11.0+cu130).
-LACKING = ("datasets", "dill", "multiprocess", "bitsandbytes")
+# at the versions CI runs (constraints.txt). fsspec is there, at a version nobody has read: it travels too,
+# since datasets 5.2 wants fsspec<=2026.9.0. bitsandbytes 0.50.2 ships a CUDA 13.0 build (the GPU machine's
+# torch is 2.11.0+cu130).
+CARRIED = ("datasets", "dill", "multiprocess", "fsspec")
 BITSANDBYTES = "0.50.2"
 # bitsandbytes' wheel holds a library for every CUDA, ROCm and XPU version (43 MB): with the repo (about 29 MB)
 # it would not fit the device tool's 64 MiB. Only these stay (--slim-wheels).
@@ -142,6 +143,7 @@ def select_parts(spec: str | None) -> list[Part]:
 
 
 def run_all(parts: list[Part], args, tmp: Path, out: Path) -> dict:
+    start = time.perf_counter()  # the budget counts the install and the probe too
     site, installed = install_wheels(tmp) if not args.smoke else (None, [])
     env = child_env(site, tmp)
     record = {
@@ -151,7 +153,6 @@ def run_all(parts: list[Part], args, tmp: Path, out: Path) -> dict:
         "budget_s": None if args.smoke else args.budget,
         "parts": [],
     }
-    start = time.perf_counter()
     with (out / "gpu_check.log").open("w") as log:
         for index, part in enumerate(parts):
             left = None if args.smoke else args.budget - (time.perf_counter() - start)
@@ -163,11 +164,11 @@ def run_all(parts: list[Part], args, tmp: Path, out: Path) -> dict:
 
 
 def part_limit(part: Part, smoke: bool, left: float | None, later_estimates: int) -> int:
-    """The part's own limit, cut so the estimates of the later parts still fit the total budget (but never
-    below the part's own estimate: a part is not started only to be killed at once)."""
+    """The part's own limit, cut so that the later parts' estimates still fit what is left of the budget
+    (but not below the part's own estimate), and never past the budget's end."""
     if smoke or left is None:
         return part.smoke_limit_s if smoke else part.limit_s
-    return int(min(part.limit_s, max(part.estimate_s, left - later_estimates)))
+    return int(min(part.limit_s, max(part.estimate_s, left - later_estimates), left))
 
 
 def run_part(part: Part, args, env: dict, work: Path, log, left: float | None, later: int) -> dict:
@@ -301,11 +302,11 @@ def download_commands(folder: Path) -> str:
     """The commands, run here (where pip reaches PyPI), that fill `folder` with manylinux x86-64 wheels
     for the GPU machine's Python of what it lacks, then cut bitsandbytes' wheel to its CUDA 13 build."""
     pins = constraint_pins()
-    wanted = [f"{name}=={pins[name]}" for name in LACKING if name in pins] + [f"bitsandbytes=={BITSANDBYTES}"]
+    wanted = [f"{name}=={pins[name]}" for name in CARRIED] + [f"bitsandbytes=={BITSANDBYTES}"]
     platforms = " ".join(f"--platform {p}" for p in PLATFORMS)
     return "\n".join(
         [
-            f"# the GPU machine (Python {GPU_PYTHON}, x86-64) lacks {', '.join(LACKING)}; fill {folder} here:",
+            f"# wheels for the GPU machine (Python {GPU_PYTHON}, x86-64, no registry): fill {folder} here",
             f"python3 -m pip download --no-deps --only-binary=:all: --python-version {GPU_PYTHON} --implementation cp "
             f"{platforms} -d {folder} {' '.join(wanted)}",
             f"python3 bench/gpu_check.py --slim-wheels {folder}",
@@ -356,9 +357,10 @@ def _record_without(record: bytes, dropped: set[str]) -> bytes:
 
 
 def install_wheels(tmp: Path, folder: Path = WHEEL_DIR) -> tuple[Path | None, list[str]]:
-    """pip install (no index, no dependencies) the wheels in `folder` whose distribution is not installed,
-    into tmp/site. Returns (the site folder, the wheels installed), (None, []) when there is nothing to do."""
-    wanted = [w for w in sorted(folder.glob("*.whl")) if not _installed(w.name.split("-")[0])]
+    """pip install (no index, no dependencies) the wheels in `folder` unless that version is installed, into
+    tmp/site, which goes first on the parts' PYTHONPATH. Returns (the site folder, the wheels installed), or
+    (None, []) when there is nothing to do."""
+    wanted = [w for w in sorted(folder.glob("*.whl")) if _installed(w.name.split("-")[0]) != w.name.split("-")[1]]
     if not wanted:
         return None, []
     site = tmp / "site"
@@ -369,12 +371,11 @@ def install_wheels(tmp: Path, folder: Path = WHEEL_DIR) -> tuple[Path | None, li
     return site, [w.name for w in wanted]
 
 
-def _installed(distribution: str) -> bool:
+def _installed(distribution: str) -> str | None:
     try:
-        importlib.metadata.version(distribution)
-        return True
+        return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
-        return False
+        return None
 
 
 # ---- the report ----
@@ -405,9 +406,9 @@ def markdown(record: dict) -> str:
     ]
     for part in record["parts"]:
         lines.append(f"| {part['name']} | status | {part['status']} |")
-        for key in ("seconds", "estimate_s", "limit_s"):
+        for key in ("seconds", "cpu_s", "estimate_s", "limit_s"):  # the harness's, apart from the result's own
             if key in part:
-                lines.append(f"| {part['name']} | {key} | {part[key]} |")
+                lines.append(f"| {part['name']} | part.{key} | {part[key]} |")
         for item in part.get("skipped", []):
             lines.append(f"| {part['name']} | skipped: {item['what']} | {item['reason']} |")
         if "error" in part:

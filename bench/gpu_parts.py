@@ -24,8 +24,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]  # the bench scripts; the package, uninstalled on the GPU machine
 
 from mha2gqa import embedded  # noqa: E402
 

@@ -31,9 +31,9 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mha2gqa import __version__
 from mha2gqa.errors import InputError
 from mha2gqa.reading import read_json
+from mha2gqa.version import __version__
 from mha2gqa.writing import write_atomic
 
 FILE_NAME = "mha2gqa.json"

@@ -207,3 +207,28 @@ def test_cli_as_a_subprocess_then_report_on_three_real_results(models, tmp_path)
     assert [r["role"] for r in rows] == ["parent", "converted", "uptrained"]
     assert rows[2]["recovery"] == pytest.approx((ppl[1] - ppl[2]) / (ppl[1] - ppl[0]))
     assert rows[1]["kv_saving"] == 4.0
+
+
+def test_the_terminal_summary_gives_decode_speed_its_spread():
+    from mha2gqa.cli.eval_cmd import summary
+
+    point = {"context": 32, "peak_memory_bytes": 2**20, "peak_memory_kind": "cpu_rss"}
+    result = {
+        "label": "x",
+        "role": "parent",
+        "model": {"kv_heads": 2, "heads": 8},
+        "perplexity": None,
+        "agreement": None,
+        "kv_cache": {"measured_bytes_per_token": 256, "formula_bytes_per_token": 256, "match": True},
+        "speed": {
+            "points": [
+                {**point, "batch": 4, "tokens_per_s": 640.0, "tokens_per_s_iqr": [320.0, 711.1], "repeats": 5},
+                {**point, "batch": 1, "tokens_per_s": 64.0},  # written before the spread was kept
+            ]
+        },
+        "attention_maps": None,
+        "lm_eval": None,
+    }
+    lines = summary(result).splitlines()
+    assert "  decode B=4 T=32: 640.0 tok/s (IQR 320.0-711.1, 5 runs), peak 1.00 MiB (cpu_rss)" in lines
+    assert "  decode B=1 T=32: 64.0 tok/s, peak 1.00 MiB (cpu_rss)" in lines

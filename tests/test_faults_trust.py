@@ -410,9 +410,9 @@ def test_a_shard_cut_short_during_convert_is_one_line(src, tmp_path, tmpdir_env,
 
 def test_a_copied_file_that_shrinks_is_one_line(src, tmp_path, tmpdir_env, monkeypatch):
     """tokenizer.json cut after it was checked: a changing source, not a short copy in DST."""
-    from mha2gqa.convert import run
+    from mha2gqa.convert import prepare
 
-    original = run._files_to_copy
+    original = prepare.files_to_copy
 
     def checked_then_cut(source):
         found = original(source)
@@ -420,7 +420,7 @@ def test_a_copied_file_that_shrinks_is_one_line(src, tmp_path, tmpdir_env, monke
             f.truncate(10)
         return found
 
-    monkeypatch.setattr(run, "_files_to_copy", checked_then_cut)
+    monkeypatch.setattr(prepare, "files_to_copy", checked_then_cut)
     dst = tmp_path / "dst"
     refused(cli("convert", src, dst, "--groups", "2", "-q"), "tokenizer.json ended before", dst=dst, tmpdir=tmpdir_env)
 
@@ -570,10 +570,10 @@ def test_a_full_tmpdir_does_not_matter_to_convert(src, tmp_path, tmpdir_env):
 
 def test_a_full_dst_filesystem_while_copying_files_is_one_line(src, tmp_path, tmpdir_env):
     """The tokenizer does not fit: room was checked, then filled by someone else."""
-    from mha2gqa.convert import run
+    from mha2gqa.convert import prepare
 
     with tmpfs(tmp_path / "mnt", "1m") as mount:
-        original = run._files_to_copy
+        original = prepare.files_to_copy
 
         def then_fill(source):
             found = original(source)
@@ -582,7 +582,7 @@ def test_a_full_dst_filesystem_while_copying_files_is_one_line(src, tmp_path, tm
 
         import unittest.mock
 
-        with unittest.mock.patch.object(run, "_files_to_copy", then_fill):
+        with unittest.mock.patch.object(prepare, "files_to_copy", then_fill):
             before = _digests(src)
             result = cli("convert", src, mount / "dst", "--groups", "2", "-q")
         refused(result, "no space left on the device", tmpdir=tmpdir_env)

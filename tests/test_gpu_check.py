@@ -56,6 +56,7 @@ def test_every_part_runs_in_order_and_the_failing_one_is_recorded(smoke):
     assert record["smoke"] is True and record["budget_s"] is None and record["machine"]["gpu"] is None
     table = (out / "gpu_check.md").read_text()
     assert "| uptrain_gpu | status | failed |" in table and "| fsdp | status | ok |" in table
+    assert re.search(r"^\| qlora \| part\.seconds \| [\d.]+ \|$", table, re.MULTILINE)
     assert "| convert_refine | stages.calibration.seconds |" in table
     assert "==== qlora:" in (out / "gpu_check.log").read_text()
 
@@ -138,7 +139,8 @@ def test_limits_leave_room_for_the_later_parts():
     eval_part, *later = gpu_check.PARTS
     reserve = sum(p.estimate_s for p in later)
     assert gpu_check.part_limit(eval_part, False, 480, reserve) == min(eval_part.limit_s, 480 - reserve)
-    assert gpu_check.part_limit(eval_part, False, 100, reserve) == eval_part.estimate_s  # never below its estimate
+    assert gpu_check.part_limit(eval_part, False, 100, reserve) == eval_part.estimate_s  # not below its estimate
+    assert gpu_check.part_limit(eval_part, False, 30, reserve) == 30  # nor past the budget's end
     assert gpu_check.part_limit(eval_part, True, None, reserve) == 300
     assert sum(p.estimate_s for p in gpu_check.PARTS) < gpu_check.BUDGET_S  # the whole check fits 8 minutes
 
@@ -162,8 +164,8 @@ def test_wheel_commands_name_what_the_gpu_machine_lacks(capsys):
     assert {p for i, p in enumerate(download) if download[i - 1] == "--platform"} >= {"manylinux_2_28_x86_64"}
     pins = dict(arg.split("==") for arg in download if "==" in arg)
     constraints = gpu_check.constraint_pins()
-    assert set(pins) == {"datasets", "dill", "multiprocess", "bitsandbytes"}
-    assert all(pins[name] == constraints[name] for name in ("datasets", "dill", "multiprocess"))
+    assert set(pins) == {"datasets", "dill", "multiprocess", "fsspec", "bitsandbytes"}
+    assert all(pins[name] == constraints[name] for name in ("datasets", "dill", "multiprocess", "fsspec"))
     assert lines[1] == "python3 bench/gpu_check.py --slim-wheels bench/wheels"
 
 
@@ -186,3 +188,32 @@ def test_slimming_keeps_the_cuda13_library_and_a_matching_record(tmp_path):
         assert "bitsandbytes/libbitsandbytes_cuda130.so" in z.namelist()
         rows = z.read("bitsandbytes-0.50.2.dist-info/RECORD").decode().splitlines()
     assert [r.split(",")[0] for r in rows] == [names[0], names[1], "bitsandbytes-0.50.2.dist-info/RECORD"]
+
+
+def fake_wheel(folder: Path, name: str, version: str, module: str = "") -> Path:
+    """A minimal pure-Python wheel (what pip needs: WHEEL, METADATA, RECORD)."""
+    info = f"{name}-{version}.dist-info"
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(f"{name}/__init__.py", module)
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{info}/RECORD", f"{name}/__init__.py,,\n{info}/WHEEL,,\n{info}/METADATA,,\n{info}/RECORD,,\n")
+    return wheel
+
+
+def test_carried_wheels_are_installed_for_the_parts(tmp_path):
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    fake_wheel(folder, "gpucheckprobe", "1.0", "VALUE = 42\n")
+    fake_wheel(folder, "pytest", pytest.__version__)  # installed at that version already: left alone
+    site, installed = gpu_check.install_wheels(tmp_path, folder)
+    assert site == tmp_path / "site" and installed == ["gpucheckprobe-1.0-py3-none-any.whl"]
+    env = gpu_check.child_env(site, tmp_path)
+    assert env["PYTHONPATH"].split(":")[:2] == [str(site), str(ROOT)] and env["HF_HUB_OFFLINE"] == "1"
+    done = subprocess.run(
+        [sys.executable, "-c", "import gpucheckprobe, mha2gqa; print(gpucheckprobe.VALUE, mha2gqa.__file__)"],
+        env=env, capture_output=True, text=True, cwd=tmp_path, check=True,
+    )  # fmt: skip
+    assert done.stdout.split() == ["42", str(ROOT / "mha2gqa" / "__init__.py")]
+    assert gpu_check.install_wheels(tmp_path, tmp_path / "none") == (None, [])

@@ -111,8 +111,10 @@ def summary(result: dict) -> str:
         f"{format_bytes(kv['formula_bytes_per_token'])} by formula: {'match' if kv['match'] else 'MISMATCH'}"
     )
     for p in (result["speed"] or {}).get("points", []):
+        low, high = p.get("tokens_per_s_iqr") or (None, None)
+        spread = f" (IQR {low:,.1f}-{high:,.1f}, {p['repeats']} runs)" if low is not None and "repeats" in p else ""
         lines.append(
-            f"  decode B={p['batch']} T={p['context']}: {p['tokens_per_s']:,.1f} tok/s, "
+            f"  decode B={p['batch']} T={p['context']}: {p['tokens_per_s']:,.1f} tok/s{spread}, "
             f"peak {format_bytes(p['peak_memory_bytes'])} ({p['peak_memory_kind']})"
         )
     if result["attention_maps"]:
