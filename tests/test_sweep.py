@@ -206,6 +206,19 @@ def test_an_interrupted_sweep_keeps_its_finished_rows_and_no_temporary_model(tin
     assert sorted(p.name for p in out.iterdir()) == ["sweep.html", "sweep.json", "sweep.md", "sweep_quality_vs_kv.png"]
 
 
+def test_a_sweep_interrupted_before_any_candidate_leaves_nothing(tiny, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+
+    def interrupt(*_args, **_kwargs):
+        assert any(out.glob(".sweep-*"))  # the work directory exists while the parent is evaluated
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_run, "evaluate", interrupt)
+    result = cli(*_sweep_args(tiny, out))
+    assert result.exit_code == 130 and "nothing written" in result.output
+    assert not out.exists()
+
+
 def test_refine_adds_the_per_layer_sensitivity_heat_map(tiny, tmp_path):
     out = tmp_path / "out"
     options = SweepOptions(

@@ -206,45 +206,51 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     models_dir = out / "models"
     plans = {c: _convert(source, models_dir / c.name, c, calibration, options, dry_run=True).plan for c in candidates}
     _check_room(out, _bytes_needed(source, plans, shape, options.keep))
-
-    from mha2gqa.eval.run import evaluate
-
     started = time.perf_counter()
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".sweep-", dir=out) as work:
-        work = Path(work)
-        record = _record(src, source, config, options, candidates)
-        echo(f"sweep: {len(candidates)} candidates; evaluating the parent on {options.data}")
-        parent = evaluate(source, options=_eval_options(options, "parent", "parent"))
-        record["parent"] = {"perplexity": schema.perplexity(parent), **_kv(parent, record["context"]), "result": parent}
-        echo(f"sweep: gathering calibration statistics once ({options.calibration_tokens:,} tokens)")
-        stats = _gather_statistics(source, calibration, options, work / "calibration")
-        record["calibration"] = stats.record
-        bar = tqdm(candidates, desc="sweep", unit="candidate", disable=not options.progress)
-        try:
-            for candidate in bar:
-                bar.set_postfix_str(candidate.name)
-                row = _run_candidate(
-                    source, candidate, stats, options, models_dir if options.keep else work, parent, record["context"]
-                )
-                if not options.keep:
-                    shutil.rmtree(work / candidate.name)
-                record["candidates"].append(row)
-                record["wall_s"] = round(time.perf_counter() - started, 2)
-                write_result(record, out / "sweep.json")  # after every candidate: a kill keeps the finished ones
-        except KeyboardInterrupt:
-            bar.close()
-            record["interrupted"] = True
-            _finish(record, out)
-            echo(
-                f"\nsweep interrupted: {out / 'sweep.json'} keeps the {len(record['candidates'])} of "
-                f"{len(candidates)} candidates that finished; no temporary model is left"
-            )
+    record = _record(src, source, config, options, candidates)
+    try:
+        with tempfile.TemporaryDirectory(prefix=".sweep-", dir=out) as work:
+            _measure(source, calibration, options, candidates, record, out, Path(work), started, echo)
+    except KeyboardInterrupt:
+        if record["parent"] is None:  # nothing measured yet: leave nothing behind
+            if created:
+                shutil.rmtree(out, ignore_errors=True)
+            echo("\nsweep interrupted before any candidate ran: nothing written")
             raise
-        bar.close()
+        record["interrupted"] = True
+        _finish(record, out)
+        echo(
+            f"\nsweep interrupted: {out / 'sweep.json'} keeps the {len(record['candidates'])} of "
+            f"{len(candidates)} candidates that finished; no temporary model is left"
+        )
+        raise
     record["wall_s"] = round(time.perf_counter() - started, 2)
     _finish(record, out)
     return record
+
+
+def _measure(source, calibration, options, candidates, record, out: Path, work: Path, started: float, echo) -> None:
+    """The parent once, the statistics once, then every candidate; sweep.json is rewritten after each."""
+    from mha2gqa.eval.run import evaluate
+
+    echo(f"sweep: {len(candidates)} candidates; evaluating the parent on {options.data}")
+    parent = evaluate(source, options=_eval_options(options, "parent", "parent"))
+    echo(f"sweep: gathering calibration statistics once ({options.calibration_tokens:,} tokens)")
+    stats = _gather_statistics(source, calibration, options, work / "calibration")
+    record["calibration"] = stats.record
+    record["parent"] = {"perplexity": schema.perplexity(parent), **_kv(parent, record["context"]), "result": parent}
+    models_dir = out / "models" if options.keep else work
+    with tqdm(candidates, desc="sweep", unit="candidate", disable=not options.progress) as bar:
+        for candidate in bar:
+            bar.set_postfix_str(candidate.name)
+            row = _run_candidate(source, candidate, stats, options, models_dir, parent, record["context"])
+            if not options.keep:
+                shutil.rmtree(models_dir / candidate.name)
+            record["candidates"].append(row)
+            record["wall_s"] = round(time.perf_counter() - started, 2)
+            write_result(record, out / "sweep.json")  # after every candidate: even a kill keeps the finished ones
 
 
 def _finish(record: dict, out: Path) -> None:
