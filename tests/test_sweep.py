@@ -264,7 +264,7 @@ def test_recommendation_is_the_smallest_cache_within_tolerance_or_the_next_comma
         "mha2gqa convert m kv4-calibrated --groups 4 --method calibrated --calibration austen"
     )
     assert "mha2gqa uptrain --recipe" in found["next"] and "model=kv4-calibrated" in found["next"]
-    assert found["line"].endswith(found["next"]) and "\n" not in found["line"]
+    assert found["line"] == f"{found['summary']}: {found['next']}" and "\n" not in found["line"]
 
 
 def test_pareto_front_keeps_only_points_nothing_beats_on_both_axes():

@@ -302,7 +302,8 @@ def recommend(record: dict) -> dict:
         chosen[method] = min(fits, key=lambda r: (r["kv_bytes_per_token"], r["perplexity"]))["name"] if fits else None
     head = f"within {100 * tolerance:g}% of the parent's perplexity {parent_ppl:.2f}"
     if not rows:
-        return {"per_method": chosen, "next": None, "line": f"no candidate finished: nothing to recommend ({head})"}
+        summary = f"no candidate finished: nothing to recommend ({head})"
+        return {"per_method": chosen, "next": None, "summary": summary, "line": summary}
     by_name = {r["name"]: r for r in rows}
     parts = [
         f"{method}: "
@@ -318,10 +319,10 @@ def recommend(record: dict) -> dict:
     if not any(chosen.values()):
         best = min(rows, key=lambda r: (r["perplexity"], r["kv_bytes_per_token"]))
         next_command = uptrain_command(record, best)
-        parts.append(
-            f"none is: try uptraining the closest, {best['name']} ({100 * best['perplexity_change']:+.1f}%): {next_command}"
-        )
-    return {"per_method": chosen, "next": next_command, "line": f"recommended ({head}): " + "; ".join(parts)}
+        parts.append(f"none is: try uptraining the closest, {best['name']} ({100 * best['perplexity_change']:+.1f}%)")
+    summary = f"recommended ({head}): " + "; ".join(parts)
+    line = f"{summary}: {next_command}" if next_command else summary  # what the command prints: one line
+    return {"per_method": chosen, "next": next_command, "summary": summary, "line": line}
 
 
 def _heads(count: int) -> str:
