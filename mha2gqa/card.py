@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 from pathlib import Path
 
 import yaml
 
-from mha2gqa import __version__, provenance
+from mha2gqa import provenance
+from mha2gqa.eval.metrics import lm_eval_brief
 from mha2gqa.layouts import DTYPE_BYTES, config_dtype, kv_cache_bytes
 from mha2gqa.units import format_bytes
+from mha2gqa.version import __version__
 
 CARD = "README.md"
 SOURCE_CARD = "SOURCE_README.md"
@@ -107,7 +110,7 @@ def render(model_dir: Path, source_card: Path | None, name: str) -> str:
     results = eval_results(model_dir)
 
     lines = ["---", *_yaml_lines(conversion, after, source_meta, config), "---", MARKER, "", f"# {name}", ""]
-    lines += _summary(conversion, after, config)
+    lines += _summary(conversion, after, config, evaluated=bool(results))
     if conversion:
         lines += _conversion_section(conversion, config)
     if after:
@@ -121,8 +124,12 @@ def render(model_dir: Path, source_card: Path | None, name: str) -> str:
 
 def _yaml_lines(conversion, after, source_meta, config) -> list[str]:
     base = hub_id(conversion["source"]) if conversion else None
-    tags = ["mha2gqa", "gqa" if config.get("num_key_value_heads", 0) > 1 else "mqa", "grouped-query-attention"]
-    if after:
+    tags = ["mha2gqa"]
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads", heads)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads < heads:  # an MHA model gets no GQA tags
+        tags += ["gqa" if kv_heads > 1 else "mqa", "grouped-query-attention"]
+    if after and conversion:  # uptraining continues a converted model; training from scratch is not it
         tags.append("uptrained")
     meta = {"library_name": "transformers", "pipeline_tag": "text-generation", "tags": tags}
     if base:
@@ -139,7 +146,7 @@ def _yaml_lines(conversion, after, source_meta, config) -> list[str]:
     return out
 
 
-def _summary(conversion, after, config) -> list[str]:
+def _summary(conversion, after, config, evaluated: bool) -> list[str]:
     if not conversion:
         return [
             f"A {config.get('model_type')} model trained by mha2gqa {__version__} "
@@ -152,7 +159,12 @@ def _summary(conversion, after, config) -> list[str]:
         f"{_source_name(conversion)} converted from {src} to {dst} key/value heads ({kind} attention, "
         f"{conversion['heads']} query heads) by mha2gqa {conversion.get('version')}"
     )
-    text += ", then uptrained." if after else "; not trained since (expect a quality loss: see the evaluation)."
+    if after:
+        text += ", then uptrained."
+    elif evaluated:
+        text += "; not trained since (expect a quality loss: see the evaluation below)."
+    else:
+        text += "; not trained since (expect a quality loss: measure it with `mha2gqa eval`, see Reproduce)."
     return [text, ""]
 
 
@@ -206,10 +218,23 @@ def _uptrain_section(stages: list[dict], converted: bool) -> list[str]:
             ("parameters trained", f"{trained}: {s.get('trainable_params', 0):,}"),
             ("data", ", ".join(_data_name(d) for d in (r.get("data") or {}).get("train") or [])),
             ("distillation", f"from {teacher} (KL weight {r['distill'].get('kl_weight')})" if teacher else "no"),
-            ("final held-out perplexity", f"{s['final_eval_ppl']:.2f}" if s.get("final_eval_ppl") else "—"),
+            ("final held-out perplexity", _final_ppl(s, r)),
         ]
         lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
     return lines
+
+
+def _final_ppl(stage: dict, recipe: dict) -> str:
+    """The training run's own last eval, with the tokens it was measured on: they are not those of an
+    `mha2gqa eval` result (its own data and windows), so the two perplexities differ."""
+    if not stage.get("final_eval_ppl"):
+        return "—"
+    data = recipe.get("data") or {}
+    where = _data_name(data["eval"]) if data.get("eval") else "held out of the training data"
+    return (
+        f"{stage['final_eval_ppl']:.2f} (the training run's own check: up to {data.get('eval_blocks', '?')} blocks "
+        f"of {recipe.get('seq_len', '?')} tokens, {where}; an `mha2gqa eval` result is measured on its own tokens)"
+    )
 
 
 def eval_results(model_dir: Path) -> list[tuple[str, dict]]:
@@ -242,7 +267,7 @@ def _eval_section(results) -> list[str]:
         kv = (r.get("kv_cache") or {}).get("measured_bytes_per_token")
         tasks = (r.get("lm_eval") or {}).get("tasks") or {}
         shown = "; ".join(
-            f"{task} {metric} {m['value']:.4g}" + (f" ± {m['stderr']:.2g}" if m.get("stderr") is not None else "")
+            f"{task} {metric} {lm_eval_brief(metric, m)}"
             for task, section in tasks.items()
             for metric, m in section["metrics"].items()
         )
@@ -258,20 +283,9 @@ def _eval_section(results) -> list[str]:
 def _reproduce_section(conversion, after, name: str) -> list[str]:
     lines = ["## Reproduce", "", "```bash"]
     if conversion:
-        cmd = f"mha2gqa convert {hub_id(conversion['source']) or conversion['source']} OUT --groups {conversion['groups']}"
-        cmd += f" --method {conversion['method']}"
-        if conversion["method"] == "random":
-            cmd += f" --seed {conversion['seed']}"
-        if conversion.get("grouping", "contiguous") != "contiguous":
-            cmd += f" --grouping {conversion['grouping']}"
-        calib = conversion.get("calibration")
-        if calib:
-            cmd += f" --calibration {calib.get('data')} --calibration-tokens {calib.get('tokens')}"
-        if conversion.get("refine"):
-            cmd += " --refine"
-        if conversion.get("dtype") not in (None, "unchanged"):
-            cmd += f" --dtype {conversion['dtype']}"
-        lines.append(cmd)
+        # convert records the command its plan made (prepare.ConversionPlan.command); older records get one
+        # rebuilt from their fields.
+        lines.append(conversion.get("command") or _legacy_command(conversion))
     if any(s["stage"] == "uptrain" for s in after):
         lines += [
             "# the resolved recipe is below; save it as recipe.yaml (set model: and output_dir:)",
@@ -292,6 +306,30 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
             ]
     lines += [f"Everything above is read from [{provenance.FILE_NAME}]({provenance.FILE_NAME}), the full record.", ""]
     return lines
+
+
+def _legacy_command(conversion: dict) -> str:
+    """The convert command of a record written before convert recorded its own."""
+    words = ["mha2gqa", "convert", hub_id(conversion["source"]) or conversion["source"], "OUT"]
+    words += ["--groups", str(conversion["groups"]), "--method", conversion["method"]]
+    if conversion.get("seed"):
+        words += ["--seed", str(conversion["seed"])]
+    if conversion.get("grouping", "contiguous") != "contiguous":
+        words += ["--grouping", conversion["grouping"]]
+    if conversion.get("dtype") not in (None, "unchanged"):
+        words += ["--dtype", conversion["dtype"]]
+    calib = conversion.get("calibration")
+    if calib:
+        data = calib.get("data")
+        for entry in data if isinstance(data, list) else [data]:
+            words += ["--calibration", str(entry)]
+        words += ["--calibration-tokens", str(calib.get("tokens"))]
+    refine = (conversion.get("refine") or {}).get("options")
+    if refine is not None:
+        words += ["--refine", "--refine-steps", str(refine["steps"]), "--refine-lr", repr(refine["lr"])]
+        if refine.get("tokens") is not None:
+            words += ["--refine-tokens", str(refine["tokens"])]
+    return shlex.join(words)
 
 
 def _source_section(conversion, source_card: Path | None, source_meta: dict) -> list[str]:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # annotations only: reading headers must not import torch
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Bytes per element of every safetensors dtype code we read. Headers need only this; the torch dtypes
-# (DTYPES, CODES) are made on first use, so reading a checkpoint's shapes (`inspect`) never imports torch.
+# (DTYPES) are made on first use, so reading a checkpoint's shapes (`inspect`) never imports torch.
 ITEMSIZE = {
     "F64": 8,
     "F32": 4,
@@ -69,11 +69,9 @@ def torch_dtypes() -> dict:
 
 
 def __getattr__(name: str):
-    """DTYPES (code -> torch dtype) and CODES (torch dtype -> code), made when first imported."""
+    """DTYPES (code -> torch dtype), made when first imported."""
     if name == "DTYPES":
         return torch_dtypes()
-    if name == "CODES":
-        return {dtype: code for code, dtype in torch_dtypes().items()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -78,6 +78,22 @@ def user_file_error(err: OSError, path: str | os.PathLike | None = None) -> Inpu
     return InputError(f"{where}{what}: {fix}")
 
 
+def exit_report(err: BaseException) -> tuple[str, int] | None:
+    """The line a fault ends the program with and its exit code, the same for every entry point (the
+    `mha2gqa` CLI, `python -m mha2gqa.uptrain` under accelerate): a user mistake (InputError, a user's
+    OSError) -> `Error: ...`, 2; Ctrl-C, SIGTERM, SIGHUP -> `Interrupted by SIG...` on a new line (a
+    progress bar or ^C may hold the cursor), 128 + the signal number; None for anything else, a bug
+    in mha2gqa that keeps its traceback."""
+    if isinstance(err, InputError):
+        return f"Error: {err}", 2
+    if is_user_fault(err):
+        return f"Error: {user_file_error(err)}", 2
+    if isinstance(err, KeyboardInterrupt):
+        signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
+        return f"\nInterrupted by {signal.Signals(signum).name}", 128 + signum
+    return None
+
+
 @contextmanager
 def signals_as_interrupts():
     """While active (main thread only), SIGINT, SIGTERM and SIGHUP raise Interrupted, so `except

@@ -19,3 +19,13 @@ def format_bytes(n: float, digits: int = 2, largest: str = "TiB") -> str:
     """'512 B', '3.00 KiB', '1.25 GiB' (`digits` after the point; whole bytes below 1 KiB)."""
     div, unit = byte_unit(n, largest)
     return f"{n:.0f} B" if div == 1 else f"{n / div:.{digits}f} {unit}"
+
+
+def format_size(n: int) -> str:
+    """A byte count as a size flag takes it (convert.run.parse_size reads it back): in the largest binary
+    unit that holds it exactly, 4GiB, 512MiB, else plain bytes."""
+    div, unit = 1, ""
+    for power, name in enumerate(_UNITS, start=1):
+        if n and n % 1024**power == 0:
+            div, unit = 1024**power, name
+    return f"{n // div}{unit}"

@@ -1,7 +1,8 @@
 """The shared small helpers: byte formatting and the first line of an error."""
 
+from mha2gqa.convert.run import parse_size
 from mha2gqa.errors import first_line
-from mha2gqa.units import byte_unit, format_bytes
+from mha2gqa.units import byte_unit, format_bytes, format_size
 
 
 def test_format_bytes_terminal_and_report_styles():
@@ -25,3 +26,14 @@ def test_first_line_of_an_error():
     assert first_line(ValueError("x" * 300), 160) == "x" * 160
     assert first_line(OSError(), default="OSError") == "OSError"
     assert first_line(KeyError("")) == "''"
+
+
+def test_format_size_is_read_back_by_parse_size():
+    assert [format_size(n) for n in (4 << 30, 512 << 20, 1536, 1000, 3 << 40)] == [
+        "4GiB",
+        "512MiB",
+        "1536",
+        "1000",
+        "3TiB",
+    ]
+    assert all(parse_size(format_size(n)) == n for n in (4 << 30, 1, 1536, 5 * 10**9, 7 << 20))

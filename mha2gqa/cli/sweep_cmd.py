@@ -5,36 +5,30 @@ from __future__ import annotations
 import click
 
 from mha2gqa.cli.eval_cmd import _int_list, _str_list
-from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, METHOD_SUMMARIES
+from mha2gqa.cli.fields import field_option
+from mha2gqa.convert.options import METHOD_SUMMARIES
 from mha2gqa.docfields import option_help
-from mha2gqa.sweep.options import DEFAULT_METHODS, DEFAULT_TOLERANCE, SweepOptions
+from mha2gqa.sweep.options import SweepOptions
 
 
-def _help(field: str, choices: dict[str, str] | None = None) -> str:
-    return option_help(SweepOptions, field, choices)
+def _option(flag: str, *decls: str, **kwargs):
+    """The option that sets a SweepOptions field: its default and help are the field's."""
+    return field_option(SweepOptions, flag, *decls, **kwargs)
 
 
 @click.command("sweep")
 @click.argument("src")
-@click.option("--calibration", required=True, metavar="DATA", help=_help("calibration"))
-@click.option("--data", required=True, metavar="EVAL_TEXT", help=_help("data"))
-@click.option("--out", required=True, type=click.Path(file_okay=False), help=_help("out"))
-@click.option("--groups", "-g", callback=_int_list, help=_help("groups"))
-@click.option(
-    "--methods",
-    default=",".join(DEFAULT_METHODS),
-    show_default=True,
-    callback=_str_list,
-    help=_help("methods", METHOD_SUMMARIES),
-)
-@click.option("--refine", is_flag=True, help=_help("refine"))
-@click.option("--max-tokens", type=int, help=_help("max_tokens"))
-@click.option(
-    "--calibration-tokens", default=DEFAULT_CALIBRATION_TOKENS, show_default=True, help=_help("calibration_tokens")
-)
-@click.option("--tolerance", default=DEFAULT_TOLERANCE, show_default=True, help=_help("tolerance"))
-@click.option("--keep", is_flag=True, help=_help("keep"))
-@click.option("--seed", default=0, show_default=True, help=_help("seed"))
+@_option("--calibration", required=True, metavar="DATA")
+@_option("--data", required=True, metavar="EVAL_TEXT")
+@_option("--out", required=True, type=click.Path(file_okay=False))
+@_option("--groups", "-g", callback=_int_list)
+@_option("--methods", callback=_str_list, choices=METHOD_SUMMARIES)
+@click.option("--refine", is_flag=True, help=option_help(SweepOptions, "refine"))
+@_option("--max-tokens", type=int)
+@_option("--calibration-tokens")
+@_option("--tolerance")
+@_option("--keep", is_flag=True)
+@_option("--seed")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def sweep(
     src, calibration, data, out, groups, methods, refine, max_tokens, calibration_tokens, tolerance, keep, seed, quiet
