@@ -89,10 +89,11 @@ def _convert(source: Path, dst: Path, candidate: Candidate, calibration, options
     return convert(source, dst, options=_conversion_options(candidate, data, options, dry_run), stats=stats)
 
 
-def _bytes_needed(source: Path, plans: dict, shape: AttentionShape, keep: bool) -> int:
+def _bytes_needed(plans: dict, shape: AttentionShape, keep: bool) -> int:
     """What OUT must hold at the worst moment: the calibration statistics, and every kept model or the
-    largest temporary one (each is removed before the next is written)."""
-    sizes = [plan.bytes_written for plan in plans.values()]
+    largest temporary one (each is removed before the next is written), each with its scratch files (the
+    dry run's plan, made from the data, counts statistics there too: an overestimate of one copy)."""
+    sizes = [plan.bytes_written + plan.scratch_bytes for plan in plans.values()]
     statistics = shape.layers * (shape.hidden + 1) ** 2 * 8
     return statistics + (sum(sizes) if keep else max(sizes)) + (1 << 20)
 
@@ -206,7 +207,7 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     plans = {
         c: _convert(source, models_dir / c.name, c, calibration, options, dry_run=True).conversion for c in candidates
     }
-    _check_room(out, _bytes_needed(source, plans, shape, options.keep))
+    _check_room(out, _bytes_needed(plans, shape, options.keep))
     started = time.perf_counter()
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
