@@ -15,8 +15,6 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from mha2gqa import provenance
 from mha2gqa.card import write_card
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint, ShardedWriter, atomic_directory, check_destination
@@ -27,6 +25,7 @@ from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.convert.rope import check_refine_layout
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, check_groups, check_target, converted_config, layout_for, read_config
+from mha2gqa.progress import progress_bar
 from mha2gqa.sources import PICKLE_SUFFIXES, resolve_model_dir
 
 OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
@@ -233,7 +232,7 @@ def _write_tensors(
 
     writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes, plan.copies(checkpoint.tensors))
     method = METHODS[plan.method]
-    bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    bar = progress_bar(plan.bytes_out, "convert", progress, unit="B", unit_scale=True)
     layers = []
     for step in plan.steps:
         if not step.is_transform:
