@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from mha2gqa import __version__, provenance
+from mha2gqa.eval.metrics import lm_eval_brief
 from mha2gqa.layouts import DTYPE_BYTES, config_dtype, kv_cache_bytes
 from mha2gqa.units import format_bytes
 
@@ -264,7 +265,7 @@ def _eval_section(results) -> list[str]:
         kv = (r.get("kv_cache") or {}).get("measured_bytes_per_token")
         tasks = (r.get("lm_eval") or {}).get("tasks") or {}
         shown = "; ".join(
-            f"{task} {metric} {m['value']:.4g}" + (f" ± {m['stderr']:.2g}" if m.get("stderr") is not None else "")
+            f"{task} {metric} {lm_eval_brief(metric, m)}"
             for task, section in tasks.items()
             for metric, m in section["metrics"].items()
         )

@@ -42,7 +42,7 @@ def load_causal_lm(model_dir: Path, what: str = "model", progress: bool = True, 
     require_safetensors(model_dir, what)
     read_config(model_dir)  # a binary or list config.json, or bad head counts: one line, not transformers' error
     try:
-        with _quiet_transformers(progress):
+        with _quiet_transformers(progress and _weight_bytes(model_dir) >= BAR_FROM_BYTES):
             # ignore_mismatched_sizes: report a wrong shape in the loading info instead of raising
             # transformers' multi-line RuntimeError; the check below refuses it all the same.
             model, info = AutoModelForCausalLM.from_pretrained(
@@ -89,10 +89,19 @@ def _some(items: list[str]) -> str:
     return ", ".join(items[:SHOWN_KEYS]) + more
 
 
+# transformers' "Loading weights" bar: worth watching for a checkpoint of gigabytes; on a small one (the
+# embedded model: six bars per demo, each done in milliseconds) it is noise.
+BAR_FROM_BYTES = 1 << 30
+
+
+def _weight_bytes(model_dir: Path) -> int:
+    return sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
+
+
 @contextlib.contextmanager
 def _quiet_transformers(progress: bool):
     """No multi-line load report on stderr (its findings become our one line), and no progress bar
-    when the user asked for quiet; both restored afterwards."""
+    unless `progress` (a large checkpoint, and the user did not ask for quiet); both restored afterwards."""
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()

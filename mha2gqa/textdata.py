@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mha2gqa.errors import InputError, first_line
+from mha2gqa.quiet import without_datasets_bars
 from mha2gqa.sources import hub_offline
 
 # File suffix -> format; the format is also the name of the `datasets` builder that reads it.
@@ -375,9 +376,10 @@ def load_documents(
             check_file(source.key, path, field, field_key)
         kwargs = {"sample_by": sample_by} if fmt == "text" else {}
         try:
-            ds = datasets.load_dataset(
-                fmt, data_files=[str(f) for f in source.files], split="train", streaming=streaming, **kwargs
-            )
+            with without_datasets_bars():  # "Generating train split" of local files: seconds, and ours say more
+                ds = datasets.load_dataset(
+                    fmt, data_files=[str(f) for f in source.files], split="train", streaming=streaming, **kwargs
+                )
         except datasets.exceptions.DatasetGenerationError as err:
             raise InputError(
                 f"{source.key}: `datasets` could not read the files ({_cause(err)}): "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from contextlib import contextmanager
 
@@ -40,6 +41,18 @@ class _Group(click.Group):
     unwind as KeyboardInterrupt), one line, exit 128 + the signal number; anything else is our bug
     and keeps its traceback."""
 
+    def format_commands(self, ctx, formatter):
+        """Each command with its whole summary (its short_help, else its help's first sentence),
+        wrapped, not cut mid-sentence to fit one line as click's default does."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=10_000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
     def invoke(self, ctx):
         try:
             with signals_as_interrupts(), _one_line_warnings():
@@ -57,9 +70,21 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mha2gqa")
-def main():
+@click.option(
+    "--threads",
+    metavar="N",
+    default=None,
+    help="CPU threads for torch (also MHA2GQA_THREADS=N). Default: 1 for demo and reproduce (the small "
+    "embedded model), torch's one per core otherwise; OMP_NUM_THREADS, when set, is kept.",
+)
+def main(threads):
     """Convert multi-head attention (MHA) checkpoints to grouped-query (GQA) or multi-query (MQA)
     attention, uptrain them briefly, and measure what was lost and what was saved."""
+    from mha2gqa import threads as thread_count
+
+    if threads is not None:
+        os.environ[thread_count.ENV] = str(thread_count.parse(threads, "--threads"))
+    thread_count.apply()
 
 
 def _register():

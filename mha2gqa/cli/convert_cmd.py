@@ -8,7 +8,7 @@ import click
 
 from mha2gqa.cli.fields import field_option
 from mha2gqa.cli.format import human_count, table
-from mha2gqa.convert.options import METHOD_SUMMARIES, ConvertOptions, Grouping, RefineOptions
+from mha2gqa.convert.options import METHOD_SUMMARIES, ConvertOptions, Grouping, Method, RefineOptions
 from mha2gqa.docfields import choice_docs, option_help
 from mha2gqa.units import format_bytes, format_size
 
@@ -23,11 +23,11 @@ def _refine_option(flag: str, field: str, **kwargs):
     return field_option(RefineOptions, flag, field=field, **kwargs)
 
 
-@click.command()
+@click.command(short_help="Convert SRC to grouped-query attention with GROUPS kv heads, written to DST.")
 @click.argument("src")
 @click.argument("dst")
 @_option("--groups", "-g", type=int, required=True)
-@_option("--method", choices=METHOD_SUMMARIES)
+@_option("--method", type=click.Choice([m.value for m in Method]), choices=METHOD_SUMMARIES)
 @_option("--seed")
 @_option("--dtype")
 @_option("--max-shard-size")
@@ -148,9 +148,15 @@ def refine_table(record: dict) -> str:
     return title + "\n" + table(["layer", "fit before", "fit after", "held-out before", "held-out after"], rows)
 
 
-@click.command()
+@click.command(short_help="Show SRC's attention and the KV-cache saving of every kv-head count.")
 @click.argument("src")
-@click.option("--context", default=4096, show_default=True, help="Sequence length for the per-sequence KV-cache size.")
+@click.option(
+    "--context",
+    type=int,
+    default=None,
+    help="Sequence length for the per-sequence KV-cache size [default: the model's context length from its "
+    "config.json, e.g. max_position_embeddings].",
+)
 @click.option("--batch", default=1, show_default=True, help="Batch size for the per-batch KV-cache size.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def inspect(src, context, batch, as_json):
@@ -181,5 +187,7 @@ def inspect(src, context, batch, as_json):
         ]
         for t in info["targets"]
     ]
+    context = info["context"]
     headers = ["kv heads", "q per kv", "KV/token", f"KV/seq@{context}", f"KV/batch of {batch}", "saving", "params"]
     click.echo(table(headers, rows))
+    click.echo(f"KV/seq at {context:,} tokens ({info['context_from']}); --context N for another length")

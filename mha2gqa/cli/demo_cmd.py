@@ -26,7 +26,7 @@ def _summary(report_json: Path) -> str:
     return table(headers, [[_cell(value, spec) for value, spec in zip(row, _SPECS)] for row in rows])
 
 
-@click.command()
+@click.command(short_help="Run the whole job on the embedded default: convert, evaluate, uptrain, report.")
 @click.option(
     "--groups", default=2, show_default=True, help="Target kv heads for the embedded 8-head model (1, 2 or 4)."
 )
@@ -52,14 +52,16 @@ def demo(groups, out, quick, alpha, force):
     novels; no download): inspect, convert to GROUPS kv heads by mean-pooling, evaluate the parent and
     the converted model on held-out Persuasion, uptrain for ALPHA of the parent's pretraining tokens,
     evaluate again, and write a side-by-side report (markdown, html, plots) under OUT."""
+    from mha2gqa import threads
     from mha2gqa.demo import run_demo
 
+    threads.apply(threads.SMALL_MODEL_THREADS)
     written = run_demo(out, groups=groups, quick=quick, alpha=alpha, echo=click.echo, force=force)
     click.echo(_summary(Path(written["json"])))
     click.echo(f"report: {written['html']}")
 
 
-@click.command()
+@click.command(short_help="Reproduce the GQA paper's ablations at small scale on the embedded default.")
 @click.option(
     "--out",
     default="./mha2gqa-ablations",
@@ -81,6 +83,7 @@ def demo(groups, out, quick, alpha, force):
 def reproduce(out, methods, kv_heads, alphas, eval_blocks):
     """Reproduce the GQA paper's ablations at small scale on the embedded default: perplexity on
     held-out Persuasion for every method x kv heads x alpha, as a table and plots under OUT."""
+    from mha2gqa import threads
     from mha2gqa.demo import markdown_table
     from mha2gqa.demo import reproduce as run_reproduce
     from mha2gqa.errors import InputError
@@ -91,6 +94,7 @@ def reproduce(out, methods, kv_heads, alphas, eval_blocks):
         except ValueError:
             raise InputError(f"{flag} {text!r} must be a comma-separated list of numbers, e.g. 0,0.05") from None
 
+    threads.apply(threads.SMALL_MODEL_THREADS)
     grid, written = run_reproduce(
         out,
         methods=tuple(m.strip() for m in methods.split(",")),

@@ -31,7 +31,7 @@ def _str_list(ctx, param, value):
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
 
-@click.command("eval")
+@click.command("eval", short_help="Measure MODEL: perplexity, agreement with a parent, KV-cache bytes, decode speed.")
 @click.argument("model")
 @_option("--data")
 @_option("--data-config")
@@ -105,22 +105,23 @@ def summary(result: dict) -> str:
         f"{format_bytes(kv['formula_bytes_per_token'])} by formula: {'match' if kv['match'] else 'MISMATCH'}"
     )
     for p in (result["speed"] or {}).get("points", []):
+        low, high = p.get("tokens_per_s_iqr") or (None, None)
+        spread = f" (IQR {low:,.1f}-{high:,.1f}, {p['repeats']} runs)" if low is not None and "repeats" in p else ""
         lines.append(
-            f"  decode B={p['batch']} T={p['context']}: {p['tokens_per_s']:,.1f} tok/s, "
+            f"  decode B={p['batch']} T={p['context']}: {p['tokens_per_s']:,.1f} tok/s{spread}, "
             f"peak {format_bytes(p['peak_memory_bytes'])} ({p['peak_memory_kind']})"
         )
     if result["attention_maps"]:
         lines.append(f"  attention maps: {result['attention_maps']['png']}")
     for task, section in ((result["lm_eval"] or {}).get("tasks") or {}).items():
-        shown = ", ".join(
-            f"{name} {m['value']:.4g}" + (f" ± {m['stderr']:.2g}" if m["stderr"] is not None else "")
-            for name, m in section["metrics"].items()
-        )
+        from mha2gqa.eval.metrics import lm_eval_brief
+
+        shown = ", ".join(f"{name} {lm_eval_brief(name, m)}" for name, m in section["metrics"].items())
         lines.append(f"  {task} ({section['samples']} examples): {shown}")
     return "\n".join(lines)
 
 
-@click.command("report")
+@click.command("report", short_help="Compare eval results side by side: markdown, html and plots.")
 @click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option(
     "--out",

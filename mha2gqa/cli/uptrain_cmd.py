@@ -15,7 +15,11 @@ def _print_keys(ctx, _param, value):
     ctx.exit()
 
 
-@click.command("uptrain", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(
+    "uptrain",
+    short_help="Uptrain (continue pre-training) a model as a YAML recipe says.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 @click.option(
     "--recipe",
     required=True,

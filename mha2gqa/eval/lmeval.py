@@ -8,10 +8,13 @@ eval/tasks/ (OFFLINE_TASKS, built from held-out Persuasion, see docs/lmeval.md) 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
+import statistics
 from pathlib import Path
 
 from mha2gqa.errors import InputError
+from mha2gqa.quiet import LM_EVAL_NOISE, without_datasets_bars, without_log_messages
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 OFFLINE_TASKS = ("persuasion_cloze", "persuasion_next_sentence")
@@ -131,21 +134,23 @@ def run_lm_eval(
     from lm_eval.models.huggingface import HFLM
 
     manager = manager or task_manager(tasks)
-    wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    with without_log_messages(LM_EVAL_NOISE):  # we hand lm-eval our loaded model on purpose, in one process
+        wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     # lm-eval bootstraps perplexity's stderr in a fork()ed multiprocessing pool unless DISABLE_MULTIPROC
     # is set; forking a process that already runs torch's threads can deadlock (seen in the demo), and
     # the in-process path draws the same seeded resamples, so the numbers are identical.
     previous = os.environ.get("DISABLE_MULTIPROC")
     os.environ["DISABLE_MULTIPROC"] = "1"
     try:
-        out = lm_eval.simple_evaluate(
-            model=wrapped,
-            tasks=list(tasks),
-            limit=limit,
-            task_manager=manager,
-            bootstrap_iters=BOOTSTRAP_ITERS,
-            log_samples=False,
-        )
+        with without_log_messages(LM_EVAL_NOISE), without_datasets_bars():
+            out = lm_eval.simple_evaluate(
+                model=wrapped,
+                tasks=list(tasks),
+                limit=limit,
+                task_manager=manager,
+                bootstrap_iters=BOOTSTRAP_ITERS,
+                log_samples=True,  # the per-example log-likelihoods give perplexity an honest interval
+            )
     finally:
         if previous is None:
             del os.environ["DISABLE_MULTIPROC"]
@@ -157,17 +162,43 @@ def run_lm_eval(
         "bootstrap_iters": BOOTSTRAP_ITERS,
         "tasks": {
             task: fold_task(
-                metrics, out["higher_is_better"].get(task, {}), out["n-samples"].get(task, {}).get("effective")
+                metrics,
+                out["higher_is_better"].get(task, {}),
+                out["n-samples"].get(task, {}).get("effective"),
+                perplexity_intervals(out["configs"].get(task, {}), out["samples"].get(task, [])),
             )
             for task, metrics in out["results"].items()
         },
     }
 
 
-def fold_task(raw: dict, higher_is_better: dict, samples: int | None) -> dict:
+def perplexity_intervals(config: dict, samples: list[dict]) -> dict[str, list[float]]:
+    """{metric: [low, high]}, the 95% interval of each perplexity-aggregated metric, from its examples.
+
+    lm-eval's stderr of a perplexity is a bootstrap of exp(mean nll): a few examples with a very
+    unlikely target word (nll 15-20 nats) move a resample's mean by a nat or more, and exp() turns
+    that into a right tail, so the "stderr" can be several times the value (8,081 ± 57,586 on 40
+    cloze examples). The mean nll itself is an ordinary mean with an ordinary standard error; its
+    interval, exponentiated, is the perplexity's, and stays on the multiplicative scale it lives on."""
+    intervals = {}
+    for entry in config.get("metric_list") or []:
+        name = entry.get("metric")
+        if entry.get("aggregation") != "perplexity" or not isinstance(name, str):
+            continue
+        ll = [s[name] for s in samples if s.get("filter", "none") == "none" and _is_number(s.get(name))]
+        if len(ll) < 2:
+            continue
+        nll = -statistics.fmean(ll)
+        half = 1.96 * statistics.stdev(ll) / math.sqrt(len(ll))
+        intervals[name] = [math.exp(nll - half), math.exp(min(nll + half, 700.0))]
+    return intervals
+
+
+def fold_task(raw: dict, higher_is_better: dict, samples: int | None, intervals: dict | None = None) -> dict:
     """lm-eval's {"acc,none": 0.4, "acc_stderr,none": 0.02, "alias": ...} -> {"samples": n, "metrics":
-    {"acc": {"value", "stderr", "higher_is_better"}}}. A filter other than "none" (e.g. gsm8k's
-    strict-match) stays in the name: "exact_match (strict-match)"."""
+    {"acc": {"value", "stderr", "higher_is_better"}}}, and "interval_95" for a perplexity with one in
+    `intervals`. A filter other than "none" (e.g. gsm8k's strict-match) stays in the name:
+    "exact_match (strict-match)"."""
     metrics = {}
     for key, value in raw.items():
         name, _, filter_name = key.partition(",")
@@ -180,6 +211,8 @@ def fold_task(raw: dict, higher_is_better: dict, samples: int | None) -> dict:
             "stderr": stderr if _is_number(stderr) else None,
             "higher_is_better": higher_is_better.get(name),
         }
+        if filter_name == "none" and name in (intervals or {}):
+            metrics[label]["interval_95"] = intervals[name]
     return {"samples": samples, "metrics": metrics}
 
 

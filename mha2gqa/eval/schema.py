@@ -38,6 +38,14 @@ def _value(result: dict, section: str, key: str):
     return part.get(key) if isinstance(part, dict) else None
 
 
+def field(result: dict, dotted: str):
+    """The value at a dotted path ("perplexity.perplexity"), None where a section or key is absent."""
+    node = result
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
 def perplexity(result: dict) -> float | None:
     return _value(result, "perplexity", "perplexity")
 

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from mha2gqa.errors import InputError, first_line, is_user_fault, user_file_error
+from mha2gqa.quiet import SHARED_TENSOR_NOISE, without_log_messages
 from mha2gqa.uptrain.recipe import RESUME_FREE_KEYS, Recipe
 
 CHECKPOINTS = "checkpoints"
@@ -85,7 +86,8 @@ def save_checkpoint(accelerator, out: Path, progress: dict, keep_last: int) -> P
         (ckpt / DAMAGED).unlink(missing_ok=True)  # set aside by a --resume; replaced now
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(str(ckpt))
+        with without_log_messages(SHARED_TENSOR_NOISE):  # tied embeddings are saved once, as they should be
+            accelerator.save_state(str(ckpt))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             write_progress(ckpt, progress)

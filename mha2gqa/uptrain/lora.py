@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import layout_for
+from mha2gqa.quiet import without_peft_deprecation
 
 
 def target_modules(model, lora) -> list[str]:
@@ -72,7 +73,8 @@ def add_adapters(model, lora):
     if lora.load_in_4bit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     try:
-        return get_peft_model(model, config)
+        with without_peft_deprecation():
+            return get_peft_model(model, config)
     except ValueError as err:  # peft: "Target modules {...} not found in the base model"
         raise InputError(
             f"lora.target_modules={sorted(config.target_modules)} do not name modules of this "
@@ -98,7 +100,8 @@ def merge_into_source(peft_model, source_dir: Path, dtype):
 
     adapters = {k: v.detach().to("cpu", torch.float32) for k, v in get_peft_model_state_dict(peft_model).items()}
     base = load_causal_lm(source_dir, "the QLoRA run's source", dtype=dtype)
-    fresh = get_peft_model(base, peft_model.peft_config["default"])
+    with without_peft_deprecation():
+        fresh = get_peft_model(base, peft_model.peft_config["default"])
     set_peft_model_state_dict(fresh, adapters)
     return fresh.merge_and_unload()
 

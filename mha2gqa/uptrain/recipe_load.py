@@ -37,7 +37,7 @@ def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
     _apply_overrides(raw, list(overrides), problems)
     recipe = _build(Recipe, raw, "", problems)
     _check_numbers(recipe, problems)
-    _check_budget(recipe, problems)
+    _check_budget(recipe, problems, overridden={item.partition("=")[0].strip() for item in overrides})
     _check_sources(recipe, problems, check_files)
     _check_data(recipe, problems, check_files)
     _check_lora(recipe, problems)
@@ -198,12 +198,21 @@ def _check_numbers(r: Recipe, p: list[str]) -> None:
     _need(p, r.distill.temperature > 0, f"distill.temperature={r.distill.temperature} must be positive")
 
 
-def _check_budget(r: Recipe, p: list[str]) -> None:
+def _check_budget(r: Recipe, p: list[str], overridden: set[str] = frozenset()) -> None:
+    """`overridden`: the keys given as key=value. Overriding one budget on a recipe that sets another
+    leaves both set; the message then names the one to unset (budget.alpha=null)."""
     b = r.budget
     chosen = [k for k in ("max_steps", "tokens", "alpha") if getattr(b, k) is not None]
-    if len(chosen) != 1:
-        got = ", ".join(f"budget.{k}" for k in chosen) or "none"
-        p.append(f"set exactly one of budget.max_steps, budget.tokens, budget.alpha (got {got})")
+    if len(chosen) > 1:
+        from_recipe = [f"budget.{k}" for k in chosen if f"budget.{k}" not in overridden]
+        unset = from_recipe if 0 < len(from_recipe) < len(chosen) else [f"budget.{k}" for k in chosen[1:]]
+        p.append(
+            f"set exactly one of budget.max_steps, budget.tokens, budget.alpha (got "
+            f"{', '.join(f'budget.{k}' for k in chosen)}): unset the one(s) you do not want with "
+            f"{' '.join(f'{key}=null' for key in unset)}"
+        )
+    elif not chosen:
+        p.append("set exactly one of budget.max_steps, budget.tokens, budget.alpha (got none)")
     for key in ("max_steps", "tokens", "alpha", "pretrain_tokens"):
         value = getattr(b, key)
         _need(p, value is None or value > 0, f"budget.{key}={value} must be positive")
