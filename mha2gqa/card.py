@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 from pathlib import Path
 
 import yaml
 
-from mha2gqa import __version__, provenance
+from mha2gqa import provenance
 from mha2gqa.eval.metrics import lm_eval_brief
 from mha2gqa.layouts import DTYPE_BYTES, config_dtype, kv_cache_bytes
 from mha2gqa.units import format_bytes
+from mha2gqa.version import __version__
 
 CARD = "README.md"
 SOURCE_CARD = "SOURCE_README.md"
@@ -281,20 +283,9 @@ def _eval_section(results) -> list[str]:
 def _reproduce_section(conversion, after, name: str) -> list[str]:
     lines = ["## Reproduce", "", "```bash"]
     if conversion:
-        cmd = f"mha2gqa convert {hub_id(conversion['source']) or conversion['source']} OUT --groups {conversion['groups']}"
-        cmd += f" --method {conversion['method']}"
-        if conversion["method"] == "random":
-            cmd += f" --seed {conversion['seed']}"
-        if conversion.get("grouping", "contiguous") != "contiguous":
-            cmd += f" --grouping {conversion['grouping']}"
-        calib = conversion.get("calibration")
-        if calib:
-            cmd += f" --calibration {calib.get('data')} --calibration-tokens {calib.get('tokens')}"
-        if conversion.get("refine"):
-            cmd += " --refine"
-        if conversion.get("dtype") not in (None, "unchanged"):
-            cmd += f" --dtype {conversion['dtype']}"
-        lines.append(cmd)
+        # convert records the command its plan made (prepare.ConversionPlan.command); older records get one
+        # rebuilt from their fields.
+        lines.append(conversion.get("command") or _legacy_command(conversion))
     if any(s["stage"] == "uptrain" for s in after):
         lines += [
             "# the resolved recipe is below; save it as recipe.yaml (set model: and output_dir:)",
@@ -315,6 +306,30 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
             ]
     lines += [f"Everything above is read from [{provenance.FILE_NAME}]({provenance.FILE_NAME}), the full record.", ""]
     return lines
+
+
+def _legacy_command(conversion: dict) -> str:
+    """The convert command of a record written before convert recorded its own."""
+    words = ["mha2gqa", "convert", hub_id(conversion["source"]) or conversion["source"], "OUT"]
+    words += ["--groups", str(conversion["groups"]), "--method", conversion["method"]]
+    if conversion.get("seed"):
+        words += ["--seed", str(conversion["seed"])]
+    if conversion.get("grouping", "contiguous") != "contiguous":
+        words += ["--grouping", conversion["grouping"]]
+    if conversion.get("dtype") not in (None, "unchanged"):
+        words += ["--dtype", conversion["dtype"]]
+    calib = conversion.get("calibration")
+    if calib:
+        data = calib.get("data")
+        for entry in data if isinstance(data, list) else [data]:
+            words += ["--calibration", str(entry)]
+        words += ["--calibration-tokens", str(calib.get("tokens"))]
+    refine = (conversion.get("refine") or {}).get("options")
+    if refine is not None:
+        words += ["--refine", "--refine-steps", str(refine["steps"]), "--refine-lr", repr(refine["lr"])]
+        if refine.get("tokens") is not None:
+            words += ["--refine-tokens", str(refine["tokens"])]
+    return shlex.join(words)
 
 
 def _source_section(conversion, source_card: Path | None, source_meta: dict) -> list[str]:

@@ -61,6 +61,15 @@ def _near(name: str, known: str) -> bool:
     return name != known and difflib.SequenceMatcher(None, name.lower(), known).ratio() >= 0.8
 
 
+def target_groups() -> list[int]:
+    """The kv-head counts the embedded model converts to (what `demo --groups` accepts), by the rule
+    `convert` checks (layouts.target_groups)."""
+    from mha2gqa.layouts import attention_shape, read_config
+    from mha2gqa.layouts import target_groups as valid_targets
+
+    return valid_targets(attention_shape(read_config(MODEL_DIR)))
+
+
 def read_novel(name: str) -> str:
     """One novel's full text."""
     return gzip.decompress(novel_path(name).read_bytes()).decode("utf-8")

@@ -31,8 +31,8 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mha2gqa import __version__
 from mha2gqa.errors import InputError
+from mha2gqa.version import __version__
 
 FILE_NAME = "mha2gqa.json"
 SCHEMA = "mha2gqa.provenance/2"

@@ -16,7 +16,6 @@ from tiny_models import MODEL_TYPES, make_tiny_tokenizer, save_tiny_model
 
 from mha2gqa.checkpoint import SafetensorsCheckpoint
 from mha2gqa.convert import fast
-from mha2gqa.convert.methods import METHODS
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.plan import make_plan, output_shapes
 from mha2gqa.convert.roles import KV_ROLES, layer_names, pack, unpack
@@ -218,9 +217,9 @@ def test_torch_runs_what_the_fast_executor_cannot_match(tmp_path, monkeypatch):
 
 
 def test_the_fast_methods_are_the_plain_ones():
-    """fast.py assumes what METHODS says: no calibration, q/o left alone."""
+    """fast.py assumes what Method says: no calibration, q/o left alone."""
     for method in fast.METHODS:
-        assert not METHODS[method].needs_calibration and not METHODS[method].rewrites_query_output
+        assert not method.needs_calibration and not method.rewrites_query_output
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import click
 
-from mha2gqa import __version__
 from mha2gqa.errors import WeightWarning, exit_report, signals_as_interrupts
+from mha2gqa.version import __version__
 
 
 class _OneLineError(click.ClickException):

@@ -12,8 +12,8 @@ It is used only where that holds (request_refusal and plan_refusal say why not o
 or first, contiguous groups, no calibration or refine, a layout of layouts.LAYOUTS, attention tensors in
 F32/F16/BF16, and --dtype casts only between those. random draws from torch's generator and mean-norm
 reduces in torch's summation order, so both stay on torch.
-The checks before the plan (header validation, shapes, destination, room, lock) are run.py's own,
-shared by both executors.
+The checks before the plan (header validation, shapes) are prepare.py's, the destination, room and lock
+run.py's, shared by both executors.
 """
 
 from __future__ import annotations
@@ -43,14 +43,16 @@ _CODE_OF = {dtype: code for code, dtype in _STORED.items()}
 TORCH_ENV = "MHA2GQA_CONVERT_WITH_TORCH"
 
 
-def request_refusal(options: ConvertOptions, config: dict) -> str | None:
-    """Why the request itself needs torch, or None. Decided before the plan, so a plain request never
-    imports the torch-side checks (every one of them passes on a plain request)."""
+def request_refusal(options: ConvertOptions, config: dict, calibrated: bool | None = None) -> str | None:
+    """Why the request itself needs torch, or None. calibrated: calibration data or statistics are given
+    (default: options.calibration is set)."""
     if os.environ.get(TORCH_ENV, "0") not in ("", "0"):
         return f"{TORCH_ENV} is set"
     if options.method not in METHODS:
         return f"method {options.method} ({', '.join(METHODS)} run without torch)"
-    if options.calibration is not None or options.refine is not None or options.grouping != Grouping.CONTIGUOUS:
+    if calibrated is None:
+        calibrated = options.calibration is not None
+    if calibrated or options.refine is not None or options.grouping != Grouping.CONTIGUOUS:
         return "calibration, refine or similarity grouping"
     if config.get("model_type") not in LAYOUTS:
         return f"model_type {config.get('model_type')!r} has no explicit layout (generic or retargeted)"

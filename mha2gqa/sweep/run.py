@@ -82,18 +82,17 @@ def _conversion_options(candidate: Candidate, calibration, options: SweepOptions
 
 def _convert(source: Path, dst: Path, candidate: Candidate, calibration, options: SweepOptions, dry_run=False):
     """The sweep's one call of convert (its checks, plan and writer, unchanged). `calibration` is the data
-    for a dry run and the CalibrationStats gathered once for a real one."""
+    for a dry run and the CalibrationStats gathered once for a real one (convert's `stats`)."""
     from mha2gqa.convert.run import convert
 
-    return convert(source, dst, options=_conversion_options(candidate, calibration, options, dry_run))
+    data, stats = (calibration, None) if dry_run else (None, calibration)
+    return convert(source, dst, options=_conversion_options(candidate, data, options, dry_run), stats=stats)
 
 
 def _bytes_needed(source: Path, plans: dict, shape: AttentionShape, keep: bool) -> int:
     """What OUT must hold at the worst moment: the calibration statistics, and every kept model or the
     largest temporary one (each is removed before the next is written)."""
-    from mha2gqa.convert.run import _bytes_needed as model_bytes
-
-    sizes = [model_bytes(source, plan) for plan in plans.values()]
+    sizes = [plan.bytes_written for plan in plans.values()]
     statistics = shape.layers * (shape.hidden + 1) ** 2 * 8
     return statistics + (sum(sizes) if keep else max(sizes)) + (1 << 20)
 
@@ -204,7 +203,9 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     textdata.resolve("--data", options.data)
     _check_out(out)
     models_dir = out / "models"
-    plans = {c: _convert(source, models_dir / c.name, c, calibration, options, dry_run=True).plan for c in candidates}
+    plans = {
+        c: _convert(source, models_dir / c.name, c, calibration, options, dry_run=True).conversion for c in candidates
+    }
     _check_room(out, _bytes_needed(source, plans, shape, options.keep))
 
     from mha2gqa.eval.run import evaluate
