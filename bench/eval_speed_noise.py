@@ -4,8 +4,9 @@ whether the report claims a speed-up only where the spread allows one.
 The embedded parent (8 kv heads) and its mean-pooled GQA-2 conversion are measured in alternating
 rounds (ABAB, so a change of machine load hits both), each round as `eval --speed cpu` would; every
 round's pair goes through `write_report`, and the table shows per round each model's median tokens/s
-with its interquartile range, the timed repeats taken, the seconds the speed section took (the bound
-the time budget gives), and the report's speed-up with its range and noise mark.
+with its interquartile range, the timed repeats taken, the seconds the whole eval took (model load, KV
+measurement, the speed grid: what the time budget bounds), and the report's speed-up with its range and
+noise mark.
 
 Run:       python bench/eval_speed_noise.py --rounds 3      (about a minute on a quiet 2-core machine)
 Smoke run: python bench/eval_speed_noise.py --smoke         (one round, a one-point grid: seconds)
@@ -44,7 +45,7 @@ def main() -> None:
         gqa = work / "gqa2"
         mha2gqa.convert(embedded.model_dir(), gqa, groups=2, progress=False)
         print(
-            "| round | model | tok/s median (IQR) | repeats | speed section s | speed-up (range) | report says |",
+            "| round | model | tok/s median (IQR) | repeats | eval s (load, KV, speed) | speed-up (range) | report says |",
             "|---|---|---|---|---|---|---|",
             sep="\n",
         )

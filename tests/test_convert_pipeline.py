@@ -284,3 +284,18 @@ def test_a_refit_that_goes_non_finite_is_kept_as_merged_and_said(tmp_path, tiny_
     assert {row.get("kept_merged") for row in result.refine["layers"]} == {"non-finite"}
     convert(tiny_src, tmp_path / "merged", 2, **kwargs)
     assert _checkpoint_files(tmp_path / "wild") == _checkpoint_files(tmp_path / "merged")
+
+
+def test_refine_of_an_unsupported_layout_is_refused_before_anything_is_created(tmp_path, calibration_file):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    src = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=64)).save_pretrained(src)
+    make_tiny_tokenizer(src)
+    parent = tmp_path / "out"
+    parent.mkdir()
+    args = ["convert", str(src), str(parent / "dst"), "-g", "1", "--calibration", calibration_file, "--refine"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and result.output.count("Error:") == 1, result.output
+    assert "--refine cannot refine model_type 'gpt2'" in result.output
+    assert list(parent.iterdir()) == []

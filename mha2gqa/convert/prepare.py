@@ -45,6 +45,10 @@ CALIBRATION_BATCH = 8  # blocks per calibration forward (calibration.collect_sta
 HOLDOUT_FRACTION = 1 / 8  # of the refine blocks, held out to check each layer's fit
 REFINE_BUFFERS = 4  # (tokens, hidden) float32 buffers refine holds for one layer (refine.BUFFERS)
 TOKENS_PER_HIDDEN = 64  # default --refine-tokens per unit of hidden size (docs/refine.md)
+# Resident memory of the process before any tensor (measured with /usr/bin/time -v on the 2-core
+# development machine: numpy executor 46 MiB peak for a whole 21 MiB conversion; python + torch +
+# transformers + accelerate imported, 248 MiB).
+RUNTIME_BYTES = {"numpy": 48 << 20, "torch": 256 << 20}
 
 
 @dataclass(frozen=True)
@@ -321,8 +325,7 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> No
             )
         )
         plan.scratch_bytes += stats_bytes
-        activations = CALIBRATION_BATCH * seq_len * shape.hidden * 4 * 8  # a forward's largest tensors, roughly
-        peak = max(peak, model_bytes + min(stats_bytes, plan.calibration_memory) + activations)
+        peak = max(peak, model_bytes + min(stats_bytes, plan.calibration_memory) + _forward_bytes(shape, seq_len))
     elif plan.stats is not None:
         stages.append(Stage("calibrate", f"skipped: statistics passed in ({plan.stats.tokens:,} tokens)"))
     executor = "numpy, no torch" if plan.torch_reason is None else f"torch: {plan.torch_reason}"
@@ -358,10 +361,19 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> No
             plan.scratch_bytes += buffer_bytes
         attention = sum(out.nbytes for s in tensors.steps if s.is_transform for out in s.outputs)
         converted = model_bytes if options.dtype else 0  # with --dtype the converted model holds its own cast copy
-        peak = max(peak, model_bytes + converted + 3 * attention + (0 if spills else buffer_bytes))
+        peak = max(
+            peak,
+            model_bytes + converted + 3 * attention + (0 if spills else buffer_bytes) + _forward_bytes(shape, seq_len),
+        )
     stages.append(Stage("metadata", "config.json, tokenizer and other files, mha2gqa.json, README.md card"))
     plan.stages = stages
-    plan.peak_memory = peak
+    plan.peak_memory = peak + RUNTIME_BYTES["numpy" if plan.torch_reason is None else "torch"]
+
+
+def _forward_bytes(shape: AttentionShape, seq_len: int) -> int:
+    """The largest activations of one calibration forward (a batch of blocks), float32: a few hidden-wide
+    tensors per token and one layer's attention scores. Roughly: the MLP's width is not in the shape."""
+    return CALIBRATION_BATCH * seq_len * (8 * shape.hidden + shape.heads * seq_len) * 4
 
 
 def _data_words(data) -> str:
