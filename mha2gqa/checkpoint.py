@@ -277,16 +277,26 @@ class OutputTensor:
         return numel * ITEMSIZE[self.dtype]
 
 
-def assign_shards(tensors: list[OutputTensor], max_shard_bytes: int) -> list[list[OutputTensor]]:
-    """Greedy, in write order: a new shard starts when the next tensor would overflow the current one."""
+def assign_shards(
+    tensors: list[OutputTensor], max_shard_bytes: int, copied_from: dict[str, TensorInfo] | None = None
+) -> list[list[OutputTensor]]:
+    """Greedy, in write order: a new shard starts when the next tensor would overflow the current one, or
+    when it is copied from another source file than the copies already in it (copied_from: output name ->
+    source tensor). Within one shard every tensor's place is fixed by the header's length, so only the
+    copies of one source file can all keep their offset within a page, and copy_file_range moved
+    misaligned bytes at 0.6x the speed of aligned ones (ext4, page cache warm)."""
+    copied_from = copied_from or {}
     shards: list[list[OutputTensor]] = [[]]
-    used = 0
+    used, origin = 0, None
     for tensor in tensors:
-        if shards[-1] and used + tensor.nbytes > max_shard_bytes:
+        source = copied_from.get(tensor.name)
+        other_file = source is not None and origin is not None and source.file != origin
+        if shards[-1] and (used + tensor.nbytes > max_shard_bytes or other_file):
             shards.append([])
-            used = 0
+            used, origin = 0, None
         shards[-1].append(tensor)
         used += tensor.nbytes
+        origin = source.file if source is not None else origin
     return shards
 
 
@@ -305,18 +315,20 @@ class ShardedWriter:
         out_dir: Path,
         tensors: list[OutputTensor],
         max_shard_bytes: int,
-        copied_from: dict[str, int] | None = None,
+        copied_from: dict[str, TensorInfo] | None = None,
     ):
-        """copied_from: the source byte offset of each tensor copy_bytes will copy (Plan.copies): each shard's
-        header is padded so that most of those bytes land at their source's offset within a page."""
+        """copied_from: the source tensor of each output that copy_bytes will copy (Plan.copies): shards hold
+        the copies of one source file each, and each shard's header is padded so that those bytes land at
+        their source's offset within a page."""
         self.out_dir = Path(out_dir)
         self._copied_from = copied_from or {}
-        self.shards = assign_shards(tensors, max_shard_bytes)
+        self.shards = assign_shards(tensors, max_shard_bytes, self._copied_from)
         self.file_names = shard_file_names(len(self.shards))
         self._pending = [(i, t) for i, shard in enumerate(self.shards) for t in shard]
         self._position = 0
         self._shard_index = -1
         self._file = None
+        self._run: tuple[Path, int, int] | None = None  # source bytes [start, end) of file still to copy
 
     def _next(self, name: str, nbytes: int) -> None:
         if self._position >= len(self._pending):
@@ -330,6 +342,7 @@ class ShardedWriter:
 
     def _open_shard(self, index: int) -> None:
         if self._file is not None:
+            self._copy_run()
             self._file.close()
         self._shard_index = index
         self._file = open(self.out_dir / self.file_names[index], "wb", buffering=0)
@@ -341,20 +354,34 @@ class ShardedWriter:
     def write_array(self, name: str, array) -> None:
         """A numpy array's bytes, in C order (the torch-free executor writes these directly)."""
         self._next(name, array.nbytes)
+        self._copy_run()
         if array.nbytes:
             self._file.write(memoryview(array.reshape(-1) if array.flags.c_contiguous else array.copy().reshape(-1)))
 
     def copy_bytes(self, name: str, source: TensorInfo) -> None:
-        """Copy a tensor unchanged, file to file, inside the kernel where the platform allows."""
+        """Copy a tensor unchanged, file to file, inside the kernel where the platform allows. Tensors that
+        lie back to back in one source file go in one copy (made before anything else is written): on ext4
+        (Linux 6.18) a copy_file_range of a few KB, such as a norm's weight, left every later copy into that
+        file at 0.7x the speed per CPU second."""
         self._next(name, source.nbytes)
-        with open(source.file, "rb", buffering=0) as src:
-            offset, remaining = source.start, source.nbytes
-            while remaining:
-                copied = _copy_range(src, self._file, offset, min(remaining, _COPY_CHUNK))
+        run = self._run
+        if run is not None and run[0] == source.file and run[2] == source.start:
+            self._run = (run[0], run[1], source.end)
+        else:
+            self._copy_run()
+            self._run = (source.file, source.start, source.end)
+
+    def _copy_run(self) -> None:
+        if self._run is None:
+            return
+        path, offset, end = self._run
+        self._run = None
+        with open(path, "rb", buffering=0) as src:
+            while offset < end:
+                copied = _copy_range(src, self._file, offset, min(end - offset, _COPY_CHUNK))
                 if not copied:  # the source shrank since its header was read: never an end, never a spin
-                    raise short_read(source.file, f"tensor {name!r}")
+                    raise short_read(path, "the tensors its header lists")
                 offset += copied
-                remaining -= copied
 
     def _page_phase(self, shard: list[OutputTensor]) -> int | None:
         """Where in a page this shard's data should start so that most copied bytes keep their source's
@@ -362,7 +389,8 @@ class ShardedWriter:
         votes: dict[int, int] = {}
         position = 0
         for tensor in shard:
-            start = self._copied_from.get(tensor.name)
+            source = self._copied_from.get(tensor.name)
+            start = source.start if source is not None else None
             if start is not None and (start - position) % 8 == 0:
                 phase = (start - position) % _PAGE
                 votes[phase] = votes.get(phase, 0) + tensor.nbytes
@@ -370,7 +398,8 @@ class ShardedWriter:
         return max(votes, key=votes.get) if votes else None
 
     def discard(self) -> None:
-        """After a failure: close the open shard (the caller removes the partial directory)."""
+        """After a failure: close the open shard, copy nothing more (the caller removes the partial directory)."""
+        self._run = None
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -379,6 +408,7 @@ class ShardedWriter:
         if self._position != len(self._pending):
             raise RuntimeError(f"writer closed after {self._position} of {len(self._pending)} tensors")
         if self._file is not None:
+            self._copy_run()
             self._file.close()
         if len(self.shards) > 1:
             weight_map = {t.name: self.file_names[i] for i, t in self._pending}

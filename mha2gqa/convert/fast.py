@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from mha2gqa.checkpoint import SafetensorsCheckpoint, ShardedWriter
 from mha2gqa.convert.casts import check_cast, numpy_range
@@ -34,6 +33,7 @@ from mha2gqa.convert.plan import Plan, Step
 from mha2gqa.convert.roles import KV_ROLES, pack, unpack
 from mha2gqa.errors import WeightWarning
 from mha2gqa.layouts import LAYOUTS
+from mha2gqa.progress import progress_bar
 
 METHODS = (Method.MEAN, Method.FIRST)
 CODES = ("F32", "F16", "BF16")
@@ -85,7 +85,7 @@ def write_tensors(
     pooling hides behind the copying. Only this thread writes, and warnings are raised here, in order."""
     copies = plan.copies(checkpoint.tensors)
     writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes, copies)
-    bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    bar = progress_bar(plan.bytes_out, "convert", progress, unit="B", unit_scale=True)
     to_compute = deque(step for step in plan.steps if step.outputs[0].name not in copies)
     worker, pending = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mha2gqa-pool"), deque()
     scratch = _Scratch()  # used by the one worker thread only

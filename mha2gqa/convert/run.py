@@ -16,8 +16,6 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from mha2gqa import provenance
 from mha2gqa.card import write_card
 from mha2gqa.checkpoint import ShardedWriter, atomic_directory, check_destination
@@ -28,6 +26,7 @@ from mha2gqa.convert.prepare import NOT_COPIED, OUT_DTYPES, ConversionPlan, pars
 from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import converted_config
+from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, short_read
 
 
@@ -159,9 +158,9 @@ def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: di
     checkpoint name), written as they are. Returns the per-layer merge report."""
 
     checkpoint, tensors, computed = plan.checkpoint, plan.tensors, computed or {}
-    copies = {name: offset for name, offset in tensors.copies(checkpoint.tensors).items() if name not in computed}
+    copies = {name: source for name, source in tensors.copies(checkpoint.tensors).items() if name not in computed}
     writer = ShardedWriter(out_dir, tensors.output_tensors(), plan.shard_bytes, copies)
-    bar = tqdm(total=tensors.bytes_out, unit="B", unit_scale=True, desc="convert", disable=not plan.options.progress)
+    bar = progress_bar(tensors.bytes_out, "convert", plan.options.progress, unit="B", unit_scale=True)
     layers = []
     try:
         for step in tensors.steps:
