@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mha2gqa import provenance
 from mha2gqa.errors import InputError
+from mha2gqa.writing import write_atomic
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CORPUS_DIR = DATA_DIR / "austen"
@@ -61,6 +62,15 @@ def _near(name: str, known: str) -> bool:
     return name != known and difflib.SequenceMatcher(None, name.lower(), known).ratio() >= 0.8
 
 
+def target_groups() -> list[int]:
+    """The kv-head counts the embedded model converts to (what `demo --groups` accepts), by the rule
+    `convert` checks (layouts.target_groups)."""
+    from mha2gqa.layouts import attention_shape, read_config
+    from mha2gqa.layouts import target_groups as valid_targets
+
+    return valid_targets(attention_shape(read_config(MODEL_DIR)))
+
+
 def read_novel(name: str) -> str:
     """One novel's full text."""
     return gzip.decompress(novel_path(name).read_bytes()).decode("utf-8")
@@ -83,9 +93,7 @@ def write_corpus(out_dir: str | os.PathLike, split: str = "train") -> list[Path]
         data = gzip.decompress(novel_path(name).read_bytes())
         path = out / f"{name}.txt"
         if not (path.is_file() and path.read_bytes() == data):
-            tmp = path.with_suffix(".txt.tmp")
-            tmp.write_bytes(data)
-            tmp.replace(path)  # atomic: a reader never sees half a novel
+            write_atomic(path, data)  # a reader never sees half a novel
         paths.append(path)
     return paths
 

@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from mha2gqa.errors import InputError, first_line
-from mha2gqa.layouts import Layout
+from mha2gqa.layout_spec import Layout
 
 OUTPUT_NAMES = ("o_proj", "out_proj", "dense")
 _LAYER = re.compile(r"^(?P<prefix>.*\.)(?P<index>\d+)\.(?P<attention>[^.]+(?:\.[^.]+)*)$")

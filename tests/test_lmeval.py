@@ -4,6 +4,8 @@ default, through `mha2gqa eval`, with every number checked against lm-eval calle
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ from mha2gqa import embedded
 from mha2gqa.cli import main
 from mha2gqa.errors import InputError
 from mha2gqa.eval import evaluate, write_report
-from mha2gqa.eval.lmeval import BOOTSTRAP_ITERS, OFFLINE_TASKS, TASKS_DIR
+from mha2gqa.eval.lmeval import BOOTSTRAP_ITERS, OFFLINE_TASKS, TASKS_DIR, perplexity_intervals
 
 pytest.importorskip("lm_eval")  # the [lmeval] extra; .ci/run installs it, so CI runs every test here
 
@@ -87,6 +89,32 @@ def test_tiny_model_numbers_equal_the_harness_called_directly(tiny, tmp_path):
     assert section["harness"].startswith("lm-eval 0.4") and section["limit"] == LIMIT
     assert_same_numbers(section, direct_harness(tiny, OFFLINE_TASKS, LIMIT))
     assert json.loads((tmp_path / "tiny.json").read_text())["lm_eval"] == section
+    # The perplexity's interval is centred (on its log scale) on the harness's own value.
+    cloze = section["tasks"]["persuasion_cloze"]["metrics"]["perplexity"]
+    low, high = cloze["interval_95"]
+    assert low < cloze["value"] < high and math.sqrt(low * high) == pytest.approx(cloze["value"])
+
+
+def test_perplexity_interval_is_the_mean_nlls_not_a_bootstrap_of_its_exp(monkeypatch):
+    import lm_eval.api.metrics as harness
+
+    monkeypatch.setenv("DISABLE_MULTIPROC", "1")  # the harness's bootstrap, in this process
+
+    ll = [-2.0, -3.0, -20.0, -2.5, -4.0, -1.5, -18.0, -3.5]  # two very unlikely target words
+    samples = [{"doc_id": i, "filter": "none", "perplexity": v, "acc": 0} for i, v in enumerate(ll)]
+    config = {
+        "metric_list": [{"metric": "perplexity", "aggregation": "perplexity"}, {"metric": "acc", "aggregation": "mean"}]
+    }
+    low, high = perplexity_intervals(config, samples)["perplexity"]
+    nll, se = -statistics.fmean(ll), statistics.stdev(ll) / math.sqrt(len(ll))
+    assert (low, high) == pytest.approx((math.exp(nll - 1.96 * se), math.exp(nll + 1.96 * se)))
+    value = harness.perplexity(ll)
+    assert low < value < high
+    # What the harness reports instead: a bootstrapped stderr as large as the value itself, whose ± would
+    # reach below zero.
+    stderr = harness.bootstrap_stderr(harness.perplexity, ll, iters=1000)
+    assert stderr > 0.5 * value and value - stderr < low
+    assert set(perplexity_intervals(config, samples)) == {"perplexity"}  # acc is a mean: its stderr stands
 
 
 def test_embedded_default_through_the_cli_equals_the_harness_and_reaches_the_report(tiny, tmp_path):
@@ -124,7 +152,7 @@ def test_embedded_default_through_the_cli_equals_the_harness_and_reaches_the_rep
     )
     written = write_report([out, tmp_path / "tiny.json"], tmp_path / "report")
     table = written["markdown"].read_text()
-    header = next(line for line in table.splitlines() if line.startswith("| model"))
+    header = next(line for line in table.splitlines() if line.startswith("| model | persuasion"))  # lm-eval's table
     for column in (
         "persuasion_cloze perplexity",
         "persuasion_cloze acc",
@@ -134,7 +162,7 @@ def test_embedded_default_through_the_cli_equals_the_harness_and_reaches_the_rep
         assert column in header
     base = ours["tasks"]["persuasion_next_sentence"]["metrics"]["acc"]["value"]
     mine = other["lm_eval"]["tasks"]["persuasion_next_sentence"]["metrics"]["acc"]["value"]
-    row = next(line for line in table.splitlines() if line.startswith("| tiny"))
+    row = [line for line in table.splitlines() if line.startswith("| tiny |")][1]  # its lm-eval row
     assert f"{100 * (mine - base):+.1f} pt" in row
     report = json.loads(written["json"].read_text())
     assert report["rows"][1]["lm_eval:persuasion_cloze:acc"] is None  # the tiny run had no cloze

@@ -34,7 +34,7 @@ def _refine_option(flag: str, field: str, **kwargs):
 @_option("--force", is_flag=True)
 @_option("--dry-run", is_flag=True)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@_option("--calibration", metavar="DATA")
+@_option("--calibration", metavar="DATA", multiple=True)
 @_option("--calibration-tokens")
 @_option("--calibration-memory", as_text=format_size)
 @_option("--grouping", type=click.Choice([g.value for g in Grouping]), choices=choice_docs(Grouping))
@@ -75,7 +75,6 @@ def convert(
     """
     from mha2gqa.convert.run import convert as run_convert
     from mha2gqa.convert.run import parse_size
-    from mha2gqa.embedded import expand_corpus_name
 
     refine_options = (
         RefineOptions(
@@ -93,7 +92,7 @@ def convert(
         force=force,
         dry_run=dry_run,
         progress=not quiet,
-        calibration=expand_corpus_name(calibration),
+        calibration=(list(calibration) if len(calibration) > 1 else calibration[0]) if calibration else None,
         calibration_tokens=calibration_tokens,
         calibration_memory=calibration_memory,
         grouping=grouping,
@@ -102,9 +101,7 @@ def convert(
     result = run_convert(src, dst, options=options)
     plan = result.plan
     if dry_run:
-        from mha2gqa.checkpoint import SafetensorsCheckpoint
-
-        for line in plan.describe(SafetensorsCheckpoint(result.source).tensors):
+        for line in plan.describe(result.conversion.checkpoint.tensors) + result.conversion.describe():
             click.echo(line)
     if result.layers:
         click.echo(layer_table(result.layers))

@@ -7,10 +7,15 @@ from pathlib import Path
 import click
 
 from mha2gqa.cli.format import table
+from mha2gqa.embedded import target_groups
 from mha2gqa.units import format_bytes
 
 # How each column of mha2gqa.demo.summary_rows prints (the label first, "bytes" as KiB/MiB).
 _SPECS = ["", ".2f", ".4f", ".3f", "bytes", ".2f"]
+
+
+def _listed(values: list[int]) -> str:
+    return ", ".join(map(str, values[:-1])) + f" or {values[-1]}" if len(values) > 1 else str(values[0])
 
 
 def _cell(value, spec: str) -> str:
@@ -28,7 +33,10 @@ def _summary(report_json: Path) -> str:
 
 @click.command(short_help="Run the whole job on the embedded default: convert, evaluate, uptrain, report.")
 @click.option(
-    "--groups", default=2, show_default=True, help="Target kv heads for the embedded 8-head model (1, 2 or 4)."
+    "--groups",
+    default=2,
+    show_default=True,
+    help=f"Target kv heads for the embedded 8-head model ({_listed(target_groups())}).",
 )
 @click.option(
     "--out",

@@ -28,7 +28,13 @@ def _int_list(ctx, param, value):
 
 
 def _str_list(ctx, param, value):
-    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+    """'a,b' -> ['a', 'b']; a value with no names in it ('' or ',, ,') is refused, not ignored."""
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise click.BadParameter(f"{value!r} names no task: give comma-separated names (e.g. hellaswag,arc_easy)")
+    return names
 
 
 @click.command("eval", short_help="Measure MODEL: perplexity, agreement with a parent, KV-cache bytes, decode speed.")
@@ -108,17 +114,18 @@ def summary(result: dict) -> str:
         f"{format_bytes(kv['formula_bytes_per_token'])} by formula: {'match' if kv['match'] else 'MISMATCH'}"
     )
     for p in (result["speed"] or {}).get("points", []):
+        low, high = p.get("tokens_per_s_iqr") or (None, None)
+        spread = f" (IQR {low:,.1f}-{high:,.1f}, {p['repeats']} runs)" if low is not None and "repeats" in p else ""
         lines.append(
-            f"  decode B={p['batch']} T={p['context']}: {p['tokens_per_s']:,.1f} tok/s, "
+            f"  decode B={p['batch']} T={p['context']}: {p['tokens_per_s']:,.1f} tok/s{spread}, "
             f"peak {format_bytes(p['peak_memory_bytes'])} ({p['peak_memory_kind']})"
         )
     if result["attention_maps"]:
         lines.append(f"  attention maps: {result['attention_maps']['png']}")
     for task, section in ((result["lm_eval"] or {}).get("tasks") or {}).items():
-        shown = ", ".join(
-            f"{name} {m['value']:.4g}" + (f" ± {m['stderr']:.2g}" if m["stderr"] is not None else "")
-            for name, m in section["metrics"].items()
-        )
+        from mha2gqa.eval.metrics import lm_eval_brief
+
+        shown = ", ".join(f"{name} {lm_eval_brief(name, m)}" for name, m in section["metrics"].items())
         lines.append(f"  {task} ({section['samples']} examples): {shown}")
     return "\n".join(lines)
 

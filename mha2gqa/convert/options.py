@@ -7,14 +7,11 @@ Method.MEAN compare equal, hash alike and serialise to the same JSON.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from mha2gqa.errors import InputError
 from mha2gqa.typed import StrEnum, check_keywords
-
-if TYPE_CHECKING:  # annotations only: it imports torch
-    from mha2gqa.convert.calibration import CalibrationStats
 
 DEFAULT_CALIBRATION_TOKENS = 131072
 DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held at once
@@ -33,6 +30,18 @@ class Method(StrEnum):
     MEAN_NORM = "mean-norm"
     CALIBRATED = "calibrated"
 
+    @property
+    def needs_calibration(self) -> bool:
+        """It merges from calibration statistics: refused without --calibration (or stats)."""
+        return self in _CALIBRATED_METHODS
+
+    @property
+    def rewrites_query_output(self) -> bool:
+        """It folds a mixing into q_proj/o_proj, so the plan routes q and o through the layer step."""
+        return self in _CALIBRATED_METHODS
+
+
+_CALIBRATED_METHODS = frozenset({Method.CALIBRATED})
 
 # One line on each method, for `--method`'s help; kept here so that `convert --help` needs no torch.
 METHOD_SUMMARIES = {
@@ -66,7 +75,8 @@ class RefineOptions:
     """Peak Adam learning rate for --refine (cosine-decayed to 0)."""
     memory: int = DEFAULT_REFINE_MEMORY
     """Most memory for one layer's activations during --refine (4 x tokens x hidden float32), a size such as
-    4GiB (in Python: bytes); beyond it they are memory-mapped files under $TMPDIR."""
+    4GiB (in Python: bytes); beyond it they are memory-mapped files inside DST's partial folder (their room
+    is checked and reserved before the run, and a killed run's are removed with its other debris)."""
     tokens: int | None = None
     """Calibration tokens --refine fits and checks on, in whole sequences spread evenly over the calibration
     tokens (all of them when fewer). Unset: 64 x the model's hidden size (the o_proj solve has that many
@@ -79,14 +89,22 @@ class RefineOptions:
     """Seeds the mini-batch order and the held-out split (the CLI passes --seed)."""
 
     def check(self) -> None:
-        if self.steps < 0:
+        """Refuse settings no fit can run with; a NaN or infinite learning rate would run every Adam step
+        on NaN and leave each layer as merged, so it is refused here rather than after minutes."""
+        if not _is_int(self.steps) or self.steps < 0:
             raise InputError(f"--refine-steps {self.steps} must be 0 or more (e.g. {DEFAULT_REFINE_STEPS})")
-        if not self.lr > 0:
-            raise InputError(f"--refine-lr {self.lr} must be positive (e.g. {DEFAULT_REFINE_LR})")
-        if self.memory < 1:
+        if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or not self.lr > 0:
+            raise InputError(f"--refine-lr {self.lr} must be a finite positive number (e.g. {DEFAULT_REFINE_LR})")
+        if not _is_int(self.memory) or self.memory < 1:
             raise InputError(f"--refine-memory {self.memory} must be positive (e.g. 4GiB)")
-        if self.tokens is not None and self.tokens < 1:
+        if self.tokens is not None and (not _is_int(self.tokens) or self.tokens < 1):
             raise InputError(f"--refine-tokens {self.tokens} must be positive (e.g. 32768)")
+        if not _is_int(self.batch_blocks) or self.batch_blocks < 1:
+            raise InputError(f"refine batch_blocks {self.batch_blocks} must be at least 1 (e.g. 4)")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -108,12 +126,12 @@ class ConvertOptions:
     by the command."""
     progress: bool = True
     """Show progress bars."""
-    calibration: str | list[str] | CalibrationStats | None = None
+    calibration: str | list[str] | None = None
     """Calibration text for --method calibrated, --grouping similarity, --refine and the per-layer
     reconstruction errors: a .txt/.md/.jsonl/.json/.parquet file (.gz/.bz2/.xz/.zst too), a folder of them,
-    'austen' (the embedded novels; command line only) or a hub dataset with a 'text' column (online).
-    Tokenized with SRC's tokenizer. In Python a sweep may pass the CalibrationStats it gathered once with
-    calibration.calibrate instead."""
+    'austen' (the embedded novels) or a hub dataset with a 'text' column (online); repeat the flag for several
+    (in Python: a list). Tokenized with SRC's tokenizer. In Python a sweep passes the statistics it gathered
+    once as convert(..., stats=...) instead."""
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
     """How many calibration tokens to run through SRC (once) to gather statistics."""
     grouping: Grouping | str = Grouping.CONTIGUOUS

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mha2gqa import embedded
+from mha2gqa.convert.options import ConvertOptions
+from mha2gqa.convert.prepare import prepare
 from mha2gqa.errors import InputError
 
 DEMO_RECIPE = Path(__file__).parent / "demo-uptrain.yaml"
@@ -78,20 +80,15 @@ def run_demo(
     if not 0 < settings.alpha <= 1:
         raise InputError(f"--alpha {settings.alpha} must be in (0, 1]: e.g. 0.05 for 5% of the pretraining tokens")
     parent = embedded.model_dir()
-    kv_heads = json.loads((parent / "config.json").read_text())["num_key_value_heads"]
-    valid = [g for g in range(1, kv_heads + 1) if kv_heads % g == 0]
-    if groups not in valid:  # checked here, not by convert: nothing may be created for a bad flag
-        raise InputError(
-            f"--groups {groups} must divide the embedded model's {kv_heads} kv heads "
-            f"(valid: {', '.join(map(str, valid))})"
-        )
+    # The conversion's every check (--groups among them), before OUT exists: a bad flag creates nothing.
+    conversion = prepare(parent, ConvertOptions(groups=groups, method="mean", force=True, progress=progress))
     with replacing_run(Path(out).expanduser(), force) as out:
-        return _run_stages(parent, out, groups, settings, echo, progress)
+        return _run_stages(parent, out, conversion, settings, echo, progress)
 
 
-def _run_stages(parent: Path, out: Path, groups: int, settings: DemoSettings, echo, progress: bool) -> dict:
+def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, echo, progress: bool) -> dict:
     from mha2gqa.convert.inspect import inspect_model
-    from mha2gqa.convert.run import convert
+    from mha2gqa.convert.run import execute
     from mha2gqa.eval import evaluate, write_report
     from mha2gqa.uptrain import load_recipe, train
 
@@ -102,7 +99,8 @@ def _run_stages(parent: Path, out: Path, groups: int, settings: DemoSettings, ec
     )
 
     converted = out / "converted"
-    convert(parent, converted, groups=groups, method="mean", force=True, progress=progress)
+    groups = conversion.options.groups
+    execute(conversion, converted)
     echo(f"[2/6] converted to {groups} kv heads by mean-pooling: {converted}")
 
     results = out / "results"

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import math
 import os
+import statistics
 from pathlib import Path
 
 from mha2gqa.errors import InputError
@@ -150,7 +152,7 @@ def run_lm_eval(
                 limit=limit,
                 task_manager=manager,
                 bootstrap_iters=BOOTSTRAP_ITERS,
-                log_samples=False,
+                log_samples=True,  # the per-example log-likelihoods give perplexity an honest interval
             )
     finally:
         if previous is None:
@@ -163,17 +165,43 @@ def run_lm_eval(
         "bootstrap_iters": BOOTSTRAP_ITERS,
         "tasks": {
             task: fold_task(
-                metrics, out["higher_is_better"].get(task, {}), out["n-samples"].get(task, {}).get("effective")
+                metrics,
+                out["higher_is_better"].get(task, {}),
+                out["n-samples"].get(task, {}).get("effective"),
+                perplexity_intervals(out["configs"].get(task, {}), out["samples"].get(task, [])),
             )
             for task, metrics in out["results"].items()
         },
     }
 
 
-def fold_task(raw: dict, higher_is_better: dict, samples: int | None) -> dict:
+def perplexity_intervals(config: dict, samples: list[dict]) -> dict[str, list[float]]:
+    """{metric: [low, high]}, the 95% interval of each perplexity-aggregated metric, from its examples.
+
+    lm-eval's stderr of a perplexity is a bootstrap of exp(mean nll): a few examples with a very
+    unlikely target word (nll 15-20 nats) move a resample's mean by a nat or more, and exp() turns
+    that into a right tail, so the "stderr" can be several times the value (8,081 ± 57,586 on 40
+    cloze examples). The mean nll itself is an ordinary mean with an ordinary standard error; its
+    interval, exponentiated, is the perplexity's, and stays on the multiplicative scale it lives on."""
+    intervals = {}
+    for entry in config.get("metric_list") or []:
+        name = entry.get("metric")
+        if entry.get("aggregation") != "perplexity" or not isinstance(name, str):
+            continue
+        ll = [s[name] for s in samples if s.get("filter", "none") == "none" and _is_number(s.get(name))]
+        if len(ll) < 2:
+            continue
+        nll = -statistics.fmean(ll)
+        half = 1.96 * statistics.stdev(ll) / math.sqrt(len(ll))
+        intervals[name] = [math.exp(nll - half), math.exp(min(nll + half, 700.0))]
+    return intervals
+
+
+def fold_task(raw: dict, higher_is_better: dict, samples: int | None, intervals: dict | None = None) -> dict:
     """lm-eval's {"acc,none": 0.4, "acc_stderr,none": 0.02, "alias": ...} -> {"samples": n, "metrics":
-    {"acc": {"value", "stderr", "higher_is_better"}}}. A filter other than "none" (e.g. gsm8k's
-    strict-match) stays in the name: "exact_match (strict-match)"."""
+    {"acc": {"value", "stderr", "higher_is_better"}}}, and "interval_95" for a perplexity with one in
+    `intervals`. A filter other than "none" (e.g. gsm8k's strict-match) stays in the name:
+    "exact_match (strict-match)"."""
     metrics = {}
     for key, value in raw.items():
         name, _, filter_name = key.partition(",")
@@ -186,6 +214,8 @@ def fold_task(raw: dict, higher_is_better: dict, samples: int | None) -> dict:
             "stderr": stderr if _is_number(stderr) else None,
             "higher_is_better": higher_is_better.get(name),
         }
+        if filter_name == "none" and name in (intervals or {}):
+            metrics[label]["interval_95"] = intervals[name]
     return {"samples": samples, "metrics": metrics}
 
 

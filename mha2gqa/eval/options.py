@@ -63,7 +63,8 @@ class EvalOptions:
     new_tokens: int | None = None
     """Greedy tokens decoded per speed measurement (overrides the preset)."""
     repeats: int | None = None
-    """Timed repeats per speed grid point; the median is reported (after 1 warm-up)."""
+    """Least timed repeats per speed grid point (default 3; more while a point took under the preset's 1 s cpu,
+    2 s gpu, at most 30), after 1 warm-up; the median and its interquartile range are reported."""
     kv_batch: int = 2
     """Batch of the prefill whose live KV cache is measured."""
     kv_tokens: int = 32
