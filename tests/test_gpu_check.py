@@ -56,6 +56,7 @@ def test_every_part_runs_in_order_and_the_failing_one_is_recorded(smoke):
     assert record["smoke"] is True and record["budget_s"] is None and record["machine"]["gpu"] is None
     table = (out / "gpu_check.md").read_text()
     assert "| uptrain_gpu | status | failed |" in table and "| fsdp | status | ok |" in table
+    assert re.search(r"^\| qlora \| part\.seconds \| [\d.]+ \|$", table, re.MULTILINE)
     assert "| convert_refine | stages.calibration.seconds |" in table
     assert "==== qlora:" in (out / "gpu_check.log").read_text()
 

@@ -206,6 +206,19 @@ def test_an_interrupted_sweep_keeps_its_finished_rows_and_no_temporary_model(tin
     assert sorted(p.name for p in out.iterdir()) == ["sweep.html", "sweep.json", "sweep.md", "sweep_quality_vs_kv.png"]
 
 
+def test_a_sweep_interrupted_before_any_candidate_leaves_nothing(tiny, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+
+    def interrupt(*_args, **_kwargs):
+        assert any(out.glob(".sweep-*"))  # the work directory exists while the parent is evaluated
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_run, "evaluate", interrupt)
+    result = cli(*_sweep_args(tiny, out))
+    assert result.exit_code == 130 and "nothing written" in result.output
+    assert not out.exists()
+
+
 def test_refine_adds_the_per_layer_sensitivity_heat_map(tiny, tmp_path):
     out = tmp_path / "out"
     options = SweepOptions(
@@ -251,7 +264,7 @@ def test_recommendation_is_the_smallest_cache_within_tolerance_or_the_next_comma
         "mha2gqa convert m kv4-calibrated --groups 4 --method calibrated --calibration austen"
     )
     assert "mha2gqa uptrain --recipe" in found["next"] and "model=kv4-calibrated" in found["next"]
-    assert found["line"].endswith(found["next"]) and "\n" not in found["line"]
+    assert found["line"] == f"{found['summary']}: {found['next']}" and "\n" not in found["line"]
 
 
 def test_pareto_front_keeps_only_points_nothing_beats_on_both_axes():

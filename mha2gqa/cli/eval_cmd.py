@@ -28,7 +28,13 @@ def _int_list(ctx, param, value):
 
 
 def _str_list(ctx, param, value):
-    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+    """'a,b' -> ['a', 'b']; a value with no names in it ('' or ',, ,') is refused, not ignored."""
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise click.BadParameter(f"{value!r} names no task: give comma-separated names (e.g. hellaswag,arc_easy)")
+    return names
 
 
 @click.command("eval", short_help="Measure MODEL: perplexity, agreement with a parent, KV-cache bytes, decode speed.")

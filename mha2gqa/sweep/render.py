@@ -173,7 +173,7 @@ def _status(record: dict) -> str:
     done, planned = len(record["candidates"]), len(record["planned"])
     if record["interrupted"]:
         return f"Interrupted: {done} of {planned} candidates finished (the rest did not run)."
-    return f"{done} candidates in {record['wall_s']:.0f} s."
+    return f"{done} candidate{'' if done == 1 else 's'} in {record['wall_s']:.0f} s."
 
 
 def _settings_line(record: dict) -> str:
@@ -198,8 +198,10 @@ def write_pages(record: dict, out: Path) -> dict[str, Path]:
         if heat:
             drawn["layer_sensitivity"] = heat
     headers, rows = table(record) if record["parent"] is not None else ([], [])
-    line = (record.get("recommendation") or {}).get("line", "")
+    found = record.get("recommendation") or {}
+    line, next_command = found.get("summary", ""), found.get("next")
     md = ["# mha2gqa sweep", "", _settings_line(record), "", _status(record), "", f"**{line}**", ""]
+    md += ["```bash", next_command, "```", ""] if next_command else []
     if rows:
         md += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         md += ["| " + " | ".join(r) + " |" for r in rows]
@@ -213,7 +215,9 @@ def write_pages(record: dict, out: Path) -> dict[str, Path]:
     page = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>mha2gqa sweep</title><style>{CSS}</style></head>"
         f"<body><h1>mha2gqa sweep</h1><p>{esc(_settings_line(record))}</p><p>{esc(_status(record))}</p>"
-        f"<p><b>{esc(line)}</b></p><table><tr>{''.join(f'<th>{esc(h)}</th>' for h in headers)}</tr>{body}</table>"
+        f"<p><b>{esc(line)}</b></p>"
+        + (f"<pre style='white-space:pre-wrap'><code>{esc(next_command)}</code></pre>" if next_command else "")
+        + f"<table><tr>{''.join(f'<th>{esc(h)}</th>' for h in headers)}</tr>{body}</table>"
         f"{images}</body></html>\n"
     )
     written = {"markdown": out / "sweep.md", "html": out / "sweep.html"}

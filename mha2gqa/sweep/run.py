@@ -33,6 +33,7 @@ from mha2gqa.eval.schema import SWEEP_SCHEMA, write_result
 from mha2gqa.layouts import AttentionShape, attention_shape, layout_for, read_config
 from mha2gqa.sources import resolve_model_dir
 from mha2gqa.sweep.options import SweepOptions
+from mha2gqa.writing import check_room
 
 UPTRAIN_RECIPE = Path(__file__).resolve().parent.parent / "demo" / "demo-uptrain.yaml"
 
@@ -89,24 +90,17 @@ def _convert(source: Path, dst: Path, candidate: Candidate, calibration, options
     return convert(source, dst, options=_conversion_options(candidate, data, options, dry_run), stats=stats)
 
 
-def _bytes_needed(source: Path, plans: dict, shape: AttentionShape, keep: bool) -> int:
+def _bytes_needed(plans: dict, shape: AttentionShape, keep: bool) -> int:
     """What OUT must hold at the worst moment: the calibration statistics, and every kept model or the
-    largest temporary one (each is removed before the next is written)."""
-    sizes = [plan.bytes_written for plan in plans.values()]
+    largest temporary one (each is removed before the next is written), each with its scratch files (the
+    dry run's plan, made from the data, counts statistics there too: an overestimate of one copy)."""
+    sizes = [plan.bytes_written + plan.scratch_bytes for plan in plans.values()]
     statistics = shape.layers * (shape.hidden + 1) ** 2 * 8
     return statistics + (sum(sizes) if keep else max(sizes)) + (1 << 20)
 
 
 def _check_room(out: Path, needed: int) -> None:
-    folder = out
-    while not folder.exists():
-        folder = folder.parent
-    free = shutil.disk_usage(folder).free
-    if needed > free:
-        raise InputError(
-            f"--out {out} needs {needed / 2**20:.1f} MiB (calibration statistics and converted models) but its "
-            f"filesystem has {free / 2**20:.1f} MiB free: free space, choose another --out, or drop --keep"
-        )
+    check_room(out, needed, f"--out {out}", "calibration statistics and converted models; or drop --keep to need less")
 
 
 def _check_out(out: Path) -> None:
@@ -206,46 +200,52 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     plans = {
         c: _convert(source, models_dir / c.name, c, calibration, options, dry_run=True).conversion for c in candidates
     }
-    _check_room(out, _bytes_needed(source, plans, shape, options.keep))
-
-    from mha2gqa.eval.run import evaluate
-
+    _check_room(out, _bytes_needed(plans, shape, options.keep))
     started = time.perf_counter()
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".sweep-", dir=out) as work:
-        work = Path(work)
-        record = _record(src, source, config, options, candidates)
-        echo(f"sweep: {len(candidates)} candidates; evaluating the parent on {options.data}")
-        parent = evaluate(source, options=_eval_options(options, "parent", "parent"))
-        record["parent"] = {"perplexity": schema.perplexity(parent), **_kv(parent, record["context"]), "result": parent}
-        echo(f"sweep: gathering calibration statistics once ({options.calibration_tokens:,} tokens)")
-        stats = _gather_statistics(source, calibration, options, work / "calibration")
-        record["calibration"] = stats.record
-        bar = tqdm(candidates, desc="sweep", unit="candidate", disable=not options.progress)
-        try:
-            for candidate in bar:
-                bar.set_postfix_str(candidate.name)
-                row = _run_candidate(
-                    source, candidate, stats, options, models_dir if options.keep else work, parent, record["context"]
-                )
-                if not options.keep:
-                    shutil.rmtree(work / candidate.name)
-                record["candidates"].append(row)
-                record["wall_s"] = round(time.perf_counter() - started, 2)
-                write_result(record, out / "sweep.json")  # after every candidate: a kill keeps the finished ones
-        except KeyboardInterrupt:
-            bar.close()
-            record["interrupted"] = True
-            _finish(record, out)
-            echo(
-                f"\nsweep interrupted: {out / 'sweep.json'} keeps the {len(record['candidates'])} of "
-                f"{len(candidates)} candidates that finished; no temporary model is left"
-            )
+    record = _record(src, source, config, options, candidates)
+    try:
+        with tempfile.TemporaryDirectory(prefix=".sweep-", dir=out) as work:
+            _measure(source, calibration, options, candidates, record, out, Path(work), started, echo)
+    except KeyboardInterrupt:
+        if record["parent"] is None:  # nothing measured yet: leave nothing behind
+            if created:
+                shutil.rmtree(out, ignore_errors=True)
+            echo("\nsweep interrupted before any candidate ran: nothing written")
             raise
-        bar.close()
+        record["interrupted"] = True
+        _finish(record, out)
+        echo(
+            f"\nsweep interrupted: {out / 'sweep.json'} keeps the {len(record['candidates'])} of "
+            f"{len(candidates)} candidates that finished; no temporary model is left"
+        )
+        raise
     record["wall_s"] = round(time.perf_counter() - started, 2)
     _finish(record, out)
     return record
+
+
+def _measure(source, calibration, options, candidates, record, out: Path, work: Path, started: float, echo) -> None:
+    """The parent once, the statistics once, then every candidate; sweep.json is rewritten after each."""
+    from mha2gqa.eval.run import evaluate
+
+    echo(f"sweep: {len(candidates)} candidates; evaluating the parent on {options.data}")
+    parent = evaluate(source, options=_eval_options(options, "parent", "parent"))
+    echo(f"sweep: gathering calibration statistics once ({options.calibration_tokens:,} tokens)")
+    stats = _gather_statistics(source, calibration, options, work / "calibration")
+    record["calibration"] = stats.record
+    record["parent"] = {"perplexity": schema.perplexity(parent), **_kv(parent, record["context"]), "result": parent}
+    models_dir = out / "models" if options.keep else work
+    with tqdm(candidates, desc="sweep", unit="candidate", disable=not options.progress) as bar:
+        for candidate in bar:
+            bar.set_postfix_str(candidate.name)
+            row = _run_candidate(source, candidate, stats, options, models_dir, parent, record["context"])
+            if not options.keep:
+                shutil.rmtree(models_dir / candidate.name)
+            record["candidates"].append(row)
+            record["wall_s"] = round(time.perf_counter() - started, 2)
+            write_result(record, out / "sweep.json")  # after every candidate: even a kill keeps the finished ones
 
 
 def _finish(record: dict, out: Path) -> None:
@@ -297,7 +297,8 @@ def recommend(record: dict) -> dict:
         chosen[method] = min(fits, key=lambda r: (r["kv_bytes_per_token"], r["perplexity"]))["name"] if fits else None
     head = f"within {100 * tolerance:g}% of the parent's perplexity {parent_ppl:.2f}"
     if not rows:
-        return {"per_method": chosen, "next": None, "line": f"no candidate finished: nothing to recommend ({head})"}
+        summary = f"no candidate finished: nothing to recommend ({head})"
+        return {"per_method": chosen, "next": None, "summary": summary, "line": summary}
     by_name = {r["name"]: r for r in rows}
     parts = [
         f"{method}: "
@@ -313,10 +314,10 @@ def recommend(record: dict) -> dict:
     if not any(chosen.values()):
         best = min(rows, key=lambda r: (r["perplexity"], r["kv_bytes_per_token"]))
         next_command = uptrain_command(record, best)
-        parts.append(
-            f"none is: try uptraining the closest, {best['name']} ({100 * best['perplexity_change']:+.1f}%): {next_command}"
-        )
-    return {"per_method": chosen, "next": next_command, "line": f"recommended ({head}): " + "; ".join(parts)}
+        parts.append(f"none is: try uptraining the closest, {best['name']} ({100 * best['perplexity_change']:+.1f}%)")
+    summary = f"recommended ({head}): " + "; ".join(parts)
+    line = f"{summary}: {next_command}" if next_command else summary  # what the command prints: one line
+    return {"per_method": chosen, "next": next_command, "summary": summary, "line": line}
 
 
 def _heads(count: int) -> str:
