@@ -66,6 +66,7 @@ def test_stats_travel_as_their_own_argument(tmp_path, tiny_src, calibration_file
         convert(tiny_src, tmp_path / name, 2, method="calibrated", calibration_tokens=1024, progress=False, **kwargs)
     inside, given = ((tmp_path / n / "model.safetensors").read_bytes() for n in ("inside", "given"))
     assert inside == given
+    assert _card_command(tmp_path / "given") == _card_command(tmp_path / "inside")  # the card names the data
 
 
 def test_dry_run_prints_every_stage_and_writes_nothing(tmp_path, tiny_src, calibration_file):
