@@ -93,7 +93,7 @@ def run(args) -> dict:
             method, grouping = VARIANTS[name]
             model_dir, out = work / f"{name}-kv{kv}", work / f"{name}-kv{kv}-uptrained"
             mha2gqa.convert(
-                source, model_dir, kv, method=method, calibration=stats, grouping=grouping, progress=False, force=True
+                source, model_dir, kv, method=method, stats=stats, grouping=grouping, progress=False, force=True
             )
             overrides = [
                 f"model={model_dir}",

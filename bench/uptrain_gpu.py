@@ -6,7 +6,7 @@ and compilation). NOT RUN on the development machines, which have no GPU.
 FLOPs per token = 6 * N + 12 * layers * seq_len * hidden, with N the parameters that do matmuls
 (everything but the input embedding lookup) and the attention term counted in full (the PaLM
 convention; causal masking halves what is strictly needed). MFU = tokens/s * FLOPs per token / peak,
-peak = 989 TFLOP/s dense bf16 (H100/H200 SXM). Target: MFU >= 40%.
+peak = 989 TFLOP/s dense bf16 (H100/H200 SXM). Target: MFU >= 45%.
 
     python bench/uptrain_gpu.py                     # 1.0B model, seq 2048, batch 16, 40 steps
     python bench/uptrain_gpu.py --baseline          # also a hand-written compiled loop, same settings
@@ -147,7 +147,7 @@ def run_baseline(args, config: dict) -> list[float]:
     return rates[args.warmup_intervals :]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=20, help="decoder layers (20: 1.03B parameters)")
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -164,7 +164,7 @@ def main() -> None:
         action="store_true",
         help="run the same code on CPU at toy size (2 layers, seq 32, batch 2, 6 steps, fp32, no compile)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.device, args.precision = "cuda", "bf16"
     if args.smoke:
         args.device, args.precision, args.no_compile = "cpu", "no", True
@@ -197,7 +197,7 @@ def main() -> None:
     print(f"{result['gpu']}: {params / 1e9:.2f}B matmul params, {per_token / 1e9:.2f} GFLOP/token")
     print(
         f"uptrain loop: {result['uptrain_tok_s']:.0f} tok/s, MFU {100 * result['mfu']:.1f}% "
-        f"(target >= 40%), peak memory " + (f"{peak_gib:.1f} GiB" if peak_gib is not None else "not measured on CPU")
+        f"(target >= 45%), peak memory " + (f"{peak_gib:.1f} GiB" if peak_gib is not None else "not measured on CPU")
     )
     if args.baseline:
         base = statistics.median(run_baseline(args, config))

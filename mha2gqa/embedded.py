@@ -7,12 +7,14 @@ Persuasion is held out: the tokenizer and the model never saw it, so it measures
 
 from __future__ import annotations
 
+import difflib
 import gzip
 import os
 from pathlib import Path
 
 from mha2gqa import provenance
 from mha2gqa.errors import InputError
+from mha2gqa.writing import write_atomic
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CORPUS_DIR = DATA_DIR / "austen"
@@ -43,10 +45,30 @@ def heldout_path() -> Path:
     return novel_path(HELDOUT_NOVEL)
 
 
-def expand_corpus_name(spec):
+def expand_corpus_name(spec, flag: str = "--calibration"):
     """The five training novels' paths for CORPUS_NAME; anything else unchanged. Commands call this on
-    the text a user names, so the readers (mha2gqa.textdata) only ever see files."""
-    return [str(p) for p in train_paths()] if spec == CORPUS_NAME else spec
+    the text a user names, so the readers (mha2gqa.textdata) only ever see files. A name that is no
+    local path and is one typo away from CORPUS_NAME (austin, austen.) is refused here, with the fix,
+    rather than looked up on the hub as a dataset."""
+    if spec == CORPUS_NAME:
+        return [str(p) for p in train_paths()]
+    if isinstance(spec, str) and not Path(spec).expanduser().exists() and _near(spec, CORPUS_NAME):
+        raise InputError(f"{flag} {spec}: no such file or folder; did you mean {CORPUS_NAME} (the embedded novels)?")
+    return spec
+
+
+def _near(name: str, known: str) -> bool:
+    """One edit or a swap away (case ignored), the typos worth a "did you mean"."""
+    return name != known and difflib.SequenceMatcher(None, name.lower(), known).ratio() >= 0.8
+
+
+def target_groups() -> list[int]:
+    """The kv-head counts the embedded model converts to (what `demo --groups` accepts), by the rule
+    `convert` checks (layouts.target_groups)."""
+    from mha2gqa.layouts import attention_shape, read_config
+    from mha2gqa.layouts import target_groups as valid_targets
+
+    return valid_targets(attention_shape(read_config(MODEL_DIR)))
 
 
 def read_novel(name: str) -> str:
@@ -71,9 +93,7 @@ def write_corpus(out_dir: str | os.PathLike, split: str = "train") -> list[Path]
         data = gzip.decompress(novel_path(name).read_bytes())
         path = out / f"{name}.txt"
         if not (path.is_file() and path.read_bytes() == data):
-            tmp = path.with_suffix(".txt.tmp")
-            tmp.write_bytes(data)
-            tmp.replace(path)  # atomic: a reader never sees half a novel
+            write_atomic(path, data)  # a reader never sees half a novel
         paths.append(path)
     return paths
 

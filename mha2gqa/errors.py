@@ -57,6 +57,13 @@ _USER_FAULTS = {
 }
 
 
+def first_line(err: BaseException | str, limit: int | None = None, default: str = "") -> str:
+    """The first line of an error's message (libraries' messages often run to many lines), at most `limit`
+    characters; `default` when the message is empty."""
+    text = str(err).strip()
+    return text.splitlines()[0][:limit] if text else default
+
+
 def is_user_fault(err: BaseException) -> bool:
     """True for an OSError that the user's files or machine cause (see _USER_FAULTS)."""
     return isinstance(err, OSError) and err.errno in _USER_FAULTS
@@ -69,6 +76,29 @@ def user_file_error(err: OSError, path: str | os.PathLike | None = None) -> Inpu
     where = err.filename if err.filename is not None else path
     where = f"{os.fsdecode(where)}: " if where is not None else ""
     return InputError(f"{where}{what}: {fix}")
+
+
+def one_line(text: str) -> str:
+    """`text` as one printable line whatever it quotes: a newline in a path shows as \\n, bytes of a
+    name that are not UTF-8 as \\xNN (a DST named so gave a two-line error or a UnicodeEncodeError)."""
+    text = text.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="backslashreplace")
+    return "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text)
+
+
+def exit_report(err: BaseException) -> tuple[str, int] | None:
+    """The line a fault ends the program with and its exit code, the same for every entry point (the
+    `mha2gqa` CLI, `python -m mha2gqa.uptrain` under accelerate): a user mistake (InputError, a user's
+    OSError) -> `Error: ...`, 2; Ctrl-C, SIGTERM, SIGHUP -> `Interrupted by SIG...` on a new line (a
+    progress bar or ^C may hold the cursor), 128 + the signal number; None for anything else, a bug
+    in mha2gqa that keeps its traceback."""
+    if isinstance(err, InputError):
+        return f"Error: {one_line(str(err))}", 2
+    if is_user_fault(err):
+        return f"Error: {one_line(str(user_file_error(err)))}", 2
+    if isinstance(err, KeyboardInterrupt):
+        signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
+        return f"\nInterrupted by {signal.Signals(signum).name}", 128 + signum
+    return None
 
 
 @contextmanager

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import Layout
+from mha2gqa.errors import InputError, first_line
+from mha2gqa.layout_spec import Layout
 
 OUTPUT_NAMES = ("o_proj", "out_proj", "dense")
 _LAYER = re.compile(r"^(?P<prefix>.*\.)(?P<index>\d+)\.(?P<attention>[^.]+(?:\.[^.]+)*)$")
@@ -243,9 +243,8 @@ def _build(config: dict, model_type, kv_heads: int | None, fail: str | None = No
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(built)
     except Exception as err:  # a class that cannot be built from this config is a refusal, not a crash
-        message = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
         raise InputError(
-            f"{fail}: transformers could not build it from this config ({type(err).__name__}: {message})"
+            f"{fail}: transformers could not build it from this config ({type(err).__name__}: {first_line(err, 160)})"
         ) from err
 
 

@@ -9,60 +9,15 @@ LAYOUTS. The layout is chosen from config.json's `model_type`, never from a mode
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from mha2gqa.errors import InputError
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Names of one layer's attention tensors (without `.weight`/`.bias`), relative to the layer."""
-
-    q: str = "self_attn.q_proj"
-    k: str = "self_attn.k_proj"
-    v: str = "self_attn.v_proj"
-    o: str = "self_attn.o_proj"
-    # Fused [q (H*hd) | k (n_kv*hd) | v (n_kv*hd)] rows in one Linear (phi3); q/k/v above unused then.
-    qkv: str | None = None
-    # The same fused q/k/v as columns of a Conv1D weight (in, out) (gpt2); written back as Linear rows.
-    qkv_columns: str | None = None
-    # Conv1D weights (in, out) of every layer, written transposed as Linear (out, in) for the target.
-    transposed: tuple[str, ...] = ()
-    # The model_type the converted checkpoint has, when it is not the source's (gpt2 -> gpt_bigcode).
-    target: str | None = None
-    # A norm over the concatenated keys of all kv heads, shape [n_kv*hd] (olmo2): pooled like k rows.
-    k_norm_rows: str | None = None
-    # One norm module per kv head, `{head}` in the name (stablelm's qk_layernorm): reduced per group.
-    k_norm_per_head: str | None = None
-    # Norms shared by all heads, shape [hd] (qwen3): left untouched, listed for the plan only.
-    shared_norms: tuple[str, ...] = ()
-    layer_prefix: str = "model.layers.{layer}."
-    # The q/k norms below exist only when this config key is true (stablelm: qk_layernorm); None: always.
-    norms_when: str | None = None
-    # A norm between q/k_proj and RoPE, as the reason the calibrated merge gives for refusing.
-    pre_rope_norm: str | None = None
-    # A norm with one slice per query head, which the converter does not rewrite, so a query-head
-    # permutation (similarity grouping) would leave it behind: the reason for refusing one.
-    per_query_head_norm: str | None = None
-    # Other reasons the calibrated merge (and --refine) or a query permutation cannot be exact here:
-    # an unknown RoPE convention, modules on the key path, q/o stored as Conv1D.
-    calibrated_barrier: str | None = None
-    grouping_barrier: str | None = None
-    # Why --refine (which fits the loaded attention modules, folding nothing) cannot run, or None.
-    refine_barrier: str | None = None
-
-    def _norms_present(self, config: dict) -> bool:
-        return self.norms_when is None or bool(config.get(self.norms_when))
-
-    def calibrated_refusal(self, config: dict) -> str | None:
-        """Why a per-head key map folded into q_proj would not be exact for this config, or None."""
-        return (self.pre_rope_norm if self._norms_present(config) else None) or self.calibrated_barrier
-
-    def grouping_refusal(self, config: dict) -> str | None:
-        """Why the query heads of this config cannot be permuted, or None."""
-        return (self.per_query_head_norm if self._norms_present(config) else None) or self.grouping_barrier
-
+from mha2gqa.generic_layout import check_target as check_generic_target
+from mha2gqa.generic_layout import config_counts, generic_architecture
+from mha2gqa.layout_spec import Layout
+from mha2gqa.reading import read_json
 
 _STANDARD = Layout()
 LAYOUTS: dict[str, Layout] = {
@@ -139,10 +94,30 @@ class AttentionShape:
     def kv_bytes_per_token(self, kv_heads: int | None = None, dtype_bytes: int | None = None) -> int:
         """K and V for every layer: 2 * layers * kv_heads * head_dim * bytes."""
         n_kv = self.kv_heads if kv_heads is None else kv_heads
-        return 2 * self.layers * n_kv * self.head_dim * (dtype_bytes or DTYPE_BYTES[self.dtype])
+        return kv_cache_bytes(self.layers, n_kv, self.head_dim, dtype_bytes or DTYPE_BYTES[self.dtype])
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1}
+
+
+def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """K and V of every layer for one token."""
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def head_counts(config: dict) -> tuple:
+    """(heads, kv_heads, head_dim) as a config.json dict states them, the one reading of them: kv heads
+    default to the heads, head_dim to hidden_size // heads (read it when present: gemma's differs).
+    None where the config lacks what a value comes from; read_config has checked the values' types."""
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)
+    return heads, kv_heads, head_dim
+
+
+def config_dtype(config: dict) -> str:
+    """The weights' dtype a config.json names (`dtype`, formerly `torch_dtype`), float32 when it names none."""
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32").replace("torch.", "")
 
 
 # Counts the attention geometry is computed from: positive integers when present; the first three
@@ -151,15 +126,56 @@ _REQUIRED_COUNTS = ("num_attention_heads", "hidden_size", "num_hidden_layers")
 _OPTIONAL_COUNTS = ("num_key_value_heads", "head_dim")  # null or absent: defaults (heads, hidden // heads)
 
 
-def read_config(model_dir: str | Path) -> dict:
-    """config.json as a dict, with the counts that attention shapes come from checked."""
+# Sizes a config.json states that size loops and allocations (layers built, heads enumerated, a model
+# made on the meta device). Each kind is bounded by what the weights can hold: a layer has a tensor of
+# its own, a head at least one row, an expert an index or a row; without weights, by CEILINGS, which no
+# real decoder is near (the largest today: 128 layers, 128 heads, hidden 18432, 256 experts).
+_SIZE_KEYS = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "heads": ("num_attention_heads", "num_key_value_heads", "n_head", "num_kv_heads", "multi_query_group_num"),
+    "width": ("hidden_size", "head_dim", "n_embd", "d_model", "intermediate_size", "n_inner", "ffn_dim"),
+    "experts": ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "n_shared_experts"),
+}
+CEILINGS = {"layers": 10_000, "heads": 100_000, "width": 10_000_000, "experts": 100_000}
+_INDEXED = {
+    "layers": re.compile(r"\.(?:layers|h|blocks|block|decoder_layers)\.(\d+)\."),
+    "experts": re.compile(r"\.experts\.(\d+)\."),
+}
+
+
+def check_sizes(config: dict, shapes: dict[str, tuple] | None, path) -> None:
+    """Refuse a config whose sizes its weights cannot hold (`shapes`: tensor name -> shape, from the
+    safetensors headers; None when there are no weights: then the CEILINGS). The one check, made before
+    anything loops or allocates by those sizes (10^9 layers hung convert and inspect)."""
+    bounds, indexed = dict(CEILINGS), set()
+    if shapes:
+        widest = max((max(shape, default=1) for shape in shapes.values()), default=1)
+        bounds = {"layers": len(shapes), "heads": widest, "width": widest, "experts": max(len(shapes), widest)}
+        for kind, pattern in _INDEXED.items():
+            indices = [int(m.group(1)) for name in shapes if (m := pattern.search("." + name))]
+            if indices:
+                bounds[kind] = max(indices) + 1
+                indexed.add(kind)
+    for kind, keys in _SIZE_KEYS.items():
+        for key in keys:
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > bounds[kind]:
+                held = "the weights hold" if shapes else "mha2gqa accepts"
+                missing = ""
+                if kind == "layers" and shapes and "layers" in indexed:
+                    shown = ", ".join(str(n) for n in range(bounds[kind], min(value, bounds[kind] + 8)))
+                    missing = f"; no tensors for layer(s) {shown}{', ...' if value > bounds[kind] + 8 else ''}"
+                raise InputError(
+                    f"{path} has {key}={value:,}, more than {held} ({bounds[kind]:,} at most{missing}): "
+                    "fix it or use the model's own config.json"
+                )
+
+
+def read_config(model_dir: str | Path, shapes: dict[str, tuple] | None = None) -> dict:
+    """config.json as a dict, with the counts that attention shapes come from checked, and its sizes
+    against the weights (`shapes`, see check_sizes)."""
     path = Path(model_dir) / "config.json"
-    try:
-        config = json.loads(path.read_bytes())
-    except json.JSONDecodeError as err:
-        raise InputError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): fix or re-save it") from err
-    except UnicodeDecodeError as err:
-        raise InputError(f"{path} is not text ({err.reason} at byte {err.start}): fix or re-save it") from err
+    config = read_json(path, "fix or re-save it", root=Path(model_dir))
     if not isinstance(config, dict):
         raise InputError(f"{path} is a JSON {type(config).__name__}, not an object of settings: fix or re-save it")
     if not isinstance(config.get("model_type"), str):
@@ -175,6 +191,7 @@ def read_config(model_dir: str | Path) -> dict:
             raise InputError(f"{path} has no {key}: add it (a positive integer) or use the model's own config.json")
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InputError(f"{path} has {key}={json.dumps(value)}: it must be a positive integer; fix config.json")
+    check_sizes(config, shapes, path)
     return config
 
 
@@ -189,8 +206,6 @@ def layout_for(config: dict) -> Layout:
     if model_type in REFUSED:
         supported = ", ".join(sorted(LAYOUTS))
         raise InputError(f"model_type {model_type!r} is not supported: {REFUSED[model_type]} (supported: {supported})")
-    from mha2gqa.generic_layout import generic_architecture
-
     return generic_architecture(config).layout
 
 
@@ -198,15 +213,9 @@ def attention_shape(config: dict) -> AttentionShape:
     """Heads, kv heads and head_dim of a config, checked: transformers itself does not check them."""
     layout_for(config)
     if config.get("model_type") in LAYOUTS:
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        hidden = int(config["hidden_size"])
-        # head_dim can differ from hidden // heads (gemma): read it when the config has it.
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        layers = int(config["num_hidden_layers"])
+        heads, kv_heads, head_dim = head_counts(config)
+        hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     else:  # read through transformers' config class (defaults, aliases: gpt2's n_head), checked against the model
-        from mha2gqa.generic_layout import config_counts, generic_architecture
-
         derived = config_counts(config) if config.get("model_type") in RETARGETED else generic_architecture(config)
         heads, kv_heads, hidden, head_dim = derived.heads, derived.kv_heads, derived.hidden, derived.head_dim
         layers = derived.layers
@@ -215,7 +224,7 @@ def attention_shape(config: dict) -> AttentionShape:
             f"config has num_attention_heads={heads} not divisible by num_key_value_heads={kv_heads}: "
             "the source checkpoint is inconsistent"
         )
-    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").replace("torch.", "")
+    dtype = config_dtype(config)
     return AttentionShape(
         model_type=config["model_type"],
         layers=layers,
@@ -227,10 +236,14 @@ def attention_shape(config: dict) -> AttentionShape:
     )
 
 
+def target_groups(shape: AttentionShape) -> list[int]:
+    """The kv-head counts a conversion of `shape` may target: the proper divisors of its kv heads."""
+    return [g for g in shape.valid_groups() if g != shape.kv_heads]
+
+
 def check_groups(shape: AttentionShape, groups: int) -> None:
     """Refuse a target kv-head count that is not a proper divisor of the source's kv heads."""
-    valid = [g for g in shape.valid_groups() if g != shape.kv_heads]
-    listed = ", ".join(map(str, valid)) or "none: it already has a single kv head"
+    listed = ", ".join(map(str, target_groups(shape))) or "none: it already has a single kv head"
     target = RETARGETED[shape.model_type].target if shape.model_type in RETARGETED else None
     if target and groups != 1:
         raise InputError(
@@ -250,8 +263,6 @@ def check_target(config: dict, groups: int) -> None:
     """For a type on the generic layout: the model class must build with `groups` kv heads."""
     model_type = config.get("model_type")
     if model_type not in LAYOUTS and model_type not in RETARGETED:
-        from mha2gqa.generic_layout import check_target as check_generic_target
-
         check_generic_target(config, groups)
 
 

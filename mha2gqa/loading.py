@@ -11,25 +11,12 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from mha2gqa.errors import InputError
+from mha2gqa.checkpoint import SafetensorsCheckpoint
+from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import read_config
-from mha2gqa.sources import PICKLE_SUFFIXES
+from mha2gqa.sources import require_safetensors
 
 SHOWN_KEYS = 4  # a config with 30 extra layers would otherwise print 300 names
-
-
-def require_safetensors(model_dir: Path, what: str = "model") -> None:
-    """Refuse a directory whose weights are pickle only: unpickling runs arbitrary code."""
-    model_dir = Path(model_dir)
-    if any(model_dir.glob("*.safetensors")):
-        return
-    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    found = f"only pickled weights ({', '.join(pickles[:3])})" if pickles else "no .safetensors weights"
-    raise InputError(
-        f"{what} {model_dir} has {found}: mha2gqa never unpickles files; re-save it as safetensors once, where you "
-        'trust it: python -c "from transformers import AutoModelForCausalLM as M; '
-        f"M.from_pretrained('{model_dir}').save_pretrained('{model_dir}-safetensors')\" and pass that directory"
-    )
 
 
 def load_causal_lm(model_dir: Path, what: str = "model", progress: bool = True, **kwargs):
@@ -40,9 +27,11 @@ def load_causal_lm(model_dir: Path, what: str = "model", progress: bool = True, 
 
     model_dir = Path(model_dir)
     require_safetensors(model_dir, what)
-    read_config(model_dir)  # a binary or list config.json, or bad head counts: one line, not transformers' error
+    # a binary or list config.json, bad head counts, sizes its weights cannot hold: one line, not
+    # transformers' error (or a model of 10^9 layers built before any weight is read)
+    read_config(model_dir, SafetensorsCheckpoint(model_dir).shapes)
     try:
-        with _quiet_transformers(progress):
+        with _quiet_transformers(progress and _weight_bytes(model_dir) >= BAR_FROM_BYTES):
             # ignore_mismatched_sizes: report a wrong shape in the loading info instead of raising
             # transformers' multi-line RuntimeError; the check below refuses it all the same.
             model, info = AutoModelForCausalLM.from_pretrained(
@@ -54,7 +43,7 @@ def load_causal_lm(model_dir: Path, what: str = "model", progress: bool = True, 
                 **kwargs,
             )
     except (OSError, SafetensorError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err, default=type(err).__name__)
         raise InputError(
             f"{what} {model_dir}: its weights could not be read ({first}): re-download or re-save the checkpoint"
         ) from err
@@ -78,7 +67,7 @@ def loading_problems(info: dict) -> list[str]:
     if wrong:
         shown = [f"{key} is {list(found)} not {list(expected)}" for key, found, expected in wrong]
         problems.append(f"wrong shape: {_some(shown)}")
-    errors = [str(e).splitlines()[0] for e in info.get("error_msgs") or () if str(e).strip()]
+    errors = [first_line(e) for e in info.get("error_msgs") or () if str(e).strip()]
     if errors:
         problems.append(f"errors: {_some(errors)}")
     return problems
@@ -89,10 +78,19 @@ def _some(items: list[str]) -> str:
     return ", ".join(items[:SHOWN_KEYS]) + more
 
 
+# transformers' "Loading weights" bar: worth watching for a checkpoint of gigabytes; on a small one (the
+# embedded model: six bars per demo, each done in milliseconds) it is noise.
+BAR_FROM_BYTES = 1 << 30
+
+
+def _weight_bytes(model_dir: Path) -> int:
+    return sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
+
+
 @contextlib.contextmanager
 def _quiet_transformers(progress: bool):
     """No multi-line load report on stderr (its findings become our one line), and no progress bar
-    when the user asked for quiet; both restored afterwards."""
+    unless `progress` (a large checkpoint, and the user did not ask for quiet); both restored afterwards."""
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()

@@ -17,14 +17,15 @@ from __future__ import annotations
 import bz2
 import gzip
 import io
-import json
 import lzma
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, first_line
+from mha2gqa.quiet import without_datasets_bars
+from mha2gqa.reading import parse_json
 from mha2gqa.sources import hub_offline
 
 # File suffix -> format; the format is also the name of the `datasets` builder that reads it.
@@ -254,25 +255,14 @@ def _json_texts(key: str, path: Path, f, field: str, field_key: str | None) -> I
     while first.isspace():
         first = f.read(1)
     if first == "[" and ".jsonl" not in [s.lower() for s in path.suffixes]:
-        try:
-            records = json.loads("[" + f.read())
-        except json.JSONDecodeError as err:
-            raise InputError(
-                f"{key} {path}: not valid JSON ({err.msg} at line {err.lineno}): fix or re-export it"
-            ) from err
+        records = parse_json("[" + f.read(), f"{key} {path}", "fix or re-export it")
         for number, record in enumerate(records, 1):
             yield _record_text(key, f"{path} record {number}", record, field, field_key)
         return
     for number, line in enumerate(_prepend(first, f), 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise InputError(
-                f"{key} {path}:{number}: not valid JSON ({err.msg}): each line must be one JSON "
-                f"object with a {field!r} field"
-            ) from err
+        record = parse_json(line, f"{key} {path}:{number}", f"each line must be one JSON object with a {field!r} field")
         yield _record_text(key, f"{path}:{number}", record, field, field_key)
 
 
@@ -340,7 +330,7 @@ def _hub_dataset(source: TextSource, config: str | None, split: str, streaming: 
     try:
         return datasets.load_dataset(source.hub, config, split=split, streaming=streaming)
     except Exception as err:  # missing dataset/config/split, network, auth: all the user's to fix
-        first = str(err).splitlines()[0] if str(err) else ""
+        first = first_line(err)
         raise InputError(
             f"{source.key} {source.hub} (config {config}, split {split}) could not be loaded "
             f"({type(err).__name__}: {first}): check the name, config and split, or pass local files"
@@ -375,9 +365,10 @@ def load_documents(
             check_file(source.key, path, field, field_key)
         kwargs = {"sample_by": sample_by} if fmt == "text" else {}
         try:
-            ds = datasets.load_dataset(
-                fmt, data_files=[str(f) for f in source.files], split="train", streaming=streaming, **kwargs
-            )
+            with without_datasets_bars():  # "Generating train split" of local files: seconds, and ours say more
+                ds = datasets.load_dataset(
+                    fmt, data_files=[str(f) for f in source.files], split="train", streaming=streaming, **kwargs
+                )
         except datasets.exceptions.DatasetGenerationError as err:
             raise InputError(
                 f"{source.key}: `datasets` could not read the files ({_cause(err)}): "
@@ -404,7 +395,7 @@ def dataset_texts(ds, field: str, key: str, field_key: str = "text field") -> It
         except (UnicodeDecodeError, pa.ArrowException, ValueError) as err:
             raise InputError(
                 f"{key}: a file could not be read while streaming ({type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}): check that each file is valid"
+                f"{first_line(err)}): check that each file is valid"
             ) from err
         if field not in row:  # streams may not know their columns before the first row
             raise InputError(f"{field_key}={field!r} is not a column of the data in {key} (columns: {', '.join(row)})")
@@ -429,5 +420,4 @@ def check_file(key: str, path: Path, field: str = "text", field_key: str | None 
 def _cause(err: BaseException) -> str:
     while err.__cause__ is not None or err.__context__ is not None:
         err = err.__cause__ or err.__context__
-    text = str(err).splitlines()[0] if str(err) else ""
-    return f"{type(err).__name__}: {text}"[:200]
+    return f"{type(err).__name__}: {first_line(err)}"[:200]

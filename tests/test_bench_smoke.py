@@ -1,6 +1,7 @@
 """Every bench/ script at its --smoke size, as its own process, on CPU: the scripts keep running against
 the package as it changes, and what they print and write has the measured quantities, finite.
-(bf16_numpy_pool.py, cli_startup.py, refine.py and train_memory.py have their own tests.)"""
+(bf16_numpy_pool.py, cli_startup.py, refine.py and train_memory.py have their own tests; eval_gpu.py runs inside
+gpu_check.py's, tests/test_gpu_check.py.)"""
 
 import json
 import math
@@ -83,23 +84,6 @@ def test_uptrain_gpu_smoke_runs_on_cpu_with_baseline(tmp_path):
     assert result["uptrain_tok_s"] > 0 and result["hand_tok_s"] > 0 and result["peak_mem_gib"] is None
 
 
-def test_eval_gpu_smoke_is_the_cpu_tiny_preset(tmp_path):
-    out = run_smoke("eval_gpu.py", "--out", str(tmp_path / "e.json"))
-    record = json.loads((tmp_path / "e.json").read_text())
-    assert record["preset"] == "cpu-tiny"
-    assert [v["kv_heads"] for v in record["variants"]] == [8, 2]
-    mha, gqa = (v["kv_cache"] for v in record["variants"])
-    assert mha["match"] and gqa["match"]
-    assert mha["measured_bytes_per_token"] == 4 * gqa["measured_bytes_per_token"]  # 8 -> 2 kv heads
-    for variant in record["variants"]:
-        assert [p["batch"] for p in variant["points"]] == [1, 2]
-        for point in variant["points"]:
-            assert point["eager"]["tokens_per_s"] > 0
-            assert point["graph"].get("tokens_per_s", 0) > 0, point["graph"]  # CPU: plain StaticCache decode
-    assert set(record["ratio_at_largest_batch"]) == {"eager", "graph"}
-    assert len(table_rows(out, r"\d+")) == 2
-
-
 def test_calibrated_merge_smoke_rows(tmp_path):
     out = run_smoke("calibrated_merge.py", "--out", str(tmp_path / "m.json"))
     result = json.loads((tmp_path / "m.json").read_text())
@@ -126,3 +110,15 @@ def test_calibrated_uptrain_smoke_rows(tmp_path):
         assert [t for t, _ in row["curve"]] == [0, 64, 128, 192]  # eval at start and after every step
     assert rows["mean"]["tokens_to_mean_final"] == 192
     assert len(table_rows(out, "2")) == 2
+
+
+def test_eval_speed_noise_smoke():
+    out = run_smoke("eval_speed_noise.py")
+    parent, gqa, pair = table_rows(out, "1")
+    assert parent[1] == "parent" and gqa[1] == "gqa2" and pair[1] == "gqa2 / parent"
+    for row in (parent, gqa):
+        cells = re.match(r"([\d.,]+) \(([\d.,]+)-([\d.,]+)\)", row[2]).groups()
+        median, low, high = (float(c.replace(",", "")) for c in cells)
+        assert 0 < low <= median <= high and int(row[3]) >= 3 and float(row[4]) > 0
+    assert pair[6] in ("noise", "faster", "slower") and re.match(r"[\d.]+x \([\d.]+-[\d.]+\)", pair[5])
+    assert "load average" in out

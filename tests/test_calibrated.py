@@ -194,15 +194,19 @@ def test_calibrated_without_calibration_is_refused(tmp_path):
     assert not (tmp_path / "dst").exists()
 
 
-def test_bf16_source_keeps_its_dtype_and_dry_run_gathers_nothing(tmp_path, calibration_file):
+def test_bf16_source_keeps_its_dtype_and_dry_run_gathers_nothing(tmp_path, calibration_file, monkeypatch):
     save_redundant_model(tmp_path / "src", "llama", groups=2)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "src").to(torch.bfloat16)
     model.save_pretrained(tmp_path / "bf16")
     make_tiny_tokenizer(tmp_path / "bf16")
+    calls = []
+    monkeypatch.setattr("mha2gqa.convert.calibration.tokenize", lambda *args: calls.append(args))
     plan = convert(
-        tmp_path / "bf16", tmp_path / "dry", groups=2, method="calibrated", calibration="no-such-data", dry_run=True
-    ).plan  # dry run: the data is not even opened
+        tmp_path / "bf16", tmp_path / "dry", groups=2, method="calibrated", calibration=calibration_file, dry_run=True
+    ).plan  # dry run: the data is checked (it exists, its format is known) but not read
     assert any("q_proj" in out.name for out in plan.output_tensors()) and not (tmp_path / "dry").exists()
+    assert calls == []
+    monkeypatch.undo()
     convert(
         tmp_path / "bf16",
         tmp_path / "dst",

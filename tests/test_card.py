@@ -122,3 +122,30 @@ def test_a_partial_older_record_still_gives_a_card(tmp_path):
     write_card(model)
     text = (model / CARD).read_text()
     assert "| method | mean |" in text and "| key/value heads | 8 → 2 (query heads: 8) |" in text
+
+
+def test_an_mha_model_trained_from_scratch_carries_no_gqa_tags():
+    from mha2gqa import embedded
+    from mha2gqa.card import render
+
+    text = render(embedded.model_dir(), None, "austen-mha")  # 8 heads, 8 kv heads, trained by uptrain
+    meta = front_matter(text)
+    assert meta["tags"] == ["mha2gqa"]
+    # the run's own last eval says which tokens it was measured on
+    assert (
+        "| final held-out perplexity | 124.47 (the training run's own check: up to 64 blocks of 512 tokens, "
+        "persuasion.txt.gz; an `mha2gqa eval` result is measured on its own tokens) |" in text
+    )
+
+
+def test_a_converted_card_points_to_an_evaluation_only_when_it_has_one(hub_source, tmp_path):
+    dst = tmp_path / "tiny-gqa4"
+    convert(hub_source, dst, groups=4, progress=False)
+    text = _card(dst)[1]
+    assert "see the evaluation" not in text and "## Evaluation" not in text
+    assert "measure it with `mha2gqa eval`, see Reproduce" in text
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("It is a truth universally acknowledged. " * 40)
+    evaluate(dst, data=str(held_out), context=64, speed_preset=None, out=dst / "eval.json", progress=False)
+    text = _card(dst)[1]
+    assert "see the evaluation below" in text and "## Evaluation" in text

@@ -37,7 +37,10 @@ BAD_INPUTS = [
     (["--groups", "3"], "--groups 3 must divide num_key_value_heads=8 (valid: 1, 2, 4)"),
     (["--groups", "8"], "equals the source's num_key_value_heads=8"),
     (["--groups", "0"], "must divide num_key_value_heads=8"),
-    (["--groups", "2", "--method", "median"], "--method 'median' is unknown (valid: mean, first, random"),
+    (
+        ["--groups", "2", "--method", "median"],
+        "'median' is not one of 'mean', 'first', 'random', 'mean-norm', 'calibrated'",
+    ),
     (["--groups", "2", "--dtype", "int8"], "--dtype 'int8' is unknown"),
     (["--groups", "2", "--max-shard-size", "lots"], "--max-shard-size 'lots' is not a size"),
     (["--groups", "two"], "'two' is not a valid integer"),
@@ -146,3 +149,22 @@ def test_the_installed_command_runs_as_a_subprocess(src, tmp_path):
     assert json.loads((tmp_path / "dst" / "config.json").read_text())["num_key_value_heads"] == 4
     bad = subprocess.run(command[:-3] + ["--groups", "5"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "valid: 1, 2, 4" in bad.stderr
+
+
+def test_inspect_measures_a_sequence_at_the_models_own_context(src, tmp_path):
+    from mha2gqa.embedded import model_dir
+
+    result = _run("inspect", model_dir())  # max_position_embeddings 512
+    assert result.exit_code == 0, result.output
+    assert "KV/seq@512" in result.output and "6.00 MiB" in result.output  # 12 KiB per token x 512
+    assert "KV/seq at 512 tokens (config max_position_embeddings)" in result.output
+    info = json.loads(_run("inspect", model_dir(), "--json").output)
+    assert (info["context"], info["targets"][0]["kv_bytes_per_sequence"]) == (512, 12 * 1024 * 512)
+    no_context = tmp_path / "no-context"
+    no_context.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    config.pop("max_position_embeddings", None)
+    (no_context / "config.json").write_text(json.dumps(config))
+    (no_context / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    info = json.loads(_run("inspect", no_context, "--json").output)
+    assert info["context"] == 4096 and info["context_from"] == "default: the config names no context length"

@@ -47,6 +47,60 @@ def test_demo_runs_the_whole_job_and_uptraining_recovers(tmp_path, flags):
         0 <= c["metrics"]["acc"]["value"] <= 1 and c["samples"] == (40 if flags else 355) for c in cloze.values()
     )
     assert "recovery" in result.output
+    # the models' cards show the demo's own numbers (its eval beside each model), not only the training check
+    for role in ("converted", "uptrained"):
+        card = (out / role / "README.md").read_text()
+        assert f"| {ppl[role]:.2f} |" in card and "## Evaluation" in card, role
+    assert "see the evaluation below" in (out / "converted" / "README.md").read_text()
+
+
+def _earlier_run(out):
+    (out / "report").mkdir(parents=True)
+    (out / "report" / "speed_vs_batch.png").write_bytes(b"old plot")
+    (out / "results").mkdir()
+    (out / "results" / "parent.json").write_text("{}")
+
+
+def test_demo_into_an_earlier_run_needs_force_and_changes_nothing(tmp_path):
+    out = tmp_path / "demo"
+    _earlier_run(out)
+    result = CliRunner().invoke(main, ["demo", "--quick", "--out", str(out)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"Error: --out {out} holds an earlier demo run: pass --force to replace it, or choose another --out"
+    ]
+    assert (out / "report" / "speed_vs_batch.png").read_bytes() == b"old plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+
+
+def test_demo_never_replaces_a_folder_that_is_not_a_run(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    result = CliRunner().invoke(main, ["demo", "--quick", "--force", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "holds files that are not a demo run (notes.txt)" in result.output
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_replaced_run_keeps_no_old_file_and_a_failed_one_restores_it(tmp_path):
+    from mha2gqa.demo.pipeline import replacing_run
+
+    out = tmp_path / "demo"
+    _earlier_run(out)
+    with pytest.raises(KeyboardInterrupt):  # interrupted half way: the earlier run is back, byte for byte
+        with replacing_run(out, force=True):
+            (out / "report").mkdir()
+            (out / "report" / "report.md").write_text("half")
+            raise KeyboardInterrupt
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
+        "report",
+        "report/speed_vs_batch.png",
+        "results",
+        "results/parent.json",
+    ]
+    with replacing_run(out, force=True):
+        (out / "report").mkdir()
+        (out / "report" / "report.md").write_text("new")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["report", "report/report.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # nothing left beside it
 
 
 def test_reproduce_cli_on_a_slice_writes_table_and_plots(tmp_path):

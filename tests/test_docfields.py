@@ -1,20 +1,33 @@
-"""One source of truth for option docs: each `convert` / `eval` option's --help is its ConvertOptions /
-EvalOptions field's docstring (mha2gqa.docfields reads them from the source), and every field has one."""
+"""One source of truth for options: each `convert` / `eval` / `sweep` option's --help is its ConvertOptions /
+EvalOptions / SweepOptions field's docstring (mha2gqa.docfields reads them from the source), every field has
+one, and every option's default is its field's default."""
 
-from dataclasses import fields
+from dataclasses import MISSING, fields
 
 import click
 import pytest
 
 from mha2gqa.cli.convert_cmd import convert
 from mha2gqa.cli.eval_cmd import eval_command
+from mha2gqa.cli.fields import field_default
+from mha2gqa.cli.sweep_cmd import sweep
 from mha2gqa.convert.options import METHOD_SUMMARIES, ConvertOptions, Grouping, Method, RefineOptions
+from mha2gqa.convert.run import parse_size
 from mha2gqa.docfields import choice_docs, field_docs
 from mha2gqa.eval.options import EvalOptions, SpeedPreset
+from mha2gqa.sweep.options import SweepOptions
 
 # options that set no field of the command's options type, so keep a literal help
 # --refine-* options set RefineOptions fields (ConvertOptions.refine)
-REFINE_FIELDS = {"refine_steps": "steps", "refine_lr": "lr", "refine_memory": "memory", "refine_tokens": "tokens"}
+REFINE_FIELDS = {
+    "refine_steps": "steps",
+    "refine_lr": "lr",
+    "refine_memory": "memory",
+    "refine_tokens": "tokens",
+    "refine_mlp": "mlp_output",
+    "refine_global_steps": "global_steps",
+    "refine_global_lr": "global_lr",
+}
 NOT_FIELDS = {"convert": {"quiet", *REFINE_FIELDS}, "eval": {"quiet"}}
 # options that pick one of several: their help lists each choice after the field's docstring
 CHOICES = {"method": METHOD_SUMMARIES, "grouping": choice_docs(Grouping), "speed_preset": choice_docs(SpeedPreset)}
@@ -73,3 +86,42 @@ class Example:
 def test_docstrings_are_read_from_the_source_normalised():
     assert field_docs(Example) == {"plain": "One line.", "wrapped": "Two lines.", "MEMBER": "a member."}
     assert field_docs(Example.Nested) == {"inner": "Inside."}
+
+
+def _as_field_value(option: click.Option, value, field_default):
+    """What the command builds from the option's default `value`, as the field holds it."""
+    if isinstance(field_default, tuple):  # comma-separated on the command line
+        return tuple(value.split(","))
+    if isinstance(field_default, int) and isinstance(value, str):  # a size flag: 4GiB
+        return parse_size(value, option.opts[0])
+    return value
+
+
+@pytest.mark.parametrize(
+    "command, cls",
+    [(convert, ConvertOptions), (eval_command, EvalOptions), (sweep, SweepOptions)],
+    ids=["convert", "eval", "sweep"],
+)
+def test_each_options_default_is_its_fields_default(command, cls):
+    names, ctx = {f.name for f in fields(cls)}, click.Context(command)
+    covered = set()
+    for option in (p for p in command.params if isinstance(p, click.Option)):
+        default = option.get_default(ctx)
+        if option.name in REFINE_FIELDS:
+            owner, name = RefineOptions, REFINE_FIELDS[option.name]
+        elif option.name in names:
+            owner, name = cls, option.name
+        else:
+            assert option.name == "quiet", option.opts[0]  # sets progress, inverted
+            assert default is False and field_default(cls, "progress") is True
+            continue
+        expected = field_default(owner, name)
+        if expected is MISSING:
+            assert option.required, option.opts[0]
+        elif name == "refine":  # a flag that turns RefineOptions on: off means None
+            assert default is False and expected is None
+        else:
+            assert _as_field_value(option, default, expected) == expected, option.opts[0]
+            assert option.show_default == (expected is not None and not option.is_flag), option.opts[0]
+        covered.add((owner, name))
+    assert {name for owner, name in covered if owner is cls} == names - {"progress"}  # every field has its option

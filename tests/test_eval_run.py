@@ -21,10 +21,11 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
     tok = make_tiny_tokenizer()
     dirs = {}
+    conversion = {"groups": 2, "source": str(root / "parent")}  # the lineage the report pairs recovery by
     for name, kv, provenance in (
         ("parent", 8, None),
-        ("gqa", 2, {"conversion": {"groups": 2}}),
-        ("gqa-up", 2, {"conversion": {"groups": 2}, "uptrain": {"steps": 1}}),
+        ("gqa", 2, {"conversion": conversion}),
+        ("gqa-up", 2, {"conversion": conversion, "uptrain": {"steps": 1}}),
     ):
         dirs[name] = root / name
         save_tiny_model(dirs[name], "llama", num_key_value_heads=kv, seed=len(name))
@@ -46,7 +47,7 @@ def test_evaluate_with_reference_writes_a_complete_result(models, tmp_path):
     assert (
         r["model"]["kv_heads"] == 2
         and r["model"]["heads"] == 8
-        and r["model"]["provenance"] == {"conversion": {"groups": 2}}
+        and r["model"]["provenance"] == {"conversion": {"groups": 2, "source": str(models["parent"])}}
     )
     assert r["model"]["params"] > 0 and r["model"]["dtype"] == "float32"
     assert r["data"]["tokens"] > 100 and len(r["data"]["ids_sha256"]) == 64
@@ -99,7 +100,13 @@ def test_decode_speed_grid(models):
     points = r["speed"]["points"]
     assert [(p["batch"], p["context"], p["new_tokens"]) for p in points] == [(1, 8, 2), (3, 8, 2)]
     for p in points:
-        assert len(p["decode_s"]) == 2 and p["tokens_per_s"] == pytest.approx(p["batch"] * 2 / p["decode_s_median"])
+        # At least --repeats timed runs, more while the point took under the preset's second, at most 30.
+        assert 2 <= p["repeats"] == len(p["decode_s"]) <= 30
+        assert p["tokens_per_s"] == pytest.approx(p["batch"] * 2 / p["decode_s_median"])
+        low, high = p["tokens_per_s_iqr"]
+        slowest, fastest = p["tokens_per_s_range"]
+        assert slowest <= low <= p["tokens_per_s"] <= high <= fastest
+        assert fastest == pytest.approx(p["batch"] * 2 / min(p["decode_s"]))
         # the process's RSS while decoding: most of what it held before, about at most its lifetime peak (the
         # kernel updates that high-water mark lazily, so a fresh sample may pass it by a page or two)
         assert 0.8 * before <= p["peak_memory_bytes"] <= 1.05 * lifetime_peak and p["peak_memory_kind"] == "cpu_rss"
@@ -200,3 +207,28 @@ def test_cli_as_a_subprocess_then_report_on_three_real_results(models, tmp_path)
     assert [r["role"] for r in rows] == ["parent", "converted", "uptrained"]
     assert rows[2]["recovery"] == pytest.approx((ppl[1] - ppl[2]) / (ppl[1] - ppl[0]))
     assert rows[1]["kv_saving"] == 4.0
+
+
+def test_the_terminal_summary_gives_decode_speed_its_spread():
+    from mha2gqa.cli.eval_cmd import summary
+
+    point = {"context": 32, "peak_memory_bytes": 2**20, "peak_memory_kind": "cpu_rss"}
+    result = {
+        "label": "x",
+        "role": "parent",
+        "model": {"kv_heads": 2, "heads": 8},
+        "perplexity": None,
+        "agreement": None,
+        "kv_cache": {"measured_bytes_per_token": 256, "formula_bytes_per_token": 256, "match": True},
+        "speed": {
+            "points": [
+                {**point, "batch": 4, "tokens_per_s": 640.0, "tokens_per_s_iqr": [320.0, 711.1], "repeats": 5},
+                {**point, "batch": 1, "tokens_per_s": 64.0},  # written before the spread was kept
+            ]
+        },
+        "attention_maps": None,
+        "lm_eval": None,
+    }
+    lines = summary(result).splitlines()
+    assert "  decode B=4 T=32: 640.0 tok/s (IQR 320.0-711.1, 5 runs), peak 1.00 MiB (cpu_rss)" in lines
+    assert "  decode B=1 T=32: 64.0 tok/s, peak 1.00 MiB (cpu_rss)" in lines

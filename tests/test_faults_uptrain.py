@@ -167,7 +167,7 @@ def test_pickle_only_model_is_refused_with_how_to_resave(tmp_path, src, sources)
 @pytest.mark.parametrize(
     "config,says",
     [
-        (b"\x00\xff\xfe", "config.json is not text"),
+        (b"\x00\xff\xfe", "config.json is not UTF-8 text"),
         (b"[1, 2]", "config.json is a JSON list, not an object"),
         (None, 'num_attention_heads="eight": it must be a positive integer'),
     ],
@@ -279,7 +279,7 @@ def test_read_only_output_filesystem_is_refused_before_training(tmp_path, src, s
 def test_output_filesystem_without_room_is_refused_before_training(tmp_path, src, sources):
     with tmpfs(tmp_path / "small", "256k") as mount:
         result = _uptrain(_recipe(tmp_path, src, output_dir=str(mount / "out")))
-        assert_refused(result, "MiB free on its filesystem but a checkpoint and the final model need about")
+        assert_refused(result, "MiB (a checkpoint and the final model) but its filesystem has")
         assert list(mount.iterdir()) == []
 
 
@@ -350,12 +350,16 @@ def test_resume_with_only_damaged_checkpoints_is_one_line(tmp_path, src, sources
     assert not (out / "model.safetensors").exists()
 
 
-def _start(recipe: Path, log: Path, *args) -> subprocess.Popen:
+CLI = ("mha2gqa", "uptrain")
+ACCELERATE_ENTRY = ("mha2gqa.uptrain",)  # what `accelerate launch -m mha2gqa.uptrain` runs on every rank
+
+
+def _start(recipe: Path, log: Path, *args, command=CLI) -> subprocess.Popen:
     """A real `python -m mha2gqa uptrain` (stderr to a file: a full pipe would stall the child)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     with log.open("w") as err:
         return subprocess.Popen(
-            [sys.executable, "-m", "mha2gqa", "uptrain", "--recipe", str(recipe), *args],
+            [sys.executable, "-m", *command, "--recipe", str(recipe), *args],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=err,
@@ -406,6 +410,22 @@ def test_sigterm_then_kill_9_during_training_then_resume_finishes(tmp_path, src,
     assert steps == sorted(set(steps)) and steps[-1] == 40
     assert load_file(str(out / "model.safetensors")) and not (out / ".final.partial").exists()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == _steps_saved(out)  # kill -9 debris gone
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_the_accelerate_entry_point_unwinds_sigterm_and_sighup_like_ctrl_c(tmp_path, src, sources, signum):
+    recipe = _recipe(tmp_path, src, save_every=1, keep_last=2, eval_every=0, log_every=1, budget={"max_steps": 10_000})
+    out, log = tmp_path / "out", tmp_path / "stderr.txt"
+    proc = _start(recipe, log, command=ACCELERATE_ENTRY)
+    _wait_until_saved(proc, out, 2)
+    proc.send_signal(signum)
+    assert proc.wait(timeout=120) == 128 + signum
+    stderr = log.read_text()
+    assert stderr.strip().splitlines()[-1] == f"Interrupted by {signal.Signals(signum).name}", stderr
+    assert "Traceback" not in stderr
+    # no half-written checkpoint, no partial final model
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == _steps_saved(out)
+    assert not (out / ".final.partial").exists() and not (out / "model.safetensors").exists()
 
 
 def test_the_accelerate_entry_point_reports_bad_input_in_one_line(tmp_path, src, sources):

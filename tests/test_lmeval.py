@@ -4,6 +4,8 @@ default, through `mha2gqa eval`, with every number checked against lm-eval calle
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ from mha2gqa import embedded
 from mha2gqa.cli import main
 from mha2gqa.errors import InputError
 from mha2gqa.eval import evaluate, write_report
-from mha2gqa.eval.lmeval import BOOTSTRAP_ITERS, OFFLINE_TASKS, TASKS_DIR
+from mha2gqa.eval.lmeval import BOOTSTRAP_ITERS, OFFLINE_TASKS, TASKS_DIR, perplexity_intervals
 
 pytest.importorskip("lm_eval")  # the [lmeval] extra; .ci/run installs it, so CI runs every test here
 
@@ -87,6 +89,32 @@ def test_tiny_model_numbers_equal_the_harness_called_directly(tiny, tmp_path):
     assert section["harness"].startswith("lm-eval 0.4") and section["limit"] == LIMIT
     assert_same_numbers(section, direct_harness(tiny, OFFLINE_TASKS, LIMIT))
     assert json.loads((tmp_path / "tiny.json").read_text())["lm_eval"] == section
+    # The perplexity's interval is centred (on its log scale) on the harness's own value.
+    cloze = section["tasks"]["persuasion_cloze"]["metrics"]["perplexity"]
+    low, high = cloze["interval_95"]
+    assert low < cloze["value"] < high and math.sqrt(low * high) == pytest.approx(cloze["value"])
+
+
+def test_perplexity_interval_is_the_mean_nlls_not_a_bootstrap_of_its_exp(monkeypatch):
+    import lm_eval.api.metrics as harness
+
+    monkeypatch.setenv("DISABLE_MULTIPROC", "1")  # the harness's bootstrap, in this process
+
+    ll = [-2.0, -3.0, -20.0, -2.5, -4.0, -1.5, -18.0, -3.5]  # two very unlikely target words
+    samples = [{"doc_id": i, "filter": "none", "perplexity": v, "acc": 0} for i, v in enumerate(ll)]
+    config = {
+        "metric_list": [{"metric": "perplexity", "aggregation": "perplexity"}, {"metric": "acc", "aggregation": "mean"}]
+    }
+    low, high = perplexity_intervals(config, samples)["perplexity"]
+    nll, se = -statistics.fmean(ll), statistics.stdev(ll) / math.sqrt(len(ll))
+    assert (low, high) == pytest.approx((math.exp(nll - 1.96 * se), math.exp(nll + 1.96 * se)))
+    value = harness.perplexity(ll)
+    assert low < value < high
+    # What the harness reports instead: a bootstrapped stderr as large as the value itself, whose ± would
+    # reach below zero.
+    stderr = harness.bootstrap_stderr(harness.perplexity, ll, iters=1000)
+    assert stderr > 0.5 * value and value - stderr < low
+    assert set(perplexity_intervals(config, samples)) == {"perplexity"}  # acc is a mean: its stderr stands
 
 
 def test_embedded_default_through_the_cli_equals_the_harness_and_reaches_the_report(tiny, tmp_path):
@@ -124,7 +152,7 @@ def test_embedded_default_through_the_cli_equals_the_harness_and_reaches_the_rep
     )
     written = write_report([out, tmp_path / "tiny.json"], tmp_path / "report")
     table = written["markdown"].read_text()
-    header = next(line for line in table.splitlines() if line.startswith("| model"))
+    header = next(line for line in table.splitlines() if line.startswith("| model | persuasion"))  # lm-eval's table
     for column in (
         "persuasion_cloze perplexity",
         "persuasion_cloze acc",
@@ -134,7 +162,7 @@ def test_embedded_default_through_the_cli_equals_the_harness_and_reaches_the_rep
         assert column in header
     base = ours["tasks"]["persuasion_next_sentence"]["metrics"]["acc"]["value"]
     mine = other["lm_eval"]["tasks"]["persuasion_next_sentence"]["metrics"]["acc"]["value"]
-    row = next(line for line in table.splitlines() if line.startswith("| tiny"))
+    row = [line for line in table.splitlines() if line.startswith("| tiny |")][1]  # its lm-eval row
     assert f"{100 * (mine - base):+.1f} pt" in row
     report = json.loads(written["json"].read_text())
     assert report["rows"][1]["lm_eval:persuasion_cloze:acc"] is None  # the tiny run had no cloze
@@ -145,3 +173,76 @@ def test_unknown_task_is_refused_before_loading(tiny):
         evaluate(tiny, lm_eval_tasks=["not_a_task"], speed_preset=None, progress=False)
     with pytest.raises(InputError, match="--lm-eval-limit 0 must be at least 1"):
         evaluate(tiny, lm_eval_tasks=["persuasion_cloze"], lm_eval_limit=0, speed_preset=None, progress=False)
+
+
+def _hub_task_index(tmp_path):
+    """A TaskManager over two tasks that read hub datasets (as hellaswag does), a group and a tag of them,
+    and one task on local json files: the data check sees exactly the two hub repos."""
+    from lm_eval.tasks import TaskManager
+
+    common = "output_type: loglikelihood\ntest_split: test\ndoc_to_text: '{{text}}'\ndoc_to_target: ' x'\n"
+    (tmp_path / "a.yaml").write_text(f"task: hub_a\ntag: [both_hub]\ndataset_path: someorg/data-a\n{common}")
+    (tmp_path / "b.yaml").write_text(f"task: hub_b\ntag: [both_hub]\ndataset_path: data-b\ndataset_name: cfg\n{common}")
+    (tmp_path / "c.yaml").write_text(
+        f"task: local_c\ndataset_path: json\ndataset_kwargs:\n  data_files: x.jsonl\n{common}"
+    )
+    (tmp_path / "g.yaml").write_text("group: hub_group\ntask: [hub_a, local_c]\n")
+    return TaskManager(include_path=str(tmp_path), include_defaults=False)
+
+
+def test_hub_datasets_of_tasks_groups_and_tags(tmp_path):
+    from mha2gqa.eval.lmeval import hub_datasets
+
+    manager = _hub_task_index(tmp_path)
+    assert hub_datasets(manager, ["hub_group"]) == {"someorg/data-a": "hub_a"}
+    assert set(hub_datasets(manager, ["both_hub", "local_c"])) == {"someorg/data-a", "data-b"}
+
+
+def test_uncached_task_data_offline_is_one_line_before_the_run(tmp_path, monkeypatch):
+    from mha2gqa.eval.lmeval import check_task_data
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(InputError) as err:
+        check_task_data(_hub_task_index(tmp_path), ["both_hub"])
+    assert str(err.value).startswith(
+        "--lm-eval-tasks: the data of hub_a (someorg/data-a), hub_b (data-b) is not in the local cache"
+    )
+
+
+def test_unreachable_hub_for_task_data_is_one_bounded_try(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from mha2gqa.eval.lmeval import check_task_data
+    from mha2gqa.sources import HUB_TIMEOUT_S
+
+    asked = []
+
+    def unreachable(self, repo, timeout=None, **kwargs):
+        asked.append((repo, timeout))
+        raise ConnectionError("no route")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    with pytest.raises(InputError, match=r"hub_a: its data someorg/data-a is not cached here and the hub did not"):
+        check_task_data(_hub_task_index(tmp_path), ["hub_group"])
+    assert asked == [("someorg/data-a", HUB_TIMEOUT_S)]
+
+
+def test_hellaswag_offline_is_refused_in_one_line_before_loading(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(
+        main,
+        ["eval", str(tiny), "--data", str(embedded.heldout_path())]
+        + ["--lm-eval-tasks", "hellaswag", "--out", str(out)],
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        "Error: --lm-eval-tasks: the data of hellaswag (Rowan/hellaswag) is not in the local cache and the hub is "
+        "offline (HF_HUB_OFFLINE=1): run once online to cache it, or use an offline task "
+        "(persuasion_cloze, persuasion_next_sentence)"
+    ]
+    assert not out.exists()

@@ -83,7 +83,14 @@ def test_every_problem_is_reported_together_each_naming_its_key(valid):
     "overrides, expected",
     [
         (["budget.max_steps=null"], "set exactly one of budget.max_steps, budget.tokens, budget.alpha (got none)"),
-        (["budget.tokens=100"], "(got budget.max_steps, budget.tokens)"),
+        (
+            ["budget.tokens=100"],
+            "(got budget.max_steps, budget.tokens): unset the one(s) you do not want with budget.max_steps=null",
+        ),
+        (
+            ["budget.max_steps=null", "budget.alpha=0.05", "budget.pretrain_tokens=1000", "budget.tokens=10"],
+            "(got budget.tokens, budget.alpha): unset the one(s) you do not want with budget.alpha=null",
+        ),
         (["budget.max_steps=null", "budget.alpha=0.05"], "budget.alpha needs budget.pretrain_tokens"),
         (["budget.max_steps=0"], "budget.max_steps=0 must be positive"),
         (["seq_len=1"], "seq_len must be at least 2"),
@@ -165,3 +172,14 @@ def test_accelerate_configs_parse(path):
     config = yaml.safe_load(path.read_text())
     assert config["distributed_type"] in {"MULTI_GPU", "FSDP", "DEEPSPEED"}
     assert config["num_processes"] >= 1 and config["mixed_precision"] == "bf16"
+
+
+def test_overriding_the_budget_of_a_recipe_that_sets_alpha_names_alpha_null(valid):
+    """The demo's recipe sets budget.alpha; budget.max_steps=5 on it must say how to unset alpha."""
+    demo = ROOT / "mha2gqa" / "demo" / "demo-uptrain.yaml"
+    with pytest.raises(InputError) as err:
+        load_recipe(demo, ["budget.max_steps=5"], check_files=False)
+    assert "(got budget.max_steps, budget.alpha): unset the one(s) you do not want with budget.alpha=null" in str(
+        err.value
+    )
+    load_recipe(demo, ["budget.max_steps=5", "budget.alpha=null"], check_files=False)  # and that works

@@ -11,14 +11,13 @@ import torch
 from calibrated_models import save_redundant_model
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+from tiny_models import make_tiny_tokenizer, save_tiny_model
 from transformers import AutoModelForCausalLM
 
 from mha2gqa.cli import main
-from mha2gqa.convert.refine import RefineOptions, calibration_token_ids, refine_checkpoint
+from mha2gqa.convert.refine import RefineOptions
 from mha2gqa.convert.run import convert
 from mha2gqa.errors import InputError
-from mha2gqa.layouts import attention_shape, layout_for, read_config
 from mha2gqa.provenance import latest
 
 SMALL = dict(max_position_embeddings=64)  # refine blocks are min(512, context) tokens: 64 here
@@ -33,21 +32,6 @@ def logits(model_dir, ids):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(ids).logits
-
-
-@pytest.fixture(scope="module")
-def calibration_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cal") / "cal.txt"
-    path.write_text(SAMPLE_TEXT * 12)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def tiny_src(tmp_path_factory):
-    src = tmp_path_factory.mktemp("src") / "llama"
-    save_tiny_model(src, "llama", **SMALL)
-    make_tiny_tokenizer(src)
-    return src
 
 
 def heldout_ids(src):
@@ -129,7 +113,8 @@ def test_deterministic_with_seed_and_same_when_spilled_to_disk(tmp_path, tiny_sr
         )
         assert result.refine["spilled_to_disk"] == (name == "spill")
         runs[name] = load_file(tmp_path / name / "model.safetensors")
-    assert not list(tmp_path.glob("mha2gqa-refine-*"))  # the spill files are removed
+    assert not list(tmp_path.rglob("*.f32")) and not list(tmp_path.rglob(".refine-*"))  # the spill files are removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "spill"]  # nothing under $TMPDIR either
     for name in ("b", "spill"):
         assert runs[name].keys() == runs["a"].keys()
         for key, tensor in runs["a"].items():
@@ -179,28 +164,38 @@ def test_output_is_a_stock_checkpoint_of_the_merged_shapes(tmp_path, tiny_src, c
 def test_cost_is_linear_in_depth(tmp_path, calibration_file):
     """Each decoder layer (parent and converted) runs the same number of times: no prefix re-runs."""
     calls: dict[int, int] = {}
+    counting = {"on": False}
 
     def count(module, args, output):
-        if type(module).__name__.endswith("DecoderLayer"):
+        if counting["on"] and type(module).__name__.endswith("DecoderLayer"):
             calls[id(module)] = calls.get(id(module), 0) + 1
 
+    def refine_counted(*args, **kwargs):  # counts the refine stage only, not the calibration before it
+        counting["on"] = True
+        try:
+            return refine_attention(*args, **kwargs)
+        finally:
+            counting["on"] = False
+
+    from mha2gqa.convert import refine
+
+    refine_attention = refine.refine_attention
     src = tmp_path / "src"
     save_tiny_model(src, "llama", num_hidden_layers=4, **SMALL)
     make_tiny_tokenizer(src)
-    convert(src, tmp_path / "dst", 2, method="mean", progress=False)
-    config = read_config(src)
-    ids = calibration_token_ids(src, calibration_file, 1024)
     handle = torch.nn.modules.module.register_module_forward_hook(count)
     try:
-        record = refine_checkpoint(
-            src,
-            tmp_path / "dst",
-            layout_for(config),
-            attention_shape(config),
-            ids,
-            RefineOptions(steps=2, batch_blocks=4),
-            progress=False,
-        )
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(refine, "refine_attention", refine_counted)
+            record = convert(
+                src,
+                tmp_path / "dst",
+                2,
+                calibration=calibration_file,
+                calibration_tokens=1024,
+                refine=RefineOptions(steps=2, batch_blocks=4),
+                progress=False,
+            ).refine
     finally:
         handle.remove()
     blocks = (record["fit_tokens"] + record["heldout_tokens"]) // record["sequence_length"]
@@ -248,18 +243,37 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, tiny_src, calibration
             ["--refine", "--calibration", calibration_file, "--refine-steps", "-1"],
             "--refine-steps -1 must be 0 or more",
         ),
-        (["--refine", "--calibration", calibration_file, "--refine-lr", "0"], "--refine-lr 0.0 must be positive"),
+        (
+            ["--refine", "--calibration", calibration_file, "--refine-lr", "0"],
+            "--refine-lr 0.0 must be a finite positive",
+        ),
+        (["--refine", "--calibration", calibration_file, "--refine-lr", "inf"], "--refine-lr inf must be a finite"),
+        (["--refine", "--calibration", calibration_file, "--refine-lr", "nan"], "--refine-lr nan must be a finite"),
+        (
+            ["--refine", "--calibration", calibration_file, "--refine-lr", "-1e-3"],
+            "--refine-lr -0.001 must be a finite",
+        ),
+        (
+            ["--refine", "--calibration", calibration_file, "--calibration-tokens", "0"],
+            "--calibration-tokens 0 must be",
+        ),
+        (["--calibration", calibration_file, "--calibration-tokens", "-5"], "--calibration-tokens -5 must be"),
+        (
+            ["--refine", "--calibration", calibration_file, "--calibration-tokens", "64"],
+            "at least 2 calibration blocks",
+        ),
+        (["--refine", "--calibration", "/nonexistent/cal.txt"], "--calibration /nonexistent/cal.txt: no such file"),
         (
             ["--refine", "--calibration", calibration_file, "--refine-memory", "lots"],
             "--refine-memory 'lots' is not a size",
         ),
         (["--refine", "--calibration", calibration_file, "--refine-tokens", "0"], "--refine-tokens 0 must be positive"),
     ]
-    for extra, message in cases:
+    for extra, message in cases:  # refused before DST, its lock or any statistics exist
         result = runner.invoke(main, ["convert", str(tiny_src), str(tmp_path / "dst"), "-g", "2", *extra])
         assert result.exit_code == 2, result.output
         assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
-        assert not (tmp_path / "dst").exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == [], (extra, list(tmp_path.iterdir()))
     with pytest.raises(InputError, match="at least 2 calibration blocks"):
         convert(
             tiny_src,

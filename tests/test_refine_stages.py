@@ -12,19 +12,19 @@ from transformers import AutoModelForCausalLM
 
 from mha2gqa.convert.calibration import calibrate
 from mha2gqa.convert.options import RefineOptions
-from mha2gqa.convert.refine import calibration_token_ids, refine_checkpoint
 from mha2gqa.convert.refine_block import is_additive, output_projection
 from mha2gqa.convert.refine_global import kl_divergence
 from mha2gqa.convert.run import convert
 from mha2gqa.embedded import HELDOUT_NOVEL, expand_corpus_name, read_novel
 from mha2gqa.layouts import attention_shape, layout_for, read_config
+from mha2gqa.provenance import latest
 
 # initializer_range 0.1: attention that matters (at the default 0.02 mean-pooling to one kv head moves the
 # logits by a KL of 1e-5, too little to rank stages by).
 SMALL = dict(max_position_embeddings=64, num_hidden_layers=2, initializer_range=0.1)
 ATTENTION = RefineOptions(steps=30, lr=3e-3, mlp_output=False)
-BLOCK = RefineOptions(steps=30, lr=3e-3)
-GLOBAL = RefineOptions(steps=30, lr=3e-3, global_steps=20, global_lr=2e-4)
+BLOCK = RefineOptions(steps=30, lr=3e-3, mlp_output=True)
+GLOBAL = RefineOptions(steps=30, lr=3e-3, mlp_output=True, global_steps=20, global_lr=2e-4)
 CALIBRATION = dict(calibration=expand_corpus_name("austen"), calibration_tokens=2048, progress=False)
 
 
@@ -78,9 +78,7 @@ def test_each_stage_beats_the_one_before_on_heldout_text(tmp_path, tiny_src, tin
     errors = {}
     records = {}
     for name, options in [("merge", None), ("attention", ATTENTION), ("block", BLOCK), ("global", GLOBAL)]:
-        done = convert(
-            tiny_src, tmp_path / name, 1, method="mean", calibration=tiny_stats, refine=options, progress=False
-        )
+        done = convert(tiny_src, tmp_path / name, 1, method="mean", stats=tiny_stats, refine=options, progress=False)
         errors[name], records[name] = heldout_kl(tmp_path / name, tiny_src), done.refine
     print("held-out KL to the parent:", {name: f"{value:.4e}" for name, value in errors.items()})
     assert errors["merge"] > errors["attention"] > errors["block"] > errors["global"]
@@ -101,7 +99,7 @@ def test_stages_are_deterministic_with_seed(tmp_path, tiny_src, tiny_stats):
     runs = {}
     for name, seed in [("a", 0), ("b", 0), ("other", 1)]:
         options = RefineOptions(**{**GLOBAL.__dict__, "steps": 5, "global_steps": 5, "seed": seed})
-        convert(tiny_src, tmp_path / name, 1, method="mean", calibration=tiny_stats, refine=options, progress=False)
+        convert(tiny_src, tmp_path / name, 1, method="mean", stats=tiny_stats, refine=options, progress=False)
         runs[name] = load_file(tmp_path / name / "model.safetensors")
     for key, tensor in runs["a"].items():
         assert torch.equal(runs["b"][key], tensor), key
@@ -145,19 +143,16 @@ def test_cost_stays_linear_in_depth(tmp_path):
         src = tmp_path / f"src{depth}"
         save_tiny_model(src, "llama", max_position_embeddings=64, num_hidden_layers=depth)
         make_tiny_tokenizer(src)
-        convert(src, tmp_path / f"dst{depth}", 2, method="mean", progress=False)
-        config = read_config(src)
-        ids = calibration_token_ids(src, expand_corpus_name("austen"), 1024)
+        options = RefineOptions(steps=2, batch_blocks=4, mlp_output=True, global_steps=2)
         handle = torch.nn.modules.module.register_module_forward_hook(count)
         try:
-            refine_checkpoint(
+            convert(
                 src,
                 tmp_path / f"dst{depth}",
-                layout_for(config),
-                attention_shape(config),
-                ids,
-                RefineOptions(steps=2, batch_blocks=4, global_steps=2),
-                progress=False,
+                2,
+                method="mean",
+                refine=options,
+                **{**CALIBRATION, "calibration_tokens": 1024},
             )
         finally:
             handle.remove()
@@ -172,3 +167,21 @@ def test_cost_stays_linear_in_depth(tmp_path):
     assert counts[2][0] == counts[4][0], counts
     converted = {depth: values[depth:] for depth, values in counts.items()}
     assert max(converted[4]) - min(converted[4]) <= 2 * batches and min(converted[4]) == min(converted[2]), counts
+
+
+def test_cli_runs_every_stage_and_prints_their_errors(tmp_path, tiny_src):
+    from click.testing import CliRunner
+
+    from mha2gqa.cli import main
+
+    args = ["convert", str(tiny_src), str(tmp_path / "dst"), "-g", "1", "--method", "mean", "--calibration", "austen"]
+    args += ["--calibration-tokens", "1024", "--refine", "--refine-steps", "3", "--refine-mlp"]
+    args += ["--refine-global-steps", "2", "--refine-global-lr", "2e-4", "-q"]
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 0, done.output
+    assert "layer output, held-out before" in done.output and "all layers together: held-out KL" in done.output
+    record = latest(tmp_path / "dst", "conversion")["refine"]
+    assert record["options"]["mlp_output"] and record["global"]["steps"] == 2 and record["global"]["lr"] == 2e-4
+    bad = CliRunner().invoke(main, args[:-5] + ["--refine-global-steps", "-1"])
+    assert bad.exit_code == 2 and "Error: --refine-global-steps -1 must be 0 or more" in bad.output
+    assert not (tmp_path / "dst2").exists()

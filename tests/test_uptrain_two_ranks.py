@@ -2,7 +2,7 @@
 final checkpoint.
 
 `accelerate launch --cpu --num_processes 2` silently starts ONE process; the command below starts
-two gloo ranks (DESIGN.md section 2), and the test checks that it did.
+two gloo ranks (docs/uptrain.md), and the test checks that it did.
 """
 
 from __future__ import annotations

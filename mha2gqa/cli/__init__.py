@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-import signal
+import os
+import sys
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import click
 
-from mha2gqa import __version__
-from mha2gqa.errors import InputError, Interrupted, WeightWarning, is_user_fault, signals_as_interrupts, user_file_error
+from mha2gqa.errors import WeightWarning, exit_report, one_line, signals_as_interrupts
+from mha2gqa.version import __version__
 
 
 class _OneLineError(click.ClickException):
     """A user mistake: `Error: <message>` on stderr, exit code 2, no traceback."""
 
     exit_code = 2
+
+    def __init__(self, message: str):
+        super().__init__(one_line(message))
 
 
 @contextmanager
@@ -41,30 +45,54 @@ class _Group(click.Group):
     unwind as KeyboardInterrupt), one line, exit 128 + the signal number; anything else is our bug
     and keeps its traceback."""
 
+    def format_commands(self, ctx, formatter):
+        """Each command with its whole summary (its short_help, else its help's first sentence),
+        wrapped, not cut mid-sentence to fit one line as click's default does."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=10_000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
     def invoke(self, ctx):
+        for stream in (sys.stdout, sys.stderr):  # a path that is not UTF-8 prints as \xNN, not a traceback
+            with suppress(AttributeError, ValueError):
+                stream.reconfigure(errors="backslashreplace")
         try:
             with signals_as_interrupts(), _one_line_warnings():
                 return super().invoke(ctx)
-        except InputError as err:
-            raise _OneLineError(str(err)) from None
-        except OSError as err:
-            if not is_user_fault(err):
-                raise
-            raise _OneLineError(str(user_file_error(err))) from None
         except click.UsageError as err:  # a subcommand's bad flag: one line too, with where to look
             where = err.ctx.command_path if err.ctx else "mha2gqa"
             raise _OneLineError(f"{err.format_message()} (see '{where} --help')") from None
-        except KeyboardInterrupt as err:
-            signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
-            click.echo(f"\nInterrupted by {signal.Signals(signum).name}", err=True)
-            raise click.exceptions.Exit(128 + signum) from None
+        except (Exception, KeyboardInterrupt) as err:
+            report = exit_report(err)
+            if report is None:
+                raise
+            click.echo(report[0], err=True)
+            raise click.exceptions.Exit(report[1]) from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mha2gqa")
-def main():
+@click.option(
+    "--threads",
+    metavar="N",
+    default=None,
+    help="CPU threads for torch (also MHA2GQA_THREADS=N). Default: 1 for demo, reproduce, and eval and "
+    "uptrain of a local model under 1 GiB (faster on small models, above all on a busy machine); torch's "
+    "one per core otherwise; OMP_NUM_THREADS, when set, is kept.",
+)
+def main(threads):
     """Convert multi-head attention (MHA) checkpoints to grouped-query (GQA) or multi-query (MQA)
     attention, uptrain them briefly, and measure what was lost and what was saved."""
+    from mha2gqa import threads as thread_count
+
+    if threads is not None:
+        os.environ[thread_count.ENV] = str(thread_count.parse(threads, "--threads"))
+    thread_count.apply()
 
 
 def _register():
@@ -86,6 +114,10 @@ def _register():
 
     for command in (demo_cmd.demo, demo_cmd.reproduce):
         main.add_command(command)
+
+    from mha2gqa.cli import sweep_cmd  # mha2gqa sweep
+
+    main.add_command(sweep_cmd.sweep)
 
 
 _register()

@@ -6,54 +6,46 @@ import json
 
 import click
 
-from mha2gqa.cli.format import human_bytes, human_count, table
-from mha2gqa.convert.options import (
-    DEFAULT_CALIBRATION_TOKENS,
-    DEFAULT_REFINE_LR,
-    DEFAULT_REFINE_STEPS,
-    METHOD_SUMMARIES,
-    ConvertOptions,
-    Grouping,
-    Method,
-    RefineOptions,
-)
+from mha2gqa.cli.fields import field_option
+from mha2gqa.cli.format import human_count, table
+from mha2gqa.convert.options import METHOD_SUMMARIES, ConvertOptions, Grouping, Method, RefineOptions
 from mha2gqa.docfields import choice_docs, option_help
+from mha2gqa.units import format_bytes, format_size
 
 
-def _help(field: str, choices: dict[str, str] | None = None, cls=ConvertOptions) -> str:
-    """An option's help is its ConvertOptions (or RefineOptions) field's docstring (tests/test_docfields.py
-    holds them equal)."""
-    return option_help(cls, field, choices)
+def _option(flag: str, *decls: str, **kwargs):
+    """The option that sets a ConvertOptions field: its default and help are the field's."""
+    return field_option(ConvertOptions, flag, *decls, **kwargs)
 
 
-@click.command()
+def _refine_option(flag: str, field: str, **kwargs):
+    """--refine-X sets RefineOptions.X (ConvertOptions.refine)."""
+    return field_option(RefineOptions, flag, field=field, **kwargs)
+
+
+@click.command(short_help="Convert SRC to grouped-query attention with GROUPS kv heads, written to DST.")
 @click.argument("src")
 @click.argument("dst")
-@click.option("--groups", "-g", type=int, required=True, help=_help("groups"))
-@click.option("--method", default=Method.MEAN.value, show_default=True, help=_help("method", METHOD_SUMMARIES))
-@click.option("--seed", default=0, show_default=True, help=_help("seed"))
-@click.option("--dtype", default=None, help=_help("dtype"))
-@click.option("--max-shard-size", default="5GB", show_default=True, help=_help("max_shard_size"))
-@click.option("--force", is_flag=True, help=_help("force"))
-@click.option("--dry-run", is_flag=True, help=_help("dry_run"))
+@_option("--groups", "-g", type=int, required=True)
+@_option("--method", type=click.Choice([m.value for m in Method]), choices=METHOD_SUMMARIES)
+@_option("--seed")
+@_option("--dtype")
+@_option("--max-shard-size")
+@_option("--force", is_flag=True)
+@_option("--dry-run", is_flag=True)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--calibration", default=None, metavar="DATA", help=_help("calibration"))
-@click.option(
-    "--calibration-tokens", default=DEFAULT_CALIBRATION_TOKENS, show_default=True, help=_help("calibration_tokens")
-)
-@click.option("--calibration-memory", default="4GiB", show_default=True, help=_help("calibration_memory"))
-@click.option(
-    "--grouping",
-    type=click.Choice([g.value for g in Grouping]),
-    default=Grouping.CONTIGUOUS.value,
-    show_default=True,
-    help=_help("grouping", choice_docs(Grouping)),
-)
-@click.option("--refine", is_flag=True, help=_help("refine"))
-@click.option("--refine-steps", default=DEFAULT_REFINE_STEPS, show_default=True, help=_help("steps", cls=RefineOptions))
-@click.option("--refine-lr", default=DEFAULT_REFINE_LR, show_default=True, help=_help("lr", cls=RefineOptions))
-@click.option("--refine-memory", default="4GiB", show_default=True, help=_help("memory", cls=RefineOptions))
-@click.option("--refine-tokens", type=int, default=None, help=_help("tokens", cls=RefineOptions))
+@_option("--calibration", metavar="DATA", multiple=True)
+@_option("--calibration-tokens")
+@_option("--calibration-memory", as_text=format_size)
+@_option("--grouping", type=click.Choice([g.value for g in Grouping]), choices=choice_docs(Grouping))
+@click.option("--refine", is_flag=True, help=option_help(ConvertOptions, "refine"))
+@_refine_option("--refine-steps", "steps")
+@_refine_option("--refine-lr", "lr")
+@_refine_option("--refine-memory", "memory", as_text=format_size)
+@_refine_option("--refine-tokens", "tokens", type=int)
+@_refine_option("--refine-mlp", "mlp_output", is_flag=True)
+@_refine_option("--refine-global-steps", "global_steps")
+@_refine_option("--refine-global-lr", "global_lr")
 def convert(
     src,
     dst,
@@ -74,6 +66,9 @@ def convert(
     refine_lr,
     refine_memory,
     refine_tokens,
+    refine_mlp,
+    refine_global_steps,
+    refine_global_lr,
 ):
     """Convert the checkpoint SRC (a local directory with config.json and safetensors, or a hub id when
     online) into a grouped-query checkpoint DST with GROUPS kv heads.
@@ -86,11 +81,17 @@ def convert(
     """
     from mha2gqa.convert.run import convert as run_convert
     from mha2gqa.convert.run import parse_size
-    from mha2gqa.embedded import expand_corpus_name
 
     refine_options = (
         RefineOptions(
-            refine_steps, refine_lr, parse_size(refine_memory, "--refine-memory"), tokens=refine_tokens, seed=seed
+            refine_steps,
+            refine_lr,
+            parse_size(refine_memory, "--refine-memory"),
+            tokens=refine_tokens,
+            mlp_output=refine_mlp,
+            global_steps=refine_global_steps,
+            global_lr=refine_global_lr,
+            seed=seed,
         )
         if refine
         else None
@@ -104,7 +105,7 @@ def convert(
         force=force,
         dry_run=dry_run,
         progress=not quiet,
-        calibration=expand_corpus_name(calibration),
+        calibration=(list(calibration) if len(calibration) > 1 else calibration[0]) if calibration else None,
         calibration_tokens=calibration_tokens,
         calibration_memory=calibration_memory,
         grouping=grouping,
@@ -113,9 +114,7 @@ def convert(
     result = run_convert(src, dst, options=options)
     plan = result.plan
     if dry_run:
-        from mha2gqa.checkpoint import SafetensorsCheckpoint
-
-        for line in plan.describe(SafetensorsCheckpoint(result.source).tensors):
+        for line in plan.describe(result.conversion.checkpoint.tensors) + result.conversion.describe():
             click.echo(line)
     if result.layers:
         click.echo(layer_table(result.layers))
@@ -124,8 +123,8 @@ def convert(
     saving = plan.shape.kv_heads / plan.groups
     verb = "would write" if dry_run else "wrote"
     click.echo(
-        f"{verb} {dst}: {len(plan.output_tensors())} tensors, {human_bytes(plan.bytes_out)} "
-        f"(from {human_bytes(plan.bytes_in)}); kv heads {plan.shape.kv_heads} -> {plan.groups} by {plan.method}, "
+        f"{verb} {dst}: {len(plan.output_tensors())} tensors, {format_bytes(plan.bytes_out)} "
+        f"(from {format_bytes(plan.bytes_in)}); kv heads {plan.shape.kv_heads} -> {plan.groups} by {plan.method}, "
         f"KV cache {saving:g}x smaller"
     )
 
@@ -167,9 +166,15 @@ def refine_table(record: dict) -> str:
     return text
 
 
-@click.command()
+@click.command(short_help="Show SRC's attention and the KV-cache saving of every kv-head count.")
 @click.argument("src")
-@click.option("--context", default=4096, show_default=True, help="Sequence length for the per-sequence KV-cache size.")
+@click.option(
+    "--context",
+    type=int,
+    default=None,
+    help="Sequence length for the per-sequence KV-cache size [default: the model's context length from its "
+    "config.json, e.g. max_position_embeddings].",
+)
 @click.option("--batch", default=1, show_default=True, help="Batch size for the per-batch KV-cache size.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def inspect(src, context, batch, as_json):
@@ -192,13 +197,15 @@ def inspect(src, context, batch, as_json):
         [
             str(t["kv_heads"]) + (" (now)" if t["kv_heads"] == info["kv_heads"] else ""),
             str(t["queries_per_kv_head"]),
-            human_bytes(t["kv_bytes_per_token"]),
-            human_bytes(t["kv_bytes_per_sequence"]),
-            human_bytes(t["kv_bytes_per_batch"]),
+            format_bytes(t["kv_bytes_per_token"]),
+            format_bytes(t["kv_bytes_per_sequence"]),
+            format_bytes(t["kv_bytes_per_batch"]),
             f"{t['saving']:g}x",
             human_count(t["parameters"]),
         ]
         for t in info["targets"]
     ]
+    context = info["context"]
     headers = ["kv heads", "q per kv", "KV/token", f"KV/seq@{context}", f"KV/batch of {batch}", "saving", "params"]
     click.echo(table(headers, rows))
+    click.echo(f"KV/seq at {context:,} tokens ({info['context_from']}); --context N for another length")

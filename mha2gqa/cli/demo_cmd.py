@@ -6,16 +6,22 @@ from pathlib import Path
 
 import click
 
-from mha2gqa.cli.format import human_bytes, table
+from mha2gqa.cli.format import table
+from mha2gqa.embedded import target_groups
+from mha2gqa.units import format_bytes
 
 # How each column of mha2gqa.demo.summary_rows prints (the label first, "bytes" as KiB/MiB).
 _SPECS = ["", ".2f", ".4f", ".3f", "bytes", ".2f"]
 
 
+def _listed(values: list[int]) -> str:
+    return ", ".join(map(str, values[:-1])) + f" or {values[-1]}" if len(values) > 1 else str(values[0])
+
+
 def _cell(value, spec: str) -> str:
     if not isinstance(value, (int, float, str)) or (spec == "bytes" and not value):
         return "-"
-    return human_bytes(value) if spec == "bytes" else format(value, spec)
+    return format_bytes(value) if spec == "bytes" else format(value, spec)
 
 
 def _summary(report_json: Path) -> str:
@@ -25,9 +31,12 @@ def _summary(report_json: Path) -> str:
     return table(headers, [[_cell(value, spec) for value, spec in zip(row, _SPECS)] for row in rows])
 
 
-@click.command()
+@click.command(short_help="Run the whole job on the embedded default: convert, evaluate, uptrain, report.")
 @click.option(
-    "--groups", default=2, show_default=True, help="Target kv heads for the embedded 8-head model (1, 2 or 4)."
+    "--groups",
+    default=2,
+    show_default=True,
+    help=f"Target kv heads for the embedded 8-head model ({_listed(target_groups())}).",
 )
 @click.option(
     "--out",
@@ -36,32 +45,41 @@ def _summary(report_json: Path) -> str:
     type=click.Path(path_type=Path),
     help="Where the converted and uptrained models, results and report go.",
 )
-@click.option("--quick", is_flag=True, help="About 2 minutes: a slice of the held-out novel, alpha=1%, no speed grid.")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="A shorter run: 16k tokens of the held-out novel, alpha=1%, no speed grid (README.md gives a measured time).",
+)
 @click.option(
     "--alpha",
     type=float,
     default=None,
     help="Uptraining budget as a fraction of the parent's pretraining tokens [default: 0.05; 0.01 with --quick].",
 )
-def demo(groups, out, quick, alpha):
+@click.option(
+    "--force", is_flag=True, help="Replace an earlier demo run in OUT (as a whole: none of its files are kept)."
+)
+def demo(groups, out, quick, alpha, force):
     """Run the whole job on the embedded default (a small Llama MHA model trained on five Jane Austen
     novels; no download): inspect, convert to GROUPS kv heads by mean-pooling, evaluate the parent and
     the converted model on held-out Persuasion, uptrain for ALPHA of the parent's pretraining tokens,
     evaluate again, and write a side-by-side report (markdown, html, plots) under OUT."""
+    from mha2gqa import threads
     from mha2gqa.demo import run_demo
 
-    written = run_demo(out, groups=groups, quick=quick, alpha=alpha, echo=click.echo)
+    threads.apply(threads.SMALL_MODEL_THREADS)
+    written = run_demo(out, groups=groups, quick=quick, alpha=alpha, echo=click.echo, force=force)
     click.echo(_summary(Path(written["json"])))
     click.echo(f"report: {written['html']}")
 
 
-@click.command()
+@click.command(short_help="Reproduce the GQA paper's ablations at small scale on the embedded default.")
 @click.option(
     "--out",
-    default="docs/ablations",
+    default="./mha2gqa-ablations",
     show_default=True,
     type=click.Path(path_type=Path),
-    help="Where ablations.json, ablations.md and the plots go.",
+    help="Where ablations.json, ablations.md and the plots go (docs/ablations in a checkout holds the shipped ones).",
 )
 @click.option("--methods", default="mean,first,random", show_default=True, help="Conversion methods, comma-separated.")
 @click.option("--kv-heads", default="1,2,4", show_default=True, help="Target kv-head counts, comma-separated.")
@@ -77,6 +95,7 @@ def demo(groups, out, quick, alpha):
 def reproduce(out, methods, kv_heads, alphas, eval_blocks):
     """Reproduce the GQA paper's ablations at small scale on the embedded default: perplexity on
     held-out Persuasion for every method x kv heads x alpha, as a table and plots under OUT."""
+    from mha2gqa import threads
     from mha2gqa.demo import markdown_table
     from mha2gqa.demo import reproduce as run_reproduce
     from mha2gqa.errors import InputError
@@ -87,6 +106,7 @@ def reproduce(out, methods, kv_heads, alphas, eval_blocks):
         except ValueError:
             raise InputError(f"{flag} {text!r} must be a comma-separated list of numbers, e.g. 0,0.05") from None
 
+    threads.apply(threads.SMALL_MODEL_THREADS)
     grid, written = run_reproduce(
         out,
         methods=tuple(m.strip() for m in methods.split(",")),

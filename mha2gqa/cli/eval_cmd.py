@@ -6,14 +6,15 @@ import json
 
 import click
 
-from mha2gqa.cli.format import human_bytes
-from mha2gqa.docfields import choice_docs, option_help
+from mha2gqa.cli.fields import field_option
+from mha2gqa.docfields import choice_docs
 from mha2gqa.eval.options import EvalOptions, SpeedPreset
+from mha2gqa.units import format_bytes
 
 
-def _help(field: str, choices: dict[str, str] | None = None) -> str:
-    """An option's help is its EvalOptions field's docstring (tests/test_docfields.py holds them equal)."""
-    return option_help(EvalOptions, field, choices)
+def _option(flag: str, *decls: str, **kwargs):
+    """The option that sets an EvalOptions field: its default and help are the field's."""
+    return field_option(EvalOptions, flag, *decls, **kwargs)
 
 
 def _int_list(ctx, param, value):
@@ -27,46 +28,50 @@ def _int_list(ctx, param, value):
 
 
 def _str_list(ctx, param, value):
-    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+    """'a,b' -> ['a', 'b']; a value with no names in it ('' or ',, ,') is refused, not ignored."""
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise click.BadParameter(f"{value!r} names no task: give comma-separated names (e.g. hellaswag,arc_easy)")
+    return names
 
 
-@click.command("eval")
+@click.command("eval", short_help="Measure MODEL: perplexity, agreement with a parent, KV-cache bytes, decode speed.")
 @click.argument("model")
-@click.option("--data", help=_help("data"))
-@click.option("--data-config", help=_help("data_config"))
-@click.option("--data-split", default="test", show_default=True, help=_help("data_split"))
-@click.option("--data-column", default="text", show_default=True, help=_help("data_column"))
-@click.option("--max-tokens", type=int, help=_help("max_tokens"))
-@click.option("--tokenizer", help=_help("tokenizer"))
-@click.option("--reference", help=_help("reference"))
-@click.option("--context", type=int, help=_help("context"))
-@click.option("--stride", type=int, help=_help("stride"))
-@click.option("--batch-size", default=1, show_default=True, help=_help("batch_size"))
-@click.option("--dtype", default="auto", show_default=True, help=_help("dtype"))
-@click.option("--device", default="auto", show_default=True, help=_help("device"))
-@click.option(
+@_option("--data")
+@_option("--data-config")
+@_option("--data-split")
+@_option("--data-column")
+@_option("--max-tokens", type=int)
+@_option("--tokenizer")
+@_option("--reference")
+@_option("--context", type=int)
+@_option("--stride", type=int)
+@_option("--batch-size")
+@_option("--dtype")
+@_option("--device")
+@_option(
     "--speed",
     "speed_preset",
     type=click.Choice([p.value for p in SpeedPreset]),
-    default=SpeedPreset.AUTO.value,
-    show_default=True,
-    help=_help("speed_preset", choice_docs(SpeedPreset)),
+    choices=choice_docs(SpeedPreset),
 )
-@click.option("--speed-batches", callback=_int_list, help=_help("speed_batches"))
-@click.option("--speed-contexts", callback=_int_list, help=_help("speed_contexts"))
-@click.option("--new-tokens", type=int, help=_help("new_tokens"))
-@click.option("--repeats", type=int, help=_help("repeats"))
-@click.option("--kv-batch", default=2, show_default=True, help=_help("kv_batch"))
-@click.option("--kv-tokens", default=32, show_default=True, help=_help("kv_tokens"))
-@click.option("--attention-maps", "attention_text", help=_help("attention_text"))
-@click.option("--attention-layer", default=0, show_default=True, help=_help("attention_layer"))
-@click.option("--attention-png", type=click.Path(dir_okay=False), help=_help("attention_png"))
-@click.option("--lm-eval-tasks", callback=_str_list, help=_help("lm_eval_tasks"))
-@click.option("--lm-eval-limit", type=int, help=_help("lm_eval_limit"))
-@click.option("--role", type=click.Choice(["parent", "converted", "uptrained"]), help=_help("role"))
-@click.option("--label", help=_help("label"))
-@click.option("--seed", default=0, show_default=True, help=_help("seed"))
-@click.option("--out", type=click.Path(dir_okay=False), help=_help("out"))
+@_option("--speed-batches", callback=_int_list)
+@_option("--speed-contexts", callback=_int_list)
+@_option("--new-tokens", type=int)
+@_option("--repeats", type=int)
+@_option("--kv-batch")
+@_option("--kv-tokens")
+@_option("--attention-maps", "attention_text")
+@_option("--attention-layer")
+@_option("--attention-png", type=click.Path(dir_okay=False))
+@_option("--lm-eval-tasks", callback=_str_list)
+@_option("--lm-eval-limit", type=int)
+@_option("--role", type=click.Choice(["parent", "converted", "uptrained"]))
+@_option("--label")
+@_option("--seed")
+@_option("--out", type=click.Path(dir_okay=False))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def eval_command(model, quiet, out, **options):
     """Measure MODEL (a local directory or a hub id when online): sliding-window perplexity on --data,
@@ -76,7 +81,10 @@ def eval_command(model, quiet, out, **options):
 
     Example: mha2gqa eval ./llama-gqa8 --data held_out.txt --reference ./llama --out gqa8.json
     """
+    from mha2gqa import threads
     from mha2gqa.eval.run import evaluate
+
+    threads.apply(threads.for_model(model))
 
     result = evaluate(model, options=EvalOptions(**options, out=out, progress=not quiet))
     click.echo(summary(result), err=out is None)
@@ -102,26 +110,27 @@ def summary(result: dict) -> str:
         )
     kv = result["kv_cache"]
     lines.append(
-        f"  KV cache {human_bytes(kv['measured_bytes_per_token'])}/token measured, "
-        f"{human_bytes(kv['formula_bytes_per_token'])} by formula: {'match' if kv['match'] else 'MISMATCH'}"
+        f"  KV cache {format_bytes(kv['measured_bytes_per_token'])}/token measured, "
+        f"{format_bytes(kv['formula_bytes_per_token'])} by formula: {'match' if kv['match'] else 'MISMATCH'}"
     )
     for p in (result["speed"] or {}).get("points", []):
+        low, high = p.get("tokens_per_s_iqr") or (None, None)
+        spread = f" (IQR {low:,.1f}-{high:,.1f}, {p['repeats']} runs)" if low is not None and "repeats" in p else ""
         lines.append(
-            f"  decode B={p['batch']} T={p['context']}: {p['tokens_per_s']:,.1f} tok/s, "
-            f"peak {human_bytes(p['peak_memory_bytes'])} ({p['peak_memory_kind']})"
+            f"  decode B={p['batch']} T={p['context']}: {p['tokens_per_s']:,.1f} tok/s{spread}, "
+            f"peak {format_bytes(p['peak_memory_bytes'])} ({p['peak_memory_kind']})"
         )
     if result["attention_maps"]:
         lines.append(f"  attention maps: {result['attention_maps']['png']}")
     for task, section in ((result["lm_eval"] or {}).get("tasks") or {}).items():
-        shown = ", ".join(
-            f"{name} {m['value']:.4g}" + (f" ± {m['stderr']:.2g}" if m["stderr"] is not None else "")
-            for name, m in section["metrics"].items()
-        )
+        from mha2gqa.eval.metrics import lm_eval_brief
+
+        shown = ", ".join(f"{name} {lm_eval_brief(name, m)}" for name, m in section["metrics"].items())
         lines.append(f"  {task} ({section['samples']} examples): {shown}")
     return "\n".join(lines)
 
 
-@click.command("report")
+@click.command("report", short_help="Compare eval results side by side: markdown, html and plots.")
 @click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option(
     "--out",

@@ -3,14 +3,6 @@
 from __future__ import annotations
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def human_count(n: float) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= scale:

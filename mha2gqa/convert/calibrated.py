@@ -1,4 +1,4 @@
-"""The calibrated merge (DESIGN.md section 4): pure float64 functions on one layer's projections.
+"""The calibrated merge (the math: docs/calibrated.md): pure float64 functions on one layer's projections.
 
 Notation: n source kv heads in G groups of r, head dim hd, D = d + 1 (each projection is augmented
 with its bias as a last column, and the calibration gram `C = [X 1]^T [X 1]` is (D, D), so biases are

@@ -168,22 +168,47 @@ def calibrate(
     progress: bool = True,
 ) -> CalibrationStats:
     """Tokenize `data` (files, folders or a hub dataset: mha2gqa.textdata) with the source's tokenizer
-    and collect statistics."""
+    and collect statistics: what a sweep runs once and passes to every convert(..., stats=...)."""
+    ids = tokenize(source, data, tokens)
+    model = load_source_model(source, progress=progress)
+    return gather(model, source, layout, shape, data, ids, out_dir, memory_bytes, progress)
+
+
+def tokenize(source: Path, data: str | list[str], tokens: int) -> torch.Tensor:
+    """The first `tokens` calibration ids (N,) of `data`, tokenized with the source's tokenizer: the
+    one reading of the calibration text, shared by the statistics and --refine."""
     from transformers import AutoTokenizer
 
     from mha2gqa import textdata
-    from mha2gqa.convert.rope import rotary_dims
 
-    if not any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not has_tokenizer(source):
         raise InputError(
             f"--calibration needs the source's tokenizer, and {source} has none: copy the tokenizer files into it"
         )
-    tokenizer = AutoTokenizer.from_pretrained(source)
     texts = textdata.iter_texts(
         textdata.resolve("--calibration", data), piece_chars=CALIBRATION_PIECE_CHARS, end_with_blank_line=True
     )
-    ids = calibration_ids(tokenizer, texts, tokens)
-    model = load_source_model(source, progress=progress)
+    return calibration_ids(AutoTokenizer.from_pretrained(source), texts, tokens)
+
+
+def has_tokenizer(source: Path) -> bool:
+    return any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def gather(
+    model,
+    source: Path,
+    layout: Layout,
+    shape: AttentionShape,
+    data: str | list[str],
+    ids: torch.Tensor,
+    out_dir: Path,
+    memory_bytes: int = DEFAULT_MEMORY,
+    progress: bool = True,
+) -> CalibrationStats:
+    """The statistics of `ids` through the loaded source `model`, recorded as gathered from `data`."""
+    from mha2gqa.convert.rope import rotary_dims
+
     if int(ids.max()) >= model.config.vocab_size:
         raise InputError(
             f"--calibration {data}: token id {int(ids.max())} is outside the model's vocabulary "
@@ -201,7 +226,6 @@ def calibrate(
         memory_bytes=memory_bytes,
         progress=progress,
     )
-    del model
     named = [str(d) for d in data] if isinstance(data, (list, tuple)) else str(data)  # Paths too: JSON-able
     return replace(stats, record={"data": named, "rotary_dims": stats.rotary_dims, **stats.record})
 

@@ -12,8 +12,8 @@ It is used only where that holds (request_refusal and plan_refusal say why not o
 or first, contiguous groups, no calibration or refine, a layout of layouts.LAYOUTS, attention tensors in
 F32/F16/BF16, and --dtype casts only between those. random draws from torch's generator and mean-norm
 reduces in torch's summation order, so both stay on torch.
-The checks before the plan (header validation, shapes, destination, room, lock) are run.py's own,
-shared by both executors.
+The checks before the plan (header validation, shapes) are prepare.py's, the destination, room and lock
+run.py's, shared by both executors.
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from mha2gqa.checkpoint import SafetensorsCheckpoint, ShardedWriter
+from mha2gqa.convert.casts import check_cast, numpy_range
 from mha2gqa.convert.options import ConvertOptions, Grouping, Method
 from mha2gqa.convert.plan import Plan, Step
 from mha2gqa.convert.roles import KV_ROLES, pack, unpack
 from mha2gqa.errors import WeightWarning
 from mha2gqa.layouts import LAYOUTS
+from mha2gqa.progress import progress_bar
 
 METHODS = (Method.MEAN, Method.FIRST)
 CODES = ("F32", "F16", "BF16")
@@ -43,14 +44,16 @@ _CODE_OF = {dtype: code for code, dtype in _STORED.items()}
 TORCH_ENV = "MHA2GQA_CONVERT_WITH_TORCH"
 
 
-def request_refusal(options: ConvertOptions, config: dict) -> str | None:
-    """Why the request itself needs torch, or None. Decided before the plan, so a plain request never
-    imports the torch-side checks (every one of them passes on a plain request)."""
+def request_refusal(options: ConvertOptions, config: dict, calibrated: bool | None = None) -> str | None:
+    """Why the request itself needs torch, or None. calibrated: calibration data or statistics are given
+    (default: options.calibration is set)."""
     if os.environ.get(TORCH_ENV, "0") not in ("", "0"):
         return f"{TORCH_ENV} is set"
     if options.method not in METHODS:
         return f"method {options.method} ({', '.join(METHODS)} run without torch)"
-    if options.calibration is not None or options.refine is not None or options.grouping != Grouping.CONTIGUOUS:
+    if calibrated is None:
+        calibrated = options.calibration is not None
+    if calibrated or options.refine is not None or options.grouping != Grouping.CONTIGUOUS:
         return "calibration, refine or similarity grouping"
     if config.get("model_type") not in LAYOUTS:
         return f"model_type {config.get('model_type')!r} has no explicit layout (generic or retargeted)"
@@ -82,7 +85,7 @@ def write_tensors(
     pooling hides behind the copying. Only this thread writes, and warnings are raised here, in order."""
     copies = plan.copies(checkpoint.tensors)
     writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes, copies)
-    bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    bar = progress_bar(plan.bytes_out, "convert", progress, unit="B", unit_scale=True)
     to_compute = deque(step for step in plan.steps if step.outputs[0].name not in copies)
     worker, pending = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mha2gqa-pool"), deque()
     scratch = _Scratch()  # used by the one worker thread only
@@ -99,6 +102,9 @@ def write_tensors(
                 for out, array in zip(step.outputs, arrays):
                     writer.write_array(out.name, array)
             bar.update(sum(out.nbytes for out in step.outputs))
+    except BaseException:
+        writer.discard()
+        raise
     finally:
         worker.shutdown(wait=True, cancel_futures=True)  # on Ctrl-C: the running step finishes (under a second)
     writer.close()
@@ -133,7 +139,8 @@ def _compute(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, scratch:
     """A step's output arrays (in step.outputs order) and its kv roles' non-finite counts, (role, count)."""
     with np.errstate(all="ignore"):  # inf/NaN/overflow as torch gives them; the weights' are warned about by name
         if not step.is_transform:  # a cast (--dtype)
-            return [cast(_load(checkpoint, step.sources["tensor"]), step.outputs[0].dtype)], []
+            out = step.outputs[0]
+            return [cast(_load(checkpoint, step.sources["tensor"]), out.dtype, out.name)], []
         return _pool_layer(checkpoint, step, plan, scratch)
 
 
@@ -152,7 +159,7 @@ def _pool_layer(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, scrat
             if scratch.holds(roles[role]):  # fp32 stays fp32: keep it past the next role's pooling
                 roles[role] = roles[role].copy()
     names = {step.sources[role]: array for role, array in pack(roles, list(step.sources), groups).items()}
-    outputs = [cast(names[out.name], out.dtype) for out in step.outputs]
+    outputs = [cast(names[out.name], out.dtype, out.name) for out in step.outputs]
     return [array.copy() if scratch.holds(array) else array for array in outputs], non_finite  # the writer's now
 
 
@@ -190,12 +197,15 @@ def to_float32(array: np.ndarray) -> np.ndarray:
     return _into_float32(array, np.empty(array.shape, np.float32))
 
 
-def cast(array: np.ndarray, code: str) -> np.ndarray:
+def cast(array: np.ndarray, code: str, name: str | None = None) -> np.ndarray:
     """A stored array (or an fp32 result) to `code`, as torch's .to() writes it: one rounding to nearest
-    even, through fp32 (exact on the way up)."""
+    even, through fp32 (exact on the way up). With `name` (a tensor of the output), casts.check_cast's
+    rule applies: no overflow to inf, no whole tensor flushed to zero."""
     if _CODE_OF[array.dtype] == code:
         return array
     wide = array if array.dtype == _STORED["F32"] else to_float32(array)
+    if name is not None:
+        check_cast(name, *numpy_range(wide), _CODE_OF[array.dtype], code)
     if code == "F32":
         return wide
     if np.isnan(wide).any():

@@ -19,7 +19,7 @@ def _count_parameters(model_dir, layout, shape) -> tuple[int, int]:
     shapes when its safetensors are here (tied weights are stored once, as they are counted once)."""
     if not any(Path(model_dir).glob("*.safetensors")):
         return _count_on_meta(model_dir, layout, shape)
-    shapes = {name: info.shape for name, info in SafetensorsCheckpoint(model_dir).tensors.items()}
+    shapes = SafetensorsCheckpoint(model_dir).shapes
     kv_rows = shape.kv_heads * shape.head_dim
     fused_rows = shape.heads * shape.head_dim + 2 * kv_rows
     kv_params = 0
@@ -57,12 +57,32 @@ def _architecture(config: dict) -> str:
     return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else "?"
 
 
-def inspect_model(src, context: int = 4096, batch: int = 1) -> dict:
+# Where a config states its context length (families name it differently); without one, FALLBACK_CONTEXT.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "seq_length", "max_sequence_length", "n_ctx")
+FALLBACK_CONTEXT = 4096
+
+
+def model_context(config: dict) -> tuple[int, str]:
+    """The model's own context length and where it came from (the config key, or the fallback)."""
+    for key in CONTEXT_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, f"config {key}"
+    return FALLBACK_CONTEXT, "default: the config names no context length"
+
+
+def inspect_model(src, context: int | None = None, batch: int = 1) -> dict:
+    """Attention shape and KV-cache bytes of every valid target; per sequence at `context` tokens
+    (default: the model's own context length, from its config)."""
     for flag, value in (("--context", context), ("--batch", batch)):
+        if flag == "--context" and value is None:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InputError(f"{flag} {value!r} must be a positive integer (tokens per sequence, sequences per batch)")
     model_dir = resolve_model_dir(src)
-    config = read_config(model_dir)
+    shapes = SafetensorsCheckpoint(model_dir).shapes if any(model_dir.glob("*.safetensors")) else None
+    config = read_config(model_dir, shapes)
+    context, context_from = (context, "--context") if context is not None else model_context(config)
     layout, shape = layout_for(config), attention_shape(config)
     params, kv_params = _count_parameters(model_dir, layout, shape)
     source_bytes = shape.kv_bytes_per_token()
@@ -93,6 +113,7 @@ def inspect_model(src, context: int = 4096, batch: int = 1) -> dict:
         "parameters": params,
         "dtype": shape.dtype,
         "context": context,
+        "context_from": context_from,
         "batch": batch,
         "targets": targets,
         **describe_layout(config),

@@ -14,24 +14,6 @@ import torch
 from mha2gqa.convert.calibrated import augment, relative_error
 from mha2gqa.convert.grouping import permute_heads, similarity_order
 from mha2gqa.convert.options import Grouping
-from mha2gqa.convert.rope import check_calibrated, check_grouping
-from mha2gqa.errors import InputError
-
-
-def check_request(config: dict, method_name: str, method, calibration, grouping: Grouping) -> None:
-    """Refuse, before anything is read or written, a method/grouping the model or the flags cannot serve.
-    method: a methods.MethodSpec; grouping was parsed by ConvertOptions."""
-    if calibration is None and method.needs_calibration:
-        raise InputError(
-            f"--method {method_name} needs calibration data: add --calibration DATA "
-            "(a text file, a directory of them, or 'austen' for the embedded novels)"
-        )
-    if calibration is None and grouping == Grouping.SIMILARITY:
-        raise InputError("--grouping similarity needs calibration data: add --calibration DATA")
-    if method.needs_calibration:
-        check_calibrated(config, method_name)
-    if grouping == Grouping.SIMILARITY:
-        check_grouping(config)
 
 
 def transform_layer(method, roles: dict, ctx, grouping: Grouping = Grouping.CONTIGUOUS) -> tuple[dict, dict]:

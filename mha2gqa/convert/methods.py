@@ -117,10 +117,7 @@ def _no_report(convert_layer: Callable[[dict, LayerContext], dict]) -> Callable[
 class MethodSpec:
     convert_layer: Callable[[dict, LayerContext], tuple[dict, dict | None]]
     """One layer's roles -> (converted roles, JSON-able report of its own errors, or None)."""
-    summary: str
-    # A method that rewrites q/o (folding a mixing into them) must see them: the plan routes them through.
-    rewrites_query_output: bool = False
-    needs_calibration: bool = False
+    summary: str  # what each method needs and rewrites is Method's own (options.py, no torch)
 
 
 METHODS: dict[Method, MethodSpec] = {
@@ -128,7 +125,5 @@ METHODS: dict[Method, MethodSpec] = {
     Method.FIRST: MethodSpec(_no_report(first_layer), METHOD_SUMMARIES["first"]),
     Method.RANDOM: MethodSpec(_no_report(random_layer), METHOD_SUMMARIES["random"]),
     Method.MEAN_NORM: MethodSpec(_no_report(mean_norm_layer), METHOD_SUMMARIES["mean-norm"]),
-    Method.CALIBRATED: MethodSpec(
-        calibrated_layer, METHOD_SUMMARIES["calibrated"], rewrites_query_output=True, needs_calibration=True
-    ),
+    Method.CALIBRATED: MethodSpec(calibrated_layer, METHOD_SUMMARIES["calibrated"]),
 }

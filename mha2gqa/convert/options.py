@@ -7,14 +7,11 @@ Method.MEAN compare equal, hash alike and serialise to the same JSON.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from enum import Enum
-from typing import TYPE_CHECKING
+import math
+from dataclasses import dataclass
 
 from mha2gqa.errors import InputError
-
-if TYPE_CHECKING:  # annotations only: it imports torch
-    from mha2gqa.convert.calibration import CalibrationStats
+from mha2gqa.typed import StrEnum, check_keywords
 
 DEFAULT_CALIBRATION_TOKENS = 131072
 DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held at once
@@ -25,21 +22,7 @@ DEFAULT_REFINE_GLOBAL_LR = 1e-4
 REFINE_TOKENS_PER_HIDDEN = 64  # default --refine-tokens per unit of hidden size (docs/refine.md)
 
 
-class _StrEnum(str, Enum):
-    """A str whose str() and format() are its value (enum.StrEnum is Python 3.11+)."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
-
-    @classmethod
-    def parse(cls, value: str, flag: str) -> _StrEnum:
-        try:
-            return cls(value)
-        except ValueError:
-            raise InputError(f"{flag} {value!r} is unknown (valid: {', '.join(m.value for m in cls)})") from None
-
-
-class Method(_StrEnum):
+class Method(StrEnum):
     """How each group's kv heads become one (tensor functions in methods.py)."""
 
     MEAN = "mean"
@@ -48,6 +31,18 @@ class Method(_StrEnum):
     MEAN_NORM = "mean-norm"
     CALIBRATED = "calibrated"
 
+    @property
+    def needs_calibration(self) -> bool:
+        """It merges from calibration statistics: refused without --calibration (or stats)."""
+        return self in _CALIBRATED_METHODS
+
+    @property
+    def rewrites_query_output(self) -> bool:
+        """It folds a mixing into q_proj/o_proj, so the plan routes q and o through the layer step."""
+        return self in _CALIBRATED_METHODS
+
+
+_CALIBRATED_METHODS = frozenset({Method.CALIBRATED})
 
 # One line on each method, for `--method`'s help; kept here so that `convert --help` needs no torch.
 METHOD_SUMMARIES = {
@@ -60,7 +55,7 @@ METHOD_SUMMARIES = {
 }
 
 
-class Grouping(_StrEnum):
+class Grouping(StrEnum):
     """Which kv heads share a group."""
 
     CONTIGUOUS = "contiguous"
@@ -81,7 +76,8 @@ class RefineOptions:
     """Peak Adam learning rate for --refine (cosine-decayed to 0)."""
     memory: int = DEFAULT_REFINE_MEMORY
     """Most memory for one layer's activations during --refine (4 x tokens x hidden float32), a size such as
-    4GiB (in Python: bytes); beyond it they are memory-mapped files under $TMPDIR."""
+    4GiB (in Python: bytes); beyond it they are memory-mapped files inside DST's partial folder (their room
+    is checked and reserved before the run, and a killed run's are removed with its other debris)."""
     tokens: int | None = None
     """Calibration tokens --refine fits and checks on, in whole sequences spread evenly over the calibration
     tokens (all of them when fewer). Unset: 64 x the model's hidden size (the o_proj solve has that many
@@ -95,26 +91,36 @@ class RefineOptions:
     """Calibration sequences per Adam step."""
     solve_output: bool = True
     """Finish each layer's attention with the closed-form least-squares o_proj."""
-    mlp_output: bool = True
+    mlp_output: bool = False
     """Then solve each layer's MLP output projection (down_proj) by least squares against the parent's layer
     output, per-token relative errors (the block stage; skipped where the MLP output is not simply added
-    to the residual stream)."""
+    to the residual stream). Off by default: it lost on held-out text on a real model (docs/refine.md)."""
     seed: int = 0
     """Seeds the mini-batch order and the held-out split (the CLI passes --seed)."""
 
     def check(self) -> None:
-        if self.steps < 0:
+        """Refuse settings no fit can run with; a NaN or infinite learning rate would run every Adam step
+        on NaN and leave each layer as merged, so it is refused here rather than after minutes."""
+        if not _is_int(self.steps) or self.steps < 0:
             raise InputError(f"--refine-steps {self.steps} must be 0 or more (e.g. {DEFAULT_REFINE_STEPS})")
-        if not self.lr > 0:
-            raise InputError(f"--refine-lr {self.lr} must be positive (e.g. {DEFAULT_REFINE_LR})")
-        if self.memory < 1:
+        if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or not self.lr > 0:
+            raise InputError(f"--refine-lr {self.lr} must be a finite positive number (e.g. {DEFAULT_REFINE_LR})")
+        if not _is_int(self.memory) or self.memory < 1:
             raise InputError(f"--refine-memory {self.memory} must be positive (e.g. 4GiB)")
-        if self.global_steps < 0:
+        if not _is_int(self.global_steps) or self.global_steps < 0:
             raise InputError(f"--refine-global-steps {self.global_steps} must be 0 or more (e.g. 20)")
-        if not self.global_lr > 0:
-            raise InputError(f"--refine-global-lr {self.global_lr} must be positive (e.g. {DEFAULT_REFINE_GLOBAL_LR})")
-        if self.tokens is not None and self.tokens < 1:
+        if not isinstance(self.global_lr, (int, float)) or not math.isfinite(self.global_lr) or not self.global_lr > 0:
+            raise InputError(
+                f"--refine-global-lr {self.global_lr} must be a finite positive number (e.g. {DEFAULT_REFINE_GLOBAL_LR})"
+            )
+        if self.tokens is not None and (not _is_int(self.tokens) or self.tokens < 1):
             raise InputError(f"--refine-tokens {self.tokens} must be positive (e.g. 32768)")
+        if not _is_int(self.batch_blocks) or self.batch_blocks < 1:
+            raise InputError(f"refine batch_blocks {self.batch_blocks} must be at least 1 (e.g. 4)")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -136,12 +142,12 @@ class ConvertOptions:
     by the command."""
     progress: bool = True
     """Show progress bars."""
-    calibration: str | list[str] | CalibrationStats | None = None
+    calibration: str | list[str] | None = None
     """Calibration text for --method calibrated, --grouping similarity, --refine and the per-layer
     reconstruction errors: a .txt/.md/.jsonl/.json/.parquet file (.gz/.bz2/.xz/.zst too), a folder of them,
-    'austen' (the embedded novels; command line only) or a hub dataset with a 'text' column (online).
-    Tokenized with SRC's tokenizer. In Python a sweep may pass the CalibrationStats it gathered once with
-    calibration.calibrate instead."""
+    'austen' (the embedded novels) or a hub dataset with a 'text' column (online); repeat the flag for several
+    (in Python: a list). Tokenized with SRC's tokenizer. In Python a sweep passes the statistics it gathered
+    once as convert(..., stats=...) instead."""
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
     """How many calibration tokens to run through SRC (once) to gather statistics."""
     grouping: Grouping | str = Grouping.CONTIGUOUS
@@ -164,10 +170,7 @@ class ConvertOptions:
     def from_kwargs(cls, groups: int | None, kwargs: dict) -> ConvertOptions:
         """The options of `convert(src, dst, groups, **kwargs)`; an unknown keyword is a TypeError, as it was
         when these were convert's own parameters."""
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise TypeError(f"convert() got an unexpected keyword argument {unknown[0]!r}")
+        check_keywords(cls, kwargs, "convert")
         if groups is None and "groups" not in kwargs:
             raise TypeError("convert() missing 1 required argument: 'groups'")
         return cls(**({"groups": groups} if groups is not None else {}), **kwargs)

@@ -12,24 +12,30 @@ every layout the merge supports is refined exactly as it runs and the checkpoint
 Cost is linear in depth: the parent's embeddings give the first layer's input (forwards stopped at
 layer 0); after that both models' hidden states are carried forward one layer at a time (never
 re-running the prefix). The fit uses `tokens` of the calibration tokens (default 64 x hidden).
-Memory: four (tokens, hidden) float32 buffers for the current layer (parent and converted hidden
-states, the converted attention input, the target), on the device when they fit in `memory` bytes,
-else memory-mapped files under $TMPDIR. The last 1/8 of the calibration blocks are held out: each
-layer's relative output error is reported on fit and held-out tokens, before and after.
+Nothing is read back from disk: the converted model is the parent's modules with the merged attention
+(every other tensor shared with the loaded parent, or its --dtype cast), and the refined tensors go to
+run.py's one writer pass. Memory: the parent, the converted attention, and four (tokens, hidden)
+float32 buffers for the current layer (parent and converted hidden states, the converted attention
+input, the target), on the device when they fit in `memory` bytes, else memory-mapped files inside
+DST's partial folder, their room reserved up front (a full disk is one error line, not a SIGBUS in
+the middle) and removed with a killed run's other debris. The last 1/8 of the calibration blocks are
+held out: each layer's relative output error is reported on fit and held-out tokens, before and after.
 
 The fit (chosen by measurement, docs/refine.md): Adam on the normalised MSE
 ||attn(x) - t||^2 / mean ||t||^2 over random mini-batches of blocks, cosine-decayed learning rate,
 then a closed-form least-squares solve of o_proj given the rest. A layer whose fit or held-out
-error would rise is left as merged, so a model that is already exact stays exact and a layer that
-overfits too few calibration tokens is not made worse.
+error would rise (or went non-finite: said so) is left as merged, so a model that is already exact
+stays exact and a layer that overfits too few calibration tokens is not made worse.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -38,59 +44,43 @@ import torch
 from tqdm.auto import tqdm
 
 from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN, RefineOptions
+from mha2gqa.convert.prepare import OUT_DTYPES, block_length, heldout_blocks, refine_blocks
 from mha2gqa.convert.refine_block import BlockStage
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import AttentionShape, Layout
 
-HOLDOUT_FRACTION = 1 / 8
-SEQ_LEN = 512
 EXACT = 1e-10  # relative output error treated as exact
 BUFFERS = ("parent", "converted", "inputs", "targets")
 
 
-def check_refine(options: RefineOptions, calibration, config: dict | None = None, tokens: int | None = None) -> None:
-    """Refuse, before anything is read or written, a refinement the flags cannot serve."""
-    if calibration is None:
-        raise InputError(
-            "--refine needs calibration data to fit against: add --calibration DATA "
-            "(a text file, a directory of them, or 'austen' for the embedded novels)"
-        )
-    options.check()
-    tokens = getattr(calibration, "tokens", tokens)
-    seq_len = block_length(config or {})
-    if tokens is not None and tokens < 2 * seq_len:
-        raise InputError(
-            f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {tokens} tokens): "
-            f"raise --calibration-tokens to {2 * seq_len} or more"
-        )
-
-
-def block_length(config) -> int:
-    """Tokens per calibration block: 512, or the model's context when shorter (as calibration uses)."""
-    context = (config.get if isinstance(config, dict) else lambda key: getattr(config, key, None))(
-        "max_position_embeddings"
-    )
-    return min(SEQ_LEN, context or SEQ_LEN)
-
-
 class ActivationBuffers:
-    """One layer's (blocks, seq, width) float32 buffers: on `device` when they fit `memory` bytes,
-    else memory-mapped files in a temporary directory under $TMPDIR (removed on close)."""
+    """One layer's (blocks, seq, width) float32 buffers: on `device` when they fit `memory` bytes, else
+    memory-mapped files in a temporary folder inside `spill_dir` (removed on close). A spill file's blocks
+    are reserved (posix_fallocate) before it is mapped: writing through a mapping of a file the disk has
+    no room for kills the process with SIGBUS, where a reservation fails with ENOSPC, an OSError."""
 
-    def __init__(self, blocks: int, seq_len: int, width: int, memory: int, device: torch.device):
+    def __init__(self, blocks: int, seq_len: int, width: int, memory: int, device, spill_dir: Path | None = None):
         shape = (blocks, seq_len, width)
         numel = blocks * seq_len * width
         self.bytes = len(BUFFERS) * numel * 4
-        self.spill_dir = None if self.bytes <= memory else Path(tempfile.mkdtemp(prefix="mha2gqa-refine-"))
+        self.spill_dir = None
         self.data = {}
-        for name in BUFFERS:
-            if self.spill_dir is None:
-                self.data[name] = torch.empty(shape, dtype=torch.float32, device=device)
-            else:
-                path = self.spill_dir / f"{name}.f32"
-                with open(path, "wb") as f:
-                    f.truncate(numel * 4)
-                self.data[name] = torch.from_file(str(path), shared=True, size=numel, dtype=torch.float32).view(shape)
+        if self.bytes > memory:
+            self.spill_dir = Path(tempfile.mkdtemp(prefix=".refine-", dir=spill_dir))
+        try:
+            for name in BUFFERS:
+                if self.spill_dir is None:
+                    self.data[name] = torch.empty(shape, dtype=torch.float32, device=device)
+                else:
+                    path = self.spill_dir / f"{name}.f32"
+                    with open(path, "wb") as f:
+                        _reserve(f, numel * 4, path)
+                    self.data[name] = torch.from_file(str(path), shared=True, size=numel, dtype=torch.float32).view(
+                        shape
+                    )
+        except BaseException:
+            self.close()
+            raise
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.data[name]
@@ -104,60 +94,65 @@ class ActivationBuffers:
             shutil.rmtree(self.spill_dir, ignore_errors=True)
 
 
-def calibration_token_ids(source: Path, calibration, tokens: int) -> torch.Tensor:
-    """The calibration ids, read and tokenized exactly as calibration.calibrate reads them; `calibration`
-    is the --calibration spec or CalibrationStats, whose record names its data and token count."""
-    from transformers import AutoTokenizer
+def _reserve(f, nbytes: int, path: Path) -> None:
+    """Allocate the file's blocks now (ENOSPC here, naming the file), not on first write through a mapping."""
+    if hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(f.fileno(), 0, nbytes)
+            return
+        except OSError as err:
+            if err.errno not in (95, 22):  # EOPNOTSUPP / EINVAL: a filesystem without fallocate
+                raise OSError(err.errno, err.strerror, str(path)) from err
+    free = shutil.disk_usage(path.parent).free
+    if free < nbytes:
+        raise OSError(28, os.strerror(28), str(path))
+    f.truncate(nbytes)
 
-    from mha2gqa import textdata
-    from mha2gqa.convert.calibration import CALIBRATION_PIECE_CHARS, calibration_ids
 
-    if hasattr(calibration, "record"):
-        calibration, tokens = calibration.record["data"], calibration.tokens
-    texts = textdata.iter_texts(
-        textdata.resolve("--calibration", calibration), piece_chars=CALIBRATION_PIECE_CHARS, end_with_blank_line=True
-    )
-    return calibration_ids(AutoTokenizer.from_pretrained(source), texts, tokens)
-
-
-def refine_checkpoint(
-    source: Path,
-    converted: Path,
+def refine_attention(
+    parent,
     layout: Layout,
     shape: AttentionShape,
+    config: dict,
+    merged: dict[str, torch.Tensor],
     ids: torch.Tensor,
     options: RefineOptions,
+    out_dtype: str | None = None,
+    spill_dir: Path | None = None,
     progress: bool = True,
-    device: str | None = None,
-) -> dict:
-    """Refine the checkpoint in `converted` (written by the merge) in place, layer by layer, against
-    the parent in `source`. Returns the JSON-able record: options, token counts and per-layer errors."""
-    from mha2gqa.convert.calibration import load_source_model
-
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Refine the merged attention layer by layer against the loaded `parent`. config: the converted
+    config.json; merged: the merge's tensors by checkpoint name, in their output dtype; out_dtype: --dtype.
+    Returns every layer's refined attention tensors by checkpoint name, and the JSON-able record: options,
+    token counts and per-layer errors."""
     started, started_cpu = time.perf_counter(), time.process_time()
     torch.manual_seed(options.seed)
-    parent = load_source_model(source, device, progress=progress).requires_grad_(False)
-    model = load_source_model(converted, device, progress=progress).requires_grad_(False)
+    parent.requires_grad_(False)
+    model = converted_model(parent, layout, shape, config, merged, out_dtype)
     run_device = next(model.parameters()).device
-    seq_len = block_length(model.config)
+    seq_len = block_length(config)
     blocks = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)  # (n, S): full blocks only
-    wanted = options.tokens or REFINE_TOKENS_PER_HIDDEN * shape.hidden
-    if wanted < blocks.numel():  # a subset spread over the whole text
-        blocks = blocks[torch.linspace(0, len(blocks) - 1, max(2, wanted // seq_len)).round().long()]
+    count = refine_blocks(len(blocks), seq_len, options.tokens or REFINE_TOKENS_PER_HIDDEN * shape.hidden)
+    if count < len(blocks):  # a subset spread over the whole text
+        blocks = blocks[torch.linspace(0, len(blocks) - 1, count).round().long()]
     if len(blocks) < 2:
         raise InputError(
-            f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {len(ids)} tokens): "
-            f"raise --calibration-tokens to {2 * seq_len} or more"
+            f"--refine needs at least 2 calibration blocks of {seq_len} tokens, and the calibration data holds "
+            f"only {len(ids)} tokens: give more calibration text"
         )
-    held = max(1, round(len(blocks) * HOLDOUT_FRACTION))
+    held = heldout_blocks(len(blocks))
     split = {"fit": torch.arange(len(blocks) - held), "heldout": torch.arange(len(blocks) - held, len(blocks))}
-    buffers = ActivationBuffers(len(blocks), seq_len, shape.hidden, options.memory, run_device)
+    buffers = ActivationBuffers(len(blocks), seq_len, shape.hidden, options.memory, run_device, spill_dir)
     generator = torch.Generator().manual_seed(options.seed)
-    layers, refined, global_record = [], {}, None
+    layers, refined, changed, global_record = [], {}, {}, None
+    bar = tqdm(
+        total=shape.layers * max(options.steps, 1), desc="refine", unit="step", disable=not progress, leave=False
+    )
     try:
         layer_kwargs = _first_hidden_states(parent, layout, shape.layers, blocks, buffers, options.batch_blocks)
         buffers["converted"].copy_(buffers["parent"])
         for index in range(shape.layers):
+            bar.set_description(f"refine layer {index + 1}/{shape.layers}", refresh=False)
             kwargs = layer_kwargs[index]
             parent_layer, layer = (m.get_submodule(_layer_path(layout, index)) for m in (parent, model))
             attn_kwargs, before, power = _layer_targets(
@@ -165,7 +160,7 @@ def refine_checkpoint(
             )
             attn = layer.get_submodule(_attention_path(layout))
             fit_before, held_before = (_relative(before, power, split[part]) for part in ("fit", "heldout"))
-            merged = {name: p.detach().clone() for name, p in attn.named_parameters()}
+            kept = {name: p.detach().clone() for name, p in attn.named_parameters()}
             fitted = fit_before > EXACT  # below it the merge is exact up to rounding: Adam would only add noise
             if fitted:
                 fit_attention(
@@ -178,8 +173,9 @@ def refine_checkpoint(
                     options,
                     generator,
                     index,
-                    progress,
+                    bar,
                 )
+            bar.update(max(options.steps, 1) if not fitted or options.steps == 0 else 0)
             # The block stage's least squares accumulates from the pass that advances the converted states.
             block = BlockStage(layer, kwargs, buffers, split, options) if options.mlp_output and fitted else None
             # The next converted states go into the inputs buffer (free once the fit is done), measuring
@@ -188,8 +184,17 @@ def refine_checkpoint(
             fit_after, held_after = (_relative(after, power, split[part]) for part in ("fit", "heldout"))
             # Kept only if better on the fit blocks (an exact merge stays exact) and on the held-out ones
             # (a layer that overfits too few calibration tokens is left as merged).
+            outcome = "exact" if not fitted else "refined"
             if fitted and not (fit_after < fit_before and held_after < held_before):
-                _restore(attn, merged)
+                outcome = "non-finite" if not (math.isfinite(fit_after) and math.isfinite(held_after)) else "worse"
+                if outcome == "non-finite":
+                    warnings.warn(
+                        f"refine: layer {index}'s refit went non-finite (NaN/inf output error): the layer is kept "
+                        f"as merged; lower --refine-lr ({options.lr:g})",
+                        WeightWarning,
+                        stacklevel=2,
+                    )
+                _restore(attn, kept)
                 block = BlockStage(layer, kwargs, buffers, split, options) if block else None
                 _advance(layer, layout, kwargs, buffers, options.batch_blocks, block)
                 fit_after, held_after = fit_before, held_before
@@ -200,9 +205,9 @@ def refine_checkpoint(
                 )
             buffers.swap("converted", "inputs")
             names = _tensor_names(layout, index, attn, solved)
-            _write_in_place(converted, names)
-            if fitted:
-                refined.update(names)
+            refined.update(names)
+            if fitted:  # what the global stage may train: the parameters the layer-wise stages changed
+                changed.update(names)
             report = {
                 "fit_error_before": fit_before,
                 "fit_error_after": fit_after,
@@ -210,14 +215,16 @@ def refine_checkpoint(
                 "heldout_error_after": held_after,
                 **block_report,
             }
+            if outcome in ("worse", "non-finite"):
+                report["kept_merged"] = outcome
             layers.append({"layer": index, **report})
-        if options.global_steps and refined:
-            global_record = _global_stage(parent, model, refined, blocks, split, options, generator, progress)
-            _write_in_place(converted, refined)
+        if options.global_steps and changed:
+            global_record = _global_stage(parent, model, changed, blocks, split, options, generator, progress)
     finally:
+        bar.close()
         buffers.close()
     tokens = {name: len(idx) * seq_len for name, idx in split.items()}
-    return {
+    return refined, {
         "options": asdict(options),
         "sequence_length": seq_len,
         "fit_tokens": tokens["fit"],
@@ -230,6 +237,44 @@ def refine_checkpoint(
         "layers": layers,
         "global": global_record,
     }
+
+
+def converted_model(parent, layout: Layout, shape: AttentionShape, config: dict, merged: dict, out_dtype=None):
+    """The converted model as loading the written checkpoint would give it, without writing it: the
+    parent's classes built for `config` on the meta device, then every tensor assigned: the merged
+    attention (in the parent's dtype), the rest the parent's own (shared: refine never changes them) or,
+    with --dtype, their cast and back (what the checkpoint stores). Attention tensors are copies, since
+    refine fits them in place."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from mha2gqa.checkpoint import DTYPES
+
+    cast = DTYPES[OUT_DTYPES[out_dtype]] if out_dtype else None
+    attention = tuple(layout.layer_prefix.format(layer=i) + _attention_path(layout) + "." for i in range(shape.layers))
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(
+            type(parent.config).from_dict(config),
+            dtype=next(parent.parameters()).dtype,
+            attn_implementation=parent.config._attn_implementation,
+        )
+    unknown = sorted(set(merged) - set(model.state_dict()))
+    if unknown:
+        raise InputError(
+            f"refine: {unknown[0]} is not a tensor of the converted model: the checkpoint's names do not match it"
+        )
+    source = parent.state_dict()
+    state = {}
+    for name in model.state_dict():  # a per-head key norm past the new count (stablelm) is left behind
+        if name in merged:
+            state[name] = merged[name].to(source[name].device, source[name].dtype)
+            continue
+        tensor = source[name]
+        if cast is not None and tensor.is_floating_point():
+            tensor = tensor.to(cast).to(tensor.dtype)
+        state[name] = tensor.clone() if name.startswith(attention) else tensor
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(next(parent.parameters()).device).eval().requires_grad_(False)
 
 
 def _layer_path(layout: Layout, index: int) -> str:
@@ -441,21 +486,20 @@ def fit_attention(
     options: RefineOptions,
     generator: torch.Generator,
     index: int = 0,
-    progress: bool = True,
+    bar=None,
 ) -> None:
     """Fit `attn`'s parameters so that attn(inputs) ~= targets on the blocks `fit`: Adam, then the
-    closed-form o_proj. Runs in float32 whatever the checkpoint's dtype."""
+    closed-form o_proj. Runs in float32 whatever the checkpoint's dtype. bar: the overall progress bar,
+    advanced one step per Adam step."""
     dtype = next(attn.parameters()).dtype
     attn.float()
-    _adam(attn, kwargs, inputs, targets, fit, options, generator, index, progress)
+    _adam(attn, kwargs, inputs, targets, fit, options, generator, bar)
     if options.solve_output:
         _solve_output(attn, layout, kwargs, inputs, targets, fit, options.batch_blocks)
     attn.to(dtype)
 
 
-def _adam(
-    attn, kwargs, inputs, targets, fit: torch.Tensor, options: RefineOptions, generator, index: int, progress: bool
-) -> None:
+def _adam(attn, kwargs, inputs, targets, fit: torch.Tensor, options: RefineOptions, generator, bar=None) -> None:
     if options.steps == 0:
         return
     device = next(attn.parameters()).device
@@ -468,10 +512,10 @@ def _adam(
     )  # mean ||t||^2 per token: the loss is scale-free
     optimizer = torch.optim.Adam(params, lr=options.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / options.steps)))
-    bar = tqdm(range(options.steps), desc=f"refine layer {index}", unit="step", disable=not progress, leave=False)
+    width = targets.shape[-1]
     order = torch.empty(0, dtype=torch.long)
     try:
-        for _ in bar:
+        for _ in range(options.steps):
             if len(order) < min(options.batch_blocks, len(fit)):  # epochs of a seeded permutation
                 order = torch.cat([order, fit[torch.randperm(len(fit), generator=generator)]])
             chunk, order = order[: options.batch_blocks], order[options.batch_blocks :]
@@ -481,9 +525,12 @@ def _adam(
             loss.backward()
             optimizer.step()
             schedule.step()
-            bar.set_postfix(error=f"{loss.item():.4f}", refresh=False)
+            if bar is not None:
+                # The loss sums the error over hidden and divides by the mean power per hidden unit: divided
+                # by the width it is the relative error of this batch, the quantity of the per-layer table.
+                bar.set_postfix(error=f"{loss.item() / width:.4f}", refresh=False)
+                bar.update(1)
     finally:
-        bar.close()
         for p in params:
             p.requires_grad_(False)
 
@@ -526,21 +573,3 @@ def _tensor_names(layout: Layout, index: int, attn, solved: dict | None = None) 
     tensors = {prefix + name: p.detach() for name, p in attn.named_parameters()}
     tensors.update({layer + name: p for name, p in (solved or {}).items()})
     return tensors
-
-
-def _write_in_place(model_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Overwrite tensors of a safetensors checkpoint in place: same names, shapes and dtypes, so only
-    their bytes change and no shard is rewritten."""
-    from mha2gqa.checkpoint import DTYPES, SafetensorsCheckpoint
-
-    infos = SafetensorsCheckpoint(model_dir).tensors
-    for name, tensor in tensors.items():
-        if name not in infos:
-            raise InputError(f"refine: {name} is not in {model_dir}: the checkpoint's names do not match its model")
-        info = infos[name]
-        data = tensor.to("cpu", DTYPES[info.dtype]).contiguous().reshape(-1).view(torch.uint8)
-        if tuple(tensor.shape) != info.shape or data.numel() != info.nbytes:
-            raise InputError(f"refine: {name} has shape {tuple(tensor.shape)}, the checkpoint {info.shape}")
-        with open(info.file, "r+b") as f:
-            f.seek(info.start)
-            f.write(data.numpy().tobytes())

@@ -144,6 +144,10 @@ class BlockStage:
         elif not is_additive(layer, self.projection, buffers["converted"][:1].to(device, dtype), kwargs):
             self.skipped = "skipped: the MLP output does not add into the residual stream unchanged"
         else:
+            # The converted model shares every non-attention tensor with the parent (refine.converted_model):
+            # the projection gets its own copy before it is solved.
+            for name, p in list(self.projection.named_parameters(recurse=False)):
+                setattr(self.projection, name, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
             self.weights = token_weights(buffers["parent"])
             self.solver = OutputSolve(self.projection, buffers["parent"], self.weights, len(split["fit"]))
 

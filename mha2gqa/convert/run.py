@@ -1,36 +1,33 @@
-"""`convert`: check the request, plan, then stream tensors from SRC into a new DST atomically.
+"""`convert` = `prepare` (every check, no torch: prepare.py) then `execute` (the stages, in order).
 
-Two executors run the plan: fast.py (numpy, no torch imported) for the plain methods where its output
-is byte-identical, and the torch one below for everything else. The checks and the plan are shared,
-and this module imports torch only inside the torch executor and the calibration/refine branches.
+execute runs the plan's stages forward, each input read once: the calibration text is tokenized once
+and the parent loaded once, for the statistics and for --refine; every tensor, merged or refined,
+goes through the one streaming writer into a partial DST that becomes DST atomically. Two executors
+write the merge: fast.py (numpy, no torch imported) for the plain methods where its output is
+byte-identical, and the torch one below for everything else; torch is imported only there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from mha2gqa import provenance
 from mha2gqa.card import write_card
-from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint, ShardedWriter, atomic_directory, check_destination
+from mha2gqa.checkpoint import ShardedWriter, atomic_directory, check_destination
 from mha2gqa.convert import fast
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, ConvertOptions, Grouping  # noqa: F401 (re-exported)
-from mha2gqa.convert.plan import Plan, make_plan
+from mha2gqa.convert.plan import Plan
+from mha2gqa.convert.prepare import NOT_COPIED, OUT_DTYPES, ConversionPlan, parse_size, prepare  # noqa: F401
 from mha2gqa.convert.roles import pack, unpack
-from mha2gqa.convert.rope import check_refine_layout
 from mha2gqa.errors import InputError
-from mha2gqa.layouts import attention_shape, check_groups, check_target, converted_config, layout_for, read_config
-from mha2gqa.sources import PICKLE_SUFFIXES, resolve_model_dir
-
-OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
-_NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME}
+from mha2gqa.layouts import converted_config
+from mha2gqa.progress import progress_bar
+from mha2gqa.reading import open_regular, short_read
 
 
 @dataclass
@@ -41,31 +38,7 @@ class ConversionResult:
     # Per layer (with calibration or grouping): key_error, value_error, kv_order.
     layers: list[dict] = field(default_factory=list)
     refine: dict | None = None  # with refine: options, token counts and per-layer output errors
-
-
-def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
-    """'5GB' (10^9), '500MiB' (2^20) or plain bytes, as transformers reads --max-shard-size.
-    `flag` is the option the size came from, for the message."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        text = str(text)
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
-    if not match:
-        raise InputError(f"{flag} {text!r} is not a size: use e.g. 5GB, 500MB or 2GiB")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    scale = {
-        "B": 1,
-        "KB": 10**3,
-        "MB": 10**6,
-        "GB": 10**9,
-        "TB": 10**12,
-        "KIB": 2**10,
-        "MIB": 2**20,
-        "GIB": 2**30,
-        "TIB": 2**40,
-    }[unit]
-    if number * scale < 1:
-        raise InputError(f"{flag} {text!r} must be positive")
-    return int(number * scale)
+    conversion: ConversionPlan | None = None  # the checked request and its stages (what --dry-run prints)
 
 
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
@@ -77,200 +50,194 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
     check_destination(dst, force)
 
 
-def _bytes_needed(source: Path, plan: Plan) -> int:
-    """What DST will hold: the planned tensors, the files copied beside them, 1 MiB for headers and JSON."""
-    copied = sum(
-        path.stat().st_size
-        for path in source.iterdir()
-        if path.is_file() and path.suffix not in (".safetensors", *PICKLE_SUFFIXES)
-    )
-    return plan.bytes_out + copied + (1 << 20)
-
-
-def _check_not_quantized(src: Path, config: dict) -> None:
-    """GPTQ/AWQ/bitsandbytes/fp8 checkpoints store packed integers and scales: averaging them is not
-    averaging the weights they stand for."""
-    quantized = config.get("quantization_config")
-    if quantized:
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
-        raise InputError(
-            f"{src} is quantized (quantization_config quant_method={method}): mha2gqa merges "
-            "unquantized weights; dequantize it first (e.g. load it with transformers and "
-            "save_pretrained in bfloat16) and convert that"
-        )
-
-
-def _check_weights(src: Path) -> None:
-    has_safetensors = any(src.glob("*.safetensors"))
-    pickles = [p.name for p in src.iterdir() if p.suffix in PICKLE_SUFFIXES]
-    if pickles and not has_safetensors:
-        raise InputError(
-            f"{src} has only pickled weights ({', '.join(sorted(pickles)[:3])}): mha2gqa never unpickles files; "
-            're-save them as safetensors first: python -c "from transformers import AutoModelForCausalLM as M; '
-            f"M.from_pretrained('{src}').save_pretrained('{src}-safetensors')\""
-        )
-
-
-def convert(src, dst, groups: int | None = None, options: ConvertOptions | None = None, **kwargs) -> ConversionResult:
+def convert(
+    src, dst, groups: int | None = None, options: ConvertOptions | None = None, stats=None, **kwargs
+) -> ConversionResult:
     """Convert the model at `src` (directory or hub id) to `groups` kv heads, written to `dst`.
     The keywords are the fields of ConvertOptions (convert/options.py, one docstring each); or pass
     `options=ConvertOptions(...)`. With `calibration` (files, folders or a hub dataset: see mha2gqa.textdata),
     per-layer statistics of the attention input are gathered first (calibrated merge, similarity grouping,
-    reconstruction errors); a sweep can pass statistics it gathered once with calibration.calibrate instead.
-    With `refine`, the merged model is then refined layer by layer against the parent on the calibration
-    tokens (convert/refine.py)."""
+    reconstruction errors); a sweep passes the statistics it gathered once with calibration.calibrate as
+    `stats` instead. With `refine`, the merged attention is then refined layer by layer against the parent
+    on the calibration tokens (convert/refine.py) before anything is written."""
     if options is None:
         options = ConvertOptions.from_kwargs(groups, kwargs)
     elif kwargs or groups is not None:
         raise TypeError("convert(): pass either options=ConvertOptions(...) or groups and keywords, not both")
-    groups, method, seed, dtype = options.groups, options.method, options.seed, options.dtype
-    force, progress, calibration = options.force, options.progress, options.calibration
-    calibration_tokens, grouping, refine = options.calibration_tokens, options.grouping, options.refine
-    if dtype is not None and dtype not in OUT_DTYPES:
-        raise InputError(f"--dtype {dtype!r} is unknown (valid: {', '.join(OUT_DTYPES)})")
-    shard_bytes = parse_size(options.max_shard_size)
-    source = resolve_model_dir(src)
-    config = read_config(source)
-    layout, shape = layout_for(config), attention_shape(config)
-    check_groups(shape, groups)
-    check_target(config, groups)
-    torch_reason = fast.request_refusal(options, config)  # None: a plain request, done without torch
-    rewrites = False
-    if torch_reason:  # a plain request (mean/first, no calibration, contiguous) has nothing for these to refuse
-        from mha2gqa.convert.layer_step import check_request
-        from mha2gqa.convert.methods import METHODS
-
-        check_request(config, method, METHODS[method], calibration, grouping)
-        rewrites = METHODS[method].rewrites_query_output
-    if refine is not None:
-        from mha2gqa.convert.refine import check_refine
-
-        check_refine(refine, calibration, config, calibration_tokens)
-        check_refine_layout(config)
-    memory_bytes = parse_size(options.calibration_memory, "--calibration-memory")
+    plan = prepare(src, options, stats)
     dst = Path(dst).expanduser()
-    _check_destination(source, dst, force)
-    _check_weights(source)
-    _check_not_quantized(source, config)
-    provenance.lineage(source)  # a broken SRC/mha2gqa.json fails now, not after every tensor is written
-    checkpoint = SafetensorsCheckpoint(source)
-    plan = make_plan(
-        checkpoint.tensors,
-        layout,
-        shape,
-        groups,
-        method.value,
-        OUT_DTYPES.get(dtype),
-        route_query_output=rewrites or grouping != Grouping.CONTIGUOUS,
-    )
+    _check_destination(plan.source, dst, options.force)
     if options.dry_run:
-        return ConversionResult(plan, None, source)
-    torch_reason = torch_reason or fast.plan_refusal(plan, checkpoint.tensors)
+        return ConversionResult(plan.tensors, None, plan.source, conversion=plan)
+    return execute(plan, dst)
+
+
+def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
+    """Run the stages of `plan` into a new `dst`: calibrate -> merge -> refine -> write -> metadata."""
+    options, source = plan.options, plan.source
+    dst = Path(dst).expanduser()
+    _check_destination(source, dst, options.force)
     # Claimed, checked for room and cleared of debris before calibration, the long part, starts. The
-    # statistics ((d+1)^2 float64 per layer: GBs for a 7B) live inside the partial directory, so they
-    # count against DST's room, not a small /tmp, and a killed run's are removed with its debris.
-    gathering = calibration is not None and not _is_stats(calibration)
-    stats_bytes = shape.layers * (shape.hidden + 1) ** 2 * 8 if gathering else 0
+    # statistics ((d+1)^2 float64 per layer: GBs for a 7B) and refine's spill files live inside the partial
+    # directory, so they count against DST's room, not a small /tmp, and a killed run's are removed with
+    # its debris.
     with (
-        atomic_directory(dst, replace=force, needed_bytes=_bytes_needed(source, plan) + stats_bytes) as tmp,
-        tempfile.TemporaryDirectory(prefix=".calibration-", dir=tmp) as stats_dir,
+        atomic_directory(dst, replace=options.force, needed_bytes=plan.bytes_written + plan.scratch_bytes) as tmp,
+        tempfile.TemporaryDirectory(prefix=".calibration-", dir=tmp) as scratch,
     ):
-        layers, stats = [], None
-        if torch_reason is None:
-            fast.write_tensors(checkpoint, plan, tmp, shard_bytes, progress)
+        layers, refined, stats = [], None, plan.stats
+        if plan.torch_reason is None:
+            fast.write_tensors(plan.checkpoint, plan.tensors, tmp, plan.shard_bytes, options.progress)
         else:
-            from mha2gqa.convert.calibration import calibrate
-
-            stats = (
-                calibration
-                if _is_stats(calibration) or calibration is None
-                else calibrate(
-                    source, layout, shape, calibration, calibration_tokens, Path(stats_dir), memory_bytes, progress
-                )
-            )
-            layers = _write_tensors(checkpoint, plan, tmp, shard_bytes, seed, progress, stats, grouping)
-        _copy_other_files(source, tmp)
-        _write_config(config, groups, dtype, tmp)
-        refined = None
-        if refine is not None:
-            from mha2gqa.convert.refine import calibration_token_ids, refine_checkpoint
-
-            ids = calibration_token_ids(source, calibration, calibration_tokens)
-            refined = refine_checkpoint(source, tmp, layout, shape, ids, refine, progress)
+            layers, refined, stats = _run_torch(plan, tmp, Path(scratch))
+        _copy_files(plan.copied, source, tmp)
+        _write_config(plan.config, options.groups, options.dtype, tmp)
         extra = {
-            "grouping": grouping.value,
+            "grouping": options.grouping.value,
             "calibration": stats.record if stats else None,
             "layers": layers,
             "refine": refined,
+            "command": plan.command(),
         }
-        _write_provenance(source, config, plan, seed, dtype, tmp, extra)
+        _write_provenance(source, plan.config, plan.tensors, options.seed, options.dtype, tmp, extra)
         write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
-    return ConversionResult(plan, dst, source, layers, refined)
+    return ConversionResult(plan.tensors, dst, source, layers, refined, plan)
 
 
-def _is_stats(calibration) -> bool:
-    """Statistics a sweep gathered once (calibration.CalibrationStats), not data to gather them from."""
-    if calibration is None or isinstance(calibration, (str, list, tuple, Path)):
-        return False
-    from mha2gqa.convert.calibration import CalibrationStats
+def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
+    """The torch stages: the calibration ids read once, the parent loaded once (for the statistics and for
+    refine), the merge, refine, and the one writer pass. Returns (per-layer merge report, refine record,
+    statistics)."""
+    from mha2gqa.convert import calibration
 
-    return isinstance(calibration, CalibrationStats)
+    options, stats = plan.options, plan.stats
+    ids = parent = None
+    if plan.calibration_data is not None:
+        tokens = options.calibration_tokens if options.calibration is not None else stats.tokens
+        ids = calibration.tokenize(plan.source, plan.calibration_data, tokens)
+    if plan.gathers_statistics or plan.refine is not None:
+        parent = calibration.load_source_model(plan.source, progress=options.progress)
+    if plan.gathers_statistics:
+        stats = calibration.gather(
+            parent,
+            plan.source,
+            plan.layout,
+            plan.shape,
+            plan.calibration_data,
+            ids,
+            scratch,
+            plan.calibration_memory,
+            options.progress,
+        )
+    if plan.refine is None:
+        del parent  # the merge needs one layer at a time, not the model
+        return _write_tensors(plan, out_dir, stats), None, stats
+    from mha2gqa.convert.refine import refine_attention
+
+    merged, layers = _merge(plan, stats)
+    refined, record = refine_attention(
+        parent,
+        plan.layout,
+        plan.shape,
+        converted_config(plan.config, options.groups),
+        merged,
+        ids,
+        plan.refine,
+        out_dtype=options.dtype,
+        spill_dir=out_dir,
+        progress=options.progress,
+    )
+    del parent, merged
+    _write_tensors(plan, out_dir, stats, computed=refined)
+    return layers, record, stats
 
 
-def _write_tensors(
-    checkpoint,
-    plan: Plan,
-    out_dir: Path,
-    shard_bytes: int,
-    seed: int,
-    progress: bool,
-    stats=None,
-    grouping: Grouping = Grouping.CONTIGUOUS,
-) -> list[dict]:
-    """The torch executor: every method, grouping and layout."""
-    from mha2gqa.checkpoint import DTYPES
-    from mha2gqa.convert.methods import METHODS
+def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: dict | None = None) -> list[dict]:
+    """The torch executor's one writer pass, every method, grouping and layout: each step of the plan in
+    order, a layer merged as it comes. `computed`: tensors made before the pass (refined attention, by
+    checkpoint name), written as they are. Returns the per-layer merge report."""
 
-    writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes, plan.copies(checkpoint.tensors))
-    method = METHODS[plan.method]
-    bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    checkpoint, tensors, computed = plan.checkpoint, plan.tensors, computed or {}
+    copies = {name: source for name, source in tensors.copies(checkpoint.tensors).items() if name not in computed}
+    writer = ShardedWriter(out_dir, tensors.output_tensors(), plan.shard_bytes, copies)
+    bar = progress_bar(tensors.bytes_out, "convert", plan.options.progress, unit="B", unit_scale=True)
     layers = []
-    for step in plan.steps:
-        if not step.is_transform:
-            out, info = step.outputs[0], checkpoint.tensors[step.sources["tensor"]]
-            if step.transpose:
-                writer.write_tensor(out.name, checkpoint.load(info.name).t().contiguous().to(DTYPES[out.dtype]))
-            elif out.dtype == info.dtype:
-                writer.copy_bytes(out.name, info)
+    try:
+        for step in tensors.steps:
+            made = [out.name in computed for out in step.outputs]
+            if all(made):
+                for out in step.outputs:
+                    writer.write_tensor(out.name, _cast(computed[out.name], out))
+            elif any(made):
+                raise RuntimeError(f"refine made only some of the tensors of {step.sources}")
+            elif not step.is_transform:
+                out, info = step.outputs[0], checkpoint.tensors[step.sources["tensor"]]
+                if step.transpose:
+                    writer.write_tensor(out.name, _cast(checkpoint.load(info.name).t().contiguous(), out))
+                elif out.dtype == info.dtype:
+                    writer.copy_bytes(out.name, info)
+                else:
+                    writer.write_tensor(out.name, _cast(checkpoint.load(info.name), out))
             else:
-                writer.write_tensor(out.name, checkpoint.load(info.name).to(DTYPES[out.dtype]))
-        else:
-            report = _write_layer(checkpoint, step, plan, writer, method, seed, stats, grouping)
-            if report:
-                layers.append({"layer": step.layer, **report})
-        bar.update(sum(out.nbytes for out in step.outputs))
+                merged, report = _merge_layer(plan, step, stats)
+                for out in step.outputs:
+                    writer.write_tensor(out.name, merged[out.name])
+                if report:
+                    layers.append({"layer": step.layer, **report})
+            bar.update(sum(out.nbytes for out in step.outputs))
+    except BaseException:  # a refused cast, a short read, Ctrl-C: no shard left open
+        writer.discard()
+        raise
     writer.close()
     bar.close()
+    return _by_layer(layers)
+
+
+def _merge(plan: ConversionPlan, stats) -> tuple[dict, list[dict]]:
+    """Every layer's merged attention tensors (checkpoint name -> tensor in its output dtype), held for
+    refine, and the per-layer merge report."""
+    merged, layers = {}, []
+    for step in plan.tensors.steps:
+        if step.is_transform:
+            tensors, report = _merge_layer(plan, step, stats)
+            merged.update(tensors)
+            if report:
+                layers.append({"layer": step.layer, **report})
+    return merged, _by_layer(layers)
+
+
+def _by_layer(layers: list[dict]) -> list[dict]:
     return sorted(layers, key=lambda row: row["layer"])  # steps follow file order: "layers.10" before "layers.2"
 
 
-def _write_layer(checkpoint, step, plan: Plan, writer, method, seed: int, stats, grouping: Grouping) -> dict:
-    """One layer's attention tensors: read, transform, write. A function of its own so that the
-    layer's tensors are freed before the next layer is read (memory stays at one layer's K/V)."""
-    from mha2gqa.checkpoint import DTYPES
+def _merge_layer(plan: ConversionPlan, step, stats) -> tuple[dict, dict]:
+    """One layer's attention tensors read and transformed: (output name -> tensor in its output dtype,
+    report). A function of its own so that the layer's source tensors are freed before the next layer
+    is read (memory stays at one layer's K/V)."""
     from mha2gqa.convert.layer_step import transform_layer
-    from mha2gqa.convert.methods import LayerContext
+    from mha2gqa.convert.methods import METHODS, LayerContext
 
-    stored = {role: checkpoint.load(name) for role, name in step.sources.items()}
-    context = LayerContext(plan.shape, plan.groups, step.layer, seed, stats and stats.layer(step.layer))
-    source_roles = unpack(stored, plan.shape)
+    options, shape = plan.options, plan.shape
+    stored = {role: plan.checkpoint.load(name) for role, name in step.sources.items()}
+    context = LayerContext(shape, options.groups, step.layer, options.seed, stats and stats.layer(step.layer))
+    source_roles = unpack(stored, shape)
     _warn_non_finite(source_roles, step.sources, step.layer)
-    roles, report = transform_layer(method, source_roles, context, grouping)
-    packed = pack(roles, list(step.sources), plan.groups)
+    roles, report = transform_layer(METHODS[options.method], source_roles, context, options.grouping)
+    packed = pack(roles, list(step.sources), options.groups)
     names = {step.sources[role]: tensor for role, tensor in packed.items()}
-    for out in step.outputs:
-        writer.write_tensor(out.name, names[out.name].to(DTYPES[out.dtype]))
-    return report
+    return {out.name: _cast(names[out.name], out) for out in step.outputs}, report
+
+
+def _cast(tensor, out):
+    """`tensor` in the output's dtype, under casts.check_cast's rule (no inf, no tensor flushed to zero)."""
+    from mha2gqa.checkpoint import torch_dtypes
+    from mha2gqa.convert.casts import check_cast, torch_range
+
+    dtypes = torch_dtypes()
+    source = next(code for code, dtype in dtypes.items() if dtype == tensor.dtype)
+    if source != out.dtype and tensor.is_floating_point():
+        check_cast(out.name, *torch_range(tensor), source, out.dtype)
+    return tensor.to(dtypes[out.dtype])
 
 
 def _warn_non_finite(roles: dict, sources: dict, layer: int) -> None:
@@ -283,11 +250,18 @@ def _warn_non_finite(roles: dict, sources: dict, layer: int) -> None:
             fast.warn_non_finite(int((~torch.isfinite(tensor)).sum()), sources, role, layer)
 
 
-def _copy_other_files(source: Path, out_dir: Path) -> None:
-    """Tokenizer, generation config, README and the like: every top-level file but weights and config."""
-    for path in source.iterdir():
-        if path.is_file() and path.name not in _NOT_COPIED and path.suffix not in (".safetensors", *PICKLE_SUFFIXES):
-            shutil.copy2(path, out_dir / path.name)
+def _copy_files(files: dict[Path, int], source: Path, out_dir: Path) -> None:
+    """Copy the files prepare checked (prepare.files_to_copy), each read to its checked size: a file
+    that changed since is a changing source, one line."""
+    for path, size in files.items():
+        copied = 0
+        with open_regular(path, source) as src, open(out_dir / path.name, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+                copied += len(chunk)
+        if copied != size:
+            raise short_read(path)
+        shutil.copystat(path, out_dir / path.name)
 
 
 def _write_config(config: dict, groups: int, dtype: str | None, out_dir: Path) -> None:

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from mha2gqa import embedded
+from mha2gqa.convert.options import ConvertOptions
+from mha2gqa.convert.prepare import prepare
 from mha2gqa.errors import InputError
 
 DEMO_RECIPE = Path(__file__).parent / "demo-uptrain.yaml"
@@ -67,28 +72,26 @@ def run_demo(
     alpha: float | None = None,
     echo: Callable[[str], None] = print,
     progress: bool = True,
+    force: bool = False,
 ) -> dict:
-    """Run every stage into `out`; returns the paths written (report files included)."""
-    from mha2gqa.convert.inspect import inspect_model
-    from mha2gqa.convert.run import convert
-    from mha2gqa.eval import evaluate, write_report
-    from mha2gqa.uptrain import load_recipe, train
-
+    """Run every stage into `out`; returns the paths written (report files included). An earlier run in
+    `out` is refused unless `force`, and then replaced as a whole (see replacing_run)."""
     settings = DemoSettings.make(quick, alpha)
     if not 0 < settings.alpha <= 1:
         raise InputError(f"--alpha {settings.alpha} must be in (0, 1]: e.g. 0.05 for 5% of the pretraining tokens")
     parent = embedded.model_dir()
-    kv_heads = json.loads((parent / "config.json").read_text())["num_key_value_heads"]
-    valid = [g for g in range(1, kv_heads + 1) if kv_heads % g == 0]
-    if groups not in valid:  # checked here, not by convert: nothing may be created for a bad flag
-        raise InputError(
-            f"--groups {groups} must divide the embedded model's {kv_heads} kv heads "
-            f"(valid: {', '.join(map(str, valid))})"
-        )
-    out = Path(out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file: pass a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    # The conversion's every check (--groups among them), before OUT exists: a bad flag creates nothing.
+    conversion = prepare(parent, ConvertOptions(groups=groups, method="mean", force=True, progress=progress))
+    with replacing_run(Path(out).expanduser(), force) as out:
+        return _run_stages(parent, out, conversion, settings, echo, progress)
+
+
+def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, echo, progress: bool) -> dict:
+    from mha2gqa.convert.inspect import inspect_model
+    from mha2gqa.convert.run import execute
+    from mha2gqa.eval import evaluate, write_report
+    from mha2gqa.uptrain import load_recipe, train
+
     info = inspect_model(parent)
     echo(
         f"[1/6] parent: {parent} ({info['layers']} layers, {info['heads']} heads, {info['kv_heads']} kv heads, "
@@ -96,7 +99,8 @@ def run_demo(
     )
 
     converted = out / "converted"
-    convert(parent, converted, groups=groups, method="mean", force=True, progress=progress)
+    groups = conversion.options.groups
+    execute(conversion, converted)
     echo(f"[2/6] converted to {groups} kv heads by mean-pooling: {converted}")
 
     results = out / "results"
@@ -124,6 +128,7 @@ def run_demo(
         out=results / "converted.json",
         **eval_kwargs,
     )
+    _beside_model(results / "converted.json", converted)
     echo(f"[3/6] evaluated parent and converted on held-out Persuasion: {results}")
 
     tokens = embedded.pretrain_tokens()
@@ -142,12 +147,65 @@ def run_demo(
         out=results / "uptrained.json",
         **eval_kwargs,
     )
+    _beside_model(results / "uptrained.json", uptrained)
     echo("[5/6] evaluated the uptrained model")
 
     names = ("parent", "converted", "uptrained")
     written = write_report([results / f"{n}.json" for n in names], out / "report", metrics=uptrained / "metrics.jsonl")
     echo(f"[6/6] report: {written.get('markdown') or out / 'report'}")
     return {"out": out, "converted": converted, "uptrained": uptrained, "results": results, **written}
+
+
+def _beside_model(result: Path, model_dir: Path) -> None:
+    """A copy of the demo's result as MODEL_DIR/eval.json, so the model's card shows the numbers of the
+    demo's table (the card lists the eval results saved beside the model)."""
+    from mha2gqa.card import write_card
+
+    shutil.copyfile(result, model_dir / "eval.json")
+    write_card(model_dir)
+
+
+# What a demo run writes into --out: a folder holding only these is an earlier run, and --force may
+# replace it; anything else there is the user's and is never moved or deleted.
+RUN_ENTRIES = frozenset({"converted", "results", "uptrained", "report"})
+
+
+@contextmanager
+def replacing_run(out: Path, force: bool):
+    """Yield `out` to write a run into. An earlier run there is refused without `force`; with it, it is
+    moved aside (one rename) before anything is written and deleted only after the new run has finished;
+    any failure or interruption removes the new files and puts the earlier run back. So no file of an
+    earlier run is left among new ones (an old speed_vs_batch.png), and a failed run loses nothing.
+    (Not a single atomic swap: the stages record their final paths in what they write, so the run is
+    built where it will stay.)"""
+    if out.name in ("", ".", "..") or out.resolve() == Path.home().resolve():
+        raise InputError(f"--out {out}: pass a folder of its own for the run, e.g. ./mha2gqa-demo")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file: pass a directory")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    foreign = [name for name in held if name not in RUN_ENTRIES]
+    if foreign:
+        raise InputError(
+            f"--out {out} holds files that are not a demo run ({', '.join(foreign[:3])}): choose another --out"
+        )
+    if held and not force:
+        raise InputError(f"--out {out} holds an earlier demo run: pass --force to replace it, or choose another --out")
+    earlier = out.with_name(f".{out.name}.replaced-{os.getpid()}") if held else None
+    existed = out.is_dir()
+    if earlier is not None:
+        os.rename(out, earlier)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        yield out
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        if earlier is not None:
+            os.rename(earlier, out)
+        elif existed:
+            out.mkdir()
+        raise
+    if earlier is not None:
+        shutil.rmtree(earlier)
 
 
 def summary_rows(report_json: Path) -> tuple[list[str], list[list]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import AttentionShape, read_config
 from mha2gqa.sources import resolve_model_dir
 
@@ -52,7 +52,7 @@ def load_config(model_dir: Path):
     try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError) as err:  # e.g. a model_type this transformers does not know
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err, default=type(err).__name__)
         raise InputError(
             f"{Path(model_dir) / 'config.json'} could not be read by transformers ({first}): "
             "use the model's own config.json, or a newer transformers"

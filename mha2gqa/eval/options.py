@@ -8,15 +8,13 @@ is loaded (eval/run.py), with the flag named in each message.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from enum import Enum
+from dataclasses import dataclass
+
+from mha2gqa.typed import StrEnum, check_keywords
 
 
-class SpeedPreset(str, Enum):
+class SpeedPreset(StrEnum):
     """The decode-speed grid (eval/speed.py PRESETS); str() and format() are the value."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
 
     AUTO = "auto"
     """gpu on CUDA, else cpu."""
@@ -65,7 +63,8 @@ class EvalOptions:
     new_tokens: int | None = None
     """Greedy tokens decoded per speed measurement (overrides the preset)."""
     repeats: int | None = None
-    """Timed repeats per speed grid point; the median is reported (after 1 warm-up)."""
+    """Least timed repeats per speed grid point (default 3; more while a point took under the preset's 1 s cpu,
+    2 s gpu, at most 30), after 1 warm-up; the median and its interquartile range are reported."""
     kv_batch: int = 2
     """Batch of the prefill whose live KV cache is measured."""
     kv_tokens: int = 32
@@ -107,7 +106,5 @@ class EvalOptions:
     def from_kwargs(cls, kwargs: dict) -> EvalOptions:
         """The options of `evaluate(model, **kwargs)`; an unknown keyword is a TypeError, as it was when these
         were evaluate's own parameters."""
-        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
-        if unknown:
-            raise TypeError(f"evaluate() got an unexpected keyword argument {unknown[0]!r}")
+        check_keywords(cls, kwargs, "evaluate")
         return cls(**kwargs)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from pathlib import Path
 
 import matplotlib
@@ -12,20 +12,22 @@ matplotlib.use("Agg")  # files only: no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from mha2gqa import provenance as model_provenance  # noqa: E402
 from mha2gqa.errors import InputError  # noqa: E402
+from mha2gqa.eval import schema  # noqa: E402
+from mha2gqa.eval.metrics import tokens_per_s_iqr  # noqa: E402
+from mha2gqa.reading import MAX_JSON_BYTES, parse_json_lines, read_bytes  # noqa: E402
+from mha2gqa.units import byte_unit  # noqa: E402
 
 ROLE_COLORS = {"parent": "#1f77b4", "converted": "#d62728", "uptrained": "#2ca02c"}
 ROLE_MARKERS = {"parent": "o", "converted": "s", "uptrained": "^"}
 DPI = 120
 
 
-def byte_unit(values: list[float]) -> tuple[float, str]:
+def _axis_unit(values: list[float]) -> tuple[float, str]:
     """A divisor and unit that keep the largest value between 1 and 1024."""
-    top = max(values)
-    for div, unit in ((2**20, "MiB"), (2**10, "KiB")):
-        if top >= div:
-            return div, unit
-    return 1, "bytes"
+    div, unit = byte_unit(max(values), largest="MiB")
+    return div, "bytes" if div == 1 else unit
 
 
 def _save(fig, out: Path) -> Path:
@@ -40,7 +42,7 @@ def quality_vs_kv(rows: list[dict], out: Path) -> Path | None:
     pts = [r for r in rows if r["perplexity"] is not None and r["kv_bytes_per_token"] is not None]
     if not pts:
         return None
-    div, unit = byte_unit([r["kv_bytes_per_token"] for r in pts])
+    div, unit = _axis_unit([r["kv_bytes_per_token"] for r in pts])
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     stacked: dict[tuple, int] = {}  # labels of points at the same place go one above the other
     for r in pts:
@@ -76,58 +78,66 @@ def quality_vs_kv(rows: list[dict], out: Path) -> Path | None:
 
 
 def speed_vs_batch(results: list[dict], out: Path) -> Path | None:
-    """Decode tokens/s against batch size, one line per result, one panel per context length."""
-    measured = [r for r in results if r.get("speed")]
+    """The PNG of speed_figure, None when no result measured speed."""
+    fig = speed_figure(results)
+    return None if fig is None else _save(fig, out)
+
+
+def speed_figure(results: list[dict]):
+    """Decode tokens/s against batch size, one line per result, one panel per context length: the
+    median of the timed repeats, with bars over their interquartile range (so one slow or fast
+    repeat moves neither the line nor the axis)."""
+    measured = [r for r in results if schema.speed_points(r)]
     if not measured:
         return None
     contexts = sorted({p["context"] for r in measured for p in r["speed"]["points"]})
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
     for ax, context in zip(axes[0], contexts):
         for r in measured:
-            pts = sorted((p["batch"], p["tokens_per_s"]) for p in r["speed"]["points"] if p["context"] == context)
+            pts = sorted(
+                (
+                    (p["batch"], p["tokens_per_s"], tokens_per_s_iqr(p))
+                    for p in r["speed"]["points"]
+                    if p["context"] == context
+                ),
+                key=lambda point: point[0],
+            )
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"{r['label']} ({r['model']['kv_heads']} kv)")
+                batch, median, iqr = zip(*pts)
+                below = [m - (q or (m, m))[0] for m, q in zip(median, iqr)]
+                above = [(q or (m, m))[1] - m for m, q in zip(median, iqr)]
+                ax.errorbar(
+                    batch,
+                    median,
+                    yerr=[below, above],
+                    marker="o",
+                    capsize=4,
+                    label=f"{r['label']} ({r['model']['kv_heads']} kv)",
+                )
         batches = sorted({p["batch"] for r in measured for p in r["speed"]["points"]})
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.minorticks_off()
         ax.set_ylim(bottom=0)
         ax.set_xlabel("batch size (sequences, log scale)")
-        ax.set_ylabel("decode throughput (tokens/s)")
+        ax.set_ylabel("decode tokens/s (median; bars: IQR of repeats)")
         ax.set_title(f"Greedy decode, context {context} tokens")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=9)
-    return _save(fig, out)
+    return fig
 
 
 def read_metrics(path: Path) -> list[dict]:
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise InputError(f"--metrics {path}: no such file (uptraining writes metrics.jsonl in its output_dir)")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as err:
-        raise InputError(
-            f"--metrics {path} is not UTF-8 text (byte {err.start}): pass the uptrain metrics.jsonl"
-        ) from err
+    fix = "pass the uptrain metrics.jsonl"
+    raw = parse_json_lines(read_bytes(path, MAX_JSON_BYTES, kind="metrics"), f"--metrics {path}", fix)
     rows = []
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(
-                    f"--metrics {path} line {n} is not JSON ({err.msg}): pass the uptrain metrics.jsonl"
-                ) from err
-            if (
-                not isinstance(row, dict)
-                or not isinstance(row.get("step"), (int, float))
-                or isinstance(row["step"], bool)
-            ):
-                raise InputError(
-                    f"--metrics {path} line {n} is not an object with a numeric 'step': pass the uptrain metrics.jsonl"
-                )
-            rows.append(row)
+    for n, row in raw:
+        if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)) or isinstance(row["step"], bool):
+            raise InputError(f"--metrics {path} line {n} is not an object with a numeric 'step': {fix}")
+        rows.append(row)
     if not rows:
         raise InputError(f"--metrics {path} has no lines with a 'step': pass the uptrain metrics.jsonl")
     if not (_series(rows, "loss") or _series(rows, "ppl")):
@@ -148,18 +158,57 @@ def _series(rows: list[dict], word: str) -> dict[str, list[tuple[float, float]]]
     return out
 
 
+def training_objective(metrics_path: Path) -> str:
+    """What the logged train `loss` is, from the run's recipe in its mha2gqa.json when there is one:
+    the LM loss, or distillation's mix of the LM loss and the KL to the teacher."""
+    try:
+        stage = model_provenance.latest(Path(metrics_path).parent, "uptrain")
+    except InputError:
+        stage = None
+    recipe = (stage or {}).get("recipe") or {}
+    if not recipe:
+        return "train loss (LM loss, mixed with KL to the teacher when the recipe distils)"
+    distill = recipe.get("distill") or {}
+    if distill.get("teacher"):
+        w, t = distill.get("kl_weight", 0.5), distill.get("temperature", 1.0)
+        return f"train objective: {1 - w:g}·LM + {w:g}·T²·KL(teacher‖model), T={t:g}"
+    return "train LM loss (training batches)"
+
+
 def training_curve(metrics_path: Path, out: Path) -> Path:
-    """Loss (and perplexity, when logged) against optimizer step."""
+    """The PNG of training_figure."""
+    return _save(training_figure(metrics_path), out)
+
+
+def training_figure(metrics_path: Path):
+    """Two panels that each hold one kind of number: the training objective per optimizer step (which
+    may mix in distillation's KL), and the held-out LM perplexity at each eval."""
     rows = read_metrics(metrics_path)
-    panels = [(w, s) for w, s in (("loss", _series(rows, "loss")), ("ppl", _series(rows, "ppl"))) if s]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
-    for ax, (word, series) in zip(axes[0], panels):
+    train = {k: v for k, v in _series(rows, "loss").items() if not k.startswith("eval")}
+    held_out = {k: v for k, v in _series(rows, "ppl").items() if k.startswith("eval")} or {
+        k: v for k, v in _series(rows, "loss").items() if k.startswith("eval")
+    }
+    objective = training_objective(metrics_path)
+    panels = [
+        ("Training batches, each optimizer step", "nats/token", train, {"loss": objective}),
+        (
+            "Held-out (recipe's data.eval)",
+            "LM perplexity" if any("ppl" in k for k in held_out) else "LM loss (nats/token)",
+            held_out,
+            {"eval_ppl": "held-out LM perplexity", "eval_loss": "held-out LM loss"},
+        ),
+    ]
+    panels = [p for p in panels if p[2]]
+    # One step axis for both panels: a run logged once shows its one train point where it belongs.
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False, sharex=True)
+    for ax, (title, ylabel, series, names) in zip(axes[0], panels):
         for key, pts in sorted(series.items()):
-            ax.plot(*zip(*pts), marker="." if len(pts) < 50 else None, label=key)
+            ax.plot(*zip(*pts), marker="." if len(pts) < 50 else None, label=names.get(key, key))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss (nats/token)" if word == "loss" else "perplexity")
-        ax.set_title("Uptraining " + ("loss" if word == "loss" else "perplexity"))
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=9)
-    return _save(fig, out)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -28,10 +28,10 @@ def device_name(device: torch.device) -> str:
 def versions() -> dict:
     import transformers
 
-    import mha2gqa
+    from mha2gqa.version import __version__
 
     return {
-        "mha2gqa": mha2gqa.__version__,
+        "mha2gqa": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

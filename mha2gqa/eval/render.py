@@ -6,89 +6,33 @@ import base64
 import html
 from pathlib import Path
 
-DASH = "—"
+from mha2gqa.eval import metrics
+from mha2gqa.eval.metrics import DASH, fmt_bytes  # noqa: F401  (the sweep's page formats with them too)
 
 
-def _num(x, fmt):
-    return DASH if x is None else fmt(x)
+def tables(rows: list[dict], results: list[dict]) -> list[tuple[str | None, list[metrics.Metric]]]:
+    """(title, columns) of each table: the main one, then lm-eval's (beside the model's label), each
+    without the columns no result has a value for (the notes name them)."""
+    shown = [m for m in metrics.entries(results) if metrics.shown(m, rows)]
+    label = metrics.BY_NAME["label"]
+    lm_eval = [m for m in shown if m.group == "lm_eval"]
+    main = [m for m in shown if m.group == "main"]
+    return [(None, main)] + ([("lm-evaluation-harness tasks", [label, *lm_eval])] if lm_eval else [])
 
 
-def fmt_bytes(n: float) -> str:
-    for div, unit in ((2**20, "MiB"), (2**10, "KiB")):
-        if n >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _fmt_ppl(x):
-    return f"{x:,.0f}" if x >= 1000 else f"{x:.2f}"
-
-
-def columns(speed_point, lm_eval: list[dict] | None = None) -> list[tuple[str, str, callable]]:
-    """(header, row key, formatter) of every table column."""
-    at = f" @ B={speed_point[0]}, T={speed_point[1]}" if speed_point else ""
-    return [
-        ("model", "label", str),
-        ("role", "role", str),
-        ("kv heads", "kv_heads", lambda r: f"{r['kv_heads']}/{r['heads']}"),
-        ("perplexity", "perplexity", _fmt_ppl),
-        ("Δ ppl vs baseline", "perplexity_change", lambda x: f"{100 * x:+.1f}%"),
-        ("recovery", "recovery", lambda x: f"{100 * x:.0f}%"),
-        ("KL(ref‖model)", "kl_mean", lambda x: f"{x:.4f}"),
-        ("top-1 agree", "top1_agreement", lambda x: f"{100 * x:.1f}%"),
-        ("KV / token", "kv_bytes_per_token", fmt_bytes),
-        ("KV saving", "kv_saving", lambda x: f"{x:.2f}×"),
-        (f"decode tok/s{at}", "tokens_per_s", lambda x: f"{x:,.0f}" if x >= 100 else f"{x:.1f}"),
-        ("speed-up", "speedup", lambda x: f"{x:.2f}×"),
-    ] + lm_eval_columns(lm_eval or [])
-
-
-def lm_eval_columns(found: list[dict]) -> list[tuple[str, str, callable]]:
-    """Per lm-eval task metric: its value ± standard error, and Δ vs the baseline (percent for
-    perplexities, percentage points for accuracies, plain difference otherwise)."""
-    cols = []
-    for c in found:
-        scale = "relative" if c["relative"] else "percent" if c["percent"] else "plain"
-        delta = {
-            "relative": lambda x: f"{100 * x:+.1f}%",
-            "percent": lambda x: f"{100 * x:+.1f} pt",
-            "plain": lambda x: f"{x:+.4g}",
-        }[scale]
-        cols.append((f"{c['task']} {c['metric']}", f"lm_eval:{c['key']}", _fmt_with_stderr(scale)))
-        cols.append((f"Δ {c['metric']}", f"lm_eval_delta:{c['key']}", delta))
-    return cols
-
-
-def _fmt_with_stderr(scale: str):
-    one = {"relative": _fmt_ppl, "percent": lambda x: f"{100 * x:.1f}", "plain": lambda x: f"{x:.4g}"}[scale]
-
-    def fmt(cell):
-        text = one(cell["value"]) + ("%" if scale == "percent" else "")
-        return text if cell.get("stderr") is None else f"{text} ± {one(cell['stderr'])}"
-
-    return fmt
-
-
-def cells(row: dict, cols) -> list[str]:
-    out = []
-    for _, key, fmt in cols:
-        out.append(fmt(row) if key == "kv_heads" else _num(row[key], fmt))
-    if row["kv_match"] is False:
-        out[8] += " ⚠"  # the live cache disagrees with the formula: see the notes
-    return out
+def _markdown_table(rows, cols, speed_point) -> list[str]:
+    lines = ["| " + " | ".join(metrics.header(c, speed_point) for c in cols) + " |", "|" + "---|" * len(cols)]
+    return lines + ["| " + " | ".join(c.text(r) for c in cols) + " |" for r in rows]
 
 
 def markdown(rows, meta, results, plots: dict[str, Path], out_dir: Path) -> str:
-    cols = columns(meta["speed_point"], meta.get("lm_eval"))
     lines = [
         "# mha2gqa comparison report",
         "",
-        f"Baseline: **{meta['baseline']}** (Δ, saving and speed-up are relative to it).",
-        "",
-        "| " + " | ".join(h for h, _, _ in cols) + " |",
-        "|" + "---|" * len(cols),
+        f"Baseline: **{meta['baseline']}** (Δ, saving and speed-up are relative to it; ↓ lower, ↑ higher is better).",
     ]
-    lines += ["| " + " | ".join(cells(r, cols)) + " |" for r in rows]
+    for title, cols in tables(rows, results):
+        lines += [""] + ([f"## {title}", ""] if title else []) + _markdown_table(rows, cols, meta["speed_point"])
     if meta["notes"]:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in meta["notes"]]
     lines += ["", "## Plots", ""] + [f"![{name}]({p.relative_to(out_dir)})" for name, p in plots.items()]
@@ -123,7 +67,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem 
 table{border-collapse:collapse;margin:1rem 0;font-size:14px}
 th,td{border:1px solid #ccc;padding:6px 10px;text-align:right;white-space:nowrap}
 th{background:#f3f3f3;white-space:normal;max-width:8em;vertical-align:bottom}
-td:first-child,td:nth-child(2),th:first-child,th:nth-child(2){text-align:left}
+td.t,th.t{text-align:left} .wide{overflow-x:auto}
 tr.baseline td{font-weight:600;background:#fbfbe8}
 .notes li{color:#8a4b00} img{max-width:100%;border:1px solid #eee;margin:0.5rem 0}
 .prov td,.prov th{text-align:left;font-size:12px;white-space:normal}
@@ -131,15 +75,24 @@ tr.baseline td{font-weight:600;background:#fbfbe8}
 
 
 def html_page(rows, meta, results, plots: dict[str, Path]) -> str:
-    cols = columns(meta["speed_point"], meta.get("lm_eval"))
     esc = html.escape
-    head = "".join(f"<th>{esc(h)}</th>" for h, _, _ in cols)
-    body = "".join(
-        ("<tr class='baseline'>" if r["label"] == meta["baseline"] else "<tr>")
-        + "".join(f"<td>{esc(c)}</td>" for c in cells(r, cols))
-        + "</tr>"
-        for r in rows
-    )
+
+    def table(title, cols):
+        text = {c.name: " class='t'" if c.name in ("label", "role") else "" for c in cols}  # left-aligned
+        # Long task names (persuasion_next_sentence) may break after an underscore, not across the next cell.
+        head = "".join(
+            f"<th{text[c.name]}>{esc(metrics.header(c, meta['speed_point'])).replace('_', '_<wbr>')}</th>" for c in cols
+        )
+        body = "".join(
+            ("<tr class='baseline'>" if r["label"] == meta["baseline"] else "<tr>")
+            + "".join(f"<td{text[c.name]}>{esc(c.text(r))}</td>" for c in cols)
+            + "</tr>"
+            for r in rows
+        )
+        return (
+            f"<h2>{esc(title)}</h2>" if title else ""
+        ) + f"<div class='wide'><table><tr>{head}</tr>{body}</table></div>"
+
     notes = "".join(f"<li>{esc(n)}</li>" for n in meta["notes"])
     imgs = "".join(
         f'<figure><img alt="{esc(name)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></figure>'
@@ -149,8 +102,8 @@ def html_page(rows, meta, results, plots: dict[str, Path]) -> str:
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>mha2gqa report</title><style>{CSS}</style></head><body>"
         f"<h1>mha2gqa comparison report</h1><p>Baseline: <b>{esc(meta['baseline'])}</b> "
-        "(Δ, saving and speed-up are relative to it).</p>"
-        f"<table><tr>{head}</tr>{body}</table>"
+        "(Δ, saving and speed-up are relative to it; ↓ lower, ↑ higher is better).</p>"
+        + "".join(table(title, cols) for title, cols in tables(rows, results))
         + (f"<h2>Notes</h2><ul class='notes'>{notes}</ul>" if notes else "")
         + f"<h2>Plots</h2>{imgs}<h2>Provenance</h2><table class='prov'><tr><th>model</th><th>path</th><th>params</th>"
         f"<th>dtype</th><th>data</th><th>device</th></tr>{prov}</table></body></html>\n"

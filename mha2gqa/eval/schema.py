@@ -25,8 +25,11 @@ import tempfile
 from pathlib import Path
 
 from mha2gqa.errors import InputError, user_file_error
+from mha2gqa.reading import read_json
+from mha2gqa.writing import write_atomic
 
 SCHEMA = "mha2gqa.eval/1"
+SWEEP_SCHEMA = "mha2gqa.sweep/1"  # `mha2gqa sweep`'s sweep.json: the parent's and every candidate's result inside
 REQUIRED = ("label", "role", "model", "kv_cache", "env")
 MODEL_REQUIRED = ("kv_heads", "heads", "layers", "head_dim")
 
@@ -35,6 +38,14 @@ MODEL_REQUIRED = ("kv_heads", "heads", "layers", "head_dim")
 def _value(result: dict, section: str, key: str):
     part = result.get(section)
     return part.get(key) if isinstance(part, dict) else None
+
+
+def field(result: dict, dotted: str):
+    """The value at a dotted path ("perplexity.perplexity"), None where a section or key is absent."""
+    node = result
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
 
 
 def perplexity(result: dict) -> float | None:
@@ -93,19 +104,11 @@ def write_result(result: dict, out: Path) -> Path:
     """Write atomically: a reader never sees half a file, and a failed run leaves none (a full or
     read-only disk is one line naming the file)."""
     out = Path(out)
-    tmp = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, out)
     except OSError as err:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
         raise user_file_error(err, out) from err
-    return out
+    return write_atomic(out, json.dumps(result, indent=2, sort_keys=False) + "\n")
 
 
 def check_writable(out: Path, flag: str = "--out") -> None:
@@ -134,17 +137,25 @@ def check_writable(out: Path, flag: str = "--out") -> None:
 
 
 def load_result(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    if not path.is_file():
+    return _checked(_read_json(Path(path)), path)
+
+
+def load_results(path: str | os.PathLike) -> list[dict]:
+    """The results in one file: an eval result, or a sweep.json's parent and finished candidates."""
+    found = _read_json(Path(path))
+    if isinstance(found, dict) and found.get("schema") == SWEEP_SCHEMA:
+        inner = [found.get("parent")] + list(found.get("candidates") or [])
+        return [_checked(part.get("result") if isinstance(part, dict) else None, f"{path} (sweep)") for part in inner]
+    return [_checked(found, path)]
+
+
+def _read_json(path: Path):
+    if not os.path.lexists(path):
         raise InputError(f"{path}: no such result file (write one with `mha2gqa eval MODEL --out {path}`)")
-    try:
-        result = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:
-        raise InputError(f"{path} is not UTF-8 text (byte {err.start}): pass a file written by `mha2gqa eval`") from err
-    except json.JSONDecodeError as err:
-        raise InputError(
-            f"{path} is not JSON ({err.msg} at line {err.lineno}): pass a file written by `mha2gqa eval`"
-        ) from err
+    return read_json(path, "pass a file written by `mha2gqa eval`")
+
+
+def _checked(result, path) -> dict:
     if not isinstance(result, dict) or result.get("schema") != SCHEMA:
         found = result.get("schema") if isinstance(result, dict) else type(result).__name__
         raise InputError(f"{path} has schema {found!r}, expected {SCHEMA!r}: pass a file written by `mha2gqa eval`")
@@ -187,6 +198,7 @@ _TYPES = {
     "model.kv_heads": (_count, "a whole number"),
     "model.layers": (_count, "a whole number"),
     "model.head_dim": (_count, "a whole number"),
+    "model.params": (_maybe(_count), "a whole number"),
     "perplexity": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
     "perplexity.perplexity": (_maybe(_number), "a number"),
     "perplexity.context": (_maybe(_count), "a whole number"),
@@ -220,6 +232,25 @@ _TYPES = {
     ),
     "data": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
     "data.ids_sha256": (_maybe(lambda v: isinstance(v, str)), "text"),
+    "data.tokens": (_maybe(_count), "a whole number"),
+    "lm_eval": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
+    "lm_eval.tasks": (
+        _maybe(
+            lambda v: (
+                isinstance(v, dict)
+                and all(
+                    isinstance(t, dict)
+                    and isinstance(t.get("metrics"), dict)
+                    and all(
+                        isinstance(m, dict) and _maybe(_number)(m.get("value")) and _maybe(_number)(m.get("stderr"))
+                        for m in t["metrics"].values()
+                    )
+                    for t in v.values()
+                )
+            )
+        ),
+        "{task: {metrics: {name: {value, stderr}}}} with numbers",
+    ),
     "warnings": (_maybe(lambda v: isinstance(v, list) and all(isinstance(w, str) for w in v)), "a list of text"),
     "env": (lambda v: isinstance(v, dict), "an object"),
     "env.device_name": (_maybe(lambda v: isinstance(v, str)), "text"),

@@ -1,7 +1,10 @@
 """Greedy decode speed over a grid of batch sizes x context lengths.
 
 Each grid point: prefill `context` random tokens at `batch`, then time `new_tokens` greedy steps
-with the KV cache (the prefill is timed apart). One warm-up run, then the median of `repeats`.
+with the KV cache (the prefill is timed apart). A warm-up run, then at least `repeats` timed runs,
+more while the point has taken less than `seconds` (at most `max_repeats`): a busy machine's noise
+shows as spread, which the point records (interquartile range and min-max of tokens/s) beside the
+median, and the report marks a speed-up whose spread is larger than its effect.
 tokens/s counts every sequence in the batch: batch * new_tokens / decode seconds.
 """
 
@@ -16,6 +19,7 @@ from tqdm.auto import tqdm
 
 from mha2gqa.errors import InputError
 from mha2gqa.eval.memory import PeakMemory
+from mha2gqa.eval.metrics import quartiles
 
 
 @dataclass(frozen=True)
@@ -23,14 +27,16 @@ class SpeedGrid:
     batches: tuple[int, ...]
     contexts: tuple[int, ...]
     new_tokens: int
-    repeats: int = 3
+    repeats: int = 3  # at least this many timed runs (3 give quartiles) ...
     warmup: int = 1
+    seconds: float = 1.0  # ... and more while the point's timed runs took less than this (a fast point
+    max_repeats: int = 30  # gets many cheap repeats; on a busy machine, where one run takes seconds, 3)
 
 
 # CPU: seconds on a tiny model. GPU: the sizes where GQA's smaller cache shows in throughput.
 PRESETS = {
-    "cpu": SpeedGrid(batches=(1, 4), contexts=(32,), new_tokens=16, repeats=3),
-    "gpu": SpeedGrid(batches=(1, 8, 32, 64), contexts=(512, 2048), new_tokens=64, repeats=3),
+    "cpu": SpeedGrid(batches=(1, 4), contexts=(32,), new_tokens=16, seconds=1.0),
+    "gpu": SpeedGrid(batches=(1, 8, 32, 64), contexts=(512, 2048), new_tokens=64, seconds=2.0),
 }
 
 
@@ -44,6 +50,8 @@ def make_grid(preset: str, batches=None, contexts=None, new_tokens=None, repeats
         new_tokens=new_tokens or base.new_tokens,
         repeats=repeats or base.repeats,
         warmup=base.warmup,
+        seconds=base.seconds,
+        max_repeats=max(base.max_repeats, repeats or 0),
     )
     for flag, values in (
         ("--speed-batches", grid.batches),
@@ -97,17 +105,24 @@ def measure_point(model, batch: int, context: int, grid: SpeedGrid, seed: int = 
     for _ in range(grid.warmup):
         greedy_decode(model, ids, grid.new_tokens)
     prefill, decode = [], []
+    started = time.perf_counter()
     with PeakMemory(device) as mem:
-        for _ in range(grid.repeats):
+        while len(decode) < grid.repeats or (
+            len(decode) < grid.max_repeats and time.perf_counter() - started < grid.seconds
+        ):
             p, d = greedy_decode(model, ids, grid.new_tokens)
             prefill.append(p)
             decode.append(d)
-    median = statistics.median(decode)
+    tokens = batch * grid.new_tokens
+    fast, median, slow = quartiles(decode)  # seconds: the slow quartile is the low tokens/s
     return {
         "batch": batch,
         "context": context,
         "new_tokens": grid.new_tokens,
-        "tokens_per_s": batch * grid.new_tokens / median,
+        "tokens_per_s": tokens / median,
+        "tokens_per_s_iqr": [tokens / slow, tokens / fast],
+        "tokens_per_s_range": [tokens / max(decode), tokens / min(decode)],
+        "repeats": len(decode),
         "decode_s_median": median,
         "prefill_s_median": statistics.median(prefill),
         "decode_s": decode,

@@ -19,23 +19,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe keys, dotted for sections")
     args = parser.parse_intermixed_args(argv)  # key=value may come before or after flags
 
-    from mha2gqa.errors import InputError, is_user_fault, user_file_error
+    from mha2gqa.errors import exit_report, signals_as_interrupts
     from mha2gqa.uptrain import load_recipe, train
     from mha2gqa.uptrain.steps import TrainingDiverged
 
+    # The same rules as the mha2gqa CLI: a user mistake is one line and exit 2, nothing written; SIGTERM and
+    # SIGHUP (what a launcher or a scheduler sends) unwind like Ctrl-C, so the same cleanups run.
     try:
-        out = train(load_recipe(args.recipe, args.overrides), resume=args.resume)
-    except InputError as err:  # the user's to fix: one line, exit 2, nothing written
-        print(f"Error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:  # a full or read-only disk, a permission: the same rule as the mha2gqa CLI
-        if not is_user_fault(err):
-            raise
-        print(f"Error: {user_file_error(err)}", file=sys.stderr)
-        return 2
+        with signals_as_interrupts():
+            out = train(load_recipe(args.recipe, args.overrides), resume=args.resume)
     except TrainingDiverged as err:
         print(f"Error: {err}", file=sys.stderr)
         return 1
+    except (Exception, KeyboardInterrupt) as err:
+        report = exit_report(err)
+        if report is None:
+            raise
+        print(report[0], file=sys.stderr)
+        return report[1]
     if os.environ.get("RANK", "0") == "0":  # set by accelerate launch; one line, not one per rank
         print(f"output: {out}")
     return 0

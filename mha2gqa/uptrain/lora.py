@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import layout_for
+from mha2gqa.quiet import without_peft_deprecation
 
 
 def target_modules(model, lora) -> list[str]:
@@ -71,13 +72,39 @@ def add_adapters(model, lora):
     config = peft_config(model, lora)
     if lora.load_in_4bit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    _check_targets(model, sorted(config.target_modules))
     try:
-        return get_peft_model(model, config)
+        with without_peft_deprecation():
+            return get_peft_model(model, config)
     except ValueError as err:  # peft: "Target modules {...} not found in the base model"
         raise InputError(
             f"lora.target_modules={sorted(config.target_modules)} do not name modules of this "
-            f"{model.config.model_type} model ({str(err).splitlines()[0][:160]})"
+            f"{model.config.model_type} model ({first_line(err, 160)})"
         ) from err
+
+
+def _check_targets(model, targets: list[str]) -> None:
+    """A target that names only modules LoRA cannot wrap (a whole MLP block, a norm) is said to be
+    one, with the Linear layers inside it to name instead: peft would say it matches nothing."""
+    import torch
+
+    modules = dict(model.named_modules())
+    for target in targets:
+        found = [(name, m) for name, m in modules.items() if name == target or name.endswith("." + target)]
+        if found and not any(isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) for _, m in found):
+            name, module = found[0]
+            inner = sorted(
+                {child.rsplit(".", 1)[-1] for child, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+            )
+            hint = (
+                f"name its Linear layers instead ({', '.join(inner)})"
+                if inner
+                else "name Linear layers (e.g. q_proj, v_proj)"
+            )
+            raise InputError(
+                f"lora.target_modules entry {target!r} matches {len(found)} {type(module).__name__} module(s) "
+                f"(e.g. {name}), which are not Linear layers LoRA can adapt: {hint}"
+            )
 
 
 def merged_model(peft_model, lora, source_dir: Path | None, saved_dtype):
@@ -93,11 +120,13 @@ def merge_into_source(peft_model, source_dir: Path, dtype):
     """Copy the trained adapters onto the source checkpoint loaded afresh (CPU, `dtype`), then merge."""
     import torch
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
+
+    from mha2gqa.loading import load_causal_lm
 
     adapters = {k: v.detach().to("cpu", torch.float32) for k, v in get_peft_model_state_dict(peft_model).items()}
-    base = AutoModelForCausalLM.from_pretrained(source_dir, dtype=dtype)
-    fresh = get_peft_model(base, peft_model.peft_config["default"])
+    base = load_causal_lm(source_dir, "the QLoRA run's source", dtype=dtype)
+    with without_peft_deprecation():
+        fresh = get_peft_model(base, peft_model.peft_config["default"])
     set_peft_model_state_dict(fresh, adapters)
     return fresh.merge_and_unload()
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import layout_for, read_config
 from mha2gqa.loading import load_causal_lm
-from mha2gqa.sources import hub_offline, resolve_model_dir
+from mha2gqa.sources import resolve_model_dir
 from mha2gqa.uptrain import lora
 from mha2gqa.uptrain.recipe import Recipe
 
@@ -29,12 +29,14 @@ class Student:
 def load_tokenizer(source: str):
     from transformers import AutoTokenizer
 
-    if not Path(source).expanduser().is_dir() and hub_offline():
-        raise InputError(f"tokenizer {source} is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)")
+    if not Path(source).expanduser().is_dir():
+        # Fetched (or refused) through the one hub rule, so a mistyped local path or an unreachable hub
+        # is answered by name and at once, not after transformers' own retries of every tokenizer file.
+        source = resolve_model_dir(source)
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:  # transformers' message runs to several lines: keep its first
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err, default=type(err).__name__)
         raise InputError(
             f"tokenizer {source} could not be loaded ({first}): set tokenizer=<dir with tokenizer files>"
         ) from err

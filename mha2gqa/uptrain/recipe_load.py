@@ -14,20 +14,19 @@ import dataclasses
 import difflib
 import importlib.util
 import math
-import re
+import os
 import types
 import typing
 from pathlib import Path
 
 import yaml
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import read_config
-from mha2gqa.sources import hub_offline
+from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, parse_yaml, read_bytes
+from mha2gqa.sources import hub_offline, is_hub_id, looks_local, model_ref_problem
 from mha2gqa.textdata import resolve
 from mha2gqa.uptrain.recipe import LoraConfig, Recipe, all_keys
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
 def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
@@ -40,7 +39,7 @@ def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
     _apply_overrides(raw, list(overrides), problems)
     recipe = _build(Recipe, raw, "", problems)
     _check_numbers(recipe, problems)
-    _check_budget(recipe, problems)
+    _check_budget(recipe, problems, overridden={item.partition("=")[0].strip() for item in overrides})
     _check_sources(recipe, problems, check_files)
     _check_data(recipe, problems, check_files)
     _check_lora(recipe, problems)
@@ -51,16 +50,17 @@ def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
 
 def _read_yaml(path) -> dict:
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise InputError(f"recipe {path}: no such file (see recipes/*.yaml for examples)")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = read_bytes(path, MAX_YAML_BYTES, kind="a recipe").decode("utf-8")
+        raw = parse_yaml(text, f"recipe {path}", "write the recipe out plainly (see recipes/*.yaml)")
     except UnicodeDecodeError as err:
         raise InputError(
             f"recipe {path} is not UTF-8 text (byte {err.start}): pass a YAML recipe (see recipes/*.yaml)"
         ) from err
     except yaml.YAMLError as err:
-        raise InputError(f"recipe {path} is not valid YAML: {str(err).splitlines()[0]}") from err
+        raise InputError(f"recipe {path} is not valid YAML: {first_line(err)}") from err
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -76,7 +76,10 @@ def _apply_overrides(raw: dict, overrides: list[str], problems: list[str]) -> No
             problems.append(f"override {item!r} is not key=value (e.g. optim.lr=1e-4)")
             continue
         try:
-            value = yaml.safe_load(text) if text else None
+            value = parse_yaml(text, f"override {key}=", "give a plain value") if text else None
+        except YamlLimit as err:
+            problems.append(str(err))
+            continue
         except yaml.YAMLError:
             value = text
         node = raw
@@ -110,7 +113,16 @@ def _build(cls, raw: dict, prefix: str, problems: list[str]):
     return cls(**kwargs)
 
 
+# Names other tools give a key, by the leaf: `optim.learning_rate` means optim.lr, however close
+# optim.min_lr_ratio is in spelling.
+_SYNONYMS = {"learning_rate": "lr", "batch_size": "micro_batch_size", "gradient_accumulation_steps": "grad_accum"}
+
+
 def _unknown(key: str) -> str:
+    section, _, leaf = key.rpartition(".")
+    synonym = f"{section}.{_SYNONYMS[leaf]}" if section and leaf in _SYNONYMS else _SYNONYMS.get(leaf)
+    if synonym in all_keys():
+        return f"unknown key {key} (did you mean {synonym}?)"
     close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]}?)" if close else ""
     return f"unknown key {key}{hint}"
@@ -201,12 +213,21 @@ def _check_numbers(r: Recipe, p: list[str]) -> None:
     _need(p, r.distill.temperature > 0, f"distill.temperature={r.distill.temperature} must be positive")
 
 
-def _check_budget(r: Recipe, p: list[str]) -> None:
+def _check_budget(r: Recipe, p: list[str], overridden: set[str] = frozenset()) -> None:
+    """`overridden`: the keys given as key=value. Overriding one budget on a recipe that sets another
+    leaves both set; the message then names the one to unset (budget.alpha=null)."""
     b = r.budget
     chosen = [k for k in ("max_steps", "tokens", "alpha") if getattr(b, k) is not None]
-    if len(chosen) != 1:
-        got = ", ".join(f"budget.{k}" for k in chosen) or "none"
-        p.append(f"set exactly one of budget.max_steps, budget.tokens, budget.alpha (got {got})")
+    if len(chosen) > 1:
+        from_recipe = [f"budget.{k}" for k in chosen if f"budget.{k}" not in overridden]
+        unset = from_recipe if 0 < len(from_recipe) < len(chosen) else [f"budget.{k}" for k in chosen[1:]]
+        p.append(
+            f"set exactly one of budget.max_steps, budget.tokens, budget.alpha (got "
+            f"{', '.join(f'budget.{k}' for k in chosen)}): unset the one(s) you do not want with "
+            f"{' '.join(f'{key}=null' for key in unset)}"
+        )
+    elif not chosen:
+        p.append("set exactly one of budget.max_steps, budget.tokens, budget.alpha (got none)")
     for key in ("max_steps", "tokens", "alpha", "pretrain_tokens"):
         value = getattr(b, key)
         _need(p, value is None or value > 0, f"budget.{key}={value} must be positive")
@@ -235,22 +256,17 @@ def _check_sources(r: Recipe, p: list[str], check_files: bool) -> None:
 
 def _check_model_ref(key: str, value: str, p: list[str]) -> None:
     path = Path(value).expanduser()
+    if key == "tokenizer" and path.is_dir():
+        return
+    problem = model_ref_problem(value, f"{key}=")
+    if problem:
+        p.append(problem)
+        return
     if path.is_dir():
-        if key == "tokenizer":
-            return
-        if not (path / "config.json").is_file():
-            p.append(f"{key}={value} has no config.json: pass a HF model dir")
-            return
         try:  # a binary or list config.json, or string head counts, fail here and not in transformers
             read_config(path)
         except InputError as err:
             p.append(f"{key}={value}: {err}")
-    elif path.exists():
-        p.append(f"{key}={value} is a file: pass a model directory or a hub id like org/name")
-    elif not _HUB_ID.match(value):
-        p.append(f"{key}={value}: no such directory, and not a hub id like org/name")
-    elif hub_offline():
-        p.append(f"{key}={value} is not a local directory and the hub is offline (HF_HUB_OFFLINE=1)")
 
 
 def _check_config_ref(value: str, p: list[str]) -> None:
@@ -259,7 +275,7 @@ def _check_config_ref(value: str, p: list[str]) -> None:
         return
     if path.is_dir():
         p.append(f"init_from_config={value} holds no config.json")
-    elif value.endswith(".json") or not _HUB_ID.match(value):
+    elif value.endswith(".json") or looks_local(value) or not is_hub_id(value):
         p.append(f"init_from_config={value}: no such file")
     elif hub_offline():
         p.append(f"init_from_config={value} is not local and the hub is offline (HF_HUB_OFFLINE=1)")

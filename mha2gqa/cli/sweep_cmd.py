@@ -1,0 +1,64 @@
+"""`mha2gqa sweep`: which kv-head count and method to pick, before any training."""
+
+from __future__ import annotations
+
+import click
+
+from mha2gqa.cli.eval_cmd import _int_list, _str_list
+from mha2gqa.cli.fields import field_option
+from mha2gqa.convert.options import METHOD_SUMMARIES
+from mha2gqa.docfields import option_help
+from mha2gqa.sweep.options import SweepOptions
+
+
+def _option(flag: str, *decls: str, **kwargs):
+    """The option that sets a SweepOptions field: its default and help are the field's."""
+    return field_option(SweepOptions, flag, *decls, **kwargs)
+
+
+@click.command("sweep")
+@click.argument("src")
+@_option("--calibration", required=True, metavar="DATA")
+@_option("--data", required=True, metavar="EVAL_TEXT")
+@_option("--out", required=True, type=click.Path(file_okay=False))
+@_option("--groups", "-g", callback=_int_list)
+@_option("--methods", callback=_str_list, choices=METHOD_SUMMARIES)
+@click.option("--refine", is_flag=True, help=option_help(SweepOptions, "refine"))
+@_option("--max-tokens", type=int)
+@_option("--calibration-tokens")
+@_option("--tolerance")
+@_option("--keep", is_flag=True)
+@_option("--seed")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def sweep(
+    src, calibration, data, out, groups, methods, refine, max_tokens, calibration_tokens, tolerance, keep, seed, quiet
+):
+    """Convert SRC to every kv-head count (default: each divisor of its kv heads below it) with every method,
+    from one calibration pass, and evaluate each against SRC on EVAL_TEXT: perplexity, KL and top-1
+    agreement, KV bytes per token and per sequence, conversion time and memory. Writes OUT/sweep.json,
+    sweep.md and sweep.html (table, perplexity vs KV plot with the Pareto front, with --refine a per-layer
+    heat map) and prints a one-line recommendation. Ctrl-C keeps the finished candidates in sweep.json.
+
+    Example: mha2gqa sweep mha2gqa/data/austen-mha --calibration austen
+    --data mha2gqa/data/austen/persuasion.txt.gz --out sweep/
+    """
+    from mha2gqa.convert.options import RefineOptions
+    from mha2gqa.sweep import sweep as run_sweep
+
+    options = SweepOptions(
+        calibration=calibration,
+        data=data,
+        out=out,
+        groups=tuple(groups) if groups else None,
+        methods=tuple(methods or ()),
+        refine=RefineOptions(seed=seed) if refine else None,
+        max_tokens=max_tokens,
+        calibration_tokens=calibration_tokens,
+        tolerance=tolerance,
+        keep=keep,
+        seed=seed,
+        progress=not quiet,
+    )
+    record = run_sweep(src, options, echo=click.echo)
+    click.echo(f"wrote {out}/sweep.json, sweep.md, sweep.html")
+    click.echo(record["recommendation"]["line"])

@@ -1,0 +1,63 @@
+"""What `sweep` is asked to do: a typed schema, one docstring per field, importable without torch
+(`mha2gqa sweep --help` builds its help from these docstrings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, Method, RefineOptions
+from mha2gqa.errors import InputError
+
+DEFAULT_METHODS = (Method.MEAN.value, Method.CALIBRATED.value)
+DEFAULT_TOLERANCE = 0.05
+
+
+@dataclass
+class SweepOptions:
+    calibration: str | list[str]
+    """Calibration text, read once for every candidate: a .txt/.md/.jsonl/.json/.parquet file (compressed
+    too), a folder of them, 'austen' (the embedded novels; command line only) or a hub dataset (online)."""
+    data: str
+    """Held-out text every candidate and the parent are evaluated on (perplexity, KL and top-1 agreement
+    against the parent); the same forms as --calibration."""
+    out: str
+    """Directory for sweep.json, sweep.md, sweep.html and the plots (created; must not hold a sweep.json)."""
+    groups: tuple[int, ...] | None = None
+    """kv-head counts to try, e.g. 8,4,2,1; each must divide the source's kv heads and be below it (values
+    that do not are skipped, and said so). Default: every divisor of the source's kv heads below it."""
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    """Conversion methods to try at every kv-head count, e.g. mean,calibrated (the --method values of
+    convert)."""
+    refine: RefineOptions | None = None
+    """Refine every candidate layer by layer after the merge (convert --refine, its default settings); the
+    report then shows each layer's output error at every kv-head count as a heat map."""
+    max_tokens: int | None = None
+    """Evaluate on at most this many tokens of --data (default: all of it)."""
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
+    """Calibration tokens run through the source, once for the whole sweep."""
+    tolerance: float = DEFAULT_TOLERANCE
+    """How much worse than the parent's perplexity a recommended candidate may be, as a fraction (0.05 =
+    5%); between 0 and 10, both excluded."""
+    keep: bool = False
+    """Keep every converted model in OUT/models/ (default: each is written to a temporary directory inside
+    OUT and removed once evaluated)."""
+    seed: int = 0
+    """Seed of the conversions (random method, --refine's split) and of the evaluations."""
+    progress: bool = True
+    """Show the progress bar over candidates."""
+
+    def __post_init__(self):
+        self.methods = tuple(Method.parse(m, "--methods").value for m in self.methods)
+        if not self.methods:
+            raise InputError("--methods is empty: name at least one, e.g. mean,calibrated")
+        if not 0 < self.tolerance < 10:
+            raise InputError(
+                f"--tolerance {self.tolerance:g} must be between 0 and 10, both excluded: it is a fraction of the "
+                "parent's perplexity (0.05 = 5%)"
+            )
+        if self.max_tokens is not None and self.max_tokens < 2:
+            raise InputError(f"--max-tokens {self.max_tokens} must be at least 2 (a token and the one it predicts)")
+        if self.calibration_tokens < 1:
+            raise InputError(f"--calibration-tokens {self.calibration_tokens} must be at least 1 (e.g. 131072)")
+        if self.refine is not None:
+            self.refine.check()

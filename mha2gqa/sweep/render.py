@@ -1,0 +1,226 @@
+"""sweep.md and sweep.html: the candidates' table, the quality-vs-KV plot with its Pareto front and, after
+--refine, the per-layer sensitivity heat map. Built with the report's plotting and formatting helpers."""
+
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+
+from matplotlib.ticker import FuncFormatter, NullFormatter
+
+from mha2gqa.eval import plots
+from mha2gqa.eval.plots import plt
+from mha2gqa.eval.render import CSS, DASH, fmt_bytes
+from mha2gqa.units import byte_unit
+
+QUALITY_PNG = "sweep_quality_vs_kv.png"
+SENSITIVITY_PNG = "sweep_layer_sensitivity.png"
+
+
+def pareto_front(points: list[tuple[float, float, str]]) -> list[str]:
+    """Names of the (x, y, name) points no other point beats on both axes (smaller is better on each)."""
+    return [
+        name for x, y, name in points if not any(x2 <= x and y2 <= y and (x2, y2) != (x, y) for x2, y2, _ in points)
+    ]
+
+
+def _points(record: dict) -> list[tuple[float, float, str]]:
+    parent = record["parent"]
+    found = [(parent["kv_bytes_per_token"], parent["perplexity"], "parent")]
+    return found + [(r["kv_bytes_per_token"], r["perplexity"], r["name"]) for r in record["candidates"]]
+
+
+def quality_plot(record: dict, out: Path) -> Path:
+    """Perplexity (log) against KV bytes per token: one line per method, the parent as a star, the Pareto
+    front ringed and joined."""
+    points = _points(record)
+    div, unit = byte_unit(max(x for x, _, _ in points), largest="MiB")
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for method in record["settings"]["methods"]:
+        rows = sorted((r for r in record["candidates"] if r["method"] == method), key=lambda r: r["kv_bytes_per_token"])
+        if rows:
+            ax.plot(
+                [r["kv_bytes_per_token"] / div for r in rows], [r["perplexity"] for r in rows], marker="o", label=method
+            )
+            for r in rows:
+                ax.annotate(
+                    f"{r['groups']} kv",
+                    (r["kv_bytes_per_token"] / div, r["perplexity"]),
+                    xytext=(6, 4),
+                    textcoords="offset points",
+                    fontsize=8,
+                )
+    parent = record["parent"]
+    ax.scatter(
+        parent["kv_bytes_per_token"] / div,
+        parent["perplexity"],
+        marker="*",
+        s=220,
+        color="black",
+        zorder=4,
+        label=f"parent ({record['source']['kv_heads']} kv)",
+    )
+    front = sorted((x, y) for x, y, name in points if name in pareto_front(points))
+    xs, ys = [x / div for x, _ in front], [y for _, y in front]
+    ax.step(xs, ys, where="post", linestyle="--", color="gray", zorder=1)  # the boundary of what is reachable
+    ax.scatter(xs, ys, s=240, facecolors="none", edgecolors="gray", zorder=2, label="Pareto front")
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:.4g}")  # a narrow range would read 1.306 x 10^2
+    ax.yaxis.set_major_formatter(plain)
+    spread = max(y for _, y, _ in points) / min(y for _, y, _ in points)
+    ax.yaxis.set_minor_formatter(plain if spread < 10 else NullFormatter())
+    ax.set_xlabel(f"KV cache per token ({unit})")
+    ax.set_ylabel("perplexity (log scale, lower is better)")
+    ax.set_title("Sweep: quality vs KV-cache size, before any training")
+    ax.margins(x=0.15, y=0.15)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=9)
+    return plots._save(fig, out)
+
+
+def sensitivity_plot(record: dict, out: Path) -> Path | None:
+    """Layers x kv heads, per method: each layer's relative attention-output error after --refine on its
+    held-out calibration tokens (None without --refine)."""
+    refined = [r for r in record["candidates"] if r.get("refine")]
+    methods = [m for m in record["settings"]["methods"] if any(r["method"] == m for r in refined)]
+    if not methods:
+        return None
+    counts = sorted({r["groups"] for r in refined}, reverse=True)
+    layers = max(len(r["refine"]["layers"]) for r in refined)
+    grids = {m: [[float("nan")] * len(counts) for _ in range(layers)] for m in methods}
+    for r in refined:
+        for row in r["refine"]["layers"]:
+            grids[r["method"]][row["layer"]][counts.index(r["groups"])] = row["heldout_error_after"]
+    top = max(v for grid in grids.values() for line in grid for v in line if v == v) or 1.0
+    fig, axes = plt.subplots(
+        1,
+        len(methods),
+        figsize=(1.2 + 2.2 * len(methods) + 0.6 * len(counts) * len(methods), 1.6 + 0.42 * layers),
+        squeeze=False,
+    )
+    for ax, method in zip(axes[0], methods):
+        image = ax.imshow(grids[method], cmap="magma_r", vmin=0, vmax=top, aspect="auto")
+        for i, line in enumerate(grids[method]):
+            for j, value in enumerate(line):
+                if value == value:
+                    ax.text(
+                        j,
+                        i,
+                        f"{value:.3f}",
+                        ha="center",
+                        va="center",
+                        fontsize=8,
+                        color="white" if value > 0.6 * top else "black",
+                    )
+        ax.set_xticks(range(len(counts)), [str(c) for c in counts])
+        ax.set_yticks(range(layers), [str(i) for i in range(layers)])
+        ax.set_xlabel("kv heads")
+        ax.set_ylabel("layer")
+        ax.set_title(method)
+    fig.colorbar(image, ax=list(axes[0]), shrink=0.9, label="relative output error")
+    fig.suptitle("Per-layer attention-output error after --refine (held-out calibration tokens)", fontsize=10)
+    fig.savefig(out, dpi=plots.DPI, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+COLUMNS = (
+    ("candidate", lambda r, ctx: r["name"]),
+    ("kv heads", lambda r, ctx: str(r["groups"])),
+    ("method", lambda r, ctx: r["method"]),
+    ("perplexity", lambda r, ctx: f"{r['perplexity']:.2f}"),
+    ("Δ vs parent", lambda r, ctx: f"{100 * r['perplexity_change']:+.1f}%"),
+    ("KL(parent‖model)", lambda r, ctx: f"{r['kl_mean']:.4f}"),
+    ("top-1 agree", lambda r, ctx: f"{100 * r['top1_agreement']:.1f}%"),
+    ("KV / token", lambda r, ctx: fmt_bytes(r["kv_bytes_per_token"])),
+    (
+        "KV / sequence",
+        lambda r, ctx: DASH if r["kv_bytes_per_sequence"] is None else fmt_bytes(r["kv_bytes_per_sequence"]),
+    ),
+    ("KV saving", lambda r, ctx: f"{r['kv_saving']:g}×"),
+    ("convert s", lambda r, ctx: f"{r['convert_wall_s']:.1f}"),
+    ("convert peak RSS", lambda r, ctx: fmt_bytes(r["convert_peak_rss_bytes"])),
+    ("Pareto", lambda r, ctx: "★" if r["name"] in ctx else ""),
+)
+
+
+def table(record: dict) -> tuple[list[str], list[list[str]]]:
+    """Headers and cells: the parent first, then the candidates in the order they ran."""
+    front = pareto_front(_points(record))
+    parent = record["parent"]
+    at = f" @ {record['context']}" if record["context"] else ""  # the model's context, in tokens
+    headers = [h + (at if h == "KV / sequence" else "") for h, _ in COLUMNS]
+    first = [
+        "parent",
+        str(record["source"]["kv_heads"]),
+        "—",
+        f"{parent['perplexity']:.2f}",
+        DASH,
+        DASH,
+        DASH,
+        fmt_bytes(parent["kv_bytes_per_token"]),
+        DASH if parent["kv_bytes_per_sequence"] is None else fmt_bytes(parent["kv_bytes_per_sequence"]),
+        "1×",
+        DASH,
+        DASH,
+        "★" if "parent" in front else "",
+    ]
+    return headers, [first] + [[cell(r, front) for _, cell in COLUMNS] for r in record["candidates"]]
+
+
+def _status(record: dict) -> str:
+    done, planned = len(record["candidates"]), len(record["planned"])
+    if record["interrupted"]:
+        return f"Interrupted: {done} of {planned} candidates finished (the rest did not run)."
+    return f"{done} candidate{'' if done == 1 else 's'} in {record['wall_s']:.0f} s."
+
+
+def _settings_line(record: dict) -> str:
+    s = record["settings"]
+    calibration = record.get("calibration") or {}
+    return (
+        f"Source `{record['source']['path']}` ({record['source']['model_type']}, {record['source']['kv_heads']} kv "
+        f"heads); methods {', '.join(s['methods'])}; calibration {calibration.get('tokens', s['calibration_tokens']):,} "
+        f"tokens (gathered once); eval data `{s['data']}`"
+        + (f", at most {s['max_tokens']:,} tokens" if s["max_tokens"] else "")
+        + ("; refined (--refine)" if s["refine"] else "")
+        + f"; tolerance {100 * s['tolerance']:g}%."
+    )
+
+
+def write_pages(record: dict, out: Path) -> dict[str, Path]:
+    """sweep.md, sweep.html and the PNGs beside them; returns what was written."""
+    drawn = {}
+    if record["parent"] is not None and record["candidates"]:
+        drawn["quality_vs_kv"] = quality_plot(record, out / QUALITY_PNG)
+        heat = sensitivity_plot(record, out / SENSITIVITY_PNG)
+        if heat:
+            drawn["layer_sensitivity"] = heat
+    headers, rows = table(record) if record["parent"] is not None else ([], [])
+    found = record.get("recommendation") or {}
+    line, next_command = found.get("summary", ""), found.get("next")
+    md = ["# mha2gqa sweep", "", _settings_line(record), "", _status(record), "", f"**{line}**", ""]
+    md += ["```bash", next_command, "```", ""] if next_command else []
+    if rows:
+        md += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        md += ["| " + " | ".join(r) + " |" for r in rows]
+    md += [""] + [f"![{name}]({path.name})" for name, path in drawn.items()]
+    esc = html.escape
+    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)
+    images = "".join(
+        f'<figure><img alt="{esc(n)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></figure>'
+        for n, p in drawn.items()
+    )
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>mha2gqa sweep</title><style>{CSS}</style></head>"
+        f"<body><h1>mha2gqa sweep</h1><p>{esc(_settings_line(record))}</p><p>{esc(_status(record))}</p>"
+        f"<p><b>{esc(line)}</b></p>"
+        + (f"<pre style='white-space:pre-wrap'><code>{esc(next_command)}</code></pre>" if next_command else "")
+        + f"<table><tr>{''.join(f'<th>{esc(h)}</th>' for h in headers)}</tr>{body}</table>"
+        f"{images}</body></html>\n"
+    )
+    written = {"markdown": out / "sweep.md", "html": out / "sweep.html"}
+    written["markdown"].write_text("\n".join(md) + "\n")
+    written["html"].write_text(page)
+    return {**written, **drawn}

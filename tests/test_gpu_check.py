@@ -1,0 +1,219 @@
+"""bench/gpu_check.py, the one command a lent GPU runs, at its --smoke size on CPU: every part runs in its own
+process, what needs CUDA is skipped with the reason, a failing part is recorded with its traceback and the
+later parts still run; and the wheel commands for the GPU machine. (The GPU numbers are still owed.)"""
+
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_check  # noqa: E402
+
+
+def finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One --smoke run with part 2 made to fail (its own code has test_bench_smoke.py's test)."""
+    out = tmp_path_factory.mktemp("gpu-check")
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--smoke", "--out", str(out), "--fail", "uptrain_gpu"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+    )
+    record = json.loads((out / "gpu_check.json").read_text())
+    return done, record, out
+
+
+def test_every_part_runs_in_order_and_the_failing_one_is_recorded(smoke):
+    done, record, out = smoke
+    assert done.returncode == 1, (done.stdout + done.stderr)[-3000:]  # one part failed
+    parts = {p["name"]: p for p in record["parts"]}
+    assert list(parts) == ["eval_gpu", "uptrain_gpu", "convert_refine", "fsdp", "qlora"]
+    assert [p["status"] for p in record["parts"]] == ["ok", "failed", "ok", "ok", "ok"], record["parts"]
+    failed = parts["uptrain_gpu"]
+    assert failed["error"] == "RuntimeError: deliberate failure of part uptrain_gpu (--fail uptrain_gpu)"
+    assert failed["traceback"].startswith("Traceback (most recent call last)")
+    assert "RuntimeError: deliberate failure" in failed["traceback"] and failed["result"] is None
+    for part in record["parts"]:
+        assert part["estimate_s"] > 0 and part["limit_s"] == 300 and finite(part["seconds"]) and finite(part["cpu_s"])
+    # the estimate of each part is printed before it starts, in order
+    starts = [done.stdout.index(f"[{i}] {name}:") for i, name in enumerate(parts, 1)]
+    assert starts == sorted(starts)
+    assert re.search(r"\[3\] convert_refine: .* \(estimate \d+ s, limit 300 s\)", done.stdout)
+    assert record["smoke"] is True and record["budget_s"] is None and record["machine"]["gpu"] is None
+    table = (out / "gpu_check.md").read_text()
+    assert "| uptrain_gpu | status | failed |" in table and "| fsdp | status | ok |" in table
+    assert re.search(r"^\| qlora \| part\.seconds \| [\d.]+ \|$", table, re.MULTILINE)
+    assert "| convert_refine | stages.calibration.seconds |" in table
+    assert "==== qlora:" in (out / "gpu_check.log").read_text()
+
+
+def test_what_needs_cuda_is_skipped_with_the_reason(smoke):
+    _, record, _ = smoke
+    skipped = {p["name"]: {s["what"]: s["reason"] for s in p["skipped"]} for p in record["parts"]}
+    assert skipped["eval_gpu"] == {"CUDA graphs": "need CUDA: on CPU the graph rows time a plain StaticCache decode"}
+    assert skipped["convert_refine"] == {"CUDA vs CPU refined weights": "needs CUDA"}
+    assert (
+        list(skipped["qlora"]) == ["load_in_4bit (QLoRA)"]
+        and "bitsandbytes" in skipped["qlora"]["load_in_4bit (QLoRA)"]
+    )
+    assert skipped["fsdp"] == {}
+
+
+def test_eval_part_measures_mha_gqa_and_mqa(smoke):
+    _, record, out = smoke
+    result = next(p for p in record["parts"] if p["name"] == "eval_gpu")["result"]
+    assert result["preset"] == "cpu-tiny"
+    assert [v["kv_heads"] for v in result["variants"]] == [8, 2, 1]
+    mha, gqa, mqa = (v["kv_cache"] for v in result["variants"])
+    assert mha["match"] and gqa["match"] and mqa["match"]
+    assert mha["measured_bytes_per_token"] == 4 * gqa["measured_bytes_per_token"] == 8 * mqa["measured_bytes_per_token"]
+    for variant in result["variants"]:
+        assert [p["batch"] for p in variant["points"]] == [1, 2]
+        for point in variant["points"]:
+            assert point["eager"]["tokens_per_s"] > 0
+            assert point["graph"].get("tokens_per_s", 0) > 0 and point["graph"]["cuda_graph"] is False
+    assert set(result["ratio_at_largest_batch"]) == {"eager", "graph"}
+    log = (out / "gpu_check.log").read_text()
+    assert len(re.findall(r"^\| [12] \| ", log, re.MULTILINE)) == 2  # eval_gpu's table: one row per batch
+
+
+def test_convert_part_times_each_stage(smoke):
+    _, record, _ = smoke
+    result = next(p for p in record["parts"] if p["name"] == "convert_refine")["result"]
+    assert result["kv_heads"] == "8 -> 2" and result["calibration_tokens"] == 2048 and result["refine_device"] == "cpu"
+    stages = result["stages"]
+    assert list(stages) == ["calibration", "merge", "merge+refine", "refine"]
+    for stage in stages.values():
+        assert stage["seconds"] > 0 and stage["peak_memory_bytes"] > 0
+    assert stages["refine"]["seconds"] <= stages["merge+refine"]["seconds"]
+    assert result["user_total_s"] == pytest.approx(stages["calibration"]["seconds"] + stages["merge+refine"]["seconds"])
+    assert 0 < result["heldout_error_after_mean"] <= result["heldout_error_before_mean"]  # refine keeps only gains
+
+
+def test_fsdp_part_checks_the_final_checkpoint_and_the_resume(smoke):
+    _, record, _ = smoke
+    result = next(p for p in record["parts"] if p["name"] == "fsdp")["result"]
+    assert result["checkpoint_format"] == "safetensors"  # on CPU accelerate runs the FSDP config without FSDP
+    assert not any(result["loading_problems"].values())
+    assert result["final_vs_trained"]["equal"] and result["final_vs_trained"]["tensors"] > 0
+    assert not result["final_vs_step1"]["equal"] and result["final_vs_step1"]["max_abs_diff"] > 0
+    assert result["resumed_vs_uninterrupted"]["equal"]  # exact on CPU
+    losses = result["loss_steps_4_5"]
+    assert losses["resumed"] == losses["uninterrupted"] and all(finite(x) for x in losses["resumed"])
+
+
+def test_qlora_part_merges_into_a_plain_checkpoint(smoke):
+    _, record, _ = smoke
+    result = next(p for p in record["parts"] if p["name"] == "qlora")["result"]
+    assert not any(result["loading_problems"].values()) and result["all_finite"]
+    assert result["quantization_config_left"] is False and result["saved_dtype"] == "float32"
+    assert result["changed_tensors"] == 6 * 4 and result["changed_outside_attention"] == []  # q, k, v, o of 6 layers
+    assert result["adapter"]["method"] == "lora" and result["adapter"]["merged"] is True
+    assert finite(result["final_eval_loss"])
+
+
+def test_a_part_past_its_limit_is_ended(tmp_path):
+    started = time.perf_counter()
+    with (tmp_path / "log").open("w") as log:
+        code, output = gpu_check.run_logged(
+            [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"], None, 2, log, "sleep"
+        )
+    assert code is None and "started" in output and time.perf_counter() - started < 20
+
+
+def test_limits_leave_room_for_the_later_parts():
+    eval_part, *later = gpu_check.PARTS
+    reserve = sum(p.estimate_s for p in later)
+    assert gpu_check.part_limit(eval_part, False, 480, reserve) == min(eval_part.limit_s, 480 - reserve)
+    assert gpu_check.part_limit(eval_part, False, 100, reserve) == eval_part.estimate_s  # not below its estimate
+    assert gpu_check.part_limit(eval_part, False, 30, reserve) == 30  # nor past the budget's end
+    assert gpu_check.part_limit(eval_part, True, None, reserve) == 300
+    assert sum(p.estimate_s for p in gpu_check.PARTS) < gpu_check.BUDGET_S  # the whole check fits 8 minutes
+
+
+def test_bad_parts_are_one_error_line(capsys):
+    assert gpu_check.main(["--smoke", "--parts", "2,sixth"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "Error: --parts 2,sixth: 'sixth' is not a part (1-5 or eval_gpu, uptrain_gpu, convert_refine, fsdp, qlora)\n"
+    )
+
+
+def test_wheel_commands_name_what_the_gpu_machine_lacks(capsys):
+    assert gpu_check.main(["--wheels", "bench/wheels"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#")]
+    assert len(lines) == 2
+    download = lines[0].split()
+    assert download[:4] == ["python3", "-m", "pip", "download"]
+    assert "--no-deps" in download and download[download.index("--python-version") + 1] == "3.12"
+    assert download[download.index("-d") + 1] == "bench/wheels"
+    assert {p for i, p in enumerate(download) if download[i - 1] == "--platform"} >= {"manylinux_2_28_x86_64"}
+    pins = dict(arg.split("==") for arg in download if "==" in arg)
+    constraints = gpu_check.constraint_pins()
+    assert set(pins) == {"datasets", "dill", "multiprocess", "fsspec", "bitsandbytes"}
+    assert all(pins[name] == constraints[name] for name in ("datasets", "dill", "multiprocess", "fsspec"))
+    assert lines[1] == "python3 bench/gpu_check.py --slim-wheels bench/wheels"
+
+
+def test_slimming_keeps_the_cuda13_library_and_a_matching_record(tmp_path):
+    wheel = tmp_path / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
+    names = [
+        "bitsandbytes/__init__.py",
+        "bitsandbytes/libbitsandbytes_cuda130.so",
+        "bitsandbytes/libbitsandbytes_cuda118.so",
+    ]
+    record = "".join(f"{n},sha256=x,1\n" for n in names) + "bitsandbytes-0.50.2.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name in names:
+            z.writestr(name, b"x" * 1000)
+        z.writestr("bitsandbytes-0.50.2.dist-info/RECORD", record)
+    (line,) = gpu_check.slim_wheels(tmp_path)
+    assert line.startswith(wheel.name) and line.endswith("(1 libraries dropped)")
+    with zipfile.ZipFile(wheel) as z:
+        assert "bitsandbytes/libbitsandbytes_cuda118.so" not in z.namelist()
+        assert "bitsandbytes/libbitsandbytes_cuda130.so" in z.namelist()
+        rows = z.read("bitsandbytes-0.50.2.dist-info/RECORD").decode().splitlines()
+    assert [r.split(",")[0] for r in rows] == [names[0], names[1], "bitsandbytes-0.50.2.dist-info/RECORD"]
+
+
+def fake_wheel(folder: Path, name: str, version: str, module: str = "") -> Path:
+    """A minimal pure-Python wheel (what pip needs: WHEEL, METADATA, RECORD)."""
+    info = f"{name}-{version}.dist-info"
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(f"{name}/__init__.py", module)
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{info}/RECORD", f"{name}/__init__.py,,\n{info}/WHEEL,,\n{info}/METADATA,,\n{info}/RECORD,,\n")
+    return wheel
+
+
+def test_carried_wheels_are_installed_for_the_parts(tmp_path):
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    fake_wheel(folder, "gpucheckprobe", "1.0", "VALUE = 42\n")
+    fake_wheel(folder, "pytest", pytest.__version__)  # installed at that version already: left alone
+    site, installed = gpu_check.install_wheels(tmp_path, folder)
+    assert site == tmp_path / "site" and installed == ["gpucheckprobe-1.0-py3-none-any.whl"]
+    env = gpu_check.child_env(site, tmp_path)
+    assert env["PYTHONPATH"].split(":")[:2] == [str(site), str(ROOT)] and env["HF_HUB_OFFLINE"] == "1"
+    done = subprocess.run(
+        [sys.executable, "-c", "import gpucheckprobe, mha2gqa; print(gpucheckprobe.VALUE, mha2gqa.__file__)"],
+        env=env, capture_output=True, text=True, cwd=tmp_path, check=True,
+    )  # fmt: skip
+    assert done.stdout.split() == ["42", str(ROOT / "mha2gqa" / "__init__.py")]
+    assert gpu_check.install_wheels(tmp_path, tmp_path / "none") == (None, [])

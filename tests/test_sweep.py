@@ -1,0 +1,272 @@
+"""`mha2gqa sweep`: its numbers are those of separate convert + eval runs, the calibration pass runs once,
+bad input is refused before anything runs, and an interrupted sweep keeps its finished rows only."""
+
+import json
+from pathlib import Path
+
+import pytest
+from fault_helpers import assert_refused, cli, tree_digest
+from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+
+import mha2gqa.convert.calibration as calibration_module
+import mha2gqa.eval.run as eval_run
+from mha2gqa.convert.options import RefineOptions
+from mha2gqa.eval.report import write_report
+from mha2gqa.eval.schema import load_results
+from mha2gqa.sweep import SweepOptions, sweep
+from mha2gqa.sweep import run as sweep_run
+from mha2gqa.sweep.render import pareto_front
+
+CAL_TOKENS, EVAL_TOKENS = 600, 300
+# 4 kv heads: the default candidates are 2 and 1 kv heads x mean, calibrated
+SHAPE = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    src = root / "src"
+    save_tiny_model(src, "llama", **SHAPE)
+    make_tiny_tokenizer(src)
+    (root / "cal.txt").write_text(SAMPLE_TEXT * 8)
+    (root / "eval.txt").write_text(SAMPLE_TEXT.upper() * 4)
+    return root
+
+
+def _sweep_args(tiny, out, *extra):
+    return [
+        "sweep",
+        tiny / "src",
+        "--calibration",
+        tiny / "cal.txt",
+        "--data",
+        tiny / "eval.txt",
+        "--out",
+        out,
+        "--calibration-tokens",
+        CAL_TOKENS,
+        "--max-tokens",
+        EVAL_TOKENS,
+        "--quiet",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def swept(tiny, tmp_path_factory):
+    """One kept sweep, with every calibration forward of the parent and every evaluate() call counted."""
+    out = tmp_path_factory.mktemp("swept") / "s"
+    counts = {"calibrate": 0, "forwards": 0, "evaluate": []}
+    mp = pytest.MonkeyPatch()
+    load, calibrate, evaluate = (
+        calibration_module.load_source_model,
+        calibration_module.calibrate,
+        eval_run.evaluate,
+    )
+
+    def counted_load(model_dir, *args, **kwargs):
+        model = load(model_dir, *args, **kwargs)
+        if Path(model_dir) == tiny / "src":
+            model.base_model.register_forward_hook(lambda *_: counts.__setitem__("forwards", counts["forwards"] + 1))
+        return model
+
+    def counted_calibrate(*args, **kwargs):
+        counts["calibrate"] += 1
+        return calibrate(*args, **kwargs)
+
+    def counted_evaluate(model_path, *args, **kwargs):
+        counts["evaluate"].append(Path(model_path).name)
+        return evaluate(model_path, *args, **kwargs)
+
+    mp.setattr(calibration_module, "load_source_model", counted_load)
+    mp.setattr(calibration_module, "calibrate", counted_calibrate)
+    mp.setattr(eval_run, "evaluate", counted_evaluate)
+    try:
+        result = cli(*_sweep_args(tiny, out, "--keep"))
+    finally:
+        mp.undo()
+    assert result.exit_code == 0, (result.output, result.exception)
+    return out, json.loads((out / "sweep.json").read_text()), counts, result
+
+
+def test_sweep_runs_every_candidate_and_writes_its_pages(swept):
+    out, record, _, result = swept
+    assert [r["name"] for r in record["candidates"]] == ["kv2-mean", "kv2-calibrated", "kv1-mean", "kv1-calibrated"]
+    assert record["interrupted"] is False and record["source"]["kv_heads"] == 4
+    parent = record["parent"]
+    assert parent["kv_bytes_per_token"] == 2 * 2 * 4 * 8 * 4  # 2 (K,V) x layers x kv heads x head_dim x fp32
+    assert parent["kv_bytes_per_sequence"] == parent["kv_bytes_per_token"] * 256  # max_position_embeddings
+    for row in record["candidates"]:
+        assert row["kv_bytes_per_token"] == parent["kv_bytes_per_token"] * row["groups"] // 4
+        assert row["kv_saving"] == 4 / row["groups"]
+        assert row["convert_wall_s"] > 0 and row["convert_peak_rss_bytes"] > 1 << 20
+        assert row["perplexity_change"] == pytest.approx(row["perplexity"] / parent["perplexity"] - 1)
+        assert Path(row["model"]) == out / "models" / row["name"] and (Path(row["model"]) / "config.json").is_file()
+    assert record["recommendation"]["line"] in result.output
+    for name in ("sweep.md", "sweep.html", "sweep_quality_vs_kv.png"):
+        assert (out / name).stat().st_size > 500
+    md = (out / "sweep.md").read_text()
+    assert "| kv1-calibrated | 1 | calibrated |" in md and "![quality_vs_kv](sweep_quality_vs_kv.png)" in md
+    assert "data:image/png;base64," in (out / "sweep.html").read_text()
+    assert not list(out.glob(".sweep-*")), "the work directory is removed"
+
+
+def test_calibration_runs_once_and_the_parent_is_evaluated_once(swept):
+    _, record, counts, _ = swept
+    assert counts["calibrate"] == 1
+    # one pass over the calibration tokens: 600 tokens in blocks of 256 -> 2 full blocks (one batch) + a short one
+    assert record["calibration"]["tokens"] == CAL_TOKENS and record["calibration"]["passes"] == 1
+    assert counts["forwards"] == 2
+    assert counts["evaluate"] == ["src", "kv2-mean", "kv2-calibrated", "kv1-mean", "kv1-calibrated"]
+
+
+def test_numbers_equal_separate_convert_and_eval_runs(swept, tiny, tmp_path):
+    out, record, _, _ = swept
+    parent_json = tmp_path / "parent.json"
+    common = ["--data", tiny / "eval.txt", "--max-tokens", EVAL_TOKENS, "--speed", "off", "--quiet"]
+    assert cli("eval", tiny / "src", *common, "--out", parent_json).exit_code == 0
+    parent = json.loads(parent_json.read_text())
+    assert record["parent"]["perplexity"] == parent["perplexity"]["perplexity"]
+    for row in record["candidates"]:
+        dst = tmp_path / row["name"]
+        made = cli(
+            "convert", tiny / "src", dst, "--groups", row["groups"], "--method", row["method"],
+            "--calibration", tiny / "cal.txt", "--calibration-tokens", CAL_TOKENS, "--quiet",
+        )  # fmt: skip
+        assert made.exit_code == 0, made.output
+        assert (dst / "model.safetensors").read_bytes() == (
+            out / "models" / row["name"] / "model.safetensors"
+        ).read_bytes()
+        result_json = tmp_path / f"{row['name']}.json"
+        assert cli("eval", dst, *common, "--reference", tiny / "src", "--out", result_json).exit_code == 0
+        alone = json.loads(result_json.read_text())
+        assert row["perplexity"] == alone["perplexity"]["perplexity"]
+        assert row["kl_mean"] == alone["agreement"]["kl_mean"]
+        assert row["top1_agreement"] == alone["agreement"]["top1_agreement"]
+        assert row["kv_bytes_per_token"] == alone["kv_cache"]["measured_bytes_per_token"]
+
+
+def test_report_accepts_a_sweep_json_beside_eval_results(swept, tmp_path):
+    out, record, _, _ = swept
+    results = load_results(out / "sweep.json")
+    assert [r["label"] for r in results] == ["parent"] + [r["name"] for r in record["candidates"]]
+    written = write_report([out / "sweep.json"], tmp_path / "report")
+    rows = json.loads(written["json"].read_text())["rows"]
+    assert [r["kv_heads"] for r in rows] == [4, 2, 2, 1, 1]
+    assert rows[3]["perplexity"] == record["candidates"][2]["perplexity"]
+
+
+@pytest.mark.parametrize(
+    "extra, fragments",
+    [
+        (["--groups", "4,8"], ["--groups 4,8 leaves no kv-head count", "valid: 1, 2"]),
+        (["--methods", "mean,bogus"], ["--methods 'bogus' is unknown", "calibrated"]),
+        (["--tolerance", "0"], ["--tolerance 0 must be between 0 and 10"]),
+        (["--tolerance", "10"], ["--tolerance 10 must be between 0 and 10"]),
+        (["--tolerance", "-0.5"], ["--tolerance -0.5 must be between 0 and 10"]),
+    ],
+)
+def test_bad_input_is_refused_in_one_line_before_anything_runs(tiny, tmp_path, extra, fragments):
+    before = tree_digest(tiny)
+    out = tmp_path / "out"
+    assert_refused(cli(*_sweep_args(tiny, out, *extra)), *fragments)
+    assert not out.exists() and tree_digest(tiny) == before
+
+
+def test_a_missing_eval_text_and_too_little_room_are_refused_up_front(tiny, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    args = _sweep_args(tiny, out)
+    args[args.index("--data") + 1] = tmp_path / "missing.txt"
+    assert_refused(cli(*args), "missing.txt")
+    monkeypatch.setattr(sweep_run.shutil, "disk_usage", lambda _: type("U", (), {"free": 1000})())
+    assert_refused(cli(*_sweep_args(tiny, out)), f"--out {out} needs", "MiB free")
+    assert not out.exists()
+
+
+def test_an_interrupted_sweep_keeps_its_finished_rows_and_no_temporary_model(tiny, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    seen = []
+    evaluate = eval_run.evaluate
+
+    def interrupt_at_the_second_candidate(model_path, *args, **kwargs):
+        seen.append(Path(model_path))
+        if len(seen) == 3:  # the parent, candidate 1, then candidate 2 (converted, on disk, under evaluation)
+            assert (Path(model_path) / "model.safetensors").is_file()
+            raise KeyboardInterrupt
+        return evaluate(model_path, *args, **kwargs)
+
+    monkeypatch.setattr(eval_run, "evaluate", interrupt_at_the_second_candidate)
+    result = cli(*_sweep_args(tiny, out))
+    assert result.exit_code == 130, result.output
+    assert "keeps the 1 of 4 candidates that finished" in result.output
+    record = json.loads((out / "sweep.json").read_text())
+    assert record["interrupted"] is True and [r["name"] for r in record["candidates"]] == ["kv2-mean"]
+    assert "Interrupted: 1 of 4" in (out / "sweep.md").read_text()
+    assert not seen[2].exists() and not list(out.glob(".sweep-*")) and not (out / "models").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["sweep.html", "sweep.json", "sweep.md", "sweep_quality_vs_kv.png"]
+
+
+def test_a_sweep_interrupted_before_any_candidate_leaves_nothing(tiny, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+
+    def interrupt(*_args, **_kwargs):
+        assert any(out.glob(".sweep-*"))  # the work directory exists while the parent is evaluated
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_run, "evaluate", interrupt)
+    result = cli(*_sweep_args(tiny, out))
+    assert result.exit_code == 130 and "nothing written" in result.output
+    assert not out.exists()
+
+
+def test_refine_adds_the_per_layer_sensitivity_heat_map(tiny, tmp_path):
+    out = tmp_path / "out"
+    options = SweepOptions(
+        calibration=str(tiny / "cal.txt"),
+        data=str(tiny / "eval.txt"),
+        out=str(out),
+        groups=(1,),
+        methods=("mean",),
+        refine=RefineOptions(steps=3),  # a few Adam steps: the errors and the map are what is tested
+        max_tokens=EVAL_TOKENS,
+        calibration_tokens=CAL_TOKENS,
+        progress=False,
+    )
+    record = sweep(tiny / "src", options, echo=lambda _: None)
+    (row,) = record["candidates"]
+    assert row["refine"]["options"]["steps"] == 3
+    assert [layer["layer"] for layer in row["refine"]["layers"]] == [0, 1]
+    assert (out / "sweep_layer_sensitivity.png").stat().st_size > 1000
+    assert "![layer_sensitivity](sweep_layer_sensitivity.png)" in (out / "sweep.md").read_text()
+
+
+def _row(name, groups, method, ppl, kv):
+    return {"name": name, "groups": groups, "method": method, "perplexity": ppl, "perplexity_change": ppl / 100 - 1,
+            "kv_bytes_per_token": kv, "kv_saving": 1024 / kv, "model": None}  # fmt: skip
+
+
+def test_recommendation_is_the_smallest_cache_within_tolerance_or_the_next_command():
+    settings = {"methods": ["mean", "calibrated"], "tolerance": 0.05, "calibration": "austen",
+                "calibration_tokens": 4096, "seed": 0, "refine": None, "data": "held.txt"}  # fmt: skip
+    rows = [
+        _row("kv4-mean", 4, "mean", 104, 512),
+        _row("kv2-mean", 2, "mean", 110, 256),
+        _row("kv4-calibrated", 4, "calibrated", 101, 512),
+        _row("kv2-calibrated", 2, "calibrated", 104.9, 256),
+    ]
+    record = {"settings": settings, "parent": {"perplexity": 100.0}, "candidates": rows, "source": {"path": "m"}}
+    found = sweep_run.recommend(record)
+    assert found["per_method"] == {"mean": "kv4-mean", "calibrated": "kv2-calibrated"} and found["next"] is None
+    record["settings"] = {**settings, "tolerance": 0.005}
+    found = sweep_run.recommend(record)
+    assert found["per_method"] == {"mean": None, "calibrated": None}
+    assert found["next"].startswith(
+        "mha2gqa convert m kv4-calibrated --groups 4 --method calibrated --calibration austen"
+    )
+    assert "mha2gqa uptrain --recipe" in found["next"] and "model=kv4-calibrated" in found["next"]
+    assert found["line"] == f"{found['summary']}: {found['next']}" and "\n" not in found["line"]
+
+
+def test_pareto_front_keeps_only_points_nothing_beats_on_both_axes():
+    points = [(8, 10.0, "parent"), (4, 12.0, "a"), (4, 11.0, "b"), (2, 20.0, "c"), (2, 25.0, "d"), (1, 30.0, "e")]
+    assert pareto_front(points) == ["parent", "b", "c", "e"]

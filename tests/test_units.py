@@ -1,0 +1,39 @@
+"""The shared small helpers: byte formatting and the first line of an error."""
+
+from mha2gqa.convert.run import parse_size
+from mha2gqa.errors import first_line
+from mha2gqa.units import byte_unit, format_bytes, format_size
+
+
+def test_format_bytes_terminal_and_report_styles():
+    assert [format_bytes(n) for n in (0, 1023, 1024, 3 * 2**20 + 2**19, 5 * 2**40, 2**50)] == [
+        "0 B",
+        "1023 B",
+        "1.00 KiB",
+        "3.50 MiB",
+        "5.00 TiB",
+        "1024.00 TiB",
+    ]
+    assert format_bytes(-2048) == "-2.00 KiB"
+    # the report and card style: one decimal, nothing above MiB
+    assert [format_bytes(n, 1, "MiB") for n in (512, 12288, 3 * 2**30)] == ["512 B", "12.0 KiB", "3072.0 MiB"]
+    assert byte_unit(3 * 2**20, largest="KiB") == (1024, "KiB")
+    assert byte_unit(1000) == (1, "B")
+
+
+def test_first_line_of_an_error():
+    assert first_line(ValueError("  bad value\nTraceback lines\n")) == "bad value"
+    assert first_line(ValueError("x" * 300), 160) == "x" * 160
+    assert first_line(OSError(), default="OSError") == "OSError"
+    assert first_line(KeyError("")) == "''"
+
+
+def test_format_size_is_read_back_by_parse_size():
+    assert [format_size(n) for n in (4 << 30, 512 << 20, 1536, 1000, 3 << 40)] == [
+        "4GiB",
+        "512MiB",
+        "1536",
+        "1000",
+        "3TiB",
+    ]
+    assert all(parse_size(format_size(n)) == n for n in (4 << 30, 1, 1536, 5 * 10**9, 7 << 20))
