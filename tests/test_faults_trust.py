@@ -660,7 +660,7 @@ def test_report_refuses_hostile_metrics(evaluated, tmp_path, tmpdir_env, fault, 
 def test_a_model_name_matplotlib_would_read_as_mathtext_is_drawn_as_text(evaluated, tmp_path):
     named = tmp_path / "named.json"
     data = json.loads(evaluated["result"].read_text())
-    data["label"] = r"$\frac{x"
+    data["label"] = r"$\frac{x$ (gqa)"
     named.write_text(json.dumps(data))
     result = cli("report", named, "--out", tmp_path / "rep")
     assert result.exit_code == 0, result.output
