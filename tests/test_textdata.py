@@ -309,4 +309,6 @@ def test_python_api_takes_paths_and_lists_for_calibration(tmp_path):
         embedded.model_dir(), tmp_path / "out", groups=4, calibration=novels, calibration_tokens=128, progress=False
     )
     assert result.dst == tmp_path / "out"
-    assert json.dumps(json.loads((tmp_path / "out" / "mha2gqa.json").read_text())).count(str(novels[1])) == 1
+    conversion = json.loads((tmp_path / "out" / "mha2gqa.json").read_text())["lineage"][-1]
+    assert conversion["calibration"]["data"] == [str(p) for p in novels]  # Paths recorded as text
+    assert f"--calibration {novels[0]} --calibration {novels[1]} " in conversion["command"]

@@ -81,8 +81,9 @@ class _Group(click.Group):
     "--threads",
     metavar="N",
     default=None,
-    help="CPU threads for torch (also MHA2GQA_THREADS=N). Default: 1 for demo and reproduce (the small "
-    "embedded model), torch's one per core otherwise; OMP_NUM_THREADS, when set, is kept.",
+    help="CPU threads for torch (also MHA2GQA_THREADS=N). Default: 1 for demo, reproduce, and eval and "
+    "uptrain of a local model under 1 GiB (faster on small models, above all on a busy machine); torch's "
+    "one per core otherwise; OMP_NUM_THREADS, when set, is kept.",
 )
 def main(threads):
     """Convert multi-head attention (MHA) checkpoints to grouped-query (GQA) or multi-query (MQA)

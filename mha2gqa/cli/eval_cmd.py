@@ -81,7 +81,10 @@ def eval_command(model, quiet, out, **options):
 
     Example: mha2gqa eval ./llama-gqa8 --data held_out.txt --reference ./llama --out gqa8.json
     """
+    from mha2gqa import threads
     from mha2gqa.eval.run import evaluate
+
+    threads.apply(threads.for_model(model))
 
     result = evaluate(model, options=EvalOptions(**options, out=out, progress=not quiet))
     click.echo(summary(result), err=out is None)

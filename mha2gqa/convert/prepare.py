@@ -118,15 +118,17 @@ class ConversionPlan:
             words += ["--dtype", o.dtype]
         if parse_size(o.max_shard_size) != parse_size(ConvertOptions.max_shard_size):
             words += ["--max-shard-size", str(o.max_shard_size)]
-        if o.calibration is not None:
-            for entry in [o.calibration] if isinstance(o.calibration, (str, Path)) else o.calibration:
+        data, tokens = o.calibration, o.calibration_tokens
+        if data is None and self.stats is not None:  # a sweep's statistics: their data and tokens make the same ones
+            data, tokens = self.stats.record.get("data"), self.stats.tokens
+        if data is not None:
+            entries = [data] if isinstance(data, (str, Path)) else [str(entry) for entry in data]
+            if entries == expand_corpus_name(CORPUS_NAME):
+                entries = [CORPUS_NAME]
+            for entry in entries:
                 words += ["--calibration", str(entry)]
-            words += ["--calibration-tokens", str(o.calibration_tokens)]
+            words += ["--calibration-tokens", str(tokens)]
         notes = []
-        if self.stats is not None:
-            notes.append(
-                f"statistics passed in Python ({self.stats.record.get('tokens')} tokens of {_data_words(self.stats.record.get('data'))})"
-            )
         if o.refine is not None:
             r, default = o.refine, RefineOptions()
             words += ["--refine", "--refine-steps", str(r.steps), "--refine-lr", repr(r.lr)]
