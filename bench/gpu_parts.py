@@ -136,7 +136,7 @@ def convert_refine(work: Path, smoke: bool, skipped: list[dict]) -> dict:
             source, layout_for(config), attention_shape(config), text, tokens, work / "stats", progress=False
         )
     )
-    options = dict(groups=groups, method="calibrated", calibration=stats, progress=False)
+    options = dict(groups=groups, method="calibrated", stats=stats, progress=False)
     _, stages["merge"] = timed(lambda: convert(source, work / "merged", **options))
     shutil.rmtree(work / "merged")
     refined, stages["merge+refine"] = timed(lambda: convert(source, work / "refined", refine=refine, **options))

@@ -47,7 +47,7 @@ def test_evaluate_with_reference_writes_a_complete_result(models, tmp_path):
     assert (
         r["model"]["kv_heads"] == 2
         and r["model"]["heads"] == 8
-        and r["model"]["provenance"] == {"conversion": {"groups": 2}}
+        and r["model"]["provenance"] == {"conversion": {"groups": 2, "source": str(models["parent"])}}
     )
     assert r["model"]["params"] > 0 and r["model"]["dtype"] == "float32"
     assert r["data"]["tokens"] > 100 and len(r["data"]["ids_sha256"]) == 64

@@ -38,11 +38,11 @@ class Plan:
     def output_tensors(self) -> list[OutputTensor]:
         return [out for step in self.steps for out in step.outputs]
 
-    def copies(self, tensors: dict[str, TensorInfo]) -> dict[str, int]:
-        """Output name -> source byte offset of every tensor that passes through byte for byte (no cast, no
+    def copies(self, tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+        """Output name -> source tensor of every tensor that passes through byte for byte (no cast, no
         transpose): what the executors copy file to file (ShardedWriter aligns the shards to them)."""
         return {
-            step.outputs[0].name: tensors[step.sources["tensor"]].start
+            step.outputs[0].name: tensors[step.sources["tensor"]]
             for step in self.steps
             if not step.is_transform
             and not step.transpose

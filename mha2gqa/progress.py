@@ -1,0 +1,29 @@
+"""Progress bars that cost nothing when they are off. tqdm is imported only for a bar that is shown, and
+then its plain terminal class unless IPython is running (tqdm.auto also imports asyncio for its async
+variant, and tqdm itself importlib.metadata: together about a tenth of a second of a conversion's start-up,
+more than copying a few hundred MB takes)."""
+
+from __future__ import annotations
+
+import sys
+
+
+class _Off:
+    """What a disabled bar is asked to do, done as nothing."""
+
+    def update(self, n: float = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: float, desc: str, enabled: bool, **kwargs):
+    """tqdm(total=..., desc=..., **kwargs) when `enabled`, else an object whose update and close do nothing."""
+    if not enabled:
+        return _Off()
+    if "IPython" in sys.modules:  # a notebook: tqdm.auto picks its widget bar
+        from tqdm.auto import tqdm
+    else:
+        from tqdm.std import tqdm
+    return tqdm(total=total, desc=desc, **kwargs)
