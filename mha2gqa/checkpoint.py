@@ -8,10 +8,9 @@ is transformed is read alone into memory it owns. Memory stays flat whatever the
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import fcntl
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mha2gqa.errors import InputError, is_user_fault, user_file_error
+from mha2gqa.reading import open_regular, parse_json, read_exactly, read_json, short_read
+from mha2gqa.writing import check_room, swap_in
 
 if TYPE_CHECKING:  # annotations only: reading headers must not import torch
     import torch
@@ -75,6 +76,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 _COPY_CHUNK = 64 << 20  # bytes per copy_file_range call: bounded kernel work per step
 # copy_file_range on ext4 (a 0.4 GB shard, page cache warm) took 0.10 s when source and destination sat
 # at the same offset within a page and 0.24 s otherwise; shard headers are padded to match (_page_phase).
@@ -97,24 +99,28 @@ class TensorInfo:
         return self.end - self.start
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """The JSON header of a .safetensors file (a JSON object) and the offset where its data begins."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise InputError(f"{path} is not a safetensors file (too short): re-save the checkpoint")
-        (length,) = struct.unpack("<Q", raw)
-        if length > min(size - 8, 100 << 20):
-            raise InputError(f"{path} has a corrupt safetensors header (length {length}): re-save the checkpoint")
-        try:
-            header = json.loads(f.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise InputError(f"{path} has a corrupt safetensors header ({err}): re-save the checkpoint") from err
+def read_header(path: Path, root: Path | None = None) -> tuple[dict, int]:
+    """The JSON header of a .safetensors file (a JSON object) and the offset where its data begins.
+    The file must be a regular file (inside model directory `root` when given)."""
+    fix = "re-save the checkpoint"
+    with open_regular(path, root) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise InputError(f"{path} is not a safetensors file (too short): {fix}")
+        (length,) = struct.unpack("<Q", read_exactly(f, 8, path))
+        if length > size - 8:
+            raise InputError(
+                f"{path} has a corrupt safetensors header (length {length:,} > the file's {size - 8:,} bytes): {fix}"
+            )
+        if length > MAX_HEADER_BYTES:
+            raise InputError(
+                f"{path} has a safetensors header of {length:,} bytes, over the format's limit of "
+                f"{MAX_HEADER_BYTES:,} (the safetensors library refuses it too): {fix}"
+            )
+        header = parse_json(read_exactly(f, length, path, "its header"), f"{path}'s safetensors header", fix)
     if not isinstance(header, dict):
         raise InputError(
-            f"{path} has a safetensors header that is a JSON {type(header).__name__}, not an object: "
-            "re-save the checkpoint"
+            f"{path} has a safetensors header that is a JSON {type(header).__name__}, not an object: {fix}"
         )
     return header, 8 + length
 
@@ -123,11 +129,11 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _tensor_infos(path: Path) -> list[TensorInfo]:
+def _tensor_infos(path: Path, root: Path | None = None) -> list[TensorInfo]:
     """Every tensor's place in `path`, checked as the safetensors library checks it: known dtype,
     shape and offsets of non-negative integers, byte count matching the shape, and ranges that tile
     the data exactly (no overlap, no gap, nothing missing or left over)."""
-    header, data_start = read_header(path)
+    header, data_start = read_header(path, root)
     data_size = path.stat().st_size - data_start
 
     def corrupt(name: str, what: str) -> InputError:
@@ -180,14 +186,10 @@ def _index_shards(index: Path) -> dict[str, str]:
     """The weight_map of a shard index, checked: a JSON object whose every value names a file inside
     the model directory. Names are checked as written (relative, no `..`), not after resolving links,
     so a hub cache's snapshot links to its blobs stay readable while `../../x` or `/etc/x` are refused."""
-    try:
-        weight_map = json.loads(index.read_bytes()).get("weight_map")
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InputError(f"{index} is not valid JSON ({err}): download or re-save the checkpoint") from err
-    except AttributeError:  # the index is a list, a number...
-        raise InputError(
-            f"{index} is not a JSON object with a weight_map: download or re-save the checkpoint"
-        ) from None
+    found = read_json(index, "download or re-save the checkpoint", root=index.parent)
+    if not isinstance(found, dict):
+        raise InputError(f"{index} is not a JSON object with a weight_map: download or re-save the checkpoint")
+    weight_map = found.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise InputError(
             f"{index} has no weight_map object (tensor name -> shard file): download or re-save the checkpoint"
@@ -209,14 +211,18 @@ class SafetensorsCheckpoint:
         self.model_dir = Path(model_dir)
         self.tensors: dict[str, TensorInfo] = {}
         for path in self._weight_files():
-            for info in _tensor_infos(path):
+            for info in _tensor_infos(path, self.model_dir):
                 self.tensors[info.name] = info
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: info.shape for name, info in self.tensors.items()}
 
     def _weight_files(self) -> list[Path]:
         index = self.model_dir / INDEX_NAME
-        if index.is_file():
+        if os.path.lexists(index):  # a FIFO or a link out of SRC is refused by the reader, not skipped
             files = [self.model_dir / name for name in dict.fromkeys(_index_shards(index).values())]
-            missing = [str(f.name) for f in files if not f.is_file()]
+            missing = [str(f.name) for f in files if not f.exists()]
             if missing:
                 raise InputError(f"{index} names missing shards {missing}: download the full checkpoint")
             return files
@@ -243,10 +249,7 @@ class SafetensorsCheckpoint:
             while view:
                 count = f.readinto(view)
                 if not count:
-                    raise InputError(
-                        f"{info.file} ended before tensor {name!r}: it changed during the conversion; "
-                        "convert again from a stable copy"
-                    )
+                    raise short_read(info.file, f"tensor {name!r}")
                 view = view[count:]
 
     def load(self, name: str) -> torch.Tensor:
@@ -375,7 +378,10 @@ class ShardedWriter:
         self._run = None
         with open(path, "rb", buffering=0) as src:
             while offset < end:
-                offset += _copy_range(src, self._file, offset, min(end - offset, _COPY_CHUNK))
+                copied = _copy_range(src, self._file, offset, min(end - offset, _COPY_CHUNK))
+                if not copied:  # the source shrank since its header was read: never an end, never a spin
+                    raise short_read(path, "the tensors its header lists")
+                offset += copied
 
     def _page_phase(self, shard: list[OutputTensor]) -> int | None:
         """Where in a page this shard's data should start so that most copied bytes keep their source's
@@ -390,6 +396,13 @@ class ShardedWriter:
                 votes[phase] = votes.get(phase, 0) + tensor.nbytes
             position += tensor.nbytes
         return max(votes, key=votes.get) if votes else None
+
+    def discard(self) -> None:
+        """After a failure: close the open shard, copy nothing more (the caller removes the partial directory)."""
+        self._run = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def close(self) -> None:
         if self._position != len(self._pending):
@@ -464,18 +477,18 @@ def atomic_directory(dst: Path, replace: bool = False, needed_bytes: int = 0):
     it, so at every instant `dst` is the old or the new directory, never missing."""
     dst = Path(dst)
     check_destination(dst, replace)
-    created = _make_parents(dst.parent)
+    created = _make_parents(dst.parent, dst)
     try:
         with _claim(dst):
             check_destination(dst, replace)
             _remove_debris(dst)
-            _check_room(dst, needed_bytes)
-            tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+            check_room(dst.parent, needed_bytes, f"DST {dst}")
+            tmp = dst.parent / f"{_beside(dst)}.partial-{os.getpid()}"
             try:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
                 yield tmp
-                _move_into_place(tmp, dst, replace)
+                swap_in(tmp, dst, replace)
             except BaseException as err:
                 shutil.rmtree(tmp, ignore_errors=True)
                 if is_user_fault(err) and (err.filename is None or str(tmp) in os.fsdecode(err.filename)):
@@ -489,18 +502,24 @@ def atomic_directory(dst: Path, replace: bool = False, needed_bytes: int = 0):
         raise
 
 
-def _make_parents(directory: Path) -> list[Path]:
+def _beside(dst: Path) -> str:
+    """The stem of the names this run puts beside DST (`.DST.partial-PID`, `.DST.lock`): `.DST`, or
+    for a DST name near the 255-byte limit a shortened one with a digest of the name, so that any
+    legal DST name works."""
+    name = f".{dst.name}"
+    if len(os.fsencode(name)) <= 255 - len(".partial-4194304-old"):  # the longest name made from it
+        return name
+    digest = hashlib.sha256(os.fsencode(dst.name)).hexdigest()[:16]
+    return f".{os.fsencode(dst.name)[:160].decode(errors='ignore')}-{digest}"
+
+
+def _make_parents(directory: Path, dst: Path) -> list[Path]:
     """mkdir -p, after checking that the nearest existing ancestor is writable; returns what it created."""
     missing = []
-    while not directory.exists():
+    existing = check_room(directory, 0, f"DST {dst}")
+    while directory != existing:
         missing.append(directory)
         directory = directory.parent
-    if not directory.is_dir():
-        raise InputError(f"{directory} is a file, so the DST below it cannot be created: choose another path")
-    if not os.access(directory, os.W_OK):
-        raise InputError(
-            f"{directory} is not writable (read-only filesystem or no permission): choose a writable location for DST"
-        )
     for path in reversed(missing):
         path.mkdir()
     return list(reversed(missing))
@@ -510,7 +529,7 @@ def _make_parents(directory: Path) -> list[Path]:
 def _claim(dst: Path):
     """Hold an exclusive flock on `.DST.lock` for the whole write. The lock file is removed at the end
     while still locked; a run that locked the removed file notices (different inode) and retries."""
-    lock_path = dst.parent / f".{dst.name}.lock"
+    lock_path = dst.parent / f"{_beside(dst)}.lock"
     while True:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -552,57 +571,8 @@ def _pid_alive(pid: int) -> bool:
 def _remove_debris(dst: Path) -> None:
     """Remove `.DST.partial-PID*` directories whose PID is gone (this run holds DST's lock, so no live
     mha2gqa run is writing them). A live PID's directory is left alone, whatever it is."""
-    prefix = f".{dst.name}.partial-"
+    prefix = f"{_beside(dst)}.partial-"
     for path in dst.parent.iterdir():
         pid = path.name[len(prefix) :].split("-")[0] if path.name.startswith(prefix) else ""
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _check_room(dst: Path, needed_bytes: int) -> None:
-    free = shutil.disk_usage(dst.parent).free
-    if needed_bytes > free:
-        raise InputError(
-            f"DST {dst} needs {needed_bytes / 2**20:.1f} MiB but its filesystem has "
-            f"{free / 2**20:.1f} MiB free: free space or choose another location"
-        )
-
-
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically with Linux's renameat2(RENAME_EXCHANGE); False where the platform or
-    the filesystem does not offer it (the caller falls back to two renames)."""
-    renameat2 = getattr(_libc(), "renameat2", None)
-    if renameat2 is None:
-        return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), os.fsdecode(b))
-
-
-@functools.cache
-def _libc():
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-def _move_into_place(tmp: Path, dst: Path, replace: bool) -> None:
-    if not (replace and dst.exists()):
-        os.rename(tmp, dst)  # over an empty directory at most: rename refuses a non-empty one
-        return
-    if not _exchange(tmp, dst):
-        # No atomic exchange here: a kill between these two renames leaves no DST (the new one stays
-        # in `tmp` until a later run removes it as debris).
-        old = tmp.with_name(tmp.name + "-old")
-        os.rename(dst, old)
-        os.rename(tmp, dst)
-        tmp = old
-    shutil.rmtree(tmp)  # the old DST, now under the partial name: a kill here leaves debris, not loss

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mha2gqa import provenance
 from mha2gqa.errors import InputError
+from mha2gqa.writing import write_atomic
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CORPUS_DIR = DATA_DIR / "austen"
@@ -92,9 +93,7 @@ def write_corpus(out_dir: str | os.PathLike, split: str = "train") -> list[Path]
         data = gzip.decompress(novel_path(name).read_bytes())
         path = out / f"{name}.txt"
         if not (path.is_file() and path.read_bytes() == data):
-            tmp = path.with_suffix(".txt.tmp")
-            tmp.write_bytes(data)
-            tmp.replace(path)  # atomic: a reader never sees half a novel
+            write_atomic(path, data)  # a reader never sees half a novel
         paths.append(path)
     return paths
 

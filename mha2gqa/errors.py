@@ -78,6 +78,13 @@ def user_file_error(err: OSError, path: str | os.PathLike | None = None) -> Inpu
     return InputError(f"{where}{what}: {fix}")
 
 
+def one_line(text: str) -> str:
+    """`text` as one printable line whatever it quotes: a newline in a path shows as \\n, bytes of a
+    name that are not UTF-8 as \\xNN (a DST named so gave a two-line error or a UnicodeEncodeError)."""
+    text = text.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="backslashreplace")
+    return "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text)
+
+
 def exit_report(err: BaseException) -> tuple[str, int] | None:
     """The line a fault ends the program with and its exit code, the same for every entry point (the
     `mha2gqa` CLI, `python -m mha2gqa.uptrain` under accelerate): a user mistake (InputError, a user's
@@ -85,9 +92,9 @@ def exit_report(err: BaseException) -> tuple[str, int] | None:
     progress bar or ^C may hold the cursor), 128 + the signal number; None for anything else, a bug
     in mha2gqa that keeps its traceback."""
     if isinstance(err, InputError):
-        return f"Error: {err}", 2
+        return f"Error: {one_line(str(err))}", 2
     if is_user_fault(err):
-        return f"Error: {user_file_error(err)}", 2
+        return f"Error: {one_line(str(user_file_error(err)))}", 2
     if isinstance(err, KeyboardInterrupt):
         signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
         return f"\nInterrupted by {signal.Signals(signum).name}", 128 + signum

@@ -9,6 +9,7 @@ LAYOUTS. The layout is chosen from config.json's `model_type`, never from a mode
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from mha2gqa.errors import InputError
 from mha2gqa.generic_layout import check_target as check_generic_target
 from mha2gqa.generic_layout import config_counts, generic_architecture
 from mha2gqa.layout_spec import Layout
+from mha2gqa.reading import read_json
 
 _STANDARD = Layout()
 LAYOUTS: dict[str, Layout] = {
@@ -103,6 +105,16 @@ def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) 
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
+def head_counts(config: dict) -> tuple:
+    """(heads, kv_heads, head_dim) as a config.json dict states them, the one reading of them: kv heads
+    default to the heads, head_dim to hidden_size // heads (read it when present: gemma's differs).
+    None where the config lacks what a value comes from; read_config has checked the values' types."""
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)
+    return heads, kv_heads, head_dim
+
+
 def config_dtype(config: dict) -> str:
     """The weights' dtype a config.json names (`dtype`, formerly `torch_dtype`), float32 when it names none."""
     return str(config.get("dtype") or config.get("torch_dtype") or "float32").replace("torch.", "")
@@ -114,15 +126,56 @@ _REQUIRED_COUNTS = ("num_attention_heads", "hidden_size", "num_hidden_layers")
 _OPTIONAL_COUNTS = ("num_key_value_heads", "head_dim")  # null or absent: defaults (heads, hidden // heads)
 
 
-def read_config(model_dir: str | Path) -> dict:
-    """config.json as a dict, with the counts that attention shapes come from checked."""
+# Sizes a config.json states that size loops and allocations (layers built, heads enumerated, a model
+# made on the meta device). Each kind is bounded by what the weights can hold: a layer has a tensor of
+# its own, a head at least one row, an expert an index or a row; without weights, by CEILINGS, which no
+# real decoder is near (the largest today: 128 layers, 128 heads, hidden 18432, 256 experts).
+_SIZE_KEYS = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "heads": ("num_attention_heads", "num_key_value_heads", "n_head", "num_kv_heads", "multi_query_group_num"),
+    "width": ("hidden_size", "head_dim", "n_embd", "d_model", "intermediate_size", "n_inner", "ffn_dim"),
+    "experts": ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "n_shared_experts"),
+}
+CEILINGS = {"layers": 10_000, "heads": 100_000, "width": 10_000_000, "experts": 100_000}
+_INDEXED = {
+    "layers": re.compile(r"\.(?:layers|h|blocks|block|decoder_layers)\.(\d+)\."),
+    "experts": re.compile(r"\.experts\.(\d+)\."),
+}
+
+
+def check_sizes(config: dict, shapes: dict[str, tuple] | None, path) -> None:
+    """Refuse a config whose sizes its weights cannot hold (`shapes`: tensor name -> shape, from the
+    safetensors headers; None when there are no weights: then the CEILINGS). The one check, made before
+    anything loops or allocates by those sizes (10^9 layers hung convert and inspect)."""
+    bounds, indexed = dict(CEILINGS), set()
+    if shapes:
+        widest = max((max(shape, default=1) for shape in shapes.values()), default=1)
+        bounds = {"layers": len(shapes), "heads": widest, "width": widest, "experts": max(len(shapes), widest)}
+        for kind, pattern in _INDEXED.items():
+            indices = [int(m.group(1)) for name in shapes if (m := pattern.search("." + name))]
+            if indices:
+                bounds[kind] = max(indices) + 1
+                indexed.add(kind)
+    for kind, keys in _SIZE_KEYS.items():
+        for key in keys:
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > bounds[kind]:
+                held = "the weights hold" if shapes else "mha2gqa accepts"
+                missing = ""
+                if kind == "layers" and shapes and "layers" in indexed:
+                    shown = ", ".join(str(n) for n in range(bounds[kind], min(value, bounds[kind] + 8)))
+                    missing = f"; no tensors for layer(s) {shown}{', ...' if value > bounds[kind] + 8 else ''}"
+                raise InputError(
+                    f"{path} has {key}={value:,}, more than {held} ({bounds[kind]:,} at most{missing}): "
+                    "fix it or use the model's own config.json"
+                )
+
+
+def read_config(model_dir: str | Path, shapes: dict[str, tuple] | None = None) -> dict:
+    """config.json as a dict, with the counts that attention shapes come from checked, and its sizes
+    against the weights (`shapes`, see check_sizes)."""
     path = Path(model_dir) / "config.json"
-    try:
-        config = json.loads(path.read_bytes())
-    except json.JSONDecodeError as err:
-        raise InputError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): fix or re-save it") from err
-    except UnicodeDecodeError as err:
-        raise InputError(f"{path} is not text ({err.reason} at byte {err.start}): fix or re-save it") from err
+    config = read_json(path, "fix or re-save it", root=Path(model_dir))
     if not isinstance(config, dict):
         raise InputError(f"{path} is a JSON {type(config).__name__}, not an object of settings: fix or re-save it")
     if not isinstance(config.get("model_type"), str):
@@ -138,6 +191,7 @@ def read_config(model_dir: str | Path) -> dict:
             raise InputError(f"{path} has no {key}: add it (a positive integer) or use the model's own config.json")
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InputError(f"{path} has {key}={json.dumps(value)}: it must be a positive integer; fix config.json")
+    check_sizes(config, shapes, path)
     return config
 
 
@@ -159,12 +213,8 @@ def attention_shape(config: dict) -> AttentionShape:
     """Heads, kv heads and head_dim of a config, checked: transformers itself does not check them."""
     layout_for(config)
     if config.get("model_type") in LAYOUTS:
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        hidden = int(config["hidden_size"])
-        # head_dim can differ from hidden // heads (gemma): read it when the config has it.
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        layers = int(config["num_hidden_layers"])
+        heads, kv_heads, head_dim = head_counts(config)
+        hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     else:  # read through transformers' config class (defaults, aliases: gpt2's n_head), checked against the model
         derived = config_counts(config) if config.get("model_type") in RETARGETED else generic_architecture(config)
         heads, kv_heads, hidden, head_dim = derived.heads, derived.kv_heads, derived.hidden, derived.head_dim

@@ -11,25 +11,12 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from mha2gqa.checkpoint import SafetensorsCheckpoint
 from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import read_config
-from mha2gqa.sources import PICKLE_SUFFIXES
+from mha2gqa.sources import require_safetensors
 
 SHOWN_KEYS = 4  # a config with 30 extra layers would otherwise print 300 names
-
-
-def require_safetensors(model_dir: Path, what: str = "model") -> None:
-    """Refuse a directory whose weights are pickle only: unpickling runs arbitrary code."""
-    model_dir = Path(model_dir)
-    if any(model_dir.glob("*.safetensors")):
-        return
-    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    found = f"only pickled weights ({', '.join(pickles[:3])})" if pickles else "no .safetensors weights"
-    raise InputError(
-        f"{what} {model_dir} has {found}: mha2gqa never unpickles files; re-save it as safetensors once, where you "
-        'trust it: python -c "from transformers import AutoModelForCausalLM as M; '
-        f"M.from_pretrained('{model_dir}').save_pretrained('{model_dir}-safetensors')\" and pass that directory"
-    )
 
 
 def load_causal_lm(model_dir: Path, what: str = "model", progress: bool = True, **kwargs):
@@ -40,7 +27,9 @@ def load_causal_lm(model_dir: Path, what: str = "model", progress: bool = True, 
 
     model_dir = Path(model_dir)
     require_safetensors(model_dir, what)
-    read_config(model_dir)  # a binary or list config.json, or bad head counts: one line, not transformers' error
+    # a binary or list config.json, bad head counts, sizes its weights cannot hold: one line, not
+    # transformers' error (or a model of 10^9 layers built before any weight is read)
+    read_config(model_dir, SafetensorsCheckpoint(model_dir).shapes)
     try:
         with _quiet_transformers(progress and _weight_bytes(model_dir) >= BAR_FROM_BYTES):
             # ignore_mismatched_sizes: report a wrong shape in the loading info instead of raising

@@ -32,7 +32,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from mha2gqa.errors import InputError
+from mha2gqa.reading import read_json
 from mha2gqa.version import __version__
+from mha2gqa.writing import write_atomic
 
 FILE_NAME = "mha2gqa.json"
 SCHEMA = "mha2gqa.provenance/2"
@@ -43,15 +45,9 @@ ROLES = ("parent", "converted", "uptrained")
 def read(model_dir: str | os.PathLike) -> dict | None:
     """MODEL_DIR/mha2gqa.json as stored (any schema), or None when the model has none."""
     path = Path(model_dir) / FILE_NAME
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise InputError(
-            f"{path} is not valid JSON ({err.msg} at line {err.lineno}): fix it, or delete it "
-            "(it only records how the model was made)"
-        ) from err
+    data = read_json(path, "fix it, or delete it (it only records how the model was made)", root=Path(model_dir))
     if not isinstance(data, dict):
         raise InputError(
             f"{path} is a JSON {type(data).__name__}, not an object: fix it, or delete it "
@@ -109,9 +105,7 @@ def append(out_dir: str | os.PathLike, stage: str, fields: dict, source: str | o
     record = {"schema": SCHEMA, "tool": "mha2gqa", "lineage": lineage(source) if source is not None else []}
     record["lineage"].append({"stage": stage, "version": __version__, "date": now, **fields})
     path = Path(out_dir) / FILE_NAME
-    tmp = path.with_name(f".{FILE_NAME}.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(record, indent=2) + "\n")
     return record
 
 

@@ -57,7 +57,7 @@ def model_ref_problem(name: str, what: str = "") -> str | None:
     label = f"{what}{name}"
     path = Path(name).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not os.path.lexists(path / "config.json"):  # a FIFO or a link out: the reader says so
             return f"{label} has no config.json: pass a Hugging Face model directory"
         return None
     if path.exists():
@@ -99,3 +99,17 @@ def _download(repo_id: str) -> str:
             f"could not download {repo_id} from the hub ({type(err).__name__}): "
             "check the id, your network and HF_TOKEN, or pass a local directory"
         ) from err
+
+
+def require_safetensors(model_dir: Path, what: str = "model") -> None:
+    """Refuse a directory whose weights are pickle only: unpickling runs arbitrary code."""
+    model_dir = Path(model_dir)
+    if any(model_dir.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    found = f"only pickled weights ({', '.join(pickles[:3])})" if pickles else "no .safetensors weights"
+    raise InputError(
+        f"{what} {model_dir} has {found}: mha2gqa never unpickles files; re-save it as safetensors once, where you "
+        'trust it: python -c "from transformers import AutoModelForCausalLM as M; '
+        f"M.from_pretrained('{model_dir}').save_pretrained('{model_dir}-safetensors')\" and pass that directory"
+    )

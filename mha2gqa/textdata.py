@@ -17,7 +17,6 @@ from __future__ import annotations
 import bz2
 import gzip
 import io
-import json
 import lzma
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from mha2gqa.errors import InputError, first_line
 from mha2gqa.quiet import without_datasets_bars
+from mha2gqa.reading import parse_json
 from mha2gqa.sources import hub_offline
 
 # File suffix -> format; the format is also the name of the `datasets` builder that reads it.
@@ -255,25 +255,14 @@ def _json_texts(key: str, path: Path, f, field: str, field_key: str | None) -> I
     while first.isspace():
         first = f.read(1)
     if first == "[" and ".jsonl" not in [s.lower() for s in path.suffixes]:
-        try:
-            records = json.loads("[" + f.read())
-        except json.JSONDecodeError as err:
-            raise InputError(
-                f"{key} {path}: not valid JSON ({err.msg} at line {err.lineno}): fix or re-export it"
-            ) from err
+        records = parse_json("[" + f.read(), f"{key} {path}", "fix or re-export it")
         for number, record in enumerate(records, 1):
             yield _record_text(key, f"{path} record {number}", record, field, field_key)
         return
     for number, line in enumerate(_prepend(first, f), 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise InputError(
-                f"{key} {path}:{number}: not valid JSON ({err.msg}): each line must be one JSON "
-                f"object with a {field!r} field"
-            ) from err
+        record = parse_json(line, f"{key} {path}:{number}", f"each line must be one JSON object with a {field!r} field")
         yield _record_text(key, f"{path}:{number}", record, field, field_key)
 
 

@@ -8,30 +8,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer
 
 from mha2gqa.cli import main
 from mha2gqa.convert.options import ConvertOptions, RefineOptions
 from mha2gqa.convert.prepare import prepare
 from mha2gqa.convert.run import convert
 
-SMALL = dict(max_position_embeddings=64)  # calibration and refine blocks of 64 tokens
 QUICK = RefineOptions(steps=3, lr=2e-3, tokens=512, batch_blocks=2)
-
-
-@pytest.fixture(scope="module")
-def calibration_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cal") / "cal.txt"
-    path.write_text(SAMPLE_TEXT * 12)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def tiny_src(tmp_path_factory):
-    src = tmp_path_factory.mktemp("src") / "llama"
-    save_tiny_model(src, "llama", **SMALL)
-    make_tiny_tokenizer(src)
-    return src
 
 
 def test_one_parent_load_and_one_tokenization(tmp_path, tiny_src, calibration_file, monkeypatch):
@@ -82,6 +66,7 @@ def test_stats_travel_as_their_own_argument(tmp_path, tiny_src, calibration_file
         convert(tiny_src, tmp_path / name, 2, method="calibrated", calibration_tokens=1024, progress=False, **kwargs)
     inside, given = ((tmp_path / n / "model.safetensors").read_bytes() for n in ("inside", "given"))
     assert inside == given
+    assert _card_command(tmp_path / "given") == _card_command(tmp_path / "inside")  # the card names the data
 
 
 def test_dry_run_prints_every_stage_and_writes_nothing(tmp_path, tiny_src, calibration_file):
@@ -237,9 +222,9 @@ def test_spill_files_reserve_their_room(small_tmpfs):
 
 
 def test_refine_on_a_full_disk_is_one_error_and_a_full_tmpdir_is_not_used(tmp_path, tiny_src, small_tmpfs, monkeypatch):
-    calibration_file = tmp_path / "long.txt"
-    calibration_file.write_text(SAMPLE_TEXT * 80)
-    calibration_file = str(calibration_file)
+    long_text = tmp_path / "long.txt"
+    long_text.write_text(SAMPLE_TEXT * 80)
+    calibration_file = str(long_text)
     spill = RefineOptions(steps=1, memory=1, tokens=4096)  # memory 1 byte: the buffers spill
     monkeypatch.setenv("TMPDIR", str(small_tmpfs))
     monkeypatch.setattr("tempfile.tempdir", None)

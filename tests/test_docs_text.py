@@ -82,3 +82,28 @@ def test_convert_method_is_a_choice_like_grouping_and_speed():
     assert list(option("convert", "method").type.choices) == [m.value for m in Method]
     assert isinstance(option("convert", "grouping").type, click.Choice)
     assert isinstance(option("eval", "speed_preset").type, click.Choice)
+
+
+_DURATION = re.compile(r"\b\d+(?:\.\d+)?\s*(?:s|sec|seconds?|min|minutes?)\b(?! per)|\babout (?:\w+ )?minutes?\b")
+
+
+def test_demo_quick_has_one_measured_duration_with_its_load():
+    """`demo --quick` was said to take 27 s, about 2 minutes and 2.8 minutes in three places: the README
+    states the one measured time (with the load); the other pages and --help point to it (benchmarks.md
+    compares thread counts side by side, each row with its load)."""
+    from click.testing import CliRunner
+
+    from mha2gqa.cli import main
+
+    stated = []
+    for page in PAGES:
+        if page.name == "benchmarks.md":  # side-by-side measurements (threads), not the time to expect
+            continue
+        for paragraph in page.read_text().split("\n\n"):
+            if "--quick" in paragraph and "demo" in paragraph and _DURATION.search(paragraph):
+                stated.append((page.relative_to(ROOT).as_posix(), _DURATION.findall(paragraph)))
+    assert [page for page, _ in stated] == ["README.md"], stated
+    readme = next(p for p in (ROOT / "README.md").read_text().split("\n\n") if "--quick --out" in p)
+    assert re.search(r"load(\s+average)?\s+\d", readme), readme
+    help_text = CliRunner().invoke(main, ["demo", "--help"]).output
+    assert not _DURATION.search(help_text.split("--quick", 1)[1].split("--alpha", 1)[0]), help_text

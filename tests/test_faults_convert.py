@@ -27,8 +27,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
-from mha2gqa.checkpoint import _exchange
 from mha2gqa.cli import main
+from mha2gqa.writing import _exchange
 
 K = "model.layers.0.self_attn.k_proj.weight"
 V = "model.layers.0.self_attn.v_proj.weight"
@@ -149,7 +149,7 @@ HEADER_FAULTS = {
     "dtype not a string": (_set(K, "dtype", 4), "dtype 4"),
     "bytes do not fit the shape": (_set(K, "shape", [32, 64]), "bytes for shape"),
     "overlapping ranges": (_overlap, "overlaps"),
-    "not JSON": (lambda h: b"\xff\xfe{not json", "corrupt safetensors header"),
+    "not JSON": (lambda h: b"\xff\xfe{not json", "safetensors header is not UTF-8 text"),
 }
 
 
@@ -215,7 +215,7 @@ INDEX_FAULTS = {
     "weight_map is a list": (lambda ix, src: ix.update(weight_map=list(ix["weight_map"])), "no weight_map"),
     "index is a list": (lambda ix, src: [ix], "not a JSON object"),
     "not JSON": (lambda ix, src: b'{"weight_map": {', "not valid JSON"),
-    "binary": (lambda ix, src: b"\x89PNG\r\n\x1a\n\xff\xff", "not valid JSON"),
+    "binary": (lambda ix, src: b"\x89PNG\r\n\x1a\n\xff\xff", "is not UTF-8 text"),
 }
 
 

@@ -98,7 +98,7 @@ def test_eval_refuses_pickle_only_weights_before_loading_anything(tmp_path, src,
 @pytest.mark.parametrize(
     "edit,says",
     [
-        (lambda c: b"\x00\xff\xfe", "config.json is not text"),
+        (lambda c: b"\x00\xff\xfe", "config.json is not UTF-8 text"),
         (lambda c: b'["llama"]', "config.json is a JSON list, not an object"),
         (
             lambda c: json.dumps({**c, "num_key_value_heads": 0}).encode(),
@@ -199,7 +199,7 @@ def test_report_refuses_results_of_the_wrong_types(tmp_path, src, sources, edit,
     [
         (b"[1, 2, 3]", "has schema 'list'"),
         (b"\xff\xd8\xff\xe0 binary", "is not UTF-8 text"),
-        (b'{"schema": "mha2gqa.eval/1", "label": ', "is not JSON"),
+        (b'{"schema": "mha2gqa.eval/1", "label": ', "is not valid JSON"),
     ],
 )
 def test_report_refuses_result_files_that_are_not_results(tmp_path, src, sources, content, says):
@@ -217,7 +217,7 @@ def test_report_refuses_result_files_that_are_not_results(tmp_path, src, sources
         (b"[1, 2]\n3\n", "line 1 is not an object with a numeric 'step'"),
         (b'{"step": "one", "loss": 1}\n', "line 1 is not an object with a numeric 'step'"),
         (b'{"step": 1, "lr": 0.1}\n', "has no numeric loss or ppl keys"),
-        (b"not json at all\n", "line 1 is not JSON"),
+        (b"not json at all\n", "line 1 is not valid JSON"),
     ],
 )
 def test_report_refuses_a_garbage_metrics_file(tmp_path, src, sources, content, says):

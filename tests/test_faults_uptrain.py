@@ -167,7 +167,7 @@ def test_pickle_only_model_is_refused_with_how_to_resave(tmp_path, src, sources)
 @pytest.mark.parametrize(
     "config,says",
     [
-        (b"\x00\xff\xfe", "config.json is not text"),
+        (b"\x00\xff\xfe", "config.json is not UTF-8 text"),
         (b"[1, 2]", "config.json is a JSON list, not an object"),
         (None, 'num_attention_heads="eight": it must be a positive integer'),
     ],
@@ -279,7 +279,7 @@ def test_read_only_output_filesystem_is_refused_before_training(tmp_path, src, s
 def test_output_filesystem_without_room_is_refused_before_training(tmp_path, src, sources):
     with tmpfs(tmp_path / "small", "256k") as mount:
         result = _uptrain(_recipe(tmp_path, src, output_dir=str(mount / "out")))
-        assert_refused(result, "MiB free on its filesystem but a checkpoint and the final model need about")
+        assert_refused(result, "MiB (a checkpoint and the final model) but its filesystem has")
         assert list(mount.iterdir()) == []
 
 

@@ -14,6 +14,7 @@ from mha2gqa import embedded
 from mha2gqa.quiet import LM_EVAL_NOISE, without_log_messages
 
 NOISE = (
+    "bootstrapping for stddev",
     "model kwarg is not of type",
     "Passed an already-initialized model",
     "Custom kwargs can be passed",

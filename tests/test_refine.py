@@ -11,7 +11,7 @@ import torch
 from calibrated_models import save_redundant_model
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+from tiny_models import make_tiny_tokenizer, save_tiny_model
 from transformers import AutoModelForCausalLM
 
 from mha2gqa.cli import main
@@ -32,21 +32,6 @@ def logits(model_dir, ids):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(ids).logits
-
-
-@pytest.fixture(scope="module")
-def calibration_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cal") / "cal.txt"
-    path.write_text(SAMPLE_TEXT * 12)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def tiny_src(tmp_path_factory):
-    src = tmp_path_factory.mktemp("src") / "llama"
-    save_tiny_model(src, "llama", **SMALL)
-    make_tiny_tokenizer(src)
-    return src
 
 
 def heldout_ids(src):

@@ -222,12 +222,17 @@ def test_recovery_without_a_parent_or_a_conversion_says_so(tmp_path):
         fake_result("mean-2", "converted", 2, 30.0, 256, {8: 1000.0}, lineage=[MEAN2]),
         fake_result("austen-up", "uptrained", 2, 15.0, 256, {8: 1000.0}, lineage=[MEAN2, UPTRAIN]),
         fake_result("by-flag", "uptrained", 2, 15.0, 256, {8: 1000.0}),  # --role uptrained, no mha2gqa.json
+        fake_result("edited", "uptrained", 2, 15.0, 256, {8: 1000.0}),
     ]
+    results[3]["model"]["provenance"] = {"lineage": "not a list"}
     notes = json.loads(write_report(write_results(tmp_path, results), tmp_path / "rep")["json"].read_text())["notes"]
     assert any(
         "recovery of austen-up: not given, the parent it was converted from (/m/parent) not among" in n for n in notes
     )
     assert any("recovery of by-flag: not given, its mha2gqa.json records no conversion" in n for n in notes)
+    assert any(
+        "recovery of edited: not given, its recorded lineage (model.provenance) is not readable" in n for n in notes
+    )
 
 
 def with_repeats(result, decode_s, batch=4, new_tokens=16):

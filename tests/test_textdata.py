@@ -113,9 +113,9 @@ FAULTS = {
     "invalid jsonl": (
         "bad.jsonl",
         lambda p: p.write_text(_jsonl(DOCS) + "{not json\n"),
-        r"bad.jsonl:3: not valid JSON",
+        r"bad.jsonl:3 is not valid JSON",
     ),
-    "invalid json array": ("bad.json", lambda p: p.write_text('[{"text": "a"}, '), r"bad.json: not valid JSON"),
+    "invalid json array": ("bad.json", lambda p: p.write_text('[{"text": "a"}, '), r"bad.json is not valid JSON"),
     "missing field": (
         "c.jsonl",
         lambda p: p.write_text(_jsonl(DOCS, field="body")),
@@ -214,7 +214,7 @@ def test_cli_eval_and_convert_print_one_line_and_write_nothing(tmp_path):
         ],
     )
     assert result.exit_code == 2, result.output
-    assert f"Error: --data {tmp_path / 'bad.jsonl'}:1: not valid JSON" in result.output
+    assert f"Error: --data {tmp_path / 'bad.jsonl'}:1 is not valid JSON" in result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "r.json").exists()
     (tmp_path / "blob.txt").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(128, 256)))
     result = runner.invoke(
@@ -283,7 +283,7 @@ def test_a_fault_past_the_checked_head_is_still_one_line(tmp_path):
     stream = textdata.load_documents(source, streaming=True)
     with pytest.raises(InputError, match=r"^data.train: a file could not be read while streaming"):
         list(textdata.dataset_texts(stream, "text", "data.train"))
-    with pytest.raises(InputError, match=r"late.jsonl:401: not valid JSON"):
+    with pytest.raises(InputError, match=r"late.jsonl:401 is not valid JSON"):
         _texts(str(tmp_path / "late.jsonl"))
 
 
@@ -309,4 +309,6 @@ def test_python_api_takes_paths_and_lists_for_calibration(tmp_path):
         embedded.model_dir(), tmp_path / "out", groups=4, calibration=novels, calibration_tokens=128, progress=False
     )
     assert result.dst == tmp_path / "out"
-    assert json.dumps(json.loads((tmp_path / "out" / "mha2gqa.json").read_text())).count(str(novels[1])) == 1
+    conversion = json.loads((tmp_path / "out" / "mha2gqa.json").read_text())["lineage"][-1]
+    assert conversion["calibration"]["data"] == [str(p) for p in novels]  # Paths recorded as text
+    assert f"--calibration {novels[0]} --calibration {novels[1]} " in conversion["command"]

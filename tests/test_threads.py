@@ -91,3 +91,58 @@ def test_threads_bench_smoke_times_each_count():
         ("2", "train step"),
     ]
     assert all(float(r[2]) > 0 for r in rows) and rows[0][4].strip() == "1.00"
+
+
+def test_small_local_models_get_one_thread_and_large_or_hub_ones_torchs_default(tmp_path):
+    import json
+
+    from mha2gqa import embedded
+
+    assert threads.for_model(embedded.model_dir()) == 1  # 22 MB of safetensors
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 4096}))
+    assert threads.for_model(small) == 1  # init_from_config: sized from the config
+    large = tmp_path / "large"
+    large.mkdir()
+    (large / "config.json").write_text(json.dumps({"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 32000}))
+    assert threads.for_model(large) is None  # ~27 GB in float32
+    assert threads.for_model("meta-llama/Llama-2-7b-hf") is None and threads.for_model(None) is None
+
+
+def test_eval_and_uptrain_of_a_small_model_default_to_one_thread(clean_env, tmp_path):
+    import os
+
+    import mha2gqa.eval.run
+    import mha2gqa.uptrain
+    from mha2gqa import embedded
+
+    seen = []
+
+    def record(*args, **kwargs):
+        seen.append((torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")))
+        raise SystemExit(0)
+
+    clean_env.setattr(mha2gqa.eval.run, "evaluate", record)
+    clean_env.setattr(mha2gqa.uptrain, "train", record)
+    torch.set_num_threads(2)
+    result = CliRunner().invoke(main, ["eval", str(embedded.model_dir()), "--data", str(embedded.heldout_path())])
+    assert result.exit_code == 0, result.output
+    torch.set_num_threads(2)
+    clean_env.delenv("OMP_NUM_THREADS")
+    from mha2gqa.demo import DEMO_RECIPE
+
+    recipe = str(DEMO_RECIPE)
+    overrides = [f"model={embedded.model_dir()}", f"output_dir={tmp_path / 'up'}"]
+    overrides += [
+        f"data.train={json_list(embedded.train_paths())}",
+        f"data.eval={json_list([embedded.heldout_path()])}",
+    ]
+    result = CliRunner().invoke(main, ["uptrain", "--recipe", recipe, *overrides])
+    assert result.exit_code == 0, result.output
+    assert seen == [(1, "1"), (1, "1")]
+
+
+def json_list(paths) -> str:
+    import json
+
+    return json.dumps([str(p) for p in paths])

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import click
 
-from mha2gqa.errors import WeightWarning, exit_report, signals_as_interrupts
+from mha2gqa.errors import WeightWarning, exit_report, one_line, signals_as_interrupts
 from mha2gqa.version import __version__
 
 
@@ -16,6 +17,9 @@ class _OneLineError(click.ClickException):
     """A user mistake: `Error: <message>` on stderr, exit code 2, no traceback."""
 
     exit_code = 2
+
+    def __init__(self, message: str):
+        super().__init__(one_line(message))
 
 
 @contextmanager
@@ -54,6 +58,9 @@ class _Group(click.Group):
                 formatter.write_dl(rows)
 
     def invoke(self, ctx):
+        for stream in (sys.stdout, sys.stderr):  # a path that is not UTF-8 prints as \xNN, not a traceback
+            with suppress(AttributeError, ValueError):
+                stream.reconfigure(errors="backslashreplace")
         try:
             with signals_as_interrupts(), _one_line_warnings():
                 return super().invoke(ctx)
@@ -74,8 +81,9 @@ class _Group(click.Group):
     "--threads",
     metavar="N",
     default=None,
-    help="CPU threads for torch (also MHA2GQA_THREADS=N). Default: 1 for demo and reproduce (the small "
-    "embedded model), torch's one per core otherwise; OMP_NUM_THREADS, when set, is kept.",
+    help="CPU threads for torch (also MHA2GQA_THREADS=N). Default: 1 for demo, reproduce, and eval and "
+    "uptrain of a local model under 1 GiB (faster on small models, above all on a busy machine); torch's "
+    "one per core otherwise; OMP_NUM_THREADS, when set, is kept.",
 )
 def main(threads):
     """Convert multi-head attention (MHA) checkpoints to grouped-query (GQA) or multi-query (MQA)

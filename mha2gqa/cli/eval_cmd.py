@@ -28,7 +28,13 @@ def _int_list(ctx, param, value):
 
 
 def _str_list(ctx, param, value):
-    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+    """'a,b' -> ['a', 'b']; a value with no names in it ('' or ',, ,') is refused, not ignored."""
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise click.BadParameter(f"{value!r} names no task: give comma-separated names (e.g. hellaswag,arc_easy)")
+    return names
 
 
 @click.command("eval", short_help="Measure MODEL: perplexity, agreement with a parent, KV-cache bytes, decode speed.")
@@ -75,7 +81,10 @@ def eval_command(model, quiet, out, **options):
 
     Example: mha2gqa eval ./llama-gqa8 --data held_out.txt --reference ./llama --out gqa8.json
     """
+    from mha2gqa import threads
     from mha2gqa.eval.run import evaluate
+
+    threads.apply(threads.for_model(model))
 
     result = evaluate(model, options=EvalOptions(**options, out=out, progress=not quiet))
     click.echo(summary(result), err=out is None)

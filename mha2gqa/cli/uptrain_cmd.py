@@ -53,10 +53,12 @@ def uptrain(recipe, resume, overrides):
     For several GPUs (DDP, FSDP, DeepSpeed) run the same recipe with
     `accelerate launch --config_file recipes/accelerate/<fsdp|ddp|zero3>.yaml -m mha2gqa.uptrain --recipe R`.
     """
+    from mha2gqa import threads
     from mha2gqa.uptrain import load_recipe, train
     from mha2gqa.uptrain.steps import TrainingDiverged
 
     loaded = load_recipe(recipe, list(overrides))
+    threads.apply(threads.for_model(loaded.model or loaded.init_from_config))
     try:
         out = train(loaded, resume=resume)
     except TrainingDiverged as err:

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from mha2gqa.checkpoint import SafetensorsCheckpoint, ShardedWriter
+from mha2gqa.convert.casts import check_cast, numpy_range
 from mha2gqa.convert.options import ConvertOptions, Grouping, Method
 from mha2gqa.convert.plan import Plan, Step
 from mha2gqa.convert.roles import KV_ROLES, pack, unpack
@@ -101,6 +102,9 @@ def write_tensors(
                 for out, array in zip(step.outputs, arrays):
                     writer.write_array(out.name, array)
             bar.update(sum(out.nbytes for out in step.outputs))
+    except BaseException:
+        writer.discard()
+        raise
     finally:
         worker.shutdown(wait=True, cancel_futures=True)  # on Ctrl-C: the running step finishes (under a second)
     writer.close()
@@ -135,7 +139,8 @@ def _compute(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, scratch:
     """A step's output arrays (in step.outputs order) and its kv roles' non-finite counts, (role, count)."""
     with np.errstate(all="ignore"):  # inf/NaN/overflow as torch gives them; the weights' are warned about by name
         if not step.is_transform:  # a cast (--dtype)
-            return [cast(_load(checkpoint, step.sources["tensor"]), step.outputs[0].dtype)], []
+            out = step.outputs[0]
+            return [cast(_load(checkpoint, step.sources["tensor"]), out.dtype, out.name)], []
         return _pool_layer(checkpoint, step, plan, scratch)
 
 
@@ -154,7 +159,7 @@ def _pool_layer(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, scrat
             if scratch.holds(roles[role]):  # fp32 stays fp32: keep it past the next role's pooling
                 roles[role] = roles[role].copy()
     names = {step.sources[role]: array for role, array in pack(roles, list(step.sources), groups).items()}
-    outputs = [cast(names[out.name], out.dtype) for out in step.outputs]
+    outputs = [cast(names[out.name], out.dtype, out.name) for out in step.outputs]
     return [array.copy() if scratch.holds(array) else array for array in outputs], non_finite  # the writer's now
 
 
@@ -192,12 +197,15 @@ def to_float32(array: np.ndarray) -> np.ndarray:
     return _into_float32(array, np.empty(array.shape, np.float32))
 
 
-def cast(array: np.ndarray, code: str) -> np.ndarray:
+def cast(array: np.ndarray, code: str, name: str | None = None) -> np.ndarray:
     """A stored array (or an fp32 result) to `code`, as torch's .to() writes it: one rounding to nearest
-    even, through fp32 (exact on the way up)."""
+    even, through fp32 (exact on the way up). With `name` (a tensor of the output), casts.check_cast's
+    rule applies: no overflow to inf, no whole tensor flushed to zero."""
     if _CODE_OF[array.dtype] == code:
         return array
     wide = array if array.dtype == _STORED["F32"] else to_float32(array)
+    if name is not None:
+        check_cast(name, *numpy_range(wide), _CODE_OF[array.dtype], code)
     if code == "F32":
         return wide
     if np.isnan(wide).any():

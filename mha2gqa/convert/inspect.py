@@ -19,7 +19,7 @@ def _count_parameters(model_dir, layout, shape) -> tuple[int, int]:
     shapes when its safetensors are here (tied weights are stored once, as they are counted once)."""
     if not any(Path(model_dir).glob("*.safetensors")):
         return _count_on_meta(model_dir, layout, shape)
-    shapes = {name: info.shape for name, info in SafetensorsCheckpoint(model_dir).tensors.items()}
+    shapes = SafetensorsCheckpoint(model_dir).shapes
     kv_rows = shape.kv_heads * shape.head_dim
     fused_rows = shape.heads * shape.head_dim + 2 * kv_rows
     kv_params = 0
@@ -80,7 +80,8 @@ def inspect_model(src, context: int | None = None, batch: int = 1) -> dict:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InputError(f"{flag} {value!r} must be a positive integer (tokens per sequence, sequences per batch)")
     model_dir = resolve_model_dir(src)
-    config = read_config(model_dir)
+    shapes = SafetensorsCheckpoint(model_dir).shapes if any(model_dir.glob("*.safetensors")) else None
+    config = read_config(model_dir, shapes)
     context, context_from = (context, "--context") if context is not None else model_context(config)
     layout, shape = layout_for(config), attention_shape(config)
     params, kv_params = _count_parameters(model_dir, layout, shape)

@@ -34,7 +34,8 @@ from mha2gqa.layouts import (
     layout_for,
     read_config,
 )
-from mha2gqa.sources import PICKLE_SUFFIXES, resolve_model_dir
+from mha2gqa.reading import check_regular, inside
+from mha2gqa.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir
 from mha2gqa.units import format_bytes
 
 OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
@@ -91,6 +92,7 @@ class ConversionPlan:
     calibration_memory: int = 0
     refine_budget: RefineBudget | None = None
     stages: list[Stage] = field(default_factory=list)
+    copied: dict = field(default_factory=dict)  # SRC files copied beside the weights -> size (files_to_copy)
     bytes_written: int = 0  # tensors + copied files + headers and JSON
     scratch_bytes: int = 0  # statistics and refine spill files inside DST's partial folder, removed at the end
     peak_memory: int = 0  # estimated peak resident memory, bytes
@@ -116,15 +118,17 @@ class ConversionPlan:
             words += ["--dtype", o.dtype]
         if parse_size(o.max_shard_size) != parse_size(ConvertOptions.max_shard_size):
             words += ["--max-shard-size", str(o.max_shard_size)]
-        if o.calibration is not None:
-            for entry in [o.calibration] if isinstance(o.calibration, (str, Path)) else o.calibration:
+        data, tokens = o.calibration, o.calibration_tokens
+        if data is None and self.stats is not None:  # a sweep's statistics: their data and tokens make the same ones
+            data, tokens = self.stats.record.get("data"), self.stats.tokens
+        if data is not None:
+            entries = [data] if isinstance(data, (str, Path)) else [str(entry) for entry in data]
+            if entries == expand_corpus_name(CORPUS_NAME):
+                entries = [CORPUS_NAME]
+            for entry in entries:
                 words += ["--calibration", str(entry)]
-            words += ["--calibration-tokens", str(o.calibration_tokens)]
+            words += ["--calibration-tokens", str(tokens)]
         notes = []
-        if self.stats is not None:
-            notes.append(
-                f"statistics passed in Python ({self.stats.record.get('tokens')} tokens of {_data_words(self.stats.record.get('data'))})"
-            )
         if o.refine is not None:
             r, default = o.refine, RefineOptions()
             words += ["--refine", "--refine-steps", str(r.steps), "--refine-lr", repr(r.lr)]
@@ -171,7 +175,9 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
         raise InputError(f"--dtype {dtype!r} is unknown (valid: {', '.join(OUT_DTYPES)})")
     shard_bytes = parse_size(options.max_shard_size)
     source = resolve_model_dir(src)
-    config = read_config(source)
+    # headers only: the sizes config.json is checked against (none: an unsupported type is still named)
+    checkpoint = SafetensorsCheckpoint(source) if any(source.glob("*.safetensors")) else None
+    config = read_config(source, checkpoint and checkpoint.shapes)
     layout, shape = layout_for(config), attention_shape(config)
     check_groups(shape, options.groups)
     check_target(config, options.groups)
@@ -218,10 +224,10 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
             raise InputError(
                 f"--calibration needs the source's tokenizer, and {source} has none: copy the tokenizer files into it"
             )
-    _check_weights(source)
+    require_safetensors(source, "SRC")
     _check_not_quantized(source, config)
     provenance.lineage(source)  # a broken SRC/mha2gqa.json fails now, not after every tensor is written
-    checkpoint = SafetensorsCheckpoint(source)
+    copied = files_to_copy(source)
     tensors = make_plan(
         checkpoint.tensors,
         layout,
@@ -246,6 +252,7 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
         torch_reason=torch_reason,
         shard_bytes=shard_bytes,
         calibration_memory=memory_bytes,
+        copied=copied,
     )
     _estimate(plan, calibration_tokens, seq_len)
     return plan
@@ -299,12 +306,7 @@ def _calibration_data(options: ConvertOptions, stats) -> str | list[str] | None:
 def _estimate(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> None:
     """The stages with their token counts, the bytes DST will hold, and the peak memory."""
     shape, options, tensors = plan.shape, plan.options, plan.tensors
-    copied = sum(
-        path.stat().st_size
-        for path in plan.source.iterdir()
-        if path.is_file() and path.name not in NOT_COPIED and path.suffix not in (".safetensors", *PICKLE_SUFFIXES)
-    )
-    plan.bytes_written = tensors.bytes_out + copied + (1 << 20)  # 1 MiB for headers and JSON
+    plan.bytes_written = tensors.bytes_out + sum(plan.copied.values()) + (1 << 20)  # 1 MiB for headers and JSON
     params = sum(math.prod(info.shape) for info in plan.checkpoint.tensors.values())
     model_bytes = 4 * params  # the source loaded in float32 on CPU (calibration.load_source_model)
     layer_bytes = max(
@@ -395,12 +397,15 @@ def _check_not_quantized(src: Path, config: dict) -> None:
         )
 
 
-def _check_weights(src: Path) -> None:
-    has_safetensors = any(src.glob("*.safetensors"))
-    pickles = [p.name for p in src.iterdir() if p.suffix in PICKLE_SUFFIXES]
-    if pickles and not has_safetensors:
-        raise InputError(
-            f"{src} has only pickled weights ({', '.join(sorted(pickles)[:3])}): mha2gqa never unpickles files; "
-            're-save them as safetensors first: python -c "from transformers import AutoModelForCausalLM as M; '
-            f"M.from_pretrained('{src}').save_pretrained('{src}-safetensors')\""
-        )
+def files_to_copy(source: Path) -> dict[Path, int]:
+    """Tokenizer, generation config, README and the like: every top-level entry but folders, weights
+    and config, with its size. Each must be a regular file inside SRC, whatever its name: a link out
+    of SRC or a FIFO is refused here, before anything is written, never followed or left out."""
+    found = {}
+    for path in sorted(source.iterdir()):
+        if path.name in NOT_COPIED or path.suffix in (".safetensors", *PICKLE_SUFFIXES):
+            continue
+        if path.is_dir() and inside(path, source):
+            continue
+        found[path] = check_regular(path, source)
+    return found

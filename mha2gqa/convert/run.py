@@ -27,7 +27,7 @@ from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import converted_config
 from mha2gqa.progress import progress_bar
-from mha2gqa.sources import PICKLE_SUFFIXES
+from mha2gqa.reading import open_regular, short_read
 
 
 @dataclass
@@ -90,7 +90,7 @@ def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
             fast.write_tensors(plan.checkpoint, plan.tensors, tmp, plan.shard_bytes, options.progress)
         else:
             layers, refined, stats = _run_torch(plan, tmp, Path(scratch))
-        _copy_other_files(source, tmp)
+        _copy_files(plan.copied, source, tmp)
         _write_config(plan.config, options.groups, options.dtype, tmp)
         extra = {
             "grouping": options.grouping.value,
@@ -156,35 +156,38 @@ def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: di
     """The torch executor's one writer pass, every method, grouping and layout: each step of the plan in
     order, a layer merged as it comes. `computed`: tensors made before the pass (refined attention, by
     checkpoint name), written as they are. Returns the per-layer merge report."""
-    from mha2gqa.checkpoint import DTYPES
 
     checkpoint, tensors, computed = plan.checkpoint, plan.tensors, computed or {}
     copies = {name: source for name, source in tensors.copies(checkpoint.tensors).items() if name not in computed}
     writer = ShardedWriter(out_dir, tensors.output_tensors(), plan.shard_bytes, copies)
     bar = progress_bar(tensors.bytes_out, "convert", plan.options.progress, unit="B", unit_scale=True)
     layers = []
-    for step in tensors.steps:
-        made = [out.name in computed for out in step.outputs]
-        if all(made):
-            for out in step.outputs:
-                writer.write_tensor(out.name, computed[out.name].to(DTYPES[out.dtype]))
-        elif any(made):
-            raise RuntimeError(f"refine made only some of the tensors of {step.sources}")
-        elif not step.is_transform:
-            out, info = step.outputs[0], checkpoint.tensors[step.sources["tensor"]]
-            if step.transpose:
-                writer.write_tensor(out.name, checkpoint.load(info.name).t().contiguous().to(DTYPES[out.dtype]))
-            elif out.dtype == info.dtype:
-                writer.copy_bytes(out.name, info)
+    try:
+        for step in tensors.steps:
+            made = [out.name in computed for out in step.outputs]
+            if all(made):
+                for out in step.outputs:
+                    writer.write_tensor(out.name, _cast(computed[out.name], out))
+            elif any(made):
+                raise RuntimeError(f"refine made only some of the tensors of {step.sources}")
+            elif not step.is_transform:
+                out, info = step.outputs[0], checkpoint.tensors[step.sources["tensor"]]
+                if step.transpose:
+                    writer.write_tensor(out.name, _cast(checkpoint.load(info.name).t().contiguous(), out))
+                elif out.dtype == info.dtype:
+                    writer.copy_bytes(out.name, info)
+                else:
+                    writer.write_tensor(out.name, _cast(checkpoint.load(info.name), out))
             else:
-                writer.write_tensor(out.name, checkpoint.load(info.name).to(DTYPES[out.dtype]))
-        else:
-            merged, report = _merge_layer(plan, step, stats)
-            for out in step.outputs:
-                writer.write_tensor(out.name, merged[out.name])
-            if report:
-                layers.append({"layer": step.layer, **report})
-        bar.update(sum(out.nbytes for out in step.outputs))
+                merged, report = _merge_layer(plan, step, stats)
+                for out in step.outputs:
+                    writer.write_tensor(out.name, merged[out.name])
+                if report:
+                    layers.append({"layer": step.layer, **report})
+            bar.update(sum(out.nbytes for out in step.outputs))
+    except BaseException:  # a refused cast, a short read, Ctrl-C: no shard left open
+        writer.discard()
+        raise
     writer.close()
     bar.close()
     return _by_layer(layers)
@@ -211,7 +214,6 @@ def _merge_layer(plan: ConversionPlan, step, stats) -> tuple[dict, dict]:
     """One layer's attention tensors read and transformed: (output name -> tensor in its output dtype,
     report). A function of its own so that the layer's source tensors are freed before the next layer
     is read (memory stays at one layer's K/V)."""
-    from mha2gqa.checkpoint import DTYPES
     from mha2gqa.convert.layer_step import transform_layer
     from mha2gqa.convert.methods import METHODS, LayerContext
 
@@ -223,7 +225,19 @@ def _merge_layer(plan: ConversionPlan, step, stats) -> tuple[dict, dict]:
     roles, report = transform_layer(METHODS[options.method], source_roles, context, options.grouping)
     packed = pack(roles, list(step.sources), options.groups)
     names = {step.sources[role]: tensor for role, tensor in packed.items()}
-    return {out.name: names[out.name].to(DTYPES[out.dtype]) for out in step.outputs}, report
+    return {out.name: _cast(names[out.name], out) for out in step.outputs}, report
+
+
+def _cast(tensor, out):
+    """`tensor` in the output's dtype, under casts.check_cast's rule (no inf, no tensor flushed to zero)."""
+    from mha2gqa.checkpoint import torch_dtypes
+    from mha2gqa.convert.casts import check_cast, torch_range
+
+    dtypes = torch_dtypes()
+    source = next(code for code, dtype in dtypes.items() if dtype == tensor.dtype)
+    if source != out.dtype and tensor.is_floating_point():
+        check_cast(out.name, *torch_range(tensor), source, out.dtype)
+    return tensor.to(dtypes[out.dtype])
 
 
 def _warn_non_finite(roles: dict, sources: dict, layer: int) -> None:
@@ -236,11 +250,18 @@ def _warn_non_finite(roles: dict, sources: dict, layer: int) -> None:
             fast.warn_non_finite(int((~torch.isfinite(tensor)).sum()), sources, role, layer)
 
 
-def _copy_other_files(source: Path, out_dir: Path) -> None:
-    """Tokenizer, generation config, README and the like: every top-level file but weights and config."""
-    for path in source.iterdir():
-        if path.is_file() and path.name not in NOT_COPIED and path.suffix not in (".safetensors", *PICKLE_SUFFIXES):
-            shutil.copy2(path, out_dir / path.name)
+def _copy_files(files: dict[Path, int], source: Path, out_dir: Path) -> None:
+    """Copy the files prepare checked (prepare.files_to_copy), each read to its checked size: a file
+    that changed since is a changing source, one line."""
+    for path, size in files.items():
+        copied = 0
+        with open_regular(path, source) as src, open(out_dir / path.name, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+                copied += len(chunk)
+        if copied != size:
+            raise short_read(path)
+        shutil.copystat(path, out_dir / path.name)
 
 
 def _write_config(config: dict, groups: int, dtype: str | None, out_dir: Path) -> None:

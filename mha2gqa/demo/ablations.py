@@ -20,6 +20,7 @@ from pathlib import Path
 from mha2gqa import embedded
 from mha2gqa.demo.pipeline import DEMO_RECIPE, embedded_run_overrides
 from mha2gqa.errors import InputError
+from mha2gqa.layouts import head_counts, read_config
 
 METHODS = ("mean", "first", "random")
 MARKERS = {"mean": "o", "first": "s", "random": "^"}  # plot markers per method
@@ -94,8 +95,7 @@ def run_grid(
                     }
                 )
 
-    info = json.loads((parent / "config.json").read_text())
-    measure(parent, "parent", 0, "parent (MHA)", info.get("num_key_value_heads", info["num_attention_heads"]))
+    measure(parent, "parent", 0, "parent (MHA)", head_counts(read_config(parent))[1])
     echo(f"parent perplexity on held-out Persuasion: {rows[-1]['perplexity']:.2f}")
     for method in methods:
         for kv in kv_heads:

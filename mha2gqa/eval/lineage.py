@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mha2gqa import provenance
+from mha2gqa.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,16 @@ class Start:
     missing: str | None = None
 
 
-def lineage(result: dict) -> list[dict]:
+def lineage(result: dict) -> list[dict] | None:
+    """The stages of the result's model, oldest first; None when what it recorded is not a lineage (a
+    result edited by hand: the report still draws, and says so, instead of refusing the whole table)."""
     record = result["model"].get("provenance")
-    return provenance.lineage_of(record) if isinstance(record, dict) else []
+    if not isinstance(record, dict):
+        return []
+    try:
+        return provenance.lineage_of(record)
+    except InputError:
+        return None
 
 
 def _names(result: dict) -> set[str]:
@@ -44,6 +52,9 @@ def recovery_starts(results: list[dict]) -> list[Start | None]:
     for i, r in enumerate(results):
         if r["role"] != "uptrained":
             starts.append(None)
+            continue
+        if stages[i] is None:
+            starts.append(Start(None, None, "its recorded lineage (model.provenance) is not readable"))
             continue
         kinds = [s["stage"] for s in stages[i]]
         if "conversion" not in kinds:

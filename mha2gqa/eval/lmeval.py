@@ -7,7 +7,9 @@ eval/tasks/ (OFFLINE_TASKS, built from held-out Persuasion, see docs/lmeval.md) 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import math
 import os
 import statistics
@@ -142,7 +144,8 @@ def run_lm_eval(
     previous = os.environ.get("DISABLE_MULTIPROC")
     os.environ["DISABLE_MULTIPROC"] = "1"
     try:
-        with without_log_messages(LM_EVAL_NOISE), without_datasets_bars():
+        # stdout: lm-eval prints "bootstrapping for stddev: perplexity" there (its results come back as data)
+        with without_log_messages(LM_EVAL_NOISE), without_datasets_bars(), contextlib.redirect_stdout(io.StringIO()):
             out = lm_eval.simple_evaluate(
                 model=wrapped,
                 tasks=list(tasks),

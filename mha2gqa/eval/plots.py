@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from pathlib import Path
 
 import matplotlib
@@ -16,6 +16,7 @@ from mha2gqa import provenance as model_provenance  # noqa: E402
 from mha2gqa.errors import InputError  # noqa: E402
 from mha2gqa.eval import schema  # noqa: E402
 from mha2gqa.eval.metrics import tokens_per_s_iqr  # noqa: E402
+from mha2gqa.reading import MAX_JSON_BYTES, parse_json_lines, read_bytes  # noqa: E402
 from mha2gqa.units import byte_unit  # noqa: E402
 
 ROLE_COLORS = {"parent": "#1f77b4", "converted": "#d62728", "uptrained": "#2ca02c"}
@@ -128,32 +129,15 @@ def speed_figure(results: list[dict]):
 
 def read_metrics(path: Path) -> list[dict]:
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise InputError(f"--metrics {path}: no such file (uptraining writes metrics.jsonl in its output_dir)")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as err:
-        raise InputError(
-            f"--metrics {path} is not UTF-8 text (byte {err.start}): pass the uptrain metrics.jsonl"
-        ) from err
+    fix = "pass the uptrain metrics.jsonl"
+    raw = parse_json_lines(read_bytes(path, MAX_JSON_BYTES, kind="metrics"), f"--metrics {path}", fix)
     rows = []
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(
-                    f"--metrics {path} line {n} is not JSON ({err.msg}): pass the uptrain metrics.jsonl"
-                ) from err
-            if (
-                not isinstance(row, dict)
-                or not isinstance(row.get("step"), (int, float))
-                or isinstance(row["step"], bool)
-            ):
-                raise InputError(
-                    f"--metrics {path} line {n} is not an object with a numeric 'step': pass the uptrain metrics.jsonl"
-                )
-            rows.append(row)
+    for n, row in raw:
+        if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)) or isinstance(row["step"], bool):
+            raise InputError(f"--metrics {path} line {n} is not an object with a numeric 'step': {fix}")
+        rows.append(row)
     if not rows:
         raise InputError(f"--metrics {path} has no lines with a 'step': pass the uptrain metrics.jsonl")
     if not (_series(rows, "loss") or _series(rows, "ppl")):

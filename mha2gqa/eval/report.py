@@ -4,12 +4,17 @@ report.json (the table's numbers) and PNG plots."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
+
+import matplotlib
 
 from mha2gqa.errors import InputError, user_file_error
 from mha2gqa.eval import plots, render
 from mha2gqa.eval.compare import comparison_rows, pick_baseline
 from mha2gqa.eval.schema import check_writable, load_results
+from mha2gqa.writing import swap_in
 
 
 def _unique_labels(results: list[dict]) -> None:
@@ -45,14 +50,27 @@ def write_report(result_paths, out_dir, baseline: str | None = None, metrics=Non
     rows, meta = comparison_rows(results, base)
 
     check_writable(out_dir / "report.json", "--out")  # read-only or full: say so before drawing anything
+    # Drawn in a staging folder beside --out, then moved in: a failure leaves no half report, no PNG.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name[:100]}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
     try:
-        return _write(out_dir, rows, meta, results, paths, metric_paths)
+        staging.mkdir()
+        # Labels are text, never mathtext: a model named "$\\frac{" must not be parsed by matplotlib.
+        with matplotlib.rc_context({"text.parse_math": False}):
+            written = _write(staging, rows, meta, results, paths, metric_paths)
+        if out_dir.exists():
+            swap_in(staging, out_dir, files_first="*.png", files_last=("report.json",))
+        else:
+            swap_in(staging, out_dir)
     except OSError as err:  # the disk filled up mid-way: one line
         raise user_file_error(err, out_dir) from err
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {name: out_dir / path.name for name, path in written.items()}
 
 
 def _write(out_dir: Path, rows, meta, results, paths, metric_paths) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
     drawn = {
         "quality_vs_kv": plots.quality_vs_kv(rows, out_dir / "quality_vs_kv.png"),
         "speed_vs_batch": plots.speed_vs_batch(results, out_dir / "speed_vs_batch.png"),

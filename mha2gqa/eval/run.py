@@ -24,8 +24,7 @@ from mha2gqa.eval.kvcache import measure_kv_cache
 from mha2gqa.eval.lmeval import check_lm_eval_installed, run_lm_eval, task_manager
 from mha2gqa.eval.options import EvalOptions, SpeedPreset
 from mha2gqa.eval.schema import SCHEMA, check_writable, write_result
-from mha2gqa.loading import require_safetensors
-from mha2gqa.sources import resolve_model_dir
+from mha2gqa.sources import require_safetensors, resolve_model_dir
 
 DEFAULT_CONTEXT = 1024
 

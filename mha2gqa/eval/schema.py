@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 
 from mha2gqa.errors import InputError, user_file_error
+from mha2gqa.reading import read_json
+from mha2gqa.writing import write_atomic
 
 SCHEMA = "mha2gqa.eval/1"
 SWEEP_SCHEMA = "mha2gqa.sweep/1"  # `mha2gqa sweep`'s sweep.json: the parent's and every candidate's result inside
@@ -102,19 +104,11 @@ def write_result(result: dict, out: Path) -> Path:
     """Write atomically: a reader never sees half a file, and a failed run leaves none (a full or
     read-only disk is one line naming the file)."""
     out = Path(out)
-    tmp = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, out)
     except OSError as err:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
         raise user_file_error(err, out) from err
-    return out
+    return write_atomic(out, json.dumps(result, indent=2, sort_keys=False) + "\n")
 
 
 def check_writable(out: Path, flag: str = "--out") -> None:
@@ -156,16 +150,9 @@ def load_results(path: str | os.PathLike) -> list[dict]:
 
 
 def _read_json(path: Path):
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise InputError(f"{path}: no such result file (write one with `mha2gqa eval MODEL --out {path}`)")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:
-        raise InputError(f"{path} is not UTF-8 text (byte {err.start}): pass a file written by `mha2gqa eval`") from err
-    except json.JSONDecodeError as err:
-        raise InputError(
-            f"{path} is not JSON ({err.msg} at line {err.lineno}): pass a file written by `mha2gqa eval`"
-        ) from err
+    return read_json(path, "pass a file written by `mha2gqa eval`")
 
 
 def _checked(result, path) -> dict:
@@ -211,6 +198,7 @@ _TYPES = {
     "model.kv_heads": (_count, "a whole number"),
     "model.layers": (_count, "a whole number"),
     "model.head_dim": (_count, "a whole number"),
+    "model.params": (_maybe(_count), "a whole number"),
     "perplexity": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
     "perplexity.perplexity": (_maybe(_number), "a number"),
     "perplexity.context": (_maybe(_count), "a whole number"),
@@ -244,6 +232,25 @@ _TYPES = {
     ),
     "data": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
     "data.ids_sha256": (_maybe(lambda v: isinstance(v, str)), "text"),
+    "data.tokens": (_maybe(_count), "a whole number"),
+    "lm_eval": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
+    "lm_eval.tasks": (
+        _maybe(
+            lambda v: (
+                isinstance(v, dict)
+                and all(
+                    isinstance(t, dict)
+                    and isinstance(t.get("metrics"), dict)
+                    and all(
+                        isinstance(m, dict) and _maybe(_number)(m.get("value")) and _maybe(_number)(m.get("stderr"))
+                        for m in t["metrics"].values()
+                    )
+                    for t in v.values()
+                )
+            )
+        ),
+        "{task: {metrics: {name: {value, stderr}}}} with numbers",
+    ),
     "warnings": (_maybe(lambda v: isinstance(v, list) and all(isinstance(w, str) for w in v)), "a list of text"),
     "env": (lambda v: isinstance(v, dict), "an object"),
     "env.device_name": (_maybe(lambda v: isinstance(v, str)), "text"),

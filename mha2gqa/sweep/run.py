@@ -33,6 +33,7 @@ from mha2gqa.eval.schema import SWEEP_SCHEMA, write_result
 from mha2gqa.layouts import AttentionShape, attention_shape, layout_for, read_config
 from mha2gqa.sources import resolve_model_dir
 from mha2gqa.sweep.options import SweepOptions
+from mha2gqa.writing import check_room
 
 UPTRAIN_RECIPE = Path(__file__).resolve().parent.parent / "demo" / "demo-uptrain.yaml"
 
@@ -99,15 +100,7 @@ def _bytes_needed(plans: dict, shape: AttentionShape, keep: bool) -> int:
 
 
 def _check_room(out: Path, needed: int) -> None:
-    folder = out
-    while not folder.exists():
-        folder = folder.parent
-    free = shutil.disk_usage(folder).free
-    if needed > free:
-        raise InputError(
-            f"--out {out} needs {needed / 2**20:.1f} MiB (calibration statistics and converted models) but its "
-            f"filesystem has {free / 2**20:.1f} MiB free: free space, choose another --out, or drop --keep"
-        )
+    check_room(out, needed, f"--out {out}", "calibration statistics and converted models; or drop --keep to need less")
 
 
 def _check_out(out: Path) -> None:

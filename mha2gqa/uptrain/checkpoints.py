@@ -17,7 +17,9 @@ from pathlib import Path
 
 from mha2gqa.errors import InputError, first_line, is_user_fault, user_file_error
 from mha2gqa.quiet import SHARED_TENSOR_NOISE, without_log_messages
+from mha2gqa.reading import read_json
 from mha2gqa.uptrain.recipe import RESUME_FREE_KEYS, Recipe
+from mha2gqa.writing import nearest_existing, write_atomic
 
 CHECKPOINTS = "checkpoints"
 PROGRESS = "progress.json"
@@ -59,16 +61,14 @@ def complete_checkpoints(out: Path) -> list[Path]:
 def read_progress(ckpt: Path) -> dict | None:
     """The checkpoint's progress record, or None when it is absent or damaged (not a finished checkpoint)."""
     try:
-        progress = json.loads((ckpt / PROGRESS).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        progress = read_json(ckpt / PROGRESS, "it is damaged")
+    except (OSError, InputError):
         return None
     return progress if isinstance(progress, dict) and isinstance(progress.get("step"), int) else None
 
 
 def write_progress(ckpt: Path, progress: dict) -> None:
-    tmp = ckpt / (PROGRESS + ".tmp")
-    tmp.write_text(json.dumps(progress, indent=1))
-    tmp.replace(ckpt / PROGRESS)
+    write_atomic(ckpt / PROGRESS, json.dumps(progress, indent=1))
 
 
 def prune(out: Path, keep_last: int) -> None:
@@ -231,25 +231,6 @@ def load_newest_loadable(accelerator, out: Path) -> Path:
     )
 
 
-def check_room(out: Path, needed: int) -> None:
-    """Before training: output_dir (or the folder that will hold it) must be writable and have room
-    for `needed` bytes, so that a run does not fail at its first save hours in."""
-    existing = _nearest_existing(out)
-    if not existing.is_dir():
-        raise InputError(f"output_dir {out}: {existing} is a file, not a folder: choose another output_dir")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(
-            f"output_dir {out}: {existing} is not writable (read-only filesystem or permissions): "
-            "choose a writable output_dir"
-        )
-    free = shutil.disk_usage(existing).free
-    if free < needed:
-        raise InputError(
-            f"output_dir {out}: {free / 2**20:,.0f} MiB free on its filesystem but a checkpoint and the "
-            f"final model need about {needed / 2**20:,.0f} MiB: free space or choose another output_dir"
-        )
-
-
 def write_failure(err: Exception, path: Path) -> InputError | None:
     """An error raised while writing under `path`, as one line when the disk or its permissions are
     to blame; None when it is not (a bug: keep the traceback). torch.save reports a full disk as a
@@ -260,15 +241,9 @@ def write_failure(err: Exception, path: Path) -> InputError | None:
     if code:
         fault = OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path))
         return user_file_error(fault, path) if is_user_fault(fault) else None
-    if shutil.disk_usage(_nearest_existing(path)).free < FULL_BELOW:  # checked before the partial files are removed
+    if shutil.disk_usage(nearest_existing(path)).free < FULL_BELOW:  # checked before the partial files are removed
         return user_file_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)), path)
     return None
-
-
-def _nearest_existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def remove_unfinished(out: Path) -> None:

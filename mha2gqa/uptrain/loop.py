@@ -6,7 +6,6 @@ lineage with this run's "uptrain" stage appended."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from mha2gqa.uptrain.models import (
 )
 from mha2gqa.uptrain.recipe import Recipe
 from mha2gqa.uptrain.steps import Metrics, Run, Trace, TrainingDiverged, run_steps, tokens_per_step, total_steps
+from mha2gqa.writing import check_room, swap_in, write_atomic
 
 __all__ = ["TrainingDiverged", "train"]
 
@@ -113,7 +113,12 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
 
     # Every rank checks (read-only): a refusal on rank 0 alone would leave the others waiting.
     saves = bool(recipe.save_every or recipe.exit_after_steps)
-    checkpoints.check_room(out, save_bytes(student.model, student.saved_dtype, saves))
+    check_room(
+        out,
+        save_bytes(student.model, student.saved_dtype, saves),
+        f"output_dir {out}",
+        "a checkpoint and the final model",
+    )
 
     # Nothing was written before this point: every input error above left output_dir untouched.
     if accelerator.is_main_process:
@@ -224,25 +229,13 @@ def save_final(accelerator, model, tokenizer, out: Path, dtype: torch.dtype, fin
             if fault is None:
                 raise
             raise fault from err
-        _swap_in(staging, out)
+        # every file renamed into output_dir (atomic each): weights first, mha2gqa.json last
+        swap_in(staging, out, files_first=WEIGHT_FILES, files_last=(provenance.FILE_NAME,))
     accelerator.wait_for_everyone()
-
-
-def _swap_in(staging: Path, out: Path) -> None:
-    """Move every file of `staging` into `out` (each rename atomic: same filesystem), weights first,
-    mha2gqa.json last; then drop old weight shards that the new model does not have."""
-    new = sorted(staging.iterdir(), key=lambda p: (not p.match(WEIGHT_FILES), p.name == provenance.FILE_NAME, p.name))
-    for path in new:
-        os.replace(path, out / path.name)
-    names = {p.name for p in new}
-    for old in out.glob(WEIGHT_FILES):
-        if old.name not in names:
-            old.unlink()
-    staging.rmdir()
 
 
 def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
     """save_pretrained records the in-memory (fp32) dtype; record the one the weights were saved in."""
     config = json.loads(path.read_text())
     config["dtype"] = str(dtype).replace("torch.", "")
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_atomic(path, json.dumps(config, indent=2, sort_keys=True) + "\n")

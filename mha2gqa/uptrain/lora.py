@@ -72,6 +72,7 @@ def add_adapters(model, lora):
     config = peft_config(model, lora)
     if lora.load_in_4bit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    _check_targets(model, sorted(config.target_modules))
     try:
         with without_peft_deprecation():
             return get_peft_model(model, config)
@@ -80,6 +81,30 @@ def add_adapters(model, lora):
             f"lora.target_modules={sorted(config.target_modules)} do not name modules of this "
             f"{model.config.model_type} model ({first_line(err, 160)})"
         ) from err
+
+
+def _check_targets(model, targets: list[str]) -> None:
+    """A target that names only modules LoRA cannot wrap (a whole MLP block, a norm) is said to be
+    one, with the Linear layers inside it to name instead: peft would say it matches nothing."""
+    import torch
+
+    modules = dict(model.named_modules())
+    for target in targets:
+        found = [(name, m) for name, m in modules.items() if name == target or name.endswith("." + target)]
+        if found and not any(isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) for _, m in found):
+            name, module = found[0]
+            inner = sorted(
+                {child.rsplit(".", 1)[-1] for child, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+            )
+            hint = (
+                f"name its Linear layers instead ({', '.join(inner)})"
+                if inner
+                else "name Linear layers (e.g. q_proj, v_proj)"
+            )
+            raise InputError(
+                f"lora.target_modules entry {target!r} matches {len(found)} {type(module).__name__} module(s) "
+                f"(e.g. {name}), which are not Linear layers LoRA can adapt: {hint}"
+            )
 
 
 def merged_model(peft_model, lora, source_dir: Path | None, saved_dtype):

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -22,6 +23,7 @@ import yaml
 
 from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import read_config
+from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, parse_yaml, read_bytes
 from mha2gqa.sources import hub_offline, is_hub_id, looks_local, model_ref_problem
 from mha2gqa.textdata import resolve
 from mha2gqa.uptrain.recipe import LoraConfig, Recipe, all_keys
@@ -48,10 +50,11 @@ def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
 
 def _read_yaml(path) -> dict:
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise InputError(f"recipe {path}: no such file (see recipes/*.yaml for examples)")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = read_bytes(path, MAX_YAML_BYTES, kind="a recipe").decode("utf-8")
+        raw = parse_yaml(text, f"recipe {path}", "write the recipe out plainly (see recipes/*.yaml)")
     except UnicodeDecodeError as err:
         raise InputError(
             f"recipe {path} is not UTF-8 text (byte {err.start}): pass a YAML recipe (see recipes/*.yaml)"
@@ -73,7 +76,10 @@ def _apply_overrides(raw: dict, overrides: list[str], problems: list[str]) -> No
             problems.append(f"override {item!r} is not key=value (e.g. optim.lr=1e-4)")
             continue
         try:
-            value = yaml.safe_load(text) if text else None
+            value = parse_yaml(text, f"override {key}=", "give a plain value") if text else None
+        except YamlLimit as err:
+            problems.append(str(err))
+            continue
         except yaml.YAMLError:
             value = text
         node = raw
@@ -107,7 +113,16 @@ def _build(cls, raw: dict, prefix: str, problems: list[str]):
     return cls(**kwargs)
 
 
+# Names other tools give a key, by the leaf: `optim.learning_rate` means optim.lr, however close
+# optim.min_lr_ratio is in spelling.
+_SYNONYMS = {"learning_rate": "lr", "batch_size": "micro_batch_size", "gradient_accumulation_steps": "grad_accum"}
+
+
 def _unknown(key: str) -> str:
+    section, _, leaf = key.rpartition(".")
+    synonym = f"{section}.{_SYNONYMS[leaf]}" if section and leaf in _SYNONYMS else _SYNONYMS.get(leaf)
+    if synonym in all_keys():
+        return f"unknown key {key} (did you mean {synonym}?)"
     close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]}?)" if close else ""
     return f"unknown key {key}{hint}"

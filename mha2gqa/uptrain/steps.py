@@ -110,6 +110,12 @@ class TrainingDiverged(RuntimeError):
 # A step loss this many times its running level (and at least SPIKE_NATS above it) is divergence:
 # ordinary loss noise stays well inside it, a destroyed model (loss near or above log vocab) does not.
 SPIKE_RATIO, SPIKE_NATS, SPIKE_AFTER = 3.0, 1.0, 3
+# An eval loss within GUESS_MARGIN nats of log(vocab_size) is guessing: evals of the same weights on
+# the same blocks agree far closer than that, and one step of lr=1e30 landed 2e-6 below log(4096).
+GUESS_MARGIN = 0.1
+# Weights whose largest |value| grew this many times since the run (or its resume) began are
+# destroyed, whatever the loss says: norms start at 1, trained weights stay within a few of it.
+WEIGHT_GROWTH = 1000.0
 
 
 class Guard:
@@ -118,9 +124,10 @@ class Guard:
     one and poison every --resume. So a checkpoint or final model is saved only after an eval of the
     weights it holds passes `eval_problem`, and each step's loss is compared with its running level."""
 
-    def __init__(self, vocab_size: int, best_eval: float | None = None):
+    def __init__(self, vocab_size: int, best_eval: float | None = None, weight_scale: float | None = None):
         self.uniform = math.log(vocab_size)  # the loss of guessing uniformly over the vocabulary
         self.vocab_size = vocab_size
+        self.weight_scale = weight_scale  # the largest |weight| when the run (or its resume) began
         self.best_eval = best_eval
         self.level: float | None = None  # running (EMA) level of the step loss
         self.steps = 0
@@ -132,15 +139,26 @@ class Guard:
         self.steps += 1
         return None
 
-    def eval_problem(self, eval_loss: float) -> str | None:
+    def eval_problem(self, eval_loss: float, weight_scale: float | None = None) -> str | None:
+        """Why weights that evaluate to `eval_loss` (largest |weight| `weight_scale`) are not good, or None."""
         if not math.isfinite(eval_loss):
             return f"eval loss {eval_loss}"
-        # A run that had been better than guessing and is now no better has destroyed the model (a model
-        # trained from scratch may start at guessing: that alone is not divergence).
-        if self.best_eval is not None and self.best_eval < self.uniform <= eval_loss:
+        started_finite = self.weight_scale is not None and math.isfinite(self.weight_scale)
+        if started_finite and weight_scale is not None and not math.isfinite(weight_scale):
+            return f"weights hold non-finite values (max |w| {weight_scale})"  # a source's own NaN is not ours
+        if self.weight_scale and weight_scale is not None and weight_scale > WEIGHT_GROWTH * self.weight_scale:
             return (
-                f"eval loss {eval_loss:.4g} is no better than guessing (log vocab_size {self.vocab_size} = "
-                f"{self.uniform:.4g}; this run had reached {self.best_eval:.4g})"
+                f"the largest |weight| grew from {self.weight_scale:.3g} to {weight_scale:.3g} "
+                f"(over {WEIGHT_GROWTH:g}x)"
+            )
+        # A run that had been better than guessing and is now no better, by a margin noise cannot cross,
+        # has destroyed the model (a model trained from scratch may start at guessing: that alone is not
+        # divergence).
+        guessing = self.uniform - GUESS_MARGIN
+        if self.best_eval is not None and self.best_eval < guessing <= eval_loss:
+            return (
+                f"eval loss {eval_loss:.7g} is no better than guessing (log vocab_size {self.vocab_size} = "
+                f"{self.uniform:.7g}, within {GUESS_MARGIN:g} nats; this run had reached {self.best_eval:.4g})"
             )
         self.best_eval = eval_loss if self.best_eval is None else min(self.best_eval, eval_loss)
         return None
@@ -216,7 +234,8 @@ def run_steps(run: Run, start: int) -> dict | None:
     model = torch.compile(run.model) if r.compile else run.model
     loss_fn = loss_function(run, model)
     eval_blocks = rank_slice(run.data.eval, acc.process_index, acc.num_processes)
-    guard = Guard(acc.unwrap_model(run.model).config.vocab_size, checkpoints.saved_eval_loss(run.out, start))
+    vocab = acc.unwrap_model(run.model).config.vocab_size
+    guard = Guard(vocab, checkpoints.saved_eval_loss(run.out, start), weight_scale(run))
     evals = None
     if start == 0 and r.eval_at_start:
         evals = _checked_eval(run, eval_blocks, guard, 0, lr_at(0, run.total, r.optim))
@@ -255,10 +274,19 @@ def _checked_eval(run: Run, blocks: torch.Tensor, guard: Guard, step: int, lr: f
     """An eval that ends the run (TrainingDiverged, same on every rank: the loss is reduced) when the
     weights it measured are broken."""
     evals = _evaluate(run, blocks)
-    problem = guard.eval_problem(evals["eval_loss"])
+    problem = guard.eval_problem(evals["eval_loss"], weight_scale(run))
     if problem:
         raise TrainingDiverged(_diverged(run, step, problem, lr, applied=True))
     return evals
+
+
+def weight_scale(run: Run) -> float:
+    """The largest |value| of any weight, over every rank's parameters (the same number on each)."""
+    acc = run.accelerator
+    with torch.no_grad():  # torch's max, not Python's: a NaN anywhere must come out as NaN
+        peaks = [p.detach().abs().max().float() for p in run.model.parameters() if p.numel()]
+        local = torch.stack(peaks).max().reshape(1) if peaks else torch.zeros(1)
+    return float(acc.gather(local.to(acc.device)).max())
 
 
 def _save_checkpoint(run: Run, step: int, tps: int, eval_loss: float) -> Path:
