@@ -2,6 +2,10 @@
 bad input is refused before anything runs, and an interrupted sweep keeps its finished rows only."""
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -270,3 +274,25 @@ def test_recommendation_is_the_smallest_cache_within_tolerance_or_the_next_comma
 def test_pareto_front_keeps_only_points_nothing_beats_on_both_axes():
     points = [(8, 10.0, "parent"), (4, 12.0, "a"), (4, 11.0, "b"), (2, 20.0, "c"), (2, 25.0, "d"), (1, 30.0, "e")]
     assert pareto_front(points) == ["parent", "b", "c", "e"]
+
+
+@pytest.mark.slow
+def test_a_real_sigint_during_the_second_candidate_keeps_the_first(tiny, tmp_path):
+    out = tmp_path / "out"
+    long_text = tmp_path / "long.txt"
+    long_text.write_text(SAMPLE_TEXT.upper() * 400)  # each evaluation takes seconds: room to interrupt the second
+    args = [str(a) for a in _sweep_args(tiny, out)[1:]]
+    args[args.index("--data") + 1], args[args.index("--max-tokens") + 1] = str(long_text), "100000"
+    command = [sys.executable, "-m", "mha2gqa", "sweep", *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not (out / "sweep.json").exists():  # written once the first candidate has finished
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130, stderr
+    assert "keeps the 1 of 4 candidates that finished" in stdout and "Traceback" not in stderr
+    record = json.loads((out / "sweep.json").read_text())
+    assert record["interrupted"] is True and [r["name"] for r in record["candidates"]] == ["kv2-mean"]
+    assert not list(out.glob(".sweep-*")) and not list(out.glob("**/*.safetensors"))

@@ -207,7 +207,12 @@ def write_pages(record: dict, out: Path) -> dict[str, Path]:
         md += ["| " + " | ".join(r) + " |" for r in rows]
     md += [""] + [f"![{name}]({path.name})" for name, path in drawn.items()]
     esc = html.escape
-    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)
+    text = {0, 2}  # candidate and method: left-aligned (the report's CSS class t)
+
+    def cell(tag: str, i: int, value: str) -> str:
+        return f"<{tag}{' class=t' if i in text else ''}>{esc(value)}</{tag}>"
+
+    body = "".join("<tr>" + "".join(cell("td", i, c) for i, c in enumerate(r)) + "</tr>" for r in rows)
     images = "".join(
         f'<figure><img alt="{esc(n)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></figure>'
         for n, p in drawn.items()
@@ -216,8 +221,12 @@ def write_pages(record: dict, out: Path) -> dict[str, Path]:
         f"<!doctype html><html><head><meta charset='utf-8'><title>mha2gqa sweep</title><style>{CSS}</style></head>"
         f"<body><h1>mha2gqa sweep</h1><p>{esc(_settings_line(record))}</p><p>{esc(_status(record))}</p>"
         f"<p><b>{esc(line)}</b></p>"
-        + (f"<pre style='white-space:pre-wrap'><code>{esc(next_command)}</code></pre>" if next_command else "")
-        + f"<table><tr>{''.join(f'<th>{esc(h)}</th>' for h in headers)}</tr>{body}</table>"
+        + (
+            f"<pre style='white-space:pre-wrap;word-break:break-all'><code>{esc(next_command)}</code></pre>"
+            if next_command
+            else ""
+        )
+        + f"<table><tr>{''.join(cell('th', i, h) for i, h in enumerate(headers))}</tr>{body}</table>"
         f"{images}</body></html>\n"
     )
     written = {"markdown": out / "sweep.md", "html": out / "sweep.html"}
