@@ -17,7 +17,7 @@ def _rss_anon_kib(pid: int) -> int:
 
 
 def measure(command: list[str], env: dict | None = None) -> dict:
-    """Wall seconds, peak RSS (the kernel's ru_maxrss of this child alone) and peak anonymous memory
+    """Wall seconds, CPU seconds (user + system), peak RSS (the kernel's ru_maxrss of this child alone) and peak anonymous memory
     (RssAnon sampled every 5 ms: file-backed pages such as the page cache or mmaps are not in it)."""
     start = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -42,4 +42,9 @@ def measure(command: list[str], env: dict | None = None) -> dict:
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode:
         raise RuntimeError(f"{command} failed: {process.stderr.read().decode()[-2000:]}")
-    return {"wall_s": wall, "peak_rss_mib": usage.ru_maxrss / 1024, "peak_anon_mib": peak_anon / 1024}
+    return {
+        "wall_s": wall,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_rss_mib": usage.ru_maxrss / 1024,
+        "peak_anon_mib": peak_anon / 1024,
+    }

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from mha2gqa.errors import InputError, first_line
 from mha2gqa.quiet import without_datasets_bars
-from mha2gqa.reading import parse_json
+from mha2gqa.reading import file_kind, parse_json
 from mha2gqa.sources import hub_offline
 
 # File suffix -> format; the format is also the name of the `datasets` builder that reads it.
@@ -99,6 +99,9 @@ def _resolve(key, entries, problems, check_files, one_format) -> TextSource | No
         path = Path(entry).expanduser()
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and file_format(p))
+            special = sorted(p for p in path.rglob("*") if p.exists() and not p.is_file() and not p.is_dir())
+            if special:  # a FIFO named part.txt would block the read, and leaving it out would be silent
+                problems.append(f"{key} {special[0]} is {_kind(special[0])}, not a regular file: remove it")
             if not found:
                 problems.append(f"{key} {entry}: the folder holds no {_known()} files: add text files")
             files += found
@@ -108,6 +111,8 @@ def _resolve(key, entries, problems, check_files, one_format) -> TextSource | No
             elif file_format(path) == "parquet" and path.suffix.lower() in COMPRESSIONS:
                 problems.append(f"{key} {entry}: parquet is compressed inside already: remove the {path.suffix}")
             files.append(path)
+        elif path.exists():  # a FIFO, socket or device: reading one blocks or never ends
+            problems.append(f"{key} {entry} is {_kind(path)}, not a regular file: pass a text file")
         elif not check_files and _looks_local(entry):
             files.append(path)
         elif _looks_local(entry):
@@ -242,6 +247,10 @@ def _plain_texts(key: str, path: Path, f, piece_chars: int | None) -> Iterator[s
             piece, size = [], 0
     if piece:
         yield "".join(piece)
+
+
+def _kind(path: Path) -> str:
+    return file_kind(path.stat().st_mode)
 
 
 def _refuse_nul(key: str, path: Path, text: str) -> None:

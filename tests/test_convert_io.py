@@ -36,6 +36,42 @@ def test_sharded_source_gives_sharded_output_with_a_correct_index(tmp_path):
     assert not any(info.values())
 
 
+def _placed(model_dir):
+    """name -> (shard file, absolute byte offset, bytes) of every tensor in a safetensors folder."""
+    placed = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with path.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        for name, entry in header.items():
+            start, end = entry["data_offsets"]
+            placed[name] = (path.name, 8 + length + start, end - start)
+    return placed
+
+
+def test_output_shards_do_not_mix_copies_of_two_source_files(tmp_path):
+    # one header pad can keep only one source file's offset within a page (checkpoint.assign_shards)
+    save_tiny_model(tmp_path / "src", "llama", max_shard_size="100KB")
+    convert(tmp_path / "src", tmp_path / "dst", groups=2, progress=False)  # 5GB would fit all in one shard
+    source, output = _placed(tmp_path / "src"), _placed(tmp_path / "dst")
+    copied = [name for name in output if output[name][2] == source[name][2] and "k_proj" not in name]
+    files_per_shard = {}
+    for name in copied:
+        files_per_shard.setdefault(output[name][0], set()).add(source[name][0])
+    assert all(len(files) == 1 for files in files_per_shard.values())
+    assert len(files_per_shard) == len({source[n][0] for n in copied}) > 1
+    for name in output:  # and the bytes are the source's (or the pooled ones, checked elsewhere)
+        if name in copied:
+            with (
+                (tmp_path / "src" / source[name][0]).open("rb") as a,
+                (tmp_path / "dst" / output[name][0]).open("rb") as b,
+            ):
+                a.seek(source[name][1])
+                b.seek(output[name][1])
+                assert a.read(source[name][2]) == b.read(output[name][2]), name
+
+
 def test_bf16_stays_bf16_and_dtype_flag_casts(tmp_path):
     save_tiny_model(tmp_path / "src", "llama", dtype=torch.bfloat16)
     convert(tmp_path / "src", tmp_path / "kept", groups=4, progress=False)

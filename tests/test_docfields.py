@@ -19,7 +19,15 @@ from mha2gqa.sweep.options import SweepOptions
 
 # options that set no field of the command's options type, so keep a literal help
 # --refine-* options set RefineOptions fields (ConvertOptions.refine)
-REFINE_FIELDS = {"refine_steps": "steps", "refine_lr": "lr", "refine_memory": "memory", "refine_tokens": "tokens"}
+REFINE_FIELDS = {
+    "refine_steps": "steps",
+    "refine_lr": "lr",
+    "refine_memory": "memory",
+    "refine_tokens": "tokens",
+    "refine_mlp": "mlp_output",
+    "refine_global_steps": "global_steps",
+    "refine_global_lr": "global_lr",
+}
 NOT_FIELDS = {"convert": {"quiet", *REFINE_FIELDS}, "eval": {"quiet"}}
 # options that pick one of several: their help lists each choice after the field's docstring
 CHOICES = {"method": METHOD_SUMMARIES, "grouping": choice_docs(Grouping), "speed_preset": choice_docs(SpeedPreset)}

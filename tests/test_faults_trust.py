@@ -784,3 +784,20 @@ def test_a_fifo_never_blocks_a_real_convert_process(src, tmp_path):
         "regular files; put the file itself there"
     ]
     assert _leftovers(dst) == []
+
+
+@pytest.mark.parametrize("where", ["file", "in a folder"])
+def test_text_data_that_is_a_fifo_is_refused(src, evaluated, tmp_path, tmpdir_env, where):
+    """eval --data on a FIFO blocked; one in a data folder was silently left out."""
+    if where == "file":
+        data = tmp_path / "held.txt"
+    else:
+        (tmp_path / "texts").mkdir()
+        (tmp_path / "texts" / "a.txt").write_text(SAMPLE_TEXT * 4)
+        data = tmp_path / "texts"
+    _fifo(data if where == "file" else data / "b.txt")
+    out = tmp_path / "r.json"
+    with _deadline(60):
+        result = cli("eval", src, "--data", data, "--speed", "off", "--quiet", "--out", out)
+    refused(result, "is a named pipe (FIFO), not a regular file", tmpdir=tmpdir_env)
+    assert not out.exists()

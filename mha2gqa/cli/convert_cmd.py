@@ -43,6 +43,9 @@ def _refine_option(flag: str, field: str, **kwargs):
 @_refine_option("--refine-lr", "lr")
 @_refine_option("--refine-memory", "memory", as_text=format_size)
 @_refine_option("--refine-tokens", "tokens", type=int)
+@_refine_option("--refine-mlp", "mlp_output", is_flag=True)
+@_refine_option("--refine-global-steps", "global_steps")
+@_refine_option("--refine-global-lr", "global_lr")
 def convert(
     src,
     dst,
@@ -63,6 +66,9 @@ def convert(
     refine_lr,
     refine_memory,
     refine_tokens,
+    refine_mlp,
+    refine_global_steps,
+    refine_global_lr,
 ):
     """Convert the checkpoint SRC (a local directory with config.json and safetensors, or a hub id when
     online) into a grouped-query checkpoint DST with GROUPS kv heads.
@@ -78,7 +84,14 @@ def convert(
 
     refine_options = (
         RefineOptions(
-            refine_steps, refine_lr, parse_size(refine_memory, "--refine-memory"), tokens=refine_tokens, seed=seed
+            refine_steps,
+            refine_lr,
+            parse_size(refine_memory, "--refine-memory"),
+            tokens=refine_tokens,
+            mlp_output=refine_mlp,
+            global_steps=refine_global_steps,
+            global_lr=refine_global_lr,
+            seed=seed,
         )
         if refine
         else None
@@ -129,20 +142,28 @@ def layer_table(layers: list[dict]) -> str:
 
 
 def refine_table(record: dict) -> str:
-    """Per-layer relative attention-output error before/after --refine, on fit and held-out tokens."""
+    """Per-layer relative attention-output error before/after --refine, on fit and held-out tokens, and the
+    block stage's per-token relative layer-output error on the held-out tokens where it ran."""
+    keys = ["fit_error_before", "fit_error_after", "heldout_error_before", "heldout_error_after"]
+    headers = ["layer", "fit before", "fit after", "held-out before", "held-out after"]
+    if any("output_heldout_error_after" in row for row in record["layers"]):
+        keys += ["output_heldout_error_before", "output_heldout_error_after"]
+        headers += ["layer output, held-out before", "after"]
     rows = [
-        [str(row["layer"])]
-        + [
-            f"{row[key]:.4f}"
-            for key in ("fit_error_before", "fit_error_after", "heldout_error_before", "heldout_error_after")
-        ]
-        for row in record["layers"]
+        [str(row["layer"])] + [f"{row[key]:.4f}" if key in row else "-" for key in keys] for row in record["layers"]
     ]
     title = (
         f"refine: relative attention-output error, {record['fit_tokens']} fit and {record['heldout_tokens']} "
         "held-out calibration tokens"
     )
-    return title + "\n" + table(["layer", "fit before", "fit after", "held-out before", "held-out after"], rows)
+    text = title + "\n" + table(headers, rows)
+    stage = record.get("global")
+    if stage:
+        start, best = stage["checks"][0]["heldout_kl"], min(c["heldout_kl"] for c in stage["checks"])
+        text += (
+            f"\nall layers together: held-out KL to the parent {start:.4f} -> {best:.4f} (step {stage['best_step']})"
+        )
+    return text
 
 
 @click.command(short_help="Show SRC's attention and the KV-cache saving of every kv-head count.")

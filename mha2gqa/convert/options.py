@@ -18,6 +18,7 @@ DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held a
 DEFAULT_REFINE_STEPS = 50
 DEFAULT_REFINE_LR = 1e-3
 DEFAULT_REFINE_MEMORY = 4 << 30
+DEFAULT_REFINE_GLOBAL_LR = 1e-4
 REFINE_TOKENS_PER_HIDDEN = 64  # default --refine-tokens per unit of hidden size (docs/refine.md)
 
 
@@ -81,10 +82,19 @@ class RefineOptions:
     """Calibration tokens --refine fits and checks on, in whole sequences spread evenly over the calibration
     tokens (all of them when fewer). Unset: 64 x the model's hidden size (the o_proj solve has that many
     unknowns per output), e.g. 16,384 for hidden 256 and 262,144 for hidden 4096."""
+    global_steps: int = 0
+    """After the layer-wise stages, Adam steps on every refined parameter together against the parent's
+    next-token distribution (KL) on the fit blocks, with early stopping on the held-out blocks (0: off)."""
+    global_lr: float = DEFAULT_REFINE_GLOBAL_LR
+    """Peak learning rate of the global stage (warmup, then cosine to 0)."""
     batch_blocks: int = 4
     """Calibration sequences per Adam step."""
     solve_output: bool = True
-    """Finish each layer with the closed-form least-squares o_proj."""
+    """Finish each layer's attention with the closed-form least-squares o_proj."""
+    mlp_output: bool = False
+    """Then solve each layer's MLP output projection (down_proj) by least squares against the parent's layer
+    output, per-token relative errors (the block stage; skipped where the MLP output is not simply added
+    to the residual stream). Off by default: it lost on held-out text on a real model (docs/refine.md)."""
     seed: int = 0
     """Seeds the mini-batch order and the held-out split (the CLI passes --seed)."""
 
@@ -97,6 +107,12 @@ class RefineOptions:
             raise InputError(f"--refine-lr {self.lr} must be a finite positive number (e.g. {DEFAULT_REFINE_LR})")
         if not _is_int(self.memory) or self.memory < 1:
             raise InputError(f"--refine-memory {self.memory} must be positive (e.g. 4GiB)")
+        if not _is_int(self.global_steps) or self.global_steps < 0:
+            raise InputError(f"--refine-global-steps {self.global_steps} must be 0 or more (e.g. 20)")
+        if not isinstance(self.global_lr, (int, float)) or not math.isfinite(self.global_lr) or not self.global_lr > 0:
+            raise InputError(
+                f"--refine-global-lr {self.global_lr} must be a finite positive number (e.g. {DEFAULT_REFINE_GLOBAL_LR})"
+            )
         if self.tokens is not None and (not _is_int(self.tokens) or self.tokens < 1):
             raise InputError(f"--refine-tokens {self.tokens} must be positive (e.g. 32768)")
         if not _is_int(self.batch_blocks) or self.batch_blocks < 1:

@@ -37,6 +37,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ from tqdm.auto import tqdm
 
 from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN, RefineOptions
 from mha2gqa.convert.prepare import OUT_DTYPES, block_length, heldout_blocks, refine_blocks
+from mha2gqa.convert.refine_block import BlockStage
 from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import AttentionShape, Layout
 
@@ -142,7 +144,7 @@ def refine_attention(
     split = {"fit": torch.arange(len(blocks) - held), "heldout": torch.arange(len(blocks) - held, len(blocks))}
     buffers = ActivationBuffers(len(blocks), seq_len, shape.hidden, options.memory, run_device, spill_dir)
     generator = torch.Generator().manual_seed(options.seed)
-    layers, refined = [], {}
+    layers, refined, changed, global_record = [], {}, {}, None
     bar = tqdm(
         total=shape.layers * max(options.steps, 1), desc="refine", unit="step", disable=not progress, leave=False
     )
@@ -174,9 +176,11 @@ def refine_attention(
                     bar,
                 )
             bar.update(max(options.steps, 1) if not fitted or options.steps == 0 else 0)
+            # The block stage's least squares accumulates from the pass that advances the converted states.
+            block = BlockStage(layer, kwargs, buffers, split, options) if options.mlp_output and fitted else None
             # The next converted states go into the inputs buffer (free once the fit is done), measuring
             # the refined layer's errors on the way; the buffers then swap roles.
-            after = _advance(layer, layout, kwargs, buffers, options.batch_blocks)
+            after = _advance(layer, layout, kwargs, buffers, options.batch_blocks, block)
             fit_after, held_after = (_relative(after, power, split[part]) for part in ("fit", "heldout"))
             # Kept only if better on the fit blocks (an exact merge stays exact) and on the held-out ones
             # (a layer that overfits too few calibration tokens is left as merged).
@@ -190,22 +194,32 @@ def refine_attention(
                         WeightWarning,
                         stacklevel=2,
                     )
-                with torch.no_grad():
-                    for name, p in attn.named_parameters():
-                        p.copy_(kept[name])
-                _advance(layer, layout, kwargs, buffers, options.batch_blocks)
+                _restore(attn, kept)
+                block = BlockStage(layer, kwargs, buffers, split, options) if block else None
+                _advance(layer, layout, kwargs, buffers, options.batch_blocks, block)
                 fit_after, held_after = fit_before, held_before
+            solved, block_report = {}, {}
+            if block is not None:
+                solved, block_report = block.finish(
+                    partial(_advance, layer, layout, kwargs, buffers, options.batch_blocks)
+                )
             buffers.swap("converted", "inputs")
-            refined.update(_tensor_names(layout, index, attn))
+            names = _tensor_names(layout, index, attn, solved)
+            refined.update(names)
+            if fitted:  # what the global stage may train: the parameters the layer-wise stages changed
+                changed.update(names)
             report = {
                 "fit_error_before": fit_before,
                 "fit_error_after": fit_after,
                 "heldout_error_before": held_before,
                 "heldout_error_after": held_after,
+                **block_report,
             }
             if outcome in ("worse", "non-finite"):
                 report["kept_merged"] = outcome
             layers.append({"layer": index, **report})
+        if options.global_steps and changed:
+            global_record = _global_stage(parent, model, changed, blocks, split, options, generator, progress)
     finally:
         bar.close()
         buffers.close()
@@ -221,6 +235,7 @@ def refine_attention(
         "wall_s": round(time.perf_counter() - started, 2),
         "cpu_s": round(time.process_time() - started_cpu, 2),
         "layers": layers,
+        "global": global_record,
     }
 
 
@@ -400,13 +415,41 @@ def _layer_targets(parent_layer, layer, layout: Layout, kwargs: dict, buffers, b
     return attn_kwargs, errors, power
 
 
+def _global_stage(parent, model, refined: dict, blocks, split, options: RefineOptions, generator, progress: bool):
+    """Every parameter the layer-wise stages changed, all layers together, against the parent's
+    next-token distribution (refine_global.py). `refined`: checkpoint name -> the live parameter data."""
+    from mha2gqa.convert.refine_global import fit_global
+
+    by_data = {p.data_ptr(): p for p in model.parameters()}
+    params = [by_data[t.data_ptr()] for t in refined.values()]
+    return fit_global(
+        parent,
+        model,
+        params,
+        blocks,
+        split,
+        options.global_steps,
+        options.global_lr,
+        options.batch_blocks,
+        generator,
+        progress=progress,
+    )
+
+
+def _restore(module, saved: dict) -> None:
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(saved[name])
+
+
 def _stop(*_):
     raise _StopForward
 
 
-def _advance(layer, layout: Layout, kwargs: dict, buffers, batch_blocks: int) -> torch.Tensor:
+def _advance(layer, layout: Layout, kwargs: dict, buffers, batch_blocks: int, block=None) -> torch.Tensor:
     """buffers['converted'] through the (refined) layer into buffers['inputs']; returns the attention's
-    squared error per block against buffers['targets'] on the way."""
+    squared error per block against buffers['targets'] on the way. `block` (a BlockStage), when given,
+    accumulates its least squares from each batch's layer output."""
     source, dest = buffers["converted"], buffers["inputs"]
     device, dtype = next(layer.parameters()).device, next(layer.parameters()).dtype
     errors = torch.zeros(len(source), dtype=torch.float64)
@@ -419,9 +462,10 @@ def _advance(layer, layout: Layout, kwargs: dict, buffers, batch_blocks: int) ->
             for start in range(0, len(source), batch_blocks):
                 cursor["start"] = start
                 end = start + batch_blocks
-                dest[start:end] = (
-                    _call_layer(layer, source[start:end].to(device, dtype), kwargs).float().to(dest.device)
-                )
+                out = _call_layer(layer, source[start:end].to(device, dtype), kwargs)
+                if block is not None:
+                    block.add(start, out)
+                dest[start:end] = out.float().to(dest.device)
     finally:
         handle.remove()
     return errors
@@ -521,7 +565,11 @@ def _solve_output(attn, layout: Layout, kwargs, inputs, targets, fit: torch.Tens
             o_proj.bias.copy_(solution[-1])
 
 
-def _tensor_names(layout: Layout, index: int, attn) -> dict[str, torch.Tensor]:
-    """The refined attention parameters under their checkpoint names."""
-    prefix = layout.layer_prefix.format(layer=index) + _attention_path(layout) + "."
-    return {prefix + name: p.detach() for name, p in attn.named_parameters()}
+def _tensor_names(layout: Layout, index: int, attn, solved: dict | None = None) -> dict[str, torch.Tensor]:
+    """The refined parameters under their checkpoint names: the attention's, and those the block stage
+    solved (`solved`: names relative to the layer)."""
+    layer = layout.layer_prefix.format(layer=index)
+    prefix = layer + _attention_path(layout) + "."
+    tensors = {prefix + name: p.detach() for name, p in attn.named_parameters()}
+    tensors.update({layer + name: p for name, p in (solved or {}).items()})
+    return tensors

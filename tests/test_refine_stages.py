@@ -1,0 +1,187 @@
+"""convert --refine's block stage (the MLP output projection against the parent's layer output) and
+global stage (every refined parameter against the parent's next-token distribution): exact models
+stay exact, each stage lowers the held-out error of the one before, runs are deterministic with
+--seed, and the cost stays linear in depth."""
+
+import pytest
+import torch
+from calibrated_models import save_redundant_model
+from safetensors.torch import load_file
+from tiny_models import make_tiny_tokenizer, save_tiny_model
+from transformers import AutoModelForCausalLM
+
+from mha2gqa.convert.calibration import calibrate
+from mha2gqa.convert.options import RefineOptions
+from mha2gqa.convert.refine_block import is_additive, output_projection
+from mha2gqa.convert.refine_global import kl_divergence
+from mha2gqa.convert.run import convert
+from mha2gqa.embedded import HELDOUT_NOVEL, expand_corpus_name, read_novel
+from mha2gqa.layouts import attention_shape, layout_for, read_config
+from mha2gqa.provenance import latest
+
+# initializer_range 0.1: attention that matters (at the default 0.02 mean-pooling to one kv head moves the
+# logits by a KL of 1e-5, too little to rank stages by).
+SMALL = dict(max_position_embeddings=64, num_hidden_layers=2, initializer_range=0.1)
+ATTENTION = RefineOptions(steps=30, lr=3e-3, mlp_output=False)
+BLOCK = RefineOptions(steps=30, lr=3e-3, mlp_output=True)
+GLOBAL = RefineOptions(steps=30, lr=3e-3, mlp_output=True, global_steps=20, global_lr=2e-4)
+CALIBRATION = dict(calibration=expand_corpus_name("austen"), calibration_tokens=2048, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_src(tmp_path_factory):
+    src = tmp_path_factory.mktemp("src") / "llama"
+    save_tiny_model(src, "llama", **SMALL)
+    make_tiny_tokenizer(src)
+    return src
+
+
+@pytest.fixture(scope="module")
+def tiny_stats(tmp_path_factory, tiny_src):
+    """Calibration statistics gathered once, shared by the conversions (as a sweep passes them)."""
+    config = read_config(tiny_src)
+    out = tmp_path_factory.mktemp("stats")
+    return calibrate(
+        tiny_src, layout_for(config), attention_shape(config), CALIBRATION["calibration"], 2048, out, progress=False
+    )
+
+
+def heldout_kl(model_dir, src) -> float:
+    """KL(parent || model) per token on held-out text (Persuasion, which the calibration never reads)."""
+    from transformers import AutoTokenizer
+
+    text = read_novel(HELDOUT_NOVEL)[:20000]
+    ids = torch.tensor(AutoTokenizer.from_pretrained(src)(text, add_special_tokens=False)["input_ids"][:1024])
+    blocks = ids.view(16, 64)
+    parent, model = (AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in (src, model_dir))
+    with torch.no_grad():
+        return float(kl_divergence(parent(blocks).logits, model(blocks).logits))
+
+
+def test_exact_model_stays_exact_under_every_stage(tmp_path):
+    src = tmp_path / "src"
+    save_redundant_model(src, "llama", groups=2, **SMALL)
+    result = convert(src, tmp_path / "dst", 2, method="calibrated", refine=GLOBAL, **CALIBRATION)
+    for row in result.refine["layers"]:
+        assert row["heldout_error_after"] < 1e-9, row
+        assert "output_heldout_error_after" not in row, row  # the block stage leaves an exact layer alone
+    assert result.refine["global"] is None  # nothing was refined, so nothing to fit together
+    ids = torch.arange(4, 68)[None]
+    parent, converted = (
+        AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in (src, tmp_path / "dst")
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, parent(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_each_stage_beats_the_one_before_on_heldout_text(tmp_path, tiny_src, tiny_stats):
+    errors = {}
+    records = {}
+    for name, options in [("merge", None), ("attention", ATTENTION), ("block", BLOCK), ("global", GLOBAL)]:
+        done = convert(tiny_src, tmp_path / name, 1, method="mean", stats=tiny_stats, refine=options, progress=False)
+        errors[name], records[name] = heldout_kl(tmp_path / name, tiny_src), done.refine
+    print("held-out KL to the parent:", {name: f"{value:.4e}" for name, value in errors.items()})
+    assert errors["merge"] > errors["attention"] > errors["block"] > errors["global"]
+    # Each stage's own record: measured on the held-out calibration blocks, before and after it.
+    for row in records["block"]["layers"]:
+        print(
+            f"layer {row['layer']} output error (held-out blocks): "
+            f"{row['output_heldout_error_before']:.4e} -> {row['output_heldout_error_after']:.4e}"
+        )
+        assert row["output_heldout_error_after"] < row["output_heldout_error_before"], row
+    checks = records["global"]["global"]["checks"]
+    print("global stage held-out KL by step:", [(c["step"], f"{c['heldout_kl']:.4e}") for c in checks])
+    best = min(c["heldout_kl"] for c in checks)
+    assert best < checks[0]["heldout_kl"] and records["global"]["global"]["best_step"] > 0
+
+
+def test_stages_are_deterministic_with_seed(tmp_path, tiny_src, tiny_stats):
+    runs = {}
+    for name, seed in [("a", 0), ("b", 0), ("other", 1)]:
+        options = RefineOptions(**{**GLOBAL.__dict__, "steps": 5, "global_steps": 5, "seed": seed})
+        convert(tiny_src, tmp_path / name, 1, method="mean", stats=tiny_stats, refine=options, progress=False)
+        runs[name] = load_file(tmp_path / name / "model.safetensors")
+    for key, tensor in runs["a"].items():
+        assert torch.equal(runs["b"][key], tensor), key
+    assert any(not torch.equal(runs["other"][key], tensor) for key, tensor in runs["a"].items())
+
+
+@pytest.mark.parametrize("model_type, additive", [("llama", True), ("phi3", True), ("gemma2", False), ("olmo2", False)])
+def test_block_stage_probes_whether_the_mlp_output_adds_into_the_residual(tmp_path, model_type, additive):
+    """Post-norm layouts (gemma2, olmo2) normalise the MLP's output before adding it: the solve would
+    not be exact there, and the probe says so."""
+    model = save_tiny_model(tmp_path / model_type, model_type, **SMALL).eval()
+    layer = model.get_submodule(layout_for(read_config(tmp_path / model_type)).layer_prefix.format(layer=0).rstrip("."))
+    kwargs = {}
+
+    def keep(module, args, kw):
+        kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
+
+    handle = layer.register_forward_pre_hook(keep, with_kwargs=True)
+    hidden = {}
+    first = layer.register_forward_pre_hook(
+        lambda m, args, kw: hidden.update(h=args[0] if args else kw["hidden_states"]), with_kwargs=True
+    )
+    with torch.no_grad():
+        model(torch.arange(4, 36)[None], use_cache=False)
+    handle.remove()
+    first.remove()
+    assert is_additive(layer, output_projection(layer), hidden["h"], kwargs) is additive
+
+
+def test_cost_stays_linear_in_depth(tmp_path):
+    """With the block and global stages on, every decoder layer of a model runs the same number of times,
+    whatever the depth: no stage re-runs a prefix per layer."""
+    counts = {}
+    for depth in (2, 4):
+        calls: dict[int, int] = {}
+
+        def count(module, args, output, calls=calls):
+            if type(module).__name__.endswith("DecoderLayer"):
+                calls[id(module)] = calls.get(id(module), 0) + 1
+
+        src = tmp_path / f"src{depth}"
+        save_tiny_model(src, "llama", max_position_embeddings=64, num_hidden_layers=depth)
+        make_tiny_tokenizer(src)
+        options = RefineOptions(steps=2, batch_blocks=4, mlp_output=True, global_steps=2)
+        handle = torch.nn.modules.module.register_module_forward_hook(count)
+        try:
+            convert(
+                src,
+                tmp_path / f"dst{depth}",
+                2,
+                method="mean",
+                refine=options,
+                **{**CALIBRATION, "calibration_tokens": 1024},
+            )
+        finally:
+            handle.remove()
+        assert len(calls) == 2 * depth  # the parent's layers and the converted model's
+        counts[depth] = sorted(calls.values())
+    # Per layer, the same number of calls whatever the depth: the parent's layers all alike (kwargs pass,
+    # targets pass, the global stage's forwards); the converted ones too, up to one re-run per rejected
+    # stage (attention refit, MLP solve) of each layer: 4 batches of 4 blocks here.
+    batches = 4
+    for depth, values in counts.items():
+        assert values.count(values[0]) >= depth, (depth, values)  # the parent's layers
+    assert counts[2][0] == counts[4][0], counts
+    converted = {depth: values[depth:] for depth, values in counts.items()}
+    assert max(converted[4]) - min(converted[4]) <= 2 * batches and min(converted[4]) == min(converted[2]), counts
+
+
+def test_cli_runs_every_stage_and_prints_their_errors(tmp_path, tiny_src):
+    from click.testing import CliRunner
+
+    from mha2gqa.cli import main
+
+    args = ["convert", str(tiny_src), str(tmp_path / "dst"), "-g", "1", "--method", "mean", "--calibration", "austen"]
+    args += ["--calibration-tokens", "1024", "--refine", "--refine-steps", "3", "--refine-mlp"]
+    args += ["--refine-global-steps", "2", "--refine-global-lr", "2e-4", "-q"]
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 0, done.output
+    assert "layer output, held-out before" in done.output and "all layers together: held-out KL" in done.output
+    record = latest(tmp_path / "dst", "conversion")["refine"]
+    assert record["options"]["mlp_output"] and record["global"]["steps"] == 2 and record["global"]["lr"] == 2e-4
+    bad = CliRunner().invoke(main, args[:-5] + ["--refine-global-steps", "-1"])
+    assert bad.exit_code == 2 and "Error: --refine-global-steps -1 must be 0 or more" in bad.output
+    assert not (tmp_path / "dst2").exists()
