@@ -249,7 +249,11 @@ def test_report_writes_when_inputs_are_good(tmp_path, src, sources):
 @pytest.mark.parametrize(
     "args,says",
     [
-        (["--groups", "3"], "--groups 3 must divide the embedded model's 8 kv heads (valid: 1, 2, 4, 8)"),
+        (["--groups", "3"], "--groups 3 must divide num_key_value_heads=8 (valid: 1, 2, 4)"),
+        (
+            ["--groups", "8"],
+            "--groups 8 equals the source's num_key_value_heads=8: nothing to convert (valid: 1, 2, 4)",
+        ),
         (["--groups", "0"], "--groups 0 must divide"),
         (["--alpha", "2"], "--alpha 2.0 must be in (0, 1]"),
     ],
