@@ -47,6 +47,14 @@ BUILD = (
 )
 
 
+def real_model_from_env() -> Path:
+    """The real model's folder for the proxy scripts: $SMOLLM2, which must hold a built model."""
+    src = os.environ.get("SMOLLM2")
+    if not src or not (Path(src) / "config.json").is_file():
+        sys.exit(f"Error: set SMOLLM2 to the real model's folder (now {src!r}); {BUILD.format(dir='MODEL_DIR')}")
+    return Path(src)
+
+
 def setting_fields(name: str, smoke: bool) -> dict:
     """RefineOptions fields of a setting; --smoke: 3 Adam steps a layer, 2 global steps where there are any."""
     fields = dict(SETTINGS[name])

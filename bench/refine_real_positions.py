@@ -5,7 +5,6 @@ and the share of the KL by position, on 4 blocks of Persuasion.
     python bench/refine_real_positions.py MERGED      # SMOLLM2=DIR for the parent (default /work/real-models/smollm2)
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibrated_merge import heldout_ids  # noqa: E402
+from refine_real import real_model_from_env  # noqa: E402
 
 
 def run(model, ids):
@@ -31,7 +31,7 @@ def run(model, ids):
 
 def main() -> None:
     torch.set_grad_enabled(False)
-    src = Path(os.environ.get("SMOLLM2", "/work/real-models/smollm2"))
+    src = real_model_from_env()
     ids = heldout_ids(src, None, 4 * 512).view(4, 512)
     parent = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     merged = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()

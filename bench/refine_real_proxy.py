@@ -6,7 +6,7 @@ only, then optionally a global KL stage; Persuasion and Python-docs perplexity a
         --docs-tokens 2048 [--mlp solve --mlp-weight token] [--global-steps 10 --global-bb 2 --global-lr 1e-4]
 
 MERGED: a `mha2gqa convert SRC MERGED -g 1 --method calibrated --calibration austen
---calibration-tokens 32768` of the model in SRC (hard-coded below; bench/refine_real.py says how to build
+--calibration-tokens 32768` of the real model in $SMOLLM2 (bench/refine_real.py says how to build
 it). The package's own stages (convert/refine*.py) are what ships; this proxy refines fewer layers with
 fewer tokens and steps, so that variants can be compared on a 2-core machine.
 """
@@ -14,7 +14,6 @@ fewer tokens and steps, so that variants can be compared on a 2-core machine.
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,11 +23,11 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibrated_merge import heldout_ids  # noqa: E402
+from refine_real import real_model_from_env  # noqa: E402
 
 from mha2gqa.convert.calibration import tokenize  # noqa: E402
 from mha2gqa.eval.perplexity import perplexity  # noqa: E402
 
-SRC = Path(os.environ.get("SMOLLM2", "/work/real-models/smollm2"))
 S = 512
 
 
@@ -173,6 +172,7 @@ def rel(a, b, idx, W=None):
 
 
 def main():
+    src = real_model_from_env()  # the real model, $SMOLLM2
     ap = argparse.ArgumentParser()
     ap.add_argument("merged")
     ap.add_argument("out")
@@ -198,14 +198,14 @@ def main():
     gen = torch.Generator().manual_seed(0)
     t0, c0 = time.perf_counter(), time.process_time()
     torch.set_grad_enabled(True)
-    P = AutoModelForCausalLM.from_pretrained(SRC, dtype=torch.float32).eval().requires_grad_(False)
+    P = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval().requires_grad_(False)
     C = AutoModelForCausalLM.from_pretrained(args.merged, dtype=torch.float32).eval().requires_grad_(False)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(SRC)
+    tok = AutoTokenizer.from_pretrained(src)
     from mha2gqa.embedded import expand_corpus_name
 
-    ids = tokenize(SRC, expand_corpus_name("austen"), args.cal_tokens)
+    ids = tokenize(src, expand_corpus_name("austen"), args.cal_tokens)
     blocks = ids[: len(ids) // S * S].view(-1, S)
     want = args.refine_tokens // S
     if len(blocks) > want:
@@ -261,7 +261,7 @@ def main():
     result["cpu_s"] = time.process_time() - c0
     C.eval()
     with torch.no_grad():
-        result["ppl_persuasion"] = ppl(C, heldout_ids(SRC, None, args.eval_tokens))
+        result["ppl_persuasion"] = ppl(C, heldout_ids(src, None, args.eval_tokens))
         result["ppl_docs"] = ppl(C, docs_ids(tok, args.docs_tokens))
     print(json.dumps({k: v for k, v in result.items() if k not in ("layers",)}), flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
