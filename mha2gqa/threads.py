@@ -1,23 +1,26 @@
 """How many CPU threads torch uses: `mha2gqa --threads N`, else MHA2GQA_THREADS, else the command's default.
 
 Torch starts one thread per core. On a small model (the embedded one of the demo, `reproduce` and the
-tests) the matrices are too small to share out, and on a machine that other processes keep busy the
-extra thread spins against them: on the 2-core development machine at load 14-19, `demo --quick` took
-288 s with one thread against 346 s with torch's two, and `uptrain --recipe recipes/tiny-cpu.yaml` 177 s
-against over 1,214 s for three quarters of it with two (docs/benchmarks.md, `python bench/threads.py`). So `demo`, `reproduce`, and `eval` and
-`uptrain` of a local model under SMALL_MODEL_BYTES default to one thread; a larger model (whose CPU work
-does share out) keeps torch's default. A user's own OMP_NUM_THREADS is respected as it is. The count
-also reaches the processes a command starts (an `accelerate launch`), through OMP_NUM_THREADS.
+tests) that is right on an idle machine and wrong on a busy one. Measured with `python bench/threads.py`
+on the 2-core development machine (docs/benchmarks.md): at load 0.9, two threads ran an eval forward
+1.75x and a training step 1.64x faster than one; at load 14-19 one thread was 2.5x / 1.2x faster, since
+the extra thread spins against the other processes (`demo --quick` 288 s with one against 346 s with
+two; `uptrain --recipe recipes/tiny-cpu.yaml` 177 s against over 1,214 s for three quarters of it). So
+`demo`, `reproduce`, and `eval` and `uptrain` of a local model under SMALL_MODEL_BYTES use one thread
+when the machine is busy (`machine_busy`: other processes already keep every core occupied) and torch's
+default otherwise; a larger model (whose CPU work shares out) keeps torch's default. A user's own count
+(--threads, MHA2GQA_THREADS, OMP_NUM_THREADS) is respected as it is. The count also reaches the
+processes a command starts (an `accelerate launch`), through OMP_NUM_THREADS.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 from mha2gqa.errors import InputError
+from mha2gqa.reading import read_json
 
 ENV = "MHA2GQA_THREADS"
 SMALL_MODEL_THREADS = 1  # the embedded 6M-parameter model (demo, reproduce) and other small ones
@@ -27,9 +30,24 @@ SMALL_MODEL_THREADS = 1  # the embedded 6M-parameter model (demo, reproduce) and
 SMALL_MODEL_BYTES = 1 << 30
 
 
+def machine_busy() -> bool:
+    """Whether other processes already occupy every core: the 1-minute load average is at least the core
+    count less half a core. (Read when a command starts, before it adds load of its own.)"""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return False
+    return load >= (os.cpu_count() or 1) - 0.5
+
+
+def small_model_default() -> int | None:
+    """The count for a small model: SMALL_MODEL_THREADS on a busy machine, torch's default (None) otherwise."""
+    return SMALL_MODEL_THREADS if machine_busy() else None
+
+
 def for_model(source: str | os.PathLike | None) -> int | None:
-    """SMALL_MODEL_THREADS for a local model of under SMALL_MODEL_BYTES: a directory's safetensors, or a
-    config (file, or a directory without weights) sized as float32; None (torch's default) otherwise."""
+    """`small_model_default()` for a local model of under SMALL_MODEL_BYTES: a directory's safetensors, or
+    a config (file, or a directory without weights) sized as float32; None (torch's default) otherwise."""
     if source is None:
         return None
     path = Path(source).expanduser()
@@ -37,17 +55,17 @@ def for_model(source: str | os.PathLike | None) -> int | None:
     if not weights:
         config = path / "config.json" if path.is_dir() else path
         weights = _config_bytes(config) if config.is_file() else 0
-    return SMALL_MODEL_THREADS if 0 < weights < SMALL_MODEL_BYTES else None
+    return small_model_default() if 0 < weights < SMALL_MODEL_BYTES else None
 
 
 def _config_bytes(config_file: Path) -> int:
     """float32 bytes of a decoder this config describes (embeddings + 12 d^2 per layer): an estimate,
     enough to tell a small model from a large one; 0 when the file does not say."""
-    try:
-        config = json.loads(config_file.read_text()[:1_000_000])
+    try:  # the bounded reader: a hostile config is refused later, where the model is read for real
+        config = read_json(config_file, "fix the model's config.json")
         hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
         vocab = int(config.get("vocab_size", 0))
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (InputError, OSError, ValueError, KeyError, TypeError, AttributeError):
         return 0
     return 4 * (2 * vocab * hidden + 12 * layers * hidden * hidden)
 

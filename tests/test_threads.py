@@ -1,5 +1,6 @@
 """CPU threads: `mha2gqa --threads N` / MHA2GQA_THREADS reach torch and child processes; demo and reproduce
-default to one thread (the small embedded model) unless the user set a count or OMP_NUM_THREADS."""
+(the small embedded model) use one thread on a busy machine and torch's default on an idle one, unless the
+user set a count or OMP_NUM_THREADS."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def clean_env(monkeypatch):
     before = torch.get_num_threads()
     monkeypatch.delenv(threads.ENV, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "machine_busy", lambda: True)  # the one-thread case; idle: its own tests
     yield monkeypatch
     torch.set_num_threads(before)
 
@@ -93,10 +95,12 @@ def test_threads_bench_smoke_times_each_count():
     assert all(float(r[2]) > 0 for r in rows) and rows[0][4].strip() == "1.00"
 
 
-def test_small_local_models_get_one_thread_and_large_or_hub_ones_torchs_default(tmp_path):
+def test_small_local_models_get_one_thread_and_large_or_hub_ones_torchs_default(tmp_path, monkeypatch):
     import json
 
     from mha2gqa import embedded
+
+    monkeypatch.setattr(threads, "machine_busy", lambda: True)
 
     assert threads.for_model(embedded.model_dir()) == 1  # 22 MB of safetensors
     small = tmp_path / "small.json"
@@ -146,3 +150,28 @@ def json_list(paths) -> str:
     import json
 
     return json.dumps([str(p) for p in paths])
+
+
+@pytest.mark.parametrize(
+    "load,cores,busy", [(0.9, 2, False), (1.49, 2, False), (1.5, 2, True), (17.0, 2, True), (6.0, 8, False)]
+)
+def test_the_machine_is_busy_when_other_processes_occupy_every_core(monkeypatch, load, cores, busy):
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (load, 0.0, 0.0))
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: cores)
+    assert threads.machine_busy() is busy
+
+
+def test_on_an_idle_machine_demo_and_small_models_keep_torchs_default(clean_env, tmp_path):
+    from mha2gqa import embedded
+
+    clean_env.setattr(threads, "machine_busy", lambda: False)
+    torch.set_num_threads(2)
+    assert _threads_seen_by_demo(clean_env, ["demo", "--out", str(tmp_path / "d")]) == {"torch": 2, "omp": None}
+    assert threads.for_model(embedded.model_dir()) is None
+
+
+def test_a_hostile_config_sizes_as_unknown_not_a_traceback(tmp_path):
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / "config.json").write_text("[" * 5000 + "]" * 5000)  # the stdlib decoder recurses past the limit
+    assert threads.for_model(deep) is None

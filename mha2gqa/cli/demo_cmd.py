@@ -67,7 +67,7 @@ def demo(groups, out, quick, alpha, force):
     from mha2gqa import threads
     from mha2gqa.demo import run_demo
 
-    threads.apply(threads.SMALL_MODEL_THREADS)
+    threads.apply(threads.small_model_default())
     written = run_demo(out, groups=groups, quick=quick, alpha=alpha, echo=click.echo, force=force)
     click.echo(_summary(Path(written["json"])))
     click.echo(f"report: {written['html']}")
@@ -106,7 +106,7 @@ def reproduce(out, methods, kv_heads, alphas, eval_blocks):
         except ValueError:
             raise InputError(f"{flag} {text!r} must be a comma-separated list of numbers, e.g. 0,0.05") from None
 
-    threads.apply(threads.SMALL_MODEL_THREADS)
+    threads.apply(threads.small_model_default())
     grid, written = run_reproduce(
         out,
         methods=tuple(m.strip() for m in methods.split(",")),
