@@ -101,6 +101,32 @@ def exit_report(err: BaseException) -> tuple[str, int] | None:
     return None
 
 
+_HELD_SIGNALS = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+
+
+@contextmanager
+def signals_deferred():
+    """Holds SIGINT, SIGTERM and SIGHUP (main thread) until the block ends; one that came meanwhile is
+    delivered then. For importing torch: its C++ start-up runs Python code, and an Interrupted raised
+    there by `signals_as_interrupts` aborts the process ('terminate called after throwing an instance of
+    pybind11::error_already_set', exit -6, no cleanup) instead of unwinding."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def import_torch():
+    """`import torch` with the interrupt signals held until it is done (see `signals_deferred`)."""
+    with signals_deferred():
+        import torch
+    return torch
+
+
 @contextmanager
 def signals_as_interrupts():
     """While active (main thread only), SIGINT, SIGTERM and SIGHUP raise Interrupted, so `except
@@ -109,7 +135,7 @@ def signals_as_interrupts():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    kinds = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    kinds = _HELD_SIGNALS
     owner = os.getpid()
 
     def raise_interrupted(signum, _frame):

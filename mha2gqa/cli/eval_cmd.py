@@ -82,6 +82,9 @@ def eval_command(model, quiet, out, **options):
     Example: mha2gqa eval ./llama-gqa8 --data held_out.txt --reference ./llama --out gqa8.json
     """
     from mha2gqa import threads
+    from mha2gqa.errors import import_torch
+
+    import_torch()  # with interrupts held: a signal during torch's start-up would abort
     from mha2gqa.eval.run import evaluate
 
     threads.apply(threads.for_model(model))

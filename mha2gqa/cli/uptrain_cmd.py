@@ -54,6 +54,9 @@ def uptrain(recipe, resume, overrides):
     `accelerate launch --config_file recipes/accelerate/<fsdp|ddp|zero3>.yaml -m mha2gqa.uptrain --recipe R`.
     """
     from mha2gqa import threads
+    from mha2gqa.errors import import_torch
+
+    import_torch()  # with interrupts held: a signal during torch's start-up would abort
     from mha2gqa.uptrain import load_recipe, train
     from mha2gqa.uptrain.steps import TrainingDiverged
 

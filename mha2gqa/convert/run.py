@@ -24,7 +24,7 @@ from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, ConvertOptions, 
 from mha2gqa.convert.plan import Plan
 from mha2gqa.convert.prepare import NOT_COPIED, OUT_DTYPES, ConversionPlan, parse_size, prepare  # noqa: F401
 from mha2gqa.convert.roles import pack, unpack
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, import_torch
 from mha2gqa.layouts import converted_config
 from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, short_read
@@ -108,6 +108,7 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
     """The torch stages: the calibration ids read once, the parent loaded once (for the statistics and for
     refine), the merge, refine, and the one writer pass. Returns (per-layer merge report, refine record,
     statistics)."""
+    import_torch()  # first, with interrupts held: a signal during torch's start-up would abort
     from mha2gqa.convert import calibration
 
     options, stats = plan.options, plan.stats
