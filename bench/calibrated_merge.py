@@ -32,6 +32,18 @@ VARIANTS = {  # row name -> (method, grouping)
 }
 
 
+def calibrate_on_corpus(source, config: dict, corpus: str, tokens: int, folder: Path):
+    """Calibration statistics of the model in `source` (`config`: its config.json) on `corpus` (a path or
+    a built-in name such as austen), written to `folder`, without progress bars: every bench's one call."""
+    from mha2gqa.convert.calibration import calibrate
+    from mha2gqa.embedded import expand_corpus_name
+    from mha2gqa.layouts import attention_shape, layout_for
+
+    return calibrate(
+        source, layout_for(config), attention_shape(config), expand_corpus_name(corpus), tokens, folder, progress=False
+    )
+
+
 def heldout_ids(source: Path, data: str | None, tokens: int) -> torch.Tensor:
     from transformers import AutoTokenizer
 
@@ -59,15 +71,11 @@ def gap_closed(ppl: float, mean: float, parent: float) -> float:
 
 def run(args) -> dict:
     import mha2gqa
-    from mha2gqa.convert.calibration import (
-        calibrate,
-    )  # no public form: the statistics are gathered once, shared by every row
-    from mha2gqa.embedded import expand_corpus_name
-    from mha2gqa.layouts import attention_shape, layout_for, read_config
+    from mha2gqa.layouts import attention_shape, read_config
 
     source = Path(args.model)
     config = read_config(source)
-    shape, layout = attention_shape(config), layout_for(config)
+    shape = attention_shape(config)
     context = min(args.context, config.get("max_position_embeddings") or args.context)
     ids = heldout_ids(source, args.eval_data, args.eval_tokens)
     parent = model_perplexity(source, ids, context)
@@ -77,15 +85,7 @@ def run(args) -> dict:
         work = Path(work)
         (work / "stats").mkdir()
         started = time.perf_counter()
-        stats = calibrate(
-            source,
-            layout,
-            shape,
-            expand_corpus_name(args.calibration),
-            args.calibration_tokens,
-            work / "stats",
-            progress=False,
-        )
+        stats = calibrate_on_corpus(source, config, args.calibration, args.calibration_tokens, work / "stats")
         print(f"calibration: {stats.tokens} tokens in {time.perf_counter() - started:.1f} s", flush=True)
         for kv in args.kv:
             for name in args.variants:

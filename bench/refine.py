@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import measure  # noqa: E402
-from calibrated_merge import gap_closed, heldout_ids, model_perplexity  # noqa: E402
+from calibrated_merge import calibrate_on_corpus, gap_closed, heldout_ids, model_perplexity  # noqa: E402
 
 # name -> RefineOptions fields changed from the shipped defaults ("default": none changed).
 EXPLORE = {
@@ -98,22 +98,12 @@ def _mean(layers: list[dict], key: str) -> float:
 
 def calibration_seconds(args, source: Path) -> tuple[float, float]:
     """Wall and CPU seconds (all threads of this process) of calibration alone, model load included."""
-    from mha2gqa.convert.calibration import calibrate
-    from mha2gqa.embedded import expand_corpus_name
-    from mha2gqa.layouts import attention_shape, layout_for, read_config
+    from mha2gqa.layouts import read_config
 
     config = read_config(source)
     with tempfile.TemporaryDirectory(prefix="refine-bench-stats-") as stats_dir:
         started, started_cpu = time.perf_counter(), time.process_time()
-        calibrate(
-            source,
-            layout_for(config),
-            attention_shape(config),
-            expand_corpus_name(args.calibration),
-            args.calibration_tokens,
-            Path(stats_dir),
-            progress=False,
-        )
+        calibrate_on_corpus(source, config, args.calibration, args.calibration_tokens, Path(stats_dir))
         return time.perf_counter() - started, time.process_time() - started_cpu
 
 
@@ -131,24 +121,14 @@ def run_grid(args, source: Path, work: Path, ids, context: int) -> list[dict]:
 
 
 def run_explore(args, source: Path, work: Path, ids, context: int) -> tuple[list[dict], tuple[float, float]]:
-    from mha2gqa.convert.calibration import calibrate
     from mha2gqa.convert.refine import RefineOptions
     from mha2gqa.convert.run import convert
-    from mha2gqa.embedded import expand_corpus_name
-    from mha2gqa.layouts import attention_shape, layout_for, read_config
+    from mha2gqa.layouts import read_config
 
     config = read_config(source)
     (work / "stats").mkdir()
     started, started_cpu = time.perf_counter(), time.process_time()
-    stats = calibrate(
-        source,
-        layout_for(config),
-        attention_shape(config),
-        expand_corpus_name(args.calibration),
-        args.calibration_tokens,
-        work / "stats",
-        progress=False,
-    )
+    stats = calibrate_on_corpus(source, config, args.calibration, args.calibration_tokens, work / "stats")
     calibration_s = time.perf_counter() - started, time.process_time() - started_cpu
     rows = []
     for kv in args.kv:
@@ -187,25 +167,15 @@ def run_timing(args, source: Path, work: Path) -> dict:
     and of each round's refine / calibration ratio (the issue's target: at most 3x on CPU)."""
     import statistics
 
-    from mha2gqa.convert.calibration import calibrate
     from mha2gqa.convert.options import RefineOptions
     from mha2gqa.convert.run import convert
-    from mha2gqa.embedded import expand_corpus_name
-    from mha2gqa.layouts import attention_shape, layout_for, read_config
+    from mha2gqa.layouts import read_config
 
     config, rounds = read_config(source), []
     for index in range(args.timing):
         (work / f"stats-{index}").mkdir()
         started, started_cpu = time.perf_counter(), time.process_time()
-        stats = calibrate(
-            source,
-            layout_for(config),
-            attention_shape(config),
-            expand_corpus_name(args.calibration),
-            args.calibration_tokens,
-            work / f"stats-{index}",
-            progress=False,
-        )
+        stats = calibrate_on_corpus(source, config, args.calibration, args.calibration_tokens, work / f"stats-{index}")
         calibration = time.perf_counter() - started, time.process_time() - started_cpu
         record = convert(
             source,

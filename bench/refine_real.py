@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import measure  # noqa: E402
-from calibrated_merge import heldout_ids, model_perplexity  # noqa: E402
+from calibrated_merge import calibrate_on_corpus, heldout_ids, model_perplexity  # noqa: E402
 
 # name -> RefineOptions fields changed from the shipped defaults.
 SETTINGS = {
@@ -114,11 +114,9 @@ def cli_row(args, source: Path, out: Path, setting: str) -> dict:
 
 
 def run(args, source: Path, work: Path) -> dict:
-    from mha2gqa.convert.calibration import calibrate
     from mha2gqa.convert.options import RefineOptions
     from mha2gqa.convert.run import convert
-    from mha2gqa.embedded import expand_corpus_name
-    from mha2gqa.layouts import attention_shape, layout_for, read_config
+    from mha2gqa.layouts import read_config
 
     config = read_config(source)
     context = args.context = min(args.context, config.get("max_position_embeddings") or args.context)
@@ -138,15 +136,7 @@ def run(args, source: Path, work: Path) -> dict:
     print(f"parent: {result['parent']}; load {os.getloadavg()}", flush=True)
     (work / "stats").mkdir()
     started, started_cpu = time.perf_counter(), time.process_time()
-    stats = calibrate(
-        source,
-        layout_for(config),
-        attention_shape(config),
-        expand_corpus_name(args.calibration),
-        args.calibration_tokens,
-        work / "stats",
-        progress=False,
-    )
+    stats = calibrate_on_corpus(source, config, args.calibration, args.calibration_tokens, work / "stats")
     result.update(calibration_s=round(time.perf_counter() - started, 1))
     result.update(calibration_cpu_s=round(time.process_time() - started_cpu, 1))
     for method in args.methods:

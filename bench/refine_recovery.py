@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calibrated_merge import heldout_ids, model_perplexity  # noqa: E402
+from calibrated_merge import calibrate_on_corpus, heldout_ids, model_perplexity  # noqa: E402
 
 STARTS = ("calibrated+refine", "calibrated", "mean", "mean+refine", "parent")
 ALPHAS = (0.005, 0.01, 0.025, 0.05)
@@ -77,9 +77,7 @@ def uptrain(args, model: Path, source: Path, out: Path, alpha: float, total: int
 
 def run(args) -> dict:
     from mha2gqa import embedded
-    from mha2gqa.convert.calibration import calibrate
-    from mha2gqa.embedded import expand_corpus_name
-    from mha2gqa.layouts import attention_shape, layout_for, read_config
+    from mha2gqa.layouts import read_config
 
     source = Path(args.model)
     config = read_config(source)
@@ -119,14 +117,8 @@ def run(args) -> dict:
                 row["reused"] = True  # converted by an earlier run into the same --workdir
             elif start != "parent":
                 if stats is None:
-                    stats = calibrate(
-                        source,
-                        layout_for(config),
-                        attention_shape(config),
-                        expand_corpus_name(args.calibration),
-                        args.calibration_tokens,
-                        work / "stats",
-                        progress=False,
+                    stats = calibrate_on_corpus(
+                        source, config, args.calibration, args.calibration_tokens, work / "stats"
                     )
                 row.update(convert_start(args, source, stats, kv, start, model))
             points = [{"alpha": 0.0, "tokens": 0, "perplexity": model_perplexity(model, ids, context)}]
