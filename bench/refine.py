@@ -44,6 +44,8 @@ EXPLORE = {
     "steps200": dict(steps=200),
     "steps200-no-ls": dict(steps=200, solve_output=False),
     "steps200-lr3e-3": dict(steps=200, lr=3e-3),
+    "global20": dict(global_steps=20),  # + the global stage (refine_global.py), at its default lr
+    "global20-lr3e-4": dict(global_steps=20, global_lr=3e-4),
 }
 
 

@@ -94,6 +94,22 @@ class ActivationBuffers:
             shutil.rmtree(self.spill_dir, ignore_errors=True)
 
 
+def calibration_blocks(ids: torch.Tensor, seq_len: int, tokens: int) -> tuple[torch.Tensor, dict]:
+    """The (n, seq_len) blocks of the calibration `ids` that --refine uses (`tokens` worth, spread evenly
+    over the text) and their split: {"fit": indices, "heldout": the last 1/8}."""
+    blocks = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)  # full blocks only
+    count = refine_blocks(len(blocks), seq_len, tokens)
+    if count < len(blocks):  # a subset spread over the whole text
+        blocks = blocks[torch.linspace(0, len(blocks) - 1, count).round().long()]
+    if len(blocks) < 2:
+        raise InputError(
+            f"--refine needs at least 2 calibration blocks of {seq_len} tokens, and the calibration data holds "
+            f"only {len(ids)} tokens: give more calibration text"
+        )
+    held = heldout_blocks(len(blocks))
+    return blocks, {"fit": torch.arange(len(blocks) - held), "heldout": torch.arange(len(blocks) - held, len(blocks))}
+
+
 def _reserve(f, nbytes: int, path: Path) -> None:
     """Allocate the file's blocks now (ENOSPC here, naming the file), not on first write through a mapping."""
     if hasattr(os, "posix_fallocate"):
@@ -131,17 +147,7 @@ def refine_attention(
     model = converted_model(parent, layout, shape, config, merged, out_dtype)
     run_device = next(model.parameters()).device
     seq_len = block_length(config)
-    blocks = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)  # (n, S): full blocks only
-    count = refine_blocks(len(blocks), seq_len, options.tokens or REFINE_TOKENS_PER_HIDDEN * shape.hidden)
-    if count < len(blocks):  # a subset spread over the whole text
-        blocks = blocks[torch.linspace(0, len(blocks) - 1, count).round().long()]
-    if len(blocks) < 2:
-        raise InputError(
-            f"--refine needs at least 2 calibration blocks of {seq_len} tokens, and the calibration data holds "
-            f"only {len(ids)} tokens: give more calibration text"
-        )
-    held = heldout_blocks(len(blocks))
-    split = {"fit": torch.arange(len(blocks) - held), "heldout": torch.arange(len(blocks) - held, len(blocks))}
+    blocks, split = calibration_blocks(ids, seq_len, options.tokens or REFINE_TOKENS_PER_HIDDEN * shape.hidden)
     buffers = ActivationBuffers(len(blocks), seq_len, shape.hidden, options.memory, run_device, spill_dir)
     generator = torch.Generator().manual_seed(options.seed)
     layers, refined, changed, global_record = [], {}, {}, None

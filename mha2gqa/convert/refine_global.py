@@ -12,6 +12,8 @@ never ends worse on the held-out blocks than it started (the start is the first 
 Cost: per step one parent forward and one converted forward + backward of `batch_blocks` blocks, one
 block at a time (memory: both models, the gradients and Adam state of the trained parameters, and one
 block's activations through the whole model; the parent's logits are computed per step, not stored).
+Parameters held in bfloat16 or float16 (a --dtype cast, a GPU run) are trained through float32 master
+copies: an update of lr 1e-4 is below bfloat16's resolution for most weights and would round away.
 """
 
 from __future__ import annotations
@@ -57,14 +59,16 @@ def fit_global(
     device = next(model.parameters()).device
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.Adam(params, lr=lr)
+    # What Adam updates: the parameters themselves when float32, else float32 copies written back each step.
+    masters = [p if p.dtype == torch.float32 else p.detach().float() for p in params]
+    optimizer = torch.optim.Adam(masters, lr=lr)
     warmup = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
     )
     fit, heldout = split["fit"], split["heldout"]
     checks = [{"step": 0, "heldout_kl": heldout_kl(parent, model, blocks, heldout)}]
-    best = (checks[0]["heldout_kl"], [p.detach().clone() for p in params])
+    best = (checks[0]["heldout_kl"], [m.detach().clone() for m in masters])
     order = torch.empty(0, dtype=torch.long)
     bar = tqdm(range(1, steps + 1), desc="refine all layers", unit="step", disable=not progress, leave=False)
     try:
@@ -81,7 +85,7 @@ def fit_global(
                 loss = kl_divergence(target, model(block, use_cache=False).logits) / len(chunk)
                 loss.backward()
                 fit_kl += loss.item()
-            optimizer.step()
+            _step(optimizer, params, masters)
             schedule.step()
             bar.set_postfix(kl=f"{fit_kl:.4f}", refresh=False)
             if step % check_every == 0 or step == steps:
@@ -89,7 +93,7 @@ def fit_global(
                     {"step": step, "fit_kl": fit_kl, "heldout_kl": heldout_kl(parent, model, blocks, heldout)}
                 )
                 if checks[-1]["heldout_kl"] < best[0]:
-                    best = (checks[-1]["heldout_kl"], [p.detach().clone() for p in params])
+                    best = (checks[-1]["heldout_kl"], [m.detach().clone() for m in masters])
                 elif sum(c["heldout_kl"] >= best[0] for c in checks[-patience:]) == patience:
                     break  # `patience` checks in a row without a better held-out KL
     finally:
@@ -100,3 +104,16 @@ def fit_global(
                 p.requires_grad_(False)
     best_step = next(c["step"] for c in checks if c["heldout_kl"] == best[0])
     return {"steps": steps, "lr": lr, "batch_blocks": batch_blocks, "checks": checks, "best_step": best_step}
+
+
+def _step(optimizer, params: list[torch.nn.Parameter], masters: list[torch.Tensor]) -> None:
+    """One Adam step on the float32 masters, from the parameters' gradients, written back to the parameters."""
+    for p, m in zip(params, masters, strict=True):
+        if m is not p:
+            m.grad = p.grad.float()
+            p.grad = None
+    optimizer.step()
+    with torch.no_grad():
+        for p, m in zip(params, masters, strict=True):
+            if m is not p:
+                p.copy_(m)

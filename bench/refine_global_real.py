@@ -1,0 +1,135 @@
+"""Measurement: the global stage of `--refine` (refine_global.py) on a real model, several settings from one
+layer-wise refined start (issue 20), so each setting costs only its own global stage.
+
+    python -m mha2gqa convert PARENT REFINED --groups 1 --method calibrated --calibration austen --refine
+    python bench/refine_global_real.py PARENT REFINED --variants 20:1e-4,20:3e-4 --out OUT.json [--save-best DIR]
+
+REFINED: a `convert --refine` output of PARENT with the global stage off (e.g. the shipped default before
+it was on). The calibration blocks and their fit / held-out split are rebuilt exactly as that conversion
+made them (its mha2gqa.json: data, calibration tokens and their hash, refine tokens), and the global stage trains what
+`--refine` hands it: the attention parameters of every layer the layer-wise stage fitted. VARIANTS:
+STEPS:LR[:BATCH_BLOCKS] (batch default 4, as --refine's). Each is trained from REFINED's weights.
+Per variant: the held-out KL checks, wall and CPU seconds of the stage, perplexity on Persuasion and on
+the Python Language Reference (as bench/refine_real.py). --save-best writes the variant with the lowest
+Persuasion perplexity as a checkpoint (with PARENT's tokenizer), for uptraining from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from refine_real import eval_sets  # noqa: E402
+
+from mha2gqa.convert.calibration import tokenize  # noqa: E402
+from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN  # noqa: E402
+from mha2gqa.convert.prepare import block_length  # noqa: E402
+from mha2gqa.convert.refine import EXACT, _attention_path, _layer_path, calibration_blocks  # noqa: E402
+from mha2gqa.convert.refine_global import fit_global  # noqa: E402
+from mha2gqa.eval.perplexity import perplexity  # noqa: E402
+from mha2gqa.layouts import layout_for, read_config  # noqa: E402
+from mha2gqa.provenance import latest  # noqa: E402
+
+
+def load(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+
+
+def trained_parameters(model, config: dict, refine: dict) -> list[torch.nn.Parameter]:
+    """The attention parameters of every layer the layer-wise stage fitted (what --refine's global stage trains)."""
+    layout = layout_for(config)
+    fitted = [row["layer"] for row in refine["layers"] if row["fit_error_before"] > EXACT]
+    return [
+        p
+        for index in fitted
+        for p in model.get_submodule(_layer_path(layout, index)).get_submodule(_attention_path(layout)).parameters()
+    ]
+
+
+def variant(text: str) -> dict:
+    steps, lr, *batch = text.split(":")
+    return {"steps": int(steps), "lr": float(lr), "batch_blocks": int(batch[0]) if batch else 4}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("parent")
+    parser.add_argument("refined")
+    parser.add_argument("--variants", default="20:1e-4", help="STEPS:LR[:BATCH_BLOCKS], comma-separated")
+    parser.add_argument("--eval-tokens", type=int, default=4096)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--save-best", default=None)
+    args = parser.parse_args()
+    parent_dir, refined_dir = Path(args.parent), Path(args.refined)
+    record = latest(refined_dir, "conversion")
+    calibration, refine = record["calibration"], record["refine"]
+    config = read_config(refined_dir)
+    ids = tokenize(parent_dir, calibration["data"], calibration["tokens"])
+    if hashlib.sha256(ids.numpy().tobytes()).hexdigest() != calibration["ids_sha256"]:
+        sys.exit(f"Error: the calibration text of {refined_dir} tokenizes differently here: not the same blocks")
+    hidden = config["hidden_size"]
+    blocks, split = calibration_blocks(
+        ids, block_length(config), refine["options"]["tokens"] or REFINE_TOKENS_PER_HIDDEN * hidden
+    )
+    sets = eval_sets(parent_dir, args.eval_tokens)
+    parent, start = load(parent_dir), load(refined_dir)
+    kept = {name: t.clone() for name, t in start.state_dict().items()}
+
+    def perplexities(model) -> dict:
+        return {
+            name: perplexity(model, ids, context=args.context, stride=args.context, batch_size=8)["perplexity"]
+            for name, ids in sets.items()
+        }
+
+    result = {
+        "parent": str(parent_dir),
+        "refined": str(refined_dir),
+        "fit_blocks": len(split["fit"]),
+        "heldout_blocks": len(split["heldout"]),
+        "load_average_start": os.getloadavg(),
+        "parent_perplexity": perplexities(parent),
+        "start_perplexity": perplexities(start),
+        "rows": [],
+    }
+    print(json.dumps({k: result[k] for k in ("parent_perplexity", "start_perplexity")}), flush=True)
+    best = None
+    for text in args.variants.split(","):
+        setting = variant(text)
+        start.load_state_dict(kept)
+        params = trained_parameters(start, config, refine)
+        began, began_cpu = time.perf_counter(), time.process_time()
+        generator = torch.Generator().manual_seed(refine["options"]["seed"])
+        checks = fit_global(parent, start, params, blocks, split, generator=generator, progress=True, **setting)
+        row = {
+            **setting,
+            "wall_s": round(time.perf_counter() - began, 1),
+            "cpu_s": round(time.process_time() - began_cpu, 1),
+            "record": checks,
+            "perplexity": perplexities(start),
+            "load_average": os.getloadavg(),
+        }
+        result["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "record"} | {"best_step": checks["best_step"]}))
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        if args.save_best and (best is None or row["perplexity"]["persuasion"] < best):
+            from transformers import AutoTokenizer
+
+            best = row["perplexity"]["persuasion"]
+            start.save_pretrained(args.save_best)
+            AutoTokenizer.from_pretrained(parent_dir).save_pretrained(args.save_best)
+            (Path(args.save_best) / "global-variant.json").write_text(json.dumps(setting) + "\n")
+
+
+if __name__ == "__main__":
+    main()
