@@ -3,6 +3,8 @@ global stage (every refined parameter against the parent's next-token distributi
 stay exact, each stage lowers the held-out error of the one before, runs are deterministic with
 --seed, and the cost stays linear in depth."""
 
+import copy
+
 import pytest
 import torch
 from calibrated_models import save_redundant_model
@@ -13,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from mha2gqa.convert.calibration import calibrate
 from mha2gqa.convert.options import RefineOptions
 from mha2gqa.convert.refine_block import is_additive, output_projection
-from mha2gqa.convert.refine_global import kl_divergence
+from mha2gqa.convert.refine_global import fit_global, kl_divergence
 from mha2gqa.convert.run import convert
 from mha2gqa.embedded import HELDOUT_NOVEL, expand_corpus_name, read_novel
 from mha2gqa.layouts import attention_shape, layout_for, read_config
@@ -187,28 +189,28 @@ def test_cli_runs_every_stage_and_prints_their_errors(tmp_path, tiny_src):
     assert not (tmp_path / "dst2").exists()
 
 
-def test_global_stage_trains_bfloat16_weights_through_float32_masters():
-    """On a GPU the parent loads in its checkpoint's dtype (bfloat16, float16), and so do the refined
-    parameters, whose bfloat16 spacing near 0.05 is 2.4e-4: Adam steps of lr 1e-4 applied to them
-    directly mostly round away. Through float32 masters the bfloat16 run follows the float32 one: its
-    weights end where float32 training puts them, up to bfloat16 rounding."""
+def two_random_models():
+    """A random parent and a random one-kv-head student of it (far apart: a large KL), and 6 blocks."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from mha2gqa.convert.refine_global import fit_global
 
     config = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, max_position_embeddings=32,
     )  # fmt: skip
     torch.manual_seed(0)
-    parent, start = LlamaForCausalLM(config).eval(), LlamaForCausalLM(config).eval()
-    blocks = torch.randint(0, 64, (6, 32))
-    split = {"fit": torch.arange(4), "heldout": torch.arange(4, 6)}
+    parent, start = (LlamaForCausalLM(config).eval().requires_grad_(False) for _ in range(2))
+    return parent, start, torch.randint(0, 64, (6, 32)), {"fit": torch.arange(4), "heldout": torch.arange(4, 6)}
+
+
+def test_global_stage_trains_bfloat16_weights_through_float32_masters():
+    """On a GPU the parent loads in its checkpoint's dtype (bfloat16, float16), and so do the refined
+    parameters, whose bfloat16 spacing near 0.05 is 2.4e-4: Adam steps of lr 1e-4 applied to them
+    directly mostly round away. Through float32 masters the bfloat16 run follows the float32 one: its
+    weights end where float32 training puts them, up to bfloat16 rounding."""
+    parent, start, blocks, split = two_random_models()
     ends = {}
     for dtype in (torch.float32, torch.bfloat16):
-        model = LlamaForCausalLM(config).eval()
-        model.load_state_dict(start.state_dict())
-        model.requires_grad_(False).to(dtype)
+        model = copy.deepcopy(start).to(dtype)
         params = [p for name, p in model.named_parameters() if ".self_attn." in name]
         record = fit_global(
             parent.to(dtype), model, params, blocks, split, steps=12, lr=1e-4, batch_blocks=2,
@@ -224,3 +226,26 @@ def test_global_stage_trains_bfloat16_weights_through_float32_masters():
         f"float32 training moved the weights by {moved:.4f}; bfloat16 ends {off:.4f} from it (rounding {rounding:.4f})"
     )
     assert off < 0.5 * moved and off < 3 * rounding
+
+
+def test_global_stage_stops_after_patience_checks_without_a_gain_and_keeps_the_best(monkeypatch):
+    """Held-out KL by check 1.0, 0.9 (best), 0.95, 0.92: after `patience` (2) checks without a gain on the
+    best the stage stops, and the weights of the best check are the ones left in place."""
+    from mha2gqa.convert import refine_global
+
+    parent, model, blocks, split = two_random_models()
+    params = [p for name, p in model.named_parameters() if ".self_attn." in name]
+    values, seen = iter([1.0, 0.9, 0.95, 0.92, 0.5, 0.4]), []
+
+    def scripted_heldout_kl(*args):
+        seen.append([p.detach().clone() for p in params])
+        return next(values)
+
+    monkeypatch.setattr(refine_global, "heldout_kl", scripted_heldout_kl)
+    record = fit_global(
+        parent, model, params, blocks, split, steps=40, lr=1e-3, batch_blocks=2,
+        generator=torch.Generator().manual_seed(0), check_every=5, progress=False,
+    )  # fmt: skip
+    assert [c["step"] for c in record["checks"]] == [0, 5, 10, 15] and record["best_step"] == 5
+    assert all(torch.equal(p, kept) for p, kept in zip(params, seen[1], strict=True))
+    assert not any(torch.equal(p, later) for p, later in zip(params, seen[3], strict=True))

@@ -68,7 +68,7 @@ def fit_global(
     )
     fit, heldout = split["fit"], split["heldout"]
     checks = [{"step": 0, "heldout_kl": heldout_kl(parent, model, blocks, heldout)}]
-    best = (checks[0]["heldout_kl"], [m.detach().clone() for m in masters])
+    best, stale = (checks[0]["heldout_kl"], [m.detach().clone() for m in masters]), 0
     order = torch.empty(0, dtype=torch.long)
     bar = tqdm(range(1, steps + 1), desc="refine all layers", unit="step", disable=not progress, leave=False)
     try:
@@ -93,9 +93,11 @@ def fit_global(
                     {"step": step, "fit_kl": fit_kl, "heldout_kl": heldout_kl(parent, model, blocks, heldout)}
                 )
                 if checks[-1]["heldout_kl"] < best[0]:
-                    best = (checks[-1]["heldout_kl"], [m.detach().clone() for m in masters])
-                elif sum(c["heldout_kl"] >= best[0] for c in checks[-patience:]) == patience:
-                    break  # `patience` checks in a row without a better held-out KL
+                    best, stale = (checks[-1]["heldout_kl"], [m.detach().clone() for m in masters]), 0
+                else:
+                    stale += 1
+                    if stale == patience:
+                        break  # `patience` checks in a row without a better held-out KL
     finally:
         bar.close()
         with torch.no_grad():
