@@ -33,7 +33,7 @@ from calibrated_merge import calibrate_on_corpus, gap_closed, heldout_ids, model
 
 # name -> RefineOptions fields changed from the shipped defaults ("default": none changed).
 EXPLORE = {
-    "default": dict(),  # the shipped RefineOptions: 64 x hidden tokens, Adam 50 steps of 4 blocks, then the solve
+    "default": dict(),  # the shipped RefineOptions: 64 x hidden tokens, Adam 50 steps of 4 blocks, the solve, 24 global steps
     "ls-only": dict(steps=0),
     "all-tokens": dict(tokens=1 << 40),  # every calibration token
     "b16": dict(batch_blocks=16),  # 16 blocks per Adam step
@@ -44,8 +44,7 @@ EXPLORE = {
     "steps200": dict(steps=200),
     "steps200-no-ls": dict(steps=200, solve_output=False),
     "steps200-lr3e-3": dict(steps=200, lr=3e-3),
-    "global20": dict(global_steps=20),  # + the global stage (refine_global.py), at its default lr
-    "global20-lr3e-4": dict(global_steps=20, global_lr=3e-4),
+    "layerwise": dict(global_steps=0),  # the layer-wise stage alone (the default before the global stage)
 }
 
 

@@ -2,13 +2,16 @@
 layer-wise refined start (issue 20), so each setting costs only its own global stage.
 
     python -m mha2gqa convert PARENT REFINED --groups 1 --method calibrated --calibration austen --refine
-    python bench/refine_global_real.py PARENT REFINED --variants 20:1e-4,20:3e-4 --out OUT.json [--save-best DIR]
+    python bench/refine_global_real.py PARENT REFINED --variants "steps=24 lr=1e-4;steps=24 lr=3e-4 clip=0" \
+        --out OUT.json [--save-best DIR]
 
 REFINED: a `convert --refine` output of PARENT with the global stage off (e.g. the shipped default before
 it was on). The calibration blocks and their fit / held-out split are rebuilt exactly as that conversion
 made them (its mha2gqa.json: data, calibration tokens and their hash, refine tokens), and the global stage trains what
-`--refine` hands it: the attention parameters of every layer the layer-wise stage fitted. VARIANTS:
-STEPS:LR[:BATCH_BLOCKS] (batch default 4, as --refine's). Each is trained from REFINED's weights.
+`--refine` hands it: the attention parameters of every layer whose layer-wise refit was kept. A variant:
+steps=N lr=X [batch_blocks=4] [clip=1.0] [beta2=0.95] [decay=0] (the defaults are the package's; clip=0:
+none; decay=1: cosine to 0 after the warmup),
+variants separated by ';'. Each is trained from REFINED's weights.
 Per variant: the held-out KL checks, wall and CPU seconds of the stage, perplexity on Persuasion and on
 the Python Language Reference (as bench/refine_real.py). --save-best writes the variant with the lowest
 Persuasion perplexity as a checkpoint (with PARENT's tokenizer), for uptraining from it.
@@ -46,9 +49,10 @@ def load(path: Path):
 
 
 def trained_parameters(model, config: dict, refine: dict) -> list[torch.nn.Parameter]:
-    """The attention parameters of every layer the layer-wise stage fitted (what --refine's global stage trains)."""
+    """The attention parameters of every layer whose layer-wise refit was kept (what --refine's global stage
+    trains): fitted (not exact) and not kept as merged."""
     layout = layout_for(config)
-    fitted = [row["layer"] for row in refine["layers"] if row["fit_error_before"] > EXACT]
+    fitted = [r["layer"] for r in refine["layers"] if r["fit_error_before"] > EXACT and "kept_merged" not in r]
     return [
         p
         for index in fitted
@@ -57,15 +61,23 @@ def trained_parameters(model, config: dict, refine: dict) -> list[torch.nn.Param
 
 
 def variant(text: str) -> dict:
-    steps, lr, *batch = text.split(":")
-    return {"steps": int(steps), "lr": float(lr), "batch_blocks": int(batch[0]) if batch else 4}
+    """'steps=24 lr=1e-4 [batch_blocks=4] [clip=1] [beta2=0.95] [decay=0]' -> fit_global's keyword arguments."""
+    fields = dict(item.split("=") for item in text.split())
+    setting = {"steps": int(fields.pop("steps")), "lr": float(fields.pop("lr"))}
+    setting["batch_blocks"] = int(fields.pop("batch_blocks", 4))
+    setting["clip"] = float(fields.pop("clip", 1.0))
+    setting["betas"] = (0.9, float(fields.pop("beta2", 0.95)))
+    setting["decay"] = fields.pop("decay", "0") == "1"
+    if fields:
+        sys.exit(f"Error: unknown variant fields {sorted(fields)} in {text!r}")
+    return setting
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("parent")
     parser.add_argument("refined")
-    parser.add_argument("--variants", default="20:1e-4", help="STEPS:LR[:BATCH_BLOCKS], comma-separated")
+    parser.add_argument("--variants", default="steps=20 lr=1e-4", help="VARIANT;VARIANT;... (see above)")
     parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--out", required=True)
@@ -104,7 +116,7 @@ def main() -> None:
     }
     print(json.dumps({k: result[k] for k in ("parent_perplexity", "start_perplexity")}), flush=True)
     best = None
-    for text in args.variants.split(","):
+    for text in args.variants.split(";"):
         setting = variant(text)
         start.load_state_dict(kept)
         params = trained_parameters(start, config, refine)

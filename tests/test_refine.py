@@ -193,7 +193,7 @@ def test_cost_is_linear_in_depth(tmp_path, calibration_file):
                 2,
                 calibration=calibration_file,
                 calibration_tokens=1024,
-                refine=RefineOptions(steps=2, batch_blocks=4),
+                refine=RefineOptions(steps=2, batch_blocks=4, global_steps=0),  # the layer-wise stage alone
                 progress=False,
             ).refine
     finally:

@@ -24,8 +24,8 @@ from mha2gqa.provenance import latest
 # initializer_range 0.1: attention that matters (at the default 0.02 mean-pooling to one kv head moves the
 # logits by a KL of 1e-5, too little to rank stages by).
 SMALL = dict(max_position_embeddings=64, num_hidden_layers=2, initializer_range=0.1)
-ATTENTION = RefineOptions(steps=30, lr=3e-3, mlp_output=False)
-BLOCK = RefineOptions(steps=30, lr=3e-3, mlp_output=True)
+ATTENTION = RefineOptions(steps=30, lr=3e-3, mlp_output=False, global_steps=0)
+BLOCK = RefineOptions(steps=30, lr=3e-3, mlp_output=True, global_steps=0)
 GLOBAL = RefineOptions(steps=30, lr=3e-3, mlp_output=True, global_steps=20, global_lr=2e-4)
 CALIBRATION = dict(calibration=expand_corpus_name("austen"), calibration_tokens=2048, progress=False)
 

@@ -18,7 +18,8 @@ DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held a
 DEFAULT_REFINE_STEPS = 50
 DEFAULT_REFINE_LR = 1e-3
 DEFAULT_REFINE_MEMORY = 4 << 30
-DEFAULT_REFINE_GLOBAL_LR = 1e-4
+DEFAULT_REFINE_GLOBAL_STEPS = 24  # 1.5 passes over the default fit blocks of a hidden-576 model (docs/refine.md)
+DEFAULT_REFINE_GLOBAL_LR = 2e-4
 REFINE_TOKENS_PER_HIDDEN = 64  # default --refine-tokens per unit of hidden size (docs/refine.md)
 
 
@@ -82,11 +83,13 @@ class RefineOptions:
     """Calibration tokens --refine fits and checks on, in whole sequences spread evenly over the calibration
     tokens (all of them when fewer). Unset: 64 x the model's hidden size (the o_proj solve has that many
     unknowns per output), e.g. 16,384 for hidden 256 and 262,144 for hidden 4096."""
-    global_steps: int = 0
+    global_steps: int = DEFAULT_REFINE_GLOBAL_STEPS
     """After the layer-wise stages, Adam steps on every refined parameter together against the parent's
-    next-token distribution (KL) on the fit blocks, with early stopping on the held-out blocks (0: off)."""
+    next-token distribution (KL) on the fit blocks, the best held-out check kept and an early stop after 2
+    checks without a gain (0: off). Each step costs a forward of the parent and a forward and backward of
+    the converted model on --refine's batch of blocks."""
     global_lr: float = DEFAULT_REFINE_GLOBAL_LR
-    """Peak learning rate of the global stage (warmup, then cosine to 0)."""
+    """Learning rate of the global stage (after a warmup over the first tenth of the steps)."""
     batch_blocks: int = 4
     """Calibration sequences per Adam step."""
     solve_output: bool = True
@@ -108,7 +111,9 @@ class RefineOptions:
         if not _is_int(self.memory) or self.memory < 1:
             raise InputError(f"--refine-memory {self.memory} must be positive (e.g. 4GiB)")
         if not _is_int(self.global_steps) or self.global_steps < 0:
-            raise InputError(f"--refine-global-steps {self.global_steps} must be 0 or more (e.g. 20)")
+            raise InputError(
+                f"--refine-global-steps {self.global_steps} must be 0 or more (e.g. {DEFAULT_REFINE_GLOBAL_STEPS})"
+            )
         if not isinstance(self.global_lr, (int, float)) or not math.isfinite(self.global_lr) or not self.global_lr > 0:
             raise InputError(
                 f"--refine-global-lr {self.global_lr} must be a finite positive number (e.g. {DEFAULT_REFINE_GLOBAL_LR})"

@@ -212,7 +212,9 @@ def refine_attention(
             buffers.swap("converted", "inputs")
             names = _tensor_names(layout, index, attn, solved)
             refined.update(names)
-            if fitted:  # what the global stage may train: the parameters the layer-wise stages changed
+            # What the global stage may train: the layers whose refit was kept. One left as merged (worse,
+            # non-finite) stays as merged, so a conversion whose every refit failed is the plain merge.
+            if outcome == "refined":
                 changed.update(names)
             report = {
                 "fit_error_before": fit_before,
