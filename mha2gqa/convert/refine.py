@@ -26,6 +26,9 @@ The fit (chosen by measurement, docs/refine.md): Adam on the normalised MSE
 then a closed-form least-squares solve of o_proj given the rest. A layer whose fit or held-out
 error would rise (or went non-finite: said so) is left as merged, so a model that is already exact
 stays exact and a layer that overfits too few calibration tokens is not made worse.
+
+Then (by default; `--refine-global-steps 0` turns it off) the global stage, refine_global.py: the layers
+whose refit was kept, all together, against the parent's next-token distribution on the same blocks.
 """
 
 from __future__ import annotations

@@ -4,13 +4,14 @@ distribution (KL(parent || converted), mean over tokens) on the fit blocks.
 
 Why: the layer-wise stages match each layer's output to the parent's, but weigh every direction of the
 residual stream alike; the KL weighs them by what the output distribution cares about, and fits all
-layers jointly, so one layer may leave an error that a later one cancels. Bounded: `steps` Adam steps
-(linear warmup over the first tenth, then a constant lr, betas (0.9, 0.95) and the gradient norm clipped
-to 1, as uptraining's AdamW; measured on SmolLM2 in docs/refine.md: a cosine decay to 0 halves what a
-short run learns, and unclipped steps of lr 3e-4 raised the held-out KL from 0.37 to 0.43 by step 5),
-the held-out KL measured every `check_every` steps,
-the best parameters kept, and an early stop after `patience` checks without improvement, so a run
-never ends worse on the held-out blocks than it started (the start is the first check).
+layers jointly, so one layer may leave an error that a later one cancels.
+
+Bounded: `steps` Adam steps, the held-out KL measured every `check_every` steps, the best parameters
+kept, and an early stop after `patience` checks without improvement, so a run never ends worse on the
+held-out blocks than it started (the start is the first check). The optimizer is uptraining's: a linear
+warmup over the first tenth, then a constant lr, betas (0.9, 0.95), the gradient norm clipped to 1.
+Measured on SmolLM2 (docs/refine.md): a cosine decay to 0 halves what a short run learns, and unclipped
+steps of lr 3e-4 raised the held-out KL from 0.37 to 0.43 by step 5.
 
 Cost: per step one parent forward and one converted forward + backward of `batch_blocks` blocks, one
 block at a time (memory: both models, the gradients and Adam state of the trained parameters, and one
@@ -129,7 +130,7 @@ def _step(optimizer, params: list[torch.nn.Parameter], masters: list[torch.Tenso
     """One Adam step on the float32 masters, from the parameters' gradients, written back to the parameters."""
     for p, m in zip(params, masters, strict=True):
         if m is not p:
-            m.grad = p.grad.float()
+            m.grad = None if p.grad is None else p.grad.float()
             p.grad = None
     optimizer.step()
     with torch.no_grad():
