@@ -11,7 +11,7 @@ starts); a failure is recorded with its traceback and the later parts still run:
                     peak memory, KV bytes of the live cache vs the formula (bench/eval_gpu.py)
   2 uptrain_gpu     uptrain loop tokens/s and MFU at 1B bf16, and the hand-written loop (bench/uptrain_gpu.py --baseline)
   3 convert_refine  convert --method calibrated --refine of a ~1B Llama-shaped random checkpoint on the
-                    embedded calibration text: seconds and peak GPU memory per stage; CUDA vs CPU refined weights
+                    embedded calibration text: seconds and peak GPU memory per stage; CUDA vs CPU layer-wise refined weights
   4 fsdp            accelerate launch --config_file recipes/accelerate/fsdp.yaml --num_processes 1, 5 steps:
                     the final checkpoint loads and equals the trained weights; --resume continues exactly
   5 qlora           trainable: lora with load_in_4bit, 5 steps, merged into a plain checkpoint that loads
