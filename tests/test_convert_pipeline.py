@@ -76,9 +76,14 @@ def test_dry_run_prints_every_stage_and_writes_nothing(tmp_path, tiny_src, calib
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     stages = [line.split(":")[1].strip() for line in lines if line.startswith("stage ")]
-    assert stages == ["calibrate", "merge", "refine", "write", "metadata"], lines
+    assert stages == ["calibrate", "merge", "refine", "refine (global)", "write", "metadata"], lines
     refine = next(line for line in lines if line.startswith("stage 3: refine"))
     assert "up to 448 fit and 64 held-out tokens" in refine  # 512 tokens: 8 blocks of 64, 1 held out
+    assert "up to 24 Adam steps (lr 0.0002" in next(line for line in lines if line.startswith("stage 4: refine"))
+    off = CliRunner().invoke(main, [*args, "--refine-global-steps", "0", "--dry-run"]).output.splitlines()
+    assert [line.split(":")[1].strip() for line in off if line.startswith("stage ")] == [
+        "calibrate", "merge", "refine", "write", "metadata"
+    ]  # fmt: skip
     assert "up to 1,024 tokens" in next(line for line in lines if line.startswith("stage 1: calibrate"))
     estimates = next(line for line in lines if line.startswith("estimates:"))
     assert "written to DST" in estimates and "peak memory about" in estimates

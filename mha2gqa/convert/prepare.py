@@ -356,6 +356,15 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> No
                 f"{format_bytes(buffer_bytes)} {where}",
             )
         )
+        if refine.global_steps:
+            stages.append(
+                Stage(
+                    "refine (global)",
+                    f"then up to {refine.global_steps} Adam steps (lr {refine.global_lr:g}, {refine.batch_blocks} blocks "
+                    f"a step) of every refined attention parameter, all layers together, against the parent's "
+                    f"next-token distribution; the held-out KL checked every 5 steps, the best kept",
+                )
+            )
         stages.append(
             Stage("write", f"{len(tensors.output_tensors())} tensors streamed into DST, refined attention included")
         )
@@ -367,9 +376,23 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> No
             peak,
             model_bytes + converted + 3 * attention + (0 if spills else buffer_bytes) + _forward_bytes(shape, seq_len),
         )
+        if refine.global_steps:  # the layer buffers are freed by then
+            trained = sum(math.prod(out.shape) for s in tensors.steps if s.is_transform for out in s.outputs)
+            peak = max(peak, model_bytes + converted + _global_bytes(plan.config, shape, seq_len, trained))
     stages.append(Stage("metadata", "config.json, tokenizer and other files, mha2gqa.json, README.md card"))
     plan.stages = stages
     plan.peak_memory = peak + RUNTIME_BYTES["numpy" if plan.torch_reason is None else "torch"]
+
+
+def _global_bytes(config: dict, shape: AttentionShape, seq_len: int, trained: int) -> int:
+    """The global stage beyond the two models, float32: for the `trained` attention values their gradients,
+    two Adam moments, the best check's copy and float32 masters (when the weights are not float32), one
+    block's activations through every layer kept for the backward, and a few vocabulary-wide rows per
+    token (both models' logits and their log-softmaxes). Roughly: 32 hidden-wide values a token per layer
+    is what SmolLM2's run needed (3.18 GiB peak RSS measured, 2.86 GiB estimated; docs/refine.md)."""
+    vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else 0
+    activations = shape.layers * seq_len * (32 * shape.hidden + shape.heads * seq_len) * 4
+    return 5 * trained * 4 + activations + 4 * seq_len * vocab * 4
 
 
 def _forward_bytes(shape: AttentionShape, seq_len: int) -> int:
