@@ -1,20 +1,21 @@
 """Measurement: the global stage of `--refine` (refine_global.py) on a real model, several settings from one
 layer-wise refined start (issue 20), so each setting costs only its own global stage.
 
-    python -m mha2gqa convert PARENT REFINED --groups 1 --method calibrated --calibration austen --refine
+    python -m mha2gqa convert PARENT REFINED --groups 1 --method calibrated --calibration austen --refine \
+        --refine-global-steps 0
     python bench/refine_global_real.py PARENT REFINED --variants "steps=24 lr=1e-4;steps=24 lr=3e-4 clip=0" \
         --out OUT.json [--save-best DIR]
 
-REFINED: a `convert --refine` output of PARENT with the global stage off (e.g. the shipped default before
-it was on). The calibration blocks and their fit / held-out split are rebuilt exactly as that conversion
-made them (its mha2gqa.json: data, calibration tokens and their hash, refine tokens), and the global stage trains what
-`--refine` hands it: the attention parameters of every layer whose layer-wise refit was kept. A variant:
-steps=N lr=X [batch_blocks=4] [clip=1.0] [beta2=0.95] [decay=0] (the defaults are the package's; clip=0:
-none; decay=1: cosine to 0 after the warmup),
-variants separated by ';'. Each is trained from REFINED's weights.
-Per variant: the held-out KL checks, wall and CPU seconds of the stage, perplexity on Persuasion and on
-the Python Language Reference (as bench/refine_real.py). --save-best writes the variant with the lowest
-Persuasion perplexity as a checkpoint (with PARENT's tokenizer), for uptraining from it.
+REFINED: a `convert --refine --refine-global-steps 0` output of PARENT (the layer-wise stage alone). The
+calibration blocks and their fit / held-out split are rebuilt exactly as that conversion made them (its
+mha2gqa.json: data, calibration tokens and their hash, refine tokens), and the global stage trains what
+`--refine` hands it: the attention parameters of every layer whose layer-wise refit was kept.
+A variant: steps=N lr=X [batch_blocks=4] [clip=1.0] [beta2=0.95] [decay=0]; the defaults are the
+package's, clip=0 is none and decay=1 a cosine to 0 after the warmup. Variants are separated by ';' and
+each is trained from REFINED's weights. Per variant: the held-out KL checks, wall and CPU seconds of the
+stage, perplexity on Persuasion and on the Python Language Reference (as bench/refine_real.py).
+--save-best writes the variant with the lowest Persuasion perplexity as a checkpoint (with PARENT's
+tokenizer), for uptraining from it.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def main() -> None:
     parent_dir, refined_dir = Path(args.parent), Path(args.refined)
     record = latest(refined_dir, "conversion")
     calibration, refine = record["calibration"], record["refine"]
+    if refine.get("global"):
+        sys.exit(f"Error: {refined_dir} already went through the global stage; convert with --refine-global-steps 0")
     config = read_config(refined_dir)
     ids = tokenize(parent_dir, calibration["data"], calibration["tokens"])
     if hashlib.sha256(ids.numpy().tobytes()).hexdigest() != calibration["ids_sha256"]:
