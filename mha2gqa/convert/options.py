@@ -164,7 +164,8 @@ class ConvertOptions:
     """After the merge, fit each layer's attention parameters, layer by layer, so that its output on the
     calibration tokens matches the parent's (inputs from the already-refined layers below). Needs
     --calibration; works with every --method and --grouping. Per-layer errors on fit and held-out
-    calibration tokens go to the terminal and mha2gqa.json. Settings: the --refine-* flags (in Python a
+    calibration tokens go to the terminal and mha2gqa.json. Then all layers together against the parent's
+    next-token distribution (--refine-global-steps; 0: off). Settings: the --refine-* flags (in Python a
     RefineOptions; None: no refinement)."""
 
     def __post_init__(self):
