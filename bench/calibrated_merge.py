@@ -54,15 +54,23 @@ def heldout_ids(source: Path, data: str | None, tokens: int) -> torch.Tensor:
     return torch.tensor(ids[:tokens], dtype=torch.long)
 
 
-def model_perplexity(model_dir: Path, ids: torch.Tensor, context: int) -> float:
+def load_float32(model_dir: Path):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def loaded_perplexity(model, ids: torch.Tensor, context: int) -> float:
+    """Perplexity of a loaded model over non-overlapping windows of `context` tokens: every bench's measure."""
     from mha2gqa.eval.perplexity import perplexity
 
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return perplexity(model, ids, context=context, stride=context, batch_size=8)["perplexity"]
+
+
+def model_perplexity(model_dir: Path, ids: torch.Tensor, context: int) -> float:
+    return loaded_perplexity(load_float32(model_dir), ids, context)
 
 
 def gap_closed(ppl: float, mean: float, parent: float) -> float:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from calibrated_merge import load_float32, loaded_perplexity  # noqa: E402
 from refine_real import eval_sets  # noqa: E402
 
 from mha2gqa.convert.calibration import tokenize  # noqa: E402
@@ -38,15 +39,8 @@ from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN  # noqa: E402
 from mha2gqa.convert.prepare import block_length  # noqa: E402
 from mha2gqa.convert.refine import EXACT, _attention_path, _layer_path, calibration_blocks  # noqa: E402
 from mha2gqa.convert.refine_global import fit_global  # noqa: E402
-from mha2gqa.eval.perplexity import perplexity  # noqa: E402
 from mha2gqa.layouts import layout_for, read_config  # noqa: E402
 from mha2gqa.provenance import latest  # noqa: E402
-
-
-def load(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
 
 
 def trained_parameters(model, config: dict, refine: dict) -> list[torch.nn.Parameter]:
@@ -98,14 +92,11 @@ def main() -> None:
         ids, block_length(config), refine["options"]["tokens"] or REFINE_TOKENS_PER_HIDDEN * hidden
     )
     sets = eval_sets(parent_dir, args.eval_tokens)
-    parent, start = load(parent_dir), load(refined_dir)
+    parent, start = (load_float32(d).requires_grad_(False) for d in (parent_dir, refined_dir))
     kept = {name: t.clone() for name, t in start.state_dict().items()}
 
     def perplexities(model) -> dict:
-        return {
-            name: perplexity(model, ids, context=args.context, stride=args.context, batch_size=8)["perplexity"]
-            for name, ids in sets.items()
-        }
+        return {name: loaded_perplexity(model, ids, args.context) for name, ids in sets.items()}
 
     result = {
         "parent": str(parent_dir),

@@ -370,14 +370,15 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> No
         )
         if spills:
             plan.scratch_bytes += buffer_bytes
-        attention = sum(out.nbytes for s in tensors.steps if s.is_transform for out in s.outputs)
+        merged = [out for s in tensors.steps if s.is_transform for out in s.outputs]  # the attention tensors
+        attention = sum(out.nbytes for out in merged)
         converted = model_bytes if options.dtype else 0  # with --dtype the converted model holds its own cast copy
         peak = max(
             peak,
             model_bytes + converted + 3 * attention + (0 if spills else buffer_bytes) + _forward_bytes(shape, seq_len),
         )
         if refine.global_steps:  # the layer buffers are freed by then
-            trained = sum(math.prod(out.shape) for s in tensors.steps if s.is_transform for out in s.outputs)
+            trained = sum(math.prod(out.shape) for out in merged)
             peak = max(peak, model_bytes + converted + _global_bytes(plan.config, shape, seq_len, trained))
     stages.append(Stage("metadata", "config.json, tokenizer and other files, mha2gqa.json, README.md card"))
     plan.stages = stages
