@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+from mha2gqa.errors import InputError
+
 _UNITS = ("KiB", "MiB", "GiB", "TiB")
 
 
@@ -29,3 +33,20 @@ def format_size(n: int) -> str:
         if n and n % 1024**power == 0:
             div, unit = 1024**power, name
     return f"{n // div}{unit}"
+
+
+def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
+    """'5GB' (10^9), '500MiB' (2^20) or plain bytes, as transformers reads --max-shard-size.
+    `flag` is the option the size came from, for the message."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        text = str(text)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise InputError(f"{flag} {text!r} is not a size: use e.g. 5GB, 500MB or 2GiB")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}.get(unit) or 2 ** (
+        10 * "KMGT".index(unit[0]) + 10
+    )
+    if number * scale < 1:
+        raise InputError(f"{flag} {text!r} must be positive")
+    return int(number * scale)

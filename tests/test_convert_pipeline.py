@@ -129,49 +129,61 @@ def _checkpoint_files(model_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(model_dir.iterdir()) if p.name not in ("mha2gqa.json", "README.md")}
 
 
-CASES = {  # name: (convert keywords, calibration needed without refine)
-    "mean": dict(method="mean"),
-    "first": dict(method="first"),
-    "random": dict(method="random", seed=3),
-    "mean-norm": dict(method="mean-norm", dtype="bfloat16"),
-    "calibrated": dict(method="calibrated"),
-    "similarity": dict(method="mean", grouping="similarity"),
+# One conversion per flag of the table that changes the output, with that flag's field at a value other than
+# its default (and what it needs to take effect): the card's command, run again, gives the same bytes.
+CAL = dict(calibration="CAL", calibration_tokens=1024)
+REFINE = dict(method="calibrated", **CAL)
+NON_DEFAULT = {  # flag: (convert keywords, RefineOptions keywords or None)
+    "--groups": (dict(groups=1), None),
+    "--method": (dict(method="first"), None),
+    "--seed": (dict(method="random", seed=3), None),
+    "--dtype": (dict(method="mean-norm", dtype="bfloat16"), None),
+    "--max-shard-size": (dict(max_shard_size="40KB"), None),
+    "--calibration": (dict(method="calibrated", calibration="CAL"), None),
+    "--calibration-tokens": (dict(REFINE, calibration_tokens=768), None),
+    "--calibration-memory": (dict(REFINE, calibration_memory="100KiB"), None),
+    "--grouping": (dict(grouping="similarity", **CAL), None),
+    "--refine": (REFINE, {}),
+    "--refine-steps": (REFINE, dict(steps=2)),
+    "--refine-lr": (REFINE, dict(lr=3e-3)),
+    "--refine-memory": (REFINE, dict(memory=1)),
+    "--refine-tokens": (REFINE, dict(tokens=384)),
+    "--refine-mlp": (REFINE, dict(mlp_output=True)),
+    "--refine-global-steps": (REFINE, dict(global_steps=3)),
+    "--refine-global-lr": (REFINE, dict(global_steps=3, global_lr=1e-3)),
+    "--refine-batch-blocks": (REFINE, dict(batch_blocks=3)),
+    "--refine-solve-output": (REFINE, dict(solve_output=False)),
+    "--refine-seed": (REFINE, dict(seed=7)),
 }
 
 
-@pytest.mark.parametrize("refine", [False, True], ids=["merge", "refine"])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_the_cards_reproduce_command_makes_the_same_checkpoint(tmp_path, tiny_src, calibration_file, case, refine):
-    kwargs = dict(CASES[case])
-    if refine or kwargs["method"] == "calibrated" or kwargs.get("grouping") == "similarity":
-        kwargs.update(calibration=calibration_file, calibration_tokens=1024)
-    if refine:
-        kwargs["refine"] = RefineOptions(**{**QUICK.__dict__, "seed": kwargs.get("seed", 0)})
-    convert(tiny_src, tmp_path / "made", 2, progress=False, **kwargs)
+def test_every_flag_that_changes_the_output_has_a_reproduce_case():
+    from mha2gqa.convert.options import CONVERT_FLAGS
+
+    assert list(NON_DEFAULT) == [flag.flag for flag in CONVERT_FLAGS if flag.changes_output]
+
+
+@pytest.mark.parametrize("flag", list(NON_DEFAULT))
+def test_the_cards_reproduce_command_makes_the_same_checkpoint(tmp_path, tiny_src, calibration_file, flag):
+    kwargs, refine = NON_DEFAULT[flag]
+    kwargs = {key: calibration_file if value == "CAL" else value for key, value in kwargs.items()}
+    groups = kwargs.pop("groups", 2)
+    if refine is not None:  # quick settings, the case's field on top
+        kwargs["refine"] = RefineOptions(**{**QUICK.__dict__, "global_steps": 0, **refine})
+    convert(tiny_src, tmp_path / "made", groups, progress=False, **kwargs)
     words = _card_command(tmp_path / "made")
     assert words[:4] == ["mha2gqa", "convert", str(tiny_src), "OUT"], words
-    if refine:
-        assert words[words.index("--refine-steps") + 1] == "3" and words[words.index("--refine-lr") + 1] == "0.002"
-        assert words[words.index("--refine-tokens") + 1] == "512"
-    # --refine-batch-blocks has no flag: the command says it needs Python, and the bytes then differ
-    assert ("batch_blocks=2" in (tmp_path / "made" / "README.md").read_text()) == refine
-    if refine:
-        return _reproduce_with_flags(tmp_path, tiny_src, words, kwargs)
+    assert flag in words or f"--no-{flag[2:]}" in words, words
     result = CliRunner().invoke(main, [*[str(tmp_path / "again") if w == "OUT" else w for w in words[1:]], "--quiet"])
     assert result.exit_code == 0, result.output
     assert _checkpoint_files(tmp_path / "again") == _checkpoint_files(tmp_path / "made")
+    assert _card_command(tmp_path / "again") == words  # and it records the same command
 
 
-def _reproduce_with_flags(tmp_path, tiny_src, words, kwargs):
-    """A refined conversion made from the command line (default batch_blocks): its card's command, run
-    again, gives the same bytes."""
-    first = [str(tmp_path / "cli") if w == "OUT" else w for w in words[1:]]
-    assert CliRunner().invoke(main, [*first, "--quiet"]).exit_code == 0
-    again = [str(tmp_path / "again") if w == "OUT" else w for w in _card_command(tmp_path / "cli")[1:]]
-    assert "# and" not in (tmp_path / "cli" / "README.md").read_text().split("mha2gqa convert ", 1)[1].split("\n")[0]
-    result = CliRunner().invoke(main, [*again, "--quiet"])
-    assert result.exit_code == 0, result.output
-    assert _checkpoint_files(tmp_path / "again") == _checkpoint_files(tmp_path / "cli")
+def test_a_plain_merge_command_leaves_out_the_calibration_it_does_not_need(tmp_path, tiny_src, calibration_file):
+    convert(tiny_src, tmp_path / "made", 2, calibration=calibration_file, calibration_tokens=512, progress=False)
+    words = _card_command(tmp_path / "made")
+    assert words == ["mha2gqa", "convert", str(tiny_src), "OUT", "--groups", "2", "--method", "mean"]
 
 
 def test_the_embedded_corpus_is_named_in_the_card_not_listed(tmp_path, tiny_src):

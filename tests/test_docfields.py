@@ -11,23 +11,16 @@ from mha2gqa.cli.convert_cmd import convert
 from mha2gqa.cli.eval_cmd import eval_command
 from mha2gqa.cli.fields import field_default
 from mha2gqa.cli.sweep_cmd import sweep
-from mha2gqa.convert.options import METHOD_SUMMARIES, ConvertOptions, Grouping, Method, RefineOptions
+from mha2gqa.convert.options import CONVERT_FLAGS, METHOD_SUMMARIES, ConvertOptions, Grouping, Method, RefineOptions
 from mha2gqa.convert.run import parse_size
 from mha2gqa.docfields import choice_docs, field_docs
 from mha2gqa.eval.options import EvalOptions, SpeedPreset
 from mha2gqa.sweep.options import SweepOptions
 
 # options that set no field of the command's options type, so keep a literal help
-# --refine-* options set RefineOptions fields (ConvertOptions.refine)
-REFINE_FIELDS = {
-    "refine_steps": "steps",
-    "refine_lr": "lr",
-    "refine_memory": "memory",
-    "refine_tokens": "tokens",
-    "refine_mlp": "mlp_output",
-    "refine_global_steps": "global_steps",
-    "refine_global_lr": "global_lr",
-}
+# --refine-* options set RefineOptions fields (ConvertOptions.refine): the flag table says which
+REFINE_FIELDS = {flag.key: flag.name for flag in CONVERT_FLAGS if flag.owner is RefineOptions}
+FOLLOWS = {flag.key: flag.default_from for flag in CONVERT_FLAGS if flag.default_from}  # unset: another flag's value
 NOT_FIELDS = {"convert": {"quiet", *REFINE_FIELDS}, "eval": {"quiet"}}
 # options that pick one of several: their help lists each choice after the field's docstring
 CHOICES = {"method": METHOD_SUMMARIES, "grouping": choice_docs(Grouping), "speed_preset": choice_docs(SpeedPreset)}
@@ -45,6 +38,13 @@ def test_each_options_help_is_its_fields_docstring(command, cls):
                 listed = (f"{value}: {doc.rstrip('.')}" for value, doc in CHOICES[option.name].items())
                 expected += " " + "; ".join(listed) + "."
             assert option.help == expected, option.opts[0]
+
+
+def test_every_convert_and_refine_field_has_one_flag_in_the_table():
+    table = [(flag.owner, flag.name) for flag in CONVERT_FLAGS]
+    assert len(table) == len(set(table))
+    assert set(table) == {(cls, f.name) for cls in (ConvertOptions, RefineOptions) for f in fields(cls)}
+    assert [p.name for p in convert.params if isinstance(p, click.Option)] == [f.key for f in CONVERT_FLAGS]
 
 
 def test_refine_options_help_is_the_refine_fields_docstring():
@@ -116,7 +116,9 @@ def test_each_options_default_is_its_fields_default(command, cls):
             assert default is False and field_default(cls, "progress") is True
             continue
         expected = field_default(owner, name)
-        if expected is MISSING:
+        if option.name in FOLLOWS:  # --refine-seed: unset, it is --seed's value
+            assert default is None and option.show_default == f"--{FOLLOWS[option.name]}", option.opts[0]
+        elif expected is MISSING:
             assert option.required, option.opts[0]
         elif name == "refine":  # a flag that turns RefineOptions on: off means None
             assert default is False and expected is None

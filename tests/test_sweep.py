@@ -115,6 +115,17 @@ def test_sweep_runs_every_candidate_and_writes_its_pages(swept):
     assert not list(out.glob(".sweep-*")), "the work directory is removed"
 
 
+def test_each_candidates_convert_command_is_its_cards_reproduce_line(swept):
+    """The sweep's next-step command is the candidate's own dry-run plan: a plain mean merge names no
+    calibration text (it shapes no weight), the calibrated one names the sweep's."""
+    out, record, _, _ = swept
+    for row in record["candidates"]:
+        card = (Path(row["model"]) / "README.md").read_text()
+        assert record["convert_commands"][row["name"]] in card.splitlines(), row["name"]
+    assert "--calibration" not in record["convert_commands"]["kv2-mean"]
+    assert "--calibration" in record["convert_commands"]["kv2-calibrated"]
+
+
 def test_calibration_runs_once_and_the_parent_is_evaluated_once(swept):
     _, record, counts, _ = swept
     assert counts["calibrate"] == 1
@@ -258,7 +269,10 @@ def test_recommendation_is_the_smallest_cache_within_tolerance_or_the_next_comma
         _row("kv4-calibrated", 4, "calibrated", 101, 512),
         _row("kv2-calibrated", 2, "calibrated", 104.9, 256),
     ]
-    record = {"settings": settings, "parent": {"perplexity": 100.0}, "candidates": rows, "source": {"path": "m"}}
+    commands = {row["name"]: f"mha2gqa convert m OUT --groups {row['groups']} --method {row['method']}" for row in rows}
+    commands["kv4-calibrated"] += " --calibration austen"
+    record = {"settings": settings, "parent": {"perplexity": 100.0}, "candidates": rows, "source": {"path": "m"},
+              "convert_commands": commands}  # fmt: skip
     found = sweep_run.recommend(record)
     assert found["per_method"] == {"mean": "kv4-mean", "calibrated": "kv2-calibrated"} and found["next"] is None
     record["settings"] = {**settings, "tolerance": 0.005}

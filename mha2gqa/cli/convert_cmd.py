@@ -3,73 +3,59 @@
 from __future__ import annotations
 
 import json
+from enum import Enum
 
 import click
 
 from mha2gqa.cli.fields import field_option
 from mha2gqa.cli.format import human_count, table
-from mha2gqa.convert.options import METHOD_SUMMARIES, ConvertOptions, Grouping, Method, RefineOptions
+from mha2gqa.convert.options import CONVERT_FLAGS, METHOD_SUMMARIES, ConvertOptions, Flag, Method, options_from_flags
 from mha2gqa.docfields import choice_docs, option_help
 from mha2gqa.units import format_bytes, format_size
 
 
-def _option(flag: str, *decls: str, **kwargs):
-    """The option that sets a ConvertOptions field: its default and help are the field's."""
-    return field_option(ConvertOptions, flag, *decls, **kwargs)
+def _flag_option(flag: Flag):
+    """The click option of one CONVERT_FLAGS entry: its default and help are its field's."""
+    decls = [d for d in (flag.short, flag.key) if d]
+    if flag.field == "refine":
+        return click.option(flag.flag, is_flag=True, help=option_help(ConvertOptions, "refine"))
+    if flag.help:
+        return click.option(flag.flag, *decls, is_flag=flag.switch, help=flag.help)
+    default, kwargs = flag.default, {}
+    if isinstance(default, Enum):
+        kwargs["type"] = click.Choice([member.value for member in type(default)])
+        kwargs["choices"] = METHOD_SUMMARIES if type(default) is Method else choice_docs(type(default))
+    elif flag.type is not None and not flag.repeat:
+        kwargs["type"] = flag.type
+    if flag.size and isinstance(default, int):
+        kwargs["as_text"] = format_size
+    if flag.default_from:
+        kwargs.update(default=None, show_default=f"--{flag.default_from}")
+    name = f"{flag.flag}/--no-{flag.flag[2:]}" if flag.switch and default else flag.flag  # on by default: --no-X
+    return field_option(
+        flag.owner,
+        name,
+        *decls,
+        field=flag.name,
+        is_flag=flag.switch,
+        multiple=flag.repeat,
+        required=flag.required,
+        metavar=flag.metavar,
+        **kwargs,
+    )
 
 
-def _refine_option(flag: str, field: str, **kwargs):
-    """--refine-X sets RefineOptions.X (ConvertOptions.refine)."""
-    return field_option(RefineOptions, flag, field=field, **kwargs)
+def _convert_flags(command):
+    for flag in reversed(CONVERT_FLAGS):  # decorators apply bottom-up: --help lists the table's order
+        command = _flag_option(flag)(command)
+    return command
 
 
 @click.command(short_help="Convert SRC to grouped-query attention with GROUPS kv heads, written to DST.")
 @click.argument("src")
 @click.argument("dst")
-@_option("--groups", "-g", type=int, required=True)
-@_option("--method", type=click.Choice([m.value for m in Method]), choices=METHOD_SUMMARIES)
-@_option("--seed")
-@_option("--dtype")
-@_option("--max-shard-size")
-@_option("--force", is_flag=True)
-@_option("--dry-run", is_flag=True)
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@_option("--calibration", metavar="DATA", multiple=True)
-@_option("--calibration-tokens")
-@_option("--calibration-memory", as_text=format_size)
-@_option("--grouping", type=click.Choice([g.value for g in Grouping]), choices=choice_docs(Grouping))
-@click.option("--refine", is_flag=True, help=option_help(ConvertOptions, "refine"))
-@_refine_option("--refine-steps", "steps")
-@_refine_option("--refine-lr", "lr")
-@_refine_option("--refine-memory", "memory", as_text=format_size)
-@_refine_option("--refine-tokens", "tokens", type=int)
-@_refine_option("--refine-mlp", "mlp_output", is_flag=True)
-@_refine_option("--refine-global-steps", "global_steps")
-@_refine_option("--refine-global-lr", "global_lr")
-def convert(
-    src,
-    dst,
-    groups,
-    method,
-    seed,
-    dtype,
-    max_shard_size,
-    force,
-    dry_run,
-    quiet,
-    calibration,
-    calibration_tokens,
-    calibration_memory,
-    grouping,
-    refine,
-    refine_steps,
-    refine_lr,
-    refine_memory,
-    refine_tokens,
-    refine_mlp,
-    refine_global_steps,
-    refine_global_lr,
-):
+@_convert_flags
+def convert(src, dst, **flags):
     """Convert the checkpoint SRC (a local directory with config.json and safetensors, or a hub id when
     online) into a grouped-query checkpoint DST with GROUPS kv heads.
 
@@ -80,40 +66,11 @@ def convert(
     Example: mha2gqa convert ./llama-2-7b ./llama-2-7b-gqa8 --groups 8
     """
     from mha2gqa.convert.run import convert as run_convert
-    from mha2gqa.convert.run import parse_size
 
-    refine_options = (
-        RefineOptions(
-            refine_steps,
-            refine_lr,
-            parse_size(refine_memory, "--refine-memory"),
-            tokens=refine_tokens,
-            mlp_output=refine_mlp,
-            global_steps=refine_global_steps,
-            global_lr=refine_global_lr,
-            seed=seed,
-        )
-        if refine
-        else None
-    )
-    options = ConvertOptions(
-        groups=groups,
-        method=method,
-        seed=seed,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        force=force,
-        dry_run=dry_run,
-        progress=not quiet,
-        calibration=(list(calibration) if len(calibration) > 1 else calibration[0]) if calibration else None,
-        calibration_tokens=calibration_tokens,
-        calibration_memory=calibration_memory,
-        grouping=grouping,
-        refine=refine_options,
-    )
+    options = options_from_flags(flags)
     result = run_convert(src, dst, options=options)
     plan = result.plan
-    if dry_run:
+    if options.dry_run:
         for line in plan.describe(result.conversion.checkpoint.tensors) + result.conversion.describe():
             click.echo(line)
     if result.layers:
@@ -121,7 +78,7 @@ def convert(
     if result.refine:
         click.echo(refine_table(result.refine))
     saving = plan.shape.kv_heads / plan.groups
-    verb = "would write" if dry_run else "wrote"
+    verb = "would write" if options.dry_run else "wrote"
     click.echo(
         f"{verb} {dst}: {len(plan.output_tensors())} tensors, {format_bytes(plan.bytes_out)} "
         f"(from {format_bytes(plan.bytes_in)}); kv heads {plan.shape.kv_heads} -> {plan.groups} by {plan.method}, "

@@ -36,7 +36,7 @@ def field_option(cls: type, flag: str, *decls: str, field: str | None = None, ch
     named = [d for d in decls if not d.startswith("-")]
     field = field or (named[0] if named else flag.lstrip("-").replace("-", "_"))
     default = field_default(cls, field)
-    if default is not dataclasses.MISSING:
+    if default is not dataclasses.MISSING and "default" not in kwargs:
         kwargs["default"] = as_text(default) if as_text else cli_text(default)
         kwargs.setdefault("show_default", kwargs["default"] is not None and not kwargs.get("is_flag"))
     return click.option(flag, *decls, help=option_help(cls, field, choices), **kwargs)

@@ -8,10 +8,12 @@ Method.MEAN compare equal, hash alike and serialise to the same JSON.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
+from enum import Enum
 
 from mha2gqa.errors import InputError
 from mha2gqa.typed import StrEnum, check_keywords
+from mha2gqa.units import parse_size
 
 DEFAULT_CALIBRATION_TOKENS = 131072
 DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held at once
@@ -99,7 +101,8 @@ class RefineOptions:
     output, per-token relative errors (the block stage; skipped where the MLP output is not simply added
     to the residual stream). Off by default: it lost on held-out text on a real model (docs/refine.md)."""
     seed: int = 0
-    """Seeds the mini-batch order and the held-out split (the CLI passes --seed)."""
+    """Seeds the mini-batch order and the held-out split (on the command line: --seed, unless --refine-seed is
+    given)."""
 
     def check(self) -> None:
         """Refuse settings no fit can run with; a NaN or infinite learning rate would run every Adam step
@@ -121,7 +124,7 @@ class RefineOptions:
         if self.tokens is not None and (not _is_int(self.tokens) or self.tokens < 1):
             raise InputError(f"--refine-tokens {self.tokens} must be positive (e.g. 32768)")
         if not _is_int(self.batch_blocks) or self.batch_blocks < 1:
-            raise InputError(f"refine batch_blocks {self.batch_blocks} must be at least 1 (e.g. 4)")
+            raise InputError(f"--refine-batch-blocks {self.batch_blocks} must be at least 1 (e.g. 4)")
 
 
 def _is_int(value) -> bool:
@@ -172,6 +175,12 @@ class ConvertOptions:
         self.method = Method.parse(self.method, "--method")
         self.grouping = Grouping.parse(self.grouping, "--grouping")
 
+    @property
+    def calibration_shapes_weights(self) -> bool:
+        """Some stage that writes weights reads the calibration text (without one, it only feeds the
+        per-layer reconstruction errors of the record)."""
+        return self.method.needs_calibration or self.grouping == Grouping.SIMILARITY or self.refine is not None
+
     @classmethod
     def from_kwargs(cls, groups: int | None, kwargs: dict) -> ConvertOptions:
         """The options of `convert(src, dst, groups, **kwargs)`; an unknown keyword is a TypeError, as it was
@@ -180,3 +189,138 @@ class ConvertOptions:
         if groups is None and "groups" not in kwargs:
             raise TypeError("convert() missing 1 required argument: 'groups'")
         return cls(**({"groups": groups} if groups is not None else {}), **kwargs)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One `mha2gqa convert` flag and the options field it sets. CONVERT_FLAGS is the one table: the click
+    options (cli/convert_cmd.py), the options built from a command line (options_from_flags) and the command
+    line that makes a conversion again (flag_words, the model card's Reproduce line) are all read from it,
+    so a new option is one entry here plus its field."""
+
+    flag: str
+    field: str  # a ConvertOptions field; "refine.X" for RefineOptions.X (set only with --refine)
+    short: str | None = None
+    type: type | None = None  # the value's type where the field's default does not tell (None defaults)
+    size: bool = False  # a byte count the user writes as a size (4GiB); the field holds the text or the bytes
+    repeat: bool = False  # may be given several times: a list in the options (one value: the value itself)
+    changes_output: bool = True  # False for --force, --dry-run and --quiet: no byte of DST depends on them
+    required: bool = False
+    default_from: str | None = None  # unset on the command line: this ConvertOptions field's value (--refine-seed)
+    inverted: bool = False  # the flag sets the field to False (--quiet: progress)
+    help: str | None = None  # only where the field's docstring does not describe the flag (--quiet)
+    metavar: str | None = None
+
+    @property
+    def owner(self) -> type:
+        return RefineOptions if self.field.startswith("refine.") else ConvertOptions
+
+    @property
+    def name(self) -> str:
+        """The field's name in its owner."""
+        return self.field.rsplit(".", 1)[-1]
+
+    @property
+    def key(self) -> str:
+        """The name click gives the flag's parameter: --refine-global-steps -> refine_global_steps."""
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def default(self):
+        found = next(f for f in fields(self.owner) if f.name == self.name)
+        return None if self.default_from else found.default
+
+    @property
+    def switch(self) -> bool:
+        """A flag without a value: its field is a bool (or the refine switch)."""
+        return self.field == "refine" or isinstance(self.default, bool)
+
+
+CONVERT_FLAGS: tuple[Flag, ...] = (
+    Flag("--groups", "groups", short="-g", type=int, required=True),
+    Flag("--method", "method"),
+    Flag("--seed", "seed"),
+    Flag("--dtype", "dtype", type=str),
+    Flag("--max-shard-size", "max_shard_size", size=True),
+    Flag("--force", "force", changes_output=False),
+    Flag("--dry-run", "dry_run", changes_output=False),
+    Flag("--quiet", "progress", short="-q", inverted=True, changes_output=False, help="No progress bar."),
+    Flag("--calibration", "calibration", type=str, repeat=True, metavar="DATA"),
+    Flag("--calibration-tokens", "calibration_tokens"),
+    Flag("--calibration-memory", "calibration_memory", size=True),
+    Flag("--grouping", "grouping"),
+    Flag("--refine", "refine"),
+    Flag("--refine-steps", "refine.steps"),
+    Flag("--refine-lr", "refine.lr"),
+    Flag("--refine-memory", "refine.memory", size=True),
+    Flag("--refine-tokens", "refine.tokens", type=int),
+    Flag("--refine-mlp", "refine.mlp_output"),
+    Flag("--refine-global-steps", "refine.global_steps"),
+    Flag("--refine-global-lr", "refine.global_lr"),
+    Flag("--refine-batch-blocks", "refine.batch_blocks"),
+    Flag("--refine-solve-output", "refine.solve_output"),
+    Flag("--refine-seed", "refine.seed", type=int, default_from="seed"),
+)
+
+
+def options_from_flags(values: dict) -> ConvertOptions:
+    """The ConvertOptions of a parsed command line: `values` maps each Flag.key to what the user gave (click's
+    parameters; an unset flag holds its default)."""
+    convert, refine = {}, {}
+    for flag in CONVERT_FLAGS:
+        value = values[flag.key]
+        if flag.field == "refine":
+            continue
+        if flag.inverted:
+            value = not value
+        if flag.repeat:
+            value = (list(value) if len(value) > 1 else value[0]) if value else None
+        if flag.default_from and value is None:
+            value = values[flag.default_from]
+        if flag.size and flag.owner is RefineOptions:  # RefineOptions holds bytes; ConvertOptions the text
+            value = parse_size(value, flag.flag)
+        (refine if flag.owner is RefineOptions else convert)[flag.name] = value
+    return ConvertOptions(**convert, refine=RefineOptions(**refine) if values["refine"] else None)
+
+
+def flag_words(options: ConvertOptions) -> list[str]:
+    """The flags that make `options` again: every flag that changes the output and is not at its default
+    (--groups and --method always), in the table's order."""
+    words = []
+    for flag in CONVERT_FLAGS:
+        if not flag.changes_output:
+            continue
+        if flag.field == "refine":
+            words += ["--refine"] if options.refine is not None else []
+            continue
+        holder = options if flag.owner is ConvertOptions else options.refine
+        if holder is None:
+            continue
+        value = getattr(holder, flag.name)
+        default = getattr(options, flag.default_from) if flag.default_from else flag.default
+        if not flag.required and flag.flag != "--method" and _same(flag, value, default):
+            continue
+        words += _written(flag, value)
+    return words
+
+
+def _same(flag: Flag, value, default) -> bool:
+    if flag.size and value is not None and default not in (None, MISSING):
+        return parse_size(value, flag.flag) == parse_size(default, flag.flag)
+    return value == default
+
+
+def _written(flag: Flag, value) -> list[str]:
+    """One flag with its value as the command line takes it back."""
+    if flag.switch:
+        return [flag.flag] if value else [_negated(flag.flag)]
+    if flag.repeat and isinstance(value, (list, tuple)):
+        return [word for entry in value for word in (flag.flag, str(entry))]
+    if isinstance(value, Enum):
+        value = value.value
+    return [flag.flag, repr(value) if isinstance(value, float) else str(value)]
+
+
+def _negated(flag: str) -> str:
+    """--refine-solve-output -> --no-refine-solve-output (a switch that is on by default is turned off so)."""
+    return "--no-" + flag[2:]

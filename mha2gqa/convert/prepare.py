@@ -11,16 +11,15 @@ here, before DST, its lock or any statistics exist.
 from __future__ import annotations
 
 import math
-import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mha2gqa import provenance
 from mha2gqa.card import hub_id
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
 from mha2gqa.convert import fast
-from mha2gqa.convert.options import ConvertOptions, Grouping, RefineOptions
+from mha2gqa.convert.options import ConvertOptions, Grouping, RefineOptions, flag_words
 from mha2gqa.convert.plan import Plan, make_plan
 from mha2gqa.convert.rope import check_calibrated, check_grouping, check_refine_layout
 from mha2gqa.embedded import CORPUS_NAME, expand_corpus_name
@@ -36,7 +35,7 @@ from mha2gqa.layouts import (
 )
 from mha2gqa.reading import check_regular, inside
 from mha2gqa.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir
-from mha2gqa.units import format_bytes
+from mha2gqa.units import format_bytes, parse_size  # noqa: F401 (parse_size re-exported)
 
 OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
 NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME}  # written anew, not copied from SRC
@@ -107,44 +106,18 @@ class ConversionPlan:
 
     def command(self) -> str:
         """The `mha2gqa convert` command line that makes this conversion again (byte for byte), with OUT
-        for the destination: the model card's Reproduce line."""
+        for the destination: the model card's Reproduce line. Every flag that changes the output comes from
+        the one flag table (options.CONVERT_FLAGS); calibration is left out where no stage that shapes the
+        weights reads it (the per-layer errors of a plain merge are a report, not the checkpoint)."""
         o = self.options
-        words = ["mha2gqa", "convert", self.source_spec, "OUT", "--groups", str(o.groups), "--method", o.method.value]
-        if o.seed:
-            words += ["--seed", str(o.seed)]
-        if o.grouping != Grouping.CONTIGUOUS:
-            words += ["--grouping", o.grouping.value]
-        if o.dtype:
-            words += ["--dtype", o.dtype]
-        if parse_size(o.max_shard_size) != parse_size(ConvertOptions.max_shard_size):
-            words += ["--max-shard-size", str(o.max_shard_size)]
-        data, tokens = o.calibration, o.calibration_tokens
-        if data is None and self.stats is not None:  # a sweep's statistics: their data and tokens make the same ones
-            data, tokens = self.stats.record.get("data"), self.stats.tokens
-        if data is not None:
-            entries = [data] if isinstance(data, (str, Path)) else [str(entry) for entry in data]
-            if entries == expand_corpus_name(CORPUS_NAME):
-                entries = [CORPUS_NAME]
-            for entry in entries:
-                words += ["--calibration", str(entry)]
-            words += ["--calibration-tokens", str(tokens)]
-        notes = []
-        if o.refine is not None:
-            r, default = o.refine, RefineOptions()
-            words += ["--refine", "--refine-steps", str(r.steps), "--refine-lr", repr(r.lr)]
-            if r.tokens is not None:
-                words += ["--refine-tokens", str(r.tokens)]
-            python_only = {
-                name: getattr(r, name)
-                for name in ("batch_blocks", "solve_output")
-                if getattr(r, name) != getattr(default, name)
-            }
-            if r.seed != o.seed:
-                python_only["seed"] = r.seed
-            if python_only:
-                notes.append("RefineOptions(" + ", ".join(f"{k}={v!r}" for k, v in python_only.items()) + ") in Python")
-        line = shlex.join(words)
-        return line + (f"  # and {'; '.join(notes)}" if notes else "")
+        if o.calibration is None and self.stats is not None:  # a sweep's statistics: their data and tokens
+            o = replace(o, calibration=self.stats.record.get("data"), calibration_tokens=self.stats.tokens)
+        if o.calibration is not None and not o.calibration_shapes_weights:
+            o = replace(o, calibration=None, calibration_tokens=ConvertOptions.calibration_tokens)
+        elif o.calibration is not None and not isinstance(o.calibration, str):
+            entries = [str(entry) for entry in o.calibration]
+            o = replace(o, calibration=CORPUS_NAME if entries == expand_corpus_name(CORPUS_NAME) else entries)
+        return shlex.join(["mha2gqa", "convert", self.source_spec, "OUT", *flag_words(o)])
 
     def describe(self) -> list[str]:
         """The stages and estimates, one line each, for --dry-run."""
@@ -256,23 +229,6 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
     )
     _estimate(plan, calibration_tokens, seq_len)
     return plan
-
-
-def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
-    """'5GB' (10^9), '500MiB' (2^20) or plain bytes, as transformers reads --max-shard-size.
-    `flag` is the option the size came from, for the message."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        text = str(text)
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
-    if not match:
-        raise InputError(f"{flag} {text!r} is not a size: use e.g. 5GB, 500MB or 2GiB")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}.get(unit) or 2 ** (
-        10 * "KMGT".index(unit[0]) + 10
-    )
-    if number * scale < 1:
-        raise InputError(f"{flag} {text!r} must be positive")
-    return int(number * scale)
 
 
 def block_length(config: dict) -> int:

@@ -205,6 +205,7 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     record = _record(src, source, config, options, candidates)
+    record["convert_commands"] = {c.name: plan.command() for c, plan in plans.items()}  # the cards' Reproduce lines
     try:
         with tempfile.TemporaryDirectory(prefix=".sweep-", dir=out) as work:
             _measure(source, calibration, options, candidates, record, out, Path(work), started, echo)
@@ -331,12 +332,9 @@ def uptrain_command(record: dict, row: dict) -> str:
     model = row["model"] or f"{row['name']}"
     calibration = settings["calibration"]
     steps = []
-    if row["model"] is None:
-        convert = ["mha2gqa", "convert", source, model, "--groups", str(row["groups"]), "--method", row["method"]]
-        convert += ["--calibration", calibration if isinstance(calibration, str) else "DATA"]  # the CLI takes one
-        convert += ["--calibration-tokens", str(settings["calibration_tokens"]), "--seed", str(settings["seed"])]
-        convert += ["--refine"] if settings["refine"] else []
-        steps.append(convert)
+    if row["model"] is None:  # the candidate's own convert command, as its dry-run plan wrote it
+        convert = shlex.split(record["convert_commands"][row["name"]])
+        steps.append([*convert[:3], model, *convert[4:]])
     train = [str(p) for p in _as_list(expand_corpus_name(calibration))]
     steps.append(
         ["mha2gqa", "uptrain", "--recipe", str(UPTRAIN_RECIPE), f"model={model}", f"output_dir={model}-uptrained"]
