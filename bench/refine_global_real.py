@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibrated_merge import load_float32, loaded_perplexity  # noqa: E402
 from refine_real import eval_sets  # noqa: E402
 
-from mha2gqa.convert.calibration import tokenize  # noqa: E402
+from mha2gqa.convert.calibration import read_ids  # noqa: E402
+from mha2gqa.convert.inputs import RefineBudget, block_length, calibration_input  # noqa: E402
 from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN  # noqa: E402
-from mha2gqa.convert.prepare import block_length  # noqa: E402
 from mha2gqa.convert.refine import EXACT, _attention_path, _layer_path, calibration_blocks  # noqa: E402
 from mha2gqa.convert.refine_global import fit_global  # noqa: E402
 from mha2gqa.layouts import layout_for, read_config  # noqa: E402
@@ -84,13 +84,16 @@ def main() -> None:
     if refine.get("global"):
         sys.exit(f"Error: {refined_dir} already went through the global stage; convert with --refine-global-steps 0")
     config = read_config(refined_dir)
-    ids = tokenize(parent_dir, calibration["data"], calibration["tokens"])
+    data = calibration_input(
+        calibration["data"], calibration.get("tokens_requested", calibration["tokens"]), block_length(config)
+    )
+    sampler = load_float32(parent_dir) if any(part.sampled for part in data.parts) else None
+    ids, _ = read_ids(parent_dir, data, sampler, calibration.get("sampling", {}).get("seed", 0))
     if hashlib.sha256(ids.numpy().tobytes()).hexdigest() != calibration["ids_sha256"]:
         sys.exit(f"Error: the calibration text of {refined_dir} tokenizes differently here: not the same blocks")
     hidden = config["hidden_size"]
-    blocks, split = calibration_blocks(
-        ids, block_length(config), refine["options"]["tokens"] or REFINE_TOKENS_PER_HIDDEN * hidden
-    )
+    budget = RefineBudget(block_length(config), refine["options"]["tokens"] or REFINE_TOKENS_PER_HIDDEN * hidden)
+    blocks, split = calibration_blocks(ids, budget)
     sets = eval_sets(parent_dir, args.eval_tokens)
     parent, start = (load_float32(d).requires_grad_(False) for d in (parent_dir, refined_dir))
     kept = {name: t.clone() for name, t in start.state_dict().items()}

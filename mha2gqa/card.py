@@ -229,7 +229,7 @@ def _conversion_section(c: dict, config: dict) -> list[str]:
         )
     calib = c.get("calibration")
     if calib:
-        rows.append(("calibration data", f"{_data_name(calib.get('data'))}, {calib.get('tokens', 0):,} tokens"))
+        rows.append(("calibration data", _calibration_words(calib)))
     if c.get("refine"):
         rows.append(("layer-wise refinement", "yes (see mha2gqa.json: refine)"))
     rows.append(("weights dtype", c.get("dtype", "unchanged")))
@@ -391,6 +391,30 @@ def _source_section(conversion, source_card: Path | None, source_meta: dict) -> 
         f"The source model's own card is kept unchanged in [{SOURCE_CARD}]({SOURCE_CARD}).{license_line}",
         "",
     ]
+
+
+def _calibration_words(calib: dict) -> str:
+    """What the conversion was calibrated on: each part with its share and tokens, the parent's samples
+    with their recipe and ids' hash, and a shortfall against the tokens asked for."""
+    parts = calib.get("parts") or [{"name": _data_name(calib.get("data")), "tokens": calib.get("tokens", 0)}]
+    words = []
+    for part in parts:
+        name = "text sampled from the parent" if part["name"] == "parent" else _data_name(part["name"])
+        share = f" ({part['share']:.0%})" if len(parts) > 1 else ""
+        words.append(f"{name}{share}, {part['tokens']:,} tokens")
+    text = "; ".join(words)
+    asked = calib.get("tokens_requested")
+    if asked and calib.get("tokens", asked) < asked:
+        text += f" (only {calib['tokens']:,} of the {asked:,} calibration tokens asked for: the text ran out)"
+    sampling = calib.get("sampling")
+    if sampling:
+        text += (
+            f"; samples: seed {sampling['seed']}, {sampling['greedy_tokens']} greedy tokens, temperature "
+            f"{sampling['temperature']:g}, top-p {sampling['top_p']:g}, on {sampling['device']}"
+        )
+    if calib.get("ids_sha256"):
+        text += f"; ids sha256 `{calib['ids_sha256'][:16]}…`"
+    return text
 
 
 def _data_name(data) -> str:

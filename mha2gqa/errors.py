@@ -25,6 +25,10 @@ class WeightWarning(UserWarning):
     """Weights that convert but deserve a look (e.g. non-finite values); the CLI prints one line each."""
 
 
+class InputWarning(WeightWarning):
+    """Input that is used but deserves a word (a calibration text shorter than asked for); one line too."""
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT, SIGTERM or SIGHUP, raised as a KeyboardInterrupt so that every cleanup written for Ctrl-C
     runs for all three. A subclass, not KeyboardInterrupt itself: CPython flags an exact

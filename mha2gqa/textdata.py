@@ -171,6 +171,19 @@ def iter_texts(
                 yield _end(previous)
 
 
+def require_text(source: TextSource, field: str = "text") -> None:
+    """Refuse local files that hold no text at all (empty, or only whitespace), reading no further than
+    the first piece that has some: a calibration of 0 tokens is known before any model is loaded. A hub
+    dataset is not read here (that would download it)."""
+    if source.hub is not None:
+        return
+    for piece in iter_texts(source, field, piece_chars=1 << 16):
+        if piece.strip():
+            return
+    named = source.files[0] if len(source.files) == 1 else f"{len(source.files)} files"
+    raise InputError(f"{source.key} {named} holds no text (empty or only whitespace): give a file with text in it")
+
+
 def _end(text: str) -> str:
     trailing = len(text) - len(text.rstrip("\n"))
     return text + "\n" * max(0, 2 - trailing)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,12 +26,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from mha2gqa import textdata
+from mha2gqa.convert.inputs import CALIBRATION_BATCH, CalibrationInput, block_length, calibration_input, stats_bytes
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_MEMORY
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, InputWarning
 from mha2gqa.layouts import AttentionShape, Layout
 
 DEFAULT_MEMORY = DEFAULT_CALIBRATION_MEMORY  # bytes of accumulators held at once
-DEFAULT_SEQ_LEN = 512
 CALIBRATION_PIECE_CHARS = 1 << 16  # characters of a text file tokenized at a time
 
 
@@ -105,15 +107,15 @@ def collect_statistics(
     ids: torch.Tensor,
     out_dir: Path,
     rotary_dims: int,
-    seq_len: int = DEFAULT_SEQ_LEN,
-    batch_size: int = 8,
+    seq_len: int = 512,
+    batch_size: int = CALIBRATION_BATCH,
     memory_bytes: int = DEFAULT_MEMORY,
     progress: bool = True,
 ) -> CalibrationStats:
     """Run ids (N,) through `model` (a loaded causal LM) and write each layer's gram to out_dir."""
     device = next(model.parameters()).device
     width = model.get_submodule(input_module(layout, 0)).weight.shape[1]
-    per_pass = max(1, memory_bytes // ((width + 1) ** 2 * 8))
+    per_pass = max(1, memory_bytes // stats_bytes(width))
     batches = _batches(ids, seq_len, batch_size)
     passes = range(0, shape.layers, per_pass)
     bar = tqdm(total=len(batches) * len(passes), desc="calibrate", unit="batch", disable=not progress)
@@ -161,60 +163,86 @@ def calibrate(
     source: Path,
     layout: Layout,
     shape: AttentionShape,
-    data: str | list[str],
+    data,
     tokens: int,
     out_dir: Path,
     memory_bytes: int = DEFAULT_MEMORY,
     progress: bool = True,
+    seed: int = 0,
 ) -> CalibrationStats:
-    """Tokenize `data` (files, folders or a hub dataset: mha2gqa.textdata) with the source's tokenizer
-    and collect statistics: what a sweep runs once and passes to every convert(..., stats=...)."""
-    ids = tokenize(source, data, tokens)
+    """Read `tokens` calibration ids of `data` (files, folders, a hub dataset, 'austen', 'parent' or a mix:
+    convert/inputs.py) and collect statistics: what a sweep runs once and passes to every convert(...,
+    stats=...). `seed` seeds the parent's samples."""
+    from mha2gqa.layouts import read_config
+
+    calibration = calibration_input(data, tokens, block_length(read_config(source)))
     model = load_source_model(source, progress=progress)
-    return gather(model, source, layout, shape, data, ids, out_dir, memory_bytes, progress)
+    ids, record = read_ids(source, calibration, model, seed, progress)
+    return gather(model, calibration, ids, record, layout, shape, source, out_dir, memory_bytes, progress)
 
 
-def tokenize(source: Path, data: str | list[str], tokens: int) -> torch.Tensor:
-    """The first `tokens` calibration ids (N,) of `data`, tokenized with the source's tokenizer: the
-    one reading of the calibration text, shared by the statistics and --refine."""
+def read_ids(source: Path, calibration: CalibrationInput, parent, seed: int, progress: bool = True):
+    """The calibration ids (N,) of every part of `calibration`, already resolved and checked (prepare), and
+    what to record of them: text tokenized with the source's tokenizer, samples drawn from the loaded
+    `parent`; the parts' blocks interleaved in proportion. The one reading of the calibration, shared by
+    the statistics and --refine."""
     from transformers import AutoTokenizer
 
-    from mha2gqa import textdata
+    from mha2gqa.convert import sampling
 
-    if not has_tokenizer(source):
-        raise InputError(
-            f"--calibration needs the source's tokenizer, and {source} has none: copy the tokenizer files into it"
-        )
-    texts = textdata.iter_texts(
-        textdata.resolve("--calibration", data), piece_chars=CALIBRATION_PIECE_CHARS, end_with_blank_line=True
-    )
-    return calibration_ids(AutoTokenizer.from_pretrained(source), texts, tokens)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    per_part, parts = [], []
+    for part in calibration.parts:
+        if part.sampled:
+            ids = sampling.sample_ids(parent, tokenizer, part.tokens, calibration.seq_len, seed, progress=progress)
+        else:
+            texts = textdata.iter_texts(part.text, piece_chars=CALIBRATION_PIECE_CHARS, end_with_blank_line=True)
+            ids = calibration_ids(tokenizer, texts, part.tokens, part.name)
+        per_part.append(ids)
+        parts.append({"name": part.name, "share": part.share, "tokens": len(ids), "asked": part.tokens})
+    ids = per_part[0] if len(per_part) == 1 else interleave_blocks(per_part, calibration.seq_len)
+    record = {"data": calibration.spec, "tokens_requested": calibration.tokens, "parts": parts}
+    if any(part.sampled for part in calibration.parts):
+        record["sampling"] = {**sampling.DEFAULT_RECIPE.record(), "seed": seed, "device": str(_device(parent))}
+    return ids, record
 
 
-def has_tokenizer(source: Path) -> bool:
-    return any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+def interleave_blocks(parts: list[torch.Tensor], seq_len: int) -> torch.Tensor:
+    """The full blocks of every part, in one order that spreads each part evenly: block i of a part of n
+    blocks goes at (i + 0.5) / n, ties in part order. So any stretch of the result, and so refine's subset
+    and its held-out tail, holds every part in proportion."""
+    keyed = []
+    for p, ids in enumerate(parts):
+        blocks = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)
+        keyed += [((i + 0.5) / len(blocks), p, block) for i, block in enumerate(blocks)]
+    keyed.sort(key=lambda item: item[:2])
+    return torch.cat([block for *_, block in keyed]) if keyed else torch.zeros(0, dtype=torch.long)
+
+
+def _device(model):
+    return next(model.parameters()).device if model is not None else "cpu"
 
 
 def gather(
     model,
-    source: Path,
+    calibration: CalibrationInput,
+    ids: torch.Tensor,
+    record: dict,
     layout: Layout,
     shape: AttentionShape,
-    data: str | list[str],
-    ids: torch.Tensor,
+    source: Path,
     out_dir: Path,
     memory_bytes: int = DEFAULT_MEMORY,
     progress: bool = True,
 ) -> CalibrationStats:
-    """The statistics of `ids` through the loaded source `model`, recorded as gathered from `data`."""
+    """The statistics of `ids` through the loaded source `model`; `record` (read_ids) says what they are."""
     from mha2gqa.convert.rope import rotary_dims
 
     if int(ids.max()) >= model.config.vocab_size:
         raise InputError(
-            f"--calibration {data}: token id {int(ids.max())} is outside the model's vocabulary "
+            f"--calibration {calibration.spec}: token id {int(ids.max())} is outside the model's vocabulary "
             f"({model.config.vocab_size}): the tokenizer in {source} does not match its model"
         )
-    seq_len = min(DEFAULT_SEQ_LEN, getattr(model.config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN)
     stats = collect_statistics(
         model,
         layout,
@@ -222,18 +250,16 @@ def gather(
         ids,
         out_dir,
         rotary_dims(source, shape.head_dim),
-        seq_len=seq_len,
+        seq_len=calibration.seq_len,
         memory_bytes=memory_bytes,
         progress=progress,
     )
-    named = [str(d) for d in data] if isinstance(data, (list, tuple)) else str(data)  # Paths too: JSON-able
-    return replace(stats, record={"data": named, "rotary_dims": stats.rotary_dims, **stats.record})
+    return replace(stats, record={**record, "rotary_dims": stats.rotary_dims, **stats.record})
 
 
-def calibration_ids(tokenizer, texts: Iterator[str], tokens: int) -> torch.Tensor:
-    """The first `tokens` ids of the concatenated texts, (N,) int64."""
-    if tokens < 1:
-        raise InputError(f"--calibration-tokens {tokens} must be at least 1 (e.g. 131072)")
+def calibration_ids(tokenizer, texts: Iterator[str], tokens: int, name: str = "") -> torch.Tensor:
+    """The first `tokens` ids of the concatenated texts, (N,) int64; fewer, with one warning line naming
+    both counts, when the text runs out first."""
     ids: list[int] = []
     for text in texts:
         # verbose=False: no "longer than the model's maximum" warning, the ids are cut into blocks later
@@ -241,7 +267,14 @@ def calibration_ids(tokenizer, texts: Iterator[str], tokens: int) -> torch.Tenso
         if len(ids) >= tokens:
             break
     if not ids:
-        raise InputError("--calibration: the calibration data holds no text")
+        raise InputError(f"--calibration {name}: the calibration data holds no text")
+    if len(ids) < tokens:
+        warnings.warn(
+            f"--calibration {name} holds {len(ids):,} tokens, fewer than the {tokens:,} asked for: all of them are "
+            "used (give more text, or lower --calibration-tokens)",
+            InputWarning,
+            stacklevel=2,
+        )
     return torch.tensor(ids[:tokens], dtype=torch.long)
 
 

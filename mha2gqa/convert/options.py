@@ -15,6 +15,7 @@ from mha2gqa.errors import InputError
 from mha2gqa.typed import StrEnum, check_keywords
 from mha2gqa.units import parse_size
 
+OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
 DEFAULT_CALIBRATION_TOKENS = 131072
 DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held at once
 DEFAULT_REFINE_STEPS = 50

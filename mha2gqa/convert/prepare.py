@@ -18,11 +18,26 @@ from pathlib import Path
 from mha2gqa import provenance
 from mha2gqa.card import hub_id
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
-from mha2gqa.convert import fast
-from mha2gqa.convert.options import ConvertOptions, Grouping, RefineOptions, flag_words
+from mha2gqa.convert import fast, sampling
+from mha2gqa.convert.inputs import (  # noqa: F401 (block_length re-exported)
+    CALIBRATION_BATCH,
+    CalibrationInput,
+    RefineBudget,
+    block_length,
+    calibration_input,
+    stats_bytes,
+)
+from mha2gqa.convert.options import (  # noqa: F401 (OUT_DTYPES re-exported)
+    OUT_DTYPES,
+    REFINE_TOKENS_PER_HIDDEN,
+    ConvertOptions,
+    Grouping,
+    RefineOptions,
+    flag_words,
+)
 from mha2gqa.convert.plan import Plan, make_plan
-from mha2gqa.convert.rope import check_calibrated, check_grouping, check_refine_layout
-from mha2gqa.embedded import CORPUS_NAME, expand_corpus_name
+from mha2gqa.convert.rope import check_calibrated, check_grouping, check_refine_layout, check_rotary_dims
+from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import (
     AttentionShape,
@@ -37,14 +52,9 @@ from mha2gqa.reading import check_regular, inside
 from mha2gqa.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir
 from mha2gqa.units import format_bytes, parse_size  # noqa: F401 (parse_size re-exported)
 
-OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
 NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME}  # written anew, not copied from SRC
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-CALIBRATION_SEQ_LEN = 512  # tokens per calibration block, or the model's context when shorter
-CALIBRATION_BATCH = 8  # blocks per calibration forward (calibration.collect_statistics)
-HOLDOUT_FRACTION = 1 / 8  # of the refine blocks, held out to check each layer's fit
 REFINE_BUFFERS = 4  # (tokens, hidden) float32 buffers refine holds for one layer (refine.BUFFERS)
-TOKENS_PER_HIDDEN = 64  # default --refine-tokens per unit of hidden size (docs/refine.md)
 # Resident memory of the process before any tensor (measured with /usr/bin/time -v on the 2-core
 # development machine: numpy executor 46 MiB peak for a whole 21 MiB conversion; python + torch +
 # transformers + accelerate imported, 248 MiB).
@@ -59,19 +69,6 @@ class Stage:
     detail: str
 
 
-@dataclass(frozen=True)
-class RefineBudget:
-    """The calibration blocks --refine fits and checks on (the real counts follow the data, which may be
-    shorter than --calibration-tokens)."""
-
-    seq_len: int
-    blocks: int
-    fit_blocks: int
-    heldout_blocks: int
-    buffer_bytes: int  # REFINE_BUFFERS x blocks x seq_len x hidden float32
-    spills: bool  # buffer_bytes > RefineOptions.memory: memory-mapped files inside DST's partial folder
-
-
 @dataclass
 class ConversionPlan:
     """A checked convert request: the source, the tensor plan, how each stage runs, and its estimates."""
@@ -84,7 +81,7 @@ class ConversionPlan:
     shape: AttentionShape
     checkpoint: SafetensorsCheckpoint
     tensors: Plan
-    calibration_data: str | list[str] | None  # what mha2gqa.textdata reads ('austen' expanded to files)
+    calibration: CalibrationInput | None  # the text calibration and refine read, resolved once (None: none read)
     stats: object = None  # calibration.CalibrationStats a sweep gathered once, or None
     torch_reason: str | None = None  # why the torch executor runs (None: fast.py, no torch)
     shard_bytes: int = 0
@@ -98,7 +95,7 @@ class ConversionPlan:
 
     @property
     def gathers_statistics(self) -> bool:
-        return self.calibration_data is not None and self.stats is None
+        return self.calibration is not None and self.stats is None
 
     @property
     def refine(self) -> RefineOptions | None:
@@ -109,14 +106,13 @@ class ConversionPlan:
         for the destination: the model card's Reproduce line. Every flag that changes the output comes from
         the one flag table (options.CONVERT_FLAGS); calibration is left out where no stage that shapes the
         weights reads it (the per-layer errors of a plain merge are a report, not the checkpoint)."""
-        o = self.options
-        if o.calibration is None and self.stats is not None:  # a sweep's statistics: their data and tokens
+        o, calibration = self.options, self.calibration
+        if calibration is not None:
+            o = replace(o, calibration=calibration.spec, calibration_tokens=calibration.tokens)
+        elif self.stats is not None:  # a sweep's statistics: their data and tokens make the same ones
             o = replace(o, calibration=self.stats.record.get("data"), calibration_tokens=self.stats.tokens)
         if o.calibration is not None and not o.calibration_shapes_weights:
             o = replace(o, calibration=None, calibration_tokens=ConvertOptions.calibration_tokens)
-        elif o.calibration is not None and not isinstance(o.calibration, str):
-            entries = [str(entry) for entry in o.calibration]
-            o = replace(o, calibration=CORPUS_NAME if entries == expand_corpus_name(CORPUS_NAME) else entries)
         return shlex.join(["mha2gqa", "convert", self.source_spec, "OUT", *flag_words(o)])
 
     def describe(self) -> list[str]:
@@ -138,14 +134,14 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
     """Check the request `options` against the model `src` (a directory or a hub id) and plan it.
     `stats`: calibration.CalibrationStats gathered once by a sweep (then no calibration stage runs).
     Raises InputError for every mistake that can be known before reading a tensor."""
-    dtype, method, grouping, refine = options.dtype, options.method, options.grouping, options.refine
-    if options.calibration is not None and not isinstance(options.calibration, (str, Path, list, tuple)):
+    if options.calibration is not None and not isinstance(options.calibration, (str, Path, list, tuple, dict)):
         raise TypeError(
-            f"ConvertOptions.calibration is calibration data (a path, a list of paths or a hub dataset name), not "
-            f"{type(options.calibration).__name__}: pass gathered statistics as convert(..., stats=...)"
+            f"ConvertOptions.calibration is calibration data (a path, a list of paths, a {{source: share}} mix or a "
+            f"hub dataset name), not {type(options.calibration).__name__}: pass gathered statistics as "
+            "convert(..., stats=...)"
         )
-    if dtype is not None and dtype not in OUT_DTYPES:
-        raise InputError(f"--dtype {dtype!r} is unknown (valid: {', '.join(OUT_DTYPES)})")
+    if options.dtype is not None and options.dtype not in OUT_DTYPES:
+        raise InputError(f"--dtype {options.dtype!r} is unknown (valid: {', '.join(OUT_DTYPES)})")
     shard_bytes = parse_size(options.max_shard_size)
     source = resolve_model_dir(src)
     # headers only: the sizes config.json is checked against (none: an unsupported type is still named)
@@ -155,60 +151,20 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
     check_groups(shape, options.groups)
     check_target(config, options.groups)
     calibrated = options.calibration is not None or stats is not None
-    if not calibrated and method.needs_calibration:
-        raise InputError(
-            f"--method {method} needs calibration data: add --calibration DATA "
-            "(a text file, a directory of them, or 'austen' for the embedded novels)"
-        )
-    if not calibrated and grouping == Grouping.SIMILARITY:
-        raise InputError("--grouping similarity needs calibration data: add --calibration DATA")
-    if method.needs_calibration:
-        check_calibrated(config, method.value)
-    if grouping == Grouping.SIMILARITY:
-        check_grouping(config)
-    if refine is not None:
-        if not calibrated:
-            raise InputError(
-                "--refine needs calibration data to fit against: add --calibration DATA "
-                "(a text file, a directory of them, or 'austen' for the embedded novels)"
-            )
-        refine.check()
-        check_refine_layout(config)
-    seq_len = block_length(config)
-    if options.calibration is not None and (
-        not isinstance(options.calibration_tokens, int) or options.calibration_tokens < 1
-    ):
-        raise InputError(f"--calibration-tokens {options.calibration_tokens} must be at least 1 (e.g. 131072)")
-    calibration_tokens = (
-        stats.tokens if stats is not None and options.calibration is None else options.calibration_tokens
-    )
-    if refine is not None and calibration_tokens < 2 * seq_len:
-        raise InputError(
-            f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {calibration_tokens} tokens): "
-            f"raise --calibration-tokens to {2 * seq_len} or more"
-        )
+    _check_calibration_needs(options, config, calibrated)
     memory_bytes = parse_size(options.calibration_memory, "--calibration-memory")
-    data = _calibration_data(options, stats)
-    if data is not None:
-        from mha2gqa import textdata
-
-        textdata.resolve("--calibration", data)  # missing files, unknown formats, empty folders: now
-        if not any((source / name).is_file() for name in TOKENIZER_FILES):
-            raise InputError(
-                f"--calibration needs the source's tokenizer, and {source} has none: copy the tokenizer files into it"
-            )
+    calibration = _calibration_input(options, stats, config, source)
     require_safetensors(source, "SRC")
     _check_not_quantized(source, config)
     provenance.lineage(source)  # a broken SRC/mha2gqa.json fails now, not after every tensor is written
-    copied = files_to_copy(source)
     tensors = make_plan(
         checkpoint.tensors,
         layout,
         shape,
         options.groups,
-        method.value,
-        OUT_DTYPES.get(dtype),
-        route_query_output=method.rewrites_query_output or grouping != Grouping.CONTIGUOUS,
+        options.method.value,
+        OUT_DTYPES.get(options.dtype),
+        route_query_output=options.method.rewrites_query_output or options.grouping != Grouping.CONTIGUOUS,
     )
     torch_reason = fast.request_refusal(options, config, calibrated) or fast.plan_refusal(tensors, checkpoint.tensors)
     plan = ConversionPlan(
@@ -220,48 +176,68 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
         shape=shape,
         checkpoint=checkpoint,
         tensors=tensors,
-        calibration_data=data,
+        calibration=calibration,
         stats=stats,
         torch_reason=torch_reason,
         shard_bytes=shard_bytes,
         calibration_memory=memory_bytes,
-        copied=copied,
+        copied=files_to_copy(source),
     )
-    _estimate(plan, calibration_tokens, seq_len)
+    _estimate(plan, stats.tokens if calibration is None and stats is not None else options.calibration_tokens)
     return plan
 
 
-def block_length(config: dict) -> int:
-    """Tokens per calibration block: 512, or the model's context when shorter (calibration and refine)."""
-    context = config.get("max_position_embeddings")
-    return min(CALIBRATION_SEQ_LEN, context) if isinstance(context, int) and context > 0 else CALIBRATION_SEQ_LEN
+def _check_calibration_needs(options: ConvertOptions, config: dict, calibrated: bool) -> None:
+    """What the method, grouping and refine need of the model and of calibration data."""
+    method, grouping, refine = options.method, options.grouping, options.refine
+    add = "add --calibration DATA (a text file, a directory of them, 'austen' for the embedded novels, or 'parent')"
+    if not calibrated and method.needs_calibration:
+        raise InputError(f"--method {method} needs calibration data: {add}")
+    if not calibrated and grouping == Grouping.SIMILARITY:
+        raise InputError(f"--grouping similarity needs calibration data: {add}")
+    if method.needs_calibration:
+        check_calibrated(config, method.value)
+    if grouping == Grouping.SIMILARITY:
+        check_grouping(config)
+    if refine is not None:
+        if not calibrated:
+            raise InputError(f"--refine needs calibration data to fit against: {add}")
+        refine.check()
+        check_refine_layout(config)
+    if calibrated:
+        check_rotary_dims(config)
 
 
-def refine_blocks(available: int, seq_len: int, wanted_tokens: int) -> int:
-    """How many of `available` calibration blocks --refine uses: all of them, or `wanted_tokens` worth
-    spread evenly over them (at least 2)."""
-    if wanted_tokens < available * seq_len:
-        return min(available, max(2, wanted_tokens // seq_len))
-    return available
-
-
-def heldout_blocks(blocks: int) -> int:
-    return max(1, round(blocks * HOLDOUT_FRACTION))
-
-
-def _calibration_data(options: ConvertOptions, stats) -> str | list[str] | None:
-    """What the calibration text is read from: --calibration ('austen': the embedded novels), else, when
-    refine needs the tokens of statistics passed in, the data those statistics recorded."""
+def _calibration_input(options: ConvertOptions, stats, config: dict, source: Path) -> CalibrationInput | None:
+    """The calibration text, resolved once: --calibration, else (refine on a sweep's statistics) the data
+    those statistics were gathered from; None when nothing reads calibration text."""
+    seq_len = block_length(config)
     if options.calibration is not None:
-        return expand_corpus_name(options.calibration)
-    if stats is not None and options.refine is not None:
-        return stats.record.get("data")
-    return None
+        tokens = options.calibration_tokens
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+            raise InputError(f"--calibration-tokens {tokens} must be at least 1 (e.g. 131072)")
+        spec = options.calibration
+    elif stats is not None and options.refine is not None:
+        spec, tokens = stats.record.get("data"), stats.tokens
+    else:
+        return None
+    if options.refine is not None and tokens < 2 * seq_len:
+        raise InputError(
+            f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {tokens} tokens): "
+            f"raise --calibration-tokens to {2 * seq_len} or more"
+        )
+    calibration = calibration_input(spec, tokens, seq_len)  # missing files, unknown formats, no text: now
+    if not any((source / name).is_file() for name in TOKENIZER_FILES):
+        raise InputError(
+            f"--calibration needs the source's tokenizer, and {source} has none: copy the tokenizer files into it"
+        )
+    return calibration
 
 
-def _estimate(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> None:
+def _estimate(plan: ConversionPlan, calibration_tokens: int) -> None:
     """The stages with their token counts, the bytes DST will hold, and the peak memory."""
     shape, options, tensors = plan.shape, plan.options, plan.tensors
+    seq_len = block_length(plan.config)
     plan.bytes_written = tensors.bytes_out + sum(plan.copied.values()) + (1 << 20)  # 1 MiB for headers and JSON
     params = sum(math.prod(info.shape) for info in plan.checkpoint.tensors.values())
     model_bytes = 4 * params  # the source loaded in float32 on CPU (calibration.load_source_model)
@@ -270,20 +246,14 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> No
         default=0,
     )
     stages, peak = [], 3 * layer_bytes  # the merge: one layer's tensors, their float32 copies, its output
+    if plan.calibration is not None and plan.calibration.sampled_tokens:
+        stages.append(_sample_stage(plan.calibration, params))
+        peak = max(peak, model_bytes + sampling.cache_bytes(plan.config, shape, seq_len))
     if plan.gathers_statistics:
-        stats_bytes = shape.layers * (shape.hidden + 1) ** 2 * 8
-        per_pass = max(1, plan.calibration_memory // ((shape.hidden + 1) ** 2 * 8))
-        passes = -(-shape.layers // per_pass)
-        stages.append(
-            Stage(
-                "calibrate",
-                f"up to {calibration_tokens:,} tokens of {_data_words(options.calibration)} through SRC "
-                f"({passes} pass{'es' if passes > 1 else ''}), statistics of {shape.layers} layers "
-                f"({format_bytes(stats_bytes)} on disk)",
-            )
-        )
-        plan.scratch_bytes += stats_bytes
-        peak = max(peak, model_bytes + min(stats_bytes, plan.calibration_memory) + _forward_bytes(shape, seq_len))
+        stages.append(_calibrate_stage(plan, calibration_tokens))
+        layers_bytes = shape.layers * stats_bytes(shape.hidden)
+        plan.scratch_bytes += layers_bytes
+        peak = max(peak, model_bytes + min(layers_bytes, plan.calibration_memory) + _forward_bytes(shape, seq_len))
     elif plan.stats is not None:
         stages.append(Stage("calibrate", f"skipped: statistics passed in ({plan.stats.tokens:,} tokens)"))
     executor = "numpy, no torch" if plan.torch_reason is None else f"torch: {plan.torch_reason}"
@@ -291,54 +261,91 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> No
     merge = (
         f"{options.method} over groups of {r} kv heads, {options.grouping} grouping, {shape.layers} layers ({executor})"
     )
-    refine = options.refine
-    if refine is None:
+    if options.refine is None:
         stages.append(Stage("merge", merge + f"; {len(tensors.output_tensors())} tensors streamed into DST"))
     else:
         stages.append(Stage("merge", merge + "; the merged attention kept in memory for refine"))
-        available = calibration_tokens // seq_len
-        blocks = refine_blocks(available, seq_len, refine.tokens or TOKENS_PER_HIDDEN * shape.hidden)
-        held = heldout_blocks(blocks)
-        buffer_bytes = REFINE_BUFFERS * blocks * seq_len * shape.hidden * 4
-        spills = buffer_bytes > refine.memory
-        plan.refine_budget = RefineBudget(seq_len, blocks, blocks - held, held, buffer_bytes, spills)
-        where = "memory-mapped files inside DST's partial folder" if spills else "in memory"
-        stages.append(
-            Stage(
-                "refine",
-                f"{shape.layers} layers x {refine.steps} Adam steps (lr {refine.lr:g}, {refine.batch_blocks} blocks "
-                f"a step){', then the o_proj solve' if refine.solve_output else ''}; up to {(blocks - held) * seq_len:,} "
-                f"fit and {held * seq_len:,} held-out tokens in blocks of {seq_len}; activations "
-                f"{format_bytes(buffer_bytes)} {where}",
-            )
-        )
-        if refine.global_steps:
-            stages.append(
-                Stage(
-                    "refine (global)",
-                    f"then up to {refine.global_steps} Adam steps (lr {refine.global_lr:g}, {refine.batch_blocks} blocks "
-                    f"a step) of every refined attention parameter, all layers together, against the parent's "
-                    f"next-token distribution; the held-out KL checked every 5 steps, the best kept",
-                )
-            )
-        stages.append(
-            Stage("write", f"{len(tensors.output_tensors())} tensors streamed into DST, refined attention included")
-        )
-        if spills:
-            plan.scratch_bytes += buffer_bytes
-        merged = [out for s in tensors.steps if s.is_transform for out in s.outputs]  # the attention tensors
-        attention = sum(out.nbytes for out in merged)
-        converted = model_bytes if options.dtype else 0  # with --dtype the converted model holds its own cast copy
-        peak = max(
-            peak,
-            model_bytes + converted + 3 * attention + (0 if spills else buffer_bytes) + _forward_bytes(shape, seq_len),
-        )
-        if refine.global_steps:  # the layer buffers are freed by then
-            trained = sum(math.prod(out.shape) for out in merged)
-            peak = max(peak, model_bytes + converted + _global_bytes(plan.config, shape, seq_len, trained))
+        stages += _refine_stages(plan, calibration_tokens, seq_len)
+        peak = max(peak, _refine_peak(plan, model_bytes, seq_len))
     stages.append(Stage("metadata", "config.json, tokenizer and other files, mha2gqa.json, README.md card"))
     plan.stages = stages
     plan.peak_memory = peak + RUNTIME_BYTES["numpy" if plan.torch_reason is None else "torch"]
+
+
+def _sample_stage(calibration: CalibrationInput, params: int) -> Stage:
+    tokens = calibration.sampled_tokens
+    recipe = sampling.DEFAULT_RECIPE
+    return Stage(
+        "sample",
+        f"{tokens:,} tokens sampled from SRC ({-(-tokens // calibration.seq_len):,} sequences of "
+        f"{calibration.seq_len}, {recipe.describe()}, seeded by --seed; about {sampling.flops(params, tokens):.2g} "
+        "FLOPs, a forward per token with the KV cache)",
+    )
+
+
+def _calibrate_stage(plan: ConversionPlan, calibration_tokens: int) -> Stage:
+    shape = plan.shape
+    per_pass = max(1, plan.calibration_memory // stats_bytes(shape.hidden))
+    passes = -(-shape.layers // per_pass)
+    words = _data_words(plan.calibration) if plan.calibration is not None else "the statistics' data"
+    return Stage(
+        "calibrate",
+        f"up to {calibration_tokens:,} tokens of {words} through SRC "
+        f"({passes} pass{'es' if passes > 1 else ''}), statistics of {shape.layers} layers "
+        f"({format_bytes(shape.layers * stats_bytes(shape.hidden))} on disk)",
+    )
+
+
+def _refine_stages(plan: ConversionPlan, calibration_tokens: int, seq_len: int) -> list[Stage]:
+    """refine's stages, and its RefineBudget (the blocks it fits on) into the plan."""
+    shape, refine, tensors = plan.shape, plan.options.refine, plan.tensors
+    wanted = refine.tokens or REFINE_TOKENS_PER_HIDDEN * shape.hidden
+    blocks = RefineBudget(seq_len, wanted).blocks_of(calibration_tokens // seq_len)
+    held = RefineBudget.heldout_of(blocks)
+    buffer_bytes = REFINE_BUFFERS * blocks * seq_len * shape.hidden * 4
+    plan.refine_budget = RefineBudget(
+        seq_len, wanted, blocks, blocks - held, held, buffer_bytes, buffer_bytes > refine.memory
+    )
+    if plan.refine_budget.spills:
+        plan.scratch_bytes += buffer_bytes
+    where = "memory-mapped files inside DST's partial folder" if plan.refine_budget.spills else "in memory"
+    stages = [
+        Stage(
+            "refine",
+            f"{shape.layers} layers x {refine.steps} Adam steps (lr {refine.lr:g}, {refine.batch_blocks} blocks "
+            f"a step){', then the o_proj solve' if refine.solve_output else ''}; up to {(blocks - held) * seq_len:,} "
+            f"fit and {held * seq_len:,} held-out tokens in blocks of {seq_len}; activations "
+            f"{format_bytes(buffer_bytes)} {where}",
+        )
+    ]
+    if refine.global_steps:
+        stages.append(
+            Stage(
+                "refine (global)",
+                f"then up to {refine.global_steps} Adam steps (lr {refine.global_lr:g}, {refine.batch_blocks} blocks "
+                f"a step) of every refined attention parameter, all layers together, against the parent's "
+                f"next-token distribution; the held-out KL checked every 5 steps, the best kept",
+            )
+        )
+    stages.append(
+        Stage("write", f"{len(tensors.output_tensors())} tensors streamed into DST, refined attention included")
+    )
+    return stages
+
+
+def _refine_peak(plan: ConversionPlan, model_bytes: int, seq_len: int) -> int:
+    """refine's peak memory: both models, the merged attention, one layer's activations (unless spilled),
+    then the global stage's gradients and activations."""
+    shape, options, budget = plan.shape, plan.options, plan.refine_budget
+    merged = [out for s in plan.tensors.steps if s.is_transform for out in s.outputs]  # the attention tensors
+    attention = sum(out.nbytes for out in merged)
+    converted = model_bytes if options.dtype else 0  # with --dtype the converted model holds its own cast copy
+    buffers = 0 if budget.spills else budget.buffer_bytes
+    peak = model_bytes + converted + 3 * attention + buffers + _forward_bytes(shape, seq_len)
+    if options.refine.global_steps:  # the layer buffers are freed by then
+        trained = sum(math.prod(out.shape) for out in merged)
+        peak = max(peak, model_bytes + converted + _global_bytes(plan.config, shape, seq_len, trained))
+    return peak
 
 
 def _global_bytes(config: dict, shape: AttentionShape, seq_len: int, trained: int) -> int:
@@ -358,10 +365,15 @@ def _forward_bytes(shape: AttentionShape, seq_len: int) -> int:
     return CALIBRATION_BATCH * seq_len * (8 * shape.hidden + shape.heads * seq_len) * 4
 
 
-def _data_words(data) -> str:
-    if isinstance(data, (list, tuple)):
-        return f"{len(data)} files" if len(data) != 1 else str(data[0])
-    return "the embedded novels" if data == CORPUS_NAME else str(data)
+def _data_words(calibration: CalibrationInput) -> str:
+    if calibration.mixed:
+        return "a mix of " + ", ".join(f"{p.name} {p.share:.0%}" for p in calibration.parts)
+    (part,) = calibration.parts
+    if part.sampled:
+        return "samples of SRC"
+    if part.name == CORPUS_NAME:
+        return "the embedded novels"
+    return part.name if len(part.entries) < 2 or ", " in part.name else f"{len(part.entries)} files"
 
 
 def _check_not_quantized(src: Path, config: dict) -> None:

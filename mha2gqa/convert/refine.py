@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN, RefineOptions
-from mha2gqa.convert.prepare import OUT_DTYPES, block_length, heldout_blocks, refine_blocks
+from mha2gqa.convert.inputs import RefineBudget
+from mha2gqa.convert.options import OUT_DTYPES, RefineOptions
 from mha2gqa.convert.refine_block import BlockStage
 from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import AttentionShape, Layout
@@ -97,11 +97,12 @@ class ActivationBuffers:
             shutil.rmtree(self.spill_dir, ignore_errors=True)
 
 
-def calibration_blocks(ids: torch.Tensor, seq_len: int, tokens: int) -> tuple[torch.Tensor, dict]:
-    """The (n, seq_len) blocks of the calibration `ids` that --refine uses (`tokens` worth, spread evenly
+def calibration_blocks(ids: torch.Tensor, budget: RefineBudget) -> tuple[torch.Tensor, dict]:
+    """The (n, seq_len) blocks of the calibration `ids` that --refine uses (the budget's tokens, spread evenly
     over the text) and their split: {"fit": indices, "heldout": the last 1/8}."""
+    seq_len = budget.seq_len
     blocks = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)  # full blocks only
-    count = refine_blocks(len(blocks), seq_len, tokens)
+    count = budget.blocks_of(len(blocks))
     if count < len(blocks):  # a subset spread over the whole text
         blocks = blocks[torch.linspace(0, len(blocks) - 1, count).round().long()]
     if len(blocks) < 2:
@@ -109,7 +110,7 @@ def calibration_blocks(ids: torch.Tensor, seq_len: int, tokens: int) -> tuple[to
             f"--refine needs at least 2 calibration blocks of {seq_len} tokens, and the calibration data holds "
             f"only {len(ids)} tokens: give more calibration text"
         )
-    held = heldout_blocks(len(blocks))
+    held = budget.heldout_of(len(blocks))
     return blocks, {"fit": torch.arange(len(blocks) - held), "heldout": torch.arange(len(blocks) - held, len(blocks))}
 
 
@@ -136,12 +137,14 @@ def refine_attention(
     merged: dict[str, torch.Tensor],
     ids: torch.Tensor,
     options: RefineOptions,
+    budget: RefineBudget,
     out_dtype: str | None = None,
     spill_dir: Path | None = None,
     progress: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Refine the merged attention layer by layer against the loaded `parent`. config: the converted
-    config.json; merged: the merge's tensors by checkpoint name, in their output dtype; out_dtype: --dtype.
+    config.json; merged: the merge's tensors by checkpoint name, in their output dtype; budget: the blocks
+    to fit on, as the plan computed them (prepare); out_dtype: --dtype.
     Returns every layer's refined attention tensors by checkpoint name, and the JSON-able record: options,
     token counts and per-layer errors."""
     started, started_cpu = time.perf_counter(), time.process_time()
@@ -149,8 +152,8 @@ def refine_attention(
     parent.requires_grad_(False)
     model = converted_model(parent, layout, shape, config, merged, out_dtype)
     run_device = next(model.parameters()).device
-    seq_len = block_length(config)
-    blocks, split = calibration_blocks(ids, seq_len, options.tokens or REFINE_TOKENS_PER_HIDDEN * shape.hidden)
+    seq_len = budget.seq_len
+    blocks, split = calibration_blocks(ids, budget)
     buffers = ActivationBuffers(len(blocks), seq_len, shape.hidden, options.memory, run_device, spill_dir)
     generator = torch.Generator().manual_seed(options.seed)
     layers, refined, changed, global_record = [], {}, {}, None

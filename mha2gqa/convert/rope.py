@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mha2gqa.errors import InputError
-from mha2gqa.layouts import layout_for
+from mha2gqa.layouts import attention_shape, layout_for
 
 
 def rotary_dims(model_dir: Path, head_dim: int) -> int:
@@ -28,6 +28,19 @@ def rotary_dims(model_dir: Path, head_dim: int) -> int:
     config = AutoConfig.from_pretrained(model_dir)
     params = getattr(config, "rope_parameters", None) or {}
     factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    return _even_rotary_dims(head_dim, factor)
+
+
+def check_rotary_dims(config: dict) -> None:
+    """Refuse, before anything runs, a partial_rotary_factor that config.json sets to rotate an odd number of
+    dims (a type's own default always rotates whole pairs; rotary_dims reads those at run time)."""
+    params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor:
+        _even_rotary_dims(attention_shape(config).head_dim, factor)
+
+
+def _even_rotary_dims(head_dim: int, factor: float) -> int:
     dims = int(head_dim * float(factor))
     if dims % 2:
         raise InputError(

@@ -113,19 +113,18 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
 
     options, stats = plan.options, plan.stats
     ids = parent = None
-    if plan.calibration_data is not None:
-        tokens = options.calibration_tokens if options.calibration is not None else stats.tokens
-        ids = calibration.tokenize(plan.source, plan.calibration_data, tokens)
-    if plan.gathers_statistics or plan.refine is not None:
+    if plan.calibration is not None:  # statistics to gather, or refine's blocks (a sweep's statistics' data)
         parent = calibration.load_source_model(plan.source, progress=options.progress)
+        ids, record = calibration.read_ids(plan.source, plan.calibration, parent, options.seed, options.progress)
     if plan.gathers_statistics:
         stats = calibration.gather(
             parent,
-            plan.source,
+            plan.calibration,
+            ids,
+            record,
             plan.layout,
             plan.shape,
-            plan.calibration_data,
-            ids,
+            plan.source,
             scratch,
             plan.calibration_memory,
             options.progress,
@@ -144,6 +143,7 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
         merged,
         ids,
         plan.refine,
+        plan.refine_budget,
         out_dtype=options.dtype,
         spill_dir=out_dir,
         progress=options.progress,

@@ -140,6 +140,7 @@ def _gather_statistics(source: Path, calibration, options: SweepOptions, out_dir
         options.calibration_tokens,
         out_dir,
         progress=False,
+        seed=options.seed,
     )
 
 
@@ -192,8 +193,7 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     shape = attention_shape(config)
     candidates = [Candidate(g, m) for g in kv_head_counts(shape, options.groups, echo) for m in options.methods]
     out = Path(options.out).expanduser()
-    calibration = expand_corpus_name(options.calibration)
-    textdata.resolve("--calibration", calibration)
+    calibration = options.calibration  # each candidate's dry run below resolves and checks it (prepare)
     textdata.resolve("--data", options.data)
     _check_out(out)
     models_dir = out / "models"

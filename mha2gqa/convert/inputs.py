@@ -1,0 +1,189 @@
+"""What a conversion reads besides the weights, resolved once in `prepare` and carried by the plan: the
+calibration input (its parts, their shares, the token count and the block length) and the blocks --refine
+fits on. Torch-free: `--dry-run` prints it, `execute` and `refine` read it and never resolve or count again.
+
+The calibration notation, on the command line and in Python alike:
+- `--calibration corpus.txt` (repeat it for several files, read in order), a folder, a hub dataset, or
+  `austen` (the embedded novels): one text, its first `--calibration-tokens` tokens;
+- `--calibration parent`: text sampled from the model being converted (no data of the user's at all;
+  convert/sampling.py);
+- a mix: every entry with a share after a colon, `--calibration parent:0.5 --calibration austen:0.5`
+  (percentages too, `parent:50%`); the shares are normalised, and each part gives that share of the tokens
+  in whole blocks, the parts' blocks interleaved so that every stretch of the calibration (and refine's
+  held-out blocks) holds each part in proportion. In Python a dict says the same: {"parent": 0.5, "austen": 0.5}.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from mha2gqa.errors import InputError
+
+CALIBRATION_SEQ_LEN = 512  # tokens per calibration block, or the model's context when shorter
+CALIBRATION_BATCH = 8  # blocks per calibration forward (calibration.collect_statistics)
+HOLDOUT_FRACTION = 1 / 8  # of the refine blocks, held out to check each layer's fit
+PARENT = "parent"  # the calibration source sampled from the model itself
+_SHARE = re.compile(r"^(?P<name>.+):(?P<share>\d+(?:\.\d*)?|\.\d+)(?P<percent>%?)$")
+
+
+def block_length(config: dict) -> int:
+    """Tokens per calibration block: 512, or the model's context when shorter (calibration and refine)."""
+    context = config.get("max_position_embeddings")
+    return min(CALIBRATION_SEQ_LEN, context) if isinstance(context, int) and context > 0 else CALIBRATION_SEQ_LEN
+
+
+def stats_bytes(hidden: int) -> int:
+    """One layer's calibration statistics: the (hidden+1)^2 float64 second moments."""
+    return (hidden + 1) ** 2 * 8
+
+
+@dataclass(frozen=True)
+class CalibrationPart:
+    """One source of calibration tokens: text (a resolved textdata.TextSource) or samples of the parent."""
+
+    name: str  # as the user typed it: a path, 'austen', a hub dataset, 'parent'; several files joined by ', '
+    entries: tuple[str, ...]  # what it reads ('austen' expanded to its files); () for the parent
+    share: float  # of all the calibration tokens (1.0 for a single source)
+    tokens: int  # how many tokens it gives
+    text: object = None  # textdata.TextSource, resolved once; None for the parent's samples
+
+    @property
+    def sampled(self) -> bool:
+        return self.text is None
+
+
+@dataclass(frozen=True)
+class CalibrationInput:
+    """The calibration text of one conversion, checked and resolved once (prepare)."""
+
+    spec: str | list[str]  # as the command line writes it back (the Reproduce line)
+    parts: tuple[CalibrationPart, ...]
+    tokens: int  # --calibration-tokens: all parts together
+    seq_len: int  # tokens per block
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.parts) > 1
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(part.tokens for part in self.parts if part.sampled)
+
+    def record(self) -> dict:
+        """What mha2gqa.json says of the input before it is read (the ids' sha256 is added when it is)."""
+        return {
+            "spec": self.spec,
+            "parts": [{"name": p.name, "share": p.share, "tokens": p.tokens} for p in self.parts],
+        }
+
+
+def parse_spec(spec, flag: str = "--calibration") -> list[tuple[str, float | None]]:
+    """[(entry, share or None)] of a calibration spec: a str, a list of str, or a {entry: share} dict. Shares
+    are all given or all absent; each is a positive number or percentage."""
+    if isinstance(spec, dict):
+        pairs = [(str(name), share) for name, share in spec.items()]
+        for name, share in pairs:
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not math.isfinite(share):
+                raise InputError(f"{flag} {name}: share {share!r} must be a positive number, e.g. 0.5")
+    else:
+        pairs = [_split_share(str(entry)) for entry in ([spec] if isinstance(spec, (str, Path)) else spec)]
+    if not pairs:
+        raise InputError(f"{flag} is empty: give a file, a folder, 'austen', 'parent' or a hub dataset name")
+    shared = [share is not None for _, share in pairs]
+    if any(shared) and not all(shared):
+        missing = next(name for name, share in pairs if share is None)
+        raise InputError(
+            f"{flag} {missing} has no share while others do: give every entry one, e.g. {flag} {missing}:0.5"
+        )
+    for name, share in pairs:
+        if share is not None and not share > 0:
+            raise InputError(f"{flag} {name}:{share:g}: a share must be above 0 (e.g. {name}:0.5)")
+    names = [name for name, _ in pairs]
+    if any(shared) and len(set(names)) < len(names):
+        repeated = next(name for name in names if names.count(name) > 1)
+        raise InputError(f"{flag} {repeated} is given twice in a mix: give it once, with the sum of its shares")
+    return pairs
+
+
+def _split_share(entry: str) -> tuple[str, float | None]:
+    """'corpus.txt:0.5' -> ('corpus.txt', 0.5); '50%' is 0.5. A whole entry that is a local path (even one
+    with a colon in its name) is a path."""
+    match = _SHARE.match(entry)
+    if match is None or Path(entry).expanduser().exists():
+        return entry, None
+    share = float(match.group("share")) / (100 if match.group("percent") else 1)
+    return match.group("name"), share
+
+
+def part_tokens(shares: list[float], tokens: int, seq_len: int) -> list[int]:
+    """Each part's tokens: its share of `tokens` in whole blocks (at least one), the rounding left to the
+    largest part so that the total is what was asked for, to a block."""
+    if len(shares) == 1:
+        return [tokens]
+    total = sum(shares)
+    blocks = max(len(shares), round(tokens / seq_len))
+    counts = [max(1, round(blocks * share / total)) for share in shares]
+    counts[counts.index(max(counts))] += blocks - sum(counts)
+    return [count * seq_len for count in counts]
+
+
+@dataclass(frozen=True)
+class RefineBudget:
+    """The calibration blocks --refine fits and checks on: the rule, and its counts for the planned tokens
+    (the real counts follow the data, which may be shorter than --calibration-tokens)."""
+
+    seq_len: int
+    wanted_tokens: int  # --refine-tokens, or 64 x hidden
+    blocks: int = 0  # planned, from --calibration-tokens
+    fit_blocks: int = 0
+    heldout_blocks: int = 0
+    buffer_bytes: int = 0  # refine.BUFFERS x blocks x seq_len x hidden float32
+    spills: bool = False  # buffer_bytes > RefineOptions.memory: memory-mapped files inside DST's partial folder
+
+    def blocks_of(self, available: int) -> int:
+        """How many of `available` calibration blocks --refine uses: all of them, or `wanted_tokens` worth
+        spread evenly over them (at least 2)."""
+        if self.wanted_tokens < available * self.seq_len:
+            return min(available, max(2, self.wanted_tokens // self.seq_len))
+        return available
+
+    @staticmethod
+    def heldout_of(blocks: int) -> int:
+        return max(1, round(blocks * HOLDOUT_FRACTION))
+
+
+def calibration_input(spec, tokens: int, seq_len: int, flag: str = "--calibration") -> CalibrationInput:
+    """`spec` checked and resolved once: every file found and of a known format, holding some text, before
+    anything is read in earnest; 'austen' expanded to the embedded novels."""
+    from mha2gqa import textdata
+    from mha2gqa.embedded import expand_corpus_name
+
+    pairs = parse_spec(spec, flag)
+    shared = pairs[0][1] is not None
+    if not shared and len(pairs) > 1 and any(name == PARENT for name, _ in pairs):
+        raise InputError(
+            f"{flag} {PARENT} samples the model, and cannot be read in order with other text: give every entry "
+            f"a share, e.g. {flag} {PARENT}:0.5 {flag} {next(n for n, _ in pairs if n != PARENT)}:0.5"
+        )
+    groups = [[name] for name, _ in pairs] if shared or pairs[0][0] == PARENT else [[name for name, _ in pairs]]
+    shares = [share for _, share in pairs] if shared else [1.0]
+    counts = part_tokens(shares, tokens, seq_len)
+    parts = []
+    for names, share, count in zip(groups, shares, counts):
+        name = ", ".join(names)
+        if names == [PARENT]:
+            parts.append(CalibrationPart(name, (), share / sum(shares), count))
+            continue
+        entries = tuple(str(p) for entry in names for p in _as_list(expand_corpus_name(entry, flag)))
+        text = textdata.resolve(flag, list(entries))
+        textdata.require_text(text)
+        parts.append(CalibrationPart(name, entries, share / sum(shares), count, text))
+    written = [f"{n}:{s:g}" for (n, s) in pairs] if shared else [n for n, _ in pairs]
+    return CalibrationInput(written[0] if len(written) == 1 else written, tuple(parts), tokens, seq_len)
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
