@@ -65,9 +65,11 @@ def convert(src, dst, **flags):
 
     Example: mha2gqa convert ./llama-2-7b ./llama-2-7b-gqa8 --groups 8
     """
+    from mha2gqa import threads
     from mha2gqa.convert.run import convert as run_convert
 
     options = options_from_flags(flags)
+    threads.apply(threads.for_model(src))  # before torch starts: one thread for a small model on a busy machine
     result = run_convert(src, dst, options=options)
     plan = result.plan
     if options.dry_run:

@@ -43,6 +43,7 @@ class SamplingRecipe:
 
 
 DEFAULT_RECIPE = SamplingRecipe()
+NUCLEUS_CANDIDATES = 1024  # tokens the top-p nucleus is looked for among first (_draw)
 
 
 def flops(params: int, tokens: int) -> float:
@@ -106,12 +107,18 @@ def _sample_batch(model, first, seq_len: int, recipe: SamplingRecipe, generator,
 
 
 def _draw(logits, recipe: SamplingRecipe, generator):
-    """One token per row from softmax(logits / T), restricted to the top-p nucleus."""
+    """One token per row from softmax(logits / T), restricted to the top-p nucleus. The nucleus is looked
+    for among the NUCLEUS_CANDIDATES likeliest tokens (a top-k, far cheaper than sorting the vocabulary);
+    a row whose nucleus is wider than that (a flat distribution) is sorted in full."""
     import torch
 
-    probs = torch.softmax(logits / recipe.temperature, dim=-1, dtype=torch.float64)
-    ordered, order = probs.sort(dim=-1, descending=True)
-    outside = ordered.cumsum(-1) - ordered > recipe.top_p  # tokens after the nucleus is full
-    ordered[outside] = 0.0
+    probs = torch.softmax(logits / recipe.temperature, dim=-1)  # (B, V) float32
+    k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
+    ordered, order = probs.topk(k, dim=-1)  # descending
+    wide = ordered.sum(-1) < recipe.top_p
+    if bool(wide.any()):
+        ordered, order = probs.sort(dim=-1, descending=True)
+    ordered = ordered.clone()
+    ordered[ordered.cumsum(-1) - ordered > recipe.top_p] = 0.0  # tokens after the nucleus is full
     picked = torch.multinomial(ordered, 1, generator=generator).squeeze(1)
     return order.gather(1, picked[:, None]).squeeze(1)
