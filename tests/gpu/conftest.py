@@ -49,7 +49,7 @@ def pytest_runtest_makereport(item, call):
         return
     data = {"result": record.result if record else None, "skipped": record.skipped if record else []}
     if report.skipped:  # no CUDA and no --smoke: gpu_check reports the part as not run, with why
-        data = {"error": f"skipped: {report.longrepr[2]}", "skipped": []}
+        data = {"error": "skipped: " + str(report.longrepr[2]).removeprefix("Skipped: "), "skipped": []}
     elif report.failed:
         error = call.excinfo.value
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
