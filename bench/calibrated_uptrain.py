@@ -6,7 +6,7 @@ for mean, mean-norm, calibrated and calibrated + similarity grouping.
     python bench/calibrated_uptrain.py --smoke --out /tmp/u.json   # mean and calibrated, 3 toy steps each
 
 Each variant is converted (calibration statistics gathered once, as in bench/calibrated_merge.py),
-then uptrained with bench/calibrated/uptrain.yaml (plain LM loss, constant LR, eval on held-out
+then uptrained with recipes/bench/calibrated-uptrain.yaml (plain LM loss, constant LR, eval on held-out
 Persuasion every 3 steps). Reported: eval perplexity at the start and the end, and the tokens each
 variant needed to reach mean-pooling's final perplexity (issue 6 target for calibrated: at most half).
 """
@@ -18,7 +18,7 @@ import json
 import tempfile
 from pathlib import Path
 
-RECIPE = Path(__file__).parent / "calibrated" / "uptrain.yaml"
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "bench" / "calibrated-uptrain.yaml"
 VARIANTS = {
     "mean": ("mean", "contiguous"),
     "mean-norm": ("mean-norm", "contiguous"),

@@ -1,12 +1,12 @@
 """Every GPU check of the toolkit in one command, for the times a GPU machine (one H200) is lent.
 
-    python bench/gpu_check.py                  # on the GPU machine, from the repo root: about 7 minutes (estimate)
-    python bench/gpu_check.py --parts 3,5      # rerun only some parts (numbers or names)
-    python bench/gpu_check.py --smoke          # the same code at toy sizes on CPU (run by a test)
-    python bench/gpu_check.py --wheels bench/wheels   # the commands that fill bench/wheels (run them here)
+    python3 bench/gpu_check.py                 # on the GPU machine, from the repo root: about 7 minutes (estimate)
+    python3 bench/gpu_check.py --parts 3,5     # rerun only some parts (numbers or names)
+    python3 bench/gpu_check.py --smoke         # the same code at toy sizes on CPU (run by a test)
 
-Parts, in order, each in a process of its own under its own time limit (the estimate printed before it
-starts); a failure is recorded with its traceback and the later parts still run:
+Parts, in order, each a pytest module of tests/gpu (marker `gpu`) run in a process of its own under its own time
+limit (the estimate printed before it starts); a failure is recorded with its traceback and the later parts still
+run. Without CUDA the tests skip, unless --smoke asks for their toy sizes on CPU:
   1 eval_gpu        decode tokens/s of MHA, GQA-8 and MQA at batch 1..64 x context 2048, eager and CUDA graph,
                     peak memory, KV bytes of the live cache vs the formula (bench/eval_gpu.py)
   2 uptrain_gpu     uptrain loop tokens/s and MFU at 1B bf16, and the hand-written loop (bench/uptrain_gpu.py --baseline)
@@ -15,21 +15,20 @@ starts); a failure is recorded with its traceback and the later parts still run:
   4 fsdp            accelerate launch --config_file recipes/accelerate/fsdp.yaml --num_processes 1, 5 steps:
                     the final checkpoint loads and equals the trained weights; --resume continues exactly
   5 qlora           trainable: lora with load_in_4bit, 5 steps, merged into a plain checkpoint that loads
-The parts themselves are in bench/gpu_parts.py. Writes gpu_check.json (every number), gpu_check.md (the same
-as one table) and gpu_check.log (every part's output) to $OUT, or --out, or .bench/gpu-check.
+Writes gpu_check.json (every number), gpu_check.md (the same as one table) and gpu_check.log (every part's output)
+to $OUT, or --out, or .bench/gpu-check.
 
-The GPU machine has its own python3 with torch, transformers, accelerate and peft, but no datasets and no
-bitsandbytes, and reaches no package registry. Wheels put in bench/wheels (see --wheels; the folder is
-git-ignored: name it in the device tool's carry) are installed into a temporary folder before the parts run.
-The package itself needs no install: this script puts the repo root on every part's PYTHONPATH.
+The GPU machine has its own python3 with torch, transformers, accelerate, peft and pytest, but no datasets and no
+bitsandbytes, and reaches no package registry. Wheels put in bench/wheels (`python scripts/gpu_wheels.py
+bench/wheels` prints the commands that fill it, run here; the folder is git-ignored: name it in the device tool's
+carry) are installed into a temporary folder before the parts run. The package itself needs no install: this
+script puts the repo root on every part's PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.metadata
-import io
 import json
 import os
 import platform
@@ -40,24 +39,12 @@ import sys
 import tempfile
 import threading
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL_DIR = ROOT / "bench" / "wheels"
 BUDGET_S = 480  # the issue's bound for the whole check on one H200: 8 minutes
-# What the GPU machine lacks of what the parts import (the device docs' package list of its image, 2026-11-17),
-# at the versions CI runs (constraints.txt). fsspec is there, at a version nobody has read: it travels too,
-# since datasets 5.2 wants fsspec<=2026.9.0. bitsandbytes 0.50.2 ships a CUDA 13.0 build (the GPU machine's
-# torch is 2.11.0+cu130).
-CARRIED = ("datasets", "dill", "multiprocess", "fsspec")
-BITSANDBYTES = "0.50.2"
-# bitsandbytes' wheel holds a library for every CUDA, ROCm and XPU version (43 MB): with the repo (about 29 MB)
-# it would not fit the device tool's 64 MiB. Only these stay (--slim-wheels).
-BNB_KEPT = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so", "libbitsandbytes_cuda132.so")
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-GPU_PYTHON = "3.12"
 
 
 @dataclass(frozen=True)
@@ -96,16 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         "--budget", type=int, default=BUDGET_S, help="seconds for all parts together (not with --smoke)"
     )
     parser.add_argument("--fail", metavar="PART", help="make PART raise at its start (checks the failure recording)")
-    parser.add_argument("--wheels", type=Path, metavar="DIR", help="print the commands that fill DIR, then exit")
-    parser.add_argument("--slim-wheels", type=Path, metavar="DIR", help="cut bitsandbytes' wheel in DIR to CUDA 13")
     args = parser.parse_args(argv)
-    if args.wheels:
-        print(download_commands(args.wheels))
-        return 0
-    if args.slim_wheels:
-        for line in slim_wheels(args.slim_wheels):
-            print(line)
-        return 0
     try:
         parts = select_parts(args.parts)
         if args.fail and args.fail not in {p.name for p in PARTS}:
@@ -182,11 +160,11 @@ def run_part(part: Part, args, env: dict, work: Path, log, left: float | None, l
     print(f"[{number}] {part.name}: {part.what} (estimate {estimate} s, limit {limit} s)", flush=True)
     work.mkdir(parents=True)
     result_file = work / "result.json"
-    command = [sys.executable, str(ROOT / "bench" / "gpu_parts.py"), part.name, "--work", str(work)]
-    command += ["--result", str(result_file)] + (["--smoke"] if args.smoke else [])
-    command += ["--fail"] if args.fail == part.name else []
     started, cpu = time.perf_counter(), _children_cpu()
-    returncode, output = run_logged(command, env, limit, log, part.name)
+    part_env = {**env, "GPU_CHECK_WORK": str(work), "GPU_CHECK_RESULT": str(result_file)}  # read by tests/gpu
+    part_env["GPU_CHECK_SMOKE"] = "1" if args.smoke else "0"
+    part_env["GPU_CHECK_FAIL"] = part.name if args.fail == part.name else ""
+    returncode, output = run_logged(part_command(part), part_env, limit, log, part.name)
     entry["seconds"] = round(time.perf_counter() - started, 1)
     entry["cpu_s"] = round(_children_cpu() - cpu, 1)  # the part's processes, launcher workers included
     found = json.loads(result_file.read_text()) if result_file.is_file() else {}
@@ -207,6 +185,14 @@ def run_part(part: Part, args, env: dict, work: Path, log, left: float | None, l
         flush=True,
     )
     return entry
+
+
+def part_command(part: Part) -> list[str]:
+    """pytest on the part's module of tests/gpu; native tracebacks (what the record keeps), and only tests/gpu's
+    conftest: the suite's own pins one torch thread for its tiny models, which a GPU part must not inherit."""
+    test = ROOT / "tests" / "gpu" / f"test_{part.name}.py"
+    return [sys.executable, "-m", "pytest", str(test), "-q", "-s", "--tb=native", "-p", "no:cacheprovider",
+            "--confcutdir", str(test.parent), "-m", "gpu"]  # fmt: skip
 
 
 def run_logged(command: list[str], env: dict, limit: int, log, name: str) -> tuple[int | None, str]:
@@ -295,65 +281,7 @@ def machine(env: dict) -> dict:
     return {"python": platform.python_version(), "host": platform.node(), **found}
 
 
-# ---- wheels for the GPU machine ----
-
-
-def download_commands(folder: Path) -> str:
-    """The commands, run here (where pip reaches PyPI), that fill `folder` with manylinux x86-64 wheels
-    for the GPU machine's Python of what it lacks, then cut bitsandbytes' wheel to its CUDA 13 build."""
-    pins = constraint_pins()
-    wanted = [f"{name}=={pins[name]}" for name in CARRIED] + [f"bitsandbytes=={BITSANDBYTES}"]
-    platforms = " ".join(f"--platform {p}" for p in PLATFORMS)
-    return "\n".join(
-        [
-            f"# wheels for the GPU machine (Python {GPU_PYTHON}, x86-64, no registry): fill {folder} here",
-            f"python3 -m pip download --no-deps --only-binary=:all: --python-version {GPU_PYTHON} --implementation cp "
-            f"{platforms} -d {folder} {' '.join(wanted)}",
-            f"python3 bench/gpu_check.py --slim-wheels {folder}",
-            f"# then name {folder} in the device tool's carry; the check installs from bench/wheels when it is there",
-        ]
-    )
-
-
-def constraint_pins() -> dict[str, str]:
-    pins = {}
-    for line in (ROOT / "constraints.txt").read_text().splitlines():
-        name, sep, version = line.partition("==")
-        if sep and not line.startswith("#"):
-            pins[name.strip().lower()] = version.strip()
-    return pins
-
-
-def slim_wheels(folder: Path) -> list[str]:
-    """Rewrite each bitsandbytes wheel in `folder` without the native libraries the GPU machine does not
-    load (and their RECORD lines); returns what it did, one line each."""
-    done = []
-    for wheel in sorted(folder.glob("bitsandbytes-*.whl")):
-        before = wheel.stat().st_size
-        slimmed = wheel.with_suffix(".slim")
-        with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(slimmed, "w", zipfile.ZIP_DEFLATED) as dst:
-            dropped = {n for n in src.namelist() if n.endswith(".so") and Path(n).name not in BNB_KEPT}
-            for item in src.infolist():
-                if item.filename in dropped:
-                    continue
-                data = src.read(item)
-                if item.filename.endswith(".dist-info/RECORD"):
-                    data = _record_without(data, dropped)
-                dst.writestr(item, data)
-        os.replace(slimmed, wheel)
-        done.append(
-            f"{wheel.name}: {before / 2**20:.1f} -> {wheel.stat().st_size / 2**20:.1f} MiB ({len(dropped)} libraries dropped)"
-        )
-    if not done:
-        done.append(f"no bitsandbytes wheel in {folder}: nothing to slim")
-    return done
-
-
-def _record_without(record: bytes, dropped: set[str]) -> bytes:
-    rows = [row for row in csv.reader(io.StringIO(record.decode())) if row and row[0] not in dropped]
-    text = io.StringIO()
-    csv.writer(text, lineterminator="\n").writerows(rows)
-    return text.getvalue().encode()
+# ---- wheels for the GPU machine (scripts/gpu_wheels.py fills bench/wheels) ----
 
 
 def install_wheels(tmp: Path, folder: Path = WHEEL_DIR) -> tuple[Path | None, list[str]]:

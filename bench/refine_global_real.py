@@ -37,7 +37,7 @@ from refine_real import eval_sets  # noqa: E402
 from mha2gqa.convert.calibration import read_ids  # noqa: E402
 from mha2gqa.convert.inputs import RefineBudget, block_length, calibration_input  # noqa: E402
 from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN  # noqa: E402
-from mha2gqa.convert.refine import EXACT, _attention_path, _layer_path, calibration_blocks  # noqa: E402
+from mha2gqa.convert.refine import EXACT, calibration_blocks  # noqa: E402
 from mha2gqa.convert.refine_global import fit_global  # noqa: E402
 from mha2gqa.layouts import layout_for, read_config  # noqa: E402
 from mha2gqa.provenance import latest  # noqa: E402
@@ -48,10 +48,13 @@ def trained_parameters(model, config: dict, refine: dict) -> list[torch.nn.Param
     trains): fitted (not exact) and not kept as merged."""
     layout = layout_for(config)
     fitted = [r["layer"] for r in refine["layers"] if r["fit_error_before"] > EXACT and "kept_merged" not in r]
+    attention = layout.o.rsplit(".", 1)[0]  # the parent of o_proj, relative to the layer (self_attn in every layout)
     return [
         p
         for index in fitted
-        for p in model.get_submodule(_layer_path(layout, index)).get_submodule(_attention_path(layout)).parameters()
+        for p in model.get_submodule(layout.layer_prefix.format(layer=index).rstrip("."))
+        .get_submodule(attention)
+        .parameters()
     ]
 
 

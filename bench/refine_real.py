@@ -1,6 +1,6 @@
 """Measurement: `convert --refine` on a real pretrained model (issue 20): SmolLM2-135M-Instruct, 3 -> 1 kv heads.
 
-    python bench/refine_real.py /work/real-models/smollm2 --out bench/refine-results/real-smollm2.json
+    python bench/refine_real.py /work/real-models/smollm2 --out bench/results/refine/real-smollm2.json
     python bench/refine_real.py MODEL_DIR --settings attention,default --methods calibrated   # a subset
     python bench/refine_real.py MODEL_DIR --cli default      # also time the whole CLI conversion
     python bench/refine_real.py --smoke                      # a tiny random model, seconds; run by a test

@@ -2,7 +2,7 @@
 `--refine`) for alpha = 0.5%, 1%, 2.5% and 5% of the parent's pretraining tokens, held-out perplexity
 at each, the parent as the reference line.
 
-    python bench/refine_recovery.py --kv 2,1 --out bench/refine-results/recovery-austen-mha.json \
+    python bench/refine_recovery.py --kv 2,1 --out bench/results/refine/recovery-austen-mha.json \
         --plot docs/refine-recovery.png
     python bench/refine_recovery.py --merge a.json,b.json --out all.json --plot p.png   # combine runs
     python bench/refine_recovery.py --smoke          # ~25 s; run by a slow test

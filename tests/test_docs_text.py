@@ -4,6 +4,7 @@ duration for `demo --quick`, help texts whole, KV per sequence at the model's ow
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,3 +108,292 @@ def test_demo_quick_has_one_measured_duration_with_its_load():
     assert re.search(r"load(\s+average)?\s+\d", readme), readme
     help_text = CliRunner().invoke(main, ["demo", "--help"]).output
     assert not _DURATION.search(help_text.split("--quick", 1)[1].split("--alpha", 1)[0]), help_text
+
+
+# ---- every file, flag and function a doc names exists ----
+# The docs name things in code: `bench/refine.py`, `--refine-steps`, `checkpoint.assign_shards`, and command
+# lines (in backticks, fenced blocks, or indented blocks). Each kind is checked against what the repo holds:
+# files on disk, flags in the named command's own options (click's for mha2gqa, argparse's add_argument calls
+# for a script), names in the modules' source (read with ast: nothing is imported).
+
+_FILE = re.compile(r"(?<![\w$./:-])((?:[\w.{},*-]+/)+[\w.{},*-]*)")  # not after ':' (git show REV:path)
+_DOTTED = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(.*\))?$")
+_FILE_SUFFIXES = {
+    ".py",
+    ".md",
+    ".json",
+    ".jsonl",
+    ".yaml",
+    ".yml",
+    ".txt",
+    ".gz",
+    ".png",
+    ".html",
+    ".cfg",
+    ".toml",
+    ".log",
+}
+_FILE_SUFFIXES |= {".safetensors", ".bin", ".pt", ".csv", ".parquet", ".whl", ".sh", ".so", ".zst", ".bz2", ".xz"}
+
+
+def _code(page: Path) -> tuple[list[str], list[str]]:
+    """(inline code spans, command lines): a fenced or 4-space-indented block gives its lines (a trailing
+    backslash joins the next), prose gives its `spans`."""
+    spans, lines, fenced, pending = [], [], False, ""
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced or (line.startswith("    ") and not re.match(r"\s*([-*] |\|)", line)):  # not a list or table
+            pending += line.strip()
+            if pending.endswith("\\"):
+                pending = pending[:-1] + " "
+            else:
+                lines.append(pending)
+                pending = ""
+            continue
+        spans += re.findall(r"`([^`\n]+)`", line)
+    return spans, lines + [s for s in spans if _command(s)]
+
+
+_WRAPPERS = {"nice", "time", "/usr/bin/time", "timeout", "sudo", "env"}
+
+
+def _command(text: str) -> tuple[str, list[str]] | None:
+    """('mha2gqa' or the script's path, its arguments) when `text` runs the package's CLI, a module of the repo
+    (`python -m mha2gqa.uptrain`) or one of its scripts (`python bench/x.py`), through accelerate too; else None.
+    Wrappers (nice -n 10, /usr/bin/time -v, VAR=1) are stepped over; the command ends at | && ; > or #."""
+    line = re.split(r"\s+(?:\||&&|;|>|2>&1|#)(?:\s.*)?$", text.strip(), maxsplit=1)[0]
+    try:
+        words = shlex.split(line)
+    except ValueError:  # an unbalanced quote in prose
+        words = line.split()
+    while words and (words[0] in _WRAPPERS or re.match(r"^[A-Z_]+=\S*$", words[0]) or words[0].startswith("-")):
+        words = words[1:]
+        if words and re.match(r"^(\d+|%.*)$", words[0]):  # nice -n 10, /usr/bin/time -f "%e s %M KiB"
+            words = words[1:]
+    if words[:1] == ["accelerate"] and "-m" in words:
+        words = ["python", *words[words.index("-m") :]]
+    if words[:1] == ["mha2gqa"]:
+        return "mha2gqa", words[1:]
+    if words[:1] not in (["python"], ["python3"]) or len(words) < 2:
+        return None
+    if words[1] == "-m" and len(words) > 2:
+        if words[2] == "mha2gqa":
+            return "mha2gqa", words[3:]
+        module = ROOT / words[2].replace(".", "/")
+        script = module / "__main__.py" if module.is_dir() else module.with_suffix(".py")
+        return (script.relative_to(ROOT).as_posix(), words[3:]) if script.is_file() else None
+    script = ROOT / words[1]
+    return (words[1], words[2:]) if words[1].endswith(".py") and script.is_file() else None
+
+
+def _ignored() -> list[str]:
+    """The repo-root paths .gitignore names (/runs/, /bench/wheels/): outputs a doc may name before they exist."""
+    return [line.strip("/") for line in (ROOT / ".gitignore").read_text().splitlines() if line.startswith("/")]
+
+
+def _expand(path: str) -> list[str]:
+    """Shell brace expansion, one level deep at a time: a/{b,c}.json -> a/b.json, a/c.json."""
+    match = re.search(r"\{([^{}]*)\}", path)
+    if not match:
+        return [path]
+    return [
+        x for part in match.group(1).split(",") for x in _expand(path[: match.start()] + part + path[match.end() :])
+    ]
+
+
+def _missing_path(path: str) -> bool:
+    """A path whose first folder is a tracked top-level folder (bench/, docs/, mha2gqa/, ...) or one of the
+    package's subpackages (convert/refine.py: mha2gqa/convert/refine.py) must exist; globs must match. Other
+    paths are outputs or placeholders (runs/x, /tmp/dq, report/report.html)."""
+    top = path.split("/")[0]
+    roots = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")} - set(_ignored())
+    subpackages = {p.name for p in (ROOT / "mha2gqa").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    if any(path == i or path.startswith(i + "/") for i in _ignored()):
+        return False
+    base = ROOT if top in roots else ROOT / "mha2gqa" if top in subpackages else None
+    if base is None:
+        return False
+    return not any(base.glob(p.rstrip("/")) if "*" in p else (base / p).exists() for p in _expand(path))
+
+
+def test_every_repo_path_the_docs_name_exists():
+    missing = []
+    for page in PAGES:
+        spans, lines = _code(page)
+        for text in spans + lines:
+            for path in _FILE.findall(text):
+                path = path.rstrip(".,")
+                if _missing_path(path):
+                    missing.append(f"{page.relative_to(ROOT)}: {path} (in `{text[:80]}`)")
+    assert missing == []
+
+
+def _script_flags(script: str) -> set[str]:
+    """The --flags a script's argparse parser takes: the option strings of its add_argument calls."""
+    import ast
+
+    tree = ast.parse((ROOT / script).read_text())
+    return {"--help"} | {
+        arg.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"
+        for arg in node.args
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("--")
+    }
+
+
+def _cli_flags(words: list[str]) -> tuple[str, set[str]]:
+    """(the mha2gqa command the words run, the --flags it takes): the top level's own before a command."""
+    from mha2gqa.cli import main
+
+    def flags(command) -> set[str]:
+        return {"--help"} | {o for p in command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")}
+
+    name = next((w for w in words if w in main.commands), None)
+    return (name or "mha2gqa"), flags(main.commands[name]) if name else flags(main)
+
+
+def _flags_in(words: list[str]) -> list[str]:
+    """The --flags among a command's words (--x=1 -> --x; [--refine] -> --refine); --refine-* stays a pattern."""
+    found = []
+    for word in words:
+        flag = re.match(r"^\[?(--[a-z][\w-]*\*?)", word)
+        if flag:
+            found.append(flag.group(1))
+    return found
+
+
+def _known(flag: str, allowed: set[str]) -> bool:
+    return any(a.startswith(flag[:-1]) for a in allowed) if flag.endswith("*") else flag in allowed
+
+
+def test_every_flag_of_a_command_line_in_the_docs_is_an_option_of_that_command():
+    """`mha2gqa convert SRC DST --groups 2`, `python bench/refine.py --kv 1`: each --flag is one the command's
+    --help lists (for mha2gqa: the command's, and the top level's before it)."""
+    unknown = []
+    for page in PAGES:
+        for line in _code(page)[1]:
+            found = _command(line)
+            if found is None:
+                continue
+            program, words = found
+            if program == "mha2gqa":
+                name = next((w for w in words if not w.startswith("-")), None)
+                head = words[: words.index(name)] if name in words else words
+                _, top = _cli_flags([])
+                command, allowed = _cli_flags(words)
+                bad = [f for f in _flags_in(head) if not _known(f, top)]
+                bad += [f for f in _flags_in(words[len(head) :]) if not _known(f, allowed)]
+            else:
+                command, allowed = program, _script_flags(program)
+                bad = [f for f in _flags_in(words) if not _known(f, allowed)]
+            unknown += [f"{page.relative_to(ROOT)}: {command} has no {f} (in `{line[:90]}`)" for f in bad]
+    assert unknown == []
+
+
+def test_every_flag_the_docs_name_alone_is_an_option_of_some_command():
+    """A flag named alone in prose or a table (`--refine-steps`, `--refine-tokens 65536`): an option of some
+    mha2gqa command or repo script. (Prose mixes commands in one paragraph, so "the command beside it" is not
+    decidable there; a flag on a command line is checked against that command, above.)"""
+    from mha2gqa.cli import main
+
+    scripts = [p.relative_to(ROOT).as_posix() for d in ("bench", "scripts") for p in (ROOT / d).rglob("*.py")]
+    everything = set().union(*(_cli_flags([name])[1] for name in main.commands), _cli_flags([])[1])
+    everything |= set().union(*(_script_flags(s) for s in scripts + ["mha2gqa/uptrain/__main__.py"]))
+    unknown = []
+    for page in PAGES:
+        for span in _code(page)[0]:
+            if span.startswith("--") and not _command(span):
+                flag = _flags_in(span.split()[:1])
+                unknown += [f"{page.relative_to(ROOT)}: {f} (in `{span}`)" for f in flag if not _known(f, everything)]
+    assert unknown == []
+
+
+def _python_index() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """From the source, nothing imported: {module: the names it defines or imports} under its dotted name
+    (mha2gqa.convert.run) and its last part (run, calibrated_merge), and {class: its members}."""
+    import ast
+
+    modules: dict[str, set[str]] = {}
+    classes: dict[str, set[str]] = {}
+    for folder in ("mha2gqa", "bench", "scripts", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            names = set()
+            for node in tree.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+                if isinstance(node, ast.ClassDef):
+                    members = classes.setdefault(node.name, set())
+                    for item in node.body:
+                        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                            members.add(item.name)
+                        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                            members.add(item.target.id)
+                        elif isinstance(item, ast.Assign):
+                            members |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            names |= {p.stem for p in path.parent.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()} if path.name == "__init__.py" else set()  # fmt: skip
+            for key in {".".join(parts), parts[-1]}:
+                modules.setdefault(key, set()).update(names)
+    return modules, classes
+
+
+def _recipe_sections() -> set[str]:
+    from mha2gqa.uptrain.recipe import all_keys
+
+    return {key.split(".")[0] for key in all_keys() if "." in key}
+
+
+def test_every_function_module_and_recipe_key_the_docs_name_exists():
+    """`mha2gqa.uptrain.load_recipe`, `checkpoint.assign_shards`, `ShardedWriter.copy_bytes`,
+    `calibrated_merge.load_float32`, `embedded.pretrain_tokens()`: a dotted name whose head is one of the repo's
+    modules or classes names something that module or class defines; one whose head is a recipe section
+    (`lora.load_in_4bit`, `budget.max_steps=20`) is a recipe key. Other heads (torch., os.) are not ours."""
+    from mha2gqa.uptrain.recipe import all_keys
+
+    modules, classes = _python_index()
+    keys, sections = set(all_keys()), _recipe_sections()
+    missing = []
+    for page in PAGES:
+        for span in _code(page)[0]:
+            key = re.match(r"^([a-z_]+(?:\.[a-z_0-9]+)+)(?:=|: )", span)
+            dotted = _DOTTED.match(span)
+            if key and key.group(1).split(".")[0] in sections:
+                if key.group(1) not in keys:
+                    missing.append(f"{page.relative_to(ROOT)}: recipe key {key.group(1)}")
+                continue
+            if not dotted or Path(dotted.group(1)).suffix in _FILE_SUFFIXES:
+                continue
+            name = dotted.group(1)
+            parts = name.split(".")
+            if parts[0] in sections and name in keys:
+                continue
+            problem = _unresolved(parts, modules, classes)
+            if problem:
+                missing.append(f"{page.relative_to(ROOT)}: `{span}`: {problem}")
+    assert missing == []
+
+
+def _unresolved(parts: list[str], modules: dict, classes: dict) -> str | None:
+    """Why `parts` names nothing of ours, or None (it does, or its head is not ours)."""
+    for i in range(len(parts) - 1, 0, -1):
+        head = ".".join(parts[:i])
+        if head in modules:
+            name = parts[i]
+            if name not in modules[head] and f"{head}.{name}" not in modules:
+                return f"{head} has no {name}"
+            if i + 1 < len(parts) and name in classes and parts[i + 1] not in classes[name]:
+                return f"{name} has no {parts[i + 1]}"
+            return None
+    if parts[0] in classes and parts[1] not in classes[parts[0]]:
+        return f"{parts[0]} has no {parts[1]}"
+    return None

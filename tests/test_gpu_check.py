@@ -1,9 +1,11 @@
-"""bench/gpu_check.py, the one command a lent GPU runs, at its --smoke size on CPU: every part runs in its own
-process, what needs CUDA is skipped with the reason, a failing part is recorded with its traceback and the
-later parts still run; and the wheel commands for the GPU machine. (The GPU numbers are still owed.)"""
+"""bench/gpu_check.py, the one command a lent GPU runs, at its --smoke size on CPU: every part (a module of
+tests/gpu) runs in its own pytest process, what needs CUDA is skipped with the reason, a failing part is recorded
+with its traceback and the later parts still run; without --smoke and without CUDA the gpu tests skip, as in the
+default suite. (The GPU numbers are still owed.)"""
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -153,43 +155,6 @@ def test_bad_parts_are_one_error_line(capsys):
     )
 
 
-def test_wheel_commands_name_what_the_gpu_machine_lacks(capsys):
-    assert gpu_check.main(["--wheels", "bench/wheels"]) == 0
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#")]
-    assert len(lines) == 2
-    download = lines[0].split()
-    assert download[:4] == ["python3", "-m", "pip", "download"]
-    assert "--no-deps" in download and download[download.index("--python-version") + 1] == "3.12"
-    assert download[download.index("-d") + 1] == "bench/wheels"
-    assert {p for i, p in enumerate(download) if download[i - 1] == "--platform"} >= {"manylinux_2_28_x86_64"}
-    pins = dict(arg.split("==") for arg in download if "==" in arg)
-    constraints = gpu_check.constraint_pins()
-    assert set(pins) == {"datasets", "dill", "multiprocess", "fsspec", "bitsandbytes"}
-    assert all(pins[name] == constraints[name] for name in ("datasets", "dill", "multiprocess", "fsspec"))
-    assert lines[1] == "python3 bench/gpu_check.py --slim-wheels bench/wheels"
-
-
-def test_slimming_keeps_the_cuda13_library_and_a_matching_record(tmp_path):
-    wheel = tmp_path / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
-    names = [
-        "bitsandbytes/__init__.py",
-        "bitsandbytes/libbitsandbytes_cuda130.so",
-        "bitsandbytes/libbitsandbytes_cuda118.so",
-    ]
-    record = "".join(f"{n},sha256=x,1\n" for n in names) + "bitsandbytes-0.50.2.dist-info/RECORD,,\n"
-    with zipfile.ZipFile(wheel, "w") as z:
-        for name in names:
-            z.writestr(name, b"x" * 1000)
-        z.writestr("bitsandbytes-0.50.2.dist-info/RECORD", record)
-    (line,) = gpu_check.slim_wheels(tmp_path)
-    assert line.startswith(wheel.name) and line.endswith("(1 libraries dropped)")
-    with zipfile.ZipFile(wheel) as z:
-        assert "bitsandbytes/libbitsandbytes_cuda118.so" not in z.namelist()
-        assert "bitsandbytes/libbitsandbytes_cuda130.so" in z.namelist()
-        rows = z.read("bitsandbytes-0.50.2.dist-info/RECORD").decode().splitlines()
-    assert [r.split(",")[0] for r in rows] == [names[0], names[1], "bitsandbytes-0.50.2.dist-info/RECORD"]
-
-
 def fake_wheel(folder: Path, name: str, version: str, module: str = "") -> Path:
     """A minimal pure-Python wheel (what pip needs: WHEEL, METADATA, RECORD)."""
     info = f"{name}-{version}.dist-info"
@@ -217,3 +182,31 @@ def test_carried_wheels_are_installed_for_the_parts(tmp_path):
     )  # fmt: skip
     assert done.stdout.split() == ["42", str(ROOT / "mha2gqa" / "__init__.py")]
     assert gpu_check.install_wheels(tmp_path, tmp_path / "none") == (None, [])
+
+
+def test_the_gpu_tests_skip_without_cuda_and_each_part_is_a_module():
+    """What the default suite does with tests/gpu on a machine without a GPU: every test is marked `gpu` (a
+    registered marker: --strict-markers) and skips, saying how it is run; and one module per part of the list."""
+    assert sorted(p.name for p in (ROOT / "tests" / "gpu").glob("test_*.py")) == sorted(
+        f"test_{part.name}.py" for part in gpu_check.PARTS
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")} | {"CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rs", "-m", "gpu", "--strict-markers", "-p", "no:cacheprovider"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert re.search(r"^5 skipped", done.stdout.splitlines()[-1]), done.stdout[-2000:]
+    assert done.stdout.count("needs a CUDA GPU: `python3 bench/gpu_check.py` runs it there") == 5
+
+
+def test_a_part_without_cuda_outside_smoke_is_recorded_as_not_run(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")} | {"CUDA_VISIBLE_DEVICES": ""}
+    with (tmp_path / "log").open("w") as log:
+        entry = gpu_check.run_part(gpu_check.PARTS[0], gpu_check.argparse.Namespace(smoke=False, fail=None, budget=480),
+                                   env, tmp_path / "work", log, 480, 0)  # fmt: skip
+    assert entry["status"] == "failed" and entry["result"] is None
+    assert (
+        entry["error"]
+        == "skipped: needs a CUDA GPU: `python3 bench/gpu_check.py` runs it there (--smoke: toy sizes on CPU)"
+    )

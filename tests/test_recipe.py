@@ -17,6 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # recipes/ and the ones shipped inside the package (the demo's)
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml")) + sorted((ROOT / "mha2gqa" / "demo").glob("*.yaml"))
 ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
+# recipes/bench/: the benchmarks' own, not shipped for users; bench/calibrated_uptrain.py fills in model, output_dir and the token count
+BENCH_RECIPES = {
+    "austen-small-pretrain.yaml": [],
+    "calibrated-uptrain.yaml": ["model=m", "output_dir=o", "budget.pretrain_tokens=1000"],
+}
 
 
 @pytest.fixture
@@ -183,3 +188,16 @@ def test_overriding_the_budget_of_a_recipe_that_sets_alpha_names_alpha_null(vali
         err.value
     )
     load_recipe(demo, ["budget.max_steps=5", "budget.alpha=null"], check_files=False)  # and that works
+
+
+def test_bench_recipes_are_valid_and_named_by_their_bench():
+    """Every recipe under recipes/bench/ loads (with what its bench script fills in) and names the command it is for."""
+    folder = ROOT / "recipes" / "bench"
+    assert {p.name for p in folder.glob("*.yaml")} == set(BENCH_RECIPES)
+    for name, overrides in BENCH_RECIPES.items():
+        first = (folder / name).read_text().splitlines()[0]
+        command = re.search(r"(?:mha2gqa uptrain --recipe|python) (\S+)", first)
+        assert command and (ROOT / command.group(1)).is_file(), first
+        assert load_recipe(folder / name, overrides, check_files=False).output_dir
+    init = load_recipe(folder / "austen-small-pretrain.yaml", [], check_files=False).init_from_config
+    assert (ROOT / init).is_file()

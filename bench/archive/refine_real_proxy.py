@@ -1,8 +1,8 @@
-"""The prototype that measured issue 20's refine variants on the real model (docs/refine.md, "On a real
-model"): layer-wise refinement of the first --layers layers of a merged SmolLM2, in memory, llama layout
+"""ARCHIVED (issue 27): not maintained, not tested. The prototype that measured issue 20's refine variants on
+the real model (docs/refine-results.md, "The variants, on a proxy"), before the package had them: layer-wise refinement of the first --layers layers of a merged SmolLM2, in memory, llama layout
 only, then optionally a global KL stage; Persuasion and Python-docs perplexity at the end.
 
-    python bench/refine_real_proxy.py MERGED OUT.json --layers 9 --refine-tokens 16384 --steps 20 \
+    python bench/archive/refine_real_proxy.py MERGED OUT.json --layers 9 --refine-tokens 16384 --steps 20 \
         --docs-tokens 2048 [--mlp solve --mlp-weight token] [--global-steps 10 --global-bb 2 --global-lr 1e-4]
 
 MERGED: a `mha2gqa convert SRC MERGED -g 1 --method calibrated --calibration austen
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 from calibrated_merge import heldout_ids  # noqa: E402
 from refine_real import real_model_from_env  # noqa: E402
 
@@ -42,14 +42,22 @@ def ppl(model, ids):
     return perplexity(model, ids, context=512, stride=512, batch_size=8)["perplexity"]
 
 
+def batch_one(value, batch: int):
+    """Captured call arguments with any per-sequence batch dim cut to 1 (a copy of the package's own helper,
+    which is private): every block has the same positions and no padding, so they broadcast to any batch."""
+    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch and batch > 1:
+        return value[:1]
+    if isinstance(value, tuple):
+        return tuple(batch_one(v, batch) for v in value)
+    return value
+
+
 def layer_kwargs(model, block):
     """The keyword arguments the model passes to its layers, from one forward of one block."""
-    from mha2gqa.convert.refine import _capture_kwargs
-
     got = {}
 
     def hook(module, a, kw):
-        got.update(_capture_kwargs(kw, 1))
+        got.update({key: batch_one(value, 1) for key, value in kw.items() if key != "hidden_states"})
         raise StopIteration
 
     h = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
