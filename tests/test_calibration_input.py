@@ -186,7 +186,9 @@ def test_parent_samples_are_seeded_recorded_and_reproduced_by_the_cards_command(
 
 def test_a_mix_of_parent_samples_and_text_is_recorded_with_its_shares(tmp_path, tiny_src, calibration_file):
     spec = {"parent": 1, calibration_file: 1}
-    convert(tiny_src, tmp_path / "dst", 2, method="calibrated", calibration=spec, calibration_tokens=512, progress=False)
+    convert(
+        tiny_src, tmp_path / "dst", 2, method="calibrated", calibration=spec, calibration_tokens=512, progress=False
+    )
     record = _record(tmp_path / "dst")
     parts = record["calibration"]["parts"]
     assert [(p["name"], p["share"], p["tokens"]) for p in parts] == [("parent", 0.5, 256), (calibration_file, 0.5, 256)]
