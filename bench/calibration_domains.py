@@ -1,0 +1,143 @@
+"""Which calibration keeps a model's general ability: per calibration source and per stage, the converted
+model's perplexity ratio to its parent on every domain of the probe set, their geometric mean, and the
+conversion's wall time and peak RSS (each conversion a child process, as a user runs it).
+
+    python bench/calibration_domains.py $SMOLLM2 --kv 1 --calibrations austen parent parent:0.5+austen:0.5 \
+        --tokens 36864 --out bench/results/calibration/smollm2-kv1.json
+
+Calibrations: what `convert --calibration` takes, '+' between the entries of a mix. Stages: `merge` (the
+calibrated merge alone), `layerwise` (+ --refine --refine-global-steps 0) and `global` (+ the global KL
+stage: the shipped default). Every calibration gets the same --tokens, and refine fits on all of them.
+`--smoke` runs the tiny embedded model at toy sizes (tests/test_bench_smoke.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import measure  # noqa: E402
+from calibrated_merge import load_float32, loaded_perplexity  # noqa: E402
+
+STAGES = {
+    "merge": [],
+    "layerwise": ["--refine", "--refine-global-steps", "0"],
+    "global": ["--refine"],
+}
+
+
+def probe_ids(model_dir: Path, tokens: int) -> dict:
+    """The first `tokens` ids of every probe-set domain, tokenized with the model's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from mha2gqa import textdata
+    from mha2gqa.eval.probe import probe_paths
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    sets = {}
+    for name, path in probe_paths().items():
+        text = "".join(textdata.iter_texts(textdata.resolve("--data", [str(path)])))
+        sets[name] = torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][:tokens])
+    return sets
+
+
+def domain_perplexities(model_dir: Path, sets: dict, context: int) -> dict:
+    model = load_float32(model_dir)
+    return {name: round(loaded_perplexity(model, ids, context), 3) for name, ids in sets.items()}
+
+
+def geometric_mean(ratios: dict) -> float:
+    return math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
+
+
+def convert_command(args, source: Path, out: Path, calibration: str, stage: str) -> list[str]:
+    command = [sys.executable, "-m", "mha2gqa", "convert", str(source), str(out), "--groups", str(args.kv)]
+    command += ["--method", "calibrated", "--calibration-tokens", str(args.tokens), "--quiet", "--force"]
+    for entry in calibration.split("+"):
+        command += ["--calibration", entry]
+    command += STAGES[stage]
+    if stage != "merge":
+        command += ["--refine-tokens", str(args.tokens)] + args.refine_flags
+    return command
+
+
+def row(args, source: Path, work: Path, calibration: str, stage: str, parent: dict, sets: dict) -> dict:
+    out = work / "model"
+    command = convert_command(args, source, out, calibration, stage)
+    cost = measure(command, env=dict(os.environ))
+    measured = domain_perplexities(out, sets, args.context)
+    ratios = {name: round(measured[name] / parent[name], 4) for name in measured}
+    return {
+        "calibration": calibration,
+        "stage": stage,
+        "command": " ".join(command[2:]),
+        "perplexity": measured,
+        "ratio": ratios,
+        "geometric_mean": round(geometric_mean(ratios), 4),
+        "worst": max(ratios, key=ratios.get),
+        "wall_s": round(cost["wall_s"], 1),
+        "cpu_s": round(cost["cpu_s"], 1),
+        "peak_rss_mib": round(cost["peak_rss_mib"], 1),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def table(result: dict) -> str:
+    names = list(result["parent"])
+    lines = ["| calibration | stage | " + " | ".join(names) + " | geo mean | wall | peak RSS |"]
+    lines.append("|---" * (len(names) + 5) + "|")
+    for r in result["rows"]:
+        cells = " | ".join(f"{r['ratio'][n]:.2f}x" for n in names)
+        lines.append(
+            f"| {r['calibration']} | {r['stage']} | {cells} | **{r['geometric_mean']:.2f}x** | "
+            f"{r['wall_s'] / 60:.1f} min | {r['peak_rss_mib'] / 1024:.2f} GiB |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", help="the parent model folder (omit with --smoke)")
+    parser.add_argument("--kv", type=int, default=1, help="target kv heads")
+    parser.add_argument("--calibrations", nargs="+", default=["austen", "parent", "parent:0.5+austen:0.5"])
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
+    parser.add_argument("--tokens", type=int, default=36864, help="calibration tokens of every calibration")
+    parser.add_argument("--eval-tokens", type=int, default=4096, help="tokens of each probe domain")
+    parser.add_argument("--context", type=int, default=512, help="perplexity window")
+    parser.add_argument("--refine-flag", dest="refine_flags", action="append", default=[], help="extra refine flag")
+    parser.add_argument("--out", type=Path, help="JSON file for the result")
+    parser.add_argument("--smoke", action="store_true", help="the embedded model at toy sizes")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        from mha2gqa.embedded import MODEL_DIR
+
+        args.model, args.kv, args.tokens, args.eval_tokens, args.context = str(MODEL_DIR), 4, 1024, 256, 128
+        args.calibrations, args.stages = ["austen", "parent:0.5+austen:0.5"], ["merge", "global"]
+        args.refine_flags = ["--refine-steps", "1", "--refine-global-steps", "1"]
+    source = Path(args.model)
+    sets = probe_ids(source, args.eval_tokens)
+    parent = domain_perplexities(source, sets, args.context)
+    result = {"model": str(source), "kv_heads": args.kv, "tokens": args.tokens, "parent": parent, "rows": []}
+    result.update(eval_tokens={n: len(ids) for n, ids in sets.items()}, context=args.context)
+    print(f"parent: {parent}; load {os.getloadavg()}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="calibration-domains-") as work:
+        for calibration in args.calibrations:
+            for stage in args.stages:
+                result["rows"].append(row(args, source, Path(work), calibration, stage, parent, sets))
+                print(json.dumps(result["rows"][-1]), flush=True)
+                if args.out:
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
