@@ -18,8 +18,8 @@ from pathlib import Path
 import yaml
 
 from mha2gqa import provenance
+from mha2gqa.brief import lm_eval_brief
 from mha2gqa.errors import InputError
-from mha2gqa.eval.metrics import lm_eval_brief
 from mha2gqa.layouts import DTYPE_BYTES, config_dtype, head_counts, kv_cache_bytes
 from mha2gqa.reading import parse_yaml, read_bytes, read_json
 from mha2gqa.units import format_bytes

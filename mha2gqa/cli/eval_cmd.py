@@ -126,7 +126,7 @@ def summary(result: dict) -> str:
     if result["attention_maps"]:
         lines.append(f"  attention maps: {result['attention_maps']['png']}")
     for task, section in ((result["lm_eval"] or {}).get("tasks") or {}).items():
-        from mha2gqa.eval.metrics import lm_eval_brief
+        from mha2gqa.brief import lm_eval_brief
 
         shown = ", ".join(f"{name} {lm_eval_brief(name, m)}" for name, m in section["metrics"].items())
         lines.append(f"  {task} ({section['samples']} examples): {shown}")

@@ -4,9 +4,9 @@ computed, where it sits in a result file, its report column and which direction 
 A metric `mha2gqa eval` measures reads its value from the result at `field`; a derived one is
 computed from the table (`derive`: the baseline, the lineage pairs, the speed point, the columns
 before it). compare.py fills report.json's rows from this list (the demo's summary reads them by these
-names), render.py draws the columns, report.json carries the list as its legend, and the eval summary
-and the model card print lm-eval numbers with lm_eval_brief. A new metric is one entry here plus the
-function that writes its field (eval/run.py).
+names), render.py draws the columns, report.json carries the list as its legend, and sweep's table takes its
+columns' headers and formats from here too (sweep/render.py). A new metric is one entry here plus the
+measurement that writes its field (eval/measurements.py); docs/eval.md shows a worked example.
 """
 
 from __future__ import annotations
@@ -425,14 +425,3 @@ def _lm_eval_text(cell: dict | None, scale: str) -> str:
         same = (lambda x: f"{x:,.0f}") if cell["value"] >= 1000 else (lambda x: f"{x:.2f}")  # bounds as the value
         return f"{text} ({same(low_high[0])}–{same(low_high[1])})" if low_high else text
     return text if cell.get("stderr") is None else f"{text} ± {one(cell['stderr'])}"
-
-
-def lm_eval_brief(metric: str, m: dict) -> str:
-    """One lm-eval metric in a line of text (terminal summary, model card): '0.075 ± 0.042', or a
-    perplexity with its 95% interval, '8081 (95% 3012-2.17e+04)'; a perplexity without one alone."""
-    if m.get("interval_95"):
-        low, high = m["interval_95"]
-        return f"{m['value']:.4g} (95% {low:.4g}-{high:.4g})"
-    if m.get("stderr") is None or "perplexity" in metric:
-        return f"{m['value']:.4g}"  # a bootstrapped ± of a perplexity says nothing (see lmeval.perplexity_intervals)
-    return f"{m['value']:.4g} ± {m['stderr']:.2g}"

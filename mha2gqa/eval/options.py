@@ -1,15 +1,17 @@
 """What `evaluate` is asked to measure: a typed schema, one docstring per field, importable without torch.
 
 `mha2gqa.evaluate(model, data, reference, **fields)` builds an EvalOptions from its keywords; the
-`mha2gqa eval` command builds one from its flags. Values are checked by `evaluate` before any model
-is loaded (eval/run.py), with the flag named in each message.
+`mha2gqa eval` command builds one from its flags. Values are checked by `check()` and each
+measurement's own check (eval/measurements.py) before any model is loaded, with the flag named in each message.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from mha2gqa.errors import InputError
 from mha2gqa.typed import StrEnum, check_keywords
 
 
@@ -101,6 +103,21 @@ class EvalOptions:
             return None
         preset = self.speed_preset
         return preset.value if isinstance(preset, SpeedPreset) else preset
+
+    def check(self) -> None:
+        """Refuse what no measurement could use, before any model is loaded (each measurement checks its
+        own flags: eval/measurements.py)."""
+        from mha2gqa.eval.schema import check_writable
+        from mha2gqa.provenance import ROLES
+
+        if self.role is not None and self.role not in ROLES:
+            raise InputError(f"--role {self.role!r} is not a role (use {', '.join(ROLES)})")
+        if self.out and Path(self.out).is_dir():
+            raise InputError(
+                f"--out {self.out} is a directory: pass a file path such as {Path(self.out) / 'results.json'}"
+            )
+        if self.out:  # a read-only or full destination fails now, not after the whole evaluation
+            check_writable(Path(self.out), "--out")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> EvalOptions:

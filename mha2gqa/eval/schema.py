@@ -29,7 +29,6 @@ from mha2gqa.reading import read_json
 from mha2gqa.writing import write_atomic
 
 SCHEMA = "mha2gqa.eval/1"
-SWEEP_SCHEMA = "mha2gqa.sweep/1"  # `mha2gqa sweep`'s sweep.json: the parent's and every candidate's result inside
 REQUIRED = ("label", "role", "model", "kv_cache", "env")
 MODEL_REQUIRED = ("kv_heads", "heads", "layers", "head_dim")
 
@@ -142,10 +141,11 @@ def load_result(path: str | os.PathLike) -> dict:
 
 def load_results(path: str | os.PathLike) -> list[dict]:
     """The results in one file: an eval result, or a sweep.json's parent and finished candidates."""
+    from mha2gqa.sweep.schema import SWEEP_SCHEMA, inner_results  # the sweep owns its record's layout
+
     found = _read_json(Path(path))
     if isinstance(found, dict) and found.get("schema") == SWEEP_SCHEMA:
-        inner = [found.get("parent")] + list(found.get("candidates") or [])
-        return [_checked(part.get("result") if isinstance(part, dict) else None, f"{path} (sweep)") for part in inner]
+        return [_checked(result, f"{path} (sweep)") for result in inner_results(found)]
     return [_checked(found, path)]
 
 

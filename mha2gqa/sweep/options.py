@@ -47,6 +47,11 @@ class SweepOptions:
     """Show the progress bar over candidates."""
 
     def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Refuse values no sweep can run with, each naming its flag (the style of RefineOptions.check and
+        EvalOptions.check)."""
         self.methods = tuple(Method.parse(m, "--methods").value for m in self.methods)
         if not self.methods:
             raise InputError("--methods is empty: name at least one, e.g. mean,calibrated")

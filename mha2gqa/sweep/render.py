@@ -9,7 +9,7 @@ from pathlib import Path
 
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from mha2gqa.eval import plots
+from mha2gqa.eval import metrics, plots
 from mha2gqa.eval.plots import plt
 from mha2gqa.eval.render import CSS, DASH, fmt_bytes
 from mha2gqa.units import byte_unit
@@ -125,22 +125,34 @@ def sensitivity_plot(record: dict, out: Path) -> Path | None:
     return out
 
 
+def _metric(name: str, key: str | None = None, header: str | None = None):
+    """A column of the report's metric `name` (eval/metrics.py: its header, arrow and format), read from the
+    sweep row's `key` (default: the same name); a missing value is a dash."""
+    metric = metrics.BY_NAME[name]
+
+    def cell(row, ctx):
+        value = row.get(key or name)
+        return DASH if value is None else metric.fmt(value)
+
+    return (header or metrics.header(metric, None), cell)
+
+
 COLUMNS = (
     ("candidate", lambda r, ctx: r["name"]),
     ("kv heads", lambda r, ctx: str(r["groups"])),
     ("method", lambda r, ctx: r["method"]),
-    ("perplexity", lambda r, ctx: f"{r['perplexity']:.2f}"),
-    ("Δ vs parent", lambda r, ctx: f"{100 * r['perplexity_change']:+.1f}%"),
-    ("KL(parent‖model)", lambda r, ctx: f"{r['kl_mean']:.4f}"),
-    ("top-1 agree", lambda r, ctx: f"{100 * r['top1_agreement']:.1f}%"),
-    ("KV / token", lambda r, ctx: fmt_bytes(r["kv_bytes_per_token"])),
+    _metric("perplexity"),
+    _metric("perplexity_change", header="Δ vs parent ↓"),
+    _metric("kl_mean", header="KL(parent‖model) ↓"),  # the sweep's reference is always the parent
+    _metric("top1_agreement"),
+    _metric("kv_bytes_per_token"),
+    _metric("kv_bytes_per_token", "kv_bytes_per_sequence", "KV / sequence"),
+    _metric("kv_saving"),
+    ("convert s", lambda r, ctx: DASH if r.get("convert_wall_s") is None else f"{r['convert_wall_s']:.1f}"),
     (
-        "KV / sequence",
-        lambda r, ctx: DASH if r["kv_bytes_per_sequence"] is None else fmt_bytes(r["kv_bytes_per_sequence"]),
+        "convert peak RSS",
+        lambda r, ctx: DASH if r.get("convert_peak_rss_bytes") is None else fmt_bytes(r["convert_peak_rss_bytes"]),
     ),
-    ("KV saving", lambda r, ctx: f"{r['kv_saving']:g}×"),
-    ("convert s", lambda r, ctx: f"{r['convert_wall_s']:.1f}"),
-    ("convert peak RSS", lambda r, ctx: fmt_bytes(r["convert_peak_rss_bytes"])),
     ("Pareto", lambda r, ctx: "★" if r["name"] in ctx else ""),
 )
 
@@ -151,22 +163,8 @@ def table(record: dict) -> tuple[list[str], list[list[str]]]:
     parent = record["parent"]
     at = f" @ {record['context']}" if record["context"] else ""  # the model's context, in tokens
     headers = [h + (at if h == "KV / sequence" else "") for h, _ in COLUMNS]
-    first = [
-        "parent",
-        str(record["source"]["kv_heads"]),
-        "—",
-        f"{parent['perplexity']:.2f}",
-        DASH,
-        DASH,
-        DASH,
-        fmt_bytes(parent["kv_bytes_per_token"]),
-        DASH if parent["kv_bytes_per_sequence"] is None else fmt_bytes(parent["kv_bytes_per_sequence"]),
-        "1×",
-        DASH,
-        DASH,
-        "★" if "parent" in front else "",
-    ]
-    return headers, [first] + [[cell(r, front) for _, cell in COLUMNS] for r in record["candidates"]]
+    first = {"name": "parent", "groups": record["source"]["kv_heads"], "method": "—", "kv_saving": 1.0, **parent}
+    return headers, [[cell(r, front) for _, cell in COLUMNS] for r in [first, *record["candidates"]]]
 
 
 def _status(record: dict) -> str:

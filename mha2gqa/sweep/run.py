@@ -29,10 +29,11 @@ from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.embedded import expand_corpus_name
 from mha2gqa.errors import InputError
 from mha2gqa.eval import schema
-from mha2gqa.eval.schema import SWEEP_SCHEMA, write_result
+from mha2gqa.eval.schema import write_result
 from mha2gqa.layouts import AttentionShape, attention_shape, layout_for, read_config
 from mha2gqa.sources import resolve_model_dir
 from mha2gqa.sweep.options import SweepOptions
+from mha2gqa.sweep.schema import SWEEP_SCHEMA
 from mha2gqa.writing import check_room
 
 UPTRAIN_RECIPE = Path(__file__).resolve().parent.parent / "demo" / "demo-uptrain.yaml"
