@@ -59,7 +59,7 @@ def test_each_measurement_checks_its_own_flags_before_loading(tiny):
     cases = [
         (dict(kv_batch=0), "--kv-batch 0 must be at least 1"),
         (dict(batch_size=0, data="x"), "--batch-size 0 must be at least 1"),
-        (dict(reference="p"), "--reference needs --data"),
+        (dict(reference="p", data=None), "--reference needs --data"),
         (dict(attention_text="hi"), "--attention-maps needs --out"),
         (dict(lm_eval_limit=0), "--lm-eval-limit 0 must be at least 1"),
         (dict(speed_preset="cpu", speed_batches=(0,)), "--speed-batches 0: every value must be a positive integer"),

@@ -28,7 +28,7 @@ class Loaded:
     device: Any  # torch.device
     context: int
     stride: int
-    text: Any  # eval.data.EvalText or None
+    texts: dict  # {domain: eval.data.EvalText}, {} without --data
     result: dict
     prepared: dict = field(default_factory=dict)  # what each check returned, by measurement key
 
@@ -51,13 +51,13 @@ def at_least(flag: str, value, low: int, hint: str = "") -> None:
         raise InputError(f"{flag} {value} must be at least {low}{hint}")
 
 
-# ---- quality: perplexity on --data, and agreement with --reference on the same windows ----
+# ---- quality: perplexity on every text of --data, and agreement with --reference on the same windows ----
 
 
 def _check_quality(o: EvalOptions) -> None:
     from mha2gqa.eval import perplexity as P
 
-    if o.reference and not o.data:
+    if o.reference and not o.domains:
         raise InputError("--reference needs --data: agreement is measured on the same text")
     if o.context is not None:
         P.check_window(o.context, o.stride or max(1, o.context // 2))
@@ -65,18 +65,33 @@ def _check_quality(o: EvalOptions) -> None:
     at_least("--max-tokens", o.max_tokens, 2)
 
 
-def _quality(run: Loaded) -> dict:
-    """Perplexity, and agreement with the reference in the same pass when there is one."""
+def _one_domain(run: Loaded, text) -> dict:
+    """Perplexity on one text, and agreement with the reference in the same pass when there is one."""
     from mha2gqa.eval import perplexity as P
     from mha2gqa.eval.agreement import agreement
 
-    o, ids = run.options, run.text.ids
-    found = {"data": run.text.identity}
+    o, ids = run.options, text.ids
+    found = {"data": text.identity, "perplexity": None, "agreement": None}
     if run.ref_model is None:
         found["perplexity"] = P.perplexity(run.model, ids, run.context, run.stride, o.batch_size, o.progress)
         return found
     agree, ppl, ref_ppl = agreement(run.model, run.ref_model, ids, run.context, run.stride, o.batch_size, o.progress)
     return {**found, "perplexity": ppl, "agreement": {**agree, "reference_perplexity": ref_ppl["perplexity"]}}
+
+
+def _quality(run: Loaded) -> dict:
+    """Every domain apart (`domains`), and over all of them: one text's numbers as they always were; for
+    several, the token-weighted pool of their sums and the geometric mean of the per-domain perplexity
+    ratios to the reference (`quality`)."""
+    from mha2gqa.eval import domains as D
+
+    per = {name: _one_domain(run, text) for name, text in run.texts.items()}
+    if len(per) == 1:
+        (only,) = per.values()
+        top = dict(only)
+    else:
+        top = {"data": D.pooled_data(per), "perplexity": D.pooled_perplexity(per), "agreement": D.pooled_agreement(per)}
+    return {**top, "domains": per, "quality": D.summary(per)}
 
 
 # ---- the KV cache: bytes per token, the formula against the live cache ----
@@ -171,7 +186,7 @@ def _lm_eval(run: Loaded) -> dict:
 
 
 MEASUREMENTS: list[Measurement] = [
-    Measurement("quality", _check_quality, _quality, wanted=lambda o: bool(o.data)),
+    Measurement("quality", _check_quality, _quality, wanted=lambda o: bool(o.domains)),
     Measurement("kv_cache", _check_kv, _kv_cache),
     Measurement("speed", _check_speed, _speed, wanted=lambda o: o.speed is not None),
     Measurement("attention_maps", _check_attention, _attention, wanted=lambda o: bool(o.attention_text)),

@@ -7,11 +7,12 @@ measurement's own check (eval/measurements.py) before any model is loaded, with 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from mha2gqa.errors import InputError
+from mha2gqa.eval.probe import PROBE, parse_domains
 from mha2gqa.typed import StrEnum, check_keywords
 
 
@@ -30,10 +31,13 @@ class SpeedPreset(StrEnum):
 
 @dataclass
 class EvalOptions:
-    data: str | None = None
-    """Held-out text: a .txt/.md file (one document), .jsonl/.json/.parquet (a document per record, from
-    --data-column), each .gz/.bz2/.xz/.zst too, a folder of them, or a hub dataset name such as wikitext
-    (online only). Without it perplexity is skipped."""
+    data: str | Sequence[str] | Mapping[str, str] | None = (PROBE,)
+    """Held-out texts, each a domain measured apart: NAME=PATH (repeatable, e.g. --data prose=novel.txt
+    --data code=src/), or PATH alone (named after the file). PATH is a .txt/.md file (one document),
+    .jsonl/.json/.parquet (a document per record, from --data-column), each .gz/.bz2/.xz/.zst too, a
+    folder of them, or a hub dataset name such as wikitext (online only). 'probe': the probe set shipped
+    in the package (prose, code, python_docs, licences; docs/eval.md), the default. In Python, None skips
+    perplexity."""
     reference: str | None = None
     """Parent model (dir or hub id): adds mean KL(reference||model) and top-1 agreement on --data."""
     tokenizer: str | None = None
@@ -45,7 +49,7 @@ class EvalOptions:
     data_column: str = "text"
     """Field or column holding the text (jsonl/json/parquet files, hub datasets)."""
     max_tokens: int | None = None
-    """Score at most this many tokens of --data (a hub dataset is then read only as far as needed)."""
+    """Score at most this many tokens of each --data text (a hub dataset is then read only as far as needed)."""
     context: int | None = None
     """Perplexity window in tokens (default: min(1024, max_position_embeddings))."""
     stride: int | None = None
@@ -95,6 +99,11 @@ class EvalOptions:
     """Write the result JSON here, atomically at the end (default: the command prints it to stdout)."""
     progress: bool = True
     """Show progress bars."""
+
+    @property
+    def domains(self) -> dict[str, str] | None:
+        """{name: text} of --data (eval/probe.py parse_domains), None without any."""
+        return parse_domains(self.data)
 
     @property
     def speed(self):

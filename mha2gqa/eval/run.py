@@ -30,8 +30,9 @@ def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | No
     """Measure MODEL_PATH (a dir or hub id) and return the result dict; write it to `out` if given.
 
     The keywords are the fields of EvalOptions (eval/options.py, one docstring each); or pass
-    `options=EvalOptions(...)`. data: a text file, a folder of text files, or a hub dataset name
-    (perplexity is skipped without it). reference: a parent model to measure KL and top-1 agreement
+    `options=EvalOptions(...)`. data: a text file, a folder of text files, a hub dataset name, "probe"
+    (the probe set shipped in the package), "name=path", a list of those or {name: path}: every text is
+    a domain, measured apart (perplexity is skipped without data). reference: a parent model to measure KL and top-1 agreement
     against. speed_preset: "auto" (gpu on CUDA, else cpu), "cpu", "gpu", or None/"off" to skip decode
     speed. See `mha2gqa eval --help`; what is measured is the list in eval/measurements.py.
     """
@@ -59,13 +60,13 @@ def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | No
     context, stride = _window(config, o.context, o.stride)
     if grid:
         speed.check_grid_fits(grid, getattr(config, "max_position_embeddings", None))
-    text = _text(o, tok) if o.data else None
+    texts = {name: _text(o, path, tok) for name, path in (o.domains or {}).items()}
 
     model = M.load_model(model_dir, torch_dtype, dev, o.progress)
     ref_model = M.load_model(ref_dir, torch_dtype, dev, o.progress, "--reference") if ref_dir else None
     shape = M.shape_of(model.config)
     result = _skeleton(model_path, model_dir, model, shape, prov, role, o.label, o.reference, ref_dir, dev, o.seed)
-    loaded = Loaded(o, model, ref_model, tok, shape, dev, context, stride, text, result, prepared)
+    loaded = Loaded(o, model, ref_model, tok, shape, dev, context, stride, texts, result, prepared)
     for measurement in measurements.MEASUREMENTS:  # looked up now: the registry is the module's list
         if measurement.wanted(o):
             result.update(measurement.measure(loaded))
@@ -77,9 +78,9 @@ def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | No
     return result
 
 
-def _text(o: EvalOptions, tok):
+def _text(o: EvalOptions, path: str, tok):
     return load_eval_text(
-        o.data, tok, config=o.data_config, split=o.data_split, column=o.data_column, max_tokens=o.max_tokens
+        path, tok, config=o.data_config, split=o.data_split, column=o.data_column, max_tokens=o.max_tokens
     )
 
 
@@ -132,6 +133,8 @@ def _skeleton(model_path, model_dir, model, shape, prov, role, label, reference,
         "data": None,
         "perplexity": None,
         "agreement": None,
+        "domains": None,
+        "quality": None,
         "kv_cache": None,
         "speed": None,
         "attention_maps": None,
