@@ -18,8 +18,8 @@ from pathlib import Path
 import yaml
 
 from mha2gqa import provenance
+from mha2gqa.brief import domains_brief, lm_eval_brief
 from mha2gqa.errors import InputError
-from mha2gqa.eval.metrics import lm_eval_brief
 from mha2gqa.layouts import DTYPE_BYTES, config_dtype, head_counts, kv_cache_bytes
 from mha2gqa.reading import parse_yaml, read_bytes, read_json
 from mha2gqa.units import format_bytes
@@ -319,6 +319,10 @@ def _eval_section(results) -> list[str]:
             f"| [{_text(name)}]({_text(name)}) | {_data_name(data.get('path') or data.get('name'))}{tokens} | "
             f"{ppl_text} | {_human(kv) if kv else '—'} | {shown or '—'} |"
         )
+    per_domain = [(name, found) for name, r in results if (found := domains_brief(r))]
+    if per_domain:
+        lines += ["", "Perplexity per domain of its `--data` (× the reference's, when measured against one):", ""]
+        lines += [f"- [{_text(name)}]({_text(name)}): {_text(found)}" for name, found in per_domain]
     return lines + [""]
 
 

@@ -90,7 +90,7 @@ def test_docstrings_are_read_from_the_source_normalised():
 
 def _as_field_value(option: click.Option, value, field_default):
     """What the command builds from the option's default `value`, as the field holds it."""
-    if isinstance(field_default, tuple):  # comma-separated on the command line
+    if isinstance(field_default, tuple) and not option.multiple:  # comma-separated on the command line
         return tuple(value.split(","))
     if isinstance(field_default, int) and isinstance(value, str):  # a size flag: 4GiB
         return parse_size(value, option.opts[0])

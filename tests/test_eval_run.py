@@ -151,7 +151,7 @@ def test_peak_memory_catches_a_transient_allocation_on_cpu():
         (["--speed-batches", "1,x"], "'1,x' is not a comma-separated list of integers"),
         (["--data", "no/such/dir/"], "not a local file or folder, and the hub is offline"),
         (["--attention-maps", "hello"], "--attention-maps needs --out or --attention-png"),
-        (["--reference", "PARENT"], "--reference needs --data"),
+        (["--data", "a=one.txt", "--data", "a=two.txt"], "two texts are named 'a'"),
         (["--lm-eval-tasks", "hellaswag", "HIDE_LM_EVAL"], "pip install 'mha2gqa[lmeval]'"),
     ],
 )

@@ -162,7 +162,8 @@ def test_embedded_default_through_the_cli_equals_the_harness_and_reaches_the_rep
         assert column in header
     base = ours["tasks"]["persuasion_next_sentence"]["metrics"]["acc"]["value"]
     mine = other["lm_eval"]["tasks"]["persuasion_next_sentence"]["metrics"]["acc"]["value"]
-    row = [line for line in table.splitlines() if line.startswith("| tiny |")][1]  # its lm-eval row
+    lm_eval_table = table.split("## lm-evaluation-harness tasks")[1]  # after the main and per-domain tables
+    row = next(line for line in lm_eval_table.splitlines() if line.startswith("| tiny |"))  # its lm-eval row
     assert f"{100 * (mine - base):+.1f} pt" in row
     report = json.loads(written["json"].read_text())
     assert report["rows"][1]["lm_eval:persuasion_cloze:acc"] is None  # the tiny run had no cloze

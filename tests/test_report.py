@@ -6,6 +6,7 @@ import re
 import pytest
 from click.testing import CliRunner
 
+from mha2gqa import brief
 from mha2gqa.cli import main
 from mha2gqa.errors import InputError
 from mha2gqa.eval import metrics, plots
@@ -363,11 +364,9 @@ def test_training_curve_keeps_the_train_objective_apart_from_the_held_out_loss(t
 
 def test_lm_eval_in_a_line_gives_perplexity_an_interval_not_a_bootstrapped_plus_minus():
     cloze = {"value": 8081.2, "stderr": 57586.4, "higher_is_better": False}
-    assert (
-        metrics.lm_eval_brief("perplexity", {**cloze, "interval_95": [3012.0, 21684.0]}) == "8081 (95% 3012-2.168e+04)"
-    )
-    assert metrics.lm_eval_brief("perplexity", cloze) == "8081"
-    assert metrics.lm_eval_brief("acc", {"value": 0.075, "stderr": 0.042}) == "0.075 ± 0.042"
+    assert brief.lm_eval_brief("perplexity", {**cloze, "interval_95": [3012.0, 21684.0]}) == "8081 (95% 3012-2.168e+04)"
+    assert brief.lm_eval_brief("perplexity", cloze) == "8081"
+    assert brief.lm_eval_brief("acc", {"value": 0.075, "stderr": 0.042}) == "0.075 ± 0.042"
 
 
 def test_training_panels_share_the_step_axis(tmp_path):

@@ -39,7 +39,7 @@ def _str_list(ctx, param, value):
 
 @click.command("eval", short_help="Measure MODEL: perplexity, agreement with a parent, KV-cache bytes, decode speed.")
 @click.argument("model")
-@_option("--data")
+@_option("--data", multiple=True, metavar="[NAME=]TEXT", as_text=tuple)
 @_option("--data-config")
 @_option("--data-split")
 @_option("--data-column")
@@ -79,7 +79,7 @@ def eval_command(model, quiet, out, **options):
     speed and peak memory; optionally attention maps and lm-eval tasks. Writes one result JSON that
     `mha2gqa report` compares.
 
-    Example: mha2gqa eval ./llama-gqa8 --data held_out.txt --reference ./llama --out gqa8.json
+    Example: mha2gqa eval ./llama-gqa8 --data prose=held_out.txt --data code=src/ --reference ./llama --out gqa8.json
     """
     from mha2gqa import threads
     from mha2gqa.errors import import_torch
@@ -111,6 +111,10 @@ def summary(result: dict) -> str:
             f"  vs reference: KL {a['kl_mean']:.4f}, top-1 agreement {100 * a['top1_agreement']:.1f}%, "
             f"reference perplexity {a['reference_perplexity']:.3f}"
         )
+    if len(result.get("domains") or {}) > 1:
+        from mha2gqa.brief import domain_lines
+
+        lines += domain_lines(result)
     kv = result["kv_cache"]
     lines.append(
         f"  KV cache {format_bytes(kv['measured_bytes_per_token'])}/token measured, "
@@ -126,7 +130,7 @@ def summary(result: dict) -> str:
     if result["attention_maps"]:
         lines.append(f"  attention maps: {result['attention_maps']['png']}")
     for task, section in ((result["lm_eval"] or {}).get("tasks") or {}).items():
-        from mha2gqa.eval.metrics import lm_eval_brief
+        from mha2gqa.brief import lm_eval_brief
 
         shown = ", ".join(f"{name} {lm_eval_brief(name, m)}" for name, m in section["metrics"].items())
         lines.append(f"  {task} ({section['samples']} examples): {shown}")

@@ -19,7 +19,7 @@ def _option(flag: str, *decls: str, **kwargs):
 @click.command("sweep")
 @click.argument("src")
 @_option("--calibration", required=True, metavar="DATA")
-@_option("--data", required=True, metavar="EVAL_TEXT")
+@_option("--data", multiple=True, metavar="[NAME=]EVAL_TEXT", as_text=tuple)
 @_option("--out", required=True, type=click.Path(file_okay=False))
 @_option("--groups", "-g", callback=_int_list)
 @_option("--methods", callback=_str_list, choices=METHOD_SUMMARIES)
@@ -34,8 +34,8 @@ def sweep(
     src, calibration, data, out, groups, methods, refine, max_tokens, calibration_tokens, tolerance, keep, seed, quiet
 ):
     """Convert SRC to every kv-head count (default: each divisor of its kv heads below it) with every method,
-    from one calibration pass, and evaluate each against SRC on EVAL_TEXT: perplexity, KL and top-1
-    agreement, KV bytes per token and per sequence, conversion time and memory. Writes OUT/sweep.json,
+    from one calibration pass, and evaluate each against SRC on every EVAL_TEXT (default: the probe set):
+    perplexity, KL and top-1 agreement per domain, KV bytes per token and per sequence, conversion time and memory. Writes OUT/sweep.json,
     sweep.md and sweep.html (table, perplexity vs KV plot with the Pareto front, with --refine a per-layer
     heat map) and prints a one-line recommendation. Ctrl-C keeps the finished candidates in sweep.json.
 
@@ -47,7 +47,7 @@ def sweep(
 
     options = SweepOptions(
         calibration=calibration,
-        data=data,
+        data=tuple(data),
         out=out,
         groups=tuple(groups) if groups else None,
         methods=tuple(methods or ()),

@@ -4,9 +4,9 @@ computed, where it sits in a result file, its report column and which direction 
 A metric `mha2gqa eval` measures reads its value from the result at `field`; a derived one is
 computed from the table (`derive`: the baseline, the lineage pairs, the speed point, the columns
 before it). compare.py fills report.json's rows from this list (the demo's summary reads them by these
-names), render.py draws the columns, report.json carries the list as its legend, and the eval summary
-and the model card print lm-eval numbers with lm_eval_brief. A new metric is one entry here plus the
-function that writes its field (eval/run.py).
+names), render.py draws the columns, report.json carries the list as its legend, and sweep's table takes its
+columns' headers and formats from here too (sweep/render.py). A new metric is one entry here plus the
+measurement that writes its field (eval/measurements.py); docs/eval.md shows a worked example.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mha2gqa.eval import schema
+from mha2gqa.eval import domains, schema
 from mha2gqa.eval.lineage import Start
 from mha2gqa.units import format_bytes
 
@@ -56,7 +56,8 @@ class Metric:
     """The rows it is meant for, when not all: its column stays while one of them is in the table,
     even with no value (the notes say why), instead of being left out as unmeasured."""
     group: str = "main"
-    """The report table it is a column of: "main", or "lm_eval" (one column per task metric)."""
+    """The report table it is a column of: "main", "domains" (per domain of --data) or "lm_eval" (one column
+    per task metric)."""
 
     def value(self, table: Table, rows: list[dict], i: int):
         if self.derive is not None:
@@ -194,6 +195,11 @@ def _recovery(t: Table, rows, i):
     return (converted - mine) / (converted - parent)
 
 
+def _domains_ratio(result: dict, base: dict):
+    shared = domains.shared_ratios(result, base)
+    return domains.geomean(shared.values()) if len(shared) >= 2 else None
+
+
 def _kv_cell(row: dict) -> str:
     text = DASH if row["kv_bytes_per_token"] is None else fmt_bytes(row["kv_bytes_per_token"])
     return text + " ⚠" if row["kv_match"] is False else text  # the live cache disagrees with the formula
@@ -326,8 +332,8 @@ BY_NAME = {m.name: m for m in METRICS}
 
 
 def entries(results: list[dict]) -> list[Metric]:
-    """Every metric of a report on these results: the fixed ones, then lm-eval's."""
-    return METRICS + lm_eval_metrics(results)
+    """Every metric of a report on these results: the fixed ones, then the per-domain ones, then lm-eval's."""
+    return METRICS + domain_metrics(results) + lm_eval_metrics(results)
 
 
 def shown(metric: Metric, rows: list[dict]) -> bool:
@@ -344,6 +350,86 @@ def header(metric: Metric, speed_point: tuple[int, int] | None) -> str:
     at = f" @ B={speed_point[0]}, T={speed_point[1]}" if speed_point else ""
     arrow = {"lower": " ↓", "higher": " ↑"}.get(metric.direction, "")
     return metric.column.format(at=at) + arrow
+
+
+# ---- quality per domain: one table, three columns per domain, when a result measured several ----
+
+
+def domain_names(results: list[dict]) -> list[str]:
+    """The domains of the results, in first-seen order; [] unless one result measured two or more (a single
+    text's numbers are the main table's)."""
+    if not any(len(r.get("domains") or {}) >= 2 for r in results):
+        return []
+    return list(dict.fromkeys(name for r in results for name in (r.get("domains") or {})))
+
+
+def _domain(result: dict, name: str) -> dict:
+    found = (result.get("domains") or {}).get(name)
+    return found if isinstance(found, dict) else {}
+
+
+def _domain_ppl(t: Table, rows, i, name: str):
+    mine = (_domain(t.results[i], name).get("perplexity") or {}).get("perplexity")
+    if mine is None:
+        return None
+    ratio_ = domains.shared_ratios(t.results[i], t.results[t.base]).get(name)
+    return {"perplexity": mine, "ratio": ratio_}
+
+
+def _domain_ppl_text(cell: dict | None) -> str:
+    if cell is None:
+        return DASH
+    text = fmt_ppl(cell["perplexity"])
+    return text if cell["ratio"] is None else f"{text} ({cell['ratio']:.2f}×)"
+
+
+DOMAINS_RATIO = Metric(
+    "domains_ratio",
+    "ppl ratio, geo-mean of domains",
+    "geometric mean over the domains (the texts of --data) of perplexity / the baseline's on the same "
+    "tokens; given when two or more domains are shared with the baseline",
+    direction="lower",
+    fmt=lambda x: f"{x:.2f}×",
+    derive=lambda t, rows, i: _domains_ratio(t.results[i], t.results[t.base]),
+)
+
+
+def _domain_agreement(name: str, main: Metric, short: str) -> Metric:
+    """The main table's agreement metric `main` (its direction and format) on the one domain `name`."""
+    field = main.field.split(".")[-1]
+    return Metric(
+        f"domain:{name}:{main.name}",
+        f"{name} {short}",
+        f"{main.computed}, on the {name} text",
+        direction=main.direction,
+        fmt=main.fmt,
+        derive=lambda t, rows, i: (_domain(t.results[i], name).get("agreement") or {}).get(field),
+        group="domains",
+    )
+
+
+def domain_metrics(results: list[dict]) -> list[Metric]:
+    """Per domain: perplexity (with its ratio to the baseline's on the same tokens), KL and top-1 agreement."""
+    names = domain_names(results)
+    found = [DOMAINS_RATIO] if names else []  # a main-table column, only where there are domains
+    for name in names:
+        key = f"domain:{name}"
+        found += [
+            Metric(
+                f"{key}:perplexity",
+                f"{name} ppl (× baseline)",
+                f"perplexity on the {name} text alone, and its ratio to the baseline's on the same tokens",
+                direction="lower",
+                derive=lambda t, rows, i, name=name: _domain_ppl(t, rows, i, name),
+                cell=lambda row, key=key: _domain_ppl_text(row[f"{key}:perplexity"]),
+                group="domains",
+            ),
+            *(
+                _domain_agreement(name, BY_NAME[main], short)
+                for main, short in (("kl_mean", "KL"), ("top1_agreement", "top-1"))
+            ),
+        ]
+    return found
 
 
 # ---- lm-eval: one value column and one Δ column per task metric any result has ----
@@ -425,14 +511,3 @@ def _lm_eval_text(cell: dict | None, scale: str) -> str:
         same = (lambda x: f"{x:,.0f}") if cell["value"] >= 1000 else (lambda x: f"{x:.2f}")  # bounds as the value
         return f"{text} ({same(low_high[0])}–{same(low_high[1])})" if low_high else text
     return text if cell.get("stderr") is None else f"{text} ± {one(cell['stderr'])}"
-
-
-def lm_eval_brief(metric: str, m: dict) -> str:
-    """One lm-eval metric in a line of text (terminal summary, model card): '0.075 ± 0.042', or a
-    perplexity with its 95% interval, '8081 (95% 3012-2.17e+04)'; a perplexity without one alone."""
-    if m.get("interval_95"):
-        low, high = m["interval_95"]
-        return f"{m['value']:.4g} (95% {low:.4g}-{high:.4g})"
-    if m.get("stderr") is None or "perplexity" in metric:
-        return f"{m['value']:.4g}"  # a bootstrapped ± of a perplexity says nothing (see lmeval.perplexity_intervals)
-    return f"{m['value']:.4g} ± {m['stderr']:.2g}"

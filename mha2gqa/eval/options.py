@@ -1,15 +1,18 @@
 """What `evaluate` is asked to measure: a typed schema, one docstring per field, importable without torch.
 
 `mha2gqa.evaluate(model, data, reference, **fields)` builds an EvalOptions from its keywords; the
-`mha2gqa eval` command builds one from its flags. Values are checked by `evaluate` before any model
-is loaded (eval/run.py), with the flag named in each message.
+`mha2gqa eval` command builds one from its flags. Values are checked by `check()` and each
+measurement's own check (eval/measurements.py) before any model is loaded, with the flag named in each message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from mha2gqa.errors import InputError
+from mha2gqa.eval.probe import PROBE, parse_domains
 from mha2gqa.typed import StrEnum, check_keywords
 
 
@@ -28,10 +31,13 @@ class SpeedPreset(StrEnum):
 
 @dataclass
 class EvalOptions:
-    data: str | None = None
-    """Held-out text: a .txt/.md file (one document), .jsonl/.json/.parquet (a document per record, from
-    --data-column), each .gz/.bz2/.xz/.zst too, a folder of them, or a hub dataset name such as wikitext
-    (online only). Without it perplexity is skipped."""
+    data: str | Sequence[str] | Mapping[str, str] | None = (PROBE,)
+    """Held-out texts, each a domain measured apart: NAME=PATH (repeatable, e.g. --data prose=novel.txt
+    --data code=src/), or PATH alone (named after the file). PATH is a .txt/.md file (one document),
+    .jsonl/.json/.parquet (a document per record, from --data-column), each .gz/.bz2/.xz/.zst too, a
+    folder of them, or a hub dataset name such as wikitext (online only). 'probe': the probe set shipped
+    in the package (prose, code, python_docs, licences; docs/eval.md), the default. In Python, None skips
+    perplexity."""
     reference: str | None = None
     """Parent model (dir or hub id): adds mean KL(reference||model) and top-1 agreement on --data."""
     tokenizer: str | None = None
@@ -43,7 +49,7 @@ class EvalOptions:
     data_column: str = "text"
     """Field or column holding the text (jsonl/json/parquet files, hub datasets)."""
     max_tokens: int | None = None
-    """Score at most this many tokens of --data (a hub dataset is then read only as far as needed)."""
+    """Score at most this many tokens of each --data text (a hub dataset is then read only as far as needed)."""
     context: int | None = None
     """Perplexity window in tokens (default: min(1024, max_position_embeddings))."""
     stride: int | None = None
@@ -95,12 +101,32 @@ class EvalOptions:
     """Show progress bars."""
 
     @property
+    def domains(self) -> dict[str, str] | None:
+        """{name: text} of --data (eval/probe.py parse_domains), None without any."""
+        return parse_domains(self.data)
+
+    @property
     def speed(self):
         """The preset to run ("auto" still unresolved), or None when speed is off."""
         if self.speed_preset in (None, False, SpeedPreset.OFF):
             return None
         preset = self.speed_preset
         return preset.value if isinstance(preset, SpeedPreset) else preset
+
+    def check(self) -> None:
+        """Refuse what no measurement could use, before any model is loaded (each measurement checks its
+        own flags: eval/measurements.py)."""
+        from mha2gqa.eval.schema import check_writable
+        from mha2gqa.provenance import ROLES
+
+        if self.role is not None and self.role not in ROLES:
+            raise InputError(f"--role {self.role!r} is not a role (use {', '.join(ROLES)})")
+        if self.out and Path(self.out).is_dir():
+            raise InputError(
+                f"--out {self.out} is a directory: pass a file path such as {Path(self.out) / 'results.json'}"
+            )
+        if self.out:  # a read-only or full destination fails now, not after the whole evaluation
+            check_writable(Path(self.out), "--out")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> EvalOptions:

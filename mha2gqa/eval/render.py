@@ -11,13 +11,18 @@ from mha2gqa.eval.metrics import DASH, fmt_bytes  # noqa: F401  (the sweep's pag
 
 
 def tables(rows: list[dict], results: list[dict]) -> list[tuple[str | None, list[metrics.Metric]]]:
-    """(title, columns) of each table: the main one, then lm-eval's (beside the model's label), each
+    """(title, columns) of each table: the main one, then per domain and lm-eval's (beside the model's label), each
     without the columns no result has a value for (the notes name them)."""
     shown = [m for m in metrics.entries(results) if metrics.shown(m, rows)]
     label = metrics.BY_NAME["label"]
     lm_eval = [m for m in shown if m.group == "lm_eval"]
+    per_domain = [m for m in shown if m.group == "domains"]
     main = [m for m in shown if m.group == "main"]
-    return [(None, main)] + ([("lm-evaluation-harness tasks", [label, *lm_eval])] if lm_eval else [])
+    return (
+        [(None, main)]
+        + ([("Quality per domain", [label, *per_domain])] if per_domain else [])
+        + ([("lm-evaluation-harness tasks", [label, *lm_eval])] if lm_eval else [])
+    )
 
 
 def _markdown_table(rows, cols, speed_point) -> list[str]:

@@ -8,6 +8,13 @@ Top-level keys (sections that were not measured are null):
   data            source, path or name, documents, tokens, text_sha256, ids_sha256, tokenizer
   perplexity      perplexity, nll_per_token, tokens_scored, context, stride, windows
   agreement       kl_mean, top1_agreement, tokens, reference_perplexity
+  domains         {name: {data, perplexity, agreement}}: each text of --data measured apart (added in
+                  2026-12 without a schema bump: older results lack it and read as one unnamed domain).
+                  With one text, data/perplexity/agreement above are that text's; with several, they
+                  pool all texts token-weighted (pooled_over names them) and data.source is "domains"
+  quality         geomean_perplexity_ratio (over the domains, of perplexity / the reference's),
+                  perplexity_ratios {name: ratio}, worst_domain, worst_ratio, domains; null without
+                  --reference (eval/domains.py)
   kv_cache        formula_bytes_per_token, measured_bytes_per_token, match, cached_heads, ...
   speed           grid, points: [{batch, context, new_tokens, tokens_per_s, peak_memory_bytes, ...}]
   attention_maps  png, layer
@@ -29,7 +36,6 @@ from mha2gqa.reading import read_json
 from mha2gqa.writing import write_atomic
 
 SCHEMA = "mha2gqa.eval/1"
-SWEEP_SCHEMA = "mha2gqa.sweep/1"  # `mha2gqa sweep`'s sweep.json: the parent's and every candidate's result inside
 REQUIRED = ("label", "role", "model", "kv_cache", "env")
 MODEL_REQUIRED = ("kv_heads", "heads", "layers", "head_dim")
 
@@ -142,10 +148,11 @@ def load_result(path: str | os.PathLike) -> dict:
 
 def load_results(path: str | os.PathLike) -> list[dict]:
     """The results in one file: an eval result, or a sweep.json's parent and finished candidates."""
+    from mha2gqa.sweep.schema import SWEEP_SCHEMA, inner_results  # the sweep owns its record's layout
+
     found = _read_json(Path(path))
     if isinstance(found, dict) and found.get("schema") == SWEEP_SCHEMA:
-        inner = [found.get("parent")] + list(found.get("candidates") or [])
-        return [_checked(part.get("result") if isinstance(part, dict) else None, f"{path} (sweep)") for part in inner]
+        return [_checked(result, f"{path} (sweep)") for result in inner_results(found)]
     return [_checked(found, path)]
 
 
@@ -206,6 +213,23 @@ _TYPES = {
     "agreement": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
     "agreement.kl_mean": (_maybe(_number), "a number"),
     "agreement.top1_agreement": (_maybe(_number), "a number"),
+    "domains": (
+        _maybe(
+            lambda v: (
+                isinstance(v, dict)
+                and all(
+                    isinstance(d, dict)
+                    and isinstance(d.get("data"), dict)
+                    and isinstance(d.get("perplexity"), dict)
+                    and _number(d["perplexity"].get("perplexity"))
+                    and _maybe(lambda a: isinstance(a, dict) and _number(a.get("kl_mean")))(d.get("agreement"))
+                    for d in v.values()
+                )
+            )
+        ),
+        "{name: {data: {...}, perplexity: {perplexity: number}, agreement: null or {kl_mean: number}}}",
+    ),
+    "quality": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
     "kv_cache": (lambda v: isinstance(v, dict), "an object"),
     "kv_cache.measured_bytes_per_token": (_maybe(_number), "a number"),
     "speed": (

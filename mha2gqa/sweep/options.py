@@ -7,9 +7,13 @@ from dataclasses import dataclass
 
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, Method, RefineOptions
 from mha2gqa.errors import InputError
+from mha2gqa.eval.probe import PROBE, parse_domains
 
 DEFAULT_METHODS = (Method.MEAN.value, Method.CALIBRATED.value)
 DEFAULT_TOLERANCE = 0.05
+# A candidate is broken on a domain of --data when its perplexity there is more than 1 + BROKEN_SLACK x
+# tolerance times the parent's: twice what the geometric mean may lose (sweep/run.py recommend).
+BROKEN_SLACK = 2
 
 
 @dataclass
@@ -17,11 +21,14 @@ class SweepOptions:
     calibration: str | list[str]
     """Calibration text, read once for every candidate: a .txt/.md/.jsonl/.json/.parquet file (compressed
     too), a folder of them, 'austen' (the embedded novels; command line only) or a hub dataset (online)."""
-    data: str
-    """Held-out text every candidate and the parent are evaluated on (perplexity, KL and top-1 agreement
-    against the parent); the same forms as --calibration."""
     out: str
     """Directory for sweep.json, sweep.md, sweep.html and the plots (created; must not hold a sweep.json)."""
+    data: str | tuple[str, ...] | dict = (PROBE,)
+    """Held-out texts every candidate and the parent are evaluated on (perplexity, KL and top-1 agreement
+    against the parent), each a domain measured apart: NAME=PATH (repeatable) or PATH, the forms of eval's
+    --data; default 'probe', the probe set shipped in the package (docs/eval.md). A candidate is recommended
+    only when the geometric mean of its per-domain perplexity ratios to the parent is within --tolerance and
+    no domain is broken (its ratio above 1 + 2 x --tolerance)."""
     groups: tuple[int, ...] | None = None
     """kv-head counts to try, e.g. 8,4,2,1; each must divide the source's kv heads and be below it (values
     that do not are skipped, and said so). Default: every divisor of the source's kv heads below it."""
@@ -37,7 +44,8 @@ class SweepOptions:
     """Calibration tokens run through the source, once for the whole sweep."""
     tolerance: float = DEFAULT_TOLERANCE
     """How much worse than the parent's perplexity a recommended candidate may be, as a fraction (0.05 =
-    5%); between 0 and 10, both excluded."""
+    5%), in the geometric mean over the --data domains; any one domain may be at most twice as much worse;
+    between 0 and 10, both excluded."""
     keep: bool = False
     """Keep every converted model in OUT/models/ (default: each is written to a temporary directory inside
     OUT and removed once evaluated)."""
@@ -47,6 +55,11 @@ class SweepOptions:
     """Show the progress bar over candidates."""
 
     def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Refuse values no sweep can run with, each naming its flag (the style of RefineOptions.check and
+        EvalOptions.check)."""
         self.methods = tuple(Method.parse(m, "--methods").value for m in self.methods)
         if not self.methods:
             raise InputError("--methods is empty: name at least one, e.g. mean,calibrated")
@@ -61,3 +74,5 @@ class SweepOptions:
             raise InputError(f"--calibration-tokens {self.calibration_tokens} must be at least 1 (e.g. 131072)")
         if self.refine is not None:
             self.refine.check()
+        if not parse_domains(self.data):
+            raise InputError("--data names no text: give one or more, e.g. --data probe or --data prose=held.txt")

@@ -9,9 +9,11 @@ from pathlib import Path
 
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from mha2gqa.eval import plots
+from mha2gqa.eval import metrics, plots
 from mha2gqa.eval.plots import plt
+from mha2gqa.eval.probe import parse_domains
 from mha2gqa.eval.render import CSS, DASH, fmt_bytes
+from mha2gqa.sweep.options import BROKEN_SLACK
 from mha2gqa.units import byte_unit
 
 QUALITY_PNG = "sweep_quality_vs_kv.png"
@@ -36,7 +38,11 @@ def quality_plot(record: dict, out: Path) -> Path:
     front ringed and joined."""
     points = _points(record)
     div, unit = byte_unit(max(x for x, _, _ in points), largest="MiB")
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    names = domain_names(record)
+    fig, axes = plt.subplots(1, 2 if names else 1, figsize=(14 if names else 7.5, 4.8), squeeze=False)
+    ax = axes[0][0]
+    if names:
+        _domains_panel(axes[0][1], record, names, div, unit)
     for method in record["settings"]["methods"]:
         rows = sorted((r for r in record["candidates"] if r["method"] == method), key=lambda r: r["kv_bytes_per_token"])
         if rows:
@@ -71,12 +77,51 @@ def quality_plot(record: dict, out: Path) -> Path:
     spread = max(y for _, y, _ in points) / min(y for _, y, _ in points)
     ax.yaxis.set_minor_formatter(plain if spread < 10 else NullFormatter())
     ax.set_xlabel(f"KV cache per token ({unit})")
-    ax.set_ylabel("perplexity (log scale, lower is better)")
+    pooled = ", all domains' tokens pooled" if names else ""
+    ax.set_ylabel(f"perplexity (log scale{pooled}, lower is better)")
     ax.set_title("Sweep: quality vs KV-cache size, before any training")
     ax.margins(x=0.15, y=0.15)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=9)
     return plots._save(fig, out)
+
+
+def _domains_panel(ax, record: dict, names: list[str], div: float, unit: str) -> None:
+    """Each domain's perplexity ratio to the parent against KV bytes per token: a colour per domain, a line
+    style per method, and the line above which recommend calls a candidate broken."""
+    styles = ("-", "--", ":", "-.")
+    for m, method in enumerate(record["settings"]["methods"]):
+        rows = sorted((r for r in record["candidates"] if r["method"] == method), key=lambda r: r["kv_bytes_per_token"])
+        for d, name in enumerate(names):
+            found = [
+                (r["kv_bytes_per_token"] / div, r["domains"][name]["ratio"])
+                for r in rows
+                if name in (r.get("domains") or {})
+            ]
+            if found:
+                ax.plot(
+                    *zip(*found),
+                    marker="o",
+                    linestyle=styles[m % len(styles)],
+                    color=f"C{d}",
+                    label=f"{name} ({method})",
+                )
+    cap = 1 + BROKEN_SLACK * record["settings"]["tolerance"]
+    ax.axhline(cap, color="red", linewidth=1, label=f"broken above {cap:.2f}×")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.scatter(
+        record["parent"]["kv_bytes_per_token"] / div, 1.0, marker="*", s=220, color="black", zorder=4, label="parent"
+    )
+    ax.set_yscale("log")
+    times = FuncFormatter(lambda value, _: f"{value:.3g}×")
+    ax.yaxis.set_major_formatter(times)
+    ax.yaxis.set_minor_formatter(times)
+    ax.set_xlabel(f"KV cache per token ({unit})")
+    ax.set_ylabel("perplexity / the parent's, per domain (log)")
+    ax.set_title("Per domain of --data")
+    ax.margins(x=0.15, y=0.15)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
 
 
 def sensitivity_plot(record: dict, out: Path) -> Path | None:
@@ -125,24 +170,69 @@ def sensitivity_plot(record: dict, out: Path) -> Path | None:
     return out
 
 
+def _metric(name: str, key: str | None = None, header: str | None = None):
+    """A column of the report's metric `name` (eval/metrics.py: its header, arrow and format), read from the
+    sweep row's `key` (default: the same name); a missing value is a dash."""
+    metric = metrics.BY_NAME[name]
+
+    def cell(row, ctx):
+        value = row.get(key or name)
+        return DASH if value is None else metric.fmt(value)
+
+    return (header or metrics.header(metric, None), cell)
+
+
 COLUMNS = (
     ("candidate", lambda r, ctx: r["name"]),
     ("kv heads", lambda r, ctx: str(r["groups"])),
     ("method", lambda r, ctx: r["method"]),
-    ("perplexity", lambda r, ctx: f"{r['perplexity']:.2f}"),
-    ("Δ vs parent", lambda r, ctx: f"{100 * r['perplexity_change']:+.1f}%"),
-    ("KL(parent‖model)", lambda r, ctx: f"{r['kl_mean']:.4f}"),
-    ("top-1 agree", lambda r, ctx: f"{100 * r['top1_agreement']:.1f}%"),
-    ("KV / token", lambda r, ctx: fmt_bytes(r["kv_bytes_per_token"])),
+    _metric("perplexity"),
+    _metric("perplexity_change", header="Δ vs parent ↓"),
+    _metric("kl_mean", header="KL(parent‖model) ↓"),  # the sweep's reference is always the parent
+    _metric("top1_agreement"),
+    _metric("kv_bytes_per_token"),
+    _metric("kv_bytes_per_token", "kv_bytes_per_sequence", "KV / sequence"),
+    _metric("kv_saving"),
+    ("convert s", lambda r, ctx: DASH if r.get("convert_wall_s") is None else f"{r['convert_wall_s']:.1f}"),
     (
-        "KV / sequence",
-        lambda r, ctx: DASH if r["kv_bytes_per_sequence"] is None else fmt_bytes(r["kv_bytes_per_sequence"]),
+        "convert peak RSS",
+        lambda r, ctx: DASH if r.get("convert_peak_rss_bytes") is None else fmt_bytes(r["convert_peak_rss_bytes"]),
     ),
-    ("KV saving", lambda r, ctx: f"{r['kv_saving']:g}×"),
-    ("convert s", lambda r, ctx: f"{r['convert_wall_s']:.1f}"),
-    ("convert peak RSS", lambda r, ctx: fmt_bytes(r["convert_peak_rss_bytes"])),
     ("Pareto", lambda r, ctx: "★" if r["name"] in ctx else ""),
 )
+
+
+def domain_names(record: dict) -> list[str]:
+    """The --data domains of a sweep measured on two or more, else [] (one text: the perplexity column)."""
+    names = list((record.get("parent") or {}).get("domains") or {})
+    return names if len(names) > 1 else []
+
+
+def _domain_cell(name: str):
+    def cell(row, ctx):
+        d = (row.get("domains") or {}).get(name)
+        if d is None:
+            return DASH
+        if not isinstance(d, dict):  # the parent's row: its perplexity alone
+            return metrics.fmt_ppl(d)
+        return f"{metrics.fmt_ppl(d['perplexity'])} ({d['ratio']:.2f}×)"
+
+    return cell
+
+
+def columns(record: dict) -> list:
+    """The table's (header, cell) pairs: COLUMNS, and after the agreement columns, per domain of --data the
+    perplexity with its ratio to the parent's, and the geometric mean of the ratios."""
+    names = domain_names(record)
+    if not names:
+        return list(COLUMNS)
+    at = next(i for i, (h, _) in enumerate(COLUMNS) if h.startswith("KV / token"))
+    ratio = (
+        "ppl ratio, geo-mean of domains ↓",
+        lambda r, ctx: DASH if r.get("domains_ratio") is None else f"{r['domains_ratio']:.2f}×",
+    )
+    per = [(f"{name} ppl (× parent) ↓", _domain_cell(name)) for name in names]
+    return [*COLUMNS[:at], ratio, *per, *COLUMNS[at:]]
 
 
 def table(record: dict) -> tuple[list[str], list[list[str]]]:
@@ -150,23 +240,10 @@ def table(record: dict) -> tuple[list[str], list[list[str]]]:
     front = pareto_front(_points(record))
     parent = record["parent"]
     at = f" @ {record['context']}" if record["context"] else ""  # the model's context, in tokens
-    headers = [h + (at if h == "KV / sequence" else "") for h, _ in COLUMNS]
-    first = [
-        "parent",
-        str(record["source"]["kv_heads"]),
-        "—",
-        f"{parent['perplexity']:.2f}",
-        DASH,
-        DASH,
-        DASH,
-        fmt_bytes(parent["kv_bytes_per_token"]),
-        DASH if parent["kv_bytes_per_sequence"] is None else fmt_bytes(parent["kv_bytes_per_sequence"]),
-        "1×",
-        DASH,
-        DASH,
-        "★" if "parent" in front else "",
-    ]
-    return headers, [first] + [[cell(r, front) for _, cell in COLUMNS] for r in record["candidates"]]
+    chosen = columns(record)
+    headers = [h + (at if h == "KV / sequence" else "") for h, _ in chosen]
+    first = {"name": "parent", "groups": record["source"]["kv_heads"], "method": "—", "kv_saving": 1.0, **parent}
+    return headers, [[cell(r, front) for _, cell in chosen] for r in [first, *record["candidates"]]]
 
 
 def _status(record: dict) -> str:
@@ -182,11 +259,17 @@ def _settings_line(record: dict) -> str:
     return (
         f"Source `{record['source']['path']}` ({record['source']['model_type']}, {record['source']['kv_heads']} kv "
         f"heads); methods {', '.join(s['methods'])}; calibration {calibration.get('tokens', s['calibration_tokens']):,} "
-        f"tokens (gathered once); eval data `{s['data']}`"
+        f"tokens (gathered once); eval data {_data_text(s['data'])}"
         + (f", at most {s['max_tokens']:,} tokens" if s["max_tokens"] else "")
         + ("; refined (--refine)" if s["refine"] else "")
         + f"; tolerance {100 * s['tolerance']:g}%."
     )
+
+
+def _data_text(data) -> str:
+    """--data as typed: every text, named."""
+    found = parse_domains(data) or {}
+    return ", ".join(f"`{name}={path}`" if len(found) > 1 else f"`{path}`" for name, path in found.items())
 
 
 def write_pages(record: dict, out: Path) -> dict[str, Path]:

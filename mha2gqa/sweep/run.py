@@ -29,10 +29,13 @@ from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.embedded import expand_corpus_name
 from mha2gqa.errors import InputError
 from mha2gqa.eval import schema
-from mha2gqa.eval.schema import SWEEP_SCHEMA, write_result
+from mha2gqa.eval.domains import geomean
+from mha2gqa.eval.probe import parse_domains
+from mha2gqa.eval.schema import write_result
 from mha2gqa.layouts import AttentionShape, attention_shape, layout_for, read_config
 from mha2gqa.sources import resolve_model_dir
-from mha2gqa.sweep.options import SweepOptions
+from mha2gqa.sweep.options import BROKEN_SLACK, SweepOptions
+from mha2gqa.sweep.schema import SWEEP_SCHEMA
 from mha2gqa.writing import check_room
 
 UPTRAIN_RECIPE = Path(__file__).resolve().parent.parent / "demo" / "demo-uptrain.yaml"
@@ -166,6 +169,7 @@ def _run_candidate(source, candidate, stats, options, models_dir, parent, contex
     eval_s = time.perf_counter() - started
     ppl, parent_ppl = schema.perplexity(result), schema.perplexity(parent)
     return {
+        **_domain_columns(result, parent),
         "name": candidate.name,
         "groups": candidate.groups,
         "method": candidate.method,
@@ -185,6 +189,29 @@ def _run_candidate(source, candidate, stats, options, models_dir, parent, contex
     }
 
 
+def _domain_columns(result: dict, parent: dict) -> dict:
+    """Per domain of --data: the candidate's perplexity, its ratio to the parent's on the same text, KL and
+    top-1; with the geometric mean of the ratios and the worst domain (recommend reads these)."""
+    domains = {}
+    for name, d in (result.get("domains") or {}).items():
+        ppl = d["perplexity"]["perplexity"]
+        agreement = d.get("agreement") or {}
+        domains[name] = {
+            "perplexity": ppl,
+            "ratio": ppl / parent["domains"][name]["perplexity"]["perplexity"],
+            "kl_mean": agreement.get("kl_mean"),
+            "top1_agreement": agreement.get("top1_agreement"),
+        }
+    ratios = {name: d["ratio"] for name, d in domains.items()}
+    worst = max(ratios, key=ratios.get) if ratios else None
+    return {
+        "domains": domains,
+        "domains_ratio": geomean(ratios.values()),
+        "worst_domain": worst,
+        "worst_ratio": ratios.get(worst),
+    }
+
+
 def sweep(src, options: SweepOptions, echo=print) -> dict:
     """Run the sweep of `options` on the model at `src`; returns the record written to OUT/sweep.json.
     Every refusal (groups, methods, data, OUT, room) comes before anything is written."""
@@ -194,7 +221,8 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     candidates = [Candidate(g, m) for g in kv_head_counts(shape, options.groups, echo) for m in options.methods]
     out = Path(options.out).expanduser()
     calibration = options.calibration  # each candidate's dry run below resolves and checks it (prepare)
-    textdata.resolve("--data", options.data)
+    for path in parse_domains(options.data).values():
+        textdata.resolve("--data", path)
     _check_out(out)
     models_dir = out / "models"
     plans = {
@@ -236,7 +264,12 @@ def _measure(source, calibration, options, candidates, record, out: Path, work: 
     echo(f"sweep: gathering calibration statistics once ({options.calibration_tokens:,} tokens)")
     stats = _gather_statistics(source, calibration, options, work / "calibration")
     record["calibration"] = stats.record
-    record["parent"] = {"perplexity": schema.perplexity(parent), **_kv(parent, record["context"]), "result": parent}
+    record["parent"] = {
+        "perplexity": schema.perplexity(parent),
+        "domains": {name: d["perplexity"]["perplexity"] for name, d in (parent.get("domains") or {}).items()},
+        **_kv(parent, record["context"]),
+        "result": parent,
+    }
     models_dir = out / "models" if options.keep else work
     with tqdm(candidates, desc="sweep", unit="candidate", disable=not options.progress) as bar:
         for candidate in bar:
@@ -286,39 +319,79 @@ def _record(src, source: Path, config: dict, options: SweepOptions, candidates: 
     }
 
 
+# A candidate good on average and broken on one domain (a conversion that fits its calibration text) is never
+# recommended: BROKEN_SLACK (sweep/options.py) says what broken is.
+
+
+def _ratios(row: dict, parent_ppl: float) -> dict[str, float]:
+    """{domain: perplexity ratio to the parent}; one unnamed domain for a record written before domains."""
+    return {n: d["ratio"] for n, d in (row.get("domains") or {}).items()} or {"data": row["perplexity"] / parent_ppl}
+
+
+def verdict(row: dict, parent_ppl: float, tolerance: float) -> str | None:
+    """None when the candidate may be recommended, else why not, in words."""
+    ratios = _ratios(row, parent_ppl)
+    cap = 1 + BROKEN_SLACK * tolerance
+    broken = {n: r for n, r in ratios.items() if r > cap}
+    if len(ratios) > 1 and broken:
+        worst = max(broken, key=broken.get)
+        return f"broken on {worst} ({broken[worst]:.2f}x the parent's, above {cap:.2f}x)"
+    if len(ratios) == 1:  # one text: the rule it always had
+        return None if row["perplexity"] <= parent_ppl * (1 + tolerance) else "outside the tolerance"
+    return None if geomean(ratios.values()) <= 1 + tolerance else "outside the tolerance"
+
+
 def recommend(record: dict) -> dict:
-    """Per method, the smallest KV cache whose perplexity is within the tolerance of the parent's; when no
-    candidate is, the uptraining command to try next, from the candidate of lowest perplexity."""
+    """Per method, the smallest KV cache within the tolerance of the parent (over several domains: the
+    geometric mean of the per-domain perplexity ratios within it, and no domain broken); when no candidate
+    is, the uptraining command to try next, from the candidate of lowest perplexity (geometric mean)."""
     rows, settings = record["candidates"], record["settings"]
     tolerance, parent_ppl = settings["tolerance"], record["parent"]["perplexity"]
-    limit = parent_ppl * (1 + tolerance)
+    several = any(len(r.get("domains") or {}) > 1 for r in rows)
+    refused = {r["name"]: verdict(r, parent_ppl, tolerance) for r in rows}
     chosen = {}
     for method in settings["methods"]:
-        fits = [r for r in rows if r["method"] == method and r["perplexity"] <= limit]
-        chosen[method] = min(fits, key=lambda r: (r["kv_bytes_per_token"], r["perplexity"]))["name"] if fits else None
-    head = f"within {100 * tolerance:g}% of the parent's perplexity {parent_ppl:.2f}"
+        fits = [r for r in rows if r["method"] == method and refused[r["name"]] is None]
+        chosen[method] = min(fits, key=lambda r: (r["kv_bytes_per_token"], _score(r)))["name"] if fits else None
+    head = (
+        f"geometric mean of the per-domain perplexity ratios within {100 * tolerance:g}% of the parent's, no domain "
+        f"above {1 + BROKEN_SLACK * tolerance:.2f}x"
+        if several
+        else f"within {100 * tolerance:g}% of the parent's perplexity {parent_ppl:.2f}"
+    )
     if not rows:
         summary = f"no candidate finished: nothing to recommend ({head})"
-        return {"per_method": chosen, "next": None, "summary": summary, "line": summary}
-    by_name = {r["name"]: r for r in rows}
-    parts = [
-        f"{method}: "
-        + (
-            f"{_heads(by_name[name]['groups'])} ({by_name[name]['kv_saving']:g}x smaller KV, "
-            f"{100 * by_name[name]['perplexity_change']:+.1f}%)"
-            if name
-            else "none"
-        )
-        for method, name in chosen.items()
-    ]
+        return {"per_method": chosen, "next": None, "summary": summary, "line": summary, "refused": {}}
+    parts = [f"{method}: " + (_chosen_text(rows, name, several) if name else "none") for method, name in chosen.items()]
+    broken = {n: why for n, why in refused.items() if why and why.startswith("broken")}
+    if broken:
+        parts.append("refused " + ", ".join(f"{n} ({why})" for n, why in broken.items()))
     next_command = None
     if not any(chosen.values()):
-        best = min(rows, key=lambda r: (r["perplexity"], r["kv_bytes_per_token"]))
+        best = min(rows, key=lambda r: (_score(r), r["kv_bytes_per_token"]))
         next_command = uptrain_command(record, best)
-        parts.append(f"none is: try uptraining the closest, {best['name']} ({100 * best['perplexity_change']:+.1f}%)")
+        parts.append(f"none is: try uptraining the closest, {best['name']} ({_change(best, several)})")
     summary = f"recommended ({head}): " + "; ".join(parts)
     line = f"{summary}: {next_command}" if next_command else summary  # what the command prints: one line
-    return {"per_method": chosen, "next": next_command, "summary": summary, "line": line}
+    return {"per_method": chosen, "next": next_command, "summary": summary, "line": line, "refused": refused}
+
+
+def _score(row: dict) -> float:
+    """What ranks candidates: the geometric mean of the per-domain ratios, else (one text) the perplexity."""
+    return row["domains_ratio"] if len(row.get("domains") or {}) > 1 else row["perplexity"]
+
+
+def _change(row: dict, several: bool) -> str:
+    if several and len(row.get("domains") or {}) > 1:
+        return (
+            f"{row['domains_ratio']:.2f}x on the geometric mean, worst {row['worst_domain']} {row['worst_ratio']:.2f}x"
+        )
+    return f"{100 * row['perplexity_change']:+.1f}%"
+
+
+def _chosen_text(rows: list[dict], name: str, several: bool) -> str:
+    row = next(r for r in rows if r["name"] == name)
+    return f"{_heads(row['groups'])} ({row['kv_saving']:g}x smaller KV, {_change(row, several)})"
 
 
 def _heads(count: int) -> str:
@@ -338,7 +411,11 @@ def uptrain_command(record: dict, row: dict) -> str:
     train = [str(p) for p in _as_list(expand_corpus_name(calibration))]
     steps.append(
         ["mha2gqa", "uptrain", "--recipe", str(UPTRAIN_RECIPE), f"model={model}", f"output_dir={model}-uptrained"]
-        + [f"data.train=[{','.join(train)}]", f"data.eval=[{settings['data']}]", f"distill.teacher={source}"]
+        + [
+            f"data.train=[{','.join(train)}]",
+            f"data.eval=[{','.join(parse_domains(settings['data']).values())}]",
+            f"distill.teacher={source}",
+        ]
     )
     return " && ".join(shlex.join(step) for step in steps)
 

@@ -1,0 +1,201 @@
+"""What `evaluate` measures, as a list: each measurement checks its own flags before any model is loaded
+and then writes its sections of the result.
+
+A new measurement is one `Measurement` in MEASUREMENTS (its check, its function) plus, for the report, one
+`Metric` in eval/metrics.py reading the field it writes; docs/eval.md shows a worked example.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mha2gqa.errors import InputError
+from mha2gqa.eval.options import EvalOptions, SpeedPreset
+
+
+@dataclass
+class Loaded:
+    """What the measurements read: the options, the loaded models and texts, the result so far."""
+
+    options: EvalOptions
+    model: Any
+    ref_model: Any
+    tokenizer: Any
+    shape: Any  # layouts.AttentionShape
+    device: Any  # torch.device
+    context: int
+    stride: int
+    texts: dict  # {domain: eval.data.EvalText}, {} without --data
+    result: dict
+    prepared: dict = field(default_factory=dict)  # what each check returned, by measurement key
+
+
+@dataclass(frozen=True)
+class Measurement:
+    key: str
+    """Its name (and, for most, the result section it fills)."""
+    check: Callable[[EvalOptions], Any]
+    """Refuses its flags' bad values before any model is loaded (InputError); what it returns is kept in
+    Loaded.prepared[key] for the measure."""
+    measure: Callable[[Loaded], dict]
+    """The result keys it sets, from the loaded models."""
+    wanted: Callable[[EvalOptions], bool] = lambda o: True
+    """Whether it runs for these options (its check runs either way)."""
+
+
+def at_least(flag: str, value, low: int, hint: str = "") -> None:
+    if value is not None and value < low:
+        raise InputError(f"{flag} {value} must be at least {low}{hint}")
+
+
+# ---- quality: perplexity on every text of --data, and agreement with --reference on the same windows ----
+
+
+def _check_quality(o: EvalOptions) -> None:
+    from mha2gqa.eval import perplexity as P
+
+    if o.reference and not o.domains:
+        raise InputError("--reference needs --data: agreement is measured on the same text")
+    if o.context is not None:
+        P.check_window(o.context, o.stride or max(1, o.context // 2))
+    at_least("--batch-size", o.batch_size, 1)
+    at_least("--max-tokens", o.max_tokens, 2)
+
+
+def _one_domain(run: Loaded, text) -> dict:
+    """Perplexity on one text, and agreement with the reference in the same pass when there is one."""
+    from mha2gqa.eval import perplexity as P
+    from mha2gqa.eval.agreement import agreement
+
+    o, ids = run.options, text.ids
+    found = {"data": text.identity, "perplexity": None, "agreement": None}
+    if run.ref_model is None:
+        found["perplexity"] = P.perplexity(run.model, ids, run.context, run.stride, o.batch_size, o.progress)
+        return found
+    agree, ppl, ref_ppl = agreement(run.model, run.ref_model, ids, run.context, run.stride, o.batch_size, o.progress)
+    return {**found, "perplexity": ppl, "agreement": {**agree, "reference_perplexity": ref_ppl["perplexity"]}}
+
+
+def _quality(run: Loaded) -> dict:
+    """Every domain apart (`domains`), and over all of them: one text's numbers as they always were; for
+    several, the token-weighted pool of their sums and the geometric mean of the per-domain perplexity
+    ratios to the reference (`quality`)."""
+    from mha2gqa.eval import domains as D
+
+    per = {name: _one_domain(run, text) for name, text in run.texts.items()}
+    if len(per) == 1:
+        (only,) = per.values()
+        top = dict(only)
+    else:
+        top = {"data": D.pooled_data(per), "perplexity": D.pooled_perplexity(per), "agreement": D.pooled_agreement(per)}
+    return {**top, "domains": per, "quality": D.summary(per)}
+
+
+# ---- the KV cache: bytes per token, the formula against the live cache ----
+
+
+def _check_kv(o: EvalOptions) -> None:
+    at_least("--kv-batch", o.kv_batch, 1)
+    at_least("--kv-tokens", o.kv_tokens, 1)
+
+
+def _kv_cache(run: Loaded) -> dict:
+    from mha2gqa.eval.kvcache import measure_kv_cache
+
+    o = run.options
+    found = measure_kv_cache(run.model, run.shape, o.kv_batch, o.kv_tokens, o.seed)
+    if "warning" in found:
+        run.result["warnings"].append(found["warning"])
+    return {"kv_cache": found}
+
+
+# ---- decode speed over the preset's grid ----
+
+
+def speed_grid(o: EvalOptions, device_type: str):
+    """The grid of --speed ("auto": the gpu preset on CUDA, else cpu), its values checked; None when off."""
+    from mha2gqa.eval import speed
+
+    preset = o.speed
+    if preset is None:
+        return None
+    if preset == SpeedPreset.AUTO:
+        preset = "gpu" if device_type == "cuda" else "cpu"
+    return speed.make_grid(preset, o.speed_batches, o.speed_contexts, o.new_tokens, o.repeats)
+
+
+def _check_speed(o: EvalOptions) -> None:
+    speed_grid(o, "cpu")  # the values are checked the same way for either preset
+
+
+def _speed(run: Loaded) -> dict:
+    from mha2gqa.eval import speed
+
+    grid = speed_grid(run.options, run.device.type)
+    return {"speed": speed.decode_speed(run.model, grid, run.options.seed, run.options.progress)}
+
+
+# ---- attention maps of one layer, as a PNG ----
+
+
+def _check_attention(o: EvalOptions) -> None:
+    from mha2gqa.eval.schema import check_writable
+
+    if o.attention_text and not (o.attention_png or o.out):
+        raise InputError("--attention-maps needs --out or --attention-png to know where to save the PNG")
+    if o.attention_png:  # a read-only or full destination fails now, not after the whole evaluation
+        check_writable(Path(o.attention_png), "--attention-png")
+
+
+def _attention(run: Loaded) -> dict:
+    from mha2gqa.eval.attention_maps import attention_maps, plot_attention_maps
+
+    o, result = run.options, run.result
+    png = Path(o.attention_png) if o.attention_png else Path(o.out).with_suffix(".attention.png")
+    found = attention_maps(run.model, run.tokenizer, o.attention_text, o.attention_layer, run.ref_model)
+    labels = {"model": result["label"], "reference": f"{(result['reference'] or {}).get('label', '')} (reference)"}
+    drawn = plot_attention_maps(found, png, labels, run.shape.kv_heads)
+    return {"attention_maps": {"png": str(drawn), "layer": found["layer"]}}
+
+
+# ---- lm-evaluation-harness tasks on the loaded model ----
+
+
+def _check_lm_eval(o: EvalOptions):
+    """The harness is installed and the task names exist (the task index is built now, before any weights
+    are loaded, and kept for the run)."""
+    from mha2gqa.eval.lmeval import check_lm_eval_installed, task_manager
+
+    if o.lm_eval_limit is not None and o.lm_eval_limit < 1:
+        raise InputError(f"--lm-eval-limit {o.lm_eval_limit} must be at least 1 (or left out for every example)")
+    if not o.lm_eval_tasks:
+        return None
+    check_lm_eval_installed()
+    return task_manager(o.lm_eval_tasks)
+
+
+def _lm_eval(run: Loaded) -> dict:
+    from mha2gqa.eval.lmeval import run_lm_eval
+
+    o = run.options
+    tasks = run.prepared["lm_eval"]
+    return {"lm_eval": run_lm_eval(run.model, run.tokenizer, o.lm_eval_tasks, o.lm_eval_limit, o.batch_size, tasks)}
+
+
+MEASUREMENTS: list[Measurement] = [
+    Measurement("quality", _check_quality, _quality, wanted=lambda o: bool(o.domains)),
+    Measurement("kv_cache", _check_kv, _kv_cache),
+    Measurement("speed", _check_speed, _speed, wanted=lambda o: o.speed is not None),
+    Measurement("attention_maps", _check_attention, _attention, wanted=lambda o: bool(o.attention_text)),
+    Measurement("lm_eval", _check_lm_eval, _lm_eval, wanted=lambda o: bool(o.lm_eval_tasks)),
+]
+
+
+def check_all(options: EvalOptions) -> dict:
+    """Every refusal the options can get before a model is loaded: the options' own, then each
+    measurement's; returns what the checks prepared, by measurement key."""
+    options.check()
+    return {m.key: m.check(options) for m in MEASUREMENTS}

@@ -1,0 +1,71 @@
+"""The probe set: small texts of several domains shipped in the package (mha2gqa/data/probe/, licences in
+its PROVENANCE.md), the default --data of `eval` and `sweep`; and how --data names several texts.
+
+A conversion fits its calibration text; the probe set measures what it kept elsewhere. It is never part
+of a calibration: the prose is Persuasion, the novel the `austen` corpus and the embedded model hold out.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from mha2gqa.errors import InputError
+
+PROBE = "probe"  # what a user types for the whole set (--data probe, the default)
+PROBE_DIR = Path(__file__).resolve().parent.parent / "data" / "probe"
+DOMAINS = ("prose", "code", "python_docs", "licences")
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,39}")
+
+
+def probe_paths() -> dict[str, str]:
+    """{domain: path of its compressed text}, in DOMAINS order."""
+    return {name: str(PROBE_DIR / f"{name}.txt.gz") for name in DOMAINS}
+
+
+def _default_name(spec: str) -> str:
+    """A text's name when none is given: its file name without suffixes (held.txt.gz -> held), or the
+    hub dataset's last part."""
+    name = Path(spec.rstrip("/")).name.split(".")[0]
+    return name if _NAME.fullmatch(name) else "data"
+
+
+def _split(spec: str) -> tuple[str | None, str]:
+    """'name=path' -> (name, path); a spec whose part before '=' is no name (a path with '=' in it) is
+    all path."""
+    head, sep, tail = spec.partition("=")
+    if sep and _NAME.fullmatch(head) and tail:
+        return head, tail
+    return None, spec
+
+
+def parse_domains(data, flag: str = "--data") -> dict[str, str] | None:
+    """The named texts of --data: None (nothing to score), a path or name, 'probe' (the probe set's
+    domains), 'name=path', a list of those, or a {name: path} mapping. Two texts with one name are
+    refused: each domain's numbers are reported under its name."""
+    if data is None or data == "" or data == () or data == []:
+        return None
+    if isinstance(data, Mapping):
+        items = [(str(k), str(v)) for k, v in data.items()]
+    else:
+        items = []
+        for spec in [data] if isinstance(data, (str, Path)) else list(data):
+            if str(spec) == PROBE:
+                items += list(probe_paths().items())
+                continue
+            name, path = _split(str(spec))
+            items.append((name or _default_name(path), path))
+    found: dict[str, str] = {}
+    for name, path in items:
+        if not _NAME.fullmatch(name):
+            raise InputError(
+                f"{flag} {name}={path}: a text's name is a letter then letters, digits, _ or - (e.g. code)"
+            )
+        if name in found:
+            raise InputError(
+                f"{flag}: two texts are named {name!r} ({found[name]} and {path}): name each, e.g. "
+                f"{flag} {name}={found[name]} {flag} {name}2={path}"
+            )
+        found[name] = path
+    return found

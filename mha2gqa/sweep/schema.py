@@ -1,0 +1,27 @@
+"""sweep.json, the record `mha2gqa sweep` writes (sweep/run.py) and `mha2gqa report` reads.
+
+Top-level keys:
+  schema          "mha2gqa.sweep/1"
+  source          path, resolved, config_sha256, model_type, kv_heads, lineage
+  settings        the SweepOptions (asdict), as run
+  context         the model's max_position_embeddings (KV bytes per sequence are given at it)
+  planned         candidate names, in the order they run
+  parent          {perplexity, kv_bytes_per_token, kv_bytes_per_sequence, result}: `result` is an eval result
+  calibration     the calibration statistics' record (tokens, sources)
+  candidates      [{name, groups, method, perplexity, perplexity_change, kl_mean, top1_agreement, kv_*,
+                  convert_wall_s, convert_peak_rss_bytes, eval_wall_s, model, merge_layers, refine, result}]
+  interrupted     true when the sweep was stopped before every candidate ran
+  recommendation  per_method, next, summary, line (sweep/run.py recommend)
+  versions, created, wall_s
+"""
+
+from __future__ import annotations
+
+SWEEP_SCHEMA = "mha2gqa.sweep/1"
+
+
+def inner_results(record: dict) -> list:
+    """The eval results a sweep record holds: the parent's, then every finished candidate's (each is
+    checked by the reader as any eval result; a part that is no dict reads as None)."""
+    parts = [record.get("parent")] + list(record.get("candidates") or [])
+    return [part.get("result") if isinstance(part, dict) else None for part in parts]
