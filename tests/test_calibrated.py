@@ -5,7 +5,7 @@ import pytest
 import torch
 from calibrated_models import commuting_map, save_redundant_model, write_calibration_text
 from tiny_models import make_tiny_tokenizer, save_tiny_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from mha2gqa.convert.calibrated import fold_queries, merge_keys, merge_values, projection_gram, relative_error
 from mha2gqa.convert.run import convert
@@ -187,10 +187,18 @@ def test_pre_rope_norms_are_refused_in_one_line(tmp_path, calibration_file, mode
     assert not (tmp_path / "dst").exists()
 
 
-def test_calibrated_without_calibration_is_refused(tmp_path):
+def test_calibrated_without_calibration_samples_the_parent(tmp_path):
+    """No data of the user's: the default calibration is the parent's own samples, 64 x hidden tokens of
+    them, and the dry run lists the sampling stage; they need the source's tokenizer."""
     save_tiny_model(tmp_path / "src", "llama")
-    with pytest.raises(InputError, match="--calibration DATA"):
+    with pytest.raises(InputError, match="--calibration needs the source's tokenizer"):
         convert(tmp_path / "src", tmp_path / "dst", groups=2, method="calibrated")
+    make_tiny_tokenizer(tmp_path / "src")
+    plan = convert(tmp_path / "src", tmp_path / "dst", groups=2, method="calibrated", dry_run=True).conversion
+    hidden = AutoConfig.from_pretrained(tmp_path / "src").hidden_size
+    assert plan.calibration.spec == "parent" and plan.calibration.tokens == 64 * hidden
+    assert [stage.name for stage in plan.stages][:2] == ["sample", "calibrate"]
+    assert "--calibration parent --calibration-tokens" in plan.command()
     assert not (tmp_path / "dst").exists()
 
 

@@ -9,6 +9,7 @@ from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 from mha2gqa import embedded, textdata
 from mha2gqa.cli import main
 from mha2gqa.convert.calibration import GramAccumulator, calibration_ids, collect_statistics, load_source_model
+from mha2gqa.convert.inputs import calibration_input
 from mha2gqa.convert.methods import LayerContext, mean_layer, mean_norm_layer
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, layout_for, read_config
@@ -77,7 +78,7 @@ def test_calibration_ids_take_the_first_n_tokens_and_austen_is_available():
     austen = textdata.resolve("--calibration", embedded.expand_corpus_name("austen"))
     assert len(calibration_ids(tokenizer, textdata.iter_texts(austen, piece_chars=1 << 16), 2000)) == 2000
     with pytest.raises(InputError, match="--calibration-tokens 0 must be at least 1"):
-        calibration_ids(tokenizer, iter([SAMPLE_TEXT]), 0)
+        calibration_input("austen", 0, 512)
 
 
 def test_mean_norm_rescales_each_pooled_head_to_its_group_mean_norm(tiny):
@@ -141,13 +142,13 @@ def test_cli_prints_per_layer_errors_and_records_them(tiny, tmp_path):
     assert "by calibrated" in lines[-1]
 
 
-def test_cli_refuses_calibrated_without_data_in_one_line(tiny, tmp_path):
+def test_cli_calibrated_without_data_plans_the_parents_samples(tiny, tmp_path):
     path, _, _ = tiny
     result = CliRunner().invoke(
-        main, ["convert", str(path), str(tmp_path / "dst"), "-g", "2", "--method", "calibrated"]
+        main, ["convert", str(path), str(tmp_path / "dst"), "-g", "2", "--method", "calibrated", "--dry-run"]
     )
-    assert result.exit_code == 2
-    assert result.output.strip().count("\n") == 0 and "--calibration DATA" in result.output
+    assert result.exit_code == 0, result.output
+    assert "stage 1: sample:" in result.output and "tokens sampled from SRC" in result.output
     assert not (tmp_path / "dst").exists()
     result = CliRunner().invoke(main, ["convert", "--help"])
     for flag in (

@@ -238,7 +238,7 @@ def test_every_layout_refines(tmp_path, calibration_file, model_type):
 def test_refusals_are_one_line_and_write_nothing(tmp_path, tiny_src, calibration_file):
     runner = CliRunner()
     cases = [
-        (["--refine"], "--refine needs calibration data"),
+        (["--refine", "--calibration-tokens", "64"], "--refine needs at least 2 calibration blocks"),
         (
             ["--refine", "--calibration", calibration_file, "--refine-steps", "-1"],
             "--refine-steps -1 must be 0 or more",

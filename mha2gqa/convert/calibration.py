@@ -175,7 +175,7 @@ def calibrate(
     stats=...). `seed` seeds the parent's samples."""
     from mha2gqa.layouts import read_config
 
-    calibration = calibration_input(data, tokens, block_length(read_config(source)))
+    calibration = calibration_input(data, tokens, block_length(read_config(source)), shape.hidden)
     model = load_source_model(source, progress=progress)
     ids, record = read_ids(source, calibration, model, seed, progress)
     return gather(model, calibration, ids, record, layout, shape, source, out_dir, memory_bytes, progress)

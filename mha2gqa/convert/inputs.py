@@ -20,12 +20,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from mha2gqa.convert.options import DEFAULT_CALIBRATION, DEFAULT_CALIBRATION_TOKENS, REFINE_TOKENS_PER_HIDDEN
 from mha2gqa.errors import InputError
 
 CALIBRATION_SEQ_LEN = 512  # tokens per calibration block, or the model's context when shorter
 CALIBRATION_BATCH = 8  # blocks per calibration forward (calibration.collect_statistics)
 HOLDOUT_FRACTION = 1 / 8  # of the refine blocks, held out to check each layer's fit
-PARENT = "parent"  # the calibration source sampled from the model itself
+PARENT = DEFAULT_CALIBRATION  # the calibration source sampled from the model itself
 _SHARE = re.compile(r"^(?P<name>.+):(?P<share>\d+(?:\.\d*)?|\.\d+)(?P<percent>%?)$")
 
 
@@ -155,13 +156,28 @@ class RefineBudget:
         return max(1, round(blocks * HOLDOUT_FRACTION))
 
 
-def calibration_input(spec, tokens: int, seq_len: int, flag: str = "--calibration") -> CalibrationInput:
+def default_tokens(pairs: list[tuple[str, float | None]], hidden: int) -> int:
+    """--calibration-tokens when unset: 131,072 of a text; 64 x hidden when the parent's samples are part of
+    it (a sampled token costs a forward of its own: the tokens refine fits on, not more)."""
+    if any(name == PARENT for name, _ in pairs):
+        return REFINE_TOKENS_PER_HIDDEN * hidden
+    return DEFAULT_CALIBRATION_TOKENS
+
+
+def calibration_input(
+    spec, tokens: int | None, seq_len: int, hidden: int = 0, flag: str = "--calibration"
+) -> CalibrationInput:
     """`spec` checked and resolved once: every file found and of a known format, holding some text, before
-    anything is read in earnest; 'austen' expanded to the embedded novels."""
+    anything is read in earnest; 'austen' expanded to the embedded novels. `tokens` None: default_tokens
+    (which needs the model's `hidden` size)."""
     from mha2gqa import textdata
     from mha2gqa.embedded import expand_corpus_name
 
     pairs = parse_spec(spec, flag)
+    if tokens is None:
+        tokens = default_tokens(pairs, hidden)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise InputError(f"--calibration-tokens {tokens} must be at least 1 (e.g. 131072)")
     shared = pairs[0][1] is not None
     if not shared and len(pairs) > 1 and any(name == PARENT for name, _ in pairs):
         raise InputError(

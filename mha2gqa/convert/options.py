@@ -16,7 +16,8 @@ from mha2gqa.typed import StrEnum, check_keywords
 from mha2gqa.units import parse_size
 
 OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
-DEFAULT_CALIBRATION_TOKENS = 131072
+DEFAULT_CALIBRATION = "parent"  # calibration text sampled from SRC itself (convert/sampling.py)
+DEFAULT_CALIBRATION_TOKENS = 131072  # of a text; the parent's samples default to 64 x hidden (inputs.default_tokens)
 DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held at once
 DEFAULT_REFINE_STEPS = 50
 DEFAULT_REFINE_LR = 1e-3
@@ -151,14 +152,20 @@ class ConvertOptions:
     by the command."""
     progress: bool = True
     """Show progress bars."""
-    calibration: str | list[str] | None = None
+    calibration: str | list[str] | dict | None = None
     """Calibration text for --method calibrated, --grouping similarity, --refine and the per-layer
     reconstruction errors: a .txt/.md/.jsonl/.json/.parquet file (.gz/.bz2/.xz/.zst too), a folder of them,
-    'austen' (the embedded novels) or a hub dataset with a 'text' column (online); repeat the flag for several
-    (in Python: a list). Tokenized with SRC's tokenizer. In Python a sweep passes the statistics it gathered
-    once as convert(..., stats=...) instead."""
-    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
-    """How many calibration tokens to run through SRC (once) to gather statistics."""
+    'austen' (the embedded novels), a hub dataset with a 'text' column (online), or 'parent': text sampled
+    from SRC itself, which needs no data of yours and keeps SRC's ability on every domain best
+    (docs/calibration.md); repeat the flag for several files (in Python: a list), or give each entry a share
+    to mix sources, e.g. --calibration parent:0.5 --calibration corpus.txt:0.5 (in Python: a dict). Unset
+    where a stage needs it: 'parent'. Sampling costs about one forward of SRC per token (on 2 CPU cores, tens
+    of tokens a second for a 135M model; --dry-run shows the stage). In Python a sweep passes the statistics
+    it gathered once as convert(..., stats=...) instead."""
+    calibration_tokens: int | None = None
+    """How many calibration tokens to run through SRC (once) to gather statistics, all sources together.
+    Unset: 131,072 of a text; with the parent's samples, 64 x the model's hidden size (36,864 for hidden
+    576), the tokens --refine fits on."""
     grouping: Grouping | str = Grouping.CONTIGUOUS
     """Which kv heads share a group."""
     calibration_memory: str | int = DEFAULT_CALIBRATION_MEMORY
@@ -247,7 +254,7 @@ CONVERT_FLAGS: tuple[Flag, ...] = (
     Flag("--dry-run", "dry_run", changes_output=False),
     Flag("--quiet", "progress", short="-q", inverted=True, changes_output=False, help="No progress bar."),
     Flag("--calibration", "calibration", type=str, repeat=True, metavar="DATA"),
-    Flag("--calibration-tokens", "calibration_tokens"),
+    Flag("--calibration-tokens", "calibration_tokens", type=int),
     Flag("--calibration-memory", "calibration_memory", size=True),
     Flag("--grouping", "grouping"),
     Flag("--refine", "refine"),

@@ -28,6 +28,7 @@ from mha2gqa.convert.inputs import (  # noqa: F401 (block_length re-exported)
     stats_bytes,
 )
 from mha2gqa.convert.options import (  # noqa: F401 (OUT_DTYPES re-exported)
+    DEFAULT_CALIBRATION,
     OUT_DTYPES,
     REFINE_TOKENS_PER_HIDDEN,
     ConvertOptions,
@@ -112,7 +113,7 @@ class ConversionPlan:
         elif self.stats is not None:  # a sweep's statistics: their data and tokens make the same ones
             o = replace(o, calibration=self.stats.record.get("data"), calibration_tokens=self.stats.tokens)
         if o.calibration is not None and not o.calibration_shapes_weights:
-            o = replace(o, calibration=None, calibration_tokens=ConvertOptions.calibration_tokens)
+            o = replace(o, calibration=None, calibration_tokens=None)
         return shlex.join(["mha2gqa", "convert", self.source_spec, "OUT", *flag_words(o)])
 
     def describe(self) -> list[str]:
@@ -150,10 +151,10 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
     layout, shape = layout_for(config), attention_shape(config)
     check_groups(shape, options.groups)
     check_target(config, options.groups)
-    calibrated = options.calibration is not None or stats is not None
-    _check_calibration_needs(options, config, calibrated)
-    memory_bytes = parse_size(options.calibration_memory, "--calibration-memory")
+    _check_calibration_needs(options, config)
     calibration = _calibration_input(options, stats, config, source)
+    calibrated = calibration is not None or stats is not None
+    memory_bytes = parse_size(options.calibration_memory, "--calibration-memory")
     require_safetensors(source, "SRC")
     _check_not_quantized(source, config)
     provenance.lineage(source)  # a broken SRC/mha2gqa.json fails now, not after every tensor is written
@@ -183,50 +184,43 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
         calibration_memory=memory_bytes,
         copied=files_to_copy(source),
     )
-    _estimate(plan, stats.tokens if calibration is None and stats is not None else options.calibration_tokens)
+    _estimate(plan, calibration.tokens if calibration is not None else stats.tokens if stats is not None else 0)
     return plan
 
 
-def _check_calibration_needs(options: ConvertOptions, config: dict, calibrated: bool) -> None:
-    """What the method, grouping and refine need of the model and of calibration data."""
+def _check_calibration_needs(options: ConvertOptions, config: dict) -> None:
+    """What the method, grouping and refine need of the model (calibration text they always get: by default
+    the parent's samples)."""
     method, grouping, refine = options.method, options.grouping, options.refine
-    add = "add --calibration DATA (a text file, a directory of them, 'austen' for the embedded novels, or 'parent')"
-    if not calibrated and method.needs_calibration:
-        raise InputError(f"--method {method} needs calibration data: {add}")
-    if not calibrated and grouping == Grouping.SIMILARITY:
-        raise InputError(f"--grouping similarity needs calibration data: {add}")
     if method.needs_calibration:
         check_calibrated(config, method.value)
     if grouping == Grouping.SIMILARITY:
         check_grouping(config)
     if refine is not None:
-        if not calibrated:
-            raise InputError(f"--refine needs calibration data to fit against: {add}")
         refine.check()
         check_refine_layout(config)
-    if calibrated:
+    if options.calibration_shapes_weights or options.calibration is not None:
         check_rotary_dims(config)
 
 
 def _calibration_input(options: ConvertOptions, stats, config: dict, source: Path) -> CalibrationInput | None:
-    """The calibration text, resolved once: --calibration, else (refine on a sweep's statistics) the data
-    those statistics were gathered from; None when nothing reads calibration text."""
-    seq_len = block_length(config)
-    if options.calibration is not None:
-        tokens = options.calibration_tokens
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-            raise InputError(f"--calibration-tokens {tokens} must be at least 1 (e.g. 131072)")
-        spec = options.calibration
+    """The calibration text, resolved once: --calibration; else (refine on a sweep's statistics) the data
+    those statistics were gathered from; else, where a stage that shapes the weights needs it, the default
+    (the parent's samples); None when nothing reads calibration text."""
+    seq_len, hidden = block_length(config), attention_shape(config).hidden
+    tokens = options.calibration_tokens
+    if options.calibration is not None or (stats is None and options.calibration_shapes_weights):
+        spec = options.calibration if options.calibration is not None else DEFAULT_CALIBRATION
     elif stats is not None and options.refine is not None:
         spec, tokens = stats.record.get("data"), stats.tokens
     else:
         return None
-    if options.refine is not None and tokens < 2 * seq_len:
+    calibration = calibration_input(spec, tokens, seq_len, hidden)  # missing files, unknown formats, no text: now
+    if options.refine is not None and calibration.tokens < 2 * seq_len:
         raise InputError(
-            f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {tokens} tokens): "
+            f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {calibration.tokens} tokens): "
             f"raise --calibration-tokens to {2 * seq_len} or more"
         )
-    calibration = calibration_input(spec, tokens, seq_len)  # missing files, unknown formats, no text: now
     if not any((source / name).is_file() for name in TOKENIZER_FILES):
         raise InputError(
             f"--calibration needs the source's tokenizer, and {source} has none: copy the tokenizer files into it"
