@@ -94,6 +94,8 @@ def _as_field_value(option: click.Option, value, field_default):
         return tuple(value.split(","))
     if isinstance(field_default, int) and isinstance(value, str):  # a size flag: 4GiB
         return parse_size(value, option.opts[0])
+    if option.multiple and isinstance(field_default, str) and isinstance(value, tuple) and len(value) == 1:
+        return value[0]  # a repeatable flag whose field holds one value as itself
     return value
 
 

@@ -18,14 +18,14 @@ def _option(flag: str, *decls: str, **kwargs):
 
 @click.command("sweep")
 @click.argument("src")
-@_option("--calibration", required=True, metavar="DATA")
+@_option("--calibration", metavar="DATA", multiple=True, as_text=lambda value: (value,))
 @_option("--data", multiple=True, metavar="[NAME=]EVAL_TEXT", as_text=tuple)
 @_option("--out", required=True, type=click.Path(file_okay=False))
 @_option("--groups", "-g", callback=_int_list)
 @_option("--methods", callback=_str_list, choices=METHOD_SUMMARIES)
 @click.option("--refine", is_flag=True, help=option_help(SweepOptions, "refine"))
 @_option("--max-tokens", type=int)
-@_option("--calibration-tokens")
+@_option("--calibration-tokens", type=int)
 @_option("--tolerance")
 @_option("--keep", is_flag=True)
 @_option("--seed")
@@ -46,7 +46,7 @@ def sweep(
     from mha2gqa.sweep import sweep as run_sweep
 
     options = SweepOptions(
-        calibration=calibration,
+        calibration=list(calibration) if len(calibration) > 1 else calibration[0],
         data=tuple(data),
         out=out,
         groups=tuple(groups) if groups else None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, Method, RefineOptions
+from mha2gqa.convert.options import DEFAULT_CALIBRATION, Method, RefineOptions
 from mha2gqa.errors import InputError
 from mha2gqa.eval.probe import PROBE, parse_domains
 
@@ -18,9 +18,6 @@ BROKEN_SLACK = 2
 
 @dataclass
 class SweepOptions:
-    calibration: str | list[str]
-    """Calibration text, read once for every candidate: a .txt/.md/.jsonl/.json/.parquet file (compressed
-    too), a folder of them, 'austen' (the embedded novels; command line only) or a hub dataset (online)."""
     out: str
     """Directory for sweep.json, sweep.md, sweep.html and the plots (created; must not hold a sweep.json)."""
     data: str | tuple[str, ...] | dict = (PROBE,)
@@ -29,6 +26,9 @@ class SweepOptions:
     --data; default 'probe', the probe set shipped in the package (docs/eval.md). A candidate is recommended
     only when the geometric mean of its per-domain perplexity ratios to the parent is within --tolerance and
     no domain is broken (its ratio above 1 + 2 x --tolerance)."""
+    calibration: str | list[str] | dict = DEFAULT_CALIBRATION
+    """Calibration text, read once for every candidate: what convert --calibration takes (a file, a folder,
+    'austen', a hub dataset, a NAME:SHARE mix), by default 'parent': text sampled from SRC itself."""
     groups: tuple[int, ...] | None = None
     """kv-head counts to try, e.g. 8,4,2,1; each must divide the source's kv heads and be below it (values
     that do not are skipped, and said so). Default: every divisor of the source's kv heads below it."""
@@ -40,8 +40,9 @@ class SweepOptions:
     report then shows each layer's output error at every kv-head count as a heat map."""
     max_tokens: int | None = None
     """Evaluate on at most this many tokens of --data (default: all of it)."""
-    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
-    """Calibration tokens run through the source, once for the whole sweep."""
+    calibration_tokens: int | None = None
+    """Calibration tokens run through the source, once for the whole sweep (unset: convert's default, 131,072
+    of a text, 64 x hidden of the parent's samples)."""
     tolerance: float = DEFAULT_TOLERANCE
     """How much worse than the parent's perplexity a recommended candidate may be, as a fraction (0.05 =
     5%), in the geometric mean over the --data domains; any one domain may be at most twice as much worse;
@@ -70,7 +71,7 @@ class SweepOptions:
             )
         if self.max_tokens is not None and self.max_tokens < 2:
             raise InputError(f"--max-tokens {self.max_tokens} must be at least 2 (a token and the one it predicts)")
-        if self.calibration_tokens < 1:
+        if self.calibration_tokens is not None and self.calibration_tokens < 1:
             raise InputError(f"--calibration-tokens {self.calibration_tokens} must be at least 1 (e.g. 131072)")
         if self.refine is not None:
             self.refine.check()

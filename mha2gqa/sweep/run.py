@@ -19,7 +19,7 @@ import shlex
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -228,6 +228,8 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     plans = {
         c: _convert(source, models_dir / c.name, c, calibration, options, dry_run=True).conversion for c in candidates
     }
+    # the token count every dry run resolved (unset: the default of the calibration's kind), for every candidate
+    options = replace(options, calibration_tokens=next(iter(plans.values())).calibration.tokens)
     _check_room(out, _bytes_needed(plans, shape, options.keep))
     started = time.perf_counter()
     created = not out.exists()
