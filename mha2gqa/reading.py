@@ -113,25 +113,28 @@ def short_read(path, what: str = "") -> InputError:
     )
 
 
-def read_bytes(path: str | os.PathLike, limit: int, root: Path | None = None, kind: str = "file") -> bytes:
-    """The whole of a regular file of at most `limit` bytes."""
+_TOO_LARGE_FIX = "check that it is the file you meant (real ones are far smaller)"
+
+
+def read_bytes(
+    path: str | os.PathLike, limit: int, root: Path | None = None, kind: str = "file", fix: str = _TOO_LARGE_FIX
+) -> bytes:
+    """The whole of a regular file of at most `limit` bytes; `fix` ends the message of one over it (the
+    caller's words for that kind of file: a result, a recipe, a model's config)."""
     with open_regular(path, root) as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
-            raise too_large(path, size, limit, kind)
+            raise too_large(path, size, limit, kind, fix)
         return read_exactly(f, size, path)
 
 
-def too_large(path, size: int, limit: int, kind: str) -> InputError:
-    return InputError(
-        f"{path} is {size:,} bytes, over mha2gqa's limit of {limit:,} bytes for {kind}: "
-        "use the model's own file (real ones are far smaller)"
-    )
+def too_large(path, size: int, limit: int, kind: str, fix: str = _TOO_LARGE_FIX) -> InputError:
+    return InputError(f"{path} is {size:,} bytes, over mha2gqa's limit of {limit:,} bytes for {kind}: {fix}")
 
 
 def read_json(path: str | os.PathLike, fix: str, limit: int = MAX_JSON_BYTES, root: Path | None = None):
     """A JSON file, bounded (see the module docstring). `fix` ends each message: what the user does."""
-    return parse_json(read_bytes(path, limit, root, "a JSON file"), path, fix)
+    return parse_json(read_bytes(path, limit, root, "a JSON file", fix), path, fix)
 
 
 def parse_json(raw: bytes | str, where, fix: str):

@@ -22,7 +22,7 @@ import shutil
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, is_user_fault, user_file_error
 from mha2gqa.writing import beside, check_room, claim, dead_entries, make_parents, remove_dead
 
 _REPLACED, _CREATED, _OLD = "replaced", "created", "old"
@@ -30,10 +30,14 @@ _REPLACED, _CREATED, _OLD = "replaced", "created", "old"
 
 def check_folder(out: Path, flag: str, command: str, entries, force: bool) -> Path:
     """Refuse an OUT that a run of `command` may not fill; `entries` are the names it writes there (a
-    name ending in '*' is a prefix). Returns OUT with `~` expanded."""
+    name ending in '*' is a prefix). What killed runs left beside OUT is undone first (recover), so that
+    OUT is judged by what it held before them. Returns OUT with `~` expanded."""
     out = Path(out).expanduser()
     if out.name in ("", ".", "..") or out.resolve() == Path.home().resolve():
         raise InputError(f"{flag} {out}: pass a folder of its own for the {command} run, e.g. ./mha2gqa-{command}")
+    if _dead_markers(out):
+        with claim(out, f"{flag} {out}"):
+            recover(out)
     if out.is_symlink():
         raise InputError(f"{flag} {out} is a symbolic link (to {os.readlink(out)}): pass the folder it points to")
     if out.exists() and not out.is_dir():
@@ -50,6 +54,11 @@ def check_folder(out: Path, flag: str, command: str, entries, force: bool) -> Pa
             f"{flag} {out} holds an earlier {command} run: pass --force to replace it, or choose another {flag}"
         )
     return out
+
+
+def _under(err: BaseException, out: Path) -> bool:
+    name = getattr(err, "filename", None)
+    return is_user_fault(err) and name is not None and os.fsdecode(name).startswith(f"{out}{os.sep}")
 
 
 def _ours(name: str, entries) -> bool:
@@ -98,6 +107,11 @@ def _restore(out: Path, marker: Path) -> None:
         shutil.rmtree(marker, ignore_errors=True)
 
 
+def _dead_markers(out: Path) -> list:
+    stem = f"{beside(out)}."
+    return [m for kind in (_REPLACED, _CREATED, _OLD) for m in dead_entries(out.parent, f"{stem}{kind}-")]
+
+
 def recover(out: Path) -> None:
     """What runs on OUT that were killed left: each dead PID's unfinished run undone, its old copy removed."""
     stem = f"{beside(out)}."
@@ -126,8 +140,11 @@ def run_folder(out: Path, flag: str, command: str, entries, force: bool, scratch
             folder.begin()
             try:
                 yield folder
-            except BaseException:
+            except BaseException as err:
                 folder.roll_back()
+                if not folder.committed and _under(err, out):
+                    # a full or read-only disk under OUT: name OUT, not a file of the run that is gone
+                    raise user_file_error(OSError(err.errno, err.strerror), out) from err
                 raise
             folder.commit()
     except BaseException:

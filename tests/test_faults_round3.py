@@ -1,0 +1,379 @@
+"""Fault injection, third round (issue 29): the newer commands (reproduce, demo, sweep) check all their
+input before any work and follow one rule for their output folder; file modes follow the umask;
+option values are checked by their own rule; the source's side files never sink a conversion.
+
+Every refusal asserts exit code 2, exactly one `Error:` line, nothing beside OUT/DST, $TMPDIR empty and
+the sources byte-identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from fault_helpers import cli, error_line, tree_digest
+from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+
+import mha2gqa.demo.ablations as ablations
+import mha2gqa.eval.run as eval_run
+from mha2gqa import embedded
+from mha2gqa.run_folder import run_folder
+from mha2gqa.writing import write_atomic
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPE = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=4)
+
+
+@pytest.fixture
+def tmpdir_env(tmp_path, monkeypatch):
+    """$TMPDIR for this case, empty: checked empty again by `refused`."""
+    folder = tmp_path / "TMPDIR"
+    folder.mkdir()
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny 4-kv-head llama with a tokenizer, calibration and eval text (sweep's inputs)."""
+    root = tmp_path_factory.mktemp("round3")
+    save_tiny_model(root / "src", "llama", **SHAPE)
+    make_tiny_tokenizer(root / "src")
+    (root / "cal.txt").write_text(SAMPLE_TEXT * 8)
+    (root / "eval.txt").write_text(SAMPLE_TEXT.upper() * 4)
+    return root
+
+
+def _beside(out: Path) -> list[str]:
+    """What a run left at OUT's place: OUT itself and any `.OUT.*` entry beside it."""
+    if not out.parent.is_dir():
+        return []
+    return sorted(p.name for p in out.parent.iterdir() if p.name == out.name or p.name.startswith(f".{out.name}."))
+
+
+def refused(result, *words, out: Path, tmpdir: Path, left=()) -> str:
+    """The whole promise: exit 2, one Error line naming `words`, nothing at OUT's place but `left`
+    (what was there before), $TMPDIR empty."""
+    line = error_line(result, 2)
+    for word in words:
+        assert word in line, (word, line)
+    assert _beside(out) == sorted(left), _beside(out)
+    assert list(tmpdir.iterdir()) == []
+    return line
+
+
+def _sweep_args(tiny, out, *extra):
+    return [
+        "sweep",
+        tiny / "src",
+        "--calibration",
+        tiny / "cal.txt",
+        "--data",
+        tiny / "eval.txt",
+        "--out",
+        out,
+        "--calibration-tokens",
+        600,
+        "--max-tokens",
+        300,
+        "--quiet",
+        *extra,
+    ]
+
+
+# ----------------------------------------------------------- class 1: every check before any work
+REPRODUCE_FAULTS = {
+    "kv heads that do not divide": (["--kv-heads", "3"], ["--kv-heads 3", "divide", "valid: 1, 2, 4 or 8"]),
+    "kv heads naming nothing": (["--kv-heads", ","], ["--kv-heads (nothing)"]),
+    "kv heads not numbers": (["--kv-heads", "two"], ["--kv-heads 'two'", "whole numbers"]),
+    "an unknown method": (["--methods", "mean,bogus"], ["--methods bogus", "mean, first or random"]),
+    "methods naming nothing": (["--methods", ""], ["--methods (nothing)"]),
+    "alphas without 0": (["--alphas", "0.05,0.1"], ["--alphas 0.05,0.1 must hold 0"]),
+    "alphas all 0": (["--alphas", "0"], ["--alphas 0 must hold 0", "a budget above it"]),
+    "alphas above 1": (["--alphas", "0,2"], ["--alphas 0,2", "fraction in [0, 1]"]),
+    "alphas not finite": (["--alphas", "0,nan"], ["--alphas 0,nan", "fraction in [0, 1]"]),
+    "eval blocks 0": (["--eval-blocks", "0"], ["--eval-blocks 0 must be at least 1"]),
+}
+
+
+@pytest.mark.parametrize("fault", REPRODUCE_FAULTS)
+def test_reproduce_checks_every_flag_before_any_work(tmp_path, tmpdir_env, monkeypatch, fault):
+    flags, words = REPRODUCE_FAULTS[fault]
+    monkeypatch.setattr(ablations, "run_grid", lambda *a, **k: pytest.fail("the grid started"))
+    before = tree_digest(embedded.model_dir())
+    out = tmp_path / "ablations"
+    refused(cli("reproduce", "--out", out, *flags), *words, out=out, tmpdir=tmpdir_env)
+    assert tree_digest(embedded.model_dir()) == before
+
+
+def test_reproduce_and_demo_dry_runs_check_and_write_nothing(tmp_path, tmpdir_env):
+    out = tmp_path / "ablations"
+    result = cli("reproduce", "--out", out, "--methods", "mean", "--kv-heads", "2", "--alphas", "0,0.05", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "2 uptraining runs" not in result.output and "1 uptraining runs (methods mean x kv heads 2)" in result.output
+    result = cli("demo", "--quick", "--out", tmp_path / "demo", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "to 2 kv heads by mean-pooling" in result.output and "alpha=0.01" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["TMPDIR"] and list(tmpdir_env.iterdir()) == []
+    refused(
+        cli("demo", "--groups", "3", "--out", tmp_path / "demo", "--dry-run"),
+        "3",
+        out=tmp_path / "demo",
+        tmpdir=tmpdir_env,
+    )
+
+
+def test_a_failed_reproduce_leaves_no_work_folder(tmp_path, tmpdir_env, monkeypatch):
+    def fail(out, *args, **kwargs):
+        (out / "work" / "parent").mkdir(parents=True)
+        raise OSError(28, "No space left on device", str(out / "work" / "parent" / "x"))
+
+    monkeypatch.setattr(ablations, "run_grid", fail)
+    out = tmp_path / "ablations"
+    result = cli("reproduce", "--out", out, "--methods", "mean", "--kv-heads", "2", "--alphas", "0,0.05")
+    refused(result, f"{out}: no space left", out=out, tmpdir=tmpdir_env)
+
+
+# ------------------------------------------------- class 2: a user's files are never overwritten
+@pytest.mark.parametrize("command", ["reproduce", "demo"])
+def test_a_users_file_in_out_is_never_replaced(tmp_path, tmpdir_env, command):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "ablations.md").write_text("my notes")  # a name reproduce writes, in a folder that is no run
+    (out / "notes.txt").write_text("mine")
+    before = tree_digest(out)
+    for force in ([], ["--force"]):
+        refused(
+            cli(command, "--out", out, *force),
+            "holds files that are not a",
+            "notes.txt",
+            out=out,
+            tmpdir=tmpdir_env,
+            left=["mine"],
+        )
+        assert tree_digest(out) == before
+
+
+def test_an_earlier_reproduce_run_needs_force(tmp_path, tmpdir_env):
+    out = tmp_path / "ablations"
+    out.mkdir()
+    (out / "ablations.json").write_text("{}")
+    refused(
+        cli("reproduce", "--out", out),
+        "holds an earlier reproduce run: pass --force",
+        out=out,
+        tmpdir=tmpdir_env,
+        left=["ablations"],
+    )
+    assert (out / "ablations.json").read_text() == "{}"
+
+
+def test_sweep_refuses_a_users_file_and_an_earlier_sweep_without_force(tiny, tmp_path, tmpdir_env):
+    before = tree_digest(tiny)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.md").write_text("my sweep notes")  # no sweep.json beside it: sweep used to replace it
+    (out / "todo.txt").write_text("mine")
+    refused(
+        cli(*_sweep_args(tiny, out)),
+        "holds files that are not a sweep run (todo.txt)",
+        out=out,
+        tmpdir=tmpdir_env,
+        left=["out"],
+    )
+    (out / "todo.txt").unlink()
+    refused(
+        cli(*_sweep_args(tiny, out)),
+        "holds an earlier sweep run: pass --force",
+        out=out,
+        tmpdir=tmpdir_env,
+        left=["out"],
+    )
+    assert (out / "sweep.md").read_text() == "my sweep notes" and tree_digest(tiny) == before
+
+
+# -------------------------------------------- class 3: nothing left after a failure or a kill -9
+def test_a_sweep_that_fails_before_its_first_candidate_leaves_no_out(tiny, tmp_path, tmpdir_env, monkeypatch):
+    def full_disk(*_args, **_kwargs):
+        raise OSError(28, "No space left on device", str(next((tmp_path / "deep" / "out").glob(".sweep-*")) / "x"))
+
+    monkeypatch.setattr(eval_run, "evaluate", full_disk)
+    out = tmp_path / "deep" / "out"
+    refused(cli(*_sweep_args(tiny, out)), f"{out}: no space left", out=out, tmpdir=tmpdir_env)
+    assert not (tmp_path / "deep").exists()  # the parents it made go too
+
+
+_KILLED_RUN = """
+import os, signal, sys
+from pathlib import Path
+from mha2gqa.run_folder import run_folder, scratch_folder
+out = Path(sys.argv[1])
+with run_folder(out, "--out", "demo", {"report", "results", ".sweep-*"}, force=True) as folder:
+    (out / "report").mkdir()
+    (out / "report" / "report.md").write_text("half made")
+    with scratch_folder(out, ".sweep-"):
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _killed_run(out: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN, str(out)], env=env, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
+@pytest.mark.parametrize("earlier", [True, False])
+def test_the_next_start_undoes_a_run_killed_with_sigkill(tmp_path, tmpdir_env, earlier):
+    out = tmp_path / "demo"
+    if earlier:
+        (out / "results").mkdir(parents=True)
+        (out / "results" / "parent.json").write_text("earlier run")
+    before = tree_digest(out) if earlier else None
+    _killed_run(out)
+    assert any(name.startswith(".demo.") for name in _beside(out))  # the kill left its markers
+    # The next start, even one that is refused, puts the earlier run back (or removes the half-made one).
+    result = cli("demo", "--quick", "--out", out, "--dry-run")
+    if earlier:
+        refused(result, "holds an earlier demo run", out=out, tmpdir=tmpdir_env, left=["demo"])
+        assert tree_digest(out) == before
+    else:
+        assert result.exit_code == 0, result.output
+        assert _beside(out) == []
+
+
+def test_scratch_of_a_killed_sweep_is_removed_by_the_next_start(tmp_path):
+    from mha2gqa.run_folder import continued_folder
+
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "sweep.json").write_text("{}")
+    for pid in ("999999999", "999999998"):
+        (out / f".sweep-{pid}").mkdir()  # dead PIDs' statistics, several MB in real runs
+        (out / f".sweep-{pid}" / "stats.bin").write_bytes(b"\0" * 4096)
+    with continued_folder(out, "--out", scratch=".sweep-"):  # sweep --resume
+        assert sorted(p.name for p in out.iterdir()) == ["sweep.json"]
+    (out / ".sweep-999999999").mkdir()
+    with run_folder(out, "--out", "sweep", {"sweep.json", ".sweep-*"}, force=True, scratch=".sweep-"):
+        assert list(out.iterdir()) == []  # the earlier sweep is aside, its scratch with it
+    assert _beside(out) == ["sweep"] and list(out.iterdir()) == []
+
+
+def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tmp_path, tmpdir_env):
+    out = tmp_path / "ablations"
+    with run_folder(out, "--out", "reproduce", ablations.RUN_ENTRIES, force=False):
+        result = cli("reproduce", "--out", tmp_path / "ablations", "--force", "--methods", "mean", "--kv-heads", "2")
+        line = error_line(result)
+        assert f"is being written by another mha2gqa run (PID {os.getpid()}" in line
+    assert _beside(out) == ["ablations"] and list(tmpdir_env.iterdir()) == []
+
+
+# --------------------------------------------------------------- class 4: modes follow the umask
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_written_files_follow_the_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        write_atomic(tmp_path / "new.json", "{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == mode
+
+
+def test_a_replaced_file_keeps_its_mode(tmp_path):
+    path = tmp_path / "card.md"
+    path.write_text("old")
+    path.chmod(0o640)
+    write_atomic(path, "new")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640 and path.read_text() == "new"
+
+
+def test_a_converted_models_card_and_provenance_are_readable_by_others(tiny, tmp_path):
+    """A real umask of a real process: the CLI as a subprocess under umask 022."""
+    dst = tmp_path / "gqa"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mha2gqa", "convert", str(tiny / "src"), str(dst), "--groups", "2", "-q"],
+        env=env,
+        capture_output=True,
+        text=True,
+        preexec_fn=lambda: os.umask(0o022),
+    )
+    assert proc.returncode == 0, proc.stderr
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in dst.iterdir()}
+    assert modes["README.md"] == modes["mha2gqa.json"] == modes["config.json"] == 0o644, modes
+
+
+# ------------------------------------------- class 6: every option value checked by its own rule
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--groups", ""], ["--groups '' names nothing"]),
+        (["--groups", ","], ["--groups ',' names nothing"]),
+        (["--groups", "0"], ["--groups 0", "at least 1"]),
+        (["--groups", "a,b"], ["--groups 'a,b' must be comma-separated whole numbers"]),
+        (["--methods", ""], ["--methods '' names nothing", "mean,calibrated"]),
+        (["--methods", ", ,"], ["--methods ', ,' names nothing"]),
+        (["--force", "--resume"], ["--force and --resume contradict"]),
+        (["--resume"], ["--resume:", "holds no sweep.json"]),
+    ],
+)
+def test_sweep_flags_are_refused_in_their_own_words(tiny, tmp_path, tmpdir_env, flags, words):
+    out = tmp_path / "out"
+    line = refused(cli(*_sweep_args(tiny, out, *flags)), *words, out=out, tmpdir=tmpdir_env)
+    assert "hellaswag" not in line
+
+
+def test_a_thread_count_past_any_machine_is_refused(tmp_path):
+    line = error_line(cli("--threads", "99999999999", "inspect", tmp_path))
+    assert "--threads '99999999999' is more than 4,096 threads" in line
+
+
+def test_a_file_over_its_size_limit_is_told_its_own_fix(tmp_path, monkeypatch):
+    import mha2gqa.reading as reading
+    from mha2gqa.eval.schema import load_result
+
+    result = tmp_path / "result.json"
+    result.write_text("{}" + " " * 100)
+    monkeypatch.setattr(reading, "MAX_JSON_BYTES", 101)
+    monkeypatch.setattr(reading.read_json, "__defaults__", (101, None))
+    with pytest.raises(ValueError, match="over mha2gqa's limit of 101 bytes") as caught:
+        load_result(result)
+    assert "mha2gqa eval" in str(caught.value) and "model's own" not in str(caught.value)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("a: 1\n" + "#" * (1 << 20))
+    line = error_line(cli("uptrain", "--recipe", recipe), strict=False)
+    assert "for a recipe: a recipe is a few KB of YAML" in line and "model's own" not in line
+
+
+@pytest.fixture(scope="module")
+def parent_result(tiny):
+    out = tiny / "parent.json"
+    result = cli("eval", tiny / "src", "--data", tiny / "eval.txt", "--max-tokens", 100, "--out", out, "--quiet")
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(
+    "parent, candidates, words",
+    [
+        (None, [], ["the parent of the sweep has no eval result (no entry)"]),
+        ("ok", [{"name": "kv2-mean", "result": None}], ["candidate 'kv2-mean' of the sweep has no eval result"]),
+        ("ok", [{"name": "kv1-mean", "result": {"schema": "x"}}], ["(candidate 'kv1-mean' of the sweep)", "'x'"]),
+        ("ok", [7], ["candidate #1 of the sweep has no eval result (a JSON int)"]),
+    ],
+)
+def test_report_of_a_broken_sweep_names_the_bad_entry(parent_result, tmp_path, tmpdir_env, parent, candidates, words):
+    from mha2gqa.eval.schema import SWEEP_SCHEMA
+
+    sweep_json = tmp_path / "sweep.json"
+    parent = {"perplexity": 1.0, "result": parent_result} if parent else None
+    sweep_json.write_text(json.dumps({"schema": SWEEP_SCHEMA, "parent": parent, "candidates": candidates}))
+    out = tmp_path / "report"
+    line = refused(cli("report", sweep_json, "--out", out), *words, out=out, tmpdir=tmpdir_env)
+    assert "NoneType" not in line
