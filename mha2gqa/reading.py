@@ -45,17 +45,28 @@ def file_kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
+def resolve(path: str | os.PathLike) -> Path:
+    """Path.resolve(), with a symbolic link loop reported as the OSError ELOOP naming `path` (one line
+    for the user, like every ELOOP from open()): Python before 3.13 raises a RuntimeError there."""
+    try:
+        return Path(path).resolve()
+    except RuntimeError as err:
+        if "Symlink loop" not in str(err):
+            raise
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fspath(path)) from None
+
+
 def inside(path: Path, root: Path) -> Path:
     """`path` (named inside model directory `root`) if what it resolves to is inside `root`, else
     InputError. A hub cache snapshot's files are links into the repo's blobs/ folder: those count as
     inside. Links within `root` are fine; only leaving it is refused."""
     path, root = Path(path), Path(root)
-    real = path.resolve()
+    real = resolve(path)
     if not real.exists():
         return path  # a dangling link: opening it says "no such file"
-    allowed = [root.resolve()]
+    allowed = [resolve(root)]
     if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--")):
-        allowed.append((root.parent.parent / "blobs").resolve())
+        allowed.append(resolve(root.parent.parent / "blobs"))
     if not any(real == top or top in real.parents for top in allowed):
         raise InputError(
             f"{path} is a link to {real}, outside the model directory {root}: mha2gqa reads only files "

@@ -23,6 +23,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from mha2gqa.errors import InputError, is_user_fault, user_file_error
+from mha2gqa.reading import resolve
 from mha2gqa.writing import beside, check_room, claim, dead_entries, make_parents, remove_dead
 
 _REPLACED, _CREATED, _OLD = "replaced", "created", "old"
@@ -33,13 +34,13 @@ def check_folder(out: Path, flag: str, command: str, entries, force: bool) -> Pa
     name ending in '*' is a prefix). What killed runs left beside OUT is undone first (recover), so that
     OUT is judged by what it held before them. Returns OUT with `~` expanded."""
     out = Path(out).expanduser()
-    if out.name in ("", ".", "..") or out.resolve() == Path.home().resolve():
+    if out.is_symlink():
+        raise InputError(f"{flag} {out} is a symbolic link (to {os.readlink(out)}): pass the folder it points to")
+    if out.name in ("", ".", "..") or resolve(out) == resolve(Path.home()):
         raise InputError(f"{flag} {out}: pass a folder of its own for the {command} run, e.g. ./mha2gqa-{command}")
     if _dead_markers(out):
         with claim(out, f"{flag} {out}"):
             recover(out)
-    if out.is_symlink():
-        raise InputError(f"{flag} {out} is a symbolic link (to {os.readlink(out)}): pass the folder it points to")
     if out.exists() and not out.is_dir():
         raise InputError(f"{flag} {out} is a file: pass a directory for the {command} run")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -377,3 +378,99 @@ def test_report_of_a_broken_sweep_names_the_bad_entry(parent_result, tmp_path, t
     out = tmp_path / "report"
     line = refused(cli("report", sweep_json, "--out", out), *words, out=out, tmpdir=tmpdir_env)
     assert "NoneType" not in line
+
+
+# ------------------------------------------------------- sweep --resume (issue 30): finished rows kept
+def test_sweep_resume_reuses_the_finished_candidates(tiny, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    evaluate, seen = eval_run.evaluate, []
+
+    def interrupt_at_the_second_candidate(model_path, *args, **kwargs):
+        seen.append(Path(model_path).name)
+        if len(seen) == 3:  # the parent, candidate 1, then candidate 2
+            raise KeyboardInterrupt
+        return evaluate(model_path, *args, **kwargs)
+
+    monkeypatch.setattr(eval_run, "evaluate", interrupt_at_the_second_candidate)
+    assert cli(*_sweep_args(tiny, out)).exit_code == 130
+    first = json.loads((out / "sweep.json").read_text())
+    assert [r["name"] for r in first["candidates"]] == ["kv2-mean"]
+
+    seen.clear()
+    monkeypatch.setattr(
+        eval_run, "evaluate", lambda path, *a, **k: seen.append(Path(path).name) or evaluate(path, *a, **k)
+    )
+    refused_line = error_line(cli(*_sweep_args(tiny, out, "--resume", "--seed", "1")))
+    assert "--resume: --seed differs from the sweep" in refused_line and seen == []
+    result = cli(*_sweep_args(tiny, out, "--resume"))
+    assert result.exit_code == 0, result.output
+    assert "resuming" in result.output and "1 of 4 candidates already finished" in result.output
+    assert seen == ["kv2-calibrated", "kv1-mean", "kv1-calibrated"]  # not the parent, not kv2-mean again
+    record = json.loads((out / "sweep.json").read_text())
+    assert [r["name"] for r in record["candidates"]] == ["kv2-mean", "kv2-calibrated", "kv1-mean", "kv1-calibrated"]
+    assert record["candidates"][0] == first["candidates"][0] and record["interrupted"] is False
+    assert record["parent"] == first["parent"] and not list(out.glob(".sweep-*"))
+
+
+# --------------------------------------------------- class 7: the source's side files never sink it
+@pytest.fixture
+def src(tiny, tmp_path, tmpdir_env):
+    path = tmp_path / "src"
+    shutil.copytree(tiny / "src", path)
+    return path
+
+
+def test_a_source_card_over_the_limit_is_kept_unread_with_a_warning(src, tmp_path, tmpdir_env):
+    from mha2gqa.card import MAX_CARD_BYTES
+
+    big = b"---\nlicense: mit\n---\n" + b"x" * MAX_CARD_BYTES  # 4 MiB + 20 bytes
+    (src / "README.md").write_bytes(big)
+    before = tree_digest(src)
+    dst = tmp_path / "dst"
+    result = cli("convert", src, dst, "--groups", "2", "-q")
+    assert result.exit_code == 0, result.output
+    warnings = [ln for ln in result.stderr.splitlines() if ln.startswith("Warning: ")]
+    assert len(warnings) == 1 and f"{src / 'README.md'} is {len(big):,} bytes" in warnings[0]
+    assert ".partial-" not in result.stderr
+    assert (dst / "SOURCE_README.md").read_bytes() == big and "license: mit" not in (dst / "README.md").read_text()
+    assert tree_digest(src) == before and list(tmpdir_env.iterdir()) == []
+
+
+def test_the_parents_own_provenance_log_and_results_are_not_carried(src, tmp_path):
+    (src / "PROVENANCE.md").write_text("# A multi-head attention model\n")
+    (src / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (src / "parent-eval.json").write_text(json.dumps({"schema": "mha2gqa.eval/1", "perplexity": 3.0}))
+    (src / "special_tokens_map.json").write_text("{}")  # an ordinary side file: still copied
+    dst = tmp_path / "dst"
+    assert cli("convert", src, dst, "--groups", "2", "-q").exit_code == 0
+    names = {p.name for p in dst.iterdir()}
+    assert not names & {"PROVENANCE.md", "metrics.jsonl", "parent-eval.json"}
+    assert "special_tokens_map.json" in names and "3.0" not in (dst / "README.md").read_text()
+
+
+# -------------------------------------------------------------- class 9: loops and odd links
+LOOPS = {"a link to itself": {"loop": "loop"}, "two links": {"a": "b", "b": "a"}, "config.json": {"config.json": "c"}}
+
+
+@pytest.mark.parametrize("fault", LOOPS)
+def test_a_symlink_loop_inside_src_is_one_eloop_line(src, tmp_path, tmpdir_env, fault):
+    links = LOOPS[fault] | ({"c": "config.json"} if fault == "config.json" else {})
+    for name, target in links.items():
+        (src / name).unlink(missing_ok=True)
+        (src / name).symlink_to(target)
+    before = tree_digest(src)
+    dst = tmp_path / "dst"
+    line = refused(cli("convert", src, dst, "--groups", "2", "-q"), "symbolic links", out=dst, tmpdir=tmpdir_env)
+    assert str(src) in line
+    if fault == "config.json":  # inspect reads only the config and the weights
+        refused(cli("inspect", src), "symbolic links", out=dst, tmpdir=tmpdir_env)
+    assert tree_digest(src) == before
+
+
+def test_a_dst_or_out_that_is_a_link_loop_is_one_line(src, tmp_path, tmpdir_env):
+    loop = tmp_path / "loop"
+    loop.symlink_to("loop")
+    line = error_line(cli("convert", src, loop, "--groups", "2", "-q"))
+    assert "loop" in line
+    line = error_line(cli("demo", "--out", loop, "--dry-run"))
+    assert "is a symbolic link" in line
