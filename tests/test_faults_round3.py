@@ -474,3 +474,26 @@ def test_a_dst_or_out_that_is_a_link_loop_is_one_line(src, tmp_path, tmpdir_env)
     assert "loop" in line
     line = error_line(cli("demo", "--out", loop, "--dry-run"))
     assert "is a symbolic link" in line
+
+
+# ----------------------------------------------------- class 8: bounds answer in seconds, not minutes
+def _llama_parameters(layers: int, h: int = 64, inter: int = 128, vocab: int = 1000) -> int:
+    """A llama with as many kv heads as heads and untied embeddings, counted by hand."""
+    return 2 * vocab * h + h + layers * (4 * h * h + 3 * h * inter + 2 * h)
+
+
+@pytest.mark.parametrize("layers", [30, 10_000])  # 10,000: the stated ceiling (layouts.CEILINGS)
+def test_inspect_of_a_bare_config_at_the_layer_ceiling_answers_in_seconds(tmp_path, layers):
+    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128)
+    config |= dict(num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=layers, vocab_size=1000)
+    (tmp_path / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("inspect took over 60 s (432 s at 10,000 layers)"))
+    signal.alarm(60)
+    try:
+        result = cli("inspect", tmp_path)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert result.exit_code == 0, result.output
+    expected = _llama_parameters(layers)
+    assert f"{layers} layers" in result.output and f"{expected / 1e6:.2f}M parameters" in result.output, result.output
