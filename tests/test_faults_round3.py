@@ -497,3 +497,58 @@ def test_inspect_of_a_bare_config_at_the_layer_ceiling_answers_in_seconds(tmp_pa
     assert result.exit_code == 0, result.output
     expected = _llama_parameters(layers)
     assert f"{layers} layers" in result.output and f"{expected / 1e6:.2f}M parameters" in result.output, result.output
+
+
+# ----------------------------------------------------- class 5: offline with a warm hub cache works
+def _hub_cache(model: Path, cache: Path, repo_id: str = "someorg/tiny-llama") -> Path:
+    """`model` laid out as huggingface_hub caches a download: blobs named by their sha256, a snapshot of
+    relative links to them, and refs/main naming the snapshot."""
+    import hashlib
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for file in sorted(p for p in model.iterdir() if p.is_file()):
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, repo / "blobs" / digest)
+        (repo / "snapshots" / commit / file.name).symlink_to(f"../../blobs/{digest}")
+    return repo
+
+
+def test_a_hub_id_in_the_warm_cache_converts_offline(tiny, tmp_path):
+    """A real subprocess, offline, with HF_HUB_CACHE pointing at the cache: as on a cluster."""
+    cache = tmp_path / "hub"
+    repo = _hub_cache(tiny / "src", cache)
+    before = tree_digest(repo)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+    dst = tmp_path / "gqa"
+    command = [sys.executable, "-m", "mha2gqa", "convert", "someorg/tiny-llama", str(dst), "--groups", "2", "-q"]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert (dst / "model.safetensors").is_file() and "someorg/tiny-llama" in (dst / "README.md").read_text()
+    proc = subprocess.run(
+        [*command[:4], "someorg/absent", str(tmp_path / "x"), "--groups", "2"], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "hub cache" in proc.stderr and "holds no snapshot of it" in proc.stderr
+    assert tree_digest(repo) == before and not (tmp_path / "x").exists()
+
+
+def test_eval_and_uptrain_checks_take_a_hub_id_from_the_warm_cache(tiny, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from mha2gqa.sources import model_ref_problem, resolve_model_dir
+
+    repo = _hub_cache(tiny / "src", tmp_path / "hub")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert model_ref_problem("someorg/tiny-llama", "model=") is None  # the recipe's check (uptrain)
+    assert resolve_model_dir("someorg/tiny-llama").parent == repo / "snapshots"
+    out = tmp_path / "result.json"
+    result = cli(
+        "eval", "someorg/tiny-llama", "--data", tiny / "eval.txt", "--max-tokens", 100, "--out", out, "--quiet"
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["model"]["kv_heads"] == 4
