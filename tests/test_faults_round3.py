@@ -24,11 +24,17 @@ from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 import mha2gqa.demo.ablations as ablations
 import mha2gqa.eval.run as eval_run
 from mha2gqa import embedded
-from mha2gqa.run_folder import run_folder
 from mha2gqa.writing import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPE = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=4)
+
+
+@pytest.fixture
+def no_grid(monkeypatch):
+    """A reproduce that gets past its checks fails the test at once (the old code ran the grid)."""
+    monkeypatch.setattr(ablations, "run_grid", lambda *a, **k: pytest.fail("the grid started"))
+    monkeypatch.setattr("mha2gqa.demo.pipeline._run_stages", lambda *a, **k: pytest.fail("the demo started"))
 
 
 @pytest.fixture
@@ -105,16 +111,15 @@ REPRODUCE_FAULTS = {
 
 
 @pytest.mark.parametrize("fault", REPRODUCE_FAULTS)
-def test_reproduce_checks_every_flag_before_any_work(tmp_path, tmpdir_env, monkeypatch, fault):
+def test_reproduce_checks_every_flag_before_any_work(tmp_path, tmpdir_env, no_grid, fault):
     flags, words = REPRODUCE_FAULTS[fault]
-    monkeypatch.setattr(ablations, "run_grid", lambda *a, **k: pytest.fail("the grid started"))
     before = tree_digest(embedded.model_dir())
     out = tmp_path / "ablations"
     refused(cli("reproduce", "--out", out, *flags), *words, out=out, tmpdir=tmpdir_env)
     assert tree_digest(embedded.model_dir()) == before
 
 
-def test_reproduce_and_demo_dry_runs_check_and_write_nothing(tmp_path, tmpdir_env):
+def test_reproduce_and_demo_dry_runs_check_and_write_nothing(tmp_path, tmpdir_env, no_grid):
     out = tmp_path / "ablations"
     result = cli("reproduce", "--out", out, "--methods", "mean", "--kv-heads", "2", "--alphas", "0,0.05", "--dry-run")
     assert result.exit_code == 0, result.output
@@ -144,7 +149,7 @@ def test_a_failed_reproduce_leaves_no_work_folder(tmp_path, tmpdir_env, monkeypa
 
 # ------------------------------------------------- class 2: a user's files are never overwritten
 @pytest.mark.parametrize("command", ["reproduce", "demo"])
-def test_a_users_file_in_out_is_never_replaced(tmp_path, tmpdir_env, command):
+def test_a_users_file_in_out_is_never_replaced(tmp_path, tmpdir_env, no_grid, command):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "ablations.md").write_text("my notes")  # a name reproduce writes, in a folder that is no run
@@ -162,7 +167,7 @@ def test_a_users_file_in_out_is_never_replaced(tmp_path, tmpdir_env, command):
         assert tree_digest(out) == before
 
 
-def test_an_earlier_reproduce_run_needs_force(tmp_path, tmpdir_env):
+def test_an_earlier_reproduce_run_needs_force(tmp_path, tmpdir_env, no_grid):
     out = tmp_path / "ablations"
     out.mkdir()
     (out / "ablations.json").write_text("{}")
@@ -231,7 +236,7 @@ def _killed_run(out: Path) -> None:
 
 
 @pytest.mark.parametrize("earlier", [True, False])
-def test_the_next_start_undoes_a_run_killed_with_sigkill(tmp_path, tmpdir_env, earlier):
+def test_the_next_start_undoes_a_run_killed_with_sigkill(tmp_path, tmpdir_env, no_grid, earlier):
     out = tmp_path / "demo"
     if earlier:
         (out / "results").mkdir(parents=True)
@@ -250,7 +255,7 @@ def test_the_next_start_undoes_a_run_killed_with_sigkill(tmp_path, tmpdir_env, e
 
 
 def test_scratch_of_a_killed_sweep_is_removed_by_the_next_start(tmp_path):
-    from mha2gqa.run_folder import continued_folder
+    from mha2gqa.run_folder import continued_folder, run_folder
 
     out = tmp_path / "sweep"
     out.mkdir()
@@ -266,7 +271,9 @@ def test_scratch_of_a_killed_sweep_is_removed_by_the_next_start(tmp_path):
     assert _beside(out) == ["sweep"] and list(out.iterdir()) == []
 
 
-def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tmp_path, tmpdir_env):
+def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tmp_path, tmpdir_env, no_grid):
+    from mha2gqa.run_folder import run_folder
+
     out = tmp_path / "ablations"
     with run_folder(out, "--out", "reproduce", ablations.RUN_ENTRIES, force=False):
         result = cli("reproduce", "--out", tmp_path / "ablations", "--force", "--methods", "mean", "--kv-heads", "2")
@@ -467,7 +474,7 @@ def test_a_symlink_loop_inside_src_is_one_eloop_line(src, tmp_path, tmpdir_env, 
     assert tree_digest(src) == before
 
 
-def test_a_dst_or_out_that_is_a_link_loop_is_one_line(src, tmp_path, tmpdir_env):
+def test_a_dst_or_out_that_is_a_link_loop_is_one_line(src, tmp_path, tmpdir_env, no_grid):
     loop = tmp_path / "loop"
     loop.symlink_to("loop")
     line = error_line(cli("convert", src, loop, "--groups", "2", "-q"))
