@@ -68,7 +68,7 @@ def model_ref_problem(name: str, what: str = "") -> str | None:
         return f"{label}: no such directory{why}, and not a hub id like gpt2 or org/name"
     if hub_offline() and cached_snapshot(name) is None:
         return (
-            f"{label} is not a local directory, the hub is offline (HF_HUB_OFFLINE=1) and the hub cache "
+            f"{label} is not a local directory and the hub is offline (HF_HUB_OFFLINE=1), and the hub cache "
             f"({_cache_dir()}) holds no snapshot of it: download it first or pass a local path"
         )
     return None
