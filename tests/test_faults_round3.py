@@ -559,3 +559,14 @@ def test_eval_and_uptrain_checks_take_a_hub_id_from_the_warm_cache(tiny, tmp_pat
     )
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["model"]["kv_heads"] == 4
+
+
+def test_a_killed_reports_staging_is_removed_by_the_next_report(parent_result, tmp_path):
+    result = tmp_path / "parent.json"
+    result.write_text(json.dumps(parent_result))
+    dead = tmp_path / ".report.partial-999999999"  # what a kill -9 of a report leaves
+    dead.mkdir()
+    (dead / "report.md").write_text("half")
+    outcome = cli("report", result, "--out", tmp_path / "report")
+    assert outcome.exit_code == 0, outcome.output
+    assert not dead.exists() and (tmp_path / "report" / "report.md").is_file()
