@@ -570,3 +570,12 @@ def test_a_killed_reports_staging_is_removed_by_the_next_report(parent_result, t
     outcome = cli("report", result, "--out", tmp_path / "report")
     assert outcome.exit_code == 0, outcome.output
     assert not dead.exists() and (tmp_path / "report" / "report.md").is_file()
+
+
+def test_sweep_dry_run_plans_every_candidate_and_writes_nothing(tiny, tmp_path, tmpdir_env):
+    out = tmp_path / "out"
+    result = cli(*_sweep_args(tiny, out, "--dry-run"))
+    assert result.exit_code == 0, result.output
+    assert "would sweep 4 candidates" in result.output and "kv1-calibrated" in result.output
+    assert _beside(out) == [] and list(tmpdir_env.iterdir()) == []
+    refused(cli(*_sweep_args(tiny, out, "--dry-run", "--groups", "3")), "--groups 3", out=out, tmpdir=tmpdir_env)

@@ -55,6 +55,7 @@ def _option(flag: str, *decls: str, **kwargs):
 @_option("--seed")
 @_option("--force", is_flag=True)
 @_option("--resume", is_flag=True)
+@_option("--dry-run", is_flag=True)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def sweep(
     src,
@@ -71,6 +72,7 @@ def sweep(
     seed,
     force,
     resume,
+    dry_run,
     quiet,
 ):
     """Convert SRC to every kv-head count (default: each divisor of its kv heads below it) with every method,
@@ -101,7 +103,10 @@ def sweep(
         progress=not quiet,
         force=force,
         resume=resume,
+        dry_run=dry_run,
     )
     record = run_sweep(src, options, echo=click.echo)
+    if dry_run:
+        return
     click.echo(f"wrote {out}/sweep.json, sweep.md, sweep.html")
     click.echo(record["recommendation"]["line"])

@@ -49,6 +49,9 @@ class SweepOptions:
     force: bool = False
     """Replace an earlier sweep in OUT (as a whole: it is put back if the new one fails before its first
     candidate)."""
+    dry_run: bool = False
+    """Check everything (every candidate through convert's own plan, OUT, the room) and print what would
+    run; write nothing."""
     resume: bool = False
     """Continue the sweep in OUT after an interruption: the candidates it finished are kept, not run again
     (the source and every setting that changes a number must be the same; --groups, --methods and

@@ -253,7 +253,12 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
         for c in candidates
         if c.name not in done
     }
-    _check_room(out, _bytes_needed(plans, shape, options.keep))
+    needed = _bytes_needed(plans, shape, options.keep)
+    _check_room(out, needed)
+    if options.dry_run:
+        echo(f"would sweep {len(plans)} candidates into {out}: {', '.join(c.name for c in plans) or 'none left'}")
+        echo(f"  {out} needs {needed / 2**20:,.1f} MiB at the worst moment (statistics and converted models)")
+        return record
     started = time.perf_counter()
     with _folder(out, options) as folder:
         if earlier is not None:
