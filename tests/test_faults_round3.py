@@ -342,19 +342,23 @@ def test_a_thread_count_past_any_machine_is_refused(tmp_path):
     assert "--threads '99999999999' is more than 4,096 threads" in line
 
 
-def test_a_file_over_its_size_limit_is_told_its_own_fix(tmp_path, monkeypatch):
-    import mha2gqa.reading as reading
-    from mha2gqa.eval.schema import load_result
+def test_a_file_over_its_size_limit_is_told_its_own_fix(tmp_path, tmpdir_env):
+    from mha2gqa.reading import MAX_JSON_BYTES, MAX_YAML_BYTES
 
     result = tmp_path / "result.json"
-    result.write_text("{}" + " " * 100)
-    monkeypatch.setattr(reading, "MAX_JSON_BYTES", 101)
-    monkeypatch.setattr(reading.read_json, "__defaults__", (101, None))
-    with pytest.raises(ValueError, match="over mha2gqa's limit of 101 bytes") as caught:
-        load_result(result)
-    assert "mha2gqa eval" in str(caught.value) and "model's own" not in str(caught.value)
+    with open(result, "wb") as f:  # one byte over the limit, sparse: refused from its size, never read
+        f.write(b"{}")
+        f.truncate(MAX_JSON_BYTES + 1)
+    line = refused(
+        cli("report", result, "--out", tmp_path / "report"),
+        f"limit of {MAX_JSON_BYTES:,} bytes",
+        out=tmp_path / "report",
+        tmpdir=tmpdir_env,
+    )
+    assert "written by `mha2gqa eval`" in line and "model's own" not in line
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("a: 1\n" + "#" * (1 << 20))
+    recipe.write_text("a: 1\n" + "#" * (MAX_YAML_BYTES - 4))  # MAX_YAML_BYTES + 1 bytes
+    assert recipe.stat().st_size == MAX_YAML_BYTES + 1
     line = error_line(cli("uptrain", "--recipe", recipe), strict=False)
     assert "for a recipe: a recipe is a few KB of YAML" in line and "model's own" not in line
 
