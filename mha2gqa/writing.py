@@ -200,7 +200,7 @@ def claim(path: Path, what: str):
             os.close(fd)
             raise InputError(
                 f"{what} is being written by another mha2gqa run (PID {holder}, lock {lock_path}): "
-                "wait for it to finish or choose another output"
+                f"wait for it to finish or choose another {what.split()[0]}"
             ) from None
         try:
             current = os.stat(lock_path)
