@@ -8,9 +8,7 @@ is transformed is read alone into memory it owns. Memory stays flat whatever the
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
 import json
 import os
 import shutil
@@ -22,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from mha2gqa.errors import InputError, is_user_fault, user_file_error
 from mha2gqa.reading import open_regular, parse_json, read_exactly, read_json, short_read
-from mha2gqa.writing import check_room, swap_in
+from mha2gqa.writing import beside, check_room, claim, make_parents, remove_dead, swap_in
 
 if TYPE_CHECKING:  # annotations only: reading headers must not import torch
     import torch
@@ -477,13 +475,13 @@ def atomic_directory(dst: Path, replace: bool = False, needed_bytes: int = 0):
     it, so at every instant `dst` is the old or the new directory, never missing."""
     dst = Path(dst)
     check_destination(dst, replace)
-    created = _make_parents(dst.parent, dst)
+    created = make_parents(dst.parent, f"DST {dst}")
     try:
-        with _claim(dst):
+        with claim(dst, f"DST {dst}"):
             check_destination(dst, replace)
-            _remove_debris(dst)
+            remove_dead(dst.parent, f"{beside(dst)}.partial-")
             check_room(dst.parent, needed_bytes, f"DST {dst}")
-            tmp = dst.parent / f"{_beside(dst)}.partial-{os.getpid()}"
+            tmp = dst.parent / f"{beside(dst)}.partial-{os.getpid()}"
             try:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir()
@@ -500,79 +498,3 @@ def atomic_directory(dst: Path, replace: bool = False, needed_bytes: int = 0):
             with suppress(OSError):
                 parent.rmdir()
         raise
-
-
-def _beside(dst: Path) -> str:
-    """The stem of the names this run puts beside DST (`.DST.partial-PID`, `.DST.lock`): `.DST`, or
-    for a DST name near the 255-byte limit a shortened one with a digest of the name, so that any
-    legal DST name works."""
-    name = f".{dst.name}"
-    if len(os.fsencode(name)) <= 255 - len(".partial-4194304-old"):  # the longest name made from it
-        return name
-    digest = hashlib.sha256(os.fsencode(dst.name)).hexdigest()[:16]
-    return f".{os.fsencode(dst.name)[:160].decode(errors='ignore')}-{digest}"
-
-
-def _make_parents(directory: Path, dst: Path) -> list[Path]:
-    """mkdir -p, after checking that the nearest existing ancestor is writable; returns what it created."""
-    missing = []
-    existing = check_room(directory, 0, f"DST {dst}")
-    while directory != existing:
-        missing.append(directory)
-        directory = directory.parent
-    for path in reversed(missing):
-        path.mkdir()
-    return list(reversed(missing))
-
-
-@contextmanager
-def _claim(dst: Path):
-    """Hold an exclusive flock on `.DST.lock` for the whole write. The lock file is removed at the end
-    while still locked; a run that locked the removed file notices (different inode) and retries."""
-    lock_path = dst.parent / f"{_beside(dst)}.lock"
-    while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise InputError(
-                f"DST {dst} is being written by another mha2gqa run (PID {holder}, lock {lock_path}): "
-                "wait for it to finish or choose another DST"
-            ) from None
-        try:
-            current = os.stat(lock_path)
-        except FileNotFoundError:
-            current = None
-        if current is not None and os.path.samestat(os.fstat(fd), current):
-            break
-        os.close(fd)
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
-    finally:
-        with suppress(FileNotFoundError):
-            os.unlink(lock_path)
-        os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
-def _remove_debris(dst: Path) -> None:
-    """Remove `.DST.partial-PID*` directories whose PID is gone (this run holds DST's lock, so no live
-    mha2gqa run is writing them). A live PID's directory is left alone, whatever it is."""
-    prefix = f"{_beside(dst)}.partial-"
-    for path in dst.parent.iterdir():
-        pid = path.name[len(prefix) :].split("-")[0] if path.name.startswith(prefix) else ""
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)

@@ -45,17 +45,28 @@ def file_kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
+def resolve(path: str | os.PathLike) -> Path:
+    """Path.resolve(), with a symbolic link loop reported as the OSError ELOOP naming `path` (one line
+    for the user, like every ELOOP from open()): Python before 3.13 raises a RuntimeError there."""
+    try:
+        return Path(path).resolve()
+    except RuntimeError as err:
+        if "Symlink loop" not in str(err):
+            raise
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fspath(path)) from None
+
+
 def inside(path: Path, root: Path) -> Path:
     """`path` (named inside model directory `root`) if what it resolves to is inside `root`, else
     InputError. A hub cache snapshot's files are links into the repo's blobs/ folder: those count as
     inside. Links within `root` are fine; only leaving it is refused."""
     path, root = Path(path), Path(root)
-    real = path.resolve()
+    real = resolve(path)
     if not real.exists():
         return path  # a dangling link: opening it says "no such file"
-    allowed = [root.resolve()]
+    allowed = [resolve(root)]
     if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--")):
-        allowed.append((root.parent.parent / "blobs").resolve())
+        allowed.append(resolve(root.parent.parent / "blobs"))
     if not any(real == top or top in real.parents for top in allowed):
         raise InputError(
             f"{path} is a link to {real}, outside the model directory {root}: mha2gqa reads only files "
@@ -113,25 +124,28 @@ def short_read(path, what: str = "") -> InputError:
     )
 
 
-def read_bytes(path: str | os.PathLike, limit: int, root: Path | None = None, kind: str = "file") -> bytes:
-    """The whole of a regular file of at most `limit` bytes."""
+_TOO_LARGE_FIX = "check that it is the file you meant (real ones are far smaller)"
+
+
+def read_bytes(
+    path: str | os.PathLike, limit: int, root: Path | None = None, kind: str = "file", fix: str = _TOO_LARGE_FIX
+) -> bytes:
+    """The whole of a regular file of at most `limit` bytes; `fix` ends the message of one over it (the
+    caller's words for that kind of file: a result, a recipe, a model's config)."""
     with open_regular(path, root) as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
-            raise too_large(path, size, limit, kind)
+            raise too_large(path, size, limit, kind, fix)
         return read_exactly(f, size, path)
 
 
-def too_large(path, size: int, limit: int, kind: str) -> InputError:
-    return InputError(
-        f"{path} is {size:,} bytes, over mha2gqa's limit of {limit:,} bytes for {kind}: "
-        "use the model's own file (real ones are far smaller)"
-    )
+def too_large(path, size: int, limit: int, kind: str, fix: str = _TOO_LARGE_FIX) -> InputError:
+    return InputError(f"{path} is {size:,} bytes, over mha2gqa's limit of {limit:,} bytes for {kind}: {fix}")
 
 
 def read_json(path: str | os.PathLike, fix: str, limit: int = MAX_JSON_BYTES, root: Path | None = None):
     """A JSON file, bounded (see the module docstring). `fix` ends each message: what the user does."""
-    return parse_json(read_bytes(path, limit, root, "a JSON file"), path, fix)
+    return parse_json(read_bytes(path, limit, root, "a JSON file", fix), path, fix)
 
 
 def parse_json(raw: bytes | str, where, fix: str):

@@ -66,21 +66,42 @@ def model_ref_problem(name: str, what: str = "") -> str | None:
     if local or not is_hub_id(name):
         why = f" ({local})" if local else ""
         return f"{label}: no such directory{why}, and not a hub id like gpt2 or org/name"
-    if hub_offline():
+    if hub_offline() and cached_snapshot(name) is None:
         return (
-            f"{label} is not a local directory and the hub is offline (HF_HUB_OFFLINE=1): "
-            "download it first or pass a local path"
+            f"{label} is not a local directory and the hub is offline (HF_HUB_OFFLINE=1), and the hub cache "
+            f"({_cache_dir()}) holds no snapshot of it: download it first or pass a local path"
         )
     return None
 
 
+def _cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def cached_snapshot(repo_id: str) -> Path | None:
+    """The hub cache's snapshot of `repo_id` at its main revision, where its config.json is cached
+    (HF_HUB_CACHE / HF_HOME, read as huggingface_hub reads them: refs/main -> snapshots/SHA, whose files
+    link into blobs/), or None. This is how a cluster without internet runs a model it fetched before."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return Path(found).parent if isinstance(found, str) else None
+
+
 def resolve_model_dir(src: str | os.PathLike) -> Path:
-    """A local directory holding config.json, downloading `src` from the hub if it is a hub id."""
+    """A local directory holding config.json: `src` itself, its snapshot in the hub cache when the hub
+    is offline, else downloaded from the hub (a hub id)."""
     problem = model_ref_problem(str(src))
     if problem:
         raise InputError(problem)
     path = Path(src).expanduser()
-    return path if path.is_dir() else Path(_download(str(src)))
+    if path.is_dir():
+        return path
+    if hub_offline():
+        return cached_snapshot(str(src))
+    return Path(_download(str(src)))
 
 
 def _download(repo_id: str) -> str:

@@ -23,6 +23,7 @@ from mha2gqa.errors import InputError
 from mha2gqa.reading import read_json
 
 ENV = "MHA2GQA_THREADS"
+MAX_THREADS = 4096  # the largest CPU machines have a few hundred cores
 SMALL_MODEL_THREADS = 1  # the embedded 6M-parameter model (demo, reproduce) and other small ones
 
 
@@ -79,6 +80,11 @@ def parse(value: str | int, where: str) -> int:
     if count < 1:
         raise InputError(
             f"{where} {value!r} must be a whole number of threads, at least 1 (e.g. 1 or {os.cpu_count()})"
+        )
+    if count > MAX_THREADS:  # torch takes a C int, and more threads than this is a typo, not a machine
+        raise InputError(
+            f"{where} {value!r} is more than {MAX_THREADS:,} threads: give at most the machine's cores "
+            f"(this one has {os.cpu_count()})"
         )
     return count
 

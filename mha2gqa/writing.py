@@ -1,21 +1,29 @@
 """The one way mha2gqa puts a file or a folder in place: whole or not at all, with room checked first.
 
 - write_atomic: a file's new content goes to a temporary file beside it, then is renamed over it
-  (mha2gqa.json, the model card, config.json, eval results, progress.json, the embedded corpus).
+  (mha2gqa.json, the model card, config.json, eval results, progress.json, the embedded corpus), with
+  the mode a plain open() would give (the umask honoured) or the mode of the file it replaces.
 - swap_in: a finished staging folder becomes the destination: the whole folder (convert's DST, by
   renameat2(RENAME_EXCHANGE) where the platform has it) or its files moved into a folder that holds
   other things too (uptrain's output_dir: checkpoints and metrics stay).
 - check_room: the nearest existing folder must be a writable folder with `needed` bytes free.
+- claim / remove_dead: the rule of every command that writes a folder: an flock on `.OUT.lock`
+  holding the writer's PID (a second run is refused, naming it), and debris named `.OUT.*-PID` of
+  PIDs that are gone removed (or restored) at the next start. convert's atomic_directory and the run
+  folders of demo, reproduce and sweep (mha2gqa/run_folder.py) both use it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import functools
+import hashlib
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from mha2gqa.errors import InputError, is_user_fault, user_file_error
@@ -30,6 +38,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:80]}.", suffix=".tmp")
+        os.fchmod(fd, _mode_for(path))  # mkstemp makes 0600: another user serving the model could not read it
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, path)
@@ -40,6 +49,25 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
             raise user_file_error(OSError(err.errno, err.strerror), path) from err
         raise
     return path
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc, 4.7+): setting and
+    restoring it would race with another thread creating a file."""
+    with suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _mode_for(path: Path) -> int:
+    """The permission bits of the file being replaced, or what open() would create under the umask."""
+    with suppress(OSError):
+        return os.stat(path).st_mode & 0o7777
+    return 0o666 & ~current_umask()
 
 
 def swap_in(staging: Path, dst: Path, replace: bool = False, files_first=None, files_last=()) -> None:
@@ -130,3 +158,94 @@ def check_room(path: Path, needed: int, what: str, purpose: str = "") -> Path:
             "free space or choose another location"
         )
     return folder
+
+
+def make_parents(directory: Path, what: str) -> list[Path]:
+    """mkdir -p, after checking that the nearest existing ancestor is writable; returns what it created
+    (for the caller to remove after a failure)."""
+    missing = []
+    existing = check_room(directory, 0, what)
+    while directory != existing:
+        missing.append(directory)
+        directory = directory.parent
+    for path in reversed(missing):
+        path.mkdir()
+    return list(reversed(missing))
+
+
+def beside(path: Path) -> str:
+    """The stem of the names a run puts beside `path` (`.NAME.partial-PID`, `.NAME.lock`): `.NAME`, or
+    for a name near the 255-byte limit a shortened one with a digest of the name, so that any legal
+    name works."""
+    name = f".{path.name}"
+    if len(os.fsencode(name)) <= 255 - len(".partial-4194304-old"):  # the longest name made from it
+        return name
+    digest = hashlib.sha256(os.fsencode(path.name)).hexdigest()[:16]
+    return f".{os.fsencode(path.name)[:160].decode(errors='ignore')}-{digest}"
+
+
+@contextmanager
+def claim(path: Path, what: str):
+    """Hold an exclusive flock on `.NAME.lock` beside `path` for the whole write, with this PID in it;
+    `what` names the output as the user gave it ("DST x", "--out x"). The kernel releases the lock when
+    a process dies, so a lock file left by a kill -9 claims nothing. The file is removed at the end while
+    still locked; a run that locked the removed file notices (different inode) and retries."""
+    lock_path = path.parent / f"{beside(path)}.lock"
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise InputError(
+                f"{what} is being written by another mha2gqa run (PID {holder}, lock {lock_path}): "
+                f"wait for it to finish or choose another {what.split()[0]}"
+            ) from None
+        try:
+            current = os.stat(lock_path)
+        except FileNotFoundError:
+            current = None
+        if current is not None and os.path.samestat(os.fstat(fd), current):
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(lock_path)
+        os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def dead_entries(folder: Path, prefix: str) -> list[tuple[Path, int]]:
+    """Entries `PREFIXPID[-...]` of `folder` whose PID is gone (never this process's), with the PID."""
+    found = []
+    if not folder.is_dir():
+        return found
+    for path in folder.iterdir():
+        pid = path.name[len(prefix) :].split("-")[0] if path.name.startswith(prefix) else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            found.append((path, int(pid)))
+    return found
+
+
+def remove_dead(folder: Path, prefix: str) -> None:
+    """Remove the debris `PREFIXPID*` of runs whose PID is gone. The caller holds the output's lock, so
+    no live mha2gqa run is writing them; a live PID's entry is left alone, whatever it is."""
+    for path, _pid in dead_entries(folder, prefix):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

@@ -35,12 +35,15 @@ def no_hub(monkeypatch):
 
 
 def test_single_segment_id_is_not_refused_as_a_non_hub_id(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     result = CliRunner().invoke(main, ["convert", "gpt2", str(tmp_path / "dst"), "--groups", "1"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "Error: gpt2 is not a local directory and the hub is offline (HF_HUB_OFFLINE=1): "
-        "download it first or pass a local path"
+        "Error: gpt2 is not a local directory and the hub is offline (HF_HUB_OFFLINE=1), and the hub cache "
+        f"({tmp_path / 'empty-cache'}) holds no snapshot of it: download it first or pass a local path"
     ]
     assert not (tmp_path / "dst").exists()
 

@@ -59,16 +59,21 @@ def _summary(report_json: Path) -> str:
 @click.option(
     "--force", is_flag=True, help="Replace an earlier demo run in OUT (as a whole: none of its files are kept)."
 )
-def demo(groups, out, quick, alpha, force):
+@click.option("--dry-run", is_flag=True, help="Check everything and print what the run would do; write nothing.")
+def demo(groups, out, quick, alpha, force, dry_run):
     """Run the whole job on the embedded default (a small Llama MHA model trained on five Jane Austen
     novels; no download): inspect, convert to GROUPS kv heads by mean-pooling, evaluate the parent and
     the converted model on held-out Persuasion, uptrain for ALPHA of the parent's pretraining tokens,
     evaluate again, and write a side-by-side report (markdown, html, plots) under OUT."""
     from mha2gqa import threads
-    from mha2gqa.demo import run_demo
+    from mha2gqa.demo import plan_demo, run_demo
 
+    plan = plan_demo(out, groups=groups, quick=quick, alpha=alpha, force=force)  # every check, before torch
+    if dry_run:
+        click.echo("\n".join(plan.describe()))
+        return
     threads.apply(threads.small_model_default())
-    written = run_demo(out, groups=groups, quick=quick, alpha=alpha, echo=click.echo, force=force)
+    written = run_demo(out, echo=click.echo, plan=plan)
     click.echo(_summary(Path(written["json"])))
     click.echo(f"report: {written['html']}")
 
@@ -92,28 +97,41 @@ def demo(groups, out, quick, alpha, force):
 @click.option(
     "--eval-blocks", default=32, show_default=True, help="Held-out 512-token blocks of Persuasion per evaluation."
 )
-def reproduce(out, methods, kv_heads, alphas, eval_blocks):
+@click.option("--force", is_flag=True, help="Replace an earlier reproduce run in OUT (as a whole).")
+@click.option("--dry-run", is_flag=True, help="Check everything and print the grid that would run; write nothing.")
+def reproduce(out, methods, kv_heads, alphas, eval_blocks, force, dry_run):
     """Reproduce the GQA paper's ablations at small scale on the embedded default: perplexity on
     held-out Persuasion for every method x kv heads x alpha, as a table and plots under OUT."""
     from mha2gqa import threads
-    from mha2gqa.demo import markdown_table
+    from mha2gqa.demo import markdown_table, plan_reproduce
     from mha2gqa.demo import reproduce as run_reproduce
-    from mha2gqa.errors import InputError
 
-    def parse(text, kind, flag):
-        try:
-            return tuple(kind(x) for x in text.split(",") if x.strip())
-        except ValueError:
-            raise InputError(f"{flag} {text!r} must be a comma-separated list of numbers, e.g. 0,0.05") from None
-
-    threads.apply(threads.small_model_default())
-    grid, written = run_reproduce(
+    plan = plan_reproduce(  # every check, before torch and before OUT is touched
         out,
-        methods=tuple(m.strip() for m in methods.split(",")),
-        kv_heads=parse(kv_heads, int, "--kv-heads"),
-        alphas=parse(alphas, float, "--alphas"),
+        methods=_names(methods),
+        kv_heads=_numbers(kv_heads, int, "--kv-heads", "1,2,4"),
+        alphas=_numbers(alphas, float, "--alphas", "0,0.05"),
         eval_blocks=eval_blocks,
-        echo=click.echo,
+        force=force,
     )
+    if dry_run:
+        click.echo("\n".join(plan.describe()))
+        return
+    threads.apply(threads.small_model_default())
+    grid, written = run_reproduce(out, echo=click.echo, plan=plan)
     click.echo(markdown_table(grid))
     click.echo("wrote " + ", ".join(map(str, written.values())))
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(m.strip() for m in text.split(",") if m.strip())
+
+
+def _numbers(text: str, kind, flag: str, example: str) -> tuple:
+    from mha2gqa.errors import InputError
+
+    kind_name = "whole numbers" if kind is int else "numbers"
+    try:
+        return tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"{flag} {text!r} must be a comma-separated list of {kind_name}, e.g. {example}") from None

@@ -4,11 +4,35 @@ from __future__ import annotations
 
 import click
 
-from mha2gqa.cli.eval_cmd import _int_list, _str_list
 from mha2gqa.cli.fields import field_option
 from mha2gqa.convert.options import METHOD_SUMMARIES
 from mha2gqa.docfields import option_help
 from mha2gqa.sweep.options import SweepOptions
+
+
+def _names(text: str | None, flag: str, example: str) -> list[str] | None:
+    """'a,b' -> ['a', 'b']; None (not given) stays None; a value that names nothing is refused in the
+    flag's words, not read as "not given"."""
+    if text is None:
+        return None
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names:
+        from mha2gqa.errors import InputError
+
+        raise InputError(f"{flag} {text!r} names nothing: give a comma-separated list, e.g. {example}")
+    return names
+
+
+def _counts(text: str | None) -> tuple[int, ...] | None:
+    names = _names(text, "--groups", "4,2,1")
+    if names is None:
+        return None
+    try:
+        return tuple(int(v) for v in names)
+    except ValueError:
+        from mha2gqa.errors import InputError
+
+        raise InputError(f"--groups {text!r} must be comma-separated whole numbers, e.g. 4,2,1") from None
 
 
 def _option(flag: str, *decls: str, **kwargs):
@@ -21,23 +45,42 @@ def _option(flag: str, *decls: str, **kwargs):
 @_option("--calibration", metavar="DATA", multiple=True, as_text=lambda value: (value,))
 @_option("--data", multiple=True, metavar="[NAME=]EVAL_TEXT", as_text=tuple)
 @_option("--out", required=True, type=click.Path(file_okay=False))
-@_option("--groups", "-g", callback=_int_list)
-@_option("--methods", callback=_str_list, choices=METHOD_SUMMARIES)
+@_option("--groups", "-g")
+@_option("--methods", choices=METHOD_SUMMARIES)
 @click.option("--refine", is_flag=True, help=option_help(SweepOptions, "refine"))
 @_option("--max-tokens", type=int)
 @_option("--calibration-tokens", type=int)
 @_option("--tolerance")
 @_option("--keep", is_flag=True)
 @_option("--seed")
+@_option("--force", is_flag=True)
+@_option("--resume", is_flag=True)
+@_option("--dry-run", is_flag=True)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def sweep(
-    src, calibration, data, out, groups, methods, refine, max_tokens, calibration_tokens, tolerance, keep, seed, quiet
+    src,
+    calibration,
+    data,
+    out,
+    groups,
+    methods,
+    refine,
+    max_tokens,
+    calibration_tokens,
+    tolerance,
+    keep,
+    seed,
+    force,
+    resume,
+    dry_run,
+    quiet,
 ):
     """Convert SRC to every kv-head count (default: each divisor of its kv heads below it) with every method,
     from one calibration pass, and evaluate each against SRC on every EVAL_TEXT (default: the probe set):
     perplexity, KL and top-1 agreement per domain, KV bytes per token and per sequence, conversion time and memory. Writes OUT/sweep.json,
     sweep.md and sweep.html (table, perplexity vs KV plot with the Pareto front, with --refine a per-layer
-    heat map) and prints a one-line recommendation. Ctrl-C keeps the finished candidates in sweep.json.
+    heat map) and prints a one-line recommendation. Ctrl-C keeps the finished candidates in sweep.json,
+    and --resume continues from them.
 
     Example: mha2gqa sweep mha2gqa/data/austen-mha --calibration austen
     --data mha2gqa/data/austen/persuasion.txt.gz --out sweep/
@@ -49,8 +92,8 @@ def sweep(
         calibration=list(calibration) if len(calibration) > 1 else calibration[0],
         data=tuple(data),
         out=out,
-        groups=tuple(groups) if groups else None,
-        methods=tuple(methods or ()),
+        groups=_counts(groups),
+        methods=tuple(_names(methods, "--methods", "mean,calibrated") or SweepOptions.methods),
         refine=RefineOptions(seed=seed) if refine else None,
         max_tokens=max_tokens,
         calibration_tokens=calibration_tokens,
@@ -58,7 +101,12 @@ def sweep(
         keep=keep,
         seed=seed,
         progress=not quiet,
+        force=force,
+        resume=resume,
+        dry_run=dry_run,
     )
     record = run_sweep(src, options, echo=click.echo)
+    if dry_run:
+        return
     click.echo(f"wrote {out}/sweep.json, sweep.md, sweep.html")
     click.echo(record["recommendation"]["line"])

@@ -5,10 +5,11 @@ a directory with no weights has its parameters counted on the meta device instea
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from mha2gqa.checkpoint import SafetensorsCheckpoint
-from mha2gqa.convert.roles import KV_ROLES, check_layer_count, layer_names, unpack
+from mha2gqa.convert.roles import check_layer_count, layer_names
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, describe_layout, layout_for, read_config
 from mha2gqa.sources import resolve_model_dir
@@ -20,18 +21,31 @@ def _count_parameters(model_dir, layout, shape) -> tuple[int, int]:
     if not any(Path(model_dir).glob("*.safetensors")):
         return _count_on_meta(model_dir, layout, shape)
     shapes = SafetensorsCheckpoint(model_dir).shapes
+    available = set(shapes)  # once: a set per layer made 10,000 layers quadratic
+    check_layer_count(available, layout, shape)
+    kv_params = sum(_kv_params(layout, layer, shape, available, shapes) for layer in range(shape.layers))
+    return sum(math.prod(s) for s in shapes.values()), kv_params
+
+
+def _kv_params(layout, layer: int, shape, available: set[str], shapes: dict) -> int:
+    """Parameters of one layer's K/V projections and key norms (`shapes`: name -> shape)."""
     kv_rows = shape.kv_heads * shape.head_dim
     fused_rows = shape.heads * shape.head_dim + 2 * kv_rows
-    kv_params = 0
-    check_layer_count(set(shapes), layout, shape)
-    for layer in range(shape.layers):
-        for role, name in layer_names(layout, layer, shape.kv_heads, set(shapes)).items():
-            part, numel = role.rsplit(".", 1)[0], math.prod(shapes[name])
-            if part in ("qkv", "qkv_t"):  # rows [q (H*hd) | k (n_kv*hd) | v (n_kv*hd)], as roles.unpack splits them
-                kv_params += numel // fused_rows * 2 * kv_rows
-            elif part in ("k", "v") or part.startswith("k_norm"):
-                kv_params += numel
-    return sum(math.prod(s) for s in shapes.values()), kv_params
+    count = 0
+    for role, name in layer_names(layout, layer, shape.kv_heads, available).items():
+        part, numel = role.rsplit(".", 1)[0], math.prod(shapes[name])
+        if part in ("qkv", "qkv_t"):  # rows [q (H*hd) | k (n_kv*hd) | v (n_kv*hd)], as roles.unpack splits them
+            count += numel // fused_rows * 2 * kv_rows
+        elif part in ("k", "v") or part.startswith("k_norm"):
+            count += numel
+    return count
+
+
+# A config without weights is counted on a model of at most this many layers, built on the meta device
+# (about 5 ms of Python per layer: 10,000 layers took minutes). Deeper models repeat the pattern of the
+# last PERIOD built layers, exact for uniform stacks and for patterns whose period divides PERIOD after
+# up to META_LAYERS - PERIOD different first layers (dense layers before MoE ones).
+META_LAYERS, PERIOD = 24, 12
 
 
 def _count_on_meta(model_dir, layout, shape) -> tuple[int, int]:
@@ -40,15 +54,23 @@ def _count_on_meta(model_dir, layout, shape) -> tuple[int, int]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
+    built = min(shape.layers, META_LAYERS)
+    config.num_hidden_layers = built
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     params = dict(model.named_parameters())
-    kv_params = 0
-    for layer in range(shape.layers):
-        stored = layer_names(layout, layer, shape.kv_heads, set(params))
-        roles = unpack({role: params[name] for role, name in stored.items()}, shape)
-        kv_params += sum(roles[role].numel() for role in KV_ROLES if role in roles)
-    return sum(p.numel() for p in model.parameters()), kv_params
+    shapes = {name: tuple(p.shape) for name, p in params.items()}
+    before, after = layout.layer_prefix.split("{layer}")
+    pattern = re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
+    per_layer = [0] * built
+    for name, p in params.items():
+        if match := pattern.match(name):
+            per_layer[int(match.group(1))] += p.numel()
+    available = set(params)
+    kv_layer = [_kv_params(layout, layer, shape, available, shapes) for layer in range(built)]
+    outside = sum(p.numel() for p in params.values()) - sum(per_layer)
+    source = [layer if layer < built else built - PERIOD + (layer - built) % PERIOD for layer in range(shape.layers)]
+    return outside + sum(per_layer[i] for i in source), sum(kv_layer[i] for i in source)
 
 
 def _architecture(config: dict) -> str:

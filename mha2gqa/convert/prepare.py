@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mha2gqa import provenance
-from mha2gqa.card import hub_id
+from mha2gqa.card import about_the_source, hub_id
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
 from mha2gqa.convert import fast, sampling
 from mha2gqa.convert.inputs import (  # noqa: F401 (block_length re-exported)
@@ -384,8 +384,8 @@ def _check_not_quantized(src: Path, config: dict) -> None:
 
 
 def files_to_copy(source: Path) -> dict[Path, int]:
-    """Tokenizer, generation config, README and the like: every top-level entry but folders, weights
-    and config, with its size. Each must be a regular file inside SRC, whatever its name: a link out
+    """Tokenizer, generation config, README and the like: every top-level entry but folders, weights,
+    config and what describes the source itself (card.about_the_source), with its size. Each must be a regular file inside SRC, whatever its name: a link out
     of SRC or a FIFO is refused here, before anything is written, never followed or left out."""
     found = {}
     for path in sorted(source.iterdir()):
@@ -394,4 +394,6 @@ def files_to_copy(source: Path) -> dict[Path, int]:
         if path.is_dir() and inside(path, source):
             continue
         found[path] = check_regular(path, source)
+        if about_the_source(path):  # the parent's own provenance, log or results: false beside the new model
+            del found[path]
     return found

@@ -27,7 +27,7 @@ from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.errors import InputError, import_torch
 from mha2gqa.layouts import converted_config
 from mha2gqa.progress import progress_bar
-from mha2gqa.reading import open_regular, short_read
+from mha2gqa.reading import open_regular, resolve, short_read
 
 
 @dataclass
@@ -42,7 +42,7 @@ class ConversionResult:
 
 
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
-    src_r, dst_r = src.resolve(), dst.resolve()
+    src_r, dst_r = resolve(src), resolve(dst)  # a link loop is one ELOOP line, not a RuntimeError
     if dst_r == src_r or src_r in dst_r.parents:
         raise InputError(f"DST {dst} is inside SRC {src}: choose a directory outside the source model")
     if dst_r in src_r.parents:

@@ -13,19 +13,82 @@ measured identically.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from mha2gqa import embedded
 from mha2gqa.demo.pipeline import DEMO_RECIPE, embedded_run_overrides
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import head_counts, read_config
+from mha2gqa.run_folder import check_folder, run_folder
 
 METHODS = ("mean", "first", "random")
 MARKERS = {"mean": "o", "first": "s", "random": "^"}  # plot markers per method
 KV_HEADS = (1, 2, 4)
 ALPHAS = (0.0, 0.025, 0.05, 0.1)
+# What a reproduce run writes into --out (run_folder's rule: anything else there is the user's).
+RUN_ENTRIES = frozenset({"ablations.json", "ablations.md", "perplexity_vs_alpha.png", "quality_vs_kv.png", "work"})
+
+
+@dataclass(frozen=True)
+class ReproducePlan:
+    """A checked reproduce request (plan_reproduce): the grid and where it goes."""
+
+    out: Path
+    methods: tuple[str, ...]
+    kv_heads: tuple[int, ...]
+    alphas: tuple[float, ...]
+    eval_blocks: int
+    force: bool = False
+
+    def describe(self) -> list[str]:
+        cells = len(self.methods) * len(self.kv_heads)
+        return [
+            f"would write ablations.json, ablations.md and two plots into {self.out}",
+            f"  {cells} uptraining runs (methods {', '.join(self.methods)} x kv heads "
+            f"{', '.join(map(str, self.kv_heads))}), each evaluated at alpha {', '.join(f'{a:g}' for a in self.alphas)}",
+            f"  every evaluation on {self.eval_blocks} held-out 512-token blocks of Persuasion",
+        ]
+
+
+def _listed(values) -> str:
+    values = [str(v) for v in values]
+    return ", ".join(values[:-1]) + f" or {values[-1]}" if len(values) > 1 else values[0]
+
+
+def plan_reproduce(
+    out: Path, methods=METHODS, kv_heads=KV_HEADS, alphas=ALPHAS, eval_blocks: int = 32, force: bool = False
+) -> ReproducePlan:
+    """Every check of a reproduce request, torch-free and before anything is written, each in the words
+    of its own flag."""
+    methods, kv_heads, alphas = tuple(dict.fromkeys(methods)), tuple(dict.fromkeys(kv_heads)), tuple(alphas)
+    if not methods or (unknown := [m for m in methods if m not in METHODS]):
+        given = ",".join(unknown) if methods else "(nothing)"
+        raise InputError(f"--methods {given}: each must be one of {_listed(METHODS)}, e.g. mean,first")
+    valid = head_counts(read_config(embedded.model_dir()))[1]
+    divisors = [g for g in range(1, valid + 1) if valid % g == 0]
+    if not kv_heads or (wrong := [g for g in kv_heads if g not in divisors]):
+        given = ",".join(map(str, wrong)) if kv_heads else "(nothing)"
+        raise InputError(
+            f"--kv-heads {given}: each must divide the embedded model's {valid} kv heads (valid: {_listed(divisors)})"
+        )
+    if not alphas or any(not math.isfinite(a) or not 0 <= a <= 1 for a in alphas):
+        raise InputError(
+            f"--alphas {','.join(f'{a:g}' for a in alphas) or '(nothing)'}: each must be a fraction in [0, 1], "
+            "e.g. 0,0.025,0.05"
+        )
+    if 0 not in alphas or max(alphas) == 0:
+        raise InputError(
+            f"--alphas {','.join(f'{a:g}' for a in alphas)} must hold 0 (the converted model before uptraining, "
+            "the grid's first column) and a budget above it, e.g. 0,0.05"
+        )
+    if eval_blocks < 1:
+        raise InputError(f"--eval-blocks {eval_blocks} must be at least 1 (e.g. 32)")
+    out = check_folder(out, "--out", "reproduce", RUN_ENTRIES, force)
+    return ReproducePlan(out, methods, kv_heads, tuple(sorted(set(alphas))), eval_blocks, force)
 
 
 def _overrides(model: Path, out: Path, eval_blocks: int) -> list[str]:
@@ -60,9 +123,7 @@ def run_grid(
 
     parent = embedded.model_dir()
     pretrain = embedded.pretrain_tokens()
-    positive = sorted(a for a in alphas if a > 0)
-    if not positive or min(alphas) < 0:
-        raise InputError(f"--alphas {alphas}: give non-negative fractions with at least one above 0, e.g. 0,0.05")
+    positive = sorted(a for a in alphas if a > 0)  # plan_reproduce checked: 0 and one above it
     recipe_base = load_recipe(
         DEMO_RECIPE, _overrides(parent, out / "work" / "parent", eval_blocks) + ["budget.max_steps=1"]
     )
@@ -222,8 +283,13 @@ def reproduce(
     eval_blocks: int = 32,
     echo: Callable[[str], None] = print,
     progress: bool = True,
+    force: bool = False,
+    plan: ReproducePlan | None = None,
 ) -> tuple[dict, dict]:
-    """`mha2gqa reproduce`: run the grid into `out` and write its table and plots; (table, paths)."""
-    out = Path(out)
-    table = run_grid(out, methods, kv_heads, alphas, eval_blocks, echo, progress)
-    return table, write_ablations(table, out)
+    """`mha2gqa reproduce`: check the request (plan_reproduce, unless `plan` is given), then run the grid
+    into `out` and write its table and plots; (table, paths). OUT follows the rule of every output folder:
+    an earlier run is replaced only with `force`, and a failed run leaves what was there."""
+    plan = plan or plan_reproduce(out, methods, kv_heads, alphas, eval_blocks, force)
+    with run_folder(plan.out, "--out", "reproduce", RUN_ENTRIES, plan.force) as folder:
+        table = run_grid(folder.path, plan.methods, plan.kv_heads, plan.alphas, plan.eval_blocks, echo, progress)
+        return table, write_ablations(table, folder.path)

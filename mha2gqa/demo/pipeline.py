@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -19,6 +18,7 @@ from mha2gqa import embedded
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.prepare import prepare
 from mha2gqa.errors import InputError
+from mha2gqa.run_folder import check_folder, run_folder
 
 DEMO_RECIPE = Path(__file__).parent / "demo-uptrain.yaml"
 
@@ -65,6 +65,42 @@ def embedded_run_overrides(model: Path, out: Path, eval_blocks: int) -> list[str
     ]
 
 
+@dataclass(frozen=True)
+class DemoPlan:
+    """Everything a demo run was asked for, checked (plan_demo); run_demo executes it."""
+
+    out: Path
+    settings: DemoSettings
+    conversion: object  # the ConversionPlan of the mean-pool conversion
+    force: bool
+
+    def describe(self) -> list[str]:
+        s, groups = self.settings, self.conversion.options.groups
+        tokens = "the whole held-out novel" if s.eval_tokens is None else f"{s.eval_tokens:,} held-out tokens"
+        return [
+            f"would write the demo run into {self.out}" + (" (replacing the earlier run)" if self.force else ""),
+            f"  convert the embedded parent to {groups} kv heads by mean-pooling",
+            f"  evaluate parent and converted on {tokens}" + (", with the decode-speed grid" if s.speed else ""),
+            f"  uptrain for alpha={s.alpha:g} x {embedded.pretrain_tokens():,} pretraining tokens, evaluate again",
+            "  write the report (markdown, html, plots)",
+        ]
+
+
+def plan_demo(
+    out: Path, groups: int = 2, quick: bool = False, alpha: float | None = None, force: bool = False, progress=True
+) -> DemoPlan:
+    """Every check of a demo request, torch-free, before anything is written: --alpha, --groups (through
+    convert's prepare) and --out (the rule of every output folder)."""
+    settings = DemoSettings.make(quick, alpha)
+    if not 0 < settings.alpha <= 1:
+        raise InputError(f"--alpha {settings.alpha:g} must be in (0, 1]: e.g. 0.05 for 5% of the pretraining tokens")
+    conversion = prepare(
+        embedded.model_dir(), ConvertOptions(groups=groups, method="mean", force=True, progress=progress)
+    )
+    out = check_folder(out, "--out", "demo", RUN_ENTRIES, force)
+    return DemoPlan(out, settings, conversion, force)
+
+
 def run_demo(
     out: Path,
     groups: int = 2,
@@ -73,17 +109,14 @@ def run_demo(
     echo: Callable[[str], None] = print,
     progress: bool = True,
     force: bool = False,
+    plan: DemoPlan | None = None,
 ) -> dict:
     """Run every stage into `out`; returns the paths written (report files included). An earlier run in
-    `out` is refused unless `force`, and then replaced as a whole (see replacing_run)."""
-    settings = DemoSettings.make(quick, alpha)
-    if not 0 < settings.alpha <= 1:
-        raise InputError(f"--alpha {settings.alpha} must be in (0, 1]: e.g. 0.05 for 5% of the pretraining tokens")
-    parent = embedded.model_dir()
-    # The conversion's every check (--groups among them), before OUT exists: a bad flag creates nothing.
-    conversion = prepare(parent, ConvertOptions(groups=groups, method="mean", force=True, progress=progress))
-    with replacing_run(Path(out).expanduser(), force) as out:
-        return _run_stages(parent, out, conversion, settings, echo, progress)
+    `out` is refused unless `force`, and then replaced as a whole (see replacing_run). `plan`: one made
+    by plan_demo (the other arguments are then ignored)."""
+    plan = plan or plan_demo(out, groups, quick, alpha, force, progress)
+    with replacing_run(plan.out, plan.force) as out:
+        return _run_stages(plan.conversion.source, out, plan.conversion, plan.settings, echo, progress)
 
 
 def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, echo, progress: bool) -> dict:
@@ -166,46 +199,18 @@ def _beside_model(result: Path, model_dir: Path) -> None:
 
 
 # What a demo run writes into --out: a folder holding only these is an earlier run, and --force may
-# replace it; anything else there is the user's and is never moved or deleted.
+# replace it; anything else there is the user's and is never moved or deleted (run_folder.check_folder).
 RUN_ENTRIES = frozenset({"converted", "results", "uptrained", "report"})
 
 
 @contextmanager
 def replacing_run(out: Path, force: bool):
-    """Yield `out` to write a run into. An earlier run there is refused without `force`; with it, it is
-    moved aside (one rename) before anything is written and deleted only after the new run has finished;
-    any failure or interruption removes the new files and puts the earlier run back. So no file of an
-    earlier run is left among new ones (an old speed_vs_batch.png), and a failed run loses nothing.
-    (Not a single atomic swap: the stages record their final paths in what they write, so the run is
-    built where it will stay.)"""
-    if out.name in ("", ".", "..") or out.resolve() == Path.home().resolve():
-        raise InputError(f"--out {out}: pass a folder of its own for the run, e.g. ./mha2gqa-demo")
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file: pass a directory")
-    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    foreign = [name for name in held if name not in RUN_ENTRIES]
-    if foreign:
-        raise InputError(
-            f"--out {out} holds files that are not a demo run ({', '.join(foreign[:3])}): choose another --out"
-        )
-    if held and not force:
-        raise InputError(f"--out {out} holds an earlier demo run: pass --force to replace it, or choose another --out")
-    earlier = out.with_name(f".{out.name}.replaced-{os.getpid()}") if held else None
-    existed = out.is_dir()
-    if earlier is not None:
-        os.rename(out, earlier)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        yield out
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        if earlier is not None:
-            os.rename(earlier, out)
-        elif existed:
-            out.mkdir()
-        raise
-    if earlier is not None:
-        shutil.rmtree(earlier)
+    """Yield `out` to write a run into, by the rule of every output folder (mha2gqa/run_folder.py): an
+    earlier run is refused without `force`; with it, it is moved aside before anything is written and
+    deleted only after the new run has finished; a failure, an interruption, or a kill -9 (at the next
+    start) removes the new files and puts the earlier run back."""
+    with run_folder(out, "--out", "demo", RUN_ENTRIES, force) as folder:
+        yield folder.path
 
 
 def summary_rows(report_json: Path) -> tuple[list[str], list[list]]:

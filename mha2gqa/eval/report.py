@@ -14,7 +14,7 @@ from mha2gqa.errors import InputError, user_file_error
 from mha2gqa.eval import plots, render
 from mha2gqa.eval.compare import comparison_rows, pick_baseline
 from mha2gqa.eval.schema import check_writable, load_results
-from mha2gqa.writing import swap_in
+from mha2gqa.writing import remove_dead, swap_in
 
 
 def _unique_labels(results: list[dict]) -> None:
@@ -53,6 +53,7 @@ def write_report(result_paths, out_dir, baseline: str | None = None, metrics=Non
     # Drawn in a staging folder beside --out, then moved in: a failure leaves no half report, no PNG.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name[:100]}.partial-{os.getpid()}"
+    remove_dead(out_dir.parent, f".{out_dir.name[:100]}.partial-")  # a killed report's staging (kill -9)
     shutil.rmtree(staging, ignore_errors=True)
     try:
         staging.mkdir()

@@ -19,7 +19,8 @@ BROKEN_SLACK = 2
 @dataclass
 class SweepOptions:
     out: str
-    """Directory for sweep.json, sweep.md, sweep.html and the plots (created; must not hold a sweep.json)."""
+    """Directory for sweep.json, sweep.md, sweep.html and the plots (created; it may hold only an earlier
+    sweep, replaced with --force or continued with --resume)."""
     data: str | tuple[str, ...] | dict = (PROBE,)
     """Held-out texts every candidate and the parent are evaluated on (perplexity, KL and top-1 agreement
     against the parent), each a domain measured apart: NAME=PATH (repeatable) or PATH, the forms of eval's
@@ -54,6 +55,16 @@ class SweepOptions:
     """Seed of the conversions (random method, --refine's split) and of the evaluations."""
     progress: bool = True
     """Show the progress bar over candidates."""
+    force: bool = False
+    """Replace an earlier sweep in OUT (as a whole: it is put back if the new one fails before its first
+    candidate)."""
+    dry_run: bool = False
+    """Check everything (every candidate through convert's own plan, OUT, the room) and print what would
+    run; write nothing."""
+    resume: bool = False
+    """Continue the sweep in OUT after an interruption: the candidates it finished are kept, not run again
+    (the source and every setting that changes a number must be the same; --groups, --methods and
+    --tolerance may differ)."""
 
     def __post_init__(self):
         self.check()
@@ -63,7 +74,15 @@ class SweepOptions:
         EvalOptions.check)."""
         self.methods = tuple(Method.parse(m, "--methods").value for m in self.methods)
         if not self.methods:
-            raise InputError("--methods is empty: name at least one, e.g. mean,calibrated")
+            raise InputError("--methods names no method: give at least one, e.g. mean,calibrated")
+        if self.groups is not None and (not self.groups or any(g < 1 for g in self.groups)):
+            given = ",".join(map(str, self.groups)) or "(nothing)"
+            raise InputError(
+                f"--groups {given}: give kv-head counts of at least 1, e.g. 4,2,1 (leave --groups out for every "
+                "divisor of the source's kv heads)"
+            )
+        if self.force and self.resume:
+            raise InputError("--force and --resume contradict each other: --force replaces OUT, --resume continues it")
         if not 0 < self.tolerance < 10:
             raise InputError(
                 f"--tolerance {self.tolerance:g} must be between 0 and 10, both excluded: it is a fraction of the "

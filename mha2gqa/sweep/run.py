@@ -17,7 +17,6 @@ import datetime as dt
 import hashlib
 import shlex
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -33,12 +32,20 @@ from mha2gqa.eval.domains import geomean
 from mha2gqa.eval.probe import parse_domains
 from mha2gqa.eval.schema import write_result
 from mha2gqa.layouts import AttentionShape, attention_shape, layout_for, read_config
+from mha2gqa.reading import read_json
+from mha2gqa.run_folder import check_folder, continued_folder, run_folder, scratch_folder
 from mha2gqa.sources import resolve_model_dir
 from mha2gqa.sweep.options import BROKEN_SLACK, SweepOptions
+from mha2gqa.sweep.render import QUALITY_PNG, SENSITIVITY_PNG
 from mha2gqa.sweep.schema import SWEEP_SCHEMA
 from mha2gqa.writing import check_room
 
 UPTRAIN_RECIPE = Path(__file__).resolve().parent.parent / "demo" / "demo-uptrain.yaml"
+SCRATCH = ".sweep-"  # OUT/.sweep-PID: the statistics and temporary models of a running sweep
+# What a sweep writes into OUT (run_folder's rule: anything else there is the user's and is refused).
+RUN_ENTRIES = frozenset({"sweep.json", "sweep.md", "sweep.html", QUALITY_PNG, SENSITIVITY_PNG, "models", SCRATCH + "*"})
+# Settings that change a candidate's numbers: a resumed sweep must have the same ones.
+SAME_ON_RESUME = ("calibration", "data", "refine", "max_tokens", "calibration_tokens", "seed")
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,7 @@ def _bytes_needed(plans: dict, shape: AttentionShape, keep: bool) -> int:
     """What OUT must hold at the worst moment: the calibration statistics, and every kept model or the
     largest temporary one (each is removed before the next is written), each with its scratch files (the
     dry run's plan, made from the data, counts statistics there too: an overestimate of one copy)."""
-    sizes = [plan.bytes_written + plan.scratch_bytes for plan in plans.values()]
+    sizes = [plan.bytes_written + plan.scratch_bytes for plan in plans.values()] or [0]
     statistics = shape.layers * (shape.hidden + 1) ** 2 * 8
     return statistics + (sum(sizes) if keep else max(sizes)) + (1 << 20)
 
@@ -106,12 +113,51 @@ def _check_room(out: Path, needed: int) -> None:
     check_room(out, needed, f"--out {out}", "calibration statistics and converted models; or drop --keep to need less")
 
 
-def _check_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file: pass a directory for the sweep")
-    if (out / "sweep.json").exists():
-        raise InputError(f"--out {out} already holds a sweep.json: choose a new directory or remove it")
+def _check_out(out: Path, options: SweepOptions) -> None:
+    """OUT by the rule of every output folder (run_folder.check_folder); with --resume, an OUT holding the
+    sweep to continue."""
+    if options.resume:
+        if not (out / "sweep.json").is_file():
+            raise InputError(f"--resume: {out} holds no sweep.json to continue: run without --resume")
+    else:
+        check_folder(out, "--out", "sweep", RUN_ENTRIES, options.force)
     schema.check_writable(out / "sweep.json", "--out")
+
+
+def _earlier(out: Path, record: dict) -> dict:
+    """The sweep --resume continues: OUT/sweep.json, checked against this run's source and settings."""
+    path = out / "sweep.json"
+    found = read_json(path, "pass an --out written by `mha2gqa sweep`, or run without --resume")
+    if (
+        not isinstance(found, dict)
+        or found.get("schema") != SWEEP_SCHEMA
+        or not isinstance(found.get("settings"), dict)
+    ):
+        raise InputError(f"--resume: {path} is not a sweep.json written by `mha2gqa sweep`: run without --resume")
+    if (found.get("source") or {}).get("config_sha256") != record["source"]["config_sha256"]:
+        raise InputError(f"--resume: {path} swept another source (its config.json differs): pass the same SRC")
+    for key in SAME_ON_RESUME:
+        if found["settings"].get(key) != record["settings"][key]:
+            flag = "--" + key.replace("_", "-")
+            raise InputError(
+                f"--resume: {flag} differs from the sweep in {out} (it ran with {found['settings'].get(key)!r}): "
+                f"pass the same {flag}, or start a new sweep with --force"
+            )
+    return found
+
+
+def _resumed(record: dict, earlier: dict) -> None:
+    """The earlier sweep's parent and finished candidates that this run plans, kept in `record`."""
+    rows = [r for r in earlier.get("candidates") or [] if isinstance(r, dict) and r.get("name") in record["planned"]]
+    parent = earlier.get("parent")
+    if isinstance(parent, dict) and isinstance(parent.get("result"), dict):
+        record["parent"], record["candidates"], record["calibration"] = parent, rows, earlier.get("calibration")
+
+
+def _folder(out: Path, options: SweepOptions):
+    if options.resume:
+        return continued_folder(out, "--out", scratch=SCRATCH)
+    return run_folder(out, "--out", "sweep", RUN_ENTRIES, options.force, scratch=SCRATCH)
 
 
 def _eval_options(options: SweepOptions, label: str, role: str, reference: Path | None = None):
@@ -214,7 +260,9 @@ def _domain_columns(result: dict, parent: dict) -> dict:
 
 def sweep(src, options: SweepOptions, echo=print) -> dict:
     """Run the sweep of `options` on the model at `src`; returns the record written to OUT/sweep.json.
-    Every refusal (groups, methods, data, OUT, room) comes before anything is written."""
+    Every refusal (groups, methods, data, OUT, room) comes before anything is written. OUT follows the
+    rule of every output folder (mha2gqa/run_folder.py): until the first candidate is recorded, a failure
+    or a kill leaves what was there before; after it, sweep.json keeps the finished candidates."""
     source = resolve_model_dir(src)
     config = read_config(source)
     shape = attention_shape(config)
@@ -223,65 +271,94 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     calibration = options.calibration  # each candidate's dry run below resolves and checks it (prepare)
     for path in parse_domains(options.data).values():
         textdata.resolve("--data", path)
-    _check_out(out)
-    models_dir = out / "models"
-    plans = {
-        c: _convert(source, models_dir / c.name, c, calibration, options, dry_run=True).conversion for c in candidates
-    }
-    # the token count every dry run resolved (unset: the default of the calibration's kind), for every candidate
-    options = replace(options, calibration_tokens=next(iter(plans.values())).calibration.tokens)
-    _check_room(out, _bytes_needed(plans, shape, options.keep))
-    started = time.perf_counter()
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    _check_out(out, options)
     record = _record(src, source, config, options, candidates)
-    record["convert_commands"] = {c.name: plan.command() for c, plan in plans.items()}  # the cards' Reproduce lines
-    try:
-        with tempfile.TemporaryDirectory(prefix=".sweep-", dir=out) as work:
-            _measure(source, calibration, options, candidates, record, out, Path(work), started, echo)
-    except KeyboardInterrupt:
-        if record["parent"] is None:  # nothing measured yet: leave nothing behind
-            if created:
-                shutil.rmtree(out, ignore_errors=True)
-            echo("\nsweep interrupted before any candidate ran: nothing written")
+    earlier = _earlier(out, record) if options.resume else None
+    models_dir = out / "models"
+    done = {r.get("name") for r in (earlier or {}).get("candidates") or [] if isinstance(r, dict)}
+    plans = {  # what is left to convert (a resumed sweep's finished models are not planned again)
+        c: _convert(source, models_dir / c.name, c, calibration, options, dry_run=True).conversion
+        for c in candidates
+        if c.name not in done
+    }
+    if plans:  # the token count every dry run resolved (unset: the default of the calibration's kind)
+        options = replace(options, calibration_tokens=next(iter(plans.values())).calibration.tokens)
+    record["convert_commands"] = {  # the cards' Reproduce lines (a resumed sweep's finished ones: as it wrote them)
+        **(earlier or {}).get("convert_commands", {}),
+        **{c.name: plan.command() for c, plan in plans.items()},
+    }
+    needed = _bytes_needed(plans, shape, options.keep)
+    _check_room(out, needed)
+    if options.dry_run:
+        echo(f"would sweep {len(plans)} candidates into {out}: {', '.join(c.name for c in plans) or 'none left'}")
+        echo(f"  {out} needs {needed / 2**20:,.1f} MiB at the worst moment (statistics and converted models)")
+        return record
+    started = time.perf_counter()
+    with _folder(out, options) as folder:
+        if earlier is not None:
+            _resumed(record, earlier)
+            echo(f"sweep: resuming {out}: {len(record['candidates'])} of {len(candidates)} candidates already finished")
+        try:
+            with scratch_folder(out, SCRATCH) as work:
+                _measure(source, calibration, options, candidates, record, out, work, started, echo, folder.commit)
+        except KeyboardInterrupt:
+            if record["parent"] is None:  # nothing measured yet: the folder goes back to what it was
+                echo("\nsweep interrupted before any candidate ran: nothing written")
+                raise
+            record["interrupted"] = True
+            folder.commit()
+            _finish(record, out)
+            echo(
+                f"\nsweep interrupted: {out / 'sweep.json'} keeps the {len(record['candidates'])} of "
+                f"{len(candidates)} candidates that finished (continue with --resume); no temporary model is left"
+            )
             raise
-        record["interrupted"] = True
+        record["interrupted"] = False
+        record["wall_s"] = round(time.perf_counter() - started, 2)
+        folder.commit()
         _finish(record, out)
-        echo(
-            f"\nsweep interrupted: {out / 'sweep.json'} keeps the {len(record['candidates'])} of "
-            f"{len(candidates)} candidates that finished; no temporary model is left"
-        )
-        raise
-    record["wall_s"] = round(time.perf_counter() - started, 2)
-    _finish(record, out)
     return record
 
 
-def _measure(source, calibration, options, candidates, record, out: Path, work: Path, started: float, echo) -> None:
-    """The parent once, the statistics once, then every candidate; sweep.json is rewritten after each."""
+def _measure(
+    source, calibration, options, candidates, record, out: Path, work: Path, started: float, echo, commit
+) -> None:
+    """The parent once (unless a resumed sweep measured it), the statistics once, then every candidate not
+    finished yet; sweep.json is rewritten after each, and from the first one on it is the sweep that stays
+    (`commit`)."""
     from mha2gqa.eval.run import evaluate
 
-    echo(f"sweep: {len(candidates)} candidates; evaluating the parent on {options.data}")
-    parent = evaluate(source, options=_eval_options(options, "parent", "parent"))
+    done = {row["name"] for row in record["candidates"]}
+    todo = [c for c in candidates if c.name not in done]
+    if record["parent"] is None:
+        echo(f"sweep: {len(candidates)} candidates; evaluating the parent on {options.data}")
+        parent = evaluate(source, options=_eval_options(options, "parent", "parent"))
+        record["parent"] = {
+            "perplexity": schema.perplexity(parent),
+            "domains": {name: d["perplexity"]["perplexity"] for name, d in (parent.get("domains") or {}).items()},
+            **_kv(parent, record["context"]),
+            "result": parent,
+        }
+    parent = record["parent"]["result"]
+    if not todo:
+        return
     echo(f"sweep: gathering calibration statistics once ({options.calibration_tokens:,} tokens)")
     stats = _gather_statistics(source, calibration, options, work / "calibration")
     record["calibration"] = stats.record
-    record["parent"] = {
-        "perplexity": schema.perplexity(parent),
-        "domains": {name: d["perplexity"]["perplexity"] for name, d in (parent.get("domains") or {}).items()},
-        **_kv(parent, record["context"]),
-        "result": parent,
-    }
     models_dir = out / "models" if options.keep else work
-    with tqdm(candidates, desc="sweep", unit="candidate", disable=not options.progress) as bar:
+    if options.keep:
+        models_dir.mkdir(exist_ok=True)
+    with tqdm(todo, desc="sweep", unit="candidate", disable=not options.progress) as bar:
         for candidate in bar:
             bar.set_postfix_str(candidate.name)
             row = _run_candidate(source, candidate, stats, options, models_dir, parent, record["context"])
             if not options.keep:
                 shutil.rmtree(models_dir / candidate.name)
             record["candidates"].append(row)
+            record["candidates"].sort(key=lambda r: record["planned"].index(r["name"]))
             record["wall_s"] = round(time.perf_counter() - started, 2)
             write_result(record, out / "sweep.json")  # after every candidate: even a kill keeps the finished ones
+            commit()
 
 
 def _finish(record: dict, out: Path) -> None:

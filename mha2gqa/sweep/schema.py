@@ -18,10 +18,3 @@ Top-level keys:
 from __future__ import annotations
 
 SWEEP_SCHEMA = "mha2gqa.sweep/1"
-
-
-def inner_results(record: dict) -> list:
-    """The eval results a sweep record holds: the parent's, then every finished candidate's (each is
-    checked by the reader as any eval result; a part that is no dict reads as None)."""
-    parts = [record.get("parent")] + list(record.get("candidates") or [])
-    return [part.get("result") if isinstance(part, dict) else None for part in parts]

@@ -53,7 +53,12 @@ def _read_yaml(path) -> dict:
     if not os.path.lexists(path):
         raise InputError(f"recipe {path}: no such file (see recipes/*.yaml for examples)")
     try:
-        text = read_bytes(path, MAX_YAML_BYTES, kind="a recipe").decode("utf-8")
+        text = read_bytes(
+            path,
+            MAX_YAML_BYTES,
+            kind="a recipe",
+            fix="a recipe is a few KB of YAML: pass the recipe itself (see recipes/*.yaml)",
+        ).decode("utf-8")
         raw = parse_yaml(text, f"recipe {path}", "write the recipe out plainly (see recipes/*.yaml)")
     except UnicodeDecodeError as err:
         raise InputError(
