@@ -20,13 +20,8 @@ from pathlib import Path
 import yaml
 
 from mha2gqa import provenance
-<<<<<<< HEAD
 from mha2gqa.brief import domains_brief, lm_eval_brief
-from mha2gqa.errors import InputError
-=======
 from mha2gqa.errors import InputError, WeightWarning
-from mha2gqa.eval.metrics import lm_eval_brief
->>>>>>> i29
 from mha2gqa.layouts import DTYPE_BYTES, config_dtype, head_counts, kv_cache_bytes
 from mha2gqa.reading import check_regular, parse_yaml, read_bytes, read_json
 from mha2gqa.units import format_bytes
