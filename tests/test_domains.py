@@ -181,7 +181,7 @@ def test_the_probe_set_is_the_default_data_of_sweep(tmp_path):
     save_tiny_model(src, "llama", hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=4)
     make_tiny_tokenizer(src)
     (tmp_path / "cal.txt").write_text(SAMPLE_TEXT * 8)
-    options = SweepOptions(str(tmp_path / "cal.txt"), str(tmp_path / "out"), groups=(1,), methods=("mean",),
+    options = SweepOptions(calibration=str(tmp_path / "cal.txt"), out=str(tmp_path / "out"), groups=(1,), methods=("mean",),
                            max_tokens=200, calibration_tokens=400, progress=False)  # fmt: skip
     assert options.data == (probe_set.PROBE,)
     record = sweep(src, options, echo=lambda _: None)

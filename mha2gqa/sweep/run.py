@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 import shlex
 import shutil
 import time
@@ -136,8 +137,8 @@ def _earlier(out: Path, record: dict) -> dict:
         raise InputError(f"--resume: {path} is not a sweep.json written by `mha2gqa sweep`: run without --resume")
     if (found.get("source") or {}).get("config_sha256") != record["source"]["config_sha256"]:
         raise InputError(f"--resume: {path} swept another source (its config.json differs): pass the same SRC")
-    for key in SAME_ON_RESUME:
-        if found["settings"].get(key) != record["settings"][key]:
+    for key in SAME_ON_RESUME:  # compared as JSON holds them (a tuple reads back as a list)
+        if found["settings"].get(key) != json.loads(json.dumps(record["settings"][key])):
             flag = "--" + key.replace("_", "-")
             raise InputError(
                 f"--resume: {flag} differs from the sweep in {out} (it ran with {found['settings'].get(key)!r}): "
