@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mha2gqa.dtypes import dtype_name
 from mha2gqa.errors import InputError
 from mha2gqa.typed import StrEnum, check_keywords
 
@@ -171,6 +172,7 @@ class ConvertOptions:
     def __post_init__(self):
         self.method = Method.parse(self.method, "--method")
         self.grouping = Grouping.parse(self.grouping, "--grouping")
+        self.dtype = dtype_name(self.dtype)  # bf16, fp16, torch.float32, ... -> the one name (mha2gqa/dtypes.py)
 
     @classmethod
     def from_kwargs(cls, groups: int | None, kwargs: dict) -> ConvertOptions:
