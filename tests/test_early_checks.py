@@ -102,3 +102,22 @@ def test_eval_out_is_replaced_only_with_force(tmp_path):
     replaced = cli("eval", model, "--data", text, "--speed", "off", "-q", "--out", out, "--force")
     assert replaced.exit_code == 0, replaced.output
     assert json.loads(out.read_text())["perplexity"]["tokens_scored"] > 0
+
+
+OTHER_COMMANDS = [
+    (
+        ["convert", MODEL, "{root}/dst", "-g", "2", "--method", "calibrated", "--calibration", "{root}/missing.txt"],
+        "--calibration {root}/missing.txt: no such file or folder",
+    ),
+    (["inspect", "{root}/no-model"], "{root}/no-model: no such directory"),
+    (
+        ["sweep", MODEL, "--data", "{root}/missing.txt", "--calibration", "austen", "--out", "{root}/sweep"],
+        "--data {root}/missing.txt: no such file or folder",
+    ),
+]
+
+
+@pytest.mark.parametrize("args, message", OTHER_COMMANDS, ids=[c[0][0] for c in OTHER_COMMANDS])
+def test_the_other_commands_refuse_before_importing_torch_too(files, args, message):
+    ran, stderr = run_without_torch(*(a.format(root=files) for a in args))
+    assert ran == {"code": 2, "heavy": []} and message.format(root=files) in stderr, stderr
