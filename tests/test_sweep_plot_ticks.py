@@ -60,3 +60,18 @@ def test_log_ticks_are_round_and_few():
     assert render.log_ticks(130.6, 139.9) == [130, 140]
     assert render.log_ticks(0.5, 0.9) == [0.5, 0.6, 0.7, 0.8, 0.9]
     assert len(render.log_ticks(1.5, 1e9)) <= 8
+
+
+def test_the_plot_names_the_tokens_the_parent_and_candidates_were_scored_on(tmp_path, monkeypatch):
+    record = _record(244.9, [310.0, 2400.0, 19800.0])
+    record["parent"]["result"] = {
+        "data": {"source": "file", "path": "/d/persuasion.txt", "ids_sha256": "abc"},
+        "perplexity": {"perplexity": 244.9, "tokens_scored": 8191, "context": 512, "stride": 256},
+    }
+    titles = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, out: titles.append(fig.axes[0].get_title()) or save(fig, out))
+    render.quality_plot(record, tmp_path / "q.png")
+    assert (
+        titles[0].splitlines()[1] == "perplexity on 8,191 tokens of persuasion.txt, windows of 512 tokens, stride 256"
+    )

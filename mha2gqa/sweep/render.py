@@ -10,7 +10,7 @@ from pathlib import Path
 
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from mha2gqa.eval import plots
+from mha2gqa.eval import measured_on, plots
 from mha2gqa.eval.plots import plt
 from mha2gqa.eval.render import CSS, DASH, fmt_bytes
 from mha2gqa.units import byte_unit
@@ -101,7 +101,10 @@ def quality_plot(record: dict, out: Path) -> Path:
     ax.set_ylim(ticks[0] / 1.04, ticks[-1] * 1.04)  # a labelled tick below and above every point
     ax.set_xlabel(f"KV cache per token ({unit})")
     ax.set_ylabel("perplexity (log scale, lower is better)")
-    ax.set_title("Sweep: quality vs KV-cache size, before any training")
+    scored = measured_on.perplexity([parent["result"]]) if parent.get("result") else ""  # every candidate's text too
+    ax.set_title(
+        "Sweep: quality vs KV-cache size, before any training" + (f"\n{scored}" if scored else ""), fontsize=10
+    )
     ax.margins(x=0.15, y=0.15)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=9)
