@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa import embedded
+from mha2gqa import embedded, estimates
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.prepare import prepare
 from mha2gqa.errors import InputError
@@ -82,6 +82,7 @@ def run_demo(
     parent = embedded.model_dir()
     # The conversion's every check (--groups among them), before OUT exists: a bad flag creates nothing.
     conversion = prepare(parent, ConvertOptions(groups=groups, method="mean", force=True, progress=progress))
+    echo(estimates.demo_start_line(settings))
     with replacing_run(Path(out).expanduser(), force) as out:
         return _run_stages(parent, out, conversion, settings, echo, progress)
 

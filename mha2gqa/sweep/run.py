@@ -19,12 +19,12 @@ import shlex
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from mha2gqa import provenance, textdata
+from mha2gqa import estimates, provenance, textdata
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.embedded import expand_corpus_name
 from mha2gqa.errors import InputError
@@ -139,7 +139,7 @@ def _gather_statistics(source: Path, calibration, options: SweepOptions, out_dir
         calibration,
         options.calibration_tokens,
         out_dir,
-        progress=False,
+        progress=options.progress,
     )
 
 
@@ -201,6 +201,7 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
         c: _convert(source, models_dir / c.name, c, calibration, options, dry_run=True).conversion for c in candidates
     }
     _check_room(out, _bytes_needed(plans, shape, options.keep))
+    echo(estimates.sweep_start_line(list(plans.values()), options.data, options.max_tokens, options.calibration_tokens))
     started = time.perf_counter()
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
@@ -231,7 +232,8 @@ def _measure(source, calibration, options, candidates, record, out: Path, work: 
     from mha2gqa.eval.run import evaluate
 
     echo(f"sweep: {len(candidates)} candidates; evaluating the parent on {options.data}")
-    parent = evaluate(source, options=_eval_options(options, "parent", "parent"))
+    # With bars (time left): the parent's evaluation and the calibration pass can take many minutes.
+    parent = evaluate(source, options=replace(_eval_options(options, "parent", "parent"), progress=options.progress))
     echo(f"sweep: gathering calibration statistics once ({options.calibration_tokens:,} tokens)")
     stats = _gather_statistics(source, calibration, options, work / "calibration")
     record["calibration"] = stats.record
