@@ -6,7 +6,8 @@ RATES, so it reads without torch and without running anything.
 
 The rates come from two models on the 2-core development machine. The embedded model (6.2 M parameters)
 was timed for this table, each phase at two sizes and the difference taken (start-up cancels), one phase
-at a time, at load average 5-7 (other jobs beside it). SmolLM2-135M's are the quiet-machine timings of
+at a time, at load average 3-7 (other jobs beside it), with the torch threads the commands use (one for
+eval and uptrain of a small model on a busy machine, mha2gqa/threads.py; torch's default for convert). SmolLM2-135M's are the quiet-machine timings of
 docs/refine.md (calibration 5 min 1 s for 131,072 tokens, layer-wise refine 6 min 18 s, global stage
 +555 s). Per parameter, the larger model is 4-10x cheaper (big matrices, less Python per FLOP; and its
 machine was quiet): between and beyond the two the rate is interpolated on log(parameters), so a model
@@ -24,13 +25,14 @@ SMALL, LARGE = 6_163_712, 134_515_008  # the embedded model's parameters and Smo
 RATES = {
     # embedded: calibrate() of 8,192 vs 40,960 tokens, 16.5 s vs 31.5 s, load 5.1-6.0; SmolLM2: 301 s / 131,072
     "calibrate": (7.5e-11, 1.7e-11),
-    # evaluate() perplexity, 512-token windows, batch 8, of 8,192 vs 40,960 tokens: 12.5 s vs 33.0 s, load 5.7-6.3
-    "eval": (1.0e-10, None),
-    # the same with --reference (KL, top-1 and the reference's perplexity): 12.2 s vs 104.0 s
-    "eval_with_reference": (4.5e-10, None),
-    # uptrain, the demo recipe (8 x 512 tokens a step, AdamW, every parameter), 2 vs 8 steps: 53.9 s vs 99.1 s,
-    # load 6.1-6.9
-    "train": (3.0e-10, None),
+    # evaluate() perplexity, 512-token windows, batch 8, of 8,192 vs 40,960 tokens, one torch thread (what eval
+    # and demo use for a model under 1 GiB): 14.1 s vs 19.9 s, load 3.6-4.9 (two threads at load 5.7-6.3: 3.5x slower)
+    "eval": (2.9e-11, None),
+    # the same with --reference (KL, top-1 and the reference's perplexity): 9.4 s vs 39.5 s
+    "eval_with_reference": (1.5e-10, None),
+    # uptrain, the demo recipe (8 x 512 tokens a step, AdamW, every parameter), 2 vs 8 steps, one thread:
+    # 35.5 s vs 58.1 s, load 4.8-5.8 (two threads at load 6.1-6.9: 53.9 s vs 99.1 s)
+    "train": (1.5e-10, None),
     # --refine-steps 10 vs 50 (global 0), 16,384 calibration tokens: 139.9 s vs 244.5 s, load 6.3-6.7; per Adam
     # step of batch_blocks x seq_len tokens through one layer's attention. SmolLM2: 57% of its 378 s (the
     # embedded model's share of steps)
@@ -46,13 +48,14 @@ RATES = {
 # Seconds that do not grow with the work, measured the same way.
 FIXED_S = {
     "torch_start": 15,  # importing torch and transformers and loading a small model, load 5-7
-    "uptrain_start": 40,  # the demo recipe's 2-step run less its 2 steps: data, model, final save
+    "uptrain_start": 28,  # the demo recipe's 2-step run less its 2 steps (data, model, final save), one thread
     "speed_grid": 24,  # eval --speed cpu (batches 1,4 x context 32, 16 new tokens, repeats >= 1 s)
-    "cloze_start": 20,  # lm-eval's task index and the first batch
+    "cloze_start": 10,  # lm-eval's task index and its run, one thread, load 2.8-3.4
 }
-CLOZE_S_PER_EXAMPLE = 0.79  # persuasion_cloze, --lm-eval-limit 10 vs 50: 31.3 s vs 62.9 s, load 6.6-6.7
+# persuasion_cloze, --lm-eval-limit 10 vs 50, one thread: 10.5 s either way (load 2.8-3.4): too small to time
+CLOZE_S_PER_EXAMPLE = 0.01
 HELDOUT_TOKENS = 131_217  # the embedded held-out novel (Persuasion) in the embedded tokenizer
-CAVEAT = "CPU rates of mha2gqa/estimates.py, measured at load 5-7 on 2 cores"
+CAVEAT = "CPU rates of mha2gqa/estimates.py, measured at load 3-7 on 2 cores"
 
 
 def duration(seconds: float) -> str:

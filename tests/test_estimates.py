@@ -21,7 +21,7 @@ def test_convert_dry_run_says_how_long_the_run_takes(tmp_path):
     result = CliRunner().invoke(main, [*args, "--calibration", "austen", "--dry-run"])
     assert result.exit_code == 0, result.output
     line = next(ln for ln in result.output.splitlines() if ln.startswith("time: "))
-    assert line.startswith("time: about 1 min (CPU rates of mha2gqa/estimates.py, measured at load 5-7 on 2 cores")
+    assert line.startswith("time: about 1 min (CPU rates of mha2gqa/estimates.py, measured at load 3-7 on 2 cores")
 
 
 def test_the_embedded_refine_estimate_is_the_run_it_was_timed_from():
@@ -95,7 +95,7 @@ def test_the_sweep_line_counts_every_candidate():
     three = estimates.sweep_seconds(plans, estimates.SMALL, 8192, 131072)
     assert three > one > estimates.calibration_seconds(131072, estimates.SMALL)
     line = estimates.sweep_start_line(plans, str(embedded.heldout_path()), 8192, 131072)
-    assert line.startswith("sweep: estimated time about ") and "load 5-7" in line
+    assert line.startswith("sweep: estimated time about ") and "load 3-7" in line
 
 
 @pytest.mark.parametrize(
