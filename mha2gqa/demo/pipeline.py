@@ -82,8 +82,8 @@ def run_demo(
     parent = embedded.model_dir()
     # The conversion's every check (--groups among them), before OUT exists: a bad flag creates nothing.
     conversion = prepare(parent, ConvertOptions(groups=groups, method="mean", force=True, progress=progress))
-    echo(estimates.demo_start_line(settings))
     with replacing_run(Path(out).expanduser(), force) as out:
+        echo(estimates.demo_start_line(settings))  # once --out is accepted: a refusal stays one line
         return _run_stages(parent, out, conversion, settings, echo, progress)
 
 
