@@ -110,18 +110,34 @@ _HELD_SIGNALS = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(si
 
 @contextmanager
 def signals_deferred():
-    """Holds SIGINT, SIGTERM and SIGHUP (main thread) until the block ends; one that came meanwhile is
-    delivered then. For importing torch: its C++ start-up runs Python code, and an Interrupted raised
-    there by `signals_as_interrupts` aborts the process ('terminate called after throwing an instance of
-    pybind11::error_already_set', exit -6, no cleanup) instead of unwinding."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield
+    """Holds SIGINT, SIGTERM and SIGHUP until the block ends; one that came meanwhile is delivered then,
+    to the handler that was in place before. For importing torch: its C++ start-up runs Python code,
+    and an Interrupted raised there by `signals_as_interrupts` aborts the process ('terminate called
+    after throwing an instance of pybind11::error_already_set', exit -6, no cleanup) instead of unwinding.
+
+    A handler that only notes the signal, not a blocked signal mask: a mask holds the calling thread
+    only, and while another thread lives (tqdm's monitor, a data loader, a tokenizer pool) the kernel
+    hands the signal to that one and Python ran the old handler inside the block all the same. Python
+    runs every handler in the main thread, whichever thread the kernel picked, so noting it there holds."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal.signal works in the main thread only; the handlers run there, not here
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    came: list[int] = []
+
+    def note(signum, _frame):
+        if signum not in came:  # like a blocked signal: two of a kind while held are delivered once
+            came.append(signum)
+
+    # getsignal is None for a handler set from C, which Python could not put back: that one stays.
+    kinds = [kind for kind in _HELD_SIGNALS if signal.getsignal(kind) is not None]
+    previous = {kind: signal.signal(kind, note) for kind in kinds}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for kind, handler in previous.items():
+            signal.signal(kind, handler)
+        for signum in came:
+            signal.raise_signal(signum)
 
 
 def import_torch():

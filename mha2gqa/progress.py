@@ -27,3 +27,19 @@ def progress_bar(total: float, desc: str, enabled: bool, **kwargs):
     else:
         from tqdm.std import tqdm
     return tqdm(total=total, desc=desc, **kwargs)
+
+
+def close_open_bars() -> None:
+    """Close every tqdm bar still open (ours and the libraries'), before a line that ends the program: a
+    bar left open holds the cursor, so the `Error:` line was printed on the bar's line, and the bar redrew
+    itself after it when it was collected."""
+    std = sys.modules.get("tqdm.std")
+    if std is None:  # no bar was ever made
+        return
+    classes, open_bars = [std.tqdm], []
+    while classes:  # tqdm.auto's, transformers' and the notebook's bars are subclasses, each may keep its own set
+        cls = classes.pop()
+        classes += cls.__subclasses__()
+        open_bars += [bar for bar in list(cls.__dict__.get("_instances", ())) if bar not in open_bars]
+    for bar in open_bars:
+        bar.close()

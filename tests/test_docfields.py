@@ -21,7 +21,7 @@ from mha2gqa.sweep.options import SweepOptions
 # --refine-* options set RefineOptions fields (ConvertOptions.refine): the flag table says which
 REFINE_FIELDS = {flag.key: flag.name for flag in CONVERT_FLAGS if flag.owner is RefineOptions}
 FOLLOWS = {flag.key: flag.default_from for flag in CONVERT_FLAGS if flag.default_from}  # unset: another flag's value
-NOT_FIELDS = {"convert": {"quiet", *REFINE_FIELDS}, "eval": {"quiet"}}
+NOT_FIELDS = {"convert": {"quiet", *REFINE_FIELDS}, "eval": {"quiet", "force"}}
 # options that pick one of several: their help lists each choice after the field's docstring
 CHOICES = {"method": METHOD_SUMMARIES, "grouping": choice_docs(Grouping), "speed_preset": choice_docs(SpeedPreset)}
 
@@ -113,6 +113,9 @@ def test_each_options_default_is_its_fields_default(command, cls):
             owner, name = RefineOptions, REFINE_FIELDS[option.name]
         elif option.name in names:
             owner, name = cls, option.name
+        elif option.name == "force" and cls is EvalOptions:  # eval's CLI rule, not an option of evaluate()
+            assert default is False
+            continue
         else:
             assert option.name == "quiet", option.opts[0]  # sets progress, inverted
             assert default is False and field_default(cls, "progress") is True

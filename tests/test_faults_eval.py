@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -135,10 +134,9 @@ def test_eval_refuses_a_full_destination_before_measuring(tmp_path, src, sources
     with tmpfs(tmp_path / "full", "256k") as mount:
         fill(mount)
         out = mount / "r.json"
-        started = time.monotonic()
         result = _eval(src["model"], "--data", src["text"], "--out", out)
         assert_refused(result, f"--out {out}: cannot write in {mount}", "No space left on device")
-        assert "Loading weights" not in result.stderr and time.monotonic() - started < 30
+        assert "Loading weights" not in result.stderr  # refused before the model loads; no wall-time bound
         assert sorted(p.name for p in mount.iterdir()) == ["filler"]
 
 

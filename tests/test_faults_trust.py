@@ -378,7 +378,8 @@ def _truncate_after_headers(monkeypatch, file_name: str, keep: int):
 
 @contextlib.contextmanager
 def _deadline(seconds: int):
-    """Fail (not hang) where the old code spun forever."""
+    """Fail (not hang) where the old code spun forever. A hang guard, not a speed bound: torch's first
+    import alone took up to 69 s at load 13 on 2 cores, so the callers allow 300 s."""
 
     def expired(signum, frame):
         raise TimeoutError(f"still running after {seconds} s")
@@ -402,7 +403,7 @@ def test_a_shard_cut_short_during_convert_is_one_line(src, tmp_path, tmpdir_env,
     dst = tmp_path / "dst"
     before = _digests(src)
     _truncate_after_headers(monkeypatch, "model.safetensors", -100 if cut == "last bytes" else header_end)
-    with _deadline(60):
+    with _deadline(300):
         result = cli("convert", src, dst, "--groups", "2", "-q")
     refused(result, "ended before", "truncated or changed while being read", dst=dst, tmpdir=tmpdir_env)
     assert set(_digests(src)) == set(before)  # the file this test cut is the only change
@@ -440,7 +441,7 @@ def test_convert_checks_config_sizes_against_the_tensors(src, tmp_path, tmpdir_e
     """10^9 layers or 10^12 heads hung convert (minutes to forever); 10^6 experts was copied through."""
     changes, words = SIZES[fault]
     _edit_config(src, **changes)
-    with _deadline(60):
+    with _deadline(300):
         convert_refused(src, tmp_path / "dst", words, tmpdir=tmpdir_env)
 
 
@@ -449,14 +450,14 @@ def test_inspect_checks_config_sizes_against_the_tensors(src, fault):
     """inspect printed a hidden size of 10^9 for tensors 128 wide, and hung on 10^9 layers."""
     changes, words = SIZES[fault]
     _edit_config(src, **changes)
-    with _deadline(60):
+    with _deadline(300):
         inspect_refused(src, words)
 
 
 def test_inspect_without_weights_has_ceilings(src):
     (src / "model.safetensors").unlink()
     _edit_config(src, num_hidden_layers=10**9)
-    with _deadline(60):
+    with _deadline(300):
         inspect_refused(src, "more than mha2gqa accepts (10,000 at most)")
 
 
@@ -465,7 +466,7 @@ def test_eval_checks_config_sizes_before_building_the_model(src, tmp_path, tmpdi
     text = tmp_path / "t.txt"
     text.write_text(SAMPLE_TEXT * 4)
     out = tmp_path / "r.json"
-    with _deadline(60):
+    with _deadline(300):
         result = cli("eval", src, "--data", text, "--speed", "off", "--quiet", "--out", out)
     refused(result, "num_hidden_layers=1,000,000,000", tmpdir=tmpdir_env)
     assert not out.exists()
@@ -524,7 +525,7 @@ CARDS = {
 def test_the_card_quotes_the_source_safely(src, tmp_path, fault):
     """The source's front matter was copied through; an alias bomb in it exhausted memory."""
     (src / "README.md").write_text(CARDS[fault])
-    with _deadline(60):
+    with _deadline(300):
         result = cli("convert", src, tmp_path / "dst", "--groups", "2", "-q")
     assert result.exit_code == 0, result.output
     card = (tmp_path / "dst" / "README.md").read_text()
@@ -682,7 +683,7 @@ def test_eval_refuses_hostile_model_files(src, evaluated, tmp_path, tmpdir_env, 
     edit(src)
     before = _digests(src)
     out = tmp_path / "r.json"
-    with _deadline(60):
+    with _deadline(300):
         result = cli("eval", src, "--data", evaluated["text"], "--speed", "off", "--quiet", "--out", out)
     refused(result, words, tmpdir=tmpdir_env)
     assert not out.exists() and _digests(src) == before
@@ -797,7 +798,7 @@ def test_text_data_that_is_a_fifo_is_refused(src, evaluated, tmp_path, tmpdir_en
         data = tmp_path / "texts"
     _fifo(data if where == "file" else data / "b.txt")
     out = tmp_path / "r.json"
-    with _deadline(60):
+    with _deadline(300):
         result = cli("eval", src, "--data", data, "--speed", "off", "--quiet", "--out", out)
     refused(result, "is a named pipe (FIFO), not a regular file", tmpdir=tmpdir_env)
     assert not out.exists()

@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -129,12 +128,13 @@ def test_qlora_part_merges_into_a_plain_checkpoint(smoke):
 
 
 def test_a_part_past_its_limit_is_ended(tmp_path):
-    started = time.perf_counter()
+    # No bound on the wall time (a busy machine stretches it): code None says it was ended, as a run to
+    # the end would have returned 0. The limit leaves a loaded machine time to start Python and print.
     with (tmp_path / "log").open("w") as log:
         code, output = gpu_check.run_logged(
-            [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"], None, 2, log, "sleep"
+            [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(600)"], None, 10, log, "sleep"
         )
-    assert code is None and "started" in output and time.perf_counter() - started < 20
+    assert code is None and "started" in output
 
 
 def test_limits_leave_room_for_the_later_parts():

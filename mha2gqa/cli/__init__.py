@@ -10,6 +10,7 @@ from contextlib import contextmanager, suppress
 import click
 
 from mha2gqa.errors import WeightWarning, exit_report, one_line, signals_as_interrupts
+from mha2gqa.progress import close_open_bars
 from mha2gqa.version import __version__
 
 
@@ -68,6 +69,7 @@ class _Group(click.Group):
             where = err.ctx.command_path if err.ctx else "mha2gqa"
             raise _OneLineError(f"{err.format_message()} (see '{where} --help')") from None
         except (Exception, KeyboardInterrupt) as err:
+            close_open_bars()  # the error line (or a bug's traceback) goes below the bars, not onto one
             report = exit_report(err)
             if report is None:
                 raise

@@ -72,8 +72,9 @@ def _str_list(ctx, param, value):
 @_option("--label")
 @_option("--seed")
 @_option("--out", type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
-def eval_command(model, quiet, out, **options):
+def eval_command(model, quiet, out, force, **options):
     """Measure MODEL (a local directory or a hub id when online): sliding-window perplexity on --data,
     agreement with --reference, KV-cache bytes per token (formula vs the live cache), greedy decode
     speed and peak memory; optionally attention maps and lm-eval tasks. Writes one result JSON that
@@ -82,8 +83,10 @@ def eval_command(model, quiet, out, **options):
     Example: mha2gqa eval ./llama-gqa8 --data prose=held_out.txt --data code=src/ --reference ./llama --out gqa8.json
     """
     from mha2gqa import threads
+    from mha2gqa.cli.early import check_eval
     from mha2gqa.errors import import_torch
 
+    options = check_eval(model, options, out, force)  # paths and values, before torch's start-up
     import_torch()  # with interrupts held: a signal during torch's start-up would abort
     from mha2gqa.eval.run import evaluate
 

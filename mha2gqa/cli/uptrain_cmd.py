@@ -55,12 +55,12 @@ def uptrain(recipe, resume, overrides):
     """
     from mha2gqa import threads
     from mha2gqa.errors import import_torch
-
-    import_torch()  # with interrupts held: a signal during torch's start-up would abort
     from mha2gqa.uptrain import load_recipe, train
+
+    loaded = load_recipe(recipe, list(overrides))  # torch-free: a bad recipe is refused in a second, not after torch
+    import_torch()  # with interrupts held: a signal during torch's start-up would abort
     from mha2gqa.uptrain.steps import TrainingDiverged
 
-    loaded = load_recipe(recipe, list(overrides))
     threads.apply(threads.for_model(loaded.model or loaded.init_from_config))
     try:
         out = train(loaded, resume=resume)

@@ -11,6 +11,7 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from enum import Enum
 
+from mha2gqa.dtypes import dtype_name
 from mha2gqa.errors import InputError
 from mha2gqa.typed import StrEnum, check_keywords
 from mha2gqa.units import parse_size
@@ -182,6 +183,7 @@ class ConvertOptions:
     def __post_init__(self):
         self.method = Method.parse(self.method, "--method")
         self.grouping = Grouping.parse(self.grouping, "--grouping")
+        self.dtype = dtype_name(self.dtype)  # bf16, fp16, torch.float32, ... -> the one name (mha2gqa/dtypes.py)
 
     @property
     def calibration_shapes_weights(self) -> bool:

@@ -40,6 +40,7 @@ from mha2gqa.convert.plan import Plan, make_plan
 from mha2gqa.convert.rope import check_calibrated, check_grouping, check_refine_layout, check_rotary_dims
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
+from mha2gqa.estimates import convert_line
 from mha2gqa.layouts import (
     AttentionShape,
     Layout,
@@ -128,6 +129,7 @@ class ConversionPlan:
             )
             + f"; peak memory about {format_bytes(self.peak_memory)}"
         )
+        lines.append(convert_line(self))
         return lines
 
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa import embedded
+from mha2gqa import embedded, estimates
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.prepare import prepare
 from mha2gqa.errors import InputError
@@ -116,6 +116,7 @@ def run_demo(
     by plan_demo (the other arguments are then ignored)."""
     plan = plan or plan_demo(out, groups, quick, alpha, force, progress)
     with replacing_run(plan.out, plan.force) as out:
+        echo(estimates.demo_start_line(plan.settings))  # once --out is accepted: a refusal stays one line
         return _run_stages(plan.conversion.source, out, plan.conversion, plan.settings, echo, progress)
 
 

@@ -14,7 +14,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from mha2gqa import provenance as model_provenance  # noqa: E402
 from mha2gqa.errors import InputError  # noqa: E402
-from mha2gqa.eval import schema  # noqa: E402
+from mha2gqa.eval import measured_on, schema  # noqa: E402
 from mha2gqa.eval.metrics import tokens_per_s_iqr  # noqa: E402
 from mha2gqa.reading import MAX_JSON_BYTES, parse_json_lines, read_bytes  # noqa: E402
 from mha2gqa.units import byte_unit  # noqa: E402
@@ -37,7 +37,7 @@ def _save(fig, out: Path) -> Path:
     return out
 
 
-def quality_vs_kv(rows: list[dict], out: Path) -> Path | None:
+def quality_vs_kv(rows: list[dict], out: Path, subtitle: str = "") -> Path | None:
     """Perplexity against KV-cache bytes per token, one labelled point per result."""
     pts = [r for r in rows if r["perplexity"] is not None and r["kv_bytes_per_token"] is not None]
     if not pts:
@@ -70,7 +70,7 @@ def quality_vs_kv(rows: list[dict], out: Path) -> Path | None:
             ax.scatter([], [], color=color, marker=ROLE_MARKERS[role], label=role)
     ax.set_xlabel(f"KV cache per token ({unit})")
     ax.set_ylabel("perplexity (lower is better)")
-    ax.set_title("Quality vs KV-cache size")
+    ax.set_title("Quality vs KV-cache size" + (f"\n{subtitle}" if subtitle else ""), fontsize=10)
     ax.margins(x=0.25, y=0.2)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=9)
@@ -192,7 +192,7 @@ def training_figure(metrics_path: Path):
     panels = [
         ("Training batches, each optimizer step", "nats/token", train, {"loss": objective}),
         (
-            "Held-out (recipe's data.eval)",
+            "\n".join(filter(None, ["Held-out (recipe's data.eval)", measured_on.training_eval(metrics_path)])),
             "LM perplexity" if any("ppl" in k for k in held_out) else "LM loss (nats/token)",
             held_out,
             {"eval_ppl": "held-out LM perplexity", "eval_loss": "held-out LM loss"},

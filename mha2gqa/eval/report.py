@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib
 
 from mha2gqa.errors import InputError, user_file_error
-from mha2gqa.eval import plots, render
+from mha2gqa.eval import measured_on, plots, render
 from mha2gqa.eval.compare import comparison_rows, pick_baseline
 from mha2gqa.eval.schema import check_writable, load_results
 from mha2gqa.writing import remove_dead, swap_in
@@ -73,7 +73,7 @@ def write_report(result_paths, out_dir, baseline: str | None = None, metrics=Non
 
 def _write(out_dir: Path, rows, meta, results, paths, metric_paths) -> dict[str, Path]:
     drawn = {
-        "quality_vs_kv": plots.quality_vs_kv(rows, out_dir / "quality_vs_kv.png"),
+        "quality_vs_kv": plots.quality_vs_kv(rows, out_dir / "quality_vs_kv.png", measured_on.perplexity(results)),
         "speed_vs_batch": plots.speed_vs_batch(results, out_dir / "speed_vs_batch.png"),
     }
     for i, m in enumerate(metric_paths):

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 from pathlib import Path
 
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from mha2gqa.eval import metrics, plots
+from mha2gqa.eval import measured_on, metrics, plots
 from mha2gqa.eval.plots import plt
 from mha2gqa.eval.probe import parse_domains
 from mha2gqa.eval.render import CSS, DASH, fmt_bytes
@@ -31,6 +32,33 @@ def _points(record: dict) -> list[tuple[float, float, str]]:
     parent = record["parent"]
     found = [(parent["kv_bytes_per_token"], parent["perplexity"], "parent")]
     return found + [(r["kv_bytes_per_token"], r["perplexity"], r["name"]) for r in record["candidates"]]
+
+
+# Tick mantissas of a log axis, finest first: the first that labels the range in few ticks is used.
+_LOG_MANTISSAS = (
+    tuple(round(1 + i / 10, 1) for i in range(90)),  # 1.0, 1.1, ... 9.9: a narrow range
+    (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9),
+    (1, 1.5, 2, 3, 5, 7),
+    (1, 2, 5),
+    (1, 3),
+    (1,),
+)
+
+
+def log_ticks(low: float, high: float, most: int = 8) -> list[float]:
+    """Round tick values for a log axis from one at or below `low` to one at or above `high`, at most `most`
+    of them where a tick per decade allows: matplotlib's decades left the parent's 244.9 below the lowest
+    labelled tick (300) of a sweep's plot, so it could not be read off."""
+    first, last = math.floor(math.log10(low)), math.ceil(math.log10(high))
+    for mantissas in _LOG_MANTISSAS:
+        ticks = [float(f"{m * 10.0**e:.6g}") for e in range(first, last + 1) for m in mantissas]
+        below = max(t for t in ticks if t <= low * (1 + 1e-9))
+        above = min(t for t in ticks if t >= high * (1 - 1e-9))
+        chosen = [t for t in ticks if below <= t <= above]
+        if len(chosen) <= most:
+            return chosen
+    step = math.ceil((last - first) / (most - 1))  # many decades: every step-th one
+    return [10.0**e for e in range(first, last + step, step)]
 
 
 def quality_plot(record: dict, out: Path) -> Path:
@@ -72,14 +100,18 @@ def quality_plot(record: dict, out: Path) -> Path:
     ax.step(xs, ys, where="post", linestyle="--", color="gray", zorder=1)  # the boundary of what is reachable
     ax.scatter(xs, ys, s=240, facecolors="none", edgecolors="gray", zorder=2, label="Pareto front")
     ax.set_yscale("log")
-    plain = FuncFormatter(lambda value, _: f"{value:.4g}")  # a narrow range would read 1.306 x 10^2
-    ax.yaxis.set_major_formatter(plain)
-    spread = max(y for _, y, _ in points) / min(y for _, y, _ in points)
-    ax.yaxis.set_minor_formatter(plain if spread < 10 else NullFormatter())
+    ticks = log_ticks(min(y for _, y, _ in points), max(y for _, y, _ in points))
+    ax.set_yticks(ticks)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.4g}"))  # not 1.306 x 10^2
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(ticks[0] / 1.04, ticks[-1] * 1.04)  # a labelled tick below and above every point
     ax.set_xlabel(f"KV cache per token ({unit})")
     pooled = ", all domains' tokens pooled" if names else ""
     ax.set_ylabel(f"perplexity (log scale{pooled}, lower is better)")
-    ax.set_title("Sweep: quality vs KV-cache size, before any training")
+    scored = measured_on.perplexity([parent["result"]]) if parent.get("result") else ""  # every candidate's text too
+    ax.set_title(
+        "Sweep: quality vs KV-cache size, before any training" + (f"\n{scored}" if scored else ""), fontsize=10
+    )
     ax.margins(x=0.15, y=0.15)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=9)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from mha2gqa import provenance, textdata
+from mha2gqa import estimates, provenance, textdata
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.embedded import expand_corpus_name
 from mha2gqa.errors import InputError
@@ -189,7 +189,7 @@ def _gather_statistics(source: Path, calibration, options: SweepOptions, out_dir
         calibration,
         options.calibration_tokens,
         out_dir,
-        progress=False,
+        progress=options.progress,
         seed=options.seed,
     )
 
@@ -290,6 +290,9 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     }
     needed = _bytes_needed(plans, shape, options.keep)
     _check_room(out, needed)
+    if plans:
+        domains = list(parse_domains(options.data).values())
+        echo(estimates.sweep_start_line(list(plans.values()), domains, options.max_tokens, options.calibration_tokens))
     if options.dry_run:
         echo(f"would sweep {len(plans)} candidates into {out}: {', '.join(c.name for c in plans) or 'none left'}")
         echo(f"  {out} needs {needed / 2**20:,.1f} MiB at the worst moment (statistics and converted models)")
@@ -333,7 +336,10 @@ def _measure(
     todo = [c for c in candidates if c.name not in done]
     if record["parent"] is None:
         echo(f"sweep: {len(candidates)} candidates; evaluating the parent on {options.data}")
-        parent = evaluate(source, options=_eval_options(options, "parent", "parent"))
+        # With bars (time left): the parent's evaluation and the calibration pass can take many minutes.
+        parent = evaluate(
+            source, options=replace(_eval_options(options, "parent", "parent"), progress=options.progress)
+        )
         record["parent"] = {
             "perplexity": schema.perplexity(parent),
             "domains": {name: d["perplexity"]["perplexity"] for name, d in (parent.get("domains") or {}).items()},

@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # key=value may come before or after flags
 
     from mha2gqa.errors import exit_report, signals_as_interrupts
+    from mha2gqa.progress import close_open_bars
     from mha2gqa.uptrain import load_recipe, train
     from mha2gqa.uptrain.steps import TrainingDiverged
 
@@ -29,9 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         with signals_as_interrupts():
             out = train(load_recipe(args.recipe, args.overrides), resume=args.resume)
     except TrainingDiverged as err:
+        close_open_bars()
         print(f"Error: {err}", file=sys.stderr)
         return 1
     except (Exception, KeyboardInterrupt) as err:
+        close_open_bars()  # the line goes below the bars, not onto one
         report = exit_report(err)
         if report is None:
             raise
