@@ -44,6 +44,7 @@ def smollm2_plan(refine: RefineOptions | None) -> SimpleNamespace:
         torch_reason="calibrated merge",
         gathers_statistics=True,
         calibration_memory=4 << 30,
+        calibration=SimpleNamespace(tokens=131072, sampled_tokens=0),  # austen, the default 131,072 tokens
         refine_budget=None if refine is None else SimpleNamespace(seq_len=512, blocks=72),
     )
 
@@ -59,6 +60,15 @@ def smollm2_plan(refine: RefineOptions | None) -> SimpleNamespace:
 def test_the_smollm2_estimates_are_its_measured_conversions(refine, measured):
     # Quiet 2 cores; the estimate adds start-up and writing, so it may run a little over.
     assert 0.8 * measured < estimates.convert_seconds(smollm2_plan(refine)) < 1.3 * measured
+
+
+def test_the_parents_samples_are_counted_at_their_rate():
+    plan = smollm2_plan(RefineOptions())
+    text = estimates.convert_seconds(plan)
+    plan.calibration = SimpleNamespace(tokens=131072, sampled_tokens=36864)
+    sampled = estimates.convert_seconds(plan) - text
+    assert sampled == pytest.approx(36864 * estimates.LARGE * estimates.RATES["sample"][1])
+    assert 20 * 60 < sampled < 60 * 60  # 0.039 s a token measured at load 5, one thread
 
 
 def test_rates_are_interpolated_between_the_two_timed_models():

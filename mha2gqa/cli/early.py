@@ -10,6 +10,7 @@ from pathlib import Path
 from mha2gqa import textdata
 from mha2gqa.dtypes import dtype_name
 from mha2gqa.errors import InputError
+from mha2gqa.eval.probe import parse_domains
 from mha2gqa.eval.schema import check_writable
 from mha2gqa.sources import looks_local, model_ref_problem, require_safetensors
 
@@ -56,8 +57,8 @@ def check_eval(model: str, options: dict, out: str | None, force: bool) -> dict:
     tokenizer = options.get("tokenizer")
     if tokenizer and not Path(tokenizer).expanduser().is_dir() and looks_local(tokenizer):
         raise InputError(f"--tokenizer {tokenizer}: no such directory ({looks_local(tokenizer)})")
-    if options.get("data"):
-        textdata.resolve("--data", options["data"])
+    for path in (parse_domains(options.get("data")) or {}).values():  # each named text (default: the probe set)
+        textdata.resolve("--data", path)
     for flag, key, least in _EVAL_LEAST:
         if options.get(key) is not None and options[key] < least:
             raise InputError(f"{flag} {options[key]} must be at least {least}")
