@@ -7,7 +7,10 @@ conversion's wall time and peak RSS (each conversion a child process, as a user 
 
 Calibrations: what `convert --calibration` takes, '+' between the entries of a mix. Stages: `merge` (the
 calibrated merge alone), `layerwise` (+ --refine --refine-global-steps 0) and `global` (+ the global KL
-stage: the shipped default). Every calibration gets the same --tokens, and refine fits on all of them.
+stage: the shipped default). Every calibration gets the same --tokens; each is read (or sampled) once and
+its statistics gathered once, and every stage converts from them, refine fitting on the same ids, as a
+sweep does. The times are per calibration (read + statistics) and per stage; one CLI run of the default
+is the end-to-end figure (docs/calibration.md).
 `--smoke` runs the tiny embedded model at toy sizes (tests/test_bench_smoke.py).
 """
 
@@ -17,18 +20,19 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import measure  # noqa: E402
 from calibrated_merge import load_float32, loaded_perplexity  # noqa: E402
 
-STAGES = {
-    "merge": [],
-    "layerwise": ["--refine", "--refine-global-steps", "0"],
-    "global": ["--refine"],
+STAGES = {  # stage: RefineOptions keywords (None: the merge alone)
+    "merge": None,
+    "layerwise": {"global_steps": 0},
+    "global": {},
 }
 
 
@@ -57,47 +61,60 @@ def geometric_mean(ratios: dict) -> float:
     return math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
 
 
-def convert_command(args, source: Path, out: Path, calibration: str, stage: str) -> list[str]:
-    command = [sys.executable, "-m", "mha2gqa", "convert", str(source), str(out), "--groups", str(args.kv)]
-    command += ["--method", "calibrated", "--calibration-tokens", str(args.tokens), "--quiet", "--force"]
-    for entry in calibration.split("+"):
-        command += ["--calibration", entry]
-    command += STAGES[stage]
-    if stage != "merge":
-        command += ["--refine-tokens", str(args.tokens)] + args.refine_flags
-    return command
+def calibration_rows(args, source: Path, work: Path, calibration: str, parent: dict, sets: dict) -> list[dict]:
+    """One calibration: its text read (or sampled) and its statistics gathered once, then every stage
+    converted from them (refine fits on the same ids: CalibrationStats.ids) and scored per domain."""
+    import resource
 
+    from mha2gqa.convert.calibration import calibrate
+    from mha2gqa.convert.options import RefineOptions
+    from mha2gqa.convert.run import convert
+    from mha2gqa.layouts import attention_shape, layout_for, read_config
 
-def row(args, source: Path, work: Path, calibration: str, stage: str, parent: dict, sets: dict) -> dict:
-    out = work / "model"
-    command = convert_command(args, source, out, calibration, stage)
-    cost = measure(command, env=dict(os.environ))
-    measured = domain_perplexities(out, sets, args.context)
-    ratios = {name: round(measured[name] / parent[name], 4) for name in measured}
-    return {
-        "calibration": calibration,
-        "stage": stage,
-        "command": " ".join(command[2:]),
-        "perplexity": measured,
-        "ratio": ratios,
-        "geometric_mean": round(geometric_mean(ratios), 4),
-        "worst": max(ratios, key=ratios.get),
-        "wall_s": round(cost["wall_s"], 1),
-        "cpu_s": round(cost["cpu_s"], 1),
-        "peak_rss_mib": round(cost["peak_rss_mib"], 1),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-    }
+    config = read_config(source)
+    spec = calibration.split("+")
+    (work / "stats").mkdir()
+    started = time.perf_counter()
+    stats = calibrate(source, layout_for(config), attention_shape(config), spec, args.tokens, work / "stats")
+    calibrate_s = time.perf_counter() - started
+    rows = []
+    for stage in args.stages:
+        refine = None if STAGES[stage] is None else RefineOptions(**{**STAGES[stage], **args.refine})
+        started = time.perf_counter()
+        convert(source, work / stage, args.kv, method="calibrated", stats=stats, refine=refine, force=True)
+        stage_s = time.perf_counter() - started
+        measured = domain_perplexities(work / stage, sets, args.context)
+        shutil.rmtree(work / stage)
+        ratios = {name: round(measured[name] / parent[name], 4) for name in measured}
+        rows.append(
+            {
+                "calibration": calibration,
+                "stage": stage,
+                "perplexity": measured,
+                "ratio": ratios,
+                "geometric_mean": round(geometric_mean(ratios), 4),
+                "worst": max(ratios, key=ratios.get),
+                "calibrate_s": round(calibrate_s, 1),
+                "stage_s": round(stage_s, 1),
+                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "load_average": [round(x, 2) for x in os.getloadavg()],
+                "ids_sha256": stats.record["ids_sha256"],
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    shutil.rmtree(work / "stats")
+    return rows
 
 
 def table(result: dict) -> str:
     names = list(result["parent"])
-    lines = ["| calibration | stage | " + " | ".join(names) + " | geo mean | wall | peak RSS |"]
-    lines.append("|---" * (len(names) + 5) + "|")
+    lines = ["| calibration | stage | " + " | ".join(names) + " | geo mean | calibrate | stage | peak RSS |"]
+    lines.append("|---" * (len(names) + 6) + "|")
     for r in result["rows"]:
         cells = " | ".join(f"{r['ratio'][n]:.2f}x" for n in names)
         lines.append(
             f"| {r['calibration']} | {r['stage']} | {cells} | **{r['geometric_mean']:.2f}x** | "
-            f"{r['wall_s'] / 60:.1f} min | {r['peak_rss_mib'] / 1024:.2f} GiB |"
+            f"{r['calibrate_s'] / 60:.1f} min | {r['stage_s'] / 60:.1f} min | {r['peak_rss_mib'] / 1024:.2f} GiB |"
         )
     return "\n".join(lines)
 
@@ -111,7 +128,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--tokens", type=int, default=36864, help="calibration tokens of every calibration")
     parser.add_argument("--eval-tokens", type=int, default=4096, help="tokens of each probe domain")
     parser.add_argument("--context", type=int, default=512, help="perplexity window")
-    parser.add_argument("--refine-flag", dest="refine_flags", action="append", default=[], help="extra refine flag")
+    parser.add_argument(
+        "--refine", type=json.loads, default={}, help='RefineOptions keywords as JSON, e.g. {"steps": 1}'
+    )
     parser.add_argument("--out", type=Path, help="JSON file for the result")
     parser.add_argument("--smoke", action="store_true", help="the embedded model at toy sizes")
     args = parser.parse_args(argv)
@@ -120,21 +139,19 @@ def main(argv=None) -> dict:
 
         args.model, args.kv, args.tokens, args.eval_tokens, args.context = str(MODEL_DIR), 4, 1024, 256, 128
         args.calibrations, args.stages = ["austen", "parent:0.5+austen:0.5"], ["merge", "global"]
-        args.refine_flags = ["--refine-steps", "1", "--refine-global-steps", "1"]
+        args.refine = {"steps": 1, "tokens": 512}
     source = Path(args.model)
     sets = probe_ids(source, args.eval_tokens)
     parent = domain_perplexities(source, sets, args.context)
     result = {"model": str(source), "kv_heads": args.kv, "tokens": args.tokens, "parent": parent, "rows": []}
     result.update(eval_tokens={n: len(ids) for n, ids in sets.items()}, context=args.context)
     print(f"parent: {parent}; load {os.getloadavg()}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="calibration-domains-") as work:
-        for calibration in args.calibrations:
-            for stage in args.stages:
-                result["rows"].append(row(args, source, Path(work), calibration, stage, parent, sets))
-                print(json.dumps(result["rows"][-1]), flush=True)
-                if args.out:
-                    args.out.parent.mkdir(parents=True, exist_ok=True)
-                    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for calibration in args.calibrations:
+        with tempfile.TemporaryDirectory(prefix="calibration-domains-") as work:
+            result["rows"] += calibration_rows(args, source, Path(work), calibration, parent, sets)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     return result
 

@@ -196,3 +196,21 @@ def test_a_mix_of_parent_samples_and_text_is_recorded_with_its_shares(tmp_path, 
     assert f"--calibration parent:1 --calibration {calibration_file}:1" in record["command"]
     row = [line for line in (tmp_path / "dst" / "README.md").read_text().splitlines() if "calibration data" in line]
     assert "text sampled from the parent (50%), 256 tokens; cal.txt (50%), 256 tokens" in row[0]
+
+
+def test_a_sweeps_statistics_carry_their_ids_so_refine_reads_no_text_again(tmp_path, tiny_src, monkeypatch):
+    """With the parent's samples a second reading is a second sampling: refine on gathered statistics uses
+    the ids they were gathered from."""
+    from mha2gqa.convert import calibration
+    from mha2gqa.layouts import attention_shape, layout_for, read_config
+
+    config = read_config(tiny_src)
+    (tmp_path / "stats").mkdir()
+    stats = calibration.calibrate(
+        tiny_src, layout_for(config), attention_shape(config), "parent", 512, tmp_path / "stats", progress=False
+    )
+    calls = []
+    monkeypatch.setattr(calibration, "read_ids", lambda *args: calls.append(args))
+    result = convert(tiny_src, tmp_path / "dst", 2, method="calibrated", stats=stats, refine=QUICK, progress=False)
+    assert result.refine["layers"] and calls == []
+    assert _record(tmp_path / "dst")["calibration"]["ids_sha256"] == stats.record["ids_sha256"]

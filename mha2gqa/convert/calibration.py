@@ -74,6 +74,7 @@ class CalibrationStats:
     rotary_dims: int
     record: dict  # provenance: data, tokens, sequence length, passes, device, sha256 of the ids
     device: str = "cpu"  # where layer() puts the gram, and so where the merge's float64 work runs
+    ids: torch.Tensor | None = None  # the calibration ids they were gathered from, so refine needs no second reading
 
     def layer(self, index: int) -> LayerStats:
         return LayerStats(load_file(_layer_file(self.directory, index), device=self.device)["gram"], self.rotary_dims)
@@ -254,7 +255,7 @@ def gather(
         memory_bytes=memory_bytes,
         progress=progress,
     )
-    return replace(stats, record={**record, "rotary_dims": stats.rotary_dims, **stats.record})
+    return replace(stats, record={**record, "rotary_dims": stats.rotary_dims, **stats.record}, ids=ids)
 
 
 def calibration_ids(tokenizer, texts: Iterator[str], tokens: int, name: str = "") -> torch.Tensor:

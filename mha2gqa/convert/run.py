@@ -115,7 +115,10 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
     ids = parent = None
     if plan.calibration is not None:  # statistics to gather, or refine's blocks (a sweep's statistics' data)
         parent = calibration.load_source_model(plan.source, progress=options.progress)
-        ids, record = calibration.read_ids(plan.source, plan.calibration, parent, options.seed, options.progress)
+        if stats is not None and stats.ids is not None and options.calibration is None:  # a sweep's: read once
+            ids = stats.ids
+        else:
+            ids, record = calibration.read_ids(plan.source, plan.calibration, parent, options.seed, options.progress)
     if plan.gathers_statistics:
         stats = calibration.gather(
             parent,
