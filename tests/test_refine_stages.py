@@ -14,10 +14,11 @@ from transformers import AutoModelForCausalLM
 
 from mha2gqa.convert.calibration import calibrate
 from mha2gqa.convert.options import RefineOptions
-from mha2gqa.convert.refine_block import is_additive, output_projection
-from mha2gqa.convert.refine_global import fit_global, kl_divergence
+from mha2gqa.convert.refine.block import is_additive, output_projection
+from mha2gqa.convert.refine.global_stage import GlobalFit, fit_global
 from mha2gqa.convert.run import convert
 from mha2gqa.embedded import HELDOUT_NOVEL, expand_corpus_name, read_novel
+from mha2gqa.kl import kl_divergence
 from mha2gqa.layouts import attention_shape, layout_for, read_config
 from mha2gqa.provenance import latest
 
@@ -212,10 +213,10 @@ def test_global_stage_trains_bfloat16_weights_through_float32_masters():
     for dtype in (torch.float32, torch.bfloat16):
         model = copy.deepcopy(start).to(dtype)
         params = [p for name, p in model.named_parameters() if ".self_attn." in name]
+        fit = GlobalFit(steps=12, lr=1e-4, batch_blocks=2, check_every=12)
         record = fit_global(
-            parent.to(dtype), model, params, blocks, split, steps=12, lr=1e-4, batch_blocks=2,
-            generator=torch.Generator().manual_seed(0), check_every=12, progress=False,
-        )  # fmt: skip
+            parent.to(dtype), model, params, blocks, split, fit, torch.Generator().manual_seed(0), False
+        )
         assert record["best_step"] == 12, record  # the KL fell: the trained weights are kept
         ends[dtype] = torch.cat([p.detach().float().flatten() for p in params])
     before = torch.cat([p.detach().flatten() for n, p in start.named_parameters() if ".self_attn." in n])
@@ -231,7 +232,7 @@ def test_global_stage_trains_bfloat16_weights_through_float32_masters():
 def test_global_stage_stops_after_patience_checks_without_a_gain_and_keeps_the_best(monkeypatch):
     """Held-out KL by check 1.0, 0.9 (best), 0.95, 0.92: after `patience` (2) checks without a gain on the
     best the stage stops, and the weights of the best check are the ones left in place."""
-    from mha2gqa.convert import refine_global
+    from mha2gqa.convert.refine import global_stage
 
     parent, model, blocks, split = two_random_models()
     params = [p for name, p in model.named_parameters() if ".self_attn." in name]
@@ -241,11 +242,9 @@ def test_global_stage_stops_after_patience_checks_without_a_gain_and_keeps_the_b
         seen.append([p.detach().clone() for p in params])
         return next(values)
 
-    monkeypatch.setattr(refine_global, "heldout_kl", scripted_heldout_kl)
-    record = fit_global(
-        parent, model, params, blocks, split, steps=40, lr=1e-3, batch_blocks=2,
-        generator=torch.Generator().manual_seed(0), check_every=5, progress=False,
-    )  # fmt: skip
+    monkeypatch.setattr(global_stage, "heldout_kl", scripted_heldout_kl)
+    fit = GlobalFit(steps=40, lr=1e-3, batch_blocks=2, check_every=5)
+    record = fit_global(parent, model, params, blocks, split, fit, torch.Generator().manual_seed(0), progress=False)
     assert [c["step"] for c in record["checks"]] == [0, 5, 10, 15] and record["best_step"] == 5
     assert all(torch.equal(p, kept) for p, kept in zip(params, seen[1], strict=True))
     assert not any(torch.equal(p, later) for p, later in zip(params, seen[3], strict=True))
