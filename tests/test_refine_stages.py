@@ -248,3 +248,34 @@ def test_global_stage_stops_after_patience_checks_without_a_gain_and_keeps_the_b
     assert [c["step"] for c in record["checks"]] == [0, 5, 10, 15] and record["best_step"] == 5
     assert all(torch.equal(p, kept) for p, kept in zip(params, seen[1], strict=True))
     assert not any(torch.equal(p, later) for p, later in zip(params, seen[3], strict=True))
+
+
+def test_mini_batches_are_seeded_epochs_of_the_fit_blocks_and_never_short():
+    """Both Adam stages draw their order here: each epoch a permutation of the fit blocks, a batch that would
+    come out short taking the next epoch's first blocks instead, the same order for the same seed."""
+    from mha2gqa.convert.refine.buffers import mini_batches
+
+    fit = torch.arange(3, 8)  # 5 fit blocks, batches of 2
+    drawn = [b.tolist() for b, _ in zip(mini_batches(fit, 2, torch.Generator().manual_seed(0)), range(5))]
+    assert all(len(b) == 2 for b in drawn)
+    flat = sum(drawn, [])
+    assert sorted(flat[:5]) == fit.tolist() and sorted(flat[5:10]) == fit.tolist()  # two whole epochs
+    generator = torch.Generator().manual_seed(0)
+    first, second = (fit[torch.randperm(5, generator=generator)].tolist() for _ in range(2))
+    assert flat == first + second
+    again = [b.tolist() for b, _ in zip(mini_batches(fit, 2, torch.Generator().manual_seed(0)), range(5))]
+    assert again == drawn
+    assert [b.tolist() for b, _ in zip(mini_batches(fit, 9, torch.Generator().manual_seed(0)), range(1))] == [first]
+
+
+def test_the_global_stage_takes_its_settings_from_the_refine_options():
+    from mha2gqa.convert.refine import GlobalFit
+
+    options = RefineOptions(global_steps=3, global_lr=5e-4, batch_blocks=2)
+    parent, model, blocks, split = two_random_models()
+    params = [p for name, p in model.named_parameters() if ".self_attn." in name]
+    fit = GlobalFit.of(options)
+    record = fit_global(parent, model, params, blocks, split, fit, torch.Generator().manual_seed(0), progress=False)
+    assert (record["steps"], record["lr"], record["batch_blocks"]) == (3, 5e-4, 2)
+    assert (record["betas"], record["clip"], record["decay"]) == ([0.9, 0.95], 1.0, False)
+    assert [c["step"] for c in record["checks"]] == [0, 3]  # the last step is always checked
