@@ -103,8 +103,9 @@ def refine_attention(
         total=shape.layers * max(options.steps, 1), desc="refine", unit="step", disable=not progress, leave=False
     )
     try:
-        run = _Run(parent, model, layout, buffers, split, options, torch.Generator().manual_seed(options.seed), bar)
-        run.layer_kwargs = first_hidden_states(parent, layout, shape.layers, blocks, buffers, options.batch_blocks)
+        layer_kwargs = first_hidden_states(parent, layout, shape.layers, blocks, buffers, options.batch_blocks)
+        generator = torch.Generator().manual_seed(options.seed)
+        run = _Run(parent, model, layout, buffers, split, options, generator, bar, layer_kwargs)
         buffers["converted"].copy_(buffers["parent"])
         for index in range(shape.layers):
             bar.set_description(f"refine layer {index + 1}/{shape.layers}", refresh=False)
@@ -138,7 +139,7 @@ class _Run:
     options: RefineOptions
     generator: torch.Generator
     bar: tqdm
-    layer_kwargs: dict | None = None
+    layer_kwargs: dict[int, dict]
 
 
 def _refine_layer(run: _Run, index: int) -> tuple[dict, dict[str, torch.Tensor], bool]:
