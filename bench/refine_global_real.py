@@ -1,4 +1,4 @@
-"""Measurement: the global stage of `--refine` (refine_global.py) on a real model, several settings from one
+"""Measurement: the global stage of `--refine` (convert/refine/global_stage.py) on a real model, several settings from one
 layer-wise refined start (issue 20), so each setting costs only its own global stage.
 
     python -m mha2gqa convert PARENT REFINED --groups 1 --method calibrated --calibration austen --refine \
@@ -37,8 +37,7 @@ from refine_real import eval_sets  # noqa: E402
 from mha2gqa.convert.calibration import read_ids  # noqa: E402
 from mha2gqa.convert.inputs import RefineBudget, block_length, calibration_input  # noqa: E402
 from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN  # noqa: E402
-from mha2gqa.convert.refine import EXACT, calibration_blocks  # noqa: E402
-from mha2gqa.convert.refine_global import fit_global  # noqa: E402
+from mha2gqa.convert.refine import EXACT, GlobalFit, calibration_blocks, fit_global  # noqa: E402
 from mha2gqa.layouts import layout_for, read_config  # noqa: E402
 from mha2gqa.provenance import latest  # noqa: E402
 
@@ -59,7 +58,7 @@ def trained_parameters(model, config: dict, refine: dict) -> list[torch.nn.Param
 
 
 def variant(text: str) -> dict:
-    """'steps=24 lr=1e-4 [batch_blocks=4] [clip=1] [beta2=0.95] [decay=0]' -> fit_global's keyword arguments."""
+    """'steps=24 lr=1e-4 [batch_blocks=4] [clip=1] [beta2=0.95] [decay=0]' -> GlobalFit's keyword arguments."""
     fields = dict(item.split("=") for item in text.split())
     setting = {"steps": int(fields.pop("steps")), "lr": float(fields.pop("lr"))}
     setting["batch_blocks"] = int(fields.pop("batch_blocks", 4))
@@ -122,7 +121,7 @@ def main() -> None:
         params = trained_parameters(start, config, refine)
         began, began_cpu = time.perf_counter(), time.process_time()
         generator = torch.Generator().manual_seed(refine["options"]["seed"])
-        checks = fit_global(parent, start, params, blocks, split, generator=generator, progress=True, **setting)
+        checks = fit_global(parent, start, params, blocks, split, GlobalFit(**setting), generator, progress=True)
         row = {
             **setting,
             "wall_s": round(time.perf_counter() - began, 1),

@@ -131,45 +131,8 @@ def _check_shapes(source, target, probe, prefix, relative, layer_count, heads, k
     after = {name: tuple(p.shape) for name, p in target.named_parameters()}
     attention_prefix = f"{prefix}0.{relative}."
     first = source.get_submodule(f"{prefix}0.{relative}")
-    k_rows, v_rows = first.k_proj.weight.shape[0], first.v_proj.weight.shape[0]
-    if k_rows % kv_heads or k_rows != v_rows:
-        raise InputError(
-            f"{fail}: layer 0's k_proj has {k_rows} rows and v_proj {v_rows}, not the same multiple of "
-            f"num_key_value_heads={kv_heads}"
-        )
-    head_dim = k_rows // kv_heads
-    configured = _config_value(source.config, "head_dim")
-    if configured and configured != head_dim:
-        raise InputError(f"{fail}: k_proj rows / num_key_value_heads = {head_dim} but config head_dim={configured}")
-    q_rows, o_columns = first.q_proj.weight.shape[0], _output(first).weight.shape[1]
-    if q_rows != heads * head_dim or o_columns != heads * head_dim:
-        raise InputError(
-            f"{fail}: q_proj has {q_rows} rows and the output projection {o_columns} columns, not "
-            f"num_attention_heads x head_dim = {heads * head_dim} (a gated or differently shaped query)"
-        )
-    k_norm_rows = None
-    for name, shape in before.items():
-        if after.get(name) == shape:
-            continue
-        match = re.match(re.escape(prefix) + r"\d+\.(.*)$", name)
-        role = match[1] if match else name
-        scaled = after.get(name) == (shape[0] // kv_heads * probe, *shape[1:]) and shape[0] % kv_heads == 0
-        if role.startswith(f"{relative}.k_proj.") or role.startswith(f"{relative}.v_proj."):
-            if not scaled or shape[0] != k_rows:
-                raise InputError(
-                    f"{fail}: {name} has shape {list(shape)}; layer 0 has {k_rows} rows (layers with "
-                    "their own kv-head counts or head sizes, e.g. sliding/global, are not supported)"
-                )
-        elif role.startswith(f"{relative}.") and "norm" in role and scaled and shape == (k_rows,):
-            norm = role.rsplit(".", 1)[0]
-            if k_norm_rows not in (None, norm) or not norm.split(".")[-1].startswith("k"):
-                raise InputError(f"{fail}: {name} {list(shape)} follows num_key_value_heads but is not a key norm")
-            k_norm_rows = norm
-        else:
-            raise InputError(
-                f"{fail}: {name} {list(shape)} changes shape with num_key_value_heads but is not a "
-                "k_proj/v_proj or key norm, so the converter cannot rewrite it"
-            )
+    k_rows, head_dim = _head_dim(source, first, heads, kv_heads, fail)
+    k_norm_rows = _key_norm(before, after, prefix, relative, probe, kv_heads, k_rows, fail)
     for layer in range(layer_count):
         name = f"{prefix}{layer}.{relative}.k_proj.weight"
         if after.get(name, (None,))[0] != probe * head_dim:
@@ -197,6 +160,58 @@ def _check_shapes(source, target, probe, prefix, relative, layer_count, heads, k
     )
     hidden = _config_value(source.config, "hidden_size") or first.q_proj.weight.shape[1]
     return GenericArchitecture(layout, layer_count, heads, kv_heads, head_dim, hidden)
+
+
+def _head_dim(source, first, heads: int, kv_heads: int, fail: str) -> tuple[int, int]:
+    """(k_proj rows, head_dim) of layer 0's attention `first`, refused unless k and v, q and the output
+    projection all agree with the config's head counts."""
+    k_rows, v_rows = first.k_proj.weight.shape[0], first.v_proj.weight.shape[0]
+    if k_rows % kv_heads or k_rows != v_rows:
+        raise InputError(
+            f"{fail}: layer 0's k_proj has {k_rows} rows and v_proj {v_rows}, not the same multiple of "
+            f"num_key_value_heads={kv_heads}"
+        )
+    head_dim = k_rows // kv_heads
+    configured = _config_value(source.config, "head_dim")
+    if configured and configured != head_dim:
+        raise InputError(f"{fail}: k_proj rows / num_key_value_heads = {head_dim} but config head_dim={configured}")
+    q_rows, o_columns = first.q_proj.weight.shape[0], _output(first).weight.shape[1]
+    if q_rows != heads * head_dim or o_columns != heads * head_dim:
+        raise InputError(
+            f"{fail}: q_proj has {q_rows} rows and the output projection {o_columns} columns, not "
+            f"num_attention_heads x head_dim = {heads * head_dim} (a gated or differently shaped query)"
+        )
+    return k_rows, head_dim
+
+
+def _key_norm(before: dict, after: dict, prefix, relative, probe: int, kv_heads: int, k_rows: int, fail: str):
+    """The key norm over all kv heads (olmo2's k_norm) among the parameters whose shape follows
+    num_key_value_heads (before: the source's shapes, after: those with `probe` kv heads), or None;
+    refused when anything but k/v and that norm follows it."""
+    k_norm_rows = None
+    for name, shape in before.items():
+        if after.get(name) == shape:
+            continue
+        match = re.match(re.escape(prefix) + r"\d+\.(.*)$", name)
+        role = match[1] if match else name
+        scaled = after.get(name) == (shape[0] // kv_heads * probe, *shape[1:]) and shape[0] % kv_heads == 0
+        if role.startswith(f"{relative}.k_proj.") or role.startswith(f"{relative}.v_proj."):
+            if not scaled or shape[0] != k_rows:
+                raise InputError(
+                    f"{fail}: {name} has shape {list(shape)}; layer 0 has {k_rows} rows (layers with "
+                    "their own kv-head counts or head sizes, e.g. sliding/global, are not supported)"
+                )
+        elif role.startswith(f"{relative}.") and "norm" in role and scaled and shape == (k_rows,):
+            norm = role.rsplit(".", 1)[0]
+            if k_norm_rows not in (None, norm) or not norm.split(".")[-1].startswith("k"):
+                raise InputError(f"{fail}: {name} {list(shape)} follows num_key_value_heads but is not a key norm")
+            k_norm_rows = norm
+        else:
+            raise InputError(
+                f"{fail}: {name} {list(shape)} changes shape with num_key_value_heads but is not a "
+                "k_proj/v_proj or key norm, so the converter cannot rewrite it"
+            )
+    return k_norm_rows
 
 
 def _key_path_refusal(attention, extras: list[str]) -> str | None:

@@ -14,10 +14,11 @@ from transformers import AutoModelForCausalLM
 
 from mha2gqa.convert.calibration import calibrate
 from mha2gqa.convert.options import RefineOptions
-from mha2gqa.convert.refine_block import is_additive, output_projection
-from mha2gqa.convert.refine_global import fit_global, kl_divergence
+from mha2gqa.convert.refine.block import is_additive, output_projection
+from mha2gqa.convert.refine.global_stage import GlobalFit, fit_global
 from mha2gqa.convert.run import convert
 from mha2gqa.embedded import HELDOUT_NOVEL, expand_corpus_name, read_novel
+from mha2gqa.kl import kl_divergence
 from mha2gqa.layouts import attention_shape, layout_for, read_config
 from mha2gqa.provenance import latest
 
@@ -212,10 +213,10 @@ def test_global_stage_trains_bfloat16_weights_through_float32_masters():
     for dtype in (torch.float32, torch.bfloat16):
         model = copy.deepcopy(start).to(dtype)
         params = [p for name, p in model.named_parameters() if ".self_attn." in name]
+        fit = GlobalFit(steps=12, lr=1e-4, batch_blocks=2, check_every=12)
         record = fit_global(
-            parent.to(dtype), model, params, blocks, split, steps=12, lr=1e-4, batch_blocks=2,
-            generator=torch.Generator().manual_seed(0), check_every=12, progress=False,
-        )  # fmt: skip
+            parent.to(dtype), model, params, blocks, split, fit, torch.Generator().manual_seed(0), False
+        )
         assert record["best_step"] == 12, record  # the KL fell: the trained weights are kept
         ends[dtype] = torch.cat([p.detach().float().flatten() for p in params])
     before = torch.cat([p.detach().flatten() for n, p in start.named_parameters() if ".self_attn." in n])
@@ -231,7 +232,7 @@ def test_global_stage_trains_bfloat16_weights_through_float32_masters():
 def test_global_stage_stops_after_patience_checks_without_a_gain_and_keeps_the_best(monkeypatch):
     """Held-out KL by check 1.0, 0.9 (best), 0.95, 0.92: after `patience` (2) checks without a gain on the
     best the stage stops, and the weights of the best check are the ones left in place."""
-    from mha2gqa.convert import refine_global
+    from mha2gqa.convert.refine import global_stage
 
     parent, model, blocks, split = two_random_models()
     params = [p for name, p in model.named_parameters() if ".self_attn." in name]
@@ -241,11 +242,40 @@ def test_global_stage_stops_after_patience_checks_without_a_gain_and_keeps_the_b
         seen.append([p.detach().clone() for p in params])
         return next(values)
 
-    monkeypatch.setattr(refine_global, "heldout_kl", scripted_heldout_kl)
-    record = fit_global(
-        parent, model, params, blocks, split, steps=40, lr=1e-3, batch_blocks=2,
-        generator=torch.Generator().manual_seed(0), check_every=5, progress=False,
-    )  # fmt: skip
+    monkeypatch.setattr(global_stage, "heldout_kl", scripted_heldout_kl)
+    fit = GlobalFit(steps=40, lr=1e-3, batch_blocks=2, check_every=5)
+    record = fit_global(parent, model, params, blocks, split, fit, torch.Generator().manual_seed(0), progress=False)
     assert [c["step"] for c in record["checks"]] == [0, 5, 10, 15] and record["best_step"] == 5
     assert all(torch.equal(p, kept) for p, kept in zip(params, seen[1], strict=True))
     assert not any(torch.equal(p, later) for p, later in zip(params, seen[3], strict=True))
+
+
+def test_mini_batches_are_seeded_epochs_of_the_fit_blocks_and_never_short():
+    """Both Adam stages draw their order here: each epoch a permutation of the fit blocks, a batch that would
+    come out short taking the next epoch's first blocks instead, the same order for the same seed."""
+    from mha2gqa.convert.refine.buffers import mini_batches
+
+    fit = torch.arange(3, 8)  # 5 fit blocks, batches of 2
+    drawn = [b.tolist() for b, _ in zip(mini_batches(fit, 2, torch.Generator().manual_seed(0)), range(5))]
+    assert all(len(b) == 2 for b in drawn)
+    flat = sum(drawn, [])
+    assert sorted(flat[:5]) == fit.tolist() and sorted(flat[5:10]) == fit.tolist()  # two whole epochs
+    generator = torch.Generator().manual_seed(0)
+    first, second = (fit[torch.randperm(5, generator=generator)].tolist() for _ in range(2))
+    assert flat == first + second
+    again = [b.tolist() for b, _ in zip(mini_batches(fit, 2, torch.Generator().manual_seed(0)), range(5))]
+    assert again == drawn
+    assert [b.tolist() for b, _ in zip(mini_batches(fit, 9, torch.Generator().manual_seed(0)), range(1))] == [first]
+
+
+def test_the_global_stage_takes_its_settings_from_the_refine_options():
+    from mha2gqa.convert.refine import GlobalFit
+
+    options = RefineOptions(global_steps=3, global_lr=5e-4, batch_blocks=2)
+    parent, model, blocks, split = two_random_models()
+    params = [p for name, p in model.named_parameters() if ".self_attn." in name]
+    fit = GlobalFit.of(options)
+    record = fit_global(parent, model, params, blocks, split, fit, torch.Generator().manual_seed(0), progress=False)
+    assert (record["steps"], record["lr"], record["batch_blocks"]) == (3, 5e-4, 2)
+    assert (record["betas"], record["clip"], record["decay"]) == ([0.9, 0.95], 1.0, False)
+    assert [c["step"] for c in record["checks"]] == [0, 3]  # the last step is always checked

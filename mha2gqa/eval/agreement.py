@@ -4,10 +4,10 @@ token and top-1 next-token agreement. One pass also yields both models' perplexi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from mha2gqa.errors import InputError
 from mha2gqa.eval.perplexity import NllTally, scored_logits, windows
+from mha2gqa.kl import kl_divergence
 
 
 class AgreementTally:
@@ -16,10 +16,7 @@ class AgreementTally:
 
     def add(self, ref_logits: torch.Tensor, logits: torch.Tensor) -> None:
         """ref_logits, logits: (n, V) for the same n scored positions."""
-        ref_logp = F.log_softmax(ref_logits, dim=-1)
-        logp = F.log_softmax(logits, dim=-1)
-        # kl_div(input=log q, target=log p, log_target) = sum p (log p - log q) = KL(p || q).
-        self.kl += F.kl_div(logp, ref_logp, log_target=True, reduction="sum").double().item()
+        self.kl += kl_divergence(ref_logits, logits, reduction="sum").double().item()
         self.same += int((ref_logits.argmax(-1) == logits.argmax(-1)).sum())
         self.tokens += logits.shape[0]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,8 +16,9 @@ from mha2gqa import provenance
 from mha2gqa.card import write_card
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain import checkpoints, lora
-from mha2gqa.uptrain.data import build_data
+from mha2gqa.uptrain.data import TrainData, build_data
 from mha2gqa.uptrain.models import (
+    Student,
     check_positions,
     check_teacher,
     check_vocab,
@@ -80,6 +82,17 @@ def _release(accelerator) -> None:
     accelerator.free_memory()
 
 
+@dataclass
+class _Loaded:
+    """What a run trains and reads, loaded and checked before anything is written."""
+
+    tokenizer: object
+    student: Student
+    data: TrainData
+    teacher: torch.nn.Module | None
+    trainable: int  # parameters the run trains
+
+
 def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
     from accelerate.utils import set_seed
 
@@ -87,6 +100,40 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
     total = total_steps(recipe, world)
     start_ckpt, changed = checkpoints.check_start(out, recipe, resume, world)
     set_seed(recipe.seed)
+    loaded = _load(recipe, accelerator)
+    model, optimizer = _prepare(recipe, accelerator, loaded.student)
+    _open_output(recipe, resume, out, accelerator, loaded.student)
+    start = 0
+    if start_ckpt is not None:
+        start_ckpt = checkpoints.load_newest_loadable(accelerator, out)
+        start = checkpoints.read_progress(start_ckpt)["step"]
+        accelerator.print(f"resuming from {start_ckpt} (step {start} of {total})")
+        for note in changed:
+            accelerator.print(f"note: recipe key changed since the checkpoint: {note}")
+    if accelerator.log_with:
+        accelerator.init_trackers("tensorboard", config=_scalar_config(recipe))
+
+    metrics = Metrics(out, accelerator, start if start_ckpt else -1, total, bool(accelerator.log_with))
+    trace = Trace(out, rank, start * recipe.grad_accum) if recipe.trace_samples else None
+    run = Run(recipe, accelerator, model, optimizer, loaded.teacher, loaded.data, out, total, metrics, trace)
+    try:
+        final_evals = run_steps(run, start)
+    finally:
+        metrics.close()
+    if final_evals is None:
+        accelerator.print(f"stopped after exit_after_steps={recipe.exit_after_steps}: continue with --resume")
+        return out
+    if trace is not None:
+        trace.finish(accelerator.unwrap_model(model))
+    record = _run_record(recipe, loaded, total, world, start if start_ckpt else None, final_evals)
+    _save(recipe, accelerator, model, loaded, out, record)
+    return out
+
+
+def _load(recipe: Recipe, accelerator) -> _Loaded:
+    """The tokenizer, the student (with its LoRA adapters), the data and the teacher, each checked against
+    the others: a bad input fails here, before the first file is written."""
+    rank, world = accelerator.process_index, accelerator.num_processes
     tokenizer = load_tokenizer(recipe.tokenizer_source)
     student = load_student(recipe)
     with accelerator.main_process_first():  # rank 0 fills the datasets cache; the others then read it
@@ -101,6 +148,11 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
     teacher = load_teacher(recipe, accelerator.device) if recipe.distill.teacher else None
     if teacher is not None:
         check_teacher(student.model, teacher)
+    return _Loaded(tokenizer, student, data, teacher, trainable)
+
+
+def _prepare(recipe: Recipe, accelerator, student: Student):
+    """The model and its optimizer, handed to accelerate (wrapped for DDP / FSDP, moved to the device)."""
     if recipe.gradient_checkpointing:
         student.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = make_optimizer(student.model, recipe.optim, accelerator.device.type)
@@ -110,7 +162,11 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
             f"the accelerate config sets gradient accumulation to {accelerator.gradient_accumulation_steps} but the "
             f"recipe has grad_accum={recipe.grad_accum}: remove it from the accelerate config (the recipe rules)"
         )
+    return model, optimizer
 
+
+def _open_output(recipe: Recipe, resume: bool, out: Path, accelerator, student: Student) -> None:
+    """Check output_dir's room, then (the first write of the run) clear or create it."""
     # Every rank checks (read-only): a refusal on rank 0 alone would leave the others waiting.
     saves = bool(recipe.save_every or recipe.exit_after_steps)
     check_room(
@@ -127,29 +183,12 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         checkpoints.remove_unfinished(out)  # debris of a run killed while saving
     accelerator.wait_for_everyone()
-    start = 0
-    if start_ckpt is not None:
-        start_ckpt = checkpoints.load_newest_loadable(accelerator, out)
-        start = checkpoints.read_progress(start_ckpt)["step"]
-        accelerator.print(f"resuming from {start_ckpt} (step {start} of {total})")
-        for note in changed:
-            accelerator.print(f"note: recipe key changed since the checkpoint: {note}")
-    if accelerator.log_with:
-        accelerator.init_trackers("tensorboard", config=_scalar_config(recipe))
 
-    metrics = Metrics(out, accelerator, start if start_ckpt else -1, total, bool(accelerator.log_with))
-    trace = Trace(out, rank, start * recipe.grad_accum) if recipe.trace_samples else None
-    run = Run(recipe, accelerator, model, optimizer, teacher, data, out, total, metrics, trace)
-    try:
-        final_evals = run_steps(run, start)
-    finally:
-        metrics.close()
-    if final_evals is None:
-        accelerator.print(f"stopped after exit_after_steps={recipe.exit_after_steps}: continue with --resume")
-        return out
-    if trace is not None:
-        trace.finish(accelerator.unwrap_model(model))
-    record = {
+
+def _run_record(recipe: Recipe, loaded: _Loaded, total: int, world: int, resumed: int | None, evals: dict) -> dict:
+    """This run's "uptrain" stage in mha2gqa.json."""
+    student = loaded.student
+    return {
         "recipe": recipe.to_dict(),
         "source": {
             "model": recipe.model,
@@ -162,11 +201,16 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
         "tokens_seen": total * tokens_per_step(recipe, world),
         "tokens_per_step": tokens_per_step(recipe, world),
         "world_size": world,
-        "trainable_params": trainable,
+        "trainable_params": loaded.trainable,
         "saved_dtype": str(student.saved_dtype).replace("torch.", ""),
-        "resumed_from_step": start if start_ckpt else None,
-        **{f"final_{k}": v for k, v in final_evals.items()},
+        "resumed_from_step": resumed,
+        **{f"final_{k}": v for k, v in evals.items()},
     }
+
+
+def _save(recipe: Recipe, accelerator, model, loaded: _Loaded, out: Path, record: dict) -> None:
+    """The final model (LoRA adapters merged in first), its mha2gqa.json and card."""
+    student = loaded.student
     if recipe.trainable == "lora":  # every rank merges its own (identical) replica: no gathering needed
         record["adapter"] = lora.adapter_record(accelerator.unwrap_model(model), recipe.lora)
         model = lora.merged_model(accelerator.unwrap_model(model), recipe.lora, student.source_dir, student.saved_dtype)
@@ -174,12 +218,11 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
     save_final(
         accelerator,
         model,
-        tokenizer,
+        loaded.tokenizer,
         out,
         student.saved_dtype,
         finish=lambda staging: _record(staging, student.source_dir, record, out.name),
     )
-    return out
 
 
 def _record(staging: Path, source_dir: Path | None, record: dict, name: str) -> None:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from mha2gqa.kl import kl_divergence
 from mha2gqa.uptrain import checkpoints
 from mha2gqa.uptrain.data import TrainData, block_hash, rank_slice
 from mha2gqa.uptrain.recipe import OptimConfig, Recipe
@@ -66,10 +66,9 @@ def kl_teacher_student(student_logits: torch.Tensor, teacher_logits: torch.Tenso
     """KL(teacher || student) of next-token distributions, mean over positions, scaled by T^2 so that
     its gradient does not shrink as T grows (Hinton et al. 2015)."""
     vocab = student_logits.shape[-1]
-    # (B, S, V) -> (B*S, V), float32: log-softmax over a large vocab loses too much in bf16
-    log_s = F.log_softmax(student_logits.reshape(-1, vocab).float() / temperature, dim=-1)
-    log_t = F.log_softmax(teacher_logits.reshape(-1, vocab).float() / temperature, dim=-1)
-    return F.kl_div(log_s, log_t, log_target=True, reduction="batchmean") * temperature**2
+    # (B, S, V) -> (B*S, V); the sum over every term divided by the positions is torch's "batchmean"
+    student, teacher = student_logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
+    return kl_divergence(teacher, student, temperature, reduction="sum") / len(student) * temperature**2
 
 
 def distill_loss(model, teacher, batch: torch.Tensor, kl_weight: float, temperature: float, autocast) -> torch.Tensor:

@@ -23,15 +23,34 @@ copies: an update of lr 1e-4 is below bfloat16's resolution for most weights and
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
+from mha2gqa.convert.options import RefineOptions
+from mha2gqa.convert.refine.buffers import mini_batches
+from mha2gqa.kl import kl_divergence
 
-def kl_divergence(parent_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens of KL(parent || model), in float32 whatever the models' dtype."""
-    target = parent_logits.float().log_softmax(-1)
-    return (target.exp() * (target - logits.float().log_softmax(-1))).sum(-1).mean()
+
+@dataclass(frozen=True)
+class GlobalFit:
+    """The global stage's settings: `--refine-global-steps`, `--refine-global-lr` and --refine's batch of
+    blocks (GlobalFit.of(options)); the rest are fixed by measurement (docs/refine.md) and varied only by
+    bench/refine_global_real.py."""
+
+    steps: int
+    lr: float
+    batch_blocks: int = 4
+    check_every: int = 5
+    patience: int = 2
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip: float = 1.0
+    decay: bool = False
+
+    @classmethod
+    def of(cls, options: RefineOptions) -> GlobalFit:
+        return cls(options.global_steps, options.global_lr, options.batch_blocks)
 
 
 def heldout_kl(parent, model, blocks: torch.Tensor, heldout: torch.Tensor) -> float:
@@ -50,54 +69,37 @@ def fit_global(
     params: list[torch.nn.Parameter],
     blocks: torch.Tensor,
     split: dict,
-    steps: int,
-    lr: float,
-    batch_blocks: int,
+    fit: GlobalFit,
     generator: torch.Generator,
-    check_every: int = 5,
-    patience: int = 2,
     progress: bool = True,
-    betas: tuple[float, float] = (0.9, 0.95),
-    clip: float = 1.0,
-    decay: bool = False,
 ) -> dict:
     """Adam on `params` (of `model`) against the parent's distribution on blocks[split['fit']]; the best
     held-out parameters are left in place. Returns the record: per check the step, fit and held-out KL."""
-    device = next(model.parameters()).device
     for p in params:
         p.requires_grad_(True)
     # What Adam updates: the parameters themselves when float32, else float32 copies written back each step.
     masters = [p if p.dtype == torch.float32 else p.detach().float() for p in params]
-    optimizer = torch.optim.Adam(masters, lr=lr, betas=betas)
-    warmup = max(1, steps // 10)
+    optimizer = torch.optim.Adam(masters, lr=fit.lr, betas=fit.betas)
+    warmup = max(1, fit.steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * s / steps)) if decay else 1)
+        optimizer,
+        lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * s / fit.steps)) if fit.decay else 1),
     )
-    fit, heldout = split["fit"], split["heldout"]
+    heldout = split["heldout"]
     checks = [{"step": 0, "heldout_kl": heldout_kl(parent, model, blocks, heldout)}]
     best, stale = (checks[0]["heldout_kl"], [m.detach().clone() for m in masters]), 0
-    order = torch.empty(0, dtype=torch.long)
-    bar = tqdm(range(1, steps + 1), desc="refine all layers", unit="step", disable=not progress, leave=False)
+    batches = mini_batches(split["fit"], fit.batch_blocks, generator)
+    bar = tqdm(range(1, fit.steps + 1), desc="refine all layers", unit="step", disable=not progress, leave=False)
     try:
         for step in bar:
-            if len(order) < min(batch_blocks, len(fit)):  # epochs of a seeded permutation
-                order = torch.cat([order, fit[torch.randperm(len(fit), generator=generator)]])
-            chunk, order = order[:batch_blocks], order[batch_blocks:]
             optimizer.zero_grad(set_to_none=True)
-            fit_kl = 0.0
-            for index in chunk.tolist():  # one block at a time: activations of one block only
-                block = blocks[index : index + 1].to(device)
-                with torch.no_grad():
-                    target = parent(block, use_cache=False).logits
-                loss = kl_divergence(target, model(block, use_cache=False).logits) / len(chunk)
-                loss.backward()
-                fit_kl += loss.item()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(params, clip)
+            fit_kl = _kl_gradients(parent, model, blocks, next(batches))
+            if fit.clip:
+                torch.nn.utils.clip_grad_norm_(params, fit.clip)
             _step(optimizer, params, masters)
             schedule.step()
             bar.set_postfix(kl=f"{fit_kl:.4f}", refresh=False)
-            if step % check_every == 0 or step == steps:
+            if step % fit.check_every == 0 or step == fit.steps:
                 checks.append(
                     {"step": step, "fit_kl": fit_kl, "heldout_kl": heldout_kl(parent, model, blocks, heldout)}
                 )
@@ -105,24 +107,46 @@ def fit_global(
                     best, stale = (checks[-1]["heldout_kl"], [m.detach().clone() for m in masters]), 0
                 else:
                     stale += 1
-                    if stale == patience:
+                    if stale == fit.patience:
                         break  # `patience` checks in a row without a better held-out KL
     finally:
         bar.close()
+        _keep(params, best[1])
+    return _record(fit, checks, best[0])
+
+
+def _kl_gradients(parent, model, blocks: torch.Tensor, chunk: torch.Tensor) -> float:
+    """Accumulate the gradients of the mean KL over the blocks `chunk`, one block at a time so that only one
+    block's activations are held; returns that mean KL."""
+    device = next(model.parameters()).device
+    fit_kl = 0.0
+    for index in chunk.tolist():
+        block = blocks[index : index + 1].to(device)
         with torch.no_grad():
-            for p, kept in zip(params, best[1], strict=True):
-                p.copy_(kept)
-                p.requires_grad_(False)
-    best_step = next(c["step"] for c in checks if c["heldout_kl"] == best[0])
+            target = parent(block, use_cache=False).logits
+        loss = kl_divergence(target, model(block, use_cache=False).logits) / len(chunk)
+        loss.backward()
+        fit_kl += loss.item()
+    return fit_kl
+
+
+def _keep(params: list[torch.nn.Parameter], kept: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, saved in zip(params, kept, strict=True):
+            p.copy_(saved)
+            p.requires_grad_(False)
+
+
+def _record(fit: GlobalFit, checks: list[dict], best: float) -> dict:
     return {
-        "steps": steps,
-        "lr": lr,
-        "batch_blocks": batch_blocks,
-        "betas": list(betas),
-        "clip": clip,
-        "decay": decay,
+        "steps": fit.steps,
+        "lr": fit.lr,
+        "batch_blocks": fit.batch_blocks,
+        "betas": list(fit.betas),
+        "clip": fit.clip,
+        "decay": fit.decay,
         "checks": checks,
-        "best_step": best_step,
+        "best_step": next(c["step"] for c in checks if c["heldout_kl"] == best),
     }
 
 

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from mha2gqa.convert.refine.attention import relative, ridge_solve
+from mha2gqa.convert.refine.hooks import call_layer
+
 PROBE_TOLERANCE = 1e-4  # relative: an additive layer passes with float32 rounding (~1e-7)
 
 
@@ -43,11 +46,6 @@ def token_weights(targets: torch.Tensor) -> torch.Tensor:
     return 1.0 / power.clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def call_layer(layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    out = layer(hidden, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
-
-
 def is_additive(layer, projection, hidden: torch.Tensor, kwargs: dict) -> bool:
     """Whether an offset added to `projection`'s output reaches the layer's output unchanged, on `hidden`
     (one block): the condition under which the least-squares solve below is exact."""
@@ -66,7 +64,7 @@ def is_additive(layer, projection, hidden: torch.Tensor, kwargs: dict) -> bool:
 class OutputSolve:
     """Weighted least squares for `projection` (weight and bias) so that the layer's output ~= the targets
     on the fit blocks, given everything else in the layer, accumulated while the layer runs over the
-    blocks anyway (refine.py's pass that advances the converted states): a hook keeps the projection's
+    blocks anyway (hooks.advance, the pass that moves the converted states on): a hook keeps the projection's
     input z and output y, and add() takes the layer's output. The projection's needed output is
     y* = t - (out - y), the layer's output less the projection's own part (additive: see is_additive)."""
 
@@ -99,9 +97,7 @@ class OutputSolve:
     def solve(self) -> None:
         """Write the solution into the projection (a tiny ridge, 1e-6 of the mean diagonal, as o_proj's)."""
         self.handle.remove()
-        width = len(self.gram)
-        ridge = 1e-6 * self.gram.diagonal().mean() * torch.eye(width, dtype=torch.float64, device=self.gram.device)
-        solution = torch.linalg.solve(self.gram + ridge, self.cross)  # (width, d)
+        solution = ridge_solve(self.gram, self.cross)  # (width, d)
         weight = self.projection.weight
         with torch.no_grad():
             weight.copy_(solution[: self.projection.in_features].T.to(weight.dtype))
@@ -123,16 +119,11 @@ def weighted_errors(outputs: torch.Tensor, targets: torch.Tensor, weights: torch
     return errors, power
 
 
-def _relative(errors: torch.Tensor, power: torch.Tensor, blocks: torch.Tensor) -> float:
-    total = float(power[blocks].sum())
-    return float(errors[blocks].sum()) / total if total > 0 else 0.0
-
-
 class BlockStage:
-    """One layer's block stage, as refine.py runs it: built once the attention is fitted (it probes the
+    """One layer's block stage, as refine_attention runs it: built once the attention is fitted (it probes the
     layer), fed the layer's outputs by the pass that advances the converted states (add), then finish()
     solves, measures the per-token relative output error on the fit and held-out blocks before and after,
-    and keeps the solve only if both fall. Buffers (refine.ActivationBuffers): 'converted' holds the layer's
+    and keeps the solve only if both fall. Buffers (buffers.ActivationBuffers): 'converted' holds the layer's
     inputs, 'parent' the parent's layer outputs (the targets), 'inputs' the layer's outputs."""
 
     def __init__(self, layer, kwargs: dict, buffers, split: dict, options):
@@ -144,7 +135,7 @@ class BlockStage:
         elif not is_additive(layer, self.projection, buffers["converted"][:1].to(device, dtype), kwargs):
             self.skipped = "skipped: the MLP output does not add into the residual stream unchanged"
         else:
-            # The converted model shares every non-attention tensor with the parent (refine.converted_model):
+            # The converted model shares every non-attention tensor with the parent (model.converted_model):
             # the projection gets its own copy before it is solved.
             for name, p in list(self.projection.named_parameters(recurse=False)):
                 setattr(self.projection, name, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
@@ -157,7 +148,7 @@ class BlockStage:
 
     def _errors(self) -> dict:
         errors, power = weighted_errors(self.buffers["inputs"], self.buffers["parent"], self.weights, self.batch_blocks)
-        return {part: _relative(errors, power, self.split[part]) for part in ("fit", "heldout")}
+        return {part: relative(errors, power, self.split[part]) for part in ("fit", "heldout")}
 
     def finish(self, advance) -> tuple[dict, dict]:
         """Solve, re-run the layer with `advance()` (which refills buffers['inputs']), keep or restore.

@@ -1,0 +1,245 @@
+"""`convert --refine`: layer-wise reconstruction of the attention output after the merge.
+
+The merge matches K/V projections one at a time; it never sees what the attention layer outputs
+through the softmax, nor the drift that earlier layers' errors cause in later layers' inputs. Here,
+layer by layer and in order (the GPTQ habit, with the softmax inside):
+  target = the parent's attention output on the parent's own hidden states;
+  input  = the attention input of the converted model, whose layers below are already refined;
+and the converted layer's attention module (every parameter it has: projections, biases, per-head
+norms) is fitted to the target. The module is transformers' own, called as the model calls it, so
+every layout the merge supports is refined exactly as it runs and the checkpoint keeps its shapes.
+
+Cost is linear in depth: the parent's embeddings give the first layer's input (forwards stopped at
+layer 0); after that both models' hidden states are carried forward one layer at a time (never
+re-running the prefix). The fit uses `tokens` of the calibration tokens (default 64 x hidden).
+Nothing is read back from disk: the converted model is the parent's modules with the merged attention
+(every other tensor shared with the loaded parent, or its --dtype cast), and the refined tensors go to
+run.py's one writer pass. Memory: the parent, the converted attention, and four (tokens, hidden)
+float32 buffers for the current layer (parent and converted hidden states, the converted attention
+input, the target), on the device when they fit in `memory` bytes, else memory-mapped files inside
+DST's partial folder, their room reserved up front (a full disk is one error line, not a SIGBUS in
+the middle) and removed with a killed run's other debris. The last 1/8 of the calibration blocks are
+held out: each layer's relative output error is reported on fit and held-out tokens, before and after.
+
+The fit (chosen by measurement, docs/refine.md): Adam on the normalised MSE
+||attn(x) - t||^2 / mean ||t||^2 over random mini-batches of blocks, cosine-decayed learning rate,
+then a closed-form least-squares solve of o_proj given the rest. A layer whose fit or held-out
+error would rise (or went non-finite: said so) is left as merged, so a model that is already exact
+stays exact and a layer that overfits too few calibration tokens is not made worse.
+
+Then (by default; `--refine-global-steps 0` turns it off) the global stage, global_stage.py: the layers
+whose refit was kept, all together, against the parent's next-token distribution on the same blocks.
+
+The package: buffers.py (the blocks, their mini-batches, one layer's activation buffers), model.py (the
+converted model), hooks.py (running the models layer by layer), attention.py (the attention fit),
+block.py (the block stage, --refine-mlp) and global_stage.py; this module runs them layer by layer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from mha2gqa.convert.inputs import RefineBudget
+from mha2gqa.convert.options import RefineOptions
+from mha2gqa.convert.refine.attention import EXACT, fit_attention, relative
+from mha2gqa.convert.refine.block import BlockStage
+from mha2gqa.convert.refine.buffers import BUFFERS, ActivationBuffers, calibration_blocks
+from mha2gqa.convert.refine.global_stage import GlobalFit, fit_global
+from mha2gqa.convert.refine.hooks import advance, first_hidden_states, layer_targets
+from mha2gqa.convert.refine.model import attention_path, converted_model, layer_path
+from mha2gqa.errors import WeightWarning
+from mha2gqa.layouts import AttentionShape, Layout
+
+__all__ = [
+    "BUFFERS",
+    "EXACT",
+    "ActivationBuffers",
+    "GlobalFit",
+    "RefineOptions",
+    "calibration_blocks",
+    "converted_model",
+    "fit_attention",
+    "fit_global",
+    "refine_attention",
+]
+
+
+def refine_attention(
+    parent,
+    layout: Layout,
+    shape: AttentionShape,
+    config: dict,
+    merged: dict[str, torch.Tensor],
+    ids: torch.Tensor,
+    options: RefineOptions,
+    budget: RefineBudget,
+    out_dtype: str | None = None,
+    spill_dir: Path | None = None,
+    progress: bool = True,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Refine the merged attention layer by layer against the loaded `parent`. config: the converted
+    config.json; merged: the merge's tensors by checkpoint name, in their output dtype; budget: the blocks
+    to fit on, as the plan computed them (prepare); out_dtype: --dtype.
+    Returns every layer's refined attention tensors by checkpoint name, and the JSON-able record: options,
+    token counts and per-layer errors."""
+    started, started_cpu = time.perf_counter(), time.process_time()
+    torch.manual_seed(options.seed)
+    parent.requires_grad_(False)
+    model = converted_model(parent, layout, shape, config, merged, out_dtype)
+    blocks, split = calibration_blocks(ids, budget)
+    buffers = ActivationBuffers(
+        len(blocks), budget.seq_len, shape.hidden, options.memory, next(model.parameters()).device, spill_dir
+    )
+    layers, refined, changed, global_record = [], {}, {}, None
+    bar = tqdm(
+        total=shape.layers * max(options.steps, 1), desc="refine", unit="step", disable=not progress, leave=False
+    )
+    try:
+        layer_kwargs = first_hidden_states(parent, layout, shape.layers, blocks, buffers, options.batch_blocks)
+        generator = torch.Generator().manual_seed(options.seed)
+        run = _Run(parent, model, layout, buffers, split, options, generator, bar, layer_kwargs)
+        buffers["converted"].copy_(buffers["parent"])
+        for index in range(shape.layers):
+            bar.set_description(f"refine layer {index + 1}/{shape.layers}", refresh=False)
+            report, names, kept = _refine_layer(run, index)
+            layers.append(report)
+            refined.update(names)
+            # What the global stage may train: the layers whose refit was kept. One left as merged (worse,
+            # non-finite) stays as merged, so a conversion whose every refit failed is the plain merge.
+            if kept:
+                changed.update(names)
+        if options.global_steps and changed:
+            global_record = _global_stage(run, changed, blocks, progress)
+    finally:
+        bar.close()
+        buffers.close()
+    timing = {"wall_s": round(time.perf_counter() - started, 2), "cpu_s": round(time.process_time() - started_cpu, 2)}
+    return refined, _record(run, budget.seq_len, timing, layers, global_record)
+
+
+@dataclass
+class _Run:
+    """What every layer's refit shares: both models, the activation buffers, the fit / held-out split, the
+    options, the one seeded generator of the mini-batch orders, the progress bar, and each layer's keyword
+    arguments (masks, rotary tables)."""
+
+    parent: torch.nn.Module
+    model: torch.nn.Module
+    layout: Layout
+    buffers: ActivationBuffers
+    split: dict
+    options: RefineOptions
+    generator: torch.Generator
+    bar: tqdm
+    layer_kwargs: dict[int, dict]
+
+
+def _refine_layer(run: _Run, index: int) -> tuple[dict, dict[str, torch.Tensor], bool]:
+    """Refit layer `index` and move both models' hidden states past it. Returns the layer's report (its
+    relative errors before and after, on fit and held-out blocks), its tensors by checkpoint name, and
+    whether the refit was kept."""
+    layout, buffers, split, options = run.layout, run.buffers, run.split, run.options
+    kwargs, batch = run.layer_kwargs[index], options.batch_blocks
+    parent_layer, layer = (m.get_submodule(layer_path(layout, index)) for m in (run.parent, run.model))
+    attn_kwargs, before, power = layer_targets(parent_layer, layer, layout, kwargs, buffers, batch)
+    attn = layer.get_submodule(attention_path(layout))
+    fit_before, held_before = (relative(before, power, split[part]) for part in ("fit", "heldout"))
+    kept = {name: p.detach().clone() for name, p in attn.named_parameters()}
+    fitted = fit_before > EXACT  # below it the merge is exact up to rounding: Adam would only add noise
+    if fitted:
+        inputs, targets = buffers["inputs"], buffers["targets"]
+        fit_attention(attn, layout, attn_kwargs, inputs, targets, split["fit"], options, run.generator, index, run.bar)
+    run.bar.update(max(options.steps, 1) if not fitted or options.steps == 0 else 0)
+    # The block stage's least squares accumulates from the pass that advances the converted states.
+    block = BlockStage(layer, kwargs, buffers, split, options) if options.mlp_output and fitted else None
+    # The next converted states go into the inputs buffer (free once the fit is done), measuring
+    # the refined layer's errors on the way; the buffers then swap roles.
+    after = advance(layer, layout, kwargs, buffers, batch, block)
+    fit_after, held_after = (relative(after, power, split[part]) for part in ("fit", "heldout"))
+    # Kept only if better on the fit blocks (an exact merge stays exact) and on the held-out ones
+    # (a layer that overfits too few calibration tokens is left as merged).
+    outcome = "exact" if not fitted else "refined"
+    if fitted and not (fit_after < fit_before and held_after < held_before):
+        outcome = _lost(index, fit_after, held_after, options)
+        _restore(attn, kept)
+        block = BlockStage(layer, kwargs, buffers, split, options) if block else None
+        advance(layer, layout, kwargs, buffers, batch, block)
+        fit_after, held_after = fit_before, held_before
+    solved, block_report = {}, {}
+    if block is not None:
+        solved, block_report = block.finish(partial(advance, layer, layout, kwargs, buffers, batch))
+    buffers.swap("converted", "inputs")
+    report = {
+        "layer": index,
+        "fit_error_before": fit_before,
+        "fit_error_after": fit_after,
+        "heldout_error_before": held_before,
+        "heldout_error_after": held_after,
+        **block_report,
+    }
+    if outcome in ("worse", "non-finite"):
+        report["kept_merged"] = outcome
+    return report, _tensor_names(layout, index, attn, solved), outcome == "refined"
+
+
+def _lost(index: int, fit_after: float, held_after: float, options: RefineOptions) -> str:
+    """Why a refit is not kept: "worse", or "non-finite" (said in a warning, which names the fix)."""
+    if math.isfinite(fit_after) and math.isfinite(held_after):
+        return "worse"
+    warnings.warn(
+        f"refine: layer {index}'s refit went non-finite (NaN/inf output error): the layer is kept "
+        f"as merged; lower --refine-lr ({options.lr:g})",
+        WeightWarning,
+        stacklevel=4,  # refine_attention's caller, as before the layer loop was split out
+    )
+    return "non-finite"
+
+
+def _global_stage(run: _Run, refined: dict, blocks: torch.Tensor, progress: bool) -> dict:
+    """Every parameter the layer-wise stages changed, all layers together, against the parent's
+    next-token distribution (global_stage.py). `refined`: checkpoint name -> the live parameter data."""
+    by_data = {p.data_ptr(): p for p in run.model.parameters()}
+    params = [by_data[t.data_ptr()] for t in refined.values()]
+    fit = GlobalFit.of(run.options)
+    return fit_global(run.parent, run.model, params, blocks, run.split, fit, run.generator, progress=progress)
+
+
+def _record(run: _Run, seq_len: int, timing: dict, layers: list[dict], global_record: dict | None) -> dict:
+    """The JSON-able record of the refine stage (mha2gqa.json's "refine")."""
+    tokens = {name: len(idx) * seq_len for name, idx in run.split.items()}
+    return {
+        "options": asdict(run.options),
+        "sequence_length": seq_len,
+        "fit_tokens": tokens["fit"],
+        "heldout_tokens": tokens["heldout"],
+        "device": str(next(run.model.parameters()).device),
+        "spilled_to_disk": run.buffers.spill_dir is not None,
+        "buffer_bytes": run.buffers.bytes,
+        **timing,
+        "layers": layers,
+        "global": global_record,
+    }
+
+
+def _restore(module, saved: dict) -> None:
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(saved[name])
+
+
+def _tensor_names(layout: Layout, index: int, attn, solved: dict | None = None) -> dict[str, torch.Tensor]:
+    """The refined parameters under their checkpoint names: the attention's, and those the block stage
+    solved (`solved`: names relative to the layer)."""
+    layer = layout.layer_prefix.format(layer=index)
+    prefix = layer + attention_path(layout) + "."
+    tensors = {prefix + name: p.detach() for name, p in attn.named_parameters()}
+    tensors.update({layer + name: p for name, p in (solved or {}).items()})
+    return tensors

@@ -1,0 +1,102 @@
+"""The calibration blocks `--refine` fits on, their seeded mini-batches, and one layer's activation buffers
+(on the device, or memory-mapped files whose room is reserved up front)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from mha2gqa.convert.inputs import RefineBudget
+from mha2gqa.errors import InputError
+
+BUFFERS = ("parent", "converted", "inputs", "targets")
+
+
+class ActivationBuffers:
+    """One layer's (blocks, seq, width) float32 buffers: on `device` when they fit `memory` bytes, else
+    memory-mapped files in a temporary folder inside `spill_dir` (removed on close). A spill file's blocks
+    are reserved (posix_fallocate) before it is mapped: writing through a mapping of a file the disk has
+    no room for kills the process with SIGBUS, where a reservation fails with ENOSPC, an OSError."""
+
+    def __init__(self, blocks: int, seq_len: int, width: int, memory: int, device, spill_dir: Path | None = None):
+        shape = (blocks, seq_len, width)
+        numel = blocks * seq_len * width
+        self.bytes = len(BUFFERS) * numel * 4
+        self.spill_dir = None
+        self.data = {}
+        if self.bytes > memory:
+            self.spill_dir = Path(tempfile.mkdtemp(prefix=".refine-", dir=spill_dir))
+        try:
+            for name in BUFFERS:
+                if self.spill_dir is None:
+                    self.data[name] = torch.empty(shape, dtype=torch.float32, device=device)
+                else:
+                    path = self.spill_dir / f"{name}.f32"
+                    with open(path, "wb") as f:
+                        _reserve(f, numel * 4, path)
+                    self.data[name] = torch.from_file(str(path), shared=True, size=numel, dtype=torch.float32).view(
+                        shape
+                    )
+        except BaseException:
+            self.close()
+            raise
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.data[name]
+
+    def swap(self, first: str, second: str) -> None:
+        self.data[first], self.data[second] = self.data[second], self.data[first]
+
+    def close(self) -> None:
+        self.data.clear()
+        if self.spill_dir is not None:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
+
+
+def _reserve(f, nbytes: int, path: Path) -> None:
+    """Allocate the file's blocks now (ENOSPC here, naming the file), not on first write through a mapping."""
+    if hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(f.fileno(), 0, nbytes)
+            return
+        except OSError as err:
+            if err.errno not in (95, 22):  # EOPNOTSUPP / EINVAL: a filesystem without fallocate
+                raise OSError(err.errno, err.strerror, str(path)) from err
+    free = shutil.disk_usage(path.parent).free
+    if free < nbytes:
+        raise OSError(28, os.strerror(28), str(path))
+    f.truncate(nbytes)
+
+
+def calibration_blocks(ids: torch.Tensor, budget: RefineBudget) -> tuple[torch.Tensor, dict]:
+    """The (n, seq_len) blocks of the calibration `ids` that --refine uses (the budget's tokens, spread evenly
+    over the text) and their split: {"fit": indices, "heldout": the last 1/8}."""
+    seq_len = budget.seq_len
+    blocks = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)  # full blocks only
+    count = budget.blocks_of(len(blocks))
+    if count < len(blocks):  # a subset spread over the whole text
+        blocks = blocks[torch.linspace(0, len(blocks) - 1, count).round().long()]
+    if len(blocks) < 2:
+        raise InputError(
+            f"--refine needs at least 2 calibration blocks of {seq_len} tokens, and the calibration data holds "
+            f"only {len(ids)} tokens: give more calibration text"
+        )
+    held = budget.heldout_of(len(blocks))
+    return blocks, {"fit": torch.arange(len(blocks) - held), "heldout": torch.arange(len(blocks) - held, len(blocks))}
+
+
+def mini_batches(fit: torch.Tensor, size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Endless batches of `size` of the block indices `fit`: epochs of a permutation drawn from `generator`,
+    the next epoch's drawn only when fewer than a batch are left (so a batch spans two epochs rather than
+    coming out short). Both Adam stages draw their order from here, and from one generator per conversion."""
+    order = torch.empty(0, dtype=torch.long)
+    while True:
+        if len(order) < min(size, len(fit)):
+            order = torch.cat([order, fit[torch.randperm(len(fit), generator=generator)]])
+        chunk, order = order[:size], order[size:]
+        yield chunk

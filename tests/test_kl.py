@@ -1,0 +1,62 @@
+"""mha2gqa.kl: the one KL(parent || model) that refine's global stage, uptraining's distillation and eval's
+agreement share (issue 27: it was written three times)."""
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from mha2gqa.kl import kl_divergence
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mha2gqa"
+
+
+def test_kl_matches_the_definition_for_each_reduction_and_temperature():
+    """KL(p || q) = sum_v p_v (log p_v - log q_v), by hand in float64 on 2 x 3 positions of 4 logits."""
+    parent = torch.tensor([[[1.0, 2.0, 0.5, -1.0]] * 3, [[0.0, 0.0, 3.0, 1.0]] * 3])
+    model = torch.tensor([[[2.0, 1.0, 0.0, 0.0]] * 3, [[1.0, -1.0, 2.0, 0.5]] * 3])
+
+    def by_hand(a: list[float], b: list[float], t: float) -> float:
+        za, zb = sum(math.exp(x / t) for x in a), sum(math.exp(x / t) for x in b)
+        return sum(math.exp(x / t) / za * ((x / t - math.log(za)) - (y / t - math.log(zb))) for x, y in zip(a, b))
+
+    for t in (1.0, 2.0):
+        rows = [by_hand(parent[i, 0].tolist(), model[i, 0].tolist(), t) for i in range(2)]
+        per_position = kl_divergence(parent, model, t, reduction="none")
+        assert per_position.shape == (2, 3) and per_position.dtype == torch.float32
+        assert per_position[:, 0].tolist() == pytest.approx(rows, rel=1e-5)
+        assert kl_divergence(parent, model, t).item() == pytest.approx(sum(rows) / 2, rel=1e-5)
+        assert kl_divergence(parent, model, t, reduction="sum").item() == pytest.approx(3 * sum(rows), rel=1e-5)
+    assert kl_divergence(parent, parent).item() == pytest.approx(0.0, abs=1e-7)
+    assert kl_divergence(model, parent).item() != pytest.approx(kl_divergence(parent, model).item())  # not symmetric
+
+
+def test_kl_of_bfloat16_logits_is_computed_in_float32():
+    """A log-softmax of bfloat16 logits keeps 3 significant digits: the KL of two close distributions
+    would be mostly rounding. The function casts first, so bfloat16 logits give their float32 KL."""
+    torch.manual_seed(0)
+    parent = torch.randn(8, 1000).bfloat16()
+    model = parent + 0.01 * torch.randn(8, 1000).bfloat16()
+    assert torch.equal(kl_divergence(parent, model), kl_divergence(parent.float(), model.float()))
+
+
+def test_the_three_users_call_the_one_kl_and_no_module_writes_its_own():
+    """refine's global stage, uptrain's distillation loss and eval's agreement import mha2gqa.kl, and no
+    module but kl.py calls a kl_div or builds a KL from log-softmaxes."""
+    users = ["convert/refine/global_stage.py", "uptrain/steps.py", "eval/agreement.py"]
+    for user in users:
+        tree = ast.parse((PACKAGE / user).read_text())
+        imported = {
+            (node.module, a.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names
+        }
+        assert ("mha2gqa.kl", "kl_divergence") in imported, user
+    own = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "kl.py":
+            continue
+        text = path.read_text()
+        if "kl_div(" in text or ("log_softmax" in text and ".exp() *" in text):
+            own.append(path.relative_to(PACKAGE).as_posix())
+    assert own == []
