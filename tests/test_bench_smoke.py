@@ -122,3 +122,21 @@ def test_eval_speed_noise_smoke():
         assert 0 < low <= median <= high and int(row[3]) >= 3 and float(row[4]) > 0
     assert pair[6] in ("noise", "faster", "slower") and re.match(r"[\d.]+x \([\d.]+-[\d.]+\)", pair[5])
     assert "load average" in out
+
+
+def test_calibration_domains_smoke_rows(tmp_path):
+    run_smoke("calibration_domains.py", "--out", str(tmp_path / "c.json"))
+    result = json.loads((tmp_path / "c.json").read_text())
+    domains = ["prose", "code", "python_docs", "licences"]
+    assert list(result["parent"]) == domains
+    assert [(r["calibration"], r["stage"]) for r in result["rows"]] == [
+        ("austen", "merge"),
+        ("austen", "global"),
+        ("parent:0.5+austen:0.5", "merge"),
+        ("parent:0.5+austen:0.5", "global"),
+    ]
+    for row in result["rows"]:
+        assert list(row["ratio"]) == domains
+        assert row["ratio"]["prose"] == pytest.approx(row["perplexity"]["prose"] / result["parent"]["prose"], rel=1e-3)
+        logs = [math.log(r) for r in row["ratio"].values()]
+        assert row["geometric_mean"] == pytest.approx(math.exp(sum(logs) / 4), rel=1e-3)

@@ -73,7 +73,7 @@ class Grouping(StrEnum):
 
 @dataclass(frozen=True)
 class RefineOptions:
-    """How `--refine` fits each layer (convert/refine.py; the defaults were chosen by measurement,
+    """How `--refine` fits each layer (convert/refine/; the defaults were chosen by measurement,
     docs/refine.md)."""
 
     steps: int = DEFAULT_REFINE_STEPS

@@ -59,7 +59,7 @@ def convert(
     per-layer statistics of the attention input are gathered first (calibrated merge, similarity grouping,
     reconstruction errors); a sweep passes the statistics it gathered once with calibration.calibrate as
     `stats` instead. With `refine`, the merged attention is then refined layer by layer against the parent
-    on the calibration tokens (convert/refine.py) before anything is written."""
+    on the calibration tokens (convert/refine/) before anything is written."""
     if options is None:
         options = ConvertOptions.from_kwargs(groups, kwargs)
     elif kwargs or groups is not None:
