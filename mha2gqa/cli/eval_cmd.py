@@ -61,6 +61,7 @@ def _str_list(ctx, param, value):
 @_option("--speed-contexts", callback=_int_list)
 @_option("--new-tokens", type=int)
 @_option("--repeats", type=int)
+@_option("--speed-side-by-side", is_flag=True)
 @_option("--kv-batch")
 @_option("--kv-tokens")
 @_option("--attention-maps", "attention_text")
@@ -126,6 +127,7 @@ def summary(result: dict) -> str:
         lines.append(
             f"  decode B={p['batch']} T={p['context']}: {p['tokens_per_s']:,.1f} tok/s{spread}, "
             f"peak {format_bytes(p['peak_memory_bytes'])} ({p['peak_memory_kind']})"
+            + (f", load {p['load_average'][0]:.1f} on {p['cpu_count']} CPUs" if p.get("load_average") else "")
         )
     if result["attention_maps"]:
         lines.append(f"  attention maps: {result['attention_maps']['png']}")
@@ -152,7 +154,13 @@ def summary(result: dict) -> str:
     type=click.Path(dir_okay=False),
     help="An uptrain metrics.jsonl to plot as a training curve (repeatable).",
 )
-def report_command(results, out, baseline, metrics):
+@click.option(
+    "--speedup-apart",
+    is_flag=True,
+    help="Compute a speed-up from speeds timed in separate eval runs too (with a warning): by default only "
+    "speeds timed side by side (eval --speed-side-by-side) give one.",
+)
+def report_command(results, out, baseline, metrics, speedup_apart):
     """Compare RESULTS (JSON files written by `mha2gqa eval`) side by side: perplexity and its change vs the
     baseline, recovery of uptrained models, KL and top-1 agreement, KV bytes per token and saving, decode
     tokens/s and speed-up; plots of quality vs KV size, tokens/s vs batch, and the training curve.
@@ -161,6 +169,8 @@ def report_command(results, out, baseline, metrics):
     """
     from mha2gqa.eval.report import write_report
 
-    written = write_report(list(results), out, baseline=baseline, metrics=list(metrics) or None)
+    written = write_report(
+        list(results), out, baseline=baseline, metrics=list(metrics) or None, speedup_apart=speedup_apart
+    )
     for name, path in written.items():
         click.echo(f"wrote {path} ({name})")

@@ -129,13 +129,23 @@ def speed_grid(o: EvalOptions, device_type: str):
 
 def _check_speed(o: EvalOptions) -> None:
     speed_grid(o, "cpu")  # the values are checked the same way for either preset
+    if o.speed_side_by_side and not o.reference:
+        raise InputError("--speed-side-by-side needs --reference: it times the reference's decode beside the model's")
+    if o.speed_side_by_side and o.speed is None:
+        raise InputError("--speed-side-by-side times decode speed: drop --speed off, or drop --speed-side-by-side")
 
 
 def _speed(run: Loaded) -> dict:
     from mha2gqa.eval import speed
 
-    grid = speed_grid(run.options, run.device.type)
-    return {"speed": speed.decode_speed(run.model, grid, run.options.seed, run.options.progress)}
+    o = run.options
+    grid = speed_grid(o, run.device.type)
+    beside = run.ref_model if o.speed_side_by_side else None
+    found = speed.decode_speed(run.model, grid, o.seed, o.progress, beside=beside)
+    if beside is not None:  # what the reference's points are: the report pairs them with its own result
+        reference = run.result["reference"]
+        found["side_by_side"].update(reference_label=reference["label"], reference_resolved=reference["resolved"])
+    return {"speed": found}
 
 
 # ---- attention maps of one layer, as a PNG ----

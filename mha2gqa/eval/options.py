@@ -71,6 +71,10 @@ class EvalOptions:
     repeats: int | None = None
     """Least timed repeats per speed grid point (default 3; more while a point took under the preset's 1 s cpu,
     2 s gpu, at most 30), after 1 warm-up; the median and its interquartile range are reported."""
+    speed_side_by_side: bool = False
+    """Time --reference's decode side by side with the model's (repeat by repeat in turn, one process, the same
+    prompts) and keep its numbers in the result: a speed-up is computed only from speeds measured together,
+    never from two runs at different times and loads."""
     kv_batch: int = 2
     """Batch of the prefill whose live KV cache is measured."""
     kv_tokens: int = 32

@@ -92,6 +92,7 @@ def speed_figure(results: list[dict]):
         return None
     contexts = sorted({p["context"] for r in measured for p in r["speed"]["points"]})
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
+    left_out: list[str] = []
     for ax, context in zip(axes[0], contexts):
         for r in measured:
             pts = sorted(
@@ -104,8 +105,16 @@ def speed_figure(results: list[dict]):
             )
             if pts:
                 batch, median, iqr = zip(*pts)
-                below = [m - (q or (m, m))[0] for m, q in zip(median, iqr)]
-                above = [(q or (m, m))[1] - m for m, q in zip(median, iqr)]
+                # A median outside its own interquartile range (an edited or inconsistent file) has no bar to
+                # draw: its point is drawn alone and the figure says which were left out.
+                bars = [q if q and q[0] <= m <= q[1] else (m, m) for m, q in zip(median, iqr)]
+                left_out += [
+                    f"{r['label']} B={b} T={context}"
+                    for b, m, q in zip(batch, median, iqr)
+                    if q and not q[0] <= m <= q[1]
+                ]
+                below = [m - q[0] for m, q in zip(median, bars)]
+                above = [q[1] - m for m, q in zip(median, bars)]
                 ax.errorbar(
                     batch,
                     median,
@@ -124,6 +133,15 @@ def speed_figure(results: list[dict]):
         ax.set_title(f"Greedy decode, context {context} tokens")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=9)
+    if left_out:
+        fig.text(
+            0.01,
+            -0.02,
+            "IQR bar left out (median outside its IQR): " + ", ".join(left_out),
+            fontsize=8,
+            ha="left",
+            va="top",
+        )
     return fig
 
 
