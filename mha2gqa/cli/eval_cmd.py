@@ -27,6 +27,20 @@ def _int_list(ctx, param, value):
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers (e.g. 1,4,16)") from None
 
 
+class _BatchSize(click.ParamType):
+    """A whole number, or auto."""
+
+    name = "INTEGER|auto"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or isinstance(value, int):
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number nor auto", param, ctx)
+
+
 def _str_list(ctx, param, value):
     """'a,b' -> ['a', 'b']; a value with no names in it ('' or ',, ,') is refused, not ignored."""
     if value is None:
@@ -48,7 +62,7 @@ def _str_list(ctx, param, value):
 @_option("--reference")
 @_option("--context", type=int)
 @_option("--stride", type=int)
-@_option("--batch-size")
+@_option("--batch-size", type=_BatchSize())
 @_option("--dtype")
 @_option("--device")
 @_option(
@@ -69,6 +83,8 @@ def _str_list(ctx, param, value):
 @_option("--attention-png", type=click.Path(dir_okay=False))
 @_option("--lm-eval-tasks", callback=_str_list)
 @_option("--lm-eval-limit", type=int)
+@_option("--chat-template", is_flag=True)
+@_option("--log-samples", type=click.Path(dir_okay=False))
 @_option("--role", type=click.Choice(["parent", "converted", "uptrained"]))
 @_option("--label")
 @_option("--seed")

@@ -54,8 +54,9 @@ class EvalOptions:
     """Perplexity window in tokens (default: min(1024, max_position_embeddings))."""
     stride: int | None = None
     """Tokens between window starts, 1..context; each token is scored once (default: context/2)."""
-    batch_size: int = 1
-    """Windows per forward pass in perplexity (also lm-eval's batch)."""
+    batch_size: int | str = 1
+    """Windows per forward pass in perplexity (also lm-eval's batch); auto: the largest batch the free memory
+    holds by an estimate, at most 64 (lm-eval searches its own). The numbers do not depend on it."""
     dtype: str = "auto"
     """auto (the checkpoint's), float32, bfloat16 or float16."""
     device: str = "auto"
@@ -92,6 +93,12 @@ class EvalOptions:
     'mha2gqa[lmeval]'; see docs/lmeval.md)."""
     lm_eval_limit: int | None = None
     """Examples per lm-eval task (for quick checks only)."""
+    chat_template: bool = False
+    """Put lm-eval's prompts through the tokenizer's chat template, for instruct models (lm-eval's
+    --apply_chat_template); refused when the tokenizer has none."""
+    log_samples: str | None = None
+    """Write every lm-eval example (task, doc id, prompt arguments, responses, per-example metrics) to this
+    JSON-lines file, as lm-eval's --log_samples does."""
     role: str | None = None
     """Role in the report: parent, converted or uptrained (default: from the model's mha2gqa.json: uptrain ->
     uptrained, conversion -> converted, none -> parent)."""
