@@ -6,7 +6,7 @@ import json
 
 import pytest
 from test_report import fake_result, write_results
-from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+from tiny_models import SAMPLE_TEXT, save_tiny_family
 
 from mha2gqa.errors import InputError
 from mha2gqa.eval import evaluate, plots, speed, write_report
@@ -51,11 +51,7 @@ def test_speeds_from_separate_runs_give_no_speed_up_and_say_why(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("speed")
-    tok = make_tiny_tokenizer()
-    for name, kv in (("parent", 4), ("gqa", 1)):
-        save_tiny_model(root / name, "llama", num_key_value_heads=kv, seed=kv)
-        tok.save_pretrained(root / name)
+    root = save_tiny_family(tmp_path_factory.mktemp("speed"), {"parent": 4, "gqa": 1})
     (root / "text.txt").write_text(SAMPLE_TEXT)
     return root
 

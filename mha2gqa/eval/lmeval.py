@@ -126,6 +126,22 @@ def _datasets_offline() -> bool:
     return os.environ.get("HF_DATASETS_OFFLINE", "0").upper() in {"1", "ON", "YES", "TRUE"}
 
 
+@contextlib.contextmanager
+def _in_process_bootstrap():
+    """lm-eval bootstraps perplexity's stderr in a fork()ed multiprocessing pool unless DISABLE_MULTIPROC is
+    set; forking a process that already runs torch's threads can deadlock (seen in the demo), and the
+    in-process path draws the same seeded resamples, so the numbers are identical."""
+    previous = os.environ.get("DISABLE_MULTIPROC")
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["DISABLE_MULTIPROC"]
+        else:
+            os.environ["DISABLE_MULTIPROC"] = previous
+
+
 def run_lm_eval(
     model,
     tokenizer,
@@ -147,14 +163,9 @@ def run_lm_eval(
     manager = manager or task_manager(tasks)
     with without_log_messages(LM_EVAL_NOISE):  # we hand lm-eval our loaded model on purpose, in one process
         wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    # lm-eval bootstraps perplexity's stderr in a fork()ed multiprocessing pool unless DISABLE_MULTIPROC
-    # is set; forking a process that already runs torch's threads can deadlock (seen in the demo), and
-    # the in-process path draws the same seeded resamples, so the numbers are identical.
-    previous = os.environ.get("DISABLE_MULTIPROC")
-    os.environ["DISABLE_MULTIPROC"] = "1"
-    try:
-        # stdout: lm-eval prints "bootstrapping for stddev: perplexity" there (its results come back as data)
-        with without_log_messages(LM_EVAL_NOISE), without_datasets_bars(), contextlib.redirect_stdout(io.StringIO()):
+    # stdout: lm-eval prints "bootstrapping for stddev: perplexity" there (its results come back as data)
+    with _in_process_bootstrap(), without_log_messages(LM_EVAL_NOISE), without_datasets_bars():
+        with contextlib.redirect_stdout(io.StringIO()):
             out = lm_eval.simple_evaluate(
                 model=wrapped,
                 tasks=list(tasks),
@@ -164,11 +175,6 @@ def run_lm_eval(
                 log_samples=True,  # the per-example log-likelihoods give perplexity an honest interval
                 apply_chat_template=chat_template,
             )
-    finally:
-        if previous is None:
-            del os.environ["DISABLE_MULTIPROC"]
-        else:
-            os.environ["DISABLE_MULTIPROC"] = previous
     if log_samples is not None:
         write_samples(out["samples"], log_samples)
     return {

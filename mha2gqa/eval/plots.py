@@ -95,34 +95,7 @@ def speed_figure(results: list[dict]):
     left_out: list[str] = []
     for ax, context in zip(axes[0], contexts):
         for r in measured:
-            pts = sorted(
-                (
-                    (p["batch"], p["tokens_per_s"], tokens_per_s_iqr(p))
-                    for p in r["speed"]["points"]
-                    if p["context"] == context
-                ),
-                key=lambda point: point[0],
-            )
-            if pts:
-                batch, median, iqr = zip(*pts)
-                # A median outside its own interquartile range (an edited or inconsistent file) has no bar to
-                # draw: its point is drawn alone and the figure says which were left out.
-                bars = [q if q and q[0] <= m <= q[1] else (m, m) for m, q in zip(median, iqr)]
-                left_out += [
-                    f"{r['label']} B={b} T={context}"
-                    for b, m, q in zip(batch, median, iqr)
-                    if q and not q[0] <= m <= q[1]
-                ]
-                below = [m - q[0] for m, q in zip(median, bars)]
-                above = [q[1] - m for m, q in zip(median, bars)]
-                ax.errorbar(
-                    batch,
-                    median,
-                    yerr=[below, above],
-                    marker="o",
-                    capsize=4,
-                    label=f"{r['label']} ({r['model']['kv_heads']} kv)",
-                )
+            left_out += _speed_line(ax, r, context)
         batches = sorted({p["batch"] for r in measured for p in r["speed"]["points"]})
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])
@@ -143,6 +116,27 @@ def speed_figure(results: list[dict]):
             va="top",
         )
     return fig
+
+
+def _speed_line(ax, r: dict, context: int) -> list[str]:
+    """One result's medians at `context` with their interquartile bars; returns the points whose bar was left
+    out: a median outside its own interquartile range (an edited or inconsistent file) has no bar to draw,
+    so its point is drawn alone (matplotlib refuses a negative error bar) and the figure says so."""
+    pts = sorted(
+        ((p["batch"], p["tokens_per_s"], tokens_per_s_iqr(p)) for p in r["speed"]["points"] if p["context"] == context),
+        key=lambda point: point[0],
+    )
+    if not pts:
+        return []
+    batch, median, iqr = zip(*pts)
+    inside = [not q or q[0] <= m <= q[1] for m, q in zip(median, iqr)]
+    bars = [q if q and ok else (m, m) for m, q, ok in zip(median, iqr, inside)]
+    below = [m - q[0] for m, q in zip(median, bars)]
+    above = [q[1] - m for m, q in zip(median, bars)]
+    ax.errorbar(
+        batch, median, yerr=[below, above], marker="o", capsize=4, label=f"{r['label']} ({r['model']['kv_heads']} kv)"
+    )
+    return [f"{r['label']} B={b} T={context}" for b, ok in zip(batch, inside) if not ok]
 
 
 def read_metrics(path: Path) -> list[dict]:
