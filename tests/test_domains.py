@@ -8,7 +8,7 @@ import math
 
 import pytest
 from click.testing import CliRunner
-from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_family, save_tiny_model
 
 from mha2gqa import embedded
 from mha2gqa.cli import main
@@ -23,11 +23,7 @@ QUICK = dict(context=32, stride=16, speed_preset="off", progress=False)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("domains")
-    tok = make_tiny_tokenizer()
-    for name, kv in (("parent", 4), ("gqa", 2)):
-        save_tiny_model(root / name, "llama", num_key_value_heads=kv, seed=kv)
-        tok.save_pretrained(root / name)
+    root = save_tiny_family(tmp_path_factory.mktemp("domains"), {"parent": 4, "gqa": 2})
     (root / "prose.txt").write_text(SAMPLE_TEXT * 2)
     (root / "code.txt").write_text("def f(x):\n    return [i * x for i in range(10)]\n" * 40)
     return root

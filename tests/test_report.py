@@ -91,7 +91,7 @@ def three(tmp_path):
 
 
 def test_report_writes_every_output_with_expected_rows_and_numbers(three, tmp_path):
-    written = write_report(three, tmp_path / "rep")
+    written = write_report(three, tmp_path / "rep", speedup_apart=True)  # the fakes were timed apart
     assert set(written) == {"markdown", "html", "json", "quality_vs_kv", "speed_vs_batch"}
     for name in ("quality_vs_kv", "speed_vs_batch"):
         assert written[name].read_bytes()[:8] == PNG_MAGIC and written[name].stat().st_size > 10_000
@@ -105,6 +105,7 @@ def test_report_writes_every_output_with_expected_rows_and_numbers(three, tmp_pa
     assert parent["recovery"] is None and conv["recovery"] is None
     assert conv["kv_saving"] == 4.0 and up["kv_saving"] == 4.0
     assert up["speedup"] == pytest.approx(1200 / 400) and conv["speedup"] == pytest.approx(2.5)
+    assert up["speedup_measured"] == "apart" and any(n.startswith("WARNING: the speed-ups of") for n in table["notes"])
     assert (up["kl_mean"], up["top1_agreement"]) == (0.1, 0.9)
 
     md = written["markdown"].read_text()
@@ -260,7 +261,7 @@ def test_a_speed_up_inside_the_noise_is_marked_not_claimed(tmp_path):
         with_repeats(fake_result("noisy", "converted", 2, 20.0, 256, {}), [0.05, 0.09, 0.10, 0.20, 0.30]),
         with_repeats(fake_result("clear", "converted", 2, 20.0, 256, {}), [0.020, 0.021, 0.022, 0.023, 0.024]),
     ]
-    written = write_report(write_results(tmp_path, results), tmp_path / "rep")
+    written = write_report(write_results(tmp_path, results), tmp_path / "rep", speedup_apart=True)
     table = json.loads(written["json"].read_text())
     parent, noisy, clear = table["rows"]
     # The interquartile ranges of tokens/s (64 tokens a run), from the repeats' decode seconds.
@@ -334,7 +335,7 @@ def test_a_new_metric_is_one_registry_entry(three, tmp_path, monkeypatch):
         fmt=str,
     )
     monkeypatch.setattr(metrics, "METRICS", [*metrics.METRICS, scored])
-    written = write_report(three, tmp_path / "rep")
+    written = write_report(three, tmp_path / "rep", speedup_apart=True)
     table = json.loads(written["json"].read_text())
     assert [row["tokens_scored"] for row in table["rows"]] == [499, 499, 499]
     assert scored.legend() in table["metrics"]

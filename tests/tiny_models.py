@@ -97,3 +97,13 @@ def make_tiny_tokenizer(path: Path | None = None):
     if path is not None:
         fast.save_pretrained(path)
     return fast
+
+
+def save_tiny_family(root: Path, kv_heads: dict[str, int]) -> Path:
+    """Tiny llamas under root/NAME, one per {name: kv heads}, sharing one tokenizer (a parent and its
+    conversions, as eval and report compare them)."""
+    tok = make_tiny_tokenizer()
+    for name, kv in kv_heads.items():
+        save_tiny_model(root / name, "llama", num_key_value_heads=kv, seed=kv)
+        tok.save_pretrained(root / name)
+    return root

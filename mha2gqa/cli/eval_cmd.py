@@ -27,6 +27,20 @@ def _int_list(ctx, param, value):
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers (e.g. 1,4,16)") from None
 
 
+class _BatchSize(click.ParamType):
+    """A whole number, or auto."""
+
+    name = "INTEGER|auto"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or isinstance(value, int):
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number nor auto", param, ctx)
+
+
 def _str_list(ctx, param, value):
     """'a,b' -> ['a', 'b']; a value with no names in it ('' or ',, ,') is refused, not ignored."""
     if value is None:
@@ -48,7 +62,7 @@ def _str_list(ctx, param, value):
 @_option("--reference")
 @_option("--context", type=int)
 @_option("--stride", type=int)
-@_option("--batch-size")
+@_option("--batch-size", type=_BatchSize())
 @_option("--dtype")
 @_option("--device")
 @_option(
@@ -61,6 +75,7 @@ def _str_list(ctx, param, value):
 @_option("--speed-contexts", callback=_int_list)
 @_option("--new-tokens", type=int)
 @_option("--repeats", type=int)
+@_option("--speed-side-by-side", is_flag=True)
 @_option("--kv-batch")
 @_option("--kv-tokens")
 @_option("--attention-maps", "attention_text")
@@ -68,6 +83,8 @@ def _str_list(ctx, param, value):
 @_option("--attention-png", type=click.Path(dir_okay=False))
 @_option("--lm-eval-tasks", callback=_str_list)
 @_option("--lm-eval-limit", type=int)
+@_option("--chat-template", is_flag=True)
+@_option("--log-samples", type=click.Path(dir_okay=False))
 @_option("--role", type=click.Choice(["parent", "converted", "uptrained"]))
 @_option("--label")
 @_option("--seed")
@@ -129,6 +146,7 @@ def summary(result: dict) -> str:
         lines.append(
             f"  decode B={p['batch']} T={p['context']}: {p['tokens_per_s']:,.1f} tok/s{spread}, "
             f"peak {format_bytes(p['peak_memory_bytes'])} ({p['peak_memory_kind']})"
+            + (f", load {p['load_average'][0]:.1f} on {p['cpu_count']} CPUs" if p.get("load_average") else "")
         )
     if result["attention_maps"]:
         lines.append(f"  attention maps: {result['attention_maps']['png']}")
@@ -155,7 +173,13 @@ def summary(result: dict) -> str:
     type=click.Path(dir_okay=False),
     help="An uptrain metrics.jsonl to plot as a training curve (repeatable).",
 )
-def report_command(results, out, baseline, metrics):
+@click.option(
+    "--speedup-apart",
+    is_flag=True,
+    help="Compute a speed-up from speeds timed in separate eval runs too (with a warning): by default only "
+    "speeds timed side by side (eval --speed-side-by-side) give one.",
+)
+def report_command(results, out, baseline, metrics, speedup_apart):
     """Compare RESULTS (JSON files written by `mha2gqa eval`) side by side: perplexity and its change vs the
     baseline, recovery of uptrained models, KL and top-1 agreement, KV bytes per token and saving, decode
     tokens/s and speed-up; plots of quality vs KV size, tokens/s vs batch, and the training curve.
@@ -164,6 +188,8 @@ def report_command(results, out, baseline, metrics):
     """
     from mha2gqa.eval.report import write_report
 
-    written = write_report(list(results), out, baseline=baseline, metrics=list(metrics) or None)
+    written = write_report(
+        list(results), out, baseline=baseline, metrics=list(metrics) or None, speedup_apart=speedup_apart
+    )
     for name, path in written.items():
         click.echo(f"wrote {path} ({name})")

@@ -19,8 +19,8 @@ def evaluate(model_path, *args, **kwargs) -> dict:
     return _evaluate(model_path, *args, **kwargs)
 
 
-def write_report(result_paths, out_dir, baseline=None, metrics=None) -> dict:
+def write_report(result_paths, out_dir, baseline=None, metrics=None, speedup_apart=False) -> dict:
     """Write report.md, report.html and PNG plots; see `mha2gqa.eval.report.write_report`."""
     from mha2gqa.eval.report import write_report as _write_report
 
-    return _write_report(result_paths, out_dir, baseline=baseline, metrics=metrics)
+    return _write_report(result_paths, out_dir, baseline=baseline, metrics=metrics, speedup_apart=speedup_apart)

@@ -32,19 +32,20 @@ def speed_point(results: list[dict]) -> tuple[int, int] | None:
     return max(common) if common else None
 
 
-def comparison_rows(results: list[dict], base: int) -> tuple[list[dict], dict]:
+def comparison_rows(results: list[dict], base: int, speedup_apart: bool = False) -> tuple[list[dict], dict]:
     """One row per result, in the given order, with a value for every metric (metrics.METRICS, then
     one per lm-eval task metric); and what applies to the whole table: the baseline, the speed
-    point, the notes, the columns' legend."""
+    point, the notes, the columns' legend. speedup_apart: compute a speed-up from speeds timed in
+    separate runs too (with a warning in the notes); by default only from speeds timed side by side."""
     point = speed_point(results)
     starts = lineage.recovery_starts(results)
-    table = metrics.Table(results, base, point, starts)
+    table = metrics.Table(results, base, point, starts, speedup_apart)
     entries = metrics.entries(results)
     rows: list[dict] = [{} for _ in results]
     for entry in entries:  # column by column: a derived metric reads the columns before it
         for i, row in enumerate(rows):
             row[entry.name] = entry.value(table, rows, i)
-    notes = table_notes(results) + recovery_notes(results, starts)
+    notes = table_notes(results) + recovery_notes(results, starts) + speed_notes(results, rows, base)
     if any(row["speedup_noisy"] for row in rows):
         notes.append(
             "A speed-up marked noise is smaller than its uncertainty: with either model's median anywhere in its "
@@ -87,6 +88,54 @@ def table_notes(results: list[dict]) -> list[str]:
         notes.append(f"Decode speeds were measured on different devices: {', '.join(sorted(map(str, devices)))}.")
     if sum(1 for r in results if r.get("speed")) > 1 and speed_point(results) is None:
         notes.append("No (batch, context) point was measured by every result: tokens/s is not compared.")
+    outside = [
+        f"{r['label']} B={p['batch']} T={p['context']}"
+        for r in results
+        for p in schema.speed_points(r)
+        if (q := metrics.tokens_per_s_iqr(p)) and not q[0] <= p["tokens_per_s"] <= q[1]
+    ]
+    if outside:
+        notes.append(
+            f"The speed plot leaves out the interquartile bar of {', '.join(outside)}: the median lies outside its own "
+            "interquartile range (a file edited or written inconsistently); the median is drawn alone."
+        )
     for r in results:
         notes.extend(f"{r['label']}: {w}" for w in r.get("warnings") or [])
+    return notes
+
+
+def _timed(r: dict, row: dict) -> str:
+    load = row.get("speed_load")
+    when = (r.get("env") or {}).get("created")
+    return (
+        f"{r['label']}" + (f" at load {load[0]:.1f} on {load[1]} CPUs" if load else "") + (f", {when}" if when else "")
+    )
+
+
+def speed_notes(results: list[dict], rows: list[dict], base: int) -> list[str]:
+    """Why a speed has no speed-up beside it, or why the one it has must be read with care."""
+    timed = [i for i, row in enumerate(rows) if row["tokens_per_s"] is not None]
+    if len(timed) < 2 or rows[base]["tokens_per_s"] is None:
+        return []
+    apart = [i for i in timed if i != base and rows[i]["speedup"] is None]
+    warned = [i for i in timed if rows[i]["speedup_measured"] == "apart"]
+    notes = []
+    if apart:
+        notes.append(
+            "No speed-up for "
+            + ", ".join(results[i]["label"] for i in apart)
+            + ": each was timed in its own run, not side by side with the baseline, and a machine's load changes "
+            "between runs (separate measurements: "
+            + "; ".join(_timed(results[i], rows[i]) for i in [base, *apart])
+            + "). Time them together with `mha2gqa eval MODEL --reference BASELINE --speed-side-by-side`, or pass "
+            "`mha2gqa report --speedup-apart` to compute one anyway."
+        )
+    if warned:
+        notes.append(
+            "WARNING: the speed-ups of "
+            + ", ".join(results[i]["label"] for i in warned)
+            + " divide speeds timed apart (--speedup-apart), at different moments and loads ("
+            + "; ".join(_timed(results[i], rows[i]) for i in [base, *warned])
+            + "): the machine may have changed between them more than the models differ."
+        )
     return notes

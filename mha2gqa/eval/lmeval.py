@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import math
 import os
 import statistics
@@ -125,12 +126,36 @@ def _datasets_offline() -> bool:
     return os.environ.get("HF_DATASETS_OFFLINE", "0").upper() in {"1", "ON", "YES", "TRUE"}
 
 
+@contextlib.contextmanager
+def _in_process_bootstrap():
+    """lm-eval bootstraps perplexity's stderr in a fork()ed multiprocessing pool unless DISABLE_MULTIPROC is
+    set; forking a process that already runs torch's threads can deadlock (seen in the demo), and the
+    in-process path draws the same seeded resamples, so the numbers are identical."""
+    previous = os.environ.get("DISABLE_MULTIPROC")
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["DISABLE_MULTIPROC"]
+        else:
+            os.environ["DISABLE_MULTIPROC"] = previous
+
+
 def run_lm_eval(
-    model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 1, manager=None
+    model,
+    tokenizer,
+    tasks: list[str],
+    limit: int | None = None,
+    batch_size: int | str = 1,
+    manager=None,
+    chat_template: bool = False,
+    log_samples: Path | None = None,
 ) -> dict:
     """Run `tasks` on the loaded `model` (no second copy is loaded) and return the result's lm_eval
     section: harness version, settings, and per task the number of examples and every metric with
-    its standard error and direction."""
+    its standard error and direction. chat_template: the prompts go through the tokenizer's chat
+    template. log_samples: every example is written there as one JSON line."""
     check_lm_eval_installed()
     import lm_eval
     from lm_eval.models.huggingface import HFLM
@@ -138,14 +163,9 @@ def run_lm_eval(
     manager = manager or task_manager(tasks)
     with without_log_messages(LM_EVAL_NOISE):  # we hand lm-eval our loaded model on purpose, in one process
         wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    # lm-eval bootstraps perplexity's stderr in a fork()ed multiprocessing pool unless DISABLE_MULTIPROC
-    # is set; forking a process that already runs torch's threads can deadlock (seen in the demo), and
-    # the in-process path draws the same seeded resamples, so the numbers are identical.
-    previous = os.environ.get("DISABLE_MULTIPROC")
-    os.environ["DISABLE_MULTIPROC"] = "1"
-    try:
-        # stdout: lm-eval prints "bootstrapping for stddev: perplexity" there (its results come back as data)
-        with without_log_messages(LM_EVAL_NOISE), without_datasets_bars(), contextlib.redirect_stdout(io.StringIO()):
+    # stdout: lm-eval prints "bootstrapping for stddev: perplexity" there (its results come back as data)
+    with _in_process_bootstrap(), without_log_messages(LM_EVAL_NOISE), without_datasets_bars():
+        with contextlib.redirect_stdout(io.StringIO()):
             out = lm_eval.simple_evaluate(
                 model=wrapped,
                 tasks=list(tasks),
@@ -153,16 +173,16 @@ def run_lm_eval(
                 task_manager=manager,
                 bootstrap_iters=BOOTSTRAP_ITERS,
                 log_samples=True,  # the per-example log-likelihoods give perplexity an honest interval
+                apply_chat_template=chat_template,
             )
-    finally:
-        if previous is None:
-            del os.environ["DISABLE_MULTIPROC"]
-        else:
-            os.environ["DISABLE_MULTIPROC"] = previous
+    if log_samples is not None:
+        write_samples(out["samples"], log_samples)
     return {
         "harness": f"lm-eval {lm_eval.__version__}",
         "limit": limit,
         "bootstrap_iters": BOOTSTRAP_ITERS,
+        "chat_template": chat_template,
+        "samples_log": str(log_samples) if log_samples is not None else None,
         "tasks": {
             task: fold_task(
                 metrics,
@@ -173,6 +193,16 @@ def run_lm_eval(
             for task, metrics in out["results"].items()
         },
     }
+
+
+def write_samples(samples: dict, path: Path) -> Path:
+    """{task: [example, ...]} as JSON lines, each with its task: lm-eval's own per-example record (doc, the
+    prompt arguments, responses, per-example metrics); values JSON has no type for are written as text."""
+    from mha2gqa.writing import write_atomic
+
+    lines = [json.dumps({"task": task, **example}, default=str) for task, found in samples.items() for example in found]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_atomic(path, "".join(line + "\n" for line in lines))
 
 
 def perplexity_intervals(config: dict, samples: list[dict]) -> dict[str, list[float]]:

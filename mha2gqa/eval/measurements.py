@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mha2gqa.errors import InputError
+from mha2gqa.eval.batching import AUTO, auto_batch_size, check_batch_size
 from mha2gqa.eval.options import EvalOptions, SpeedPreset
 
 
@@ -61,8 +62,15 @@ def _check_quality(o: EvalOptions) -> None:
         raise InputError("--reference needs --data: agreement is measured on the same text")
     if o.context is not None:
         P.check_window(o.context, o.stride or max(1, o.context // 2))
-    at_least("--batch-size", o.batch_size, 1)
+    check_batch_size(o.batch_size)
     at_least("--max-tokens", o.max_tokens, 2)
+
+
+def window_batch(run: Loaded) -> int:
+    """--batch-size, with auto resolved for the models that run the windows together (eval/batching.py)."""
+    if run.options.batch_size != AUTO:
+        return run.options.batch_size
+    return auto_batch_size(run.model, run.context, run.device, 1 if run.ref_model is None else 2)
 
 
 def _one_domain(run: Loaded, text) -> dict:
@@ -70,12 +78,12 @@ def _one_domain(run: Loaded, text) -> dict:
     from mha2gqa.eval import perplexity as P
     from mha2gqa.eval.agreement import agreement
 
-    o, ids = run.options, text.ids
+    o, ids, batch = run.options, text.ids, window_batch(run)
     found = {"data": text.identity, "perplexity": None, "agreement": None}
     if run.ref_model is None:
-        found["perplexity"] = P.perplexity(run.model, ids, run.context, run.stride, o.batch_size, o.progress)
+        found["perplexity"] = P.perplexity(run.model, ids, run.context, run.stride, batch, o.progress)
         return found
-    agree, ppl, ref_ppl = agreement(run.model, run.ref_model, ids, run.context, run.stride, o.batch_size, o.progress)
+    agree, ppl, ref_ppl = agreement(run.model, run.ref_model, ids, run.context, run.stride, batch, o.progress)
     return {**found, "perplexity": ppl, "agreement": {**agree, "reference_perplexity": ref_ppl["perplexity"]}}
 
 
@@ -91,7 +99,10 @@ def _quality(run: Loaded) -> dict:
         top = dict(only)
     else:
         top = {"data": D.pooled_data(per), "perplexity": D.pooled_perplexity(per), "agreement": D.pooled_agreement(per)}
-    return {**top, "domains": per, "quality": D.summary(per)}
+    found = {**top, "domains": per, "quality": D.summary(per)}
+    if run.options.batch_size == AUTO:  # what auto chose, beside the numbers it does not change
+        found["batch_size"] = {"asked": AUTO, "windows": window_batch(run)}
+    return found
 
 
 # ---- the KV cache: bytes per token, the formula against the live cache ----
@@ -129,13 +140,23 @@ def speed_grid(o: EvalOptions, device_type: str):
 
 def _check_speed(o: EvalOptions) -> None:
     speed_grid(o, "cpu")  # the values are checked the same way for either preset
+    if o.speed_side_by_side and not o.reference:
+        raise InputError("--speed-side-by-side needs --reference: it times the reference's decode beside the model's")
+    if o.speed_side_by_side and o.speed is None:
+        raise InputError("--speed-side-by-side times decode speed: drop --speed off, or drop --speed-side-by-side")
 
 
 def _speed(run: Loaded) -> dict:
     from mha2gqa.eval import speed
 
-    grid = speed_grid(run.options, run.device.type)
-    return {"speed": speed.decode_speed(run.model, grid, run.options.seed, run.options.progress)}
+    o = run.options
+    grid = speed_grid(o, run.device.type)
+    beside = run.ref_model if o.speed_side_by_side else None
+    found = speed.decode_speed(run.model, grid, o.seed, o.progress, beside=beside)
+    if beside is not None:  # what the reference's points are: the report pairs them with its own result
+        reference = run.result["reference"]
+        found["side_by_side"].update(reference_label=reference["label"], reference_resolved=reference["resolved"])
+    return {"speed": found}
 
 
 # ---- attention maps of one layer, as a PNG ----
@@ -168,9 +189,15 @@ def _check_lm_eval(o: EvalOptions):
     """The harness is installed and the task names exist (the task index is built now, before any weights
     are loaded, and kept for the run)."""
     from mha2gqa.eval.lmeval import check_lm_eval_installed, task_manager
+    from mha2gqa.eval.schema import check_writable
 
     if o.lm_eval_limit is not None and o.lm_eval_limit < 1:
         raise InputError(f"--lm-eval-limit {o.lm_eval_limit} must be at least 1 (or left out for every example)")
+    for flag, used in (("--chat-template", o.chat_template), ("--log-samples", o.log_samples)):
+        if used and not o.lm_eval_tasks:
+            raise InputError(f"{flag} applies to lm-eval's examples: add --lm-eval-tasks, or drop {flag}")
+    if o.log_samples:
+        check_writable(Path(o.log_samples), "--log-samples")
     if not o.lm_eval_tasks:
         return None
     check_lm_eval_installed()
@@ -181,8 +208,26 @@ def _lm_eval(run: Loaded) -> dict:
     from mha2gqa.eval.lmeval import run_lm_eval
 
     o = run.options
-    tasks = run.prepared["lm_eval"]
-    return {"lm_eval": run_lm_eval(run.model, run.tokenizer, o.lm_eval_tasks, o.lm_eval_limit, o.batch_size, tasks)}
+    found = run_lm_eval(
+        run.model,
+        run.tokenizer,
+        o.lm_eval_tasks,
+        o.lm_eval_limit,
+        o.batch_size,
+        run.prepared["lm_eval"],
+        chat_template=o.chat_template,
+        log_samples=Path(o.log_samples) if o.log_samples else None,
+    )
+    return {"lm_eval": found}
+
+
+def check_tokenizer(o: EvalOptions, tokenizer) -> None:
+    """What the tokenizer must offer the options, checked before any weights are loaded."""
+    if o.chat_template and o.lm_eval_tasks and not getattr(tokenizer, "chat_template", None):
+        raise InputError(
+            "--chat-template: this tokenizer has no chat template (tokenizer_config.json chat_template): "
+            "use an instruct model's tokenizer (--tokenizer), or drop --chat-template"
+        )
 
 
 MEASUREMENTS: list[Measurement] = [

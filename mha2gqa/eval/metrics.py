@@ -32,6 +32,7 @@ class Table:
     base: int
     speed_point: tuple[int, int] | None
     starts: list[Start | None]  # lineage.recovery_starts
+    speedup_apart: bool = False  # report --speedup-apart: a speed-up from models timed apart too (warned)
 
 
 @dataclass(frozen=True)
@@ -144,8 +145,7 @@ def median_interval(values: list[float]) -> tuple[float, float]:
     return ordered[k], ordered[len(ordered) - 1 - k]
 
 
-def _tokens_per_s_interval(t: Table, rows, i):
-    p = speed_at(t.results[i], t.speed_point)
+def _interval(p: dict | None) -> list[float] | None:
     seconds = repeat_seconds(p or {})
     if not seconds:
         return None
@@ -154,10 +154,55 @@ def _tokens_per_s_interval(t: Table, rows, i):
     return [tokens / slow, tokens / fast]
 
 
+def _tokens_per_s_interval(t: Table, rows, i):
+    return _interval(speed_at(t.results[i], t.speed_point))
+
+
+def _point_in(points: list, point: tuple[int, int] | None) -> dict | None:
+    return next((p for p in points or [] if point and (p.get("batch"), p.get("context")) == point), None)
+
+
+def speed_pair(t: Table, i: int) -> tuple[dict, dict, str] | None:
+    """(the row's speed point, the baseline's, how they were timed) when a speed-up may be computed: the two
+    timed side by side (the row's eval timed the baseline's model beside it, `eval --speed-side-by-side`,
+    or both points come from one such run), else only with report --speedup-apart ("apart")."""
+    mine = speed_at(t.results[i], t.speed_point)
+    if mine is None or i == t.base:
+        return None
+    base = t.results[t.base]
+    together = (t.results[i].get("speed") or {}).get("side_by_side") or {}
+    if together.get("reference_resolved") and together["reference_resolved"] == base["model"].get("resolved"):
+        theirs = _point_in(together.get("points"), t.speed_point)
+        if theirs is not None:
+            return mine, theirs, "side by side"
+    theirs = speed_at(base, t.speed_point)
+    base_together = (base.get("speed") or {}).get("side_by_side") or {}
+    if theirs is not None and together.get("id") and together.get("id") == base_together.get("id"):
+        return mine, theirs, "side by side"
+    if theirs is not None and t.speedup_apart:
+        return mine, theirs, "apart"
+    return None
+
+
+def _speedup(t: Table, rows, i):
+    if i == t.base:  # 1x beside the speed-ups it anchors, none when there is none
+        return 1.0 if any(speed_pair(t, j) for j in range(len(t.results))) else None
+    pair = speed_pair(t, i)
+    return None if pair is None else ratio(pair[0]["tokens_per_s"], pair[1]["tokens_per_s"])
+
+
+def _speedup_measured(t: Table, rows, i):
+    pair = speed_pair(t, i)
+    return None if pair is None else pair[2]
+
+
 def _speedup_range(t: Table, rows, i):
     """(low, high) of the speed-up with either median anywhere in its confidence interval."""
-    mine, base = rows[i]["tokens_per_s_interval"], rows[t.base]["tokens_per_s_interval"]
-    if i == t.base or not mine or not base or not base[0]:
+    pair = speed_pair(t, i)
+    if pair is None:
+        return None
+    mine, base = _interval(pair[0]), _interval(pair[1])
+    if not mine or not base or not base[0]:
         return None
     return [mine[0] / base[1], mine[1] / base[0]]
 
@@ -173,7 +218,16 @@ def _tps_cell(row: dict) -> str:
         return DASH
     iqr = row.get("tokens_per_s_iqr")
     text = fmt_tps(row["tokens_per_s"])
-    return f"{text} ({fmt_tps(iqr[0])}–{fmt_tps(iqr[1])})" if iqr else text
+    text = f"{text} ({fmt_tps(iqr[0])}–{fmt_tps(iqr[1])})" if iqr else text
+    load = row.get("speed_load")
+    return text if not load else f"{text}, load {load[0]:.1f}/{load[1]} CPUs"  # the machine when it was timed
+
+
+def _speed_load(t: Table, rows, i):
+    """[1-minute load average, CPUs] when the point was timed (results since eval recorded them)."""
+    p = speed_at(t.results[i], t.speed_point) or {}
+    load, cpus = p.get("load_average"), p.get("cpu_count")
+    return [load[0], cpus] if load and cpus else None
 
 
 def _speedup_cell(row: dict) -> str:
@@ -296,6 +350,12 @@ METRICS: list[Metric] = [
         cell=_tps_cell,
     ),
     Metric(
+        "speed_load",
+        None,
+        "[1-minute load average, CPU count] of the machine when the speed point was timed (eval records both)",
+        derive=_speed_load,
+    ),
+    Metric(
         "tokens_per_s_iqr",
         None,
         "[first, third] quartile of tokens/s over the timed repeats",
@@ -310,10 +370,18 @@ METRICS: list[Metric] = [
     Metric(
         "speedup",
         "speed-up",
-        "tokens/s / the baseline's (median over median); 'noise' when the range below holds 1",
+        "tokens/s / the baseline's (median over median), only for speeds timed side by side (eval "
+        "--speed-side-by-side) unless report --speedup-apart; 'noise' when the range below holds 1",
         direction="higher",
-        derive=lambda t, rows, i: ratio(rows[i]["tokens_per_s"], rows[t.base]["tokens_per_s"]),
+        derive=_speedup,
         cell=_speedup_cell,
+    ),
+    Metric(
+        "speedup_measured",
+        None,
+        "how the speed-up's two speeds were timed: 'side by side' (one run, in turn), or 'apart' (separate runs, "
+        "report --speedup-apart only); none is computed otherwise",
+        derive=_speedup_measured,
     ),
     Metric(
         "speedup_range",

@@ -54,8 +54,9 @@ class EvalOptions:
     """Perplexity window in tokens (default: min(1024, max_position_embeddings))."""
     stride: int | None = None
     """Tokens between window starts, 1..context; each token is scored once (default: context/2)."""
-    batch_size: int = 1
-    """Windows per forward pass in perplexity (also lm-eval's batch)."""
+    batch_size: int | str = 1
+    """Windows per forward pass in perplexity (also lm-eval's batch); auto: the largest batch the free memory
+    holds by an estimate, at most 64 (lm-eval searches its own). The numbers do not depend on it."""
     dtype: str = "auto"
     """auto (the checkpoint's), float32, bfloat16 or float16."""
     device: str = "auto"
@@ -71,6 +72,10 @@ class EvalOptions:
     repeats: int | None = None
     """Least timed repeats per speed grid point (default 3; more while a point took under the preset's 1 s cpu,
     2 s gpu, at most 30), after 1 warm-up; the median and its interquartile range are reported."""
+    speed_side_by_side: bool = False
+    """Time --reference's decode side by side with the model's (repeat by repeat in turn, one process, the same
+    prompts) and keep its numbers in the result: a speed-up is computed only from speeds measured together,
+    never from two runs at different times and loads."""
     kv_batch: int = 2
     """Batch of the prefill whose live KV cache is measured."""
     kv_tokens: int = 32
@@ -88,6 +93,12 @@ class EvalOptions:
     'mha2gqa[lmeval]'; see docs/lmeval.md)."""
     lm_eval_limit: int | None = None
     """Examples per lm-eval task (for quick checks only)."""
+    chat_template: bool = False
+    """Put lm-eval's prompts through the tokenizer's chat template, for instruct models (lm-eval's
+    --apply_chat_template); refused when the tokenizer has none."""
+    log_samples: str | None = None
+    """Write every lm-eval example (task, doc id, prompt arguments, responses, per-example metrics) to this
+    JSON-lines file, as lm-eval's --log_samples does."""
     role: str | None = None
     """Role in the report: parent, converted or uptrained (default: from the model's mha2gqa.json: uptrain ->
     uptrained, conversion -> converted, none -> parent)."""

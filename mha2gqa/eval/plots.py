@@ -92,28 +92,10 @@ def speed_figure(results: list[dict]):
         return None
     contexts = sorted({p["context"] for r in measured for p in r["speed"]["points"]})
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
+    left_out: list[str] = []
     for ax, context in zip(axes[0], contexts):
         for r in measured:
-            pts = sorted(
-                (
-                    (p["batch"], p["tokens_per_s"], tokens_per_s_iqr(p))
-                    for p in r["speed"]["points"]
-                    if p["context"] == context
-                ),
-                key=lambda point: point[0],
-            )
-            if pts:
-                batch, median, iqr = zip(*pts)
-                below = [m - (q or (m, m))[0] for m, q in zip(median, iqr)]
-                above = [(q or (m, m))[1] - m for m, q in zip(median, iqr)]
-                ax.errorbar(
-                    batch,
-                    median,
-                    yerr=[below, above],
-                    marker="o",
-                    capsize=4,
-                    label=f"{r['label']} ({r['model']['kv_heads']} kv)",
-                )
+            left_out += _speed_line(ax, r, context)
         batches = sorted({p["batch"] for r in measured for p in r["speed"]["points"]})
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])
@@ -124,7 +106,37 @@ def speed_figure(results: list[dict]):
         ax.set_title(f"Greedy decode, context {context} tokens")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=9)
+    if left_out:
+        fig.text(
+            0.01,
+            -0.02,
+            "IQR bar left out (median outside its IQR): " + ", ".join(left_out),
+            fontsize=8,
+            ha="left",
+            va="top",
+        )
     return fig
+
+
+def _speed_line(ax, r: dict, context: int) -> list[str]:
+    """One result's medians at `context` with their interquartile bars; returns the points whose bar was left
+    out: a median outside its own interquartile range (an edited or inconsistent file) has no bar to draw,
+    so its point is drawn alone (matplotlib refuses a negative error bar) and the figure says so."""
+    pts = sorted(
+        ((p["batch"], p["tokens_per_s"], tokens_per_s_iqr(p)) for p in r["speed"]["points"] if p["context"] == context),
+        key=lambda point: point[0],
+    )
+    if not pts:
+        return []
+    batch, median, iqr = zip(*pts)
+    inside = [not q or q[0] <= m <= q[1] for m, q in zip(median, iqr)]
+    bars = [q if q and ok else (m, m) for m, q, ok in zip(median, iqr, inside)]
+    below = [m - q[0] for m, q in zip(median, bars)]
+    above = [q[1] - m for m, q in zip(median, bars)]
+    ax.errorbar(
+        batch, median, yerr=[below, above], marker="o", capsize=4, label=f"{r['label']} ({r['model']['kv_heads']} kv)"
+    )
+    return [f"{r['label']} B={b} T={context}" for b, ok in zip(batch, inside) if not ok]
 
 
 def read_metrics(path: Path) -> list[dict]:

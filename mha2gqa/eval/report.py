@@ -26,12 +26,15 @@ def _unique_labels(results: list[dict]) -> None:
             r["label"] = f"{r['label']} ({seen[r['label']]})"
 
 
-def write_report(result_paths, out_dir, baseline: str | None = None, metrics=None) -> dict[str, Path]:
+def write_report(
+    result_paths, out_dir, baseline: str | None = None, metrics=None, speedup_apart: bool = False
+) -> dict[str, Path]:
     """Compare the results in `result_paths` (files written by `mha2gqa eval`, or a `mha2gqa sweep` sweep.json:
     its parent and every finished candidate).
 
     baseline: a label or path among them (default: the first). metrics: an uptrain metrics.jsonl
-    (or a list of them) to plot as a training curve. Returns {name: path} of every file written:
+    (or a list of them) to plot as a training curve. speedup_apart: a speed-up also from speeds timed in
+    separate eval runs (warned in the notes); by default only from speeds timed side by side. Returns {name: path} of every file written:
     markdown, html, json, and the plots quality_vs_kv, speed_vs_batch, training_curve* when drawn.
     """
     paths = [str(p) for p in result_paths]
@@ -47,7 +50,7 @@ def write_report(result_paths, out_dir, baseline: str | None = None, metrics=Non
     for m in metric_paths:
         plots.read_metrics(m)  # refuse a bad file before anything is written
     _unique_labels(results)
-    rows, meta = comparison_rows(results, base)
+    rows, meta = comparison_rows(results, base, speedup_apart)
 
     check_writable(out_dir / "report.json", "--out")  # read-only or full: say so before drawing anything
     # Drawn in a staging folder beside --out, then moved in: a failure leaves no half report, no PNG.

@@ -18,7 +18,7 @@ from mha2gqa.eval import measurements, provenance, speed
 from mha2gqa.eval import model as M
 from mha2gqa.eval import perplexity as P
 from mha2gqa.eval.data import load_eval_text
-from mha2gqa.eval.measurements import Loaded, check_all, speed_grid
+from mha2gqa.eval.measurements import Loaded, check_all, check_tokenizer, speed_grid
 from mha2gqa.eval.options import EvalOptions
 from mha2gqa.eval.schema import SCHEMA, write_result
 from mha2gqa.sources import require_safetensors, resolve_model_dir
@@ -57,6 +57,7 @@ def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | No
     config = M.load_config(model_dir)
     tok = M.load_tokenizer(model_dir, o.tokenizer)
     M.check_vocab(tok, config, "the model")
+    check_tokenizer(o, tok)
     context, stride = _window(config, o.context, o.stride)
     if grid:
         speed.check_grid_fits(grid, getattr(config, "max_position_embeddings", None))

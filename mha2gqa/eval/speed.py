@@ -10,8 +10,10 @@ tokens/s counts every sequence in the batch: batch * new_tokens / decode seconds
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+import uuid
 from dataclasses import asdict, dataclass
 
 import torch
@@ -98,21 +100,20 @@ def greedy_decode(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, flo
     return t1 - t0, time.perf_counter() - t1
 
 
-def measure_point(model, batch: int, context: int, grid: SpeedGrid, seed: int = 0) -> dict:
+def machine_load() -> dict:
+    """The load average (1, 5, 15 min) and CPU count, recorded beside every speed: a speed measured on a busy
+    machine is slower, and two speeds timed at different loads do not make a speed-up."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"load_average": [round(x, 2) for x in os.getloadavg()], "cpu_count": os.cpu_count(), "cpus_usable": usable}
+
+
+def _prompt(model, batch: int, context: int, seed: int, vocab: int | None = None) -> torch.Tensor:
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen).to(device)  # (B, T)
-    for _ in range(grid.warmup):
-        greedy_decode(model, ids, grid.new_tokens)
-    prefill, decode = [], []
-    started = time.perf_counter()
-    with PeakMemory(device) as mem:
-        while len(decode) < grid.repeats or (
-            len(decode) < grid.max_repeats and time.perf_counter() - started < grid.seconds
-        ):
-            p, d = greedy_decode(model, ids, grid.new_tokens)
-            prefill.append(p)
-            decode.append(d)
+    return torch.randint(0, vocab or model.config.vocab_size, (batch, context), generator=gen).to(device)  # (B, T)
+
+
+def _point(batch: int, context: int, grid: SpeedGrid, prefill: list, decode: list, mem, load: dict) -> dict:
     tokens = batch * grid.new_tokens
     fast, median, slow = quartiles(decode)  # seconds: the slow quartile is the low tokens/s
     return {
@@ -128,12 +129,64 @@ def measure_point(model, batch: int, context: int, grid: SpeedGrid, seed: int = 
         "decode_s": decode,
         "peak_memory_bytes": mem.peak_bytes,
         "peak_memory_kind": mem.kind,
+        **load,
     }
 
 
-def decode_speed(model, grid: SpeedGrid, seed: int = 0, progress: bool = False) -> dict:
+def _more(done: int, grid: SpeedGrid, started: float) -> bool:
+    return done < grid.repeats or (done < grid.max_repeats and time.perf_counter() - started < grid.seconds)
+
+
+def measure_point(model, batch: int, context: int, grid: SpeedGrid, seed: int = 0) -> dict:
+    ids = _prompt(model, batch, context, seed)
+    load = machine_load()
+    for _ in range(grid.warmup):
+        greedy_decode(model, ids, grid.new_tokens)
+    prefill, decode = [], []
+    started = time.perf_counter()
+    with PeakMemory(ids.device) as mem:
+        while _more(len(decode), grid, started):
+            p, d = greedy_decode(model, ids, grid.new_tokens)
+            prefill.append(p)
+            decode.append(d)
+    return _point(batch, context, grid, prefill, decode, mem, load)
+
+
+def measure_side_by_side(models: list, batch: int, context: int, grid: SpeedGrid, seed: int = 0) -> list[dict]:
+    """One grid point of every model, timed side by side: repeat by repeat in turn (A, B, A, B, ...), in one
+    process, on the same prompt, so that whatever load the machine has falls on each alike. The peak memory
+    is the process's with all the models loaded (its kind says so)."""
+    vocab = min(m.config.vocab_size for m in models)
+    prompts = [_prompt(m, batch, context, seed, vocab) for m in models]
+    load = machine_load()
+    for model, ids in zip(models, prompts):
+        for _ in range(grid.warmup):
+            greedy_decode(model, ids, grid.new_tokens)
+    prefill, decode = [[] for _ in models], [[] for _ in models]
+    started = time.perf_counter()
+    with PeakMemory(prompts[0].device) as mem:
+        while _more(len(decode[0]), grid, started):
+            for k, (model, ids) in enumerate(zip(models, prompts)):
+                p, d = greedy_decode(model, ids, grid.new_tokens)
+                prefill[k].append(p)
+                decode[k].append(d)
+    mem.kind += f", {len(models)} models side by side"
+    return [_point(batch, context, grid, prefill[k], decode[k], mem, load) for k in range(len(models))]
+
+
+def decode_speed(model, grid: SpeedGrid, seed: int = 0, progress: bool = False, beside=None) -> dict:
+    """The grid's points; with `beside` (the reference model) each point is timed side by side with it, and
+    its points go in `side_by_side` under a fresh id: the only speeds a report turns into a speed-up."""
     points = [(b, c) for c in grid.contexts for b in grid.batches]
-    results = []
+    results, theirs = [], []
     for batch, context in tqdm(points, desc="decode speed", disable=not progress, leave=False):
-        results.append(measure_point(model, batch, context, grid, seed))
-    return {"grid": asdict(grid), "points": results}
+        if beside is None:
+            results.append(measure_point(model, batch, context, grid, seed))
+        else:
+            mine, other = measure_side_by_side([model, beside], batch, context, grid, seed)
+            results.append(mine)
+            theirs.append(other)
+    found = {"grid": asdict(grid), "points": results, **machine_load()}
+    if beside is not None:
+        found["side_by_side"] = {"id": uuid.uuid4().hex, "points": theirs}
+    return found
