@@ -160,6 +160,7 @@ def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, ech
         role="converted",
         label=f"converted (GQA-{groups})",
         out=results / "converted.json",
+        speed_side_by_side=settings.speed,  # the parent timed in turn with it: the report's speed-up is a real one
         **eval_kwargs,
     )
     _beside_model(results / "converted.json", converted)
@@ -179,6 +180,7 @@ def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, ech
         role="uptrained",
         label=f"uptrained (GQA-{groups})",
         out=results / "uptrained.json",
+        speed_side_by_side=settings.speed,
         **eval_kwargs,
     )
     _beside_model(results / "uptrained.json", uptrained)
