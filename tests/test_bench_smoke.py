@@ -140,3 +140,10 @@ def test_calibration_domains_smoke_rows(tmp_path):
         assert row["ratio"]["prose"] == pytest.approx(row["perplexity"]["prose"] / result["parent"]["prose"], rel=1e-3)
         logs = [math.log(r) for r in row["ratio"].values()]
         assert row["geometric_mean"] == pytest.approx(math.exp(sum(logs) / 4), rel=1e-3)
+
+
+def test_limits_smoke_times_every_ceiling():
+    out = run_smoke("limits.py")
+    names = [line.split()[0] for line in out.strip().splitlines()]
+    assert names == ["small", "layers", "heads", "width", "experts"]
+    assert all(float(line.split()[1]) > 0 for line in out.strip().splitlines())
