@@ -119,9 +119,6 @@ def signals_deferred():
     only, and while another thread lives (tqdm's monitor, a data loader, a tokenizer pool) the kernel
     hands the signal to that one and Python ran the old handler inside the block all the same. Python
     runs every handler in the main thread, whichever thread the kernel picked, so noting it there holds."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal.signal works in the main thread only; the handlers run there, not here
-        return
     came: list[int] = []
 
     def note(signum, _frame):
@@ -130,14 +127,28 @@ def signals_deferred():
 
     # getsignal is None for a handler set from C, which Python could not put back: that one stays.
     kinds = [kind for kind in _HELD_SIGNALS if signal.getsignal(kind) is not None]
-    previous = {kind: signal.signal(kind, note) for kind in kinds}
+    try:
+        with _handling(kinds, note):
+            yield
+    finally:  # the earlier handlers are back by now: each held signal goes to its own
+        for signum in came:
+            signal.raise_signal(signum)
+
+
+@contextmanager
+def _handling(kinds, handler):
+    """`handler` for each signal of `kinds` while the block runs, the earlier handlers put back after it.
+    In the main thread only: signal.signal works there alone, and Python runs every handler there, so
+    in another thread the block runs with the handlers as they are."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {kind: signal.signal(kind, handler) for kind in kinds}
     try:
         yield
     finally:
-        for kind, handler in previous.items():
-            signal.signal(kind, handler)
-        for signum in came:
-            signal.raise_signal(signum)
+        for kind, earlier in previous.items():
+            signal.signal(kind, earlier)
 
 
 def import_torch():
@@ -152,10 +163,6 @@ def signals_as_interrupts():
     """While active (main thread only), SIGINT, SIGTERM and SIGHUP raise Interrupted, so `except
     KeyboardInterrupt` / `finally` cleanups run for all three. A second signal of the same kind gets the
     default action (kills at once); later runs remove what that leaves (see checkpoint.py)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    kinds = _HELD_SIGNALS
     owner = os.getpid()
 
     def raise_interrupted(signum, _frame):
@@ -165,9 +172,5 @@ def signals_as_interrupts():
             return
         raise Interrupted(signum)
 
-    previous = {kind: signal.signal(kind, raise_interrupted) for kind in kinds}
-    try:
+    with _handling(_HELD_SIGNALS, raise_interrupted):
         yield
-    finally:
-        for kind, handler in previous.items():
-            signal.signal(kind, handler)

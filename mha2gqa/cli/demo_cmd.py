@@ -31,6 +31,12 @@ def _summary(report_json: Path) -> str:
     return table(headers, [[_cell(value, spec) for value, spec in zip(row, _SPECS)] for row in rows])
 
 
+def _out_option(default: str, help: str):
+    """--out of a command that writes a run folder of its own (demo, reproduce): where it goes by default.
+    Any path is taken here: the run folder's rule (run_folder.check_folder) words each refusal."""
+    return click.option("--out", default=default, show_default=True, type=click.Path(path_type=Path), help=help)
+
+
 @click.command(short_help="Run the whole job on the embedded default: convert, evaluate, uptrain, report.")
 @click.option(
     "--groups",
@@ -38,13 +44,7 @@ def _summary(report_json: Path) -> str:
     show_default=True,
     help=f"Target kv heads for the embedded 8-head model ({_listed(target_groups())}).",
 )
-@click.option(
-    "--out",
-    default="./mha2gqa-demo",
-    show_default=True,
-    type=click.Path(path_type=Path),
-    help="Where the converted and uptrained models, results and report go.",
-)
+@_out_option("./mha2gqa-demo", "Where the converted and uptrained models, results and report go.")
 @click.option(
     "--quick",
     is_flag=True,
@@ -79,12 +79,9 @@ def demo(groups, out, quick, alpha, force, dry_run):
 
 
 @click.command(short_help="Reproduce the GQA paper's ablations at small scale on the embedded default.")
-@click.option(
-    "--out",
-    default="./mha2gqa-ablations",
-    show_default=True,
-    type=click.Path(path_type=Path),
-    help="Where ablations.json, ablations.md and the plots go (docs/ablations in a checkout holds the shipped ones).",
+@_out_option(
+    "./mha2gqa-ablations",
+    "Where ablations.json, ablations.md and the plots go (docs/ablations in a checkout holds the shipped ones).",
 )
 @click.option("--methods", default="mean,first,random", show_default=True, help="Conversion methods, comma-separated.")
 @click.option("--kv-heads", default="1,2,4", show_default=True, help="Target kv-head counts, comma-separated.")

@@ -7,6 +7,7 @@ import json
 import click
 
 from mha2gqa.cli.fields import field_option
+from mha2gqa.cli.paths import file_option, folder_option
 from mha2gqa.docfields import choice_docs
 from mha2gqa.eval.options import EvalOptions, SpeedPreset
 from mha2gqa.units import format_bytes
@@ -160,19 +161,9 @@ def summary(result: dict) -> str:
 
 @click.command("report", short_help="Compare eval results side by side: markdown, html and plots.")
 @click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(file_okay=False),
-    help="Directory for report.md, report.html, report.json and the PNG plots.",
-)
+@folder_option("--out", "Directory for report.md, report.html, report.json and the PNG plots.", required=True)
 @click.option("--baseline", help="Label or path of the result the others are compared with [default: the first].")
-@click.option(
-    "--metrics",
-    multiple=True,
-    type=click.Path(dir_okay=False),
-    help="An uptrain metrics.jsonl to plot as a training curve (repeatable).",
-)
+@file_option("--metrics", "An uptrain metrics.jsonl to plot as a training curve (repeatable).", multiple=True)
 @click.option(
     "--speedup-apart",
     is_flag=True,

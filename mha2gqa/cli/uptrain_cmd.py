@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from mha2gqa.cli.paths import file_option
+
 
 def _print_keys(ctx, _param, value):
     if not value or ctx.resilient_parsing:
@@ -20,11 +22,10 @@ def _print_keys(ctx, _param, value):
     short_help="Uptrain (continue pre-training) a model as a YAML recipe says.",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-@click.option(
+@file_option(
     "--recipe",
+    "YAML recipe; the shipped ones are in recipes/ and each starts with the command that runs it.",
     required=True,
-    type=click.Path(dir_okay=False),
-    help="YAML recipe; the shipped ones are in recipes/ and each starts with the command that runs it.",
 )
 @click.option(
     "--resume",

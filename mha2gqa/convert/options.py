@@ -209,7 +209,9 @@ class Flag:
     so a new option is one entry here plus its field."""
 
     flag: str
-    field: str  # a ConvertOptions field; "refine.X" for RefineOptions.X (set only with --refine)
+    # A ConvertOptions field; "refine.X" for RefineOptions.X (set only with --refine). Unset: the flag's
+    # own name, as click names its parameter: --max-shard-size -> max_shard_size, --refine-lr -> refine.lr.
+    field: str = ""
     short: str | None = None
     type: type | None = None  # the value's type where the field's default does not tell (None defaults)
     size: bool = False  # a byte count the user writes as a size (4GiB); the field holds the text or the bytes
@@ -220,6 +222,12 @@ class Flag:
     inverted: bool = False  # the flag sets the field to False (--quiet: progress)
     help: str | None = None  # only where the field's docstring does not describe the flag (--quiet)
     metavar: str | None = None
+
+    def __post_init__(self):
+        if not self.field:  # frozen: the field the flag names is set once, here
+            key = self.key  # --refine-lr -> refine_lr -> refine.lr (a RefineOptions field)
+            field = "refine." + key.removeprefix("refine_") if key.startswith("refine_") else key
+            object.__setattr__(self, "field", field)
 
     @property
     def owner(self) -> type:
@@ -247,29 +255,29 @@ class Flag:
 
 
 CONVERT_FLAGS: tuple[Flag, ...] = (
-    Flag("--groups", "groups", short="-g", type=int, required=True),
-    Flag("--method", "method"),
-    Flag("--seed", "seed"),
-    Flag("--dtype", "dtype", type=str),
-    Flag("--max-shard-size", "max_shard_size", size=True),
-    Flag("--force", "force", changes_output=False),
-    Flag("--dry-run", "dry_run", changes_output=False),
+    Flag("--groups", short="-g", type=int, required=True),
+    Flag("--method"),
+    Flag("--seed"),
+    Flag("--dtype", type=str),
+    Flag("--max-shard-size", size=True),
+    Flag("--force", changes_output=False),
+    Flag("--dry-run", changes_output=False),
     Flag("--quiet", "progress", short="-q", inverted=True, changes_output=False, help="No progress bar."),
-    Flag("--calibration", "calibration", type=str, repeat=True, metavar="DATA"),
-    Flag("--calibration-tokens", "calibration_tokens", type=int),
-    Flag("--calibration-memory", "calibration_memory", size=True),
-    Flag("--grouping", "grouping"),
-    Flag("--refine", "refine"),
-    Flag("--refine-steps", "refine.steps"),
-    Flag("--refine-lr", "refine.lr"),
-    Flag("--refine-memory", "refine.memory", size=True),
-    Flag("--refine-tokens", "refine.tokens", type=int),
+    Flag("--calibration", type=str, repeat=True, metavar="DATA"),
+    Flag("--calibration-tokens", type=int),
+    Flag("--calibration-memory", size=True),
+    Flag("--grouping"),
+    Flag("--refine"),
+    Flag("--refine-steps"),
+    Flag("--refine-lr"),
+    Flag("--refine-memory", size=True),
+    Flag("--refine-tokens", type=int),
     Flag("--refine-mlp", "refine.mlp_output"),
-    Flag("--refine-global-steps", "refine.global_steps"),
-    Flag("--refine-global-lr", "refine.global_lr"),
-    Flag("--refine-batch-blocks", "refine.batch_blocks"),
-    Flag("--refine-solve-output", "refine.solve_output"),
-    Flag("--refine-seed", "refine.seed", type=int, default_from="seed"),
+    Flag("--refine-global-steps"),
+    Flag("--refine-global-lr"),
+    Flag("--refine-batch-blocks"),
+    Flag("--refine-solve-output"),
+    Flag("--refine-seed", type=int, default_from="seed"),
 )
 
 

@@ -108,70 +108,83 @@ def _evals(run_dir: Path) -> list[dict]:
     return [row for row in rows if row.get("eval_ppl") is not None]
 
 
-def run_grid(
-    out: Path,
-    methods=METHODS,
-    kv_heads=KV_HEADS,
-    alphas=ALPHAS,
-    eval_blocks: int = 32,
-    echo: Callable[[str], None] = print,
-    progress: bool = True,
-) -> dict:
-    """Run the grid into `out` (work files under out/work are removed at the end); returns the table."""
-    from mha2gqa.convert.run import convert
-    from mha2gqa.uptrain import load_recipe, train
+@dataclass(frozen=True)
+class _Schedule:
+    """When the grid's runs are evaluated: every `unit` optimizer steps, alpha `a` at step `step_of[a]`."""
 
-    parent = embedded.model_dir()
+    pretrain: int  # the parent's pretraining tokens
+    tokens_per_step: int
+    seq_len: int
+    unit: int
+    step_of: dict[float, int]
+
+
+def _schedule(parent: Path, work: Path, plan: ReproducePlan) -> _Schedule:
+    from mha2gqa.uptrain import load_recipe
+
     pretrain = embedded.pretrain_tokens()
-    positive = sorted(a for a in alphas if a > 0)  # plan_reproduce checked: 0 and one above it
-    recipe_base = load_recipe(
-        DEMO_RECIPE, _overrides(parent, out / "work" / "parent", eval_blocks) + ["budget.max_steps=1"]
-    )
-    tokens_per_step = recipe_base.seq_len * recipe_base.micro_batch_size * recipe_base.grad_accum
+    positive = sorted(a for a in plan.alphas if a > 0)  # plan_reproduce checked: 0 and one above it
+    base = load_recipe(DEMO_RECIPE, _overrides(parent, work / "parent", plan.eval_blocks) + ["budget.max_steps=1"])
+    tokens_per_step = base.seq_len * base.micro_batch_size * base.grad_accum
     # Evaluations happen every `unit` steps, so every alpha is rounded to a multiple of the smallest.
     unit = max(1, round(positive[0] * pretrain / tokens_per_step))
-    step_of = {a: round(a / positive[0]) * unit for a in alphas}
-    work = out / "work"
-    rows = []
+    step_of = {a: round(a / positive[0]) * unit for a in plan.alphas}
+    return _Schedule(pretrain, tokens_per_step, base.seq_len, unit, step_of)
 
-    def measure(model: Path, name: str, steps: int, method: str, kv: int) -> None:
-        recipe = load_recipe(
-            DEMO_RECIPE,
-            _overrides(model, work / name, eval_blocks) + [f"budget.max_steps={max(steps, 1)}", f"eval_every={unit}"],
-        )
-        train(recipe)
-        evals = {row["step"]: row for row in _evals(work / name)}
-        for alpha, step in step_of.items():
-            if step in evals and (steps or step == 0):
-                rows.append(
-                    {
-                        "method": method,
-                        "kv_heads": kv,
-                        "alpha": alpha,
-                        "step": step,
-                        "alpha_exact": step * tokens_per_step / pretrain,
-                        "tokens": step * tokens_per_step,
-                        "eval_loss": evals[step]["eval_loss"],
-                        "perplexity": evals[step]["eval_ppl"],
-                    }
-                )
 
-    measure(parent, "parent", 0, "parent (MHA)", head_counts(read_config(parent))[1])
+def _measure(
+    model: Path, run_dir: Path, steps: int, method: str, kv: int, schedule: _Schedule, eval_blocks: int
+) -> list[dict]:
+    """Uptrain `model` for `steps` (0: evaluate it only) into `run_dir`, evaluated on the schedule; one row
+    for each alpha the run reached."""
+    from mha2gqa.uptrain import load_recipe, train
+
+    recipe = load_recipe(
+        DEMO_RECIPE,
+        _overrides(model, run_dir, eval_blocks) + [f"budget.max_steps={max(steps, 1)}", f"eval_every={schedule.unit}"],
+    )
+    train(recipe)
+    evals = {row["step"]: row for row in _evals(run_dir)}
+    return [
+        {
+            "method": method,
+            "kv_heads": kv,
+            "alpha": alpha,
+            "step": step,
+            "alpha_exact": step * schedule.tokens_per_step / schedule.pretrain,
+            "tokens": step * schedule.tokens_per_step,
+            "eval_loss": evals[step]["eval_loss"],
+            "perplexity": evals[step]["eval_ppl"],
+        }
+        for alpha, step in schedule.step_of.items()
+        if step in evals and (steps or step == 0)
+    ]
+
+
+def run_grid(out: Path, plan: ReproducePlan, echo: Callable[[str], None] = print, progress: bool = True) -> dict:
+    """Run the grid of `plan` into `out` (work files under out/work are removed at the end); returns the table."""
+    from mha2gqa.convert.run import convert
+
+    parent, work = embedded.model_dir(), out / "work"
+    schedule = _schedule(parent, work, plan)
+    kv_parent = head_counts(read_config(parent))[1]
+    rows = _measure(parent, work / "parent", 0, "parent (MHA)", kv_parent, schedule, plan.eval_blocks)
     echo(f"parent perplexity on held-out Persuasion: {rows[-1]['perplexity']:.2f}")
-    for method in methods:
-        for kv in kv_heads:
+    for method in plan.methods:
+        for kv in plan.kv_heads:
             converted = work / f"{method}-kv{kv}-converted"
             convert(parent, converted, groups=kv, method=method, force=True, progress=False)
-            measure(converted, f"{method}-kv{kv}", max(step_of.values()), method, kv)
+            steps = max(schedule.step_of.values())
+            cell = _measure(converted, work / f"{method}-kv{kv}", steps, method, kv, schedule, plan.eval_blocks)
             shutil.rmtree(converted)
-            cell = [r for r in rows if r["method"] == method and r["kv_heads"] == kv]
+            rows += cell
             echo(f"{method:>6} kv={kv}: " + "  ".join(f"alpha={r['alpha']:g}: {r['perplexity']:.2f}" for r in cell))
     shutil.rmtree(work)
     table = {
         "parent": str(parent),
-        "pretrain_tokens": pretrain,
-        "tokens_per_step": tokens_per_step,
-        "eval": f"{eval_blocks} held-out blocks of {recipe_base.seq_len} tokens of Persuasion",
+        "pretrain_tokens": schedule.pretrain,
+        "tokens_per_step": schedule.tokens_per_step,
+        "eval": f"{plan.eval_blocks} held-out blocks of {schedule.seq_len} tokens of Persuasion",
         "rows": rows,
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -291,5 +304,5 @@ def reproduce(
     an earlier run is replaced only with `force`, and a failed run leaves what was there."""
     plan = plan or plan_reproduce(out, methods, kv_heads, alphas, eval_blocks, force)
     with run_folder(plan.out, "--out", "reproduce", RUN_ENTRIES, plan.force) as folder:
-        table = run_grid(folder.path, plan.methods, plan.kv_heads, plan.alphas, plan.eval_blocks, echo, progress)
+        table = run_grid(folder.path, plan, echo, progress)
         return table, write_ablations(table, folder.path)

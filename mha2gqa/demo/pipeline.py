@@ -124,7 +124,6 @@ def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, ech
     from mha2gqa.convert.inspect import inspect_model
     from mha2gqa.convert.run import execute
     from mha2gqa.eval import evaluate, write_report
-    from mha2gqa.uptrain import load_recipe, train
 
     info = inspect_model(parent)
     echo(
@@ -138,6 +137,23 @@ def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, ech
     echo(f"[2/6] converted to {groups} kv heads by mean-pooling: {converted}")
 
     results = out / "results"
+    eval_kwargs = _eval_kwargs(settings, echo, progress)
+    evaluate(parent, role="parent", label="parent (MHA)", out=results / "parent.json", **eval_kwargs)
+    _evaluate_child(converted, "converted", parent, groups, results, settings.speed, eval_kwargs)
+    echo(f"[3/6] evaluated parent and converted on held-out Persuasion: {results}")
+
+    uptrained = _uptrain(converted, out / "uptrained", settings, echo)
+    _evaluate_child(uptrained, "uptrained", parent, groups, results, settings.speed, eval_kwargs)
+    echo("[5/6] evaluated the uptrained model")
+
+    names = ("parent", "converted", "uptrained")
+    written = write_report([results / f"{n}.json" for n in names], out / "report", metrics=uptrained / "metrics.jsonl")
+    echo(f"[6/6] report: {written.get('markdown') or out / 'report'}")
+    return {"out": out, "converted": converted, "uptrained": uptrained, "results": results, **written}
+
+
+def _eval_kwargs(settings: DemoSettings, echo, progress: bool) -> dict:
+    """What every evaluation of the demo measures, the same for the three models."""
     # Non-overlapping 512-token windows (the model's whole context), batched: the same measure as
     # scripts/embedded_stats.py, and 2x fewer forward passes than the default half-context stride.
     eval_kwargs = dict(
@@ -153,43 +169,38 @@ def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, ech
         eval_kwargs.update(lm_eval_tasks=["persuasion_cloze"], lm_eval_limit=settings.cloze_examples)
     else:
         echo("note: pip install 'mha2gqa[lmeval]' adds the last-word cloze accuracy (lm-eval) to the report")
-    evaluate(parent, role="parent", label="parent (MHA)", out=results / "parent.json", **eval_kwargs)
+    return eval_kwargs
+
+
+def _evaluate_child(
+    model: Path, role: str, parent: Path, groups: int, results: Path, speed: bool, eval_kwargs: dict
+) -> None:
+    """Evaluate the converted or the uptrained model against the parent into results/ROLE.json, and
+    show the numbers on its card."""
+    from mha2gqa.eval import evaluate
+
     evaluate(
-        converted,
+        model,
         reference=str(parent),
-        role="converted",
-        label=f"converted (GQA-{groups})",
-        out=results / "converted.json",
-        speed_side_by_side=settings.speed,  # the parent timed in turn with it: the report's speed-up is a real one
+        role=role,
+        label=f"{role} (GQA-{groups})",
+        out=results / f"{role}.json",
+        speed_side_by_side=speed,  # the parent timed in turn with it: the report's speed-up is a real one
         **eval_kwargs,
     )
-    _beside_model(results / "converted.json", converted)
-    echo(f"[3/6] evaluated parent and converted on held-out Persuasion: {results}")
+    _beside_model(results / f"{role}.json", model)
+
+
+def _uptrain(converted: Path, run_dir: Path, settings: DemoSettings, echo) -> Path:
+    """Uptrain the converted model into `run_dir` for alpha x the parent's pretraining tokens."""
+    from mha2gqa.uptrain import load_recipe, train
 
     tokens = embedded.pretrain_tokens()
     budget = [f"budget.alpha={settings.alpha}", f"budget.pretrain_tokens={tokens}"]
-    recipe = load_recipe(
-        DEMO_RECIPE, embedded_run_overrides(converted, out / "uptrained", settings.eval_blocks) + budget
-    )
+    recipe = load_recipe(DEMO_RECIPE, embedded_run_overrides(converted, run_dir, settings.eval_blocks) + budget)
     uptrained = train(recipe)
     echo(f"[4/6] uptrained for alpha={settings.alpha:g} x {tokens:,} pretraining tokens: {uptrained}")
-
-    evaluate(
-        uptrained,
-        reference=str(parent),
-        role="uptrained",
-        label=f"uptrained (GQA-{groups})",
-        out=results / "uptrained.json",
-        speed_side_by_side=settings.speed,
-        **eval_kwargs,
-    )
-    _beside_model(results / "uptrained.json", uptrained)
-    echo("[5/6] evaluated the uptrained model")
-
-    names = ("parent", "converted", "uptrained")
-    written = write_report([results / f"{n}.json" for n in names], out / "report", metrics=uptrained / "metrics.jsonl")
-    echo(f"[6/6] report: {written.get('markdown') or out / 'report'}")
-    return {"out": out, "converted": converted, "uptrained": uptrained, "results": results, **written}
+    return uptrained
 
 
 def _beside_model(result: Path, model_dir: Path) -> None:

@@ -306,22 +306,28 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
             with scratch_folder(out, SCRATCH) as work:
                 _measure(source, calibration, options, candidates, record, out, work, started, echo, folder.commit)
         except KeyboardInterrupt:
-            if record["parent"] is None:  # nothing measured yet: the folder goes back to what it was
-                echo("\nsweep interrupted before any candidate ran: nothing written")
-                raise
-            record["interrupted"] = True
-            folder.commit()
-            _finish(record, out)
-            echo(
-                f"\nsweep interrupted: {out / 'sweep.json'} keeps the {len(record['candidates'])} of "
-                f"{len(candidates)} candidates that finished (continue with --resume); no temporary model is left"
-            )
+            _interrupted(record, out, len(candidates), folder, echo)
             raise
         record["interrupted"] = False
         record["wall_s"] = round(time.perf_counter() - started, 2)
         folder.commit()
         _finish(record, out)
     return record
+
+
+def _interrupted(record: dict, out: Path, total: int, folder, echo) -> None:
+    """A sweep stopped by Ctrl-C or a signal: the finished candidates are kept in sweep.json (committed),
+    unless none had run, when the folder goes back to what it was."""
+    if record["parent"] is None:  # nothing measured yet: the folder goes back to what it was
+        echo("\nsweep interrupted before any candidate ran: nothing written")
+        return
+    record["interrupted"] = True
+    folder.commit()
+    _finish(record, out)
+    echo(
+        f"\nsweep interrupted: {out / 'sweep.json'} keeps the {len(record['candidates'])} of "
+        f"{total} candidates that finished (continue with --resume); no temporary model is left"
+    )
 
 
 def _measure(
