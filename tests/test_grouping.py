@@ -149,7 +149,7 @@ def test_similarity_grouping_with_mean_rewrites_q_and_o(tmp_path):
 
 def test_similarity_grouping_refusals(tmp_path):
     save_tiny_model(tmp_path / "src", "llama")
-    with pytest.raises(InputError, match="--grouping similarity needs calibration"):
+    with pytest.raises(InputError, match="--calibration needs the source's tokenizer"):  # default: its samples
         convert(tmp_path / "src", tmp_path / "dst", groups=2, grouping="similarity")
     with pytest.raises(InputError, match="--grouping 'best' is unknown"):
         convert(tmp_path / "src", tmp_path / "dst", groups=2, grouping="best", calibration="x")

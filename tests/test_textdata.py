@@ -306,7 +306,13 @@ def test_python_api_takes_paths_and_lists_for_calibration(tmp_path):
 
     novels = [Path(p) for p in embedded.expand_corpus_name("austen")][:2]
     result = convert(
-        embedded.model_dir(), tmp_path / "out", groups=4, calibration=novels, calibration_tokens=128, progress=False
+        embedded.model_dir(),
+        tmp_path / "out",
+        groups=4,
+        method="calibrated",  # a plain merge's command leaves out the calibration it does not use
+        calibration=novels,
+        calibration_tokens=128,
+        progress=False,
     )
     assert result.dst == tmp_path / "out"
     conversion = json.loads((tmp_path / "out" / "mha2gqa.json").read_text())["lineage"][-1]

@@ -60,7 +60,7 @@ def check_eval(model: str, options: dict, out: str | None, force: bool) -> dict:
     for path in (parse_domains(options.get("data")) or {}).values():  # each named text (default: the probe set)
         textdata.resolve("--data", path)
     for flag, key, least in _EVAL_LEAST:
-        if options.get(key) is not None and options[key] < least:
+        if isinstance(options.get(key), int) and options[key] < least:  # --batch-size auto is checked by eval
             raise InputError(f"{flag} {options[key]} must be at least {least}")
     stride, context = options.get("stride"), options.get("context")
     if stride is not None and (stride < 1 or (context is not None and stride > context)):

@@ -201,6 +201,8 @@ def read_ids(source: Path, calibration: CalibrationInput, parent, seed: int, pro
             ids = calibration_ids(tokenizer, texts, part.tokens, part.name)
         per_part.append(ids)
         parts.append({"name": part.name, "share": part.share, "tokens": len(ids), "asked": part.tokens})
+        if not part.sampled:  # the files read ('austen' is the embedded novels), for the record
+            parts[-1]["files"] = list(part.entries)
     ids = per_part[0] if len(per_part) == 1 else interleave_blocks(per_part, calibration.seq_len)
     record = {"data": calibration.spec, "tokens_requested": calibration.tokens, "parts": parts}
     if any(part.sampled for part in calibration.parts):

@@ -93,7 +93,7 @@ def plan_demo(
     convert's prepare) and --out (the rule of every output folder)."""
     settings = DemoSettings.make(quick, alpha)
     if not 0 < settings.alpha <= 1:
-        raise InputError(f"--alpha {settings.alpha:g} must be in (0, 1]: e.g. 0.05 for 5% of the pretraining tokens")
+        raise InputError(f"--alpha {settings.alpha} must be in (0, 1]: e.g. 0.05 for 5% of the pretraining tokens")
     conversion = prepare(
         embedded.model_dir(), ConvertOptions(groups=groups, method="mean", force=True, progress=progress)
     )
