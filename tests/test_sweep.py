@@ -271,8 +271,8 @@ def test_recommendation_is_the_smallest_cache_within_tolerance_or_the_next_comma
     ]
     commands = {row["name"]: f"mha2gqa convert m OUT --groups {row['groups']} --method {row['method']}" for row in rows}
     commands["kv4-calibrated"] += " --calibration austen"
-    record = {"settings": settings, "parent": {"perplexity": 100.0}, "candidates": rows, "source": {"path": "m"},
-              "convert_commands": commands}  # fmt: skip
+    record = {"settings": settings, "parent": {"perplexity": 100.0}, "candidates": rows,
+              "source": {"path": "m", "pretrain_tokens": 123456}, "convert_commands": commands}  # fmt: skip
     found = sweep_run.recommend(record)
     assert found["per_method"] == {"mean": "kv4-mean", "calibrated": "kv2-calibrated"} and found["next"] is None
     record["settings"] = {**settings, "tolerance": 0.005}
@@ -283,6 +283,18 @@ def test_recommendation_is_the_smallest_cache_within_tolerance_or_the_next_comma
     )
     assert "mha2gqa uptrain --recipe" in found["next"] and "model=kv4-calibrated" in found["next"]
     assert found["line"] == f"{found['summary']}: {found['next']}" and "\n" not in found["line"]
+    assert "budget.pretrain_tokens=123456" in found["next"]  # the model's own 5% budget, not the demo's
+    assert "--recipe mha2gqa/demo/demo-uptrain.yaml" in found["next"]  # relative to the working folder
+    record["settings"] = {**settings, "tolerance": 0.005, "calibration": "parent"}
+    assert "data.train=[TRAIN_TEXT]" in sweep_run.recommend(record)["next"]  # samples are no uptrain data
+
+
+def test_the_budget_base_is_the_models_own_pretraining_or_20_tokens_a_parameter(tmp_path):
+    from mha2gqa import embedded
+
+    assert sweep_run.pretrain_tokens(embedded.model_dir(), 6_000_000) == embedded.pretrain_tokens()
+    (tmp_path / "m").mkdir()
+    assert sweep_run.pretrain_tokens(tmp_path / "m", 135_000_000) == 2_700_000_000
 
 
 def test_pareto_front_keeps_only_points_nothing_beats_on_both_axes():

@@ -16,6 +16,8 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import math
+import os
 import shlex
 import shutil
 import time
@@ -284,6 +286,9 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     }
     if plans:  # the token count every dry run resolved (unset: the default of the calibration's kind)
         options = replace(options, calibration_tokens=next(iter(plans.values())).calibration.tokens)
+    if plans:
+        parameters = sum(math.prod(info.shape) for info in next(iter(plans.values())).checkpoint.tensors.values())
+        record["source"]["pretrain_tokens"] = pretrain_tokens(source, parameters)
     record["convert_commands"] = {  # the cards' Reproduce lines (a resumed sweep's finished ones: as it wrote them)
         **(earlier or {}).get("convert_commands", {}),
         **{c.name: plan.command() for c, plan in plans.items()},
@@ -500,16 +505,41 @@ def uptrain_command(record: dict, row: dict) -> str:
     if row["model"] is None:  # the candidate's own convert command, as its dry-run plan wrote it
         convert = shlex.split(record["convert_commands"][row["name"]])
         steps.append([*convert[:3], model, *convert[4:]])
-    train = [str(p) for p in _as_list(expand_corpus_name(calibration))]
+    pretrain = record["source"].get("pretrain_tokens")
     steps.append(
-        ["mha2gqa", "uptrain", "--recipe", str(UPTRAIN_RECIPE), f"model={model}", f"output_dir={model}-uptrained"]
+        ["mha2gqa", "uptrain", "--recipe", _shown(UPTRAIN_RECIPE), f"model={model}", f"output_dir={model}-uptrained"]
         + [
-            f"data.train=[{','.join(train)}]",
+            f"data.train=[{','.join(_train_text(calibration))}]",
             f"data.eval=[{','.join(parse_domains(settings['data']).values())}]",
             f"distill.teacher={source}",
         ]
+        + ([f"budget.pretrain_tokens={pretrain}"] if pretrain else [])
     )
     return " && ".join(shlex.join(step) for step in steps)
+
+
+def _train_text(calibration) -> list[str]:
+    """What the next step uptrains on: the calibration's text ('austen' as the embedded novels' files); the
+    parent's samples are no uptrain data, so a calibration of them alone leaves TRAIN_TEXT for the user's."""
+    from mha2gqa.convert.inputs import PARENT, parse_spec
+
+    names = [name for name, _ in parse_spec(calibration) if name != PARENT]
+    return [_shown(p) for name in names for p in _as_list(expand_corpus_name(name))] or ["TRAIN_TEXT"]
+
+
+def _shown(path) -> str:
+    """A path as a suggested command shows it: relative to the working folder when inside it (a command
+    copied into docs or to another machine does not carry this one's absolute paths)."""
+    path = Path(path)
+    return os.path.relpath(path) if path.is_absolute() and Path.cwd() in path.parents else str(path)
+
+
+def pretrain_tokens(source: Path, parameters: int) -> int:
+    """The tokens `source` was pretrained on, for the paper's alpha = 5% budget: what its own mha2gqa.json
+    says training saw (the embedded model), else a compute-optimal 20 tokens a parameter (Chinchilla), the
+    least a pretrained model has seen."""
+    trained = [s.get("tokens_seen") for s in provenance.lineage(source) if s.get("stage") == "uptrain"]
+    return int(trained[-1]) if trained and isinstance(trained[-1], int) else 20 * parameters
 
 
 def _as_list(value) -> list:
