@@ -157,8 +157,7 @@ class ConvertOptions:
     """Calibration text for --method calibrated, --grouping similarity, --refine and the per-layer
     reconstruction errors: a .txt/.md/.jsonl/.json/.parquet file (.gz/.bz2/.xz/.zst too), a folder of them,
     'austen' (the embedded novels), a hub dataset with a 'text' column (online), or 'parent': text sampled
-    from SRC itself, which needs no data of yours and keeps SRC's ability on every domain best
-    (docs/calibration.md); repeat the flag for several files (in Python: a list), or give each entry a share
+    from SRC itself, which needs no data of yours (per-domain measurements: docs/calibration.md); repeat the flag for several files (in Python: a list), or give each entry a share
     to mix sources, e.g. --calibration parent:0.5 --calibration corpus.txt:0.5 (in Python: a dict). Unset
     where a stage needs it: 'parent'. Sampling costs about one forward of SRC per token (on 2 CPU cores, tens
     of tokens a second for a 135M model; --dry-run shows the stage). In Python a sweep passes the statistics
