@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,13 @@ def tiny_src(tmp_path_factory):
     save_tiny_model(src, "llama", max_position_embeddings=64)
     make_tiny_tokenizer(src)
     return src
+
+
+@pytest.fixture
+def tmpdir_env(tmp_path, monkeypatch):
+    """$TMPDIR for this case, empty (the fault tests check it empty again after the case)."""
+    folder = tmp_path / "TMPDIR"
+    folder.mkdir()
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder

@@ -122,3 +122,23 @@ def fill(path: Path) -> None:
             with contextlib.suppress(OSError):
                 while True:
                     f.write(chunk)
+
+
+def sweep_args(tiny: Path, out, *extra) -> list:
+    """`mha2gqa sweep` of a tiny fixture folder (src/, cal.txt, eval.txt): 600 calibration tokens, 300 scored."""
+    return [
+        "sweep",
+        tiny / "src",
+        "--calibration",
+        tiny / "cal.txt",
+        "--data",
+        tiny / "eval.txt",
+        "--out",
+        out,
+        "--calibration-tokens",
+        600,
+        "--max-tokens",
+        300,
+        "--quiet",
+        *extra,
+    ]

@@ -14,11 +14,10 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-from fault_helpers import cli, error_line, tree_digest
+from fault_helpers import cli, error_line, sweep_args, tree_digest
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 import mha2gqa.demo.ablations as ablations
@@ -35,16 +34,6 @@ def no_grid(monkeypatch):
     """A reproduce that gets past its checks fails the test at once (the old code ran the grid)."""
     monkeypatch.setattr(ablations, "run_grid", lambda *a, **k: pytest.fail("the grid started"))
     monkeypatch.setattr("mha2gqa.demo.pipeline._run_stages", lambda *a, **k: pytest.fail("the demo started"))
-
-
-@pytest.fixture
-def tmpdir_env(tmp_path, monkeypatch):
-    """$TMPDIR for this case, empty: checked empty again by `refused`."""
-    folder = tmp_path / "TMPDIR"
-    folder.mkdir()
-    monkeypatch.setenv("TMPDIR", str(folder))
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -76,23 +65,7 @@ def refused(result, *words, out: Path, tmpdir: Path, left=()) -> str:
     return line
 
 
-def _sweep_args(tiny, out, *extra):
-    return [
-        "sweep",
-        tiny / "src",
-        "--calibration",
-        tiny / "cal.txt",
-        "--data",
-        tiny / "eval.txt",
-        "--out",
-        out,
-        "--calibration-tokens",
-        600,
-        "--max-tokens",
-        300,
-        "--quiet",
-        *extra,
-    ]
+_sweep_args = sweep_args
 
 
 # ----------------------------------------------------------- class 1: every check before any work

@@ -16,7 +16,6 @@ import signal
 import socket
 import stat
 import struct
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -41,16 +40,6 @@ def pristine(tmp_path_factory):
     make_tiny_tokenizer(path)
     (path / "README.md").write_text("---\nlicense: apache-2.0\n---\n# tiny\n")
     return path
-
-
-@pytest.fixture
-def tmpdir_env(tmp_path, monkeypatch):
-    """$TMPDIR for this case, empty: checked empty again after it."""
-    folder = tmp_path / "TMPDIR"
-    folder.mkdir()
-    monkeypatch.setenv("TMPDIR", str(folder))
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    return folder
 
 
 @pytest.fixture

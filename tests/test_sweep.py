@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_helpers import assert_refused, cli, tree_digest
+from fault_helpers import assert_refused, cli, sweep_args, tree_digest
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 import mha2gqa.convert.calibration as calibration_module
@@ -37,23 +37,7 @@ def tiny(tmp_path_factory):
     return root
 
 
-def _sweep_args(tiny, out, *extra):
-    return [
-        "sweep",
-        tiny / "src",
-        "--calibration",
-        tiny / "cal.txt",
-        "--data",
-        tiny / "eval.txt",
-        "--out",
-        out,
-        "--calibration-tokens",
-        CAL_TOKENS,
-        "--max-tokens",
-        EVAL_TOKENS,
-        "--quiet",
-        *extra,
-    ]
+_sweep_args = sweep_args
 
 
 @pytest.fixture(scope="module")
