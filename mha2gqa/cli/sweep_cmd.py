@@ -42,7 +42,12 @@ def _option(flag: str, *decls: str, **kwargs):
 
 @click.command("sweep")
 @click.argument("src")
-@_option("--calibration", metavar="DATA", multiple=True, as_text=lambda value: (value,))
+@_option(
+    "--calibration",
+    metavar="DATA",
+    multiple=True,
+    as_text=lambda value: tuple(value) if isinstance(value, (list, tuple)) else (value,),
+)
 @_option("--data", multiple=True, metavar="[NAME=]EVAL_TEXT", as_text=tuple)
 @_option("--out", required=True, type=click.Path(file_okay=False))
 @_option("--groups", "-g")

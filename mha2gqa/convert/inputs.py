@@ -20,13 +20,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa.convert.options import DEFAULT_CALIBRATION, DEFAULT_CALIBRATION_TOKENS, REFINE_TOKENS_PER_HIDDEN
+from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, PARENT, REFINE_TOKENS_PER_HIDDEN
 from mha2gqa.errors import InputError
 
 CALIBRATION_SEQ_LEN = 512  # tokens per calibration block, or the model's context when shorter
 CALIBRATION_BATCH = 8  # blocks per calibration forward (calibration.collect_statistics)
 HOLDOUT_FRACTION = 1 / 8  # of the refine blocks, held out to check each layer's fit
-PARENT = DEFAULT_CALIBRATION  # the calibration source sampled from the model itself
 _SHARE = re.compile(r"^(?P<name>.+):(?P<share>\d+(?:\.\d*)?|\.\d+)(?P<percent>%?)$")
 
 

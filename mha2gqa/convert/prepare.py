@@ -212,7 +212,7 @@ def _calibration_input(options: ConvertOptions, stats, config: dict, source: Pat
     seq_len, hidden = block_length(config), attention_shape(config).hidden
     tokens = options.calibration_tokens
     if options.calibration is not None or (stats is None and options.calibration_shapes_weights):
-        spec = options.calibration if options.calibration is not None else DEFAULT_CALIBRATION
+        spec = options.calibration if options.calibration is not None else list(DEFAULT_CALIBRATION)
     elif stats is not None and options.refine is not None:
         spec, tokens = stats.record.get("data"), stats.tokens
     else:

@@ -27,9 +27,9 @@ class SweepOptions:
     --data; default 'probe', the probe set shipped in the package (docs/eval.md). A candidate is recommended
     only when the geometric mean of its per-domain perplexity ratios to the parent is within --tolerance and
     no domain is broken (its ratio above 1 + 2 x --tolerance)."""
-    calibration: str | list[str] | dict = DEFAULT_CALIBRATION
+    calibration: str | tuple[str, ...] | list[str] | dict = DEFAULT_CALIBRATION
     """Calibration text, read once for every candidate: what convert --calibration takes (a file, a folder,
-    'austen', a hub dataset, a NAME:SHARE mix), by default 'parent': text sampled from SRC itself."""
+    'austen', 'parent', a hub dataset, a NAME:SHARE mix), by default convert's: parent:0.5 and austen:0.5."""
     groups: tuple[int, ...] | None = None
     """kv-head counts to try, e.g. 8,4,2,1; each must divide the source's kv heads and be below it (values
     that do not are skipped, and said so). Default: every divisor of the source's kv heads below it."""
