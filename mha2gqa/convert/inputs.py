@@ -72,13 +72,6 @@ class CalibrationInput:
     def sampled_tokens(self) -> int:
         return sum(part.tokens for part in self.parts if part.sampled)
 
-    def record(self) -> dict:
-        """What mha2gqa.json says of the input before it is read (the ids' sha256 is added when it is)."""
-        return {
-            "spec": self.spec,
-            "parts": [{"name": p.name, "share": p.share, "tokens": p.tokens} for p in self.parts],
-        }
-
 
 def parse_spec(spec, flag: str = "--calibration") -> list[tuple[str, float | None]]:
     """[(entry, share or None)] of a calibration spec: a str, a list of str, or a {entry: share} dict. Shares
