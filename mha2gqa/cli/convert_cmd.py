@@ -18,10 +18,12 @@ from mha2gqa.units import format_bytes, format_size
 def _flag_option(flag: Flag):
     """The click option of one CONVERT_FLAGS entry: its default and help are its field's."""
     decls = [d for d in (flag.short, flag.key) if d]
+    # Every switch has its --no-X too: it turns off a switch that a --config file turned on.
+    name = f"{flag.flag}/--no-{flag.flag[2:]}" if flag.switch else flag.flag
     if flag.field == "refine":
-        return click.option(flag.flag, is_flag=True, help=option_help(ConvertOptions, "refine"))
+        return click.option(name, flag.key, is_flag=True, help=option_help(ConvertOptions, "refine"))
     if flag.help:
-        return click.option(flag.flag, *decls, is_flag=flag.switch, help=flag.help)
+        return click.option(name, *decls, is_flag=flag.switch, default=False, help=flag.help)
     default, kwargs = flag.default, {}
     if isinstance(default, Enum):
         kwargs["type"] = click.Choice([member.value for member in type(default)])
@@ -32,7 +34,6 @@ def _flag_option(flag: Flag):
         kwargs["as_text"] = format_size
     if flag.default_from:
         kwargs.update(default=None, show_default=f"--{flag.default_from}")
-    name = f"{flag.flag}/--no-{flag.flag[2:]}" if flag.switch and default else flag.flag  # on by default: --no-X
     return field_option(
         flag.owner,
         name,

@@ -101,11 +101,14 @@ def _words(flag: Flag, key: str, value, problems: list[str]) -> str | list[str] 
     if value is None:
         problems.append(f"{key}: has no value: give one as {flag.flag} takes it, or leave the key out")
         return None
+    if flag.switch and not isinstance(value, bool):  # click would read "yes", "on", "1", "" alike
+        problems.append(f"{key}: {value!r} is not true or false ({flag.flag} is a switch)")
+        return None
     return _word(value)
 
 
 def _word(value) -> str:
-    """A YAML scalar as it is typed on the command line: true/false for a switch (click reads either), a
+    """A YAML scalar as it is typed on the command line: true/false for a switch (click's boolean words), a
     float by its repr (it round-trips); 8.5 for an integer flag stays 8.5, so the flag's type refuses it."""
     if isinstance(value, bool):
         return "true" if value else "false"
