@@ -165,3 +165,19 @@ def test_a_bad_config_is_refused_before_torch_is_imported(tmp_path, tiny_src):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().splitlines()[-1] == "exit 2 False", done.stdout + done.stderr
     assert "did you mean refine_steps?" in done.stderr
+
+
+def test_the_docs_example_reads_as_written(tmp_path):
+    """docs/convert.md's worked example is a config this parser takes, with the values it shows."""
+    docs = (Path(__file__).parent.parent / "docs" / "convert.md").read_text()
+    example = docs.split("## A config file", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / CONFIG_NAME
+    path.write_text(example)
+    ctx = convert_command.make_context("convert", ["--config", str(path), "out"])
+    options = options_from_flags(ctx.params)
+    assert (options.groups, options.method.value, options.calibration) == (
+        1,
+        "calibrated",
+        ["parent:0.5", "austen:0.5"],
+    )
+    assert (options.refine.steps, options.refine.global_steps, options.calibration_tokens) == (40, 0, 36864)
