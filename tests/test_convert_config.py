@@ -122,7 +122,11 @@ BAD = [  # file text, the one line's words
     ("groups:\n", "groups: has no value"),
     ("groups: 2\nsource: [a, b]\n", "source: must be one path or hub id"),
     ("- groups: 2\n", "holds a list, not a mapping"),
-    ("groups: 2\nmethod: [mean\n", "is not valid YAML at line 3"),
+    (
+        "groups: 2\nmethod: [mean\n",
+        "is not valid YAML at line 3 (expected ',' or ']', but got '<stream end>', while "
+        "parsing a flow sequence from line 2)",
+    ),
     ("groups: 2\n  method: mean\n", "is not valid YAML at line 2"),
     (None, "no such file"),
     ("#" * (MAX_CONFIG_BYTES + 1), f"over mha2gqa's limit of {MAX_CONFIG_BYTES:,} bytes for a convert config"),

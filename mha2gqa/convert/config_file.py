@@ -69,20 +69,28 @@ def _load(path: Path) -> dict:
     if not os.path.lexists(path):
         raise InputError(f"--config {path}: no such file ({_FIX})")
     try:
-        text = read_bytes(path, MAX_CONFIG_BYTES, kind="a convert config", fix=_FIX).decode("utf-8")
+        fix = "every option at once is under 1 KB of YAML: check that it is the config you meant"
+        text = read_bytes(path, MAX_CONFIG_BYTES, kind="a convert config", fix=fix).decode("utf-8")
         raw = parse_yaml(text, f"--config {path}", _FIX)
     except UnicodeDecodeError as err:
         raise InputError(f"--config {path} is not UTF-8 text (byte {err.start}): {_FIX}") from None
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or first_line(err)
-        raise InputError(f"--config {path} is not valid YAML{where} ({problem}): {_FIX}") from None
+        raise InputError(f"--config {path} is not valid YAML{_where(err)}: {_FIX}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise InputError(f"--config {path} holds a {type(raw).__name__}, not a mapping: {_FIX}")
     return raw
+
+
+def _where(err: yaml.YAMLError) -> str:
+    """Where PyYAML stopped, and what it was inside (an unclosed [ is found only at the end of the file)."""
+    mark, context = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
+    text = f" at line {mark.line + 1}" if mark is not None else ""
+    text += f" ({getattr(err, 'problem', None) or first_line(err)}"
+    if getattr(err, "context", None) and context is not None:
+        text += f", {err.context} from line {context.line + 1}"
+    return text + ")"
 
 
 def _words(flag: Flag, key: str, value, problems: list[str]) -> str | list[str] | None:
