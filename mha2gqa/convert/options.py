@@ -308,12 +308,18 @@ def options_from_flags(values: dict) -> ConvertOptions:
 def flag_words(options: ConvertOptions) -> list[str]:
     """The flags that make `options` again: every flag that changes the output and is not at its default
     (--groups and --method always), in the table's order."""
-    words = []
+    return [word for flag, value in changed_flags(options) for word in _written(flag, value)]
+
+
+def changed_flags(options: ConvertOptions) -> list[tuple[Flag, object]]:
+    """(flag, value) of every flag that changes the output and is not at its default (--groups and --method
+    always), in the table's order: the command line (flag_words) and convert.yaml (config_file) both write these."""
+    changed = []
     for flag in CONVERT_FLAGS:
         if not flag.changes_output:
             continue
         if flag.field == "refine":
-            words += ["--refine"] if options.refine is not None else []
+            changed += [(flag, True)] if options.refine is not None else []
             continue
         holder = options if flag.owner is ConvertOptions else options.refine
         if holder is None:
@@ -322,8 +328,8 @@ def flag_words(options: ConvertOptions) -> list[str]:
         default = getattr(options, flag.default_from) if flag.default_from else flag.default
         if not flag.required and flag.flag != "--method" and _same(flag, value, default):
             continue
-        words += _written(flag, value)
-    return words
+        changed.append((flag, value))
+    return changed
 
 
 def _same(flag: Flag, value, default) -> bool:

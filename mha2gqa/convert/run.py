@@ -19,7 +19,7 @@ from pathlib import Path
 from mha2gqa import provenance
 from mha2gqa.card import write_card
 from mha2gqa.checkpoint import ShardedWriter, atomic_directory, check_destination
-from mha2gqa.convert import fast
+from mha2gqa.convert import config_file, fast
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, ConvertOptions, Grouping  # noqa: F401 (re-exported)
 from mha2gqa.convert.plan import Plan
 from mha2gqa.convert.prepare import NOT_COPIED, OUT_DTYPES, ConversionPlan, parse_size, prepare  # noqa: F401
@@ -28,6 +28,7 @@ from mha2gqa.errors import InputError, import_torch
 from mha2gqa.layouts import converted_config
 from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, resolve, short_read
+from mha2gqa.writing import write_atomic
 
 
 @dataclass
@@ -98,7 +99,9 @@ def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
             "layers": layers,
             "refine": refined,
             "command": plan.command(),
+            "config": plan.config_values(),  # DST/convert.yaml's mapping; the card shows it
         }
+        write_atomic(tmp / config_file.CONFIG_NAME, config_file.render(extra["config"]))
         _write_provenance(source, plan.config, plan.tensors, options.seed, options.dtype, tmp, extra)
         write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
     return ConversionResult(plan.tensors, dst, source, layers, refined, plan)
