@@ -103,10 +103,6 @@ class RefineOptions:
     """Calibration sequences per Adam step."""
     solve_output: bool = True
     """Finish each layer's attention with the closed-form least-squares o_proj."""
-    mlp_output: bool = False
-    """Then solve each layer's MLP output projection (down_proj) by least squares against the parent's layer
-    output, per-token relative errors (the block stage; skipped where the MLP output is not simply added
-    to the residual stream). Off by default: it lost on held-out text on a real model (docs/refine.md)."""
     seed: int = 0
     """Seeds the mini-batch order and the held-out split (on the command line: --seed, unless --refine-seed is
     given)."""
@@ -132,6 +128,18 @@ class RefineOptions:
             raise InputError(f"--refine-tokens {self.tokens} must be positive (e.g. 32768)")
         if not _is_int(self.batch_blocks) or self.batch_blocks < 1:
             raise InputError(f"--refine-batch-blocks {self.batch_blocks} must be at least 1 (e.g. 4)")
+
+
+# Fields RefineOptions once had, each with the value at which it changed nothing: a record of then (mha2gqa.json,
+# a sweep.json's settings) holding it at that value means the same settings as one without it. --refine-mlp's
+# block stage went to bench/ (issue 27: it lost on held-out text on a real model).
+RETIRED_REFINE_FIELDS = {"mlp_output": False}
+
+
+def current_refine_fields(recorded: dict) -> dict:
+    """A recorded RefineOptions dict less each retired field at its no-op value; one at another value is
+    kept, so that the record still reads as other settings than any RefineOptions of now."""
+    return {k: v for k, v in recorded.items() if k not in RETIRED_REFINE_FIELDS or v != RETIRED_REFINE_FIELDS[k]}
 
 
 def _is_int(value) -> bool:
@@ -276,7 +284,6 @@ CONVERT_FLAGS: tuple[Flag, ...] = (
     Flag("--refine-lr"),
     Flag("--refine-memory", size=True),
     Flag("--refine-tokens", type=int),
-    Flag("--refine-mlp", "refine.mlp_output"),
     Flag("--refine-global-steps"),
     Flag("--refine-global-lr"),
     Flag("--refine-batch-blocks"),
