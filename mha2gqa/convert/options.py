@@ -218,7 +218,7 @@ class Flag:
     """One `mha2gqa convert` flag and the options field it sets. CONVERT_FLAGS is the one table: the click
     options (cli/convert_cmd.py), the options built from a command line (options_from_flags) and the command
     line that makes a conversion again (flag_words, the model card's Reproduce line) are all read from it,
-    so a new option is one entry here plus its field."""
+    so a new option is one entry here plus its field (a RefineOptions field gets its --refine- flag by itself)."""
 
     flag: str
     # A ConvertOptions field; "refine.X" for RefineOptions.X (set only with --refine). Unset: the flag's
@@ -266,6 +266,12 @@ class Flag:
         return self.field == "refine" or isinstance(self.default, bool)
 
 
+def _refine_flags(**extras: dict) -> tuple[Flag, ...]:
+    """--refine-X for every RefineOptions field X, in the fields' order, so that a new refine setting is its field
+    (with `extras`, the Flag settings a field needs besides its name)."""
+    return tuple(Flag("--refine-" + f.name.replace("_", "-"), **extras.get(f.name, {})) for f in fields(RefineOptions))
+
+
 CONVERT_FLAGS: tuple[Flag, ...] = (
     Flag("--groups", short="-g", type=int, required=True),
     Flag("--method"),
@@ -280,15 +286,7 @@ CONVERT_FLAGS: tuple[Flag, ...] = (
     Flag("--calibration-memory", size=True),
     Flag("--grouping"),
     Flag("--refine"),
-    Flag("--refine-steps"),
-    Flag("--refine-lr"),
-    Flag("--refine-memory", size=True),
-    Flag("--refine-tokens", type=int),
-    Flag("--refine-global-steps"),
-    Flag("--refine-global-lr"),
-    Flag("--refine-batch-blocks"),
-    Flag("--refine-solve-output"),
-    Flag("--refine-seed", type=int, default_from="seed"),
+    *_refine_flags(memory=dict(size=True), tokens=dict(type=int), seed=dict(type=int, default_from="seed")),
 )
 
 
