@@ -149,7 +149,6 @@ NON_DEFAULT = {  # flag: (convert keywords, RefineOptions keywords or None)
     "--refine-lr": (REFINE, dict(lr=3e-3)),
     "--refine-memory": (REFINE, dict(memory=1)),
     "--refine-tokens": (REFINE, dict(tokens=384)),
-    "--refine-mlp": (REFINE, dict(mlp_output=True)),
     "--refine-global-steps": (REFINE, dict(global_steps=3)),
     "--refine-global-lr": (REFINE, dict(global_steps=3, global_lr=1e-3)),
     "--refine-batch-blocks": (REFINE, dict(batch_blocks=3)),

@@ -147,13 +147,9 @@ def layer_table(layers: list[dict]) -> str:
 
 
 def refine_table(record: dict) -> str:
-    """Per-layer relative attention-output error before/after --refine, on fit and held-out tokens, and the
-    block stage's per-token relative layer-output error on the held-out tokens where it ran."""
+    """Per-layer relative attention-output error before/after --refine, on fit and held-out tokens."""
     keys = ["fit_error_before", "fit_error_after", "heldout_error_before", "heldout_error_after"]
     headers = ["layer", "fit before", "fit after", "held-out before", "held-out after"]
-    if any("output_heldout_error_after" in row for row in record["layers"]):
-        keys += ["output_heldout_error_before", "output_heldout_error_after"]
-        headers += ["layer output, held-out before", "after"]
     rows = [
         [str(row["layer"])] + [f"{row[key]:.4f}" if key in row else "-" for key in keys] for row in record["layers"]
     ]

@@ -73,8 +73,10 @@ def convert(
     return execute(plan, dst)
 
 
-def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
-    """Run the stages of `plan` into a new `dst`: calibrate -> merge -> refine -> write -> metadata."""
+def execute(plan: ConversionPlan, dst: Path, layer_stage=None) -> ConversionResult:
+    """Run the stages of `plan` into a new `dst`: calibrate -> merge -> refine -> write -> metadata.
+    `layer_stage`: refine's hook after each layer's attention fit (refine.LayerStage), for experiments in bench/;
+    what it changes is not in the plan's command, so the card cannot make it again."""
     options, source = plan.options, plan.source
     dst = Path(dst).expanduser()
     _check_destination(source, dst, options.force)
@@ -90,7 +92,7 @@ def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
         if plan.torch_reason is None:
             fast.write_tensors(plan.checkpoint, plan.tensors, tmp, plan.shard_bytes, options.progress)
         else:
-            layers, refined, stats = _run_torch(plan, tmp, Path(scratch))
+            layers, refined, stats = _run_torch(plan, tmp, Path(scratch), layer_stage)
         _copy_files(plan.copied, source, tmp)
         _write_config(plan.config, options.groups, options.dtype, tmp)
         extra = {
@@ -107,7 +109,7 @@ def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
     return ConversionResult(plan.tensors, dst, source, layers, refined, plan)
 
 
-def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
+def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, layer_stage=None):
     """The torch stages: the calibration ids read once, the parent loaded once (for the statistics and for
     refine), the merge, refine, and the one writer pass. Returns (per-layer merge report, refine record,
     statistics)."""
@@ -153,6 +155,7 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
         out_dtype=options.dtype,
         spill_dir=out_dir,
         progress=options.progress,
+        layer_stage=layer_stage,
     )
     del parent, merged
     _write_tensors(plan, out_dir, stats, computed=refined)
