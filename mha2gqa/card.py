@@ -371,6 +371,11 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
         # convert records the command its plan made (prepare.ConversionPlan.command); older records get one
         # rebuilt from their fields.
         lines.append(conversion.get("command") or _legacy_command(conversion))
+        if isinstance(conversion.get("torch_threads"), int):  # torch's float sums depend on its thread count
+            count = conversion["torch_threads"]
+            lines.append(
+                f"# the same bytes need the same torch threads: this ran with {count} (mha2gqa --threads {count} convert ...)"
+            )
         if _convert_yaml(conversion):  # the same options as a file: an alternative, so a comment (not run twice)
             words = ["mha2gqa", "convert", "--config", "convert.yaml", str(conversion["config"]["source"]), "OUT"]
             lines.append(f"# or, with convert.yaml (below, and beside the converted model): {shlex.join(words)}")

@@ -168,3 +168,25 @@ def test_inspect_measures_a_sequence_at_the_models_own_context(src, tmp_path):
     (no_context / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
     info = json.loads(_run("inspect", no_context, "--json").output)
     assert info["context"] == 4096 and info["context_from"] == "default: the config names no context length"
+
+
+def test_convert_takes_the_same_thread_count_on_a_busy_machine_and_records_it(tiny_src, tmp_path, monkeypatch):
+    """Float sums differ with torch's thread count, so the count may not follow the load (the card promises
+    the same bytes from its command): a busy machine converts with the quiet one's count, recorded."""
+    import torch
+
+    quiet_count = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MHA2GQA_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))  # every core taken
+    try:
+        result = _run("convert", tiny_src, tmp_path / "dst", "-g", "2", "--method", "calibrated", "--calibration-tokens",
+                      "256", "--calibration", "austen", "--quiet")  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert torch.get_num_threads() == quiet_count
+    finally:
+        torch.set_num_threads(quiet_count)
+    record = json.loads((tmp_path / "dst" / "mha2gqa.json").read_text())["lineage"][-1]
+    assert record["torch_threads"] == quiet_count
+    card = (tmp_path / "dst" / "README.md").read_text()
+    assert f"this ran with {quiet_count} (mha2gqa --threads {quiet_count} convert ...)" in card

@@ -115,7 +115,9 @@ def convert(src, dst, **flags):
 
     src, dst = paths(src, dst, click.get_current_context().meta.get(_CONFIG))
     options = options_from_flags(flags)
-    threads.apply(threads.for_model(src))  # before torch starts: one thread for a small model on a busy machine
+    # The user's count, else torch's own, never one read from the load: float sums differ with the thread
+    # count, and the card's Reproduce line promises the same bytes (mha2gqa.json records the count).
+    threads.apply()
     result = run_convert(src, dst, options=options)
     plan = result.plan
     if options.dry_run:

@@ -101,12 +101,22 @@ def execute(plan: ConversionPlan, dst: Path, layer_stage=None) -> ConversionResu
             "layers": layers,
             "refine": refined,
             "command": plan.command(),
+            "torch_threads": _torch_threads(plan),  # the same bytes again need the same count (card: Reproduce)
             "config": plan.config_values(),  # DST/convert.yaml's mapping; the card shows it
         }
         write_atomic(tmp / config_file.CONFIG_NAME, config_file.render(extra["config"]))
         _write_provenance(source, plan.config, plan.tensors, options.seed, options.dtype, tmp, extra)
         write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
     return ConversionResult(plan.tensors, dst, source, layers, refined, plan)
+
+
+def _torch_threads(plan: ConversionPlan) -> int | None:
+    """torch's CPU thread count for a conversion that ran torch (its float sums depend on it), else None."""
+    if plan.torch_reason is None:
+        return None
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, layer_stage=None):
