@@ -27,7 +27,14 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from mha2gqa import textdata
-from mha2gqa.convert.inputs import CALIBRATION_BATCH, CalibrationInput, block_length, calibration_input, stats_bytes
+from mha2gqa.convert.inputs import (
+    CALIBRATION_BATCH,
+    CalibrationInput,
+    block_length,
+    calibration_input,
+    interleaved,
+    stats_bytes,
+)
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_MEMORY
 from mha2gqa.errors import InputError, InputWarning
 from mha2gqa.layouts import AttentionShape, Layout
@@ -217,15 +224,10 @@ def read_ids(source: Path, calibration: CalibrationInput, parent, seed: int, pro
 
 
 def interleave_blocks(parts: list[torch.Tensor], seq_len: int) -> torch.Tensor:
-    """The full blocks of every part, in one order that spreads each part evenly: block i of a part of n
-    blocks goes at (i + 0.5) / n, ties in part order. So any stretch of the result, and so refine's subset
-    and its held-out tail, holds every part in proportion."""
-    keyed = []
-    for p, ids in enumerate(parts):
-        blocks = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)
-        keyed += [((i + 0.5) / len(blocks), p, block) for i, block in enumerate(blocks)]
-    keyed.sort(key=lambda item: item[:2])
-    return torch.cat([block for *_, block in keyed]) if keyed else torch.zeros(0, dtype=torch.long)
+    """The full blocks of every part, spread evenly in one order (inputs.interleaved)."""
+    blocks = [ids[: len(ids) // seq_len * seq_len].view(-1, seq_len) for ids in parts]
+    order = interleaved([len(b) for b in blocks])
+    return torch.cat([blocks[p][i] for p, i in order]) if order else torch.zeros(0, dtype=torch.long)
 
 
 def _device(model):

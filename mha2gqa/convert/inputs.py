@@ -148,6 +148,15 @@ class RefineBudget:
         return max(1, round(blocks * HOLDOUT_FRACTION))
 
 
+def interleaved(counts: list[int]) -> list[tuple[int, int]]:
+    """(part, block) for every block of parts holding `counts` blocks, in the one order that spreads each
+    part evenly: block i of a part of n blocks goes at (i + 0.5) / n, ties in part order. So any stretch
+    of the result, and so refine's subset and its held-out tail, holds every part in proportion (the parts
+    of a mix, and the two kinds of the parent's samples)."""
+    keyed = sorted(((i + 0.5) / n, p, i) for p, n in enumerate(counts) for i in range(n))
+    return [(p, i) for _, p, i in keyed]
+
+
 def default_tokens(pairs: list[tuple[str, float | None]], hidden: int) -> int:
     """--calibration-tokens when unset: 131,072 of a text; 64 x hidden when the parent's samples are part of
     it (a sampled token costs a forward of its own: the tokens refine fits on, not more)."""

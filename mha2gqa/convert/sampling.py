@@ -104,7 +104,7 @@ def sample_ids(model, tokenizer, tokens: int, seq_len: int, seed: int, recipe=DE
     import torch
     from tqdm.auto import tqdm
 
-    from mha2gqa.convert.calibration import interleave_blocks
+    from mha2gqa.convert.inputs import interleaved
 
     generator = torch.Generator().manual_seed(seed)
     pool = first_token_pool(tokenizer, model.config.vocab_size)
@@ -123,8 +123,8 @@ def sample_ids(model, tokenizer, tokens: int, seq_len: int, seed: int, recipe=DE
         for start in range(0, chat, recipe.batch):
             opening = header.expand(min(recipe.batch, chat - start), -1)
             chat_turns.append(_sample_batch(model, opening, seq_len, 0, recipe, generator, device, bar))
-    parts = [torch.cat(kind).reshape(-1) for kind in (random_starts, chat_turns) if kind]
-    return interleave_blocks(parts, seq_len)[:tokens]
+    rows = [torch.cat(kind) for kind in (random_starts, chat_turns) if kind]  # (n, seq_len) of each kind
+    return torch.stack([rows[p][i] for p, i in interleaved([len(r) for r in rows])]).reshape(-1)[:tokens]
 
 
 def _sample_batch(model, opening, seq_len: int, greedy: int, recipe: SamplingRecipe, generator, device, bar):
