@@ -315,7 +315,8 @@ def _training_data(stage: dict, recipe: dict) -> str:
         words.append(f"{name} ({part['share']:.0%}), {part['tokens']:,} tokens")
         if "seeds" in part:
             hashes = ", ".join(f"`{sha[:16]}…`" for sha in part["ids_sha256"])
-            words[-1] += f", seeds {', '.join(map(str, part['seeds']))} (one a process), ids sha256 {hashes}"
+            seeds = ", ".join(map(str, part["seeds"]))
+            words[-1] += f", seeds {seeds} (the recipe's seed + the process index), ids sha256 {hashes}"
     sampling = record.get("sampling")
     if sampling:
         words.append(

@@ -177,3 +177,23 @@ def test_record_shape_is_json(tmp_path, tiny, loaded):
     teacher, tokenizer = loaded
     record = build(_recipe(tmp_path, tiny), tokenizer, 0, 1, False, teacher).record
     assert json.loads(json.dumps(record)) == record
+
+
+def test_two_cpu_ranks_draw_their_own_samples_and_the_record_names_both(tmp_path, tiny):
+    from test_uptrain_two_ranks import _launch  # the real launcher with two gloo ranks
+
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        model=str(tiny["model"]),
+        output_dir=str(tmp_path / "out"),
+        distill={"teacher": str(tiny["teacher"])},
+        data={"train": ["parent"], "eval_blocks": 4},
+        budget={"max_steps": 2},
+    )
+    result = _launch(["--recipe", str(recipe), "trace_samples=true"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    part = latest(tmp_path / "out", "uptrain")["data"]["parts"][0]
+    assert part["seeds"] == [0, 1] and len(set(part["ids_sha256"])) == 2 and part["blocks"] == 2 * 2 * 4
+    traces = [(tmp_path / "out" / "trace" / f"rank{r}.jsonl").read_text().splitlines() for r in range(2)]
+    hashes = [{h for line in lines for h in json.loads(line).get("blocks", [])} for lines in traces]
+    assert hashes[0] and hashes[1] and hashes[0].isdisjoint(hashes[1])
