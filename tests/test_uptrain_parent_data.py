@@ -18,6 +18,7 @@ from mha2gqa.embedded import train_paths
 from mha2gqa.errors import InputError
 from mha2gqa.provenance import latest
 from mha2gqa.uptrain import load_recipe, train
+from mha2gqa.uptrain.data import text_blocks
 from mha2gqa.uptrain.mixed_data import EVAL_SEED_OFFSET, build, ids_sha256, merge_records, sample_blocks
 from mha2gqa.uptrain.steps import total_steps
 
@@ -171,6 +172,29 @@ def test_austen_is_a_training_text_as_in_convert(tmp_path, tiny):
     assert [(p.name, p.share, p.sampled) for p in mixed] == [("austen", 0.5, False), ("parent", 0.5, True)]
     with pytest.raises(InputError, match="did you mean austen"):
         _recipe(tmp_path, tiny, train_data=["austin"])
+    evals = _recipe(tmp_path, tiny, data={"eval": "austen"}).data.checked_sources["data.eval"][1]
+    assert list(evals[0].text.files) == train_paths()
+
+
+def test_a_short_text_in_a_mix_repeats_and_one_too_short_is_refused(tmp_path, tiny, loaded):
+    teacher, tokenizer = loaded
+    short = tmp_path / "short.txt"
+    short.write_text("a few words of text that pack into a handful of blocks of thirty-two tokens, no more. " * 2)
+    recipe = _recipe(tmp_path, tiny, train_data=[f"{short}:0.5", "parent:0.5"], data={"eval_blocks": 2})
+    short_blocks = len(
+        text_blocks(recipe.data.checked_sources["data.train"][1][0].text, recipe.data, tokenizer, 32, False)
+    )
+    assert 2 <= short_blocks < 6  # fewer than its share of 6 training blocks, after one held out
+    data = build(recipe, tokenizer, 0, 1, False, teacher)
+    text = data.record["parts"][0]
+    assert text["repeated"] and text["text_blocks"] == short_blocks - 1 and text["blocks"] == 6
+    tiny_text = tmp_path / "tiny.txt"
+    tiny_text.write_text("hi")
+    recipe = _recipe(tmp_path, tiny, train_data=[f"{tiny_text}:0.5", "parent:0.5"])
+    with pytest.raises(
+        InputError, match=r"data.train .*tiny.txt packs into 0 blocks of seq_len tokens, not more than the 2"
+    ):
+        build(recipe, tokenizer, 0, 1, False, teacher)
 
 
 def test_record_shape_is_json(tmp_path, tiny, loaded):

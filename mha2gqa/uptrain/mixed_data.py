@@ -21,6 +21,7 @@ import torch
 
 from mha2gqa.convert import sampling
 from mha2gqa.convert.inputs import part_tokens
+from mha2gqa.errors import InputError
 from mha2gqa.uptrain.data import (
     MemoryBatches,
     TrainData,
@@ -76,6 +77,7 @@ def build(
                 eval_record |= {"parent_blocks": held_n, "parent_seed": row.pop("eval_seed")}
                 eval_record["parent_ids_sha256"] = row.pop("eval_ids_sha256")
         else:
+            _enough(part, texts[i], held_n, cfg.eval_blocks)
             train, row, held_blocks = _text_part(part, texts[i], recipe.seed, counts[i], held_n, rank, world_size)
         pool.append(train)
         rows.append(row)
@@ -116,6 +118,17 @@ def _text_part(part: DataPart, blocks: torch.Tensor, seed: int, count: int, held
     row |= {"files": [str(f) for f in part.text.files] or [part.text.hub], "text_blocks": len(blocks)}
     row["repeated"] = len(blocks) < count * world
     return rank_slice(chosen, rank, world), row, held_blocks
+
+
+def _enough(part: DataPart, blocks: torch.Tensor, held: int, eval_blocks: int) -> None:
+    """A text part must pack into more blocks than it holds out (a shorter one repeats in training, but not
+    into nothing)."""
+    if len(blocks) <= held or not len(blocks):
+        share = f" (its share of data.eval_blocks={eval_blocks})" if held else ""
+        raise InputError(
+            f"data.train {part.name} packs into {len(blocks)} blocks of seq_len tokens, not more than the {held} "
+            f"held out for eval{share}: add text, lower seq_len or data.eval_blocks, or give data.eval"
+        )
 
 
 def take(blocks: torch.Tensor, count: int, seed: int) -> torch.Tensor:
