@@ -323,6 +323,8 @@ def _training_data(stage: dict, recipe: dict) -> str:
             f"samples: {sampling['greedy_tokens']} greedy tokens, temperature {sampling['temperature']:g}, "
             f"top-p {sampling['top_p']:g}, on {sampling['device']}"
         )
+        if sampling.get("chat_turn_header"):
+            words[-1] += f"; {sampling['chat_share']:.0%} of the sequences open with the chat template's user turn"
     return "; ".join(words)
 
 
@@ -394,6 +396,9 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
         # convert records the command its plan made (prepare.ConversionPlan.command); older records get one
         # rebuilt from their fields.
         lines.append(conversion.get("command") or _legacy_command(conversion))
+        if _convert_yaml(conversion):  # the same options as a file: an alternative, so a comment (not run twice)
+            words = ["mha2gqa", "convert", "--config", "convert.yaml", str(conversion["config"]["source"]), "OUT"]
+            lines.append(f"# or, with convert.yaml (below, and beside the converted model): {shlex.join(words)}")
     if any(s["stage"] == "uptrain" for s in after):
         lines += [
             "# the resolved recipe is below; save it as recipe.yaml (set model: and output_dir:)",
@@ -402,18 +407,22 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
     lines += [f"mha2gqa eval {name} --data HELD_OUT_TEXT --out {name}/eval.json  # the card then lists it", "```", ""]
     for s in after:
         if s["stage"] == "uptrain" and s.get("recipe"):
-            lines += [
-                "<details><summary>recipe.yaml</summary>",
-                "",
-                "```yaml",
-                yaml.safe_dump(s["recipe"], sort_keys=False).strip(),
-                "```",
-                "",
-                "</details>",
-                "",
-            ]
+            lines += _yaml_details("recipe.yaml", s["recipe"])
+    if _convert_yaml(conversion):
+        lines += _yaml_details("convert.yaml", conversion["config"])
     lines += [f"Everything above is read from [{provenance.FILE_NAME}]({provenance.FILE_NAME}), the full record.", ""]
     return lines
+
+
+def _convert_yaml(conversion) -> bool:
+    """The record holds convert.yaml's mapping (conversions since the file was written beside them)."""
+    return bool(conversion) and isinstance(conversion.get("config"), dict) and "source" in conversion["config"]
+
+
+def _yaml_details(name: str, mapping: dict) -> list[str]:
+    """A file's YAML, folded away under its name."""
+    body = yaml.safe_dump(mapping, sort_keys=False).strip()
+    return [f"<details><summary>{name}</summary>", "", "```yaml", body, "```", "", "</details>", ""]
 
 
 def _legacy_command(conversion: dict) -> str:

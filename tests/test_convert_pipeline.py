@@ -125,8 +125,9 @@ def _card_command(model_dir: Path) -> list[str]:
 
 
 def _checkpoint_files(model_dir: Path) -> dict[str, bytes]:
-    """Everything but the record and the card (they name dates, folders and the command itself)."""
-    return {p.name: p.read_bytes() for p in sorted(model_dir.iterdir()) if p.name not in ("mha2gqa.json", "README.md")}
+    """Everything but the record, the card and convert.yaml (they name dates, folders and the options themselves)."""
+    made = ("mha2gqa.json", "README.md", "convert.yaml")
+    return {p.name: p.read_bytes() for p in sorted(model_dir.iterdir()) if p.name not in made}
 
 
 # One conversion per flag of the table that changes the output, with that flag's field at a value other than
@@ -148,7 +149,6 @@ NON_DEFAULT = {  # flag: (convert keywords, RefineOptions keywords or None)
     "--refine-lr": (REFINE, dict(lr=3e-3)),
     "--refine-memory": (REFINE, dict(memory=1)),
     "--refine-tokens": (REFINE, dict(tokens=384)),
-    "--refine-mlp": (REFINE, dict(mlp_output=True)),
     "--refine-global-steps": (REFINE, dict(global_steps=3)),
     "--refine-global-lr": (REFINE, dict(global_steps=3, global_lr=1e-3)),
     "--refine-batch-blocks": (REFINE, dict(batch_blocks=3)),

@@ -21,7 +21,7 @@ from mha2gqa.sweep.options import SweepOptions
 # --refine-* options set RefineOptions fields (ConvertOptions.refine): the flag table says which
 REFINE_FIELDS = {flag.key: flag.name for flag in CONVERT_FLAGS if flag.owner is RefineOptions}
 FOLLOWS = {flag.key: flag.default_from for flag in CONVERT_FLAGS if flag.default_from}  # unset: another flag's value
-NOT_FIELDS = {"convert": {"quiet", *REFINE_FIELDS}, "eval": {"quiet", "force"}}
+NOT_FIELDS = {"convert": {"quiet", "config", *REFINE_FIELDS}, "eval": {"quiet", "force"}}  # --config: the flags' file
 # options that pick one of several: their help lists each choice after the field's docstring
 CHOICES = {"method": METHOD_SUMMARIES, "grouping": choice_docs(Grouping), "speed_preset": choice_docs(SpeedPreset)}
 
@@ -44,7 +44,8 @@ def test_every_convert_and_refine_field_has_one_flag_in_the_table():
     table = [(flag.owner, flag.name) for flag in CONVERT_FLAGS]
     assert len(table) == len(set(table))
     assert set(table) == {(cls, f.name) for cls in (ConvertOptions, RefineOptions) for f in fields(cls)}
-    assert [p.name for p in convert.params if isinstance(p, click.Option)] == [f.key for f in CONVERT_FLAGS]
+    flags = [p.name for p in convert.params if isinstance(p, click.Option) and p.name != "config"]
+    assert flags == [f.key for f in CONVERT_FLAGS]
 
 
 def test_refine_options_help_is_the_refine_fields_docstring():
@@ -115,6 +116,9 @@ def test_each_options_default_is_its_fields_default(command, cls):
             owner, name = cls, option.name
         elif option.name == "force" and cls is EvalOptions:  # eval's CLI rule, not an option of evaluate()
             assert default is False
+            continue
+        elif option.name == "config" and command is convert:  # a file of the other options, not an option itself
+            assert not option.expose_value
             continue
         else:
             assert option.name == "quiet", option.opts[0]  # sets progress, inverted

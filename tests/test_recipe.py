@@ -201,3 +201,13 @@ def test_bench_recipes_are_valid_and_named_by_their_bench():
         assert load_recipe(folder / name, overrides, check_files=False).output_dir
     init = load_recipe(folder / "austen-small-pretrain.yaml", [], check_files=False).init_from_config
     assert (ROOT / init).is_file()
+
+
+def test_the_exclusive_groups_are_declared_on_their_keys():
+    """budget's three units and the model's two sources are each a one_of group: the checks (and the budget's
+    message, in the keys' order) read the groups from the schema instead of a list of their own."""
+    from mha2gqa.uptrain.recipe import BudgetConfig, group_keys
+
+    assert group_keys(BudgetConfig, "budget") == ("max_steps", "tokens", "alpha")
+    assert group_keys(Recipe, "source") == ("model", "init_from_config")
+    assert group_keys(Recipe, "budget") == () and BudgetConfig().max_steps is None

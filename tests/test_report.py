@@ -182,6 +182,24 @@ def test_report_cli(three, tmp_path):
     assert not (tmp_path / "rep2").exists()
 
 
+def test_report_into_an_earlier_report_needs_force(three, tmp_path):
+    """A second report into the same --out is refused in one line and changes nothing; --force replaces it."""
+    out = tmp_path / "rep"
+    runner = CliRunner()
+    assert runner.invoke(main, ["report", *map(str, three), "--out", str(out)]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    again = runner.invoke(main, ["report", *map(str, three), "--out", str(out), "--baseline", "gqa2"])
+    assert again.exit_code == 2, again.output
+    assert again.output.strip().splitlines() == [
+        f"Error: --out {out} holds an earlier report (quality_vs_kv.png, report.html, report.json, report.md, "
+        "speed_vs_batch.png): pass --force to replace it, or choose another --out"
+    ]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    forced = runner.invoke(main, ["report", *map(str, three), "--out", str(out), "--baseline", "gqa2", "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert json.loads((out / "report.json").read_text())["baseline"] == "gqa2"
+
+
 def write_results(tmp_path, results):
     paths = []
     for r in results:

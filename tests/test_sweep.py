@@ -306,3 +306,24 @@ def test_a_real_sigint_during_the_second_candidate_keeps_the_first(tiny, tmp_pat
     record = json.loads((out / "sweep.json").read_text())
     assert record["interrupted"] is True and [r["name"] for r in record["candidates"]] == ["kv2-mean"]
     assert not list(out.glob(".sweep-*")) and not list(out.glob("**/*.safetensors"))
+
+
+@pytest.mark.parametrize("mlp_output", [False, True])
+def test_resume_reads_a_sweep_json_written_while_refine_had_mlp_output(tiny, tmp_path, mlp_output):
+    """sweep.json files from before --refine-mlp went to bench/ record "mlp_output" in their refine settings:
+    false (what every sweep ran) changed nothing, so --resume continues them; true would be other settings."""
+    from mha2gqa.errors import InputError
+    from mha2gqa.layouts import read_config
+
+    src, out = tiny / "src", tmp_path / "out"
+    options = SweepOptions(out=str(out), refine=RefineOptions(), calibration=str(tiny / "cal.txt"), progress=False)
+    record = sweep_run._record(src, src, read_config(src), options, [])
+    earlier = json.loads(json.dumps(record))
+    earlier["settings"]["refine"]["mlp_output"] = mlp_output
+    out.mkdir()
+    (out / "sweep.json").write_text(json.dumps(earlier))
+    if mlp_output:
+        with pytest.raises(InputError, match="--resume: --refine differs from the sweep"):
+            sweep_run._earlier(out, record)
+    else:
+        assert sweep_run._earlier(out, record)["settings"]["refine"]["mlp_output"] is False

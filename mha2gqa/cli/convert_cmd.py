@@ -6,6 +6,7 @@ import json
 from enum import Enum
 
 import click
+from click.core import ParameterSource
 
 from mha2gqa.cli.fields import field_option
 from mha2gqa.cli.format import human_count, table
@@ -17,10 +18,12 @@ from mha2gqa.units import format_bytes, format_size
 def _flag_option(flag: Flag):
     """The click option of one CONVERT_FLAGS entry: its default and help are its field's."""
     decls = [d for d in (flag.short, flag.key) if d]
+    # Every switch has its --no-X too: it turns off a switch that a --config file turned on.
+    name = f"{flag.flag}/--no-{flag.flag[2:]}" if flag.switch else flag.flag
     if flag.field == "refine":
-        return click.option(flag.flag, is_flag=True, help=option_help(ConvertOptions, "refine"))
+        return click.option(name, flag.key, is_flag=True, help=option_help(ConvertOptions, "refine"))
     if flag.help:
-        return click.option(flag.flag, *decls, is_flag=flag.switch, help=flag.help)
+        return click.option(name, *decls, is_flag=flag.switch, default=False, help=flag.help)
     default, kwargs = flag.default, {}
     if isinstance(default, Enum):
         kwargs["type"] = click.Choice([member.value for member in type(default)])
@@ -31,7 +34,6 @@ def _flag_option(flag: Flag):
         kwargs["as_text"] = format_size
     if flag.default_from:
         kwargs.update(default=None, show_default=f"--{flag.default_from}")
-    name = f"{flag.flag}/--no-{flag.flag[2:]}" if flag.switch and default else flag.flag  # on by default: --no-X
     return field_option(
         flag.owner,
         name,
@@ -51,9 +53,50 @@ def _convert_flags(command):
     return command
 
 
-@click.command(short_help="Convert SRC to grouped-query attention with GROUPS kv heads, written to DST.")
-@click.argument("src")
-@click.argument("dst")
+_CONFIG = "convert_config"  # ctx.meta key of the --config file read
+
+
+def _read_config(ctx, param, value):
+    """--config FILE (eager, so before any other option): its values become the flags' defaults, which click
+    converts and checks as it does the flags' own words, and which a flag on the command line overrides."""
+    if value is None:
+        return
+    from mha2gqa.convert.config_file import read_config
+
+    config = read_config(value)
+    ctx.default_map = {**(ctx.default_map or {}), **config.defaults}
+    ctx.meta[_CONFIG] = config
+
+
+class _ConvertCommand(click.Command):
+    """A value from --config that click refuses is refused with the flag's message, and the file's key named."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.BadParameter as err:
+            config, param = ctx.meta.get(_CONFIG), err.param
+            if config and param is not None and ctx.get_parameter_source(param.name) is ParameterSource.DEFAULT_MAP:
+                err.message = f"{err.message.rstrip('.')} ({param.name}: in --config {config.path})"
+            raise
+
+
+@click.command(
+    cls=_ConvertCommand, short_help="Convert SRC to grouped-query attention with GROUPS kv heads, written to DST."
+)
+@click.argument("src", required=False)
+@click.argument("dst", required=False)
+@click.option(
+    "--config",
+    metavar="FILE",
+    is_eager=True,
+    expose_value=False,
+    callback=_read_config,
+    help="A YAML file of these options, keyed by the flags' names with underscores (groups: 8, refine_steps: 40, "
+    "calibration: [parent:0.5, austen:0.5]), plus source: and destination: for SRC and DST. A flag, SRC or DST "
+    "given on the command line overrides the file's; one path alone is DST when the file names the source. "
+    "Every conversion writes one, DST/convert.yaml, that makes it again.",
+)
 @_convert_flags
 def convert(src, dst, **flags):
     """Convert the checkpoint SRC (a local directory with config.json and safetensors, or a hub id when
@@ -61,13 +104,16 @@ def convert(src, dst, **flags):
 
     Tensors are streamed one at a time (memory stays flat), DST is built beside itself and renamed at
     the end (an interrupted run leaves no DST), and SRC is never modified. DST loads with plain
-    AutoModelForCausalLM.from_pretrained; mha2gqa.json in DST records how it was made.
+    AutoModelForCausalLM.from_pretrained; mha2gqa.json in DST records how it was made, and DST/convert.yaml
+    makes it again: mha2gqa convert --config DST/convert.yaml OUT.
 
     Example: mha2gqa convert ./llama-2-7b ./llama-2-7b-gqa8 --groups 8
     """
     from mha2gqa import threads
+    from mha2gqa.convert.config_file import paths
     from mha2gqa.convert.run import convert as run_convert
 
+    src, dst = paths(src, dst, click.get_current_context().meta.get(_CONFIG))
     options = options_from_flags(flags)
     threads.apply(threads.for_model(src))  # before torch starts: one thread for a small model on a busy machine
     result = run_convert(src, dst, options=options)
@@ -101,13 +147,9 @@ def layer_table(layers: list[dict]) -> str:
 
 
 def refine_table(record: dict) -> str:
-    """Per-layer relative attention-output error before/after --refine, on fit and held-out tokens, and the
-    block stage's per-token relative layer-output error on the held-out tokens where it ran."""
+    """Per-layer relative attention-output error before/after --refine, on fit and held-out tokens."""
     keys = ["fit_error_before", "fit_error_after", "heldout_error_before", "heldout_error_after"]
     headers = ["layer", "fit before", "fit after", "held-out before", "held-out after"]
-    if any("output_heldout_error_after" in row for row in record["layers"]):
-        keys += ["output_heldout_error_before", "output_heldout_error_after"]
-        headers += ["layer output, held-out before", "after"]
     rows = [
         [str(row["layer"])] + [f"{row[key]:.4f}" if key in row else "-" for key in keys] for row in record["layers"]
     ]

@@ -170,7 +170,8 @@ def summary(result: dict) -> str:
     help="Compute a speed-up from speeds timed in separate eval runs too (with a warning): by default only "
     "speeds timed side by side (eval --speed-side-by-side) give one.",
 )
-def report_command(results, out, baseline, metrics, speedup_apart):
+@click.option("--force", is_flag=True, help="Replace an earlier report in --out.")
+def report_command(results, out, baseline, metrics, speedup_apart, force):
     """Compare RESULTS (JSON files written by `mha2gqa eval`) side by side: perplexity and its change vs the
     baseline, recovery of uptrained models, KL and top-1 agreement, KV bytes per token and saving, decode
     tokens/s and speed-up; plots of quality vs KV size, tokens/s vs batch, and the training curve.
@@ -180,7 +181,7 @@ def report_command(results, out, baseline, metrics, speedup_apart):
     from mha2gqa.eval.report import write_report
 
     written = write_report(
-        list(results), out, baseline=baseline, metrics=list(metrics) or None, speedup_apart=speedup_apart
+        list(results), out, baseline=baseline, metrics=list(metrics) or None, speedup_apart=speedup_apart, force=force
     )
     for name, path in written.items():
         click.echo(f"wrote {path} ({name})")

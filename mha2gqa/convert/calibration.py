@@ -206,7 +206,13 @@ def read_ids(source: Path, calibration: CalibrationInput, parent, seed: int, pro
     ids = per_part[0] if len(per_part) == 1 else interleave_blocks(per_part, calibration.seq_len)
     record = {"data": calibration.spec, "tokens_requested": calibration.tokens, "parts": parts}
     if any(part.sampled for part in calibration.parts):
-        record["sampling"] = {**sampling.DEFAULT_RECIPE.record(), "seed": seed, "device": str(_device(parent))}
+        header = sampling.chat_turn_header(tokenizer, calibration.seq_len)
+        record["sampling"] = {
+            **sampling.DEFAULT_RECIPE.record(),
+            "chat_turn_header": None if header is None else tokenizer.decode(header),
+            "seed": seed,
+            "device": str(_device(parent)),
+        }
     return ids, record
 
 

@@ -103,10 +103,6 @@ class RefineOptions:
     """Calibration sequences per Adam step."""
     solve_output: bool = True
     """Finish each layer's attention with the closed-form least-squares o_proj."""
-    mlp_output: bool = False
-    """Then solve each layer's MLP output projection (down_proj) by least squares against the parent's layer
-    output, per-token relative errors (the block stage; skipped where the MLP output is not simply added
-    to the residual stream). Off by default: it lost on held-out text on a real model (docs/refine.md)."""
     seed: int = 0
     """Seeds the mini-batch order and the held-out split (on the command line: --seed, unless --refine-seed is
     given)."""
@@ -132,6 +128,18 @@ class RefineOptions:
             raise InputError(f"--refine-tokens {self.tokens} must be positive (e.g. 32768)")
         if not _is_int(self.batch_blocks) or self.batch_blocks < 1:
             raise InputError(f"--refine-batch-blocks {self.batch_blocks} must be at least 1 (e.g. 4)")
+
+
+# Fields RefineOptions once had, each with the value at which it changed nothing: a record of then (mha2gqa.json,
+# a sweep.json's settings) holding it at that value means the same settings as one without it. --refine-mlp's
+# block stage went to bench/ (issue 27: it lost on held-out text on a real model).
+RETIRED_REFINE_FIELDS = {"mlp_output": False}
+
+
+def current_refine_fields(recorded: dict) -> dict:
+    """A recorded RefineOptions dict less each retired field at its no-op value; one at another value is
+    kept, so that the record still reads as other settings than any RefineOptions of now."""
+    return {k: v for k, v in recorded.items() if k not in RETIRED_REFINE_FIELDS or v != RETIRED_REFINE_FIELDS[k]}
 
 
 def _is_int(value) -> bool:
@@ -210,7 +218,7 @@ class Flag:
     """One `mha2gqa convert` flag and the options field it sets. CONVERT_FLAGS is the one table: the click
     options (cli/convert_cmd.py), the options built from a command line (options_from_flags) and the command
     line that makes a conversion again (flag_words, the model card's Reproduce line) are all read from it,
-    so a new option is one entry here plus its field."""
+    so a new option is one entry here plus its field (a RefineOptions field gets its --refine- flag by itself)."""
 
     flag: str
     # A ConvertOptions field; "refine.X" for RefineOptions.X (set only with --refine). Unset: the flag's
@@ -258,6 +266,12 @@ class Flag:
         return self.field == "refine" or isinstance(self.default, bool)
 
 
+def _refine_flags(**extras: dict) -> tuple[Flag, ...]:
+    """--refine-X for every RefineOptions field X, in the fields' order, so that a new refine setting is its field
+    (with `extras`, the Flag settings a field needs besides its name)."""
+    return tuple(Flag("--refine-" + f.name.replace("_", "-"), **extras.get(f.name, {})) for f in fields(RefineOptions))
+
+
 CONVERT_FLAGS: tuple[Flag, ...] = (
     Flag("--groups", short="-g", type=int, required=True),
     Flag("--method"),
@@ -272,16 +286,7 @@ CONVERT_FLAGS: tuple[Flag, ...] = (
     Flag("--calibration-memory", size=True),
     Flag("--grouping"),
     Flag("--refine"),
-    Flag("--refine-steps"),
-    Flag("--refine-lr"),
-    Flag("--refine-memory", size=True),
-    Flag("--refine-tokens", type=int),
-    Flag("--refine-mlp", "refine.mlp_output"),
-    Flag("--refine-global-steps"),
-    Flag("--refine-global-lr"),
-    Flag("--refine-batch-blocks"),
-    Flag("--refine-solve-output"),
-    Flag("--refine-seed", type=int, default_from="seed"),
+    *_refine_flags(memory=dict(size=True), tokens=dict(type=int), seed=dict(type=int, default_from="seed")),
 )
 
 
@@ -308,12 +313,18 @@ def options_from_flags(values: dict) -> ConvertOptions:
 def flag_words(options: ConvertOptions) -> list[str]:
     """The flags that make `options` again: every flag that changes the output and is not at its default
     (--groups and --method always), in the table's order."""
-    words = []
+    return [word for flag, value in changed_flags(options) for word in _written(flag, value)]
+
+
+def changed_flags(options: ConvertOptions) -> list[tuple[Flag, object]]:
+    """(flag, value) of every flag that changes the output and is not at its default (--groups and --method
+    always), in the table's order: the command line (flag_words) and convert.yaml (config_file) both write these."""
+    changed = []
     for flag in CONVERT_FLAGS:
         if not flag.changes_output:
             continue
         if flag.field == "refine":
-            words += ["--refine"] if options.refine is not None else []
+            changed += [(flag, True)] if options.refine is not None else []
             continue
         holder = options if flag.owner is ConvertOptions else options.refine
         if holder is None:
@@ -322,8 +333,8 @@ def flag_words(options: ConvertOptions) -> list[str]:
         default = getattr(options, flag.default_from) if flag.default_from else flag.default
         if not flag.required and flag.flag != "--method" and _same(flag, value, default):
             continue
-        words += _written(flag, value)
-    return words
+        changed.append((flag, value))
+    return changed
 
 
 def _same(flag: Flag, value, default) -> bool:

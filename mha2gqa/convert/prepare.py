@@ -18,7 +18,7 @@ from pathlib import Path
 from mha2gqa import provenance
 from mha2gqa.card import about_the_source, hub_id
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
-from mha2gqa.convert import fast, sampling
+from mha2gqa.convert import config_file, fast, sampling
 from mha2gqa.convert.inputs import (  # noqa: F401 (block_length re-exported)
     CALIBRATION_BATCH,
     CalibrationInput,
@@ -54,7 +54,7 @@ from mha2gqa.reading import check_regular, inside
 from mha2gqa.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir
 from mha2gqa.units import format_bytes, parse_size  # noqa: F401 (parse_size re-exported)
 
-NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME}  # written anew, not copied from SRC
+NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME, config_file.CONFIG_NAME}  # written anew, not copied
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 REFINE_BUFFERS = 4  # (tokens, hidden) float32 buffers refine holds for one layer (refine.BUFFERS)
 # Resident memory of the process before any tensor (measured with /usr/bin/time -v on the 2-core
@@ -106,8 +106,17 @@ class ConversionPlan:
     def command(self) -> str:
         """The `mha2gqa convert` command line that makes this conversion again (byte for byte), with OUT
         for the destination: the model card's Reproduce line. Every flag that changes the output comes from
-        the one flag table (options.CONVERT_FLAGS); calibration is left out where no stage that shapes the
-        weights reads it (the per-layer errors of a plain merge are a report, not the checkpoint)."""
+        the one flag table (options.CONVERT_FLAGS)."""
+        return shlex.join(["mha2gqa", "convert", self.source_spec, "OUT", *flag_words(self.reproduced())])
+
+    def config_values(self) -> dict:
+        """The same source and options as command(), as DST/convert.yaml's mapping (config_file.render writes it)."""
+        return {"source": self.source_spec, **config_file.values(self.reproduced())}
+
+    def reproduced(self) -> ConvertOptions:
+        """The options that make this conversion again: the calibration as resolved (or the data and tokens of
+        a sweep's statistics), left out where no stage that shapes the weights reads it (the per-layer errors
+        of a plain merge are a report, not the checkpoint)."""
         o, calibration = self.options, self.calibration
         if calibration is not None:
             o = replace(o, calibration=calibration.spec, calibration_tokens=calibration.tokens)
@@ -115,7 +124,7 @@ class ConversionPlan:
             o = replace(o, calibration=self.stats.record.get("data"), calibration_tokens=self.stats.tokens)
         if o.calibration is not None and not o.calibration_shapes_weights:
             o = replace(o, calibration=None, calibration_tokens=None)
-        return shlex.join(["mha2gqa", "convert", self.source_spec, "OUT", *flag_words(o)])
+        return o
 
     def describe(self) -> list[str]:
         """The stages and estimates, one line each, for --dry-run."""

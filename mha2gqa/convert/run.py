@@ -19,7 +19,7 @@ from pathlib import Path
 from mha2gqa import provenance
 from mha2gqa.card import write_card
 from mha2gqa.checkpoint import ShardedWriter, atomic_directory, check_destination
-from mha2gqa.convert import fast
+from mha2gqa.convert import config_file, fast
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, ConvertOptions, Grouping  # noqa: F401 (re-exported)
 from mha2gqa.convert.plan import Plan
 from mha2gqa.convert.prepare import NOT_COPIED, OUT_DTYPES, ConversionPlan, parse_size, prepare  # noqa: F401
@@ -28,6 +28,7 @@ from mha2gqa.errors import InputError, import_torch
 from mha2gqa.layouts import converted_config
 from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, resolve, short_read
+from mha2gqa.writing import write_atomic
 
 
 @dataclass
@@ -72,8 +73,10 @@ def convert(
     return execute(plan, dst)
 
 
-def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
-    """Run the stages of `plan` into a new `dst`: calibrate -> merge -> refine -> write -> metadata."""
+def execute(plan: ConversionPlan, dst: Path, layer_stage=None) -> ConversionResult:
+    """Run the stages of `plan` into a new `dst`: calibrate -> merge -> refine -> write -> metadata.
+    `layer_stage`: refine's hook after each layer's attention fit (refine.LayerStage), for experiments in bench/;
+    what it changes is not in the plan's command, so the card cannot make it again."""
     options, source = plan.options, plan.source
     dst = Path(dst).expanduser()
     _check_destination(source, dst, options.force)
@@ -89,7 +92,7 @@ def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
         if plan.torch_reason is None:
             fast.write_tensors(plan.checkpoint, plan.tensors, tmp, plan.shard_bytes, options.progress)
         else:
-            layers, refined, stats = _run_torch(plan, tmp, Path(scratch))
+            layers, refined, stats = _run_torch(plan, tmp, Path(scratch), layer_stage)
         _copy_files(plan.copied, source, tmp)
         _write_config(plan.config, options.groups, options.dtype, tmp)
         extra = {
@@ -98,13 +101,15 @@ def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
             "layers": layers,
             "refine": refined,
             "command": plan.command(),
+            "config": plan.config_values(),  # DST/convert.yaml's mapping; the card shows it
         }
+        write_atomic(tmp / config_file.CONFIG_NAME, config_file.render(extra["config"]))
         _write_provenance(source, plan.config, plan.tensors, options.seed, options.dtype, tmp, extra)
         write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
     return ConversionResult(plan.tensors, dst, source, layers, refined, plan)
 
 
-def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
+def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, layer_stage=None):
     """The torch stages: the calibration ids read once, the parent loaded once (for the statistics and for
     refine), the merge, refine, and the one writer pass. Returns (per-layer merge report, refine record,
     statistics)."""
@@ -150,6 +155,7 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
         out_dtype=options.dtype,
         spill_dir=out_dir,
         progress=options.progress,
+        layer_stage=layer_stage,
     )
     del parent, merged
     _write_tensors(plan, out_dir, stats, computed=refined)

@@ -2,11 +2,17 @@
 
 A compressed model keeps what its calibration text exercises; text the parent writes is drawn from the
 parent's own distribution, so it exercises what the parent knows, in proportion, with no data of the
-user's (self-calibration, NAACL 2025; LLM-QAT, 2023, for the recipe). The recipe (SamplingRecipe):
-each sequence starts from a token drawn uniformly from the vocabulary (special tokens left out), the next
-few are greedy (a random start is often no word; the greedy tokens settle it into text), then tokens are
-sampled at temperature 1 with nucleus top-p, the parent's own distribution without its far tail.
-Sequences are as long as the calibration blocks, batched, with the KV cache.
+user's (self-calibration, NAACL 2025; LLM-QAT, 2023, for the recipe). The recipe (SamplingRecipe) has
+two kinds of sequence, interleaved in proportion:
+- a chat turn (`chat_share` of them, when the tokenizer has a chat template): the sequence opens with the
+  template's header of a user turn and the model writes the request itself, then its own answer (Magpie,
+  2024). An instruct model asked nothing writes requests of every kind, code among them, where a random
+  start almost always settles into essay-like English (measured on SmolLM2, docs/calibration.md);
+- a random start (the rest, or all without a template): a token drawn uniformly from the vocabulary
+  (special tokens left out), the next few greedy (a random start is often no word; the greedy tokens
+  settle it into text).
+Then tokens are sampled at temperature 1 with nucleus top-p, the parent's own distribution without its
+far tail. Sequences are as long as the calibration blocks, batched, with the KV cache.
 
 Deterministic: one torch.Generator on the CPU seeded by --seed draws every random number, from logits
 moved to the CPU in float32; on CPU the same seed gives the same ids (tests check the sha256). A GPU's
@@ -31,11 +37,15 @@ class SamplingRecipe:
     """Nucleus sampling: draw from the smallest set of tokens holding this much probability."""
     batch: int = 16
     """Sequences generated at once."""
+    chat_share: float = 0.5
+    """Share of the sequences that open with the chat template's user-turn header (the model writes the
+    request and the answer); 0, or a tokenizer without a chat template: every sequence starts at random."""
 
     def describe(self) -> str:
         return (
             f"a random first token, {self.greedy_tokens} greedy, then sampled at temperature {self.temperature:g}, "
-            f"top-p {self.top_p:g}"
+            f"top-p {self.top_p:g}; {self.chat_share:.0%} of the sequences open with the chat template's user turn "
+            "instead, where the tokenizer has one"
         )
 
     def record(self) -> dict:
@@ -69,41 +79,73 @@ def first_token_pool(tokenizer, vocab_size: int):
     return torch.tensor([i for i in range(known) if i not in special], dtype=torch.long)
 
 
+def chat_turn_header(tokenizer, seq_len: int):
+    """The ids (P,) that open a user's turn in the tokenizer's chat template (a default system prompt
+    included, as the model was tuned with), or None: no template, one that cannot render a lone user
+    message, or a header longer than a quarter of the sequence."""
+    import torch
+
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "\u2063MHA2GQA-REQUEST\u2063"  # a string no template writes by itself
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    except Exception:  # jinja's TemplateError, a template that raises on its own rules: no chat turns
+        return None
+    if not isinstance(text, str) or marker not in text:
+        return None
+    ids = tokenizer(text.split(marker)[0], add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long) if 0 < len(ids) <= seq_len // 4 else None
+
+
 def sample_ids(model, tokenizer, tokens: int, seq_len: int, seed: int, recipe=DEFAULT_RECIPE, progress=True):
-    """`tokens` ids (N,) sampled from `model` (a loaded causal LM), in sequences of `seq_len`."""
+    """`tokens` ids (N,) sampled from `model` (a loaded causal LM), in sequences of `seq_len`: random starts
+    first, then chat turns, all from one generator, their sequences interleaved in proportion."""
     import torch
     from tqdm.auto import tqdm
 
+    from mha2gqa.convert.calibration import interleave_blocks
+
     generator = torch.Generator().manual_seed(seed)
     pool = first_token_pool(tokenizer, model.config.vocab_size)
+    header = chat_turn_header(tokenizer, seq_len) if recipe.chat_share > 0 else None
     sequences = -(-tokens // seq_len)
+    chat = 0 if header is None else round(sequences * recipe.chat_share)
     device = next(model.parameters()).device
-    out = []
+    random_starts, chat_turns = [], []
     with tqdm(total=sequences * seq_len, desc="sample", unit="tok", unit_scale=True, disable=not progress) as bar:
-        for start in range(0, sequences, recipe.batch):
-            batch = min(recipe.batch, sequences - start)
-            first = pool[torch.randint(len(pool), (batch,), generator=generator)]
-            out.append(_sample_batch(model, first, seq_len, recipe, generator, device, bar))
-    return torch.cat(out).reshape(-1)[:tokens]
+        for start in range(0, sequences - chat, recipe.batch):
+            batch = min(recipe.batch, sequences - chat - start)
+            first = pool[torch.randint(len(pool), (batch, 1), generator=generator)]
+            random_starts.append(
+                _sample_batch(model, first, seq_len, recipe.greedy_tokens, recipe, generator, device, bar)
+            )
+        for start in range(0, chat, recipe.batch):
+            opening = header.expand(min(recipe.batch, chat - start), -1)
+            chat_turns.append(_sample_batch(model, opening, seq_len, 0, recipe, generator, device, bar))
+    parts = [torch.cat(kind).reshape(-1) for kind in (random_starts, chat_turns) if kind]
+    return interleave_blocks(parts, seq_len)[:tokens]
 
 
-def _sample_batch(model, first, seq_len: int, recipe: SamplingRecipe, generator, device, bar):
-    """(B,) first tokens -> (B, seq_len) sequences, one forward a token through the KV cache."""
+def _sample_batch(model, opening, seq_len: int, greedy: int, recipe: SamplingRecipe, generator, device, bar):
+    """(B, P) opening ids -> (B, seq_len) sequences, one forward a token through the KV cache; the first
+    `greedy` tokens after the opening are the likeliest, the rest drawn."""
     import torch
 
-    ids = [first]
-    cache, step_input = None, first[:, None].to(device)
-    bar.update(len(first))
+    ids = [opening]
+    cache, step_input = None, opening.to(device)
+    bar.update(opening.numel())
     with torch.no_grad():
-        for position in range(1, seq_len):
+        for position in range(opening.shape[1], seq_len):
             output = model(step_input, cache=cache, use_cache=True, logits_to_keep=1)
             cache = output.cache
             logits = output.logits[:, -1].float().cpu()  # (B, V): drawn on the CPU, the same on every device
-            chosen = logits.argmax(-1) if position <= recipe.greedy_tokens else _draw(logits, recipe, generator)
-            ids.append(chosen)
+            greedy_here = position < opening.shape[1] + greedy
+            chosen = logits.argmax(-1) if greedy_here else _draw(logits, recipe, generator)
+            ids.append(chosen[:, None])
             step_input = chosen[:, None].to(device)
-            bar.update(len(first))
-    return torch.stack(ids, dim=1)
+            bar.update(len(chosen))
+    return torch.cat(ids, dim=1)
 
 
 def _draw(logits, recipe: SamplingRecipe, generator):

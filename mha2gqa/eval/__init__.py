@@ -19,8 +19,10 @@ def evaluate(model_path, *args, **kwargs) -> dict:
     return _evaluate(model_path, *args, **kwargs)
 
 
-def write_report(result_paths, out_dir, baseline=None, metrics=None, speedup_apart=False) -> dict:
+def write_report(result_paths, out_dir, baseline=None, metrics=None, speedup_apart=False, force=False) -> dict:
     """Write report.md, report.html and PNG plots; see `mha2gqa.eval.report.write_report`."""
     from mha2gqa.eval.report import write_report as _write_report
 
-    return _write_report(result_paths, out_dir, baseline=baseline, metrics=metrics, speedup_apart=speedup_apart)
+    return _write_report(
+        result_paths, out_dir, baseline=baseline, metrics=metrics, speedup_apart=speedup_apart, force=force
+    )

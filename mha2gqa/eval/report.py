@@ -26,16 +26,25 @@ def _unique_labels(results: list[dict]) -> None:
             r["label"] = f"{r['label']} ({seen[r['label']]})"
 
 
+REPORT_FILES = ("report.md", "report.html", "report.json", "quality_vs_kv.png", "speed_vs_batch.png")
+
+
 def write_report(
-    result_paths, out_dir, baseline: str | None = None, metrics=None, speedup_apart: bool = False
+    result_paths,
+    out_dir,
+    baseline: str | None = None,
+    metrics=None,
+    speedup_apart: bool = False,
+    force: bool = False,
 ) -> dict[str, Path]:
     """Compare the results in `result_paths` (files written by `mha2gqa eval`, or a `mha2gqa sweep` sweep.json:
-    its parent and every finished candidate).
+        its parent and every finished candidate).
 
-    baseline: a label or path among them (default: the first). metrics: an uptrain metrics.jsonl
-    (or a list of them) to plot as a training curve. speedup_apart: a speed-up also from speeds timed in
-    separate eval runs (warned in the notes); by default only from speeds timed side by side. Returns {name: path} of every file written:
-    markdown, html, json, and the plots quality_vs_kv, speed_vs_batch, training_curve* when drawn.
+        baseline: a label or path among them (default: the first). metrics: an uptrain metrics.jsonl
+        (or a list of them) to plot as a training curve. speedup_apart: a speed-up also from speeds timed in
+        separate eval runs (warned in the notes); by default only from speeds timed side by side. force: replace an
+    earlier report in `out_dir` (without it, one is refused, as convert and eval --out refuse). Returns {name: path} of every file written:
+        markdown, html, json, and the plots quality_vs_kv, speed_vs_batch, training_curve* when drawn.
     """
     paths = [str(p) for p in result_paths]
     if not paths:
@@ -43,6 +52,7 @@ def write_report(
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--out {out_dir} is a file: pass a directory for the report")
+    _check_no_earlier_report(out_dir, force)
     loaded = [(p, result) for p in paths for result in load_results(p)]  # a sweep.json holds many results
     paths, results = [p for p, _ in loaded], [r for _, r in loaded]
     base = pick_baseline(results, paths, baseline)
@@ -72,6 +82,19 @@ def write_report(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {name: out_dir / path.name for name, path in written.items()}
+
+
+def _check_no_earlier_report(out_dir: Path, force: bool) -> None:
+    """An earlier report's files in `out_dir` are replaced only with --force: a second report into the same
+    folder silently overwrote the first one's tables and plots."""
+    if force or not out_dir.is_dir():
+        return
+    found = sorted(p.name for p in out_dir.iterdir() if p.name in REPORT_FILES or p.match("training_curve*.png"))
+    if found:
+        raise InputError(
+            f"--out {out_dir} holds an earlier report ({', '.join(found)}): pass --force to replace it, "
+            "or choose another --out"
+        )
 
 
 def _write(out_dir: Path, rows, meta, results, paths, metric_paths) -> dict[str, Path]:

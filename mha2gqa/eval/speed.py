@@ -43,26 +43,27 @@ PRESETS = {
 
 
 def make_grid(preset: str, batches=None, contexts=None, new_tokens=None, repeats=None) -> SpeedGrid:
+    """The preset's grid with the values given in place of its own; None keeps the preset's. A value given
+    is never replaced by the preset's (0 repeats or an empty batch list is refused, not read as unset)."""
     if preset not in PRESETS:
         raise InputError(f"--speed {preset!r} is not a preset (use {', '.join(PRESETS)} or off)")
+    for flag, value in (("--new-tokens", new_tokens), ("--repeats", repeats)):
+        if value is not None and value < 1:  # eval's early checks (cli/early.py) say the same before torch
+            raise InputError(f"{flag} {value} must be at least 1")
     base = PRESETS[preset]
     grid = SpeedGrid(
-        batches=tuple(batches or base.batches),
-        contexts=tuple(contexts or base.contexts),
-        new_tokens=new_tokens or base.new_tokens,
-        repeats=repeats or base.repeats,
+        batches=tuple(base.batches if batches is None else batches),
+        contexts=tuple(base.contexts if contexts is None else contexts),
+        new_tokens=base.new_tokens if new_tokens is None else new_tokens,
+        repeats=base.repeats if repeats is None else repeats,
         warmup=base.warmup,
         seconds=base.seconds,
         max_repeats=max(base.max_repeats, repeats or 0),
     )
-    for flag, values in (
-        ("--speed-batches", grid.batches),
-        ("--speed-contexts", grid.contexts),
-        ("--new-tokens", (grid.new_tokens,)),
-        ("--repeats", (grid.repeats,)),
-    ):
+    for flag, values in (("--speed-batches", grid.batches), ("--speed-contexts", grid.contexts)):
         if not values or min(values) < 1:
-            raise InputError(f"{flag} {','.join(map(str, values))}: every value must be a positive integer")
+            shown = ",".join(map(str, values)) or "''"
+            raise InputError(f"{flag} {shown}: every value must be a positive integer")
     return grid
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from mha2gqa import estimates, provenance, textdata
-from mha2gqa.convert.options import ConvertOptions
+from mha2gqa.convert.options import ConvertOptions, current_refine_fields
 from mha2gqa.embedded import expand_corpus_name
 from mha2gqa.errors import InputError
 from mha2gqa.eval import schema
@@ -140,7 +140,10 @@ def _earlier(out: Path, record: dict) -> dict:
     if (found.get("source") or {}).get("config_sha256") != record["source"]["config_sha256"]:
         raise InputError(f"--resume: {path} swept another source (its config.json differs): pass the same SRC")
     for key in SAME_ON_RESUME:  # compared as JSON holds them (a tuple reads back as a list)
-        if found["settings"].get(key) != json.loads(json.dumps(record["settings"][key])):
+        recorded = found["settings"].get(key)
+        if key == "refine" and isinstance(recorded, dict):  # a sweep.json from before a refine field retired
+            recorded = current_refine_fields(recorded)
+        if recorded != json.loads(json.dumps(record["settings"][key])):
             flag = "--" + key.replace("_", "-")
             raise InputError(
                 f"--resume: {flag} differs from the sweep in {out} (it ran with {found['settings'].get(key)!r}): "

@@ -17,6 +17,17 @@ from typing import Literal
 from mha2gqa.docfields import field_docs
 
 
+def one_of(group: str):
+    """The default of a key in an exclusive group: unset, and a recipe sets exactly one key of each group.
+    The group is declared on its keys so that recipe_load's check and message follow them (group_keys)."""
+    return field(default=None, metadata={"one_of": group})
+
+
+def group_keys(cls, group: str) -> tuple[str, ...]:
+    """The keys of `cls` declared one_of(group), in their order."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("one_of") == group)
+
+
 @dataclass
 class DataConfig:
     train: list[str] = field(default_factory=list)
@@ -65,11 +76,11 @@ class OptimConfig:
 
 @dataclass
 class BudgetConfig:
-    max_steps: int | None = None
+    max_steps: int | None = one_of("budget")
     """Stop after this many optimizer steps. Set exactly one of max_steps, tokens, alpha."""
-    tokens: int | None = None
+    tokens: int | None = one_of("budget")
     """Stop after this many training tokens (rounded up to whole optimizer steps)."""
-    alpha: float | None = None
+    alpha: float | None = one_of("budget")
     """Train for alpha x pretrain_tokens tokens (the GQA paper uptrains with alpha = 0.05)."""
     pretrain_tokens: int | None = None
     """Tokens the source model was pretrained on; required with alpha."""
@@ -101,9 +112,9 @@ class LoraConfig:
 
 @dataclass
 class Recipe:
-    model: str | None = None
+    model: str | None = one_of("source")
     """Model to uptrain: local HF dir (e.g. a converted GQA model) or hub id. Unset with init_from_config."""
-    init_from_config: str | None = None
+    init_from_config: str | None = one_of("source")
     """Train from scratch: a config.json, a dir holding one, or a hub id. Excludes `model`."""
     tokenizer: str | None = None
     """Tokenizer dir or hub id; defaults to `model` (or the init_from_config dir)."""

@@ -26,7 +26,7 @@ from mha2gqa.layouts import read_config
 from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, parse_yaml, read_bytes
 from mha2gqa.sources import hub_offline, is_hub_id, looks_local, model_ref_problem
 from mha2gqa.uptrain.data_spec import check_rules, data_parts
-from mha2gqa.uptrain.recipe import LoraConfig, Recipe, all_keys
+from mha2gqa.uptrain.recipe import BudgetConfig, LoraConfig, Recipe, all_keys, group_keys
 
 
 def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
@@ -221,19 +221,19 @@ def _check_numbers(r: Recipe, p: list[str]) -> None:
 def _check_budget(r: Recipe, p: list[str], overridden: set[str] = frozenset()) -> None:
     """`overridden`: the keys given as key=value. Overriding one budget on a recipe that sets another
     leaves both set; the message then names the one to unset (budget.alpha=null)."""
-    b = r.budget
-    chosen = [k for k in ("max_steps", "tokens", "alpha") if getattr(b, k) is not None]
+    b, kinds = r.budget, group_keys(BudgetConfig, "budget")
+    chosen = [k for k in kinds if getattr(b, k) is not None]
+    one_of = "set exactly one of " + ", ".join(f"budget.{k}" for k in kinds)
     if len(chosen) > 1:
         from_recipe = [f"budget.{k}" for k in chosen if f"budget.{k}" not in overridden]
         unset = from_recipe if 0 < len(from_recipe) < len(chosen) else [f"budget.{k}" for k in chosen[1:]]
         p.append(
-            f"set exactly one of budget.max_steps, budget.tokens, budget.alpha (got "
-            f"{', '.join(f'budget.{k}' for k in chosen)}): unset the one(s) you do not want with "
+            f"{one_of} (got {', '.join(f'budget.{k}' for k in chosen)}): unset the one(s) you do not want with "
             f"{' '.join(f'{key}=null' for key in unset)}"
         )
     elif not chosen:
-        p.append("set exactly one of budget.max_steps, budget.tokens, budget.alpha (got none)")
-    for key in ("max_steps", "tokens", "alpha", "pretrain_tokens"):
+        p.append(f"{one_of} (got none)")
+    for key in (*kinds, "pretrain_tokens"):
         value = getattr(b, key)
         _need(p, value is None or value > 0, f"budget.{key}={value} must be positive")
     _need(
@@ -244,7 +244,7 @@ def _check_budget(r: Recipe, p: list[str], overridden: set[str] = frozenset()) -
 
 
 def _check_sources(r: Recipe, p: list[str], check_files: bool) -> None:
-    if (r.model is None) == (r.init_from_config is None):
+    if sum(getattr(r, key) is not None for key in group_keys(Recipe, "source")) != 1:
         p.append("set exactly one of model (to uptrain) and init_from_config (to train from scratch)")
     _need(p, bool(r.output_dir), "output_dir is required (where checkpoints and the final model go)")
     if r.output_dir and Path(r.output_dir).expanduser().is_file():

@@ -1,7 +1,7 @@
 """The attention fit of `--refine` (chosen by measurement, docs/refine.md): Adam on the normalised MSE
 ||attn(x) - t||^2 / mean ||t||^2 over seeded mini-batches of blocks, cosine-decayed learning rate, then a
 closed-form least-squares solve of o_proj given the rest. Also the one ridge solve and the one relative
-error that the block stage (block.py) uses as well."""
+error, public for a layer stage (refine.LayerStage) to use as well."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""The block stage of `--refine`: after a layer's attention is fitted, its MLP's output projection is
-solved against the parent's layer output, so the MLP absorbs what one shared K/V head cannot express
-and the drift that the layers below left in the residual stream.
+"""The block stage, a layer stage of `--refine` (mha2gqa.convert.refine.LayerStage) kept in bench/: after a
+layer's attention is fitted, its MLP's output projection is solved against the parent's layer output, so the
+MLP absorbs what one shared K/V head cannot express and the drift that the layers below left in the residual
+stream. It was `convert --refine-mlp` until issue 27: on SmolLM2 it made both held-out perplexities worse at
+1.8x the time (docs/refine-results.md), so no user was told to turn it on. refine_real.py's `block` setting
+runs it (refine_attention's layer_stage, through execute); tests/test_refine_real_bench.py tests it.
 
 Why the output projection and why least squares: when the MLP's output is added to the residual
 stream unchanged (every pre-norm layout), the layer output is affine in that Linear's weight given its
@@ -11,7 +14,7 @@ post-norms, a MoE's routed experts fail the probe, and those layers keep their M
 
 Why per-token weights: a real model's residual stream has massive activations (SmolLM2: norms 150x
 the median on the first token of a block from layer 11 on), so a plain squared error on it is
-mostly the first token's (86% of it at layer 11, docs/refine.md). Every reader of the residual stream
+mostly the first token's (86% of it at layer 11, docs/refine-results.md). Every reader of the residual stream
 (the next layer's norms, the final norm) divides by the token's own RMS, so each token's squared error is
 weighted by 1 / mean(t^2) of its target t: the relative error each token's reader sees.
 """
@@ -120,7 +123,7 @@ def weighted_errors(outputs: torch.Tensor, targets: torch.Tensor, weights: torch
 
 
 class BlockStage:
-    """One layer's block stage, as refine_attention runs it: built once the attention is fitted (it probes the
+    """One layer's block stage, a refine.LayerStage: built once the attention is fitted (it probes the
     layer), fed the layer's outputs by the pass that advances the converted states (add), then finish()
     solves, measures the per-token relative output error on the fit and held-out blocks before and after,
     and keeps the solve only if both fall. Buffers (buffers.ActivationBuffers): 'converted' holds the layer's
