@@ -295,12 +295,37 @@ def _uptrain_section(stages: list[dict], converted: bool) -> list[str]:
                 f"{s.get('steps')} steps, {s.get('tokens_seen', 0):,} tokens ({s.get('world_size')} process(es))",
             ),
             ("parameters trained", f"{trained}: {s.get('trainable_params', 0):,}"),
-            ("data", ", ".join(_data_name(d) for d in (r.get("data") or {}).get("train") or [])),
+            ("data", _training_data(s, r)),
             ("distillation", f"from {teacher} (KL weight {r['distill'].get('kl_weight')})" if teacher else "no"),
             ("final held-out perplexity", _final_ppl(s, r)),
         ]
         lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
     return lines
+
+
+def _training_data(stage: dict, recipe: dict) -> str:
+    """data.train as typed; a mix or the teacher's samples (uptrain/mixed_data.py) each part with its share
+    and tokens, the samples with their recipe, seeds and the ids' sha256 on each process."""
+    record = stage.get("data")
+    if not record:
+        return ", ".join(_data_name(d) for d in (recipe.get("data") or {}).get("train") or [])
+    words = []
+    for part in record["parts"]:
+        name = "text sampled from the teacher" if "seeds" in part else _data_name(part["name"])
+        words.append(f"{name} ({part['share']:.0%}), {part['tokens']:,} tokens")
+        if "seeds" in part:
+            hashes = ", ".join(f"`{sha[:16]}…`" for sha in part["ids_sha256"])
+            seeds = ", ".join(map(str, part["seeds"]))
+            words[-1] += f", seeds {seeds} (the recipe's seed + the process index), ids sha256 {hashes}"
+    sampling = record.get("sampling")
+    if sampling:
+        words.append(
+            f"samples: {sampling['greedy_tokens']} greedy tokens, temperature {sampling['temperature']:g}, "
+            f"top-p {sampling['top_p']:g}, on {sampling['device']}"
+        )
+        if sampling.get("chat_turn_header"):
+            words[-1] += f"; {sampling['chat_share']:.0%} of the sequences open with the chat template's user turn"
+    return "; ".join(words)
 
 
 def _final_ppl(stage: dict, recipe: dict) -> str:

@@ -47,7 +47,8 @@ def uptrain(recipe, resume, overrides):
 
     KEY=VALUE pairs after the options override recipe keys, dotted for sections:
     `optim.lr=1e-4 budget.max_steps=200 data.train=corpus.jsonl`. Unknown keys and bad values are
-    reported together. Writes output_dir/: resumable checkpoints (checkpoints/step-N, the last
+    reported together. `data.train=parent` (with distill.teacher) trains on sequences sampled from the
+    teacher, no data needed; `data.train=[parent:0.5,corpus.jsonl:0.5]` mixes (docs/uptrain.md). Writes output_dir/: resumable checkpoints (checkpoints/step-N, the last
     keep_last kept), metrics.jsonl, and at the end a plain HF checkpoint (safetensors, config,
     tokenizer) with mha2gqa.json provenance.
 

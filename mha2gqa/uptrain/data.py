@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from mha2gqa import textdata
 from mha2gqa.errors import InputError
+from mha2gqa.uptrain.data_spec import DataPart, data_parts, is_plain
 from mha2gqa.uptrain.recipe import DataConfig, Recipe
 
 # ---- packing ----
@@ -162,41 +163,23 @@ class TrainData:
     """(n_eval, seq_len) int32 held-out blocks, the same on every rank."""
     train_blocks: int | None
     """Training blocks in memory (None when streaming: unknown until read)."""
+    record: dict | None = None
+    """What the data was, for the run's record, when data.train is a mix or the teacher's samples
+    (mixed_data.py); None for one text (the recipe names it)."""
 
 
 def build_data(recipe: Recipe, tokenizer, rank: int, world_size: int, show_progress: bool) -> TrainData:
+    """The data of a recipe whose data.train is one text (data_spec.is_plain; mixed_data.py reads mixes and
+    the teacher's samples)."""
     cfg, seq_len = recipe.data, recipe.seq_len
-    eos_id = tokenizer.eos_token_id
-    if eos_id is None:
-        raise InputError("the tokenizer has no eos_token: packing needs one between documents (set tokenizer=...)")
-    train_src, eval_src = _sources(cfg)
-
-    def tokenized(source, streaming):
-        ds = textdata.load_documents(
-            source,
-            cfg.text_field,
-            field_key="data.text_field",
-            streaming=streaming,
-            sample_by=cfg.sample_by,
-            hub_config=cfg.name,
-            hub_split=cfg.split,
-        )
-        total = None if streaming else len(ds)
-        bar = tqdm(
-            textdata.dataset_texts(ds, cfg.text_field, source.key, "data.text_field"),
-            total=total,
-            desc="tokenizing",
-            unit="doc",
-            disable=streaming or not show_progress,
-        )
-        return ds, token_docs(bar, tokenizer)
-
-    eval_blocks = None
-    if eval_src is not None:
-        eval_blocks = pack_all(tokenized(eval_src, True)[1], eos_id, seq_len, limit=cfg.eval_blocks)
-        _need_blocks(eval_blocks, "data.eval")
+    eos_id = eos_of(tokenizer)
+    train_parts, eval_src = sources(cfg)
+    if not is_plain(train_parts):
+        raise ValueError("build_data reads one text: mixed_data.build reads mixes and the teacher's samples")
+    train_src = train_parts[0].text
+    eval_blocks = None if eval_src is None else eval_text_blocks(eval_src, cfg, tokenizer, seq_len)
     if cfg.streaming:
-        ds, docs = tokenized(train_src, True)
+        ds, docs = tokenized(train_src, cfg, tokenizer, True, show_progress)
         if eval_blocks is None:
             # Hold out the stream's first documents: enough of them to fill eval_blocks blocks.
             used = [0]
@@ -216,15 +199,56 @@ def build_data(recipe: Recipe, tokenizer, rank: int, world_size: int, show_progr
             cfg.shuffle_buffer,
         )
         return TrainData(train, eval_blocks, None)
-    blocks = pack_all(tokenized(train_src, False)[1], eos_id, seq_len)
+    blocks = text_blocks(train_src, cfg, tokenizer, seq_len, show_progress)
     if eval_blocks is None:
-        blocks, eval_blocks = _hold_out(blocks, cfg.eval_blocks, recipe.seed)
+        blocks, eval_blocks = hold_out(blocks, cfg.eval_blocks, recipe.seed)
     train = MemoryBatches(blocks, recipe.micro_batch_size, rank, world_size, recipe.seed)
     return TrainData(train, eval_blocks, len(blocks))
 
 
-def _sources(cfg: DataConfig) -> tuple[textdata.TextSource, textdata.TextSource | None]:
-    """data.train and data.eval as text sources: those load_recipe found while it checked the files,
+def eos_of(tokenizer) -> int:
+    if tokenizer.eos_token_id is None:
+        raise InputError("the tokenizer has no eos_token: packing needs one between documents (set tokenizer=...)")
+    return tokenizer.eos_token_id
+
+
+def tokenized(source: textdata.TextSource, cfg: DataConfig, tokenizer, streaming: bool, show_progress: bool):
+    """(dataset, token ids per document) of one text."""
+    ds = textdata.load_documents(
+        source,
+        cfg.text_field,
+        field_key="data.text_field",
+        streaming=streaming,
+        sample_by=cfg.sample_by,
+        hub_config=cfg.name,
+        hub_split=cfg.split,
+    )
+    total = None if streaming else len(ds)
+    bar = tqdm(
+        textdata.dataset_texts(ds, cfg.text_field, source.key, "data.text_field"),
+        total=total,
+        desc="tokenizing",
+        unit="doc",
+        disable=streaming or not show_progress,
+    )
+    return ds, token_docs(bar, tokenizer)
+
+
+def text_blocks(source: textdata.TextSource, cfg: DataConfig, tokenizer, seq_len: int, show_progress: bool):
+    """Every packed block of one text, (n, seq_len) int32."""
+    return pack_all(tokenized(source, cfg, tokenizer, False, show_progress)[1], eos_of(tokenizer), seq_len)
+
+
+def eval_text_blocks(source: textdata.TextSource, cfg: DataConfig, tokenizer, seq_len: int) -> torch.Tensor:
+    """The first data.eval_blocks blocks of data.eval."""
+    docs = tokenized(source, cfg, tokenizer, True, False)[1]
+    blocks = pack_all(docs, eos_of(tokenizer), seq_len, limit=cfg.eval_blocks)
+    _need_blocks(blocks, "data.eval")
+    return blocks
+
+
+def sources(cfg: DataConfig) -> tuple[tuple[DataPart, ...], textdata.TextSource | None]:
+    """data.train's parts and data.eval's text: those load_recipe found while it checked the files,
     or, for a recipe loaded with check_files=False, built in code or changed since, found (and
     checked) now."""
     checked, problems, found = getattr(cfg, "checked_sources", {}), [], []
@@ -234,10 +258,13 @@ def _sources(cfg: DataConfig) -> tuple[textdata.TextSource, textdata.TextSource 
         elif key in checked and checked[key][0] == list(entries):
             found.append(checked[key][1])
         else:
-            found.append(textdata.resolve(key, entries, problems, one_format=True))
+            found.append(data_parts(key, entries, problems))
     if problems:
         raise InputError("; ".join(problems))
-    return found[0], found[1]
+    evals = found[1]
+    if evals is not None and not is_plain(evals):
+        raise InputError(f"data.eval {', '.join(cfg.eval)}: eval data is one text without shares (leave it unset)")
+    return found[0], None if evals is None else evals[0].text
 
 
 def _counting(docs, used: list[int]):
@@ -251,7 +278,7 @@ def _need_blocks(blocks: torch.Tensor, key: str) -> None:
         raise InputError(f"{key} holds fewer tokens than one block of seq_len: add text or lower seq_len")
 
 
-def _hold_out(blocks: torch.Tensor, n_eval: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def hold_out(blocks: torch.Tensor, n_eval: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A seeded random set of n_eval blocks for eval; the rest (in corpus order) for training."""
     if len(blocks) <= n_eval:
         raise InputError(

@@ -15,8 +15,8 @@ import torch
 from mha2gqa import provenance
 from mha2gqa.card import write_card
 from mha2gqa.errors import InputError
-from mha2gqa.uptrain import checkpoints, lora
-from mha2gqa.uptrain.data import TrainData, build_data
+from mha2gqa.uptrain import checkpoints, lora, mixed_data
+from mha2gqa.uptrain.data import TrainData
 from mha2gqa.uptrain.models import (
     Student,
     check_positions,
@@ -133,11 +133,11 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
 def _load(recipe: Recipe, accelerator) -> _Loaded:
     """The tokenizer, the student (with its LoRA adapters), the data and the teacher, each checked against
     the others: a bad input fails here, before the first file is written."""
-    rank, world = accelerator.process_index, accelerator.num_processes
     tokenizer = load_tokenizer(recipe.tokenizer_source)
     student = load_student(recipe)
-    with accelerator.main_process_first():  # rank 0 fills the datasets cache; the others then read it
-        data = build_data(recipe, tokenizer, rank, world, show_progress=accelerator.is_local_main_process)
+    # data.train parent samples the teacher: it is loaded first then (and checked before it draws a token)
+    teacher = _teacher(recipe, accelerator, student) if mixed_data.needs_teacher(recipe) else None
+    data = _data(recipe, accelerator, tokenizer, teacher)
     check_vocab(student.model, data.eval)
     check_positions(student.model, recipe.seq_len)
     if student.source_dir is not None:  # a broken source mha2gqa.json fails now, not after training
@@ -145,10 +145,30 @@ def _load(recipe: Recipe, accelerator) -> _Loaded:
     if recipe.trainable == "lora":
         student.model = lora.add_adapters(student.model, recipe.lora)
     trainable = select_trainable(student.model, recipe.trainable)
-    teacher = load_teacher(recipe, accelerator.device) if recipe.distill.teacher else None
-    if teacher is not None:
-        check_teacher(student.model, teacher)
+    if teacher is None and recipe.distill.teacher:
+        teacher = _teacher(recipe, accelerator, student)
     return _Loaded(tokenizer, student, data, teacher, trainable)
+
+
+def _teacher(recipe: Recipe, accelerator, student: Student) -> torch.nn.Module:
+    teacher = load_teacher(recipe, accelerator.device)
+    check_teacher(student.model, teacher)
+    return teacher
+
+
+def _data(recipe: Recipe, accelerator, tokenizer, teacher) -> TrainData:
+    """The run's data (rank 0 reads text first and fills the datasets cache; the others then read it).
+    A mix or the teacher's samples come with a record: every process's, gathered, then shown."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    show = accelerator.is_local_main_process
+    data = mixed_data.build(recipe, tokenizer, rank, world, show, teacher, accelerator.main_process_first)
+    if data.record is not None:
+        if world > 1:  # each process drew its own samples: the record names the seed and sha256 of each
+            from accelerate.utils import gather_object
+
+            data.record = mixed_data.merge_records(gather_object([data.record]))
+        accelerator.print(mixed_data.describe(data.record))
+    return data
 
 
 def _prepare(recipe: Recipe, accelerator, student: Student):
@@ -204,6 +224,7 @@ def _run_record(recipe: Recipe, loaded: _Loaded, total: int, world: int, resumed
         "trainable_params": loaded.trainable,
         "saved_dtype": str(student.saved_dtype).replace("torch.", ""),
         "resumed_from_step": resumed,
+        **({"data": loaded.data.record} if loaded.data.record is not None else {}),
         **{f"final_{k}": v for k, v in evals.items()},
     }
 

@@ -25,7 +25,7 @@ from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import read_config
 from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, parse_yaml, read_bytes
 from mha2gqa.sources import hub_offline, is_hub_id, looks_local, model_ref_problem
-from mha2gqa.textdata import resolve
+from mha2gqa.uptrain.data_spec import check_rules, data_parts
 from mha2gqa.uptrain.recipe import BudgetConfig, LoraConfig, Recipe, all_keys, group_keys
 
 
@@ -287,12 +287,14 @@ def _check_config_ref(value: str, p: list[str]) -> None:
 
 
 def _check_data(r: Recipe, p: list[str], check_files: bool) -> None:
-    """data.train and data.eval name text of one format. With the files checked, the sources found
-    are kept on r.data for data.py, which reads exactly them rather than walking the folders again."""
+    """data.train and data.eval name text of one format each, `austen`, `parent` or a mix (data_spec).
+    With the files checked, the parts found are kept on r.data for data.py, which reads exactly them
+    rather than walking the folders again."""
     checked = {}
     for key, entries in (("data.train", r.data.train), ("data.eval", r.data.eval)):
         if entries is not None:
-            checked[key] = (list(entries), resolve(key, entries, p, check_files, one_format=True))
+            checked[key] = (list(entries), data_parts(key, entries, p, check_files))
+    check_rules(r, {key: parts for key, (_, parts) in checked.items()}, p)
     if check_files:
         r.data.checked_sources = checked
 

@@ -1,0 +1,121 @@
+"""What data.train and data.eval name, resolved without torch (recipe_load checks it, data.py and
+mixed_data.py read it).
+
+The names are convert's --calibration names, through the same resolvers: files, folders and a hub dataset
+(mha2gqa.textdata), `austen` (the embedded novels, mha2gqa.embedded), and, in data.train only, `parent`:
+sequences sampled from distill.teacher (convert/sampling.py), the data a user always has. A mix is written
+as convert writes one (convert/inputs.parse_spec): every entry with a share, `[parent:0.5, corpus.txt:0.5]`;
+each part then gives its share of the blocks the run trains on. A list without shares is one text, its
+files read together (the plain path, data.build_data).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+
+from mha2gqa import textdata
+from mha2gqa.convert.inputs import parse_spec
+from mha2gqa.convert.options import PARENT
+from mha2gqa.embedded import expand_corpus_name
+from mha2gqa.errors import InputError
+
+
+@dataclass(frozen=True)
+class DataPart:
+    """One source of training (or eval) blocks."""
+
+    name: str  # as the user typed it ('parent', 'austen', a path); several files of one text joined by ', '
+    share: float | None  # of the blocks trained on, normalised; None for the one text of a list without shares
+    text: textdata.TextSource | None  # None: sampled from distill.teacher
+
+    @property
+    def sampled(self) -> bool:
+        return self.text is None
+
+
+def is_plain(parts: tuple[DataPart, ...]) -> bool:
+    """One text without a share: read, packed and shuffled whole (data.build_data), as before mixes."""
+    return len(parts) == 1 and parts[0].share is None and not parts[0].sampled
+
+
+def data_parts(key: str, entries, problems: list[str], check_files: bool = True) -> tuple[DataPart, ...] | None:
+    """The parts `entries` name, each problem appended to `problems` (None when the spec itself is bad)."""
+    try:
+        pairs = parse_spec(entries, key)
+    except InputError as err:
+        problems.append(str(err))
+        return None
+    names = [name for name, _ in pairs]
+    for name in names:
+        if _near_parent(name):
+            problems.append(
+                f"{key} {name}: no such file or folder; did you mean {PARENT} (samples of distill.teacher)?"
+            )
+            return None
+    if pairs[0][1] is None and PARENT in names and len(names) > 1:
+        other = next(name for name in names if name != PARENT)
+        problems.append(
+            f"{key} {PARENT} samples the teacher and cannot be read in order with other text: give every entry "
+            f"a share, e.g. {key}=[{PARENT}:0.5,{other}:0.5]"
+        )
+        return None
+    if pairs[0][1] is None and names != [PARENT]:
+        groups, shares = [names], [None]  # one text, its files read together
+    else:
+        total = sum(share or 1.0 for _, share in pairs)
+        groups, shares = [[name] for name in names], [(share or 1.0) / total for _, share in pairs]
+    parts = []
+    for group, share in zip(groups, shares):
+        if group == [PARENT]:
+            parts.append(DataPart(PARENT, share, None))
+            continue
+        text = _text(key, group, problems, check_files)
+        if text is None:
+            return None
+        parts.append(DataPart(", ".join(group), share, text))
+    return tuple(parts)
+
+
+def _text(key: str, names: list[str], problems: list[str], check_files: bool) -> textdata.TextSource | None:
+    """The text `names` name, 'austen' expanded to the embedded novels (as convert does)."""
+    entries = []
+    try:
+        for name in names:
+            expanded = expand_corpus_name(name, key)
+            entries += expanded if isinstance(expanded, list) else [expanded]
+    except InputError as err:
+        problems.append(str(err))
+        return None
+    before = len(problems)
+    source = textdata.resolve(key, entries, problems, check_files, one_format=True)
+    return source if len(problems) == before else None
+
+
+def _near_parent(name: str) -> bool:
+    """A typo of `parent` (parnet, Parent) that is no local path: refused with the fix, not looked up on
+    the hub as a dataset of that name."""
+    if name == PARENT or "/" in name or Path(name).expanduser().exists():
+        return False
+    return difflib.SequenceMatcher(None, name.lower(), PARENT).ratio() >= 0.8
+
+
+def check_rules(recipe, parts: dict, problems: list[str]) -> None:
+    """What a sampled or mixed data.train needs from the rest of the recipe; data.eval is text only."""
+    train, evals, cfg = parts.get("data.train"), parts.get("data.eval"), recipe.data
+    if train and any(part.sampled for part in train):
+        if not recipe.distill.teacher:
+            problems.append(
+                f"data.train {PARENT} samples the teacher, and distill.teacher is unset: set "
+                "distill.teacher=<the MHA parent's dir or hub id> (the model the conversion started from)"
+            )
+        if cfg.streaming:
+            problems.append(f"data.train {PARENT} is drawn in memory and cannot be streamed: set data.streaming=false")
+    elif train and not is_plain(train) and cfg.streaming:
+        problems.append("data.train with shares is mixed in memory and cannot be streamed: set data.streaming=false")
+    if evals and not is_plain(evals):
+        problems.append(
+            f"data.eval {', '.join(cfg.eval)}: eval data is one text without shares; leave data.eval unset "
+            "to hold out blocks of data.train (for parent: samples drawn with a seed of their own)"
+        )
