@@ -23,7 +23,7 @@ import re
 import stat
 from pathlib import Path
 
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, first_line
 
 MAX_JSON_DEPTH = 64  # real configs, indexes, results and provenance nest under 10 levels
 MAX_JSON_BYTES = 64 << 20  # config.json, indexes, mha2gqa.json, results: real ones are under 10 MB
@@ -229,6 +229,38 @@ def parse_yaml(text: str, where, fix: str, limit: int = MAX_YAML_BYTES):
         raise YamlLimit(f"{where} nests YAML deeper than {MAX_YAML_DEPTH} levels: {fix}") from None
     finally:
         loader.dispose()
+
+
+def read_yaml_mapping(path, where: str, kind: str, limit: int, size_fix: str, fix: str) -> dict:
+    """A YAML file that must hold one mapping (a recipe, a convert config), {} when empty. Refused in one
+    line naming `where` (e.g. "recipe PATH"): missing, over `limit` bytes (`size_fix`), not UTF-8,
+    malformed (where PyYAML stopped), or not a mapping; `fix` ends each line."""
+    import yaml
+
+    if not os.path.lexists(path):
+        raise InputError(f"{where}: no such file ({fix})")
+    try:
+        text = read_bytes(Path(path), limit, kind=kind, fix=size_fix).decode("utf-8")
+        raw = parse_yaml(text, where, fix)
+    except UnicodeDecodeError as err:
+        raise InputError(f"{where} is not UTF-8 text (byte {err.start}): {fix}") from None
+    except yaml.YAMLError as err:
+        raise InputError(f"{where} is not valid YAML{_yaml_error_where(err)}: {fix}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InputError(f"{where} holds a {type(raw).__name__}, not a mapping of key: value: {fix}")
+    return raw
+
+
+def _yaml_error_where(err) -> str:
+    """Where PyYAML stopped, and what it was inside (an unclosed [ is found only at the end of the file)."""
+    mark, context = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
+    text = f" at line {mark.line + 1}" if mark is not None else ""
+    text += f" ({getattr(err, 'problem', None) or first_line(err)}"
+    if getattr(err, "context", None) and context is not None:
+        text += f", {err.context} from line {context.line + 1}"
+    return text + ")"
 
 
 class YamlLimit(InputError):

@@ -244,7 +244,7 @@ def test_divergence_after_the_last_checkpoint_writes_no_final_model(tmp_path, sr
     "content,says",
     [
         (b"\xff\xfe\x00binary\x00\x9c", "is not UTF-8 text"),
-        (b"- a\n- list\n", "must be a mapping of key: value, not a list"),
+        (b"- a\n- list\n", "holds a list, not a mapping of key: value"),
         (b"model: [unclosed\n", "is not valid YAML"),
     ],
 )

@@ -20,8 +20,8 @@ from pathlib import Path
 import yaml
 
 from mha2gqa.convert.options import CONVERT_FLAGS, ConvertOptions, Flag, changed_flags
-from mha2gqa.errors import InputError, first_line
-from mha2gqa.reading import parse_yaml, read_bytes
+from mha2gqa.errors import InputError
+from mha2gqa.reading import read_yaml_mapping
 
 CONFIG_NAME = "convert.yaml"  # written into every converted folder (run.execute)
 MAX_CONFIG_BYTES = 64 << 10  # every option at once is under 1 KB; a larger file is not a convert config
@@ -66,31 +66,8 @@ def read_config(path: str | os.PathLike) -> ConvertConfig:
 
 
 def _load(path: Path) -> dict:
-    if not os.path.lexists(path):
-        raise InputError(f"--config {path}: no such file ({_FIX})")
-    try:
-        fix = "every option at once is under 1 KB of YAML: check that it is the config you meant"
-        text = read_bytes(path, MAX_CONFIG_BYTES, kind="a convert config", fix=fix).decode("utf-8")
-        raw = parse_yaml(text, f"--config {path}", _FIX)
-    except UnicodeDecodeError as err:
-        raise InputError(f"--config {path} is not UTF-8 text (byte {err.start}): {_FIX}") from None
-    except yaml.YAMLError as err:
-        raise InputError(f"--config {path} is not valid YAML{_where(err)}: {_FIX}") from None
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise InputError(f"--config {path} holds a {type(raw).__name__}, not a mapping: {_FIX}")
-    return raw
-
-
-def _where(err: yaml.YAMLError) -> str:
-    """Where PyYAML stopped, and what it was inside (an unclosed [ is found only at the end of the file)."""
-    mark, context = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
-    text = f" at line {mark.line + 1}" if mark is not None else ""
-    text += f" ({getattr(err, 'problem', None) or first_line(err)}"
-    if getattr(err, "context", None) and context is not None:
-        text += f", {err.context} from line {context.line + 1}"
-    return text + ")"
+    size_fix = "every option at once is under 1 KB of YAML: check that it is the config you meant"
+    return read_yaml_mapping(path, f"--config {path}", "a convert config", MAX_CONFIG_BYTES, size_fix, _FIX)
 
 
 def _words(flag: Flag, key: str, value, problems: list[str]) -> str | list[str] | None:

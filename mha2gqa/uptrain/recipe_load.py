@@ -14,16 +14,15 @@ import dataclasses
 import difflib
 import importlib.util
 import math
-import os
 import types
 import typing
 from pathlib import Path
 
 import yaml
 
-from mha2gqa.errors import InputError, first_line
+from mha2gqa.errors import InputError
 from mha2gqa.layouts import read_config
-from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, parse_yaml, read_bytes
+from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, parse_yaml, read_yaml_mapping
 from mha2gqa.sources import hub_offline, is_hub_id, looks_local, model_ref_problem
 from mha2gqa.uptrain.data_spec import check_rules, data_parts
 from mha2gqa.uptrain.recipe import BudgetConfig, LoraConfig, Recipe, all_keys, group_keys
@@ -49,28 +48,8 @@ def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
 
 
 def _read_yaml(path) -> dict:
-    path = Path(path)
-    if not os.path.lexists(path):
-        raise InputError(f"recipe {path}: no such file (see recipes/*.yaml for examples)")
-    try:
-        text = read_bytes(
-            path,
-            MAX_YAML_BYTES,
-            kind="a recipe",
-            fix="a recipe is a few KB of YAML: pass the recipe itself (see recipes/*.yaml)",
-        ).decode("utf-8")
-        raw = parse_yaml(text, f"recipe {path}", "write the recipe out plainly (see recipes/*.yaml)")
-    except UnicodeDecodeError as err:
-        raise InputError(
-            f"recipe {path} is not UTF-8 text (byte {err.start}): pass a YAML recipe (see recipes/*.yaml)"
-        ) from err
-    except yaml.YAMLError as err:
-        raise InputError(f"recipe {path} is not valid YAML: {first_line(err)}") from err
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise InputError(f"recipe {path} must be a mapping of key: value, not a {type(raw).__name__}")
-    return raw
+    size_fix = "a recipe is a few KB of YAML: pass the recipe itself (see recipes/*.yaml)"
+    return read_yaml_mapping(path, f"recipe {path}", "a recipe", MAX_YAML_BYTES, size_fix, "see recipes/*.yaml")
 
 
 def _apply_overrides(raw: dict, overrides: list[str], problems: list[str]) -> None:
