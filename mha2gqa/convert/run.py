@@ -111,8 +111,9 @@ def execute(plan: ConversionPlan, dst: Path, layer_stage=None) -> ConversionResu
 
 
 def _torch_threads(plan: ConversionPlan) -> int | None:
-    """torch's CPU thread count for a conversion that ran torch (its float sums depend on it), else None."""
-    if plan.torch_reason is None:
+    """torch's CPU thread count when a stage fitted weights to the calibration (its matrix products' float
+    sums depend on it), else None: a merge alone gives the same bytes on any count, and on either executor."""
+    if plan.torch_reason is None or not plan.options.calibration_shapes_weights:
         return None
     import torch
 
