@@ -99,6 +99,7 @@ def calibration_rows(args, source: Path, work: Path, calibration: str, parent: d
                 "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 "load_average": [round(x, 2) for x in os.getloadavg()],
                 "ids_sha256": stats.record["ids_sha256"],
+                "sampling": stats.record.get("sampling"),  # the parent's recipe, where its samples are in the mix
             }
         )
         print(json.dumps(rows[-1]), flush=True)

@@ -19,8 +19,8 @@ from mha2gqa.units import parse_size
 OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
 PARENT = "parent"  # the calibration source sampled from SRC itself (convert/sampling.py)
 # Half the parent's samples, half the embedded novels: the best of the calibrations measured on SmolLM2's four
-# probe domains (geometric mean 3.56x against 6.91x for the samples alone and 5.90x for Austen alone,
-# docs/calibration.md), and still no data of the user's.
+# probe domains (geometric mean 2.96x with the samples' chat turns, 3.56x before them, against 6.91x for the
+# samples alone and 5.90x for Austen alone, docs/calibration.md), and still no data of the user's.
 DEFAULT_CALIBRATION = (f"{PARENT}:0.5", "austen:0.5")
 DEFAULT_CALIBRATION_TOKENS = 131072  # of a text; the parent's samples default to 64 x hidden (inputs.default_tokens)
 DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held at once
