@@ -11,6 +11,7 @@ stage: the shipped default). Every calibration gets the same --tokens; each is r
 its statistics gathered once, and every stage converts from them, refine fitting on the same ids, as a
 sweep does. The times are per calibration (read + statistics) and per stage; one CLI run of the default
 is the end-to-end figure (docs/calibration.md).
+`--score DIR...` only scores existing folders (a conversion, then uptrained) the same way.
 `--smoke` runs the tiny embedded model at toy sizes (tests/test_bench_smoke.py).
 """
 
@@ -107,6 +108,21 @@ def calibration_rows(args, source: Path, work: Path, calibration: str, parent: d
     return rows
 
 
+def scored(args, result: dict, sets: dict) -> dict:
+    """--score: each folder's perplexity ratio to the parent per domain, by the rows' own measure."""
+    result["scored"] = []
+    for folder in args.score:
+        measured = domain_perplexities(folder, sets, args.context)
+        ratios = {name: round(measured[name] / result["parent"][name], 4) for name in measured}
+        row = {"model": str(folder), "perplexity": measured, "ratio": ratios}
+        result["scored"].append({**row, "geometric_mean": round(geometric_mean(ratios), 4)})
+        print(json.dumps(result["scored"][-1]), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
 def table(result: dict) -> str:
     names = list(result["parent"])
     lines = ["| calibration | stage | " + " | ".join(names) + " | geo mean | calibrate | stage | peak RSS |"]
@@ -132,6 +148,13 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--refine", type=json.loads, default={}, help='RefineOptions keywords as JSON, e.g. {"steps": 1}'
     )
+    parser.add_argument(
+        "--score",
+        nargs="+",
+        type=Path,
+        help="only score these model folders (e.g. a conversion then uptrained) "
+        "against MODEL, the same way as the rows: no conversion",
+    )
     parser.add_argument("--out", type=Path, help="JSON file for the result")
     parser.add_argument("--smoke", action="store_true", help="the embedded model at toy sizes")
     args = parser.parse_args(argv)
@@ -147,6 +170,8 @@ def main(argv=None) -> dict:
     result = {"model": str(source), "kv_heads": args.kv, "tokens": args.tokens, "parent": parent, "rows": []}
     result.update(eval_tokens={n: len(ids) for n, ids in sets.items()}, context=args.context)
     print(f"parent: {parent}; load {os.getloadavg()}", flush=True)
+    if args.score:
+        return scored(args, result, sets)
     for calibration in args.calibrations:
         with tempfile.TemporaryDirectory(prefix="calibration-domains-") as work:
             result["rows"] += calibration_rows(args, source, Path(work), calibration, parent, sets)

@@ -142,6 +142,16 @@ def test_calibration_domains_smoke_rows(tmp_path):
         assert row["geometric_mean"] == pytest.approx(math.exp(sum(logs) / 4), rel=1e-3)
 
 
+def test_calibration_domains_scores_given_folders_by_the_rows_measure(tmp_path):
+    """--score: a folder that is the parent itself scores 1x on every domain."""
+    from mha2gqa.embedded import MODEL_DIR
+
+    run_smoke("calibration_domains.py", "--score", str(MODEL_DIR), "--out", str(tmp_path / "s.json"))
+    (row,) = json.loads((tmp_path / "s.json").read_text())["scored"]
+    assert row["model"] == str(MODEL_DIR) and row["geometric_mean"] == 1.0
+    assert row["ratio"] == {"prose": 1.0, "code": 1.0, "python_docs": 1.0, "licences": 1.0}
+
+
 def test_limits_smoke_times_every_ceiling():
     out = run_smoke("limits.py")
     names = [line.split()[0] for line in out.strip().splitlines()]
