@@ -21,6 +21,7 @@ ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 BENCH_RECIPES = {
     "austen-small-pretrain.yaml": [],
     "calibrated-uptrain.yaml": ["model=m", "output_dir=o", "budget.pretrain_tokens=1000"],
+    "smollm2-distill-parent-cpu.yaml": ["model=m", "output_dir=o", "distill.teacher=t"],
 }
 
 
