@@ -213,13 +213,7 @@ def read_ids(source: Path, calibration: CalibrationInput, parent, seed: int, pro
     ids = per_part[0] if len(per_part) == 1 else interleave_blocks(per_part, calibration.seq_len)
     record = {"data": calibration.spec, "tokens_requested": calibration.tokens, "parts": parts}
     if any(part.sampled for part in calibration.parts):
-        header = sampling.chat_turn_header(tokenizer, calibration.seq_len)
-        record["sampling"] = {
-            **sampling.DEFAULT_RECIPE.record(),
-            "chat_turn_header": None if header is None else tokenizer.decode(header),
-            "seed": seed,
-            "device": str(_device(parent)),
-        }
+        record["sampling"] = sampling.sampling_record(parent, tokenizer, calibration.seq_len, seed)
     return ids, record
 
 
@@ -228,10 +222,6 @@ def interleave_blocks(parts: list[torch.Tensor], seq_len: int) -> torch.Tensor:
     blocks = [ids[: len(ids) // seq_len * seq_len].view(-1, seq_len) for ids in parts]
     order = interleaved([len(b) for b in blocks])
     return torch.cat([blocks[p][i] for p, i in order]) if order else torch.zeros(0, dtype=torch.long)
-
-
-def _device(model):
-    return next(model.parameters()).device if model is not None else "cpu"
 
 
 def gather(

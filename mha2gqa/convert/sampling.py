@@ -98,6 +98,18 @@ def chat_turn_header(tokenizer, seq_len: int):
     return torch.tensor(ids, dtype=torch.long) if 0 < len(ids) <= seq_len // 4 else None
 
 
+def sampling_record(model, tokenizer, seq_len: int, seed: int, recipe=DEFAULT_RECIPE) -> dict:
+    """What a record says of samples drawn by sample_ids: the recipe, the chat header as text (or None),
+    the seed and the device that drew them (convert's calibration and uptrain's data record the same)."""
+    header = chat_turn_header(tokenizer, seq_len) if recipe.chat_share > 0 else None
+    return {
+        **recipe.record(),
+        "chat_turn_header": None if header is None else tokenizer.decode(header),
+        "seed": seed,
+        "device": str(next(model.parameters()).device),
+    }
+
+
 def sample_ids(model, tokenizer, tokens: int, seq_len: int, seed: int, recipe=DEFAULT_RECIPE, progress=True):
     """`tokens` ids (N,) sampled from `model` (a loaded causal LM), in sequences of `seq_len`: random starts
     first, then chat turns, all from one generator, their sequences interleaved in proportion."""

@@ -88,13 +88,7 @@ def build(
     train = MemoryBatches(blocks, recipe.micro_batch_size, 0, 1, recipe.seed)  # this process's own pool
     record = {"train": list(cfg.train), "seq_len": seq_len, "parts": rows, "eval": eval_record}
     if teacher is not None and any(p.sampled for p in parts):
-        header = sampling.chat_turn_header(tokenizer, seq_len)  # as convert's calibration records it
-        record["sampling"] = {
-            **sampling.DEFAULT_RECIPE.record(),
-            "chat_turn_header": None if header is None else tokenizer.decode(header),
-            "seed": recipe.seed,
-            "device": str(next(teacher.parameters()).device),
-        }
+        record["sampling"] = sampling.sampling_record(teacher, tokenizer, seq_len, recipe.seed)
     return TrainData(train, eval_blocks, len(blocks), record)
 
 
