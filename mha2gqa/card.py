@@ -319,13 +319,19 @@ def _training_data(stage: dict, recipe: dict) -> str:
             words[-1] += f", seeds {seeds} (the recipe's seed + the process index), ids sha256 {hashes}"
     sampling = record.get("sampling")
     if sampling:
-        words.append(
-            f"samples: {sampling['greedy_tokens']} greedy tokens, temperature {sampling['temperature']:g}, "
-            f"top-p {sampling['top_p']:g}, on {sampling['device']}"
-        )
-        if sampling.get("chat_turn_header"):
-            words[-1] += f"; {sampling['chat_share']:.0%} of the sequences open with the chat template's user turn"
+        words.append(f"samples: {_sampling_words(sampling)}")
     return "; ".join(words)
+
+
+def _sampling_words(sampling: dict) -> str:
+    """The parent's sampling recipe as a card says it (a record of before a setting existed lacks its key)."""
+    text = (
+        f"{sampling['greedy_tokens']} greedy tokens, temperature {sampling['temperature']:g}, "
+        f"top-p {sampling['top_p']:g}, on {sampling['device']}"
+    )
+    if sampling.get("chat_turn_header"):
+        text += f"; {sampling['chat_share']:.0%} of the sequences open with the chat template's user turn"
+    return text
 
 
 def _final_ppl(stage: dict, recipe: dict) -> str:
@@ -488,10 +494,7 @@ def _calibration_words(calib: dict) -> str:
         text += f" (only {calib['tokens']:,} of the {asked:,} calibration tokens asked for: the text ran out)"
     sampling = calib.get("sampling")
     if sampling:
-        text += (
-            f"; samples: seed {sampling['seed']}, {sampling['greedy_tokens']} greedy tokens, temperature "
-            f"{sampling['temperature']:g}, top-p {sampling['top_p']:g}, on {sampling['device']}"
-        )
+        text += f"; samples: seed {sampling['seed']}, {_sampling_words(sampling)}"
     if calib.get("ids_sha256"):
         text += f"; ids sha256 `{calib['ids_sha256'][:16]}…`"
     return text
