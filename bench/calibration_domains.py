@@ -11,6 +11,7 @@ stage: the shipped default). Every calibration gets the same --tokens; each is r
 its statistics gathered once, and every stage converts from them, refine fitting on the same ids, as a
 sweep does. The times are per calibration (read + statistics) and per stage; one CLI run of the default
 is the end-to-end figure (docs/calibration.md).
+`--sampling '{"chat_share": 1.0}'` varies the parent's sampling recipe (convert/sampling.py).
 `--score DIR...` only scores existing folders (a conversion, then uptrained) the same way.
 `--smoke` runs the tiny embedded model at toy sizes (tests/test_bench_smoke.py).
 """
@@ -149,6 +150,12 @@ def main(argv=None) -> dict:
         "--refine", type=json.loads, default={}, help='RefineOptions keywords as JSON, e.g. {"steps": 1}'
     )
     parser.add_argument(
+        "--sampling",
+        type=json.loads,
+        default={},
+        help='SamplingRecipe keywords for the parent\'s samples as JSON, e.g. {"chat_share": 1.0}',
+    )
+    parser.add_argument(
         "--score",
         nargs="+",
         type=Path,
@@ -164,6 +171,10 @@ def main(argv=None) -> dict:
         args.model, args.kv, args.tokens, args.eval_tokens, args.context = str(MODEL_DIR), 4, 1024, 256, 128
         args.calibrations, args.stages = ["austen", "parent:0.5+austen:0.5"], ["merge", "global"]
         args.refine = {"steps": 1, "tokens": 512}
+    if args.sampling:  # every sampling below reads the module's default recipe when called
+        from mha2gqa.convert import sampling
+
+        sampling.DEFAULT_RECIPE = sampling.SamplingRecipe(**args.sampling)
     source = Path(args.model)
     sets = probe_ids(source, args.eval_tokens)
     parent = domain_perplexities(source, sets, args.context)

@@ -125,7 +125,7 @@ def test_eval_speed_noise_smoke():
 
 
 def test_calibration_domains_smoke_rows(tmp_path):
-    run_smoke("calibration_domains.py", "--out", str(tmp_path / "c.json"))
+    run_smoke("calibration_domains.py", "--sampling", '{"top_p": 0.9}', "--out", str(tmp_path / "c.json"))
     result = json.loads((tmp_path / "c.json").read_text())
     domains = ["prose", "code", "python_docs", "licences"]
     assert list(result["parent"]) == domains
@@ -140,6 +140,15 @@ def test_calibration_domains_smoke_rows(tmp_path):
         assert row["ratio"]["prose"] == pytest.approx(row["perplexity"]["prose"] / result["parent"]["prose"], rel=1e-3)
         logs = [math.log(r) for r in row["ratio"].values()]
         assert row["geometric_mean"] == pytest.approx(math.exp(sum(logs) / 4), rel=1e-3)
+        # --sampling swapped the parent's recipe for every sampled calibration, and the rows record it
+        assert (row["sampling"] or {}).get("top_p") == (0.9 if "parent" in row["calibration"] else None)
+
+
+def test_sampling_speed_smoke_times_both_draws():
+    rows = [json.loads(line) for line in run_smoke("sampling_speed.py").splitlines() if line.startswith("{")]
+    assert [row["batch"] for row in rows] == [4]
+    assert set(rows[0]["ms_per_token"]) == {"shipped", "whole_batch"}
+    assert all(finite(t) and t > 0 for t in rows[0]["ms_per_token"].values()) and finite(rows[0]["speedup"])
 
 
 def test_calibration_domains_scores_given_folders_by_the_rows_measure(tmp_path):
