@@ -29,26 +29,26 @@ from calibrated_merge import load_float32  # noqa: E402
 def whole_batch_draw(logits, recipe, generator):
     """The draw before: one full sort and one draw over the vocabulary for every row of a batch holding a
     wide row (the baseline)."""
-    from mha2gqa.convert.sampling import NUCLEUS_CANDIDATES, _nucleus_pick
+    from mha2gqa.convert.sampling import NUCLEUS_CANDIDATES, nucleus_pick
 
     probs = torch.softmax(logits / recipe.temperature, dim=-1)
     ordered, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)
     if bool((ordered.sum(-1) < recipe.top_p).any()):
         ordered, order = probs.sort(dim=-1, descending=True)
-    return _nucleus_pick(ordered, order, recipe.top_p, generator)
+    return nucleus_pick(ordered, order, recipe.top_p, generator)
 
 
 def ms_per_token(model, tokenizer, batch: int, seq_len: int, draw) -> float:
     from mha2gqa.convert import sampling
 
-    shipped, sampling._draw = sampling._draw, draw
+    shipped, sampling.nucleus_draw = sampling.nucleus_draw, draw
     try:
         recipe = sampling.SamplingRecipe(batch=batch)
         started = time.perf_counter()
         ids = sampling.sample_ids(model, tokenizer, batch * seq_len, seq_len, 0, recipe, progress=False)
         return (time.perf_counter() - started) / len(ids) * 1000
     finally:
-        sampling._draw = shipped
+        sampling.nucleus_draw = shipped
 
 
 def main(argv=None) -> dict:
@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
 
         args.model, args.batch, args.seq_len, args.repeats = str(MODEL_DIR), [4], 16, 1
     model, tokenizer = load_float32(Path(args.model)), AutoTokenizer.from_pretrained(args.model)
-    draws = {"shipped": sampling._draw, "whole_batch": whole_batch_draw}
+    draws = {"shipped": sampling.nucleus_draw, "whole_batch": whole_batch_draw}
     result = {"model": args.model, "seq_len": args.seq_len, "threads": torch.get_num_threads(), "rows": []}
     for batch in args.batch:
         times = {name: [] for name in draws}

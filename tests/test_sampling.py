@@ -60,7 +60,7 @@ def test_without_a_template_or_with_share_0_every_sequence_starts_at_random(pare
 
 
 def test_the_nucleus_is_drawn_from_the_narrow_rows_candidates_and_the_wide_rows_full_sort():
-    from mha2gqa.convert.sampling import NUCLEUS_CANDIDATES, _draw
+    from mha2gqa.convert.sampling import NUCLEUS_CANDIDATES, nucleus_draw
 
     vocab = 4 * NUCLEUS_CANDIDATES
     probs = torch.full((3, vocab), 0.02 / (vocab - 2))
@@ -69,8 +69,8 @@ def test_the_nucleus_is_drawn_from_the_narrow_rows_candidates_and_the_wide_rows_
     probs[2, [5, 3000]] = torch.tensor([0.28, 0.70])
     logits = probs.log().repeat(200, 1)  # 200 draws of each row in one batch
     recipe = SamplingRecipe()
-    chosen = _draw(logits, recipe, torch.Generator().manual_seed(0)).view(200, 3)
+    chosen = nucleus_draw(logits, recipe, torch.Generator().manual_seed(0)).view(200, 3)
     assert set(chosen[:, 0].tolist()) == {7, 9} and set(chosen[:, 2].tolist()) == {5, 3000}
     assert 0.55 < (chosen[:, 0] == 7).float().mean() < 0.85  # in proportion to the parent's probabilities
     assert len(set(chosen[:, 1].tolist())) > 150 and chosen[:, 1].max() >= NUCLEUS_CANDIDATES  # the whole vocabulary
-    assert torch.equal(chosen.view(-1), _draw(logits, recipe, torch.Generator().manual_seed(0)))
+    assert torch.equal(chosen.view(-1), nucleus_draw(logits, recipe, torch.Generator().manual_seed(0)))

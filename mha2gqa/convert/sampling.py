@@ -53,7 +53,7 @@ class SamplingRecipe:
 
 
 DEFAULT_RECIPE = SamplingRecipe()  # read at each call (recipe=None), so a bench may swap it
-NUCLEUS_CANDIDATES = 1024  # tokens the top-p nucleus is looked for among first (_draw)
+NUCLEUS_CANDIDATES = 1024  # tokens the top-p nucleus is looked for among first (nucleus_draw)
 
 
 def flops(params: int, tokens: int) -> float:
@@ -135,16 +135,16 @@ def sample_ids(
             batch = min(recipe.batch, sequences - chat - start)
             first = pool[torch.randint(len(pool), (batch, 1), generator=generator)]
             random_starts.append(
-                _sample_batch(model, first, seq_len, recipe.greedy_tokens, recipe, generator, device, bar)
+                sample_batch(model, first, seq_len, recipe.greedy_tokens, recipe, generator, device, bar)
             )
         for start in range(0, chat, recipe.batch):
             opening = header.expand(min(recipe.batch, chat - start), -1)
-            chat_turns.append(_sample_batch(model, opening, seq_len, 0, recipe, generator, device, bar))
+            chat_turns.append(sample_batch(model, opening, seq_len, 0, recipe, generator, device, bar))
     rows = [torch.cat(kind) for kind in (random_starts, chat_turns) if kind]  # (n, seq_len) of each kind
     return torch.stack([rows[p][i] for p, i in interleaved([len(r) for r in rows])]).reshape(-1)[:tokens]
 
 
-def _sample_batch(model, opening, seq_len: int, greedy: int, recipe: SamplingRecipe, generator, device, bar):
+def sample_batch(model, opening, seq_len: int, greedy: int, recipe: SamplingRecipe, generator, device, bar):
     """(B, P) opening ids -> (B, seq_len) sequences, one forward a token through the KV cache; the first
     `greedy` tokens after the opening are the likeliest, the rest drawn."""
     import torch
@@ -158,14 +158,14 @@ def _sample_batch(model, opening, seq_len: int, greedy: int, recipe: SamplingRec
             cache = output.cache
             logits = output.logits[:, -1].float().cpu()  # (B, V): drawn on the CPU, the same on every device
             greedy_here = position < opening.shape[1] + greedy
-            chosen = logits.argmax(-1) if greedy_here else _draw(logits, recipe, generator)
+            chosen = logits.argmax(-1) if greedy_here else nucleus_draw(logits, recipe, generator)
             ids.append(chosen[:, None])
             step_input = chosen[:, None].to(device)
             bar.update(len(chosen))
     return torch.cat(ids, dim=1)
 
 
-def _draw(logits, recipe: SamplingRecipe, generator):
+def nucleus_draw(logits, recipe: SamplingRecipe, generator):
     """One token per row from softmax(logits / T), restricted to the top-p nucleus. The nucleus is looked
     for among the NUCLEUS_CANDIDATES likeliest tokens (a top-k, far cheaper than sorting the vocabulary);
     only the rows whose nucleus is wider than that (a flat distribution) are sorted in full: sorting and
@@ -179,13 +179,13 @@ def _draw(logits, recipe: SamplingRecipe, generator):
     wide = ordered.sum(-1) < recipe.top_p
     chosen = torch.empty(len(probs), dtype=torch.long)
     if not bool(wide.all()):
-        chosen[~wide] = _nucleus_pick(ordered[~wide], order[~wide], recipe.top_p, generator)
+        chosen[~wide] = nucleus_pick(ordered[~wide], order[~wide], recipe.top_p, generator)
     if bool(wide.any()):
-        chosen[wide] = _nucleus_pick(*probs[wide].sort(dim=-1, descending=True), recipe.top_p, generator)
+        chosen[wide] = nucleus_pick(*probs[wide].sort(dim=-1, descending=True), recipe.top_p, generator)
     return chosen
 
 
-def _nucleus_pick(ordered, order, top_p: float, generator):
+def nucleus_pick(ordered, order, top_p: float, generator):
     """One of each row's candidates (`ordered` probabilities, descending, of the ids `order`), drawn from
     the smallest prefix holding `top_p` of the probability."""
     import torch
