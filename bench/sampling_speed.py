@@ -3,7 +3,7 @@ nucleus draw (only the rows whose nucleus is wider than the top-k candidates sor
 draw it replaced (the whole batch sorted and drawn over the vocabulary once any row was wide), side by
 side, alternating, medians of --repeats.
 
-    OMP_NUM_THREADS=1 python bench/sampling_speed.py $SMOLLM2 --batch 16 64 --repeats 3 \
+    OMP_NUM_THREADS=2 python bench/sampling_speed.py $SMOLLM2 --batch 16 64 --seq-len 64 --repeats 3 \
         --out bench/results/sampling/smollm2.json
 
 Run it alone on a quiet machine: it times. `--smoke` runs the embedded model at toy sizes

@@ -177,9 +177,10 @@ def nucleus_draw(logits, recipe: SamplingRecipe, generator):
     k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
     ordered, order = probs.topk(k, dim=-1)  # descending
     wide = ordered.sum(-1) < recipe.top_p
+    narrow = ~wide
     chosen = torch.empty(len(probs), dtype=torch.long)
-    if not bool(wide.all()):
-        chosen[~wide] = nucleus_pick(ordered[~wide], order[~wide], recipe.top_p, generator)
+    if bool(narrow.any()):
+        chosen[narrow] = nucleus_pick(ordered[narrow], order[narrow], recipe.top_p, generator)
     if bool(wide.any()):
         chosen[wide] = nucleus_pick(*probs[wide].sort(dim=-1, descending=True), recipe.top_p, generator)
     return chosen
