@@ -73,10 +73,8 @@ def convert(
     return execute(plan, dst)
 
 
-def execute(plan: ConversionPlan, dst: Path, layer_stage=None) -> ConversionResult:
-    """Run the stages of `plan` into a new `dst`: calibrate -> merge -> refine -> write -> metadata.
-    `layer_stage`: refine's hook after each layer's attention fit (refine.LayerStage), for experiments in bench/;
-    what it changes is not in the plan's command, so the card cannot make it again."""
+def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
+    """Run the stages of `plan` into a new `dst`: calibrate -> merge -> refine -> write -> metadata."""
     options, source = plan.options, plan.source
     dst = Path(dst).expanduser()
     _check_destination(source, dst, options.force)
@@ -92,7 +90,7 @@ def execute(plan: ConversionPlan, dst: Path, layer_stage=None) -> ConversionResu
         if plan.torch_reason is None:
             fast.write_tensors(plan.checkpoint, plan.tensors, tmp, plan.shard_bytes, options.progress)
         else:
-            layers, refined, stats = _run_torch(plan, tmp, Path(scratch), layer_stage)
+            layers, refined, stats = _run_torch(plan, tmp, Path(scratch))
         _copy_files(plan.copied, source, tmp)
         _write_config(plan.config, options.groups, options.dtype, tmp)
         extra = {
@@ -120,7 +118,7 @@ def _torch_threads(plan: ConversionPlan) -> int | None:
     return torch.get_num_threads()
 
 
-def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, layer_stage=None):
+def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
     """The torch stages: the calibration ids read once, the parent loaded once (for the statistics and for
     refine), the merge, refine, and the one writer pass. Returns (per-layer merge report, refine record,
     statistics)."""
@@ -166,7 +164,6 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, layer_stage=N
         out_dtype=options.dtype,
         spill_dir=out_dir,
         progress=options.progress,
-        layer_stage=layer_stage,
     )
     del parent, merged
     _write_tensors(plan, out_dir, stats, computed=refined)
