@@ -177,7 +177,7 @@ COMPRESSION = 3  # about what gzip, bz2, xz and zstd make of English text
 
 def text_tokens(entries) -> int | None:
     """About how many tokens local text files hold, from their sizes (None for a hub dataset)."""
-    from mha2gqa import textdata
+    from mha2gqa.corpus import textdata
 
     source = textdata.resolve("--data", entries)
     if source is None or source.hub is not None:

@@ -12,9 +12,9 @@ from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_family, save
 
 from mha2gqa import embedded
 from mha2gqa.cli import main
+from mha2gqa.corpus import probe as probe_set
 from mha2gqa.errors import InputError
 from mha2gqa.eval import evaluate, write_report
-from mha2gqa.eval import probe as probe_set
 from mha2gqa.eval.domains import geomean, pooled_perplexity
 from mha2gqa.eval.schema import load_results
 

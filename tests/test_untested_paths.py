@@ -189,7 +189,7 @@ def test_a_hub_model_id_downloads_safetensors_only_then_converts(tmp_path, monke
 def test_a_hub_dataset_is_read_through_datasets_streaming(monkeypatch):
     import datasets
 
-    from mha2gqa import textdata
+    from mha2gqa.corpus import textdata
 
     calls = []
 

@@ -26,16 +26,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from mha2gqa import textdata
 from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
     CalibrationInput,
     block_length,
     calibration_input,
-    interleaved,
     stats_bytes,
 )
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_MEMORY
+from mha2gqa.corpus import textdata
+from mha2gqa.corpus.mix import interleaved
 from mha2gqa.errors import InputError, InputWarning
 from mha2gqa.layouts import AttentionShape, Layout
 
@@ -196,7 +196,7 @@ def read_ids(source: Path, calibration: CalibrationInput, parent, seed: int, pro
     the statistics and --refine."""
     from transformers import AutoTokenizer
 
-    from mha2gqa.convert import sampling
+    from mha2gqa.corpus import sampling
 
     tokenizer = AutoTokenizer.from_pretrained(source)
     per_part, parts = [], []
@@ -218,7 +218,7 @@ def read_ids(source: Path, calibration: CalibrationInput, parent, seed: int, pro
 
 
 def interleave_blocks(parts: list[torch.Tensor], seq_len: int) -> torch.Tensor:
-    """The full blocks of every part, spread evenly in one order (inputs.interleaved)."""
+    """The full blocks of every part, spread evenly in one order (corpus.mix.interleaved)."""
     blocks = [ids[: len(ids) // seq_len * seq_len].view(-1, seq_len) for ids in parts]
     order = interleaved([len(b) for b in blocks])
     return torch.cat([blocks[p][i] for p, i in order]) if order else torch.zeros(0, dtype=torch.long)

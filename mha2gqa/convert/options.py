@@ -11,13 +11,13 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from enum import Enum
 
+from mha2gqa.corpus.mix import PARENT
 from mha2gqa.dtypes import dtype_name
 from mha2gqa.errors import InputError
 from mha2gqa.typed import StrEnum, check_keywords
 from mha2gqa.units import parse_size
 
 OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
-PARENT = "parent"  # the calibration source sampled from SRC itself (convert/sampling.py)
 # Half the parent's samples, half the embedded novels: the best of the calibrations measured on SmolLM2's four
 # probe domains (geometric mean 2.96x with the samples' chat turns, 3.56x before them, against 6.91x for the
 # samples alone and 5.90x for Austen alone, docs/calibration.md), and still no data of the user's.

@@ -18,7 +18,7 @@ from pathlib import Path
 from mha2gqa import provenance
 from mha2gqa.card import about_the_source, hub_id
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
-from mha2gqa.convert import config_file, fast, sampling
+from mha2gqa.convert import config_file, fast
 from mha2gqa.convert.inputs import (  # noqa: F401 (block_length re-exported)
     CALIBRATION_BATCH,
     CalibrationInput,
@@ -38,6 +38,7 @@ from mha2gqa.convert.options import (  # noqa: F401 (OUT_DTYPES re-exported)
 )
 from mha2gqa.convert.plan import Plan, make_plan
 from mha2gqa.convert.rope import check_calibrated, check_grouping, check_refine_layout, check_rotary_dims
+from mha2gqa.corpus import sampling
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
 from mha2gqa.estimates import convert_line

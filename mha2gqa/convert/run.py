@@ -56,7 +56,7 @@ def convert(
 ) -> ConversionResult:
     """Convert the model at `src` (directory or hub id) to `groups` kv heads, written to `dst`.
     The keywords are the fields of ConvertOptions (convert/options.py, one docstring each); or pass
-    `options=ConvertOptions(...)`. With `calibration` (files, folders or a hub dataset: see mha2gqa.textdata),
+    `options=ConvertOptions(...)`. With `calibration` (files, folders or a hub dataset: see mha2gqa.corpus.textdata),
     per-layer statistics of the attention input are gathered first (calibrated merge, similarity grouping,
     reconstruction errors); a sweep passes the statistics it gathered once with calibration.calibrate as
     `stats` instead. With `refine`, the merged attention is then refined layer by layer against the parent

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
+from mha2gqa.corpus.probe import parse_domains
 from mha2gqa.eval import measured_on, metrics, plots
 from mha2gqa.eval.plots import plt
-from mha2gqa.eval.probe import parse_domains
 from mha2gqa.eval.render import CSS, DASH, fmt_bytes
 from mha2gqa.sweep.options import BROKEN_SLACK
 from mha2gqa.units import byte_unit

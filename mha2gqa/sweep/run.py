@@ -26,13 +26,14 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from mha2gqa import estimates, provenance, textdata
+from mha2gqa import estimates, provenance
 from mha2gqa.convert.options import ConvertOptions, current_refine_fields
+from mha2gqa.corpus import textdata
+from mha2gqa.corpus.probe import parse_domains
 from mha2gqa.embedded import expand_corpus_name
 from mha2gqa.errors import InputError
 from mha2gqa.eval import schema
 from mha2gqa.eval.domains import geomean
-from mha2gqa.eval.probe import parse_domains
 from mha2gqa.eval.schema import write_result
 from mha2gqa.layouts import AttentionShape, attention_shape, layout_for, read_config
 from mha2gqa.reading import read_json
@@ -524,7 +525,7 @@ def uptrain_command(record: dict, row: dict) -> str:
 def _train_text(calibration) -> list[str]:
     """What the next step uptrains on: the calibration's text ('austen' as the embedded novels' files); the
     parent's samples are no uptrain data, so a calibration of them alone leaves TRAIN_TEXT for the user's."""
-    from mha2gqa.convert.inputs import PARENT, parse_spec
+    from mha2gqa.corpus.mix import PARENT, parse_spec
 
     names = [name for name, _ in parse_spec(calibration) if name != PARENT]
     return [_shown(p) for name in names for p in _as_list(expand_corpus_name(name))] or ["TRAIN_TEXT"]

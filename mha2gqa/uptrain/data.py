@@ -1,7 +1,7 @@
 """A recipe's data, ready for the loop: text -> tokens -> packed seq_len blocks (EOS between
 documents, no padding) -> per-rank training batches and the held-out eval blocks.
 
-Documents come from mha2gqa.textdata (a `datasets` Dataset of local files or a hub dataset). Training
+Documents come from mha2gqa.corpus.textdata (a `datasets` Dataset of local files or a hub dataset). Training
 batches are a pure function of (seed, micro-step, rank): a resumed run asks for the batches from its
 micro-step on and gets exactly what the uninterrupted run saw; the ranks take disjoint slices of
 every global batch (in memory) or disjoint documents (streaming).
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from mha2gqa import textdata
+from mha2gqa.corpus import textdata
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain.data_spec import DataPart, data_parts, is_plain
 from mha2gqa.uptrain.recipe import DataConfig, Recipe
