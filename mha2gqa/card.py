@@ -24,6 +24,7 @@ from mha2gqa.brief import domains_brief, lm_eval_brief
 from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import DTYPE_BYTES, config_dtype, head_counts, kv_cache_bytes
 from mha2gqa.reading import check_regular, parse_yaml, read_bytes, read_json
+from mha2gqa.sources import snapshot_hub_id
 from mha2gqa.units import format_bytes
 from mha2gqa.version import __version__
 from mha2gqa.writing import write_atomic
@@ -153,12 +154,6 @@ def _text(value) -> str:
     return shown if len(shown) <= 200 else shown[:199] + "…"
 
 
-def hub_id(path: str | None) -> str | None:
-    """org/name of a model the hub cache resolved (…/models--org--name/snapshots/…), else None."""
-    match = re.search(r"models--([^/]+?)--([^/]+)/snapshots/", str(path or ""))
-    return f"{match.group(1)}/{match.group(2)}" if match else None
-
-
 def kv_bytes_per_token(config: dict, kv_heads: int) -> int | None:
     """K and V of every layer for one token: 2 x layers x kv_heads x head_dim x bytes per value."""
     layers, (_, _, head_dim) = config.get("num_hidden_layers"), head_counts(config)
@@ -203,7 +198,7 @@ def render(model_dir: Path, source_card: Path | None, name: str) -> str:
 
 
 def _yaml_lines(conversion, after, source_meta, config) -> list[str]:
-    base = hub_id(conversion["source"]) if conversion else None
+    base = snapshot_hub_id(conversion["source"]) if conversion else None
     tags = ["mha2gqa"]
     heads, kv_heads, _ = head_counts(config)
     if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads < heads:  # an MHA model gets no GQA tags
@@ -248,7 +243,7 @@ def _summary(conversion, after, config, evaluated: bool) -> list[str]:
 
 
 def _source_name(conversion) -> str:
-    return hub_id(conversion["source"]) or f"The model in `{_text(Path(conversion['source']).name)}`"
+    return snapshot_hub_id(conversion["source"]) or f"The model in `{_text(Path(conversion['source']).name)}`"
 
 
 def _conversion_section(c: dict, config: dict) -> list[str]:
@@ -438,7 +433,7 @@ def _yaml_details(name: str, mapping: dict) -> list[str]:
 
 def _legacy_command(conversion: dict) -> str:
     """The convert command of a record written before convert recorded its own."""
-    words = ["mha2gqa", "convert", hub_id(conversion["source"]) or conversion["source"], "OUT"]
+    words = ["mha2gqa", "convert", snapshot_hub_id(conversion["source"]) or conversion["source"], "OUT"]
     words += ["--groups", str(conversion["groups"]), "--method", conversion["method"]]
     if conversion.get("seed"):
         words += ["--seed", str(conversion["seed"])]

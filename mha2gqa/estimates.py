@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import math
 
-from mha2gqa.convert.inputs import stats_bytes
-
 SMALL, LARGE = 6_163_712, 134_515_008  # the embedded model's parameters and SmolLM2-135M's
 # Seconds per token per parameter (refine_step: per attention parameter of one layer), on CPU, as
 # (at SMALL, at LARGE); None where only the embedded model was timed.
@@ -106,8 +104,7 @@ def convert_seconds(plan, start: bool = True, calibration: bool = True) -> float
     if calibration and plan.calibration is not None:
         seconds += plan.calibration.sampled_tokens * parameters * rate("sample", parameters)
     if calibration and plan.gathers_statistics:
-        per_pass = max(1, plan.calibration_memory // stats_bytes(shape.hidden))
-        seconds += calibration_seconds(plan.calibration.tokens, parameters, -(-shape.layers // per_pass))
+        seconds += calibration_seconds(plan.calibration.tokens, parameters, plan.calibration_passes)
     budget, refine = plan.refine_budget, options.refine
     if refine is not None and budget is not None:
         batch = refine.batch_blocks * budget.seq_len

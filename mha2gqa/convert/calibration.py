@@ -31,7 +31,7 @@ from mha2gqa.convert.inputs import (
     CalibrationInput,
     block_length,
     calibration_input,
-    stats_bytes,
+    layers_per_pass,
 )
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_MEMORY
 from mha2gqa.corpus import textdata
@@ -123,7 +123,7 @@ def collect_statistics(
     """Run ids (N,) through `model` (a loaded causal LM) and write each layer's gram to out_dir."""
     device = next(model.parameters()).device
     width = model.get_submodule(input_module(layout, 0)).weight.shape[1]
-    per_pass = max(1, memory_bytes // stats_bytes(width))
+    per_pass = layers_per_pass(memory_bytes, width)
     batches = _batches(ids, seq_len, batch_size)
     passes = range(0, shape.layers, per_pass)
     bar = tqdm(total=len(batches) * len(passes), desc="calibrate", unit="batch", disable=not progress)

@@ -30,6 +30,11 @@ def stats_bytes(hidden: int) -> int:
     return (hidden + 1) ** 2 * 8
 
 
+def layers_per_pass(memory_bytes: int, hidden: int) -> int:
+    """How many layers' statistics one pass of the calibration tokens gathers within --calibration-memory."""
+    return max(1, memory_bytes // stats_bytes(hidden))
+
+
 @dataclass(frozen=True)
 class CalibrationPart:
     """One source of calibration tokens: text (a resolved textdata.TextSource) or samples of the parent."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mha2gqa import provenance
-from mha2gqa.card import about_the_source, hub_id
+from mha2gqa.card import about_the_source
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
 from mha2gqa.convert import config_file, fast
 from mha2gqa.convert.inputs import (  # noqa: F401 (block_length re-exported)
@@ -25,6 +25,7 @@ from mha2gqa.convert.inputs import (  # noqa: F401 (block_length re-exported)
     RefineBudget,
     block_length,
     calibration_input,
+    layers_per_pass,
     stats_bytes,
 )
 from mha2gqa.convert.options import (  # noqa: F401 (OUT_DTYPES re-exported)
@@ -52,7 +53,7 @@ from mha2gqa.layouts import (
     read_config,
 )
 from mha2gqa.reading import check_regular, inside
-from mha2gqa.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir
+from mha2gqa.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir, snapshot_hub_id
 from mha2gqa.units import format_bytes, parse_size  # noqa: F401 (parse_size re-exported)
 
 NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME, config_file.CONFIG_NAME}  # written anew, not copied
@@ -103,6 +104,11 @@ class ConversionPlan:
     @property
     def refine(self) -> RefineOptions | None:
         return self.options.refine
+
+    @property
+    def calibration_passes(self) -> int:
+        """Passes of the calibration tokens through SRC that gather the statistics within --calibration-memory."""
+        return -(-self.shape.layers // layers_per_pass(self.calibration_memory, self.shape.hidden))
 
     def command(self) -> str:
         """The `mha2gqa convert` command line that makes this conversion again (byte for byte), with OUT
@@ -182,7 +188,7 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
     torch_reason = fast.request_refusal(options, config, calibrated) or fast.plan_refusal(tensors, checkpoint.tensors)
     plan = ConversionPlan(
         source=source,
-        source_spec=hub_id(str(source)) or (str(source) if Path(str(src)).expanduser().is_dir() else str(src)),
+        source_spec=snapshot_hub_id(str(source)) or (str(source) if Path(str(src)).expanduser().is_dir() else str(src)),
         options=options,
         config=config,
         layout=layout,
@@ -290,9 +296,7 @@ def _sample_stage(calibration: CalibrationInput, params: int) -> Stage:
 
 
 def _calibrate_stage(plan: ConversionPlan, calibration_tokens: int) -> Stage:
-    shape = plan.shape
-    per_pass = max(1, plan.calibration_memory // stats_bytes(shape.hidden))
-    passes = -(-shape.layers // per_pass)
+    shape, passes = plan.shape, plan.calibration_passes
     words = _data_words(plan.calibration) if plan.calibration is not None else "the statistics' data"
     return Stage(
         "calibrate",

@@ -35,13 +35,13 @@ from mha2gqa.errors import InputError
 from mha2gqa.eval import schema
 from mha2gqa.eval.domains import geomean
 from mha2gqa.eval.schema import write_result
+from mha2gqa.eval.sweep_schema import SWEEP_SCHEMA
 from mha2gqa.layouts import AttentionShape, attention_shape, layout_for, read_config
 from mha2gqa.reading import read_json
 from mha2gqa.run_folder import check_folder, continued_folder, run_folder, scratch_folder
 from mha2gqa.sources import resolve_model_dir
 from mha2gqa.sweep.options import BROKEN_SLACK, SweepOptions
 from mha2gqa.sweep.render import QUALITY_PNG, SENSITIVITY_PNG
-from mha2gqa.sweep.schema import SWEEP_SCHEMA
 from mha2gqa.writing import check_room
 
 UPTRAIN_RECIPE = Path(__file__).resolve().parent.parent / "demo" / "demo-uptrain.yaml"
