@@ -29,17 +29,35 @@ def progress_bar(total: float, desc: str, enabled: bool, **kwargs):
     return tqdm(total=total, desc=desc, **kwargs)
 
 
+def _open_bars() -> list:
+    """Every tqdm bar still open, ours and the libraries' (transformers', tqdm.auto's and the notebook's bars are
+    subclasses, each of which may keep its own set)."""
+    std = sys.modules.get("tqdm.std")
+    if std is None:  # no bar was ever made
+        return []
+    classes, open_bars = [std.tqdm], []
+    while classes:
+        cls = classes.pop()
+        classes += cls.__subclasses__()
+        open_bars += [bar for bar in list(cls.__dict__.get("_instances", ())) if bar not in open_bars]
+    return open_bars
+
+
+def write_line(text: str, err: bool = True) -> None:
+    """`text` on a line of its own, on stderr (or stdout), whatever bars are drawn: with a bar open, through
+    tqdm.write, which clears the bars, prints the line and draws them again below it. Printed plainly, a
+    `Warning:` line landed on the bar's line ("convert: 40%|####  | Warning: ...") and the bar redrew over it.
+    Every warning the CLI shows goes through here (cli/__init__.py)."""
+    stream = sys.stderr if err else sys.stdout
+    if _open_bars():
+        sys.modules["tqdm.std"].tqdm.write(text, file=stream)
+    else:
+        print(text, file=stream, flush=True)
+
+
 def close_open_bars() -> None:
     """Close every tqdm bar still open (ours and the libraries'), before a line that ends the program: a
     bar left open holds the cursor, so the `Error:` line was printed on the bar's line, and the bar redrew
     itself after it when it was collected."""
-    std = sys.modules.get("tqdm.std")
-    if std is None:  # no bar was ever made
-        return
-    classes, open_bars = [std.tqdm], []
-    while classes:  # tqdm.auto's, transformers' and the notebook's bars are subclasses, each may keep its own set
-        cls = classes.pop()
-        classes += cls.__subclasses__()
-        open_bars += [bar for bar in list(cls.__dict__.get("_instances", ())) if bar not in open_bars]
-    for bar in open_bars:
+    for bar in _open_bars():
         bar.close()

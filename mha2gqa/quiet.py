@@ -10,7 +10,9 @@ Each message left out here tells the user nothing the command does not already s
 - accelerate's "Removed shared tensor {...} while saving" for tied embeddings at a checkpoint (expected;
   resume is tested to be bit-identical);
 - transformers' FutureWarning "`is_gradient_checkpointing` is deprecated", raised inside peft's
-  get_peft_model, not by our code.
+  get_peft_model, not by our code;
+- transformers' "Writing model shards" bar of save_pretrained (uptrain's final model): the stage already has
+  our bar, and one bar per stage is the rule.
 Every other message of these libraries still shows.
 """
 
@@ -65,6 +67,20 @@ def without_datasets_bars():
     finally:
         if was_on:
             ds_logging.enable_progress_bar()
+
+
+@contextmanager
+def without_transformers_bars():
+    """No transformers progress bars (save_pretrained's "Writing model shards") while inside; restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 @contextmanager

@@ -397,3 +397,70 @@ def _unresolved(parts: list[str], modules: dict, classes: dict) -> str | None:
     if parts[0] in classes and parts[1] not in classes[parts[0]]:
         return f"{parts[0]} has no {parts[1]}"
     return None
+
+
+# ---- examples write outside the tree, or into ignored folders ----
+
+RUNNABLE = re.compile(r"mha2gqa/data/|recipes/|\bausten\b")  # an example a reader runs as written, from the clone
+
+
+def _ignored_folders() -> list[str]:
+    """The folders .gitignore keeps out of the repository, anchored at its root (/runs/ -> runs/)."""
+    lines = (ROOT / ".gitignore").read_text().splitlines()
+    return [line.strip("/") + "/" for line in lines if line.startswith("/") and line.endswith("/")]
+
+
+def _written_paths(words: list[str]) -> list[str]:
+    """Where an example command writes: convert's DST, --out, output_dir=."""
+    found = [w.split("=", 1)[1] for w in words if w.startswith("output_dir=")]
+    found += [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--out"]
+    if words[:2] == ["mha2gqa", "convert"]:
+        positional = [w for w in words[2:] if not w.startswith("-")][:2]
+        found += positional[1:] if "--config" not in words else []
+    return found
+
+
+def _example_commands(page: Path):
+    """(line, words) of every `mha2gqa ...` command in the page's code blocks and inline code."""
+    lines, in_code = [], False
+    for line in page.read_text().replace("\\\n", " ").splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif in_code:
+            lines.append(line.split(" #")[0].strip())
+        else:
+            lines += re.findall(r"`([^`]+)`", line)
+    for line in lines:
+        if "mha2gqa " not in line:
+            continue
+        try:
+            words = shlex.split(line[line.index("mha2gqa ") :])
+        except ValueError:
+            continue
+        yield line, words
+
+
+def _placeholder(path: str) -> bool:
+    """DST, OUT, W/demo, $VAR, ...: a name the reader replaces."""
+    return bool(re.fullmatch(r"[A-Z]+(/.*)?|\$.*|\.\.\.", path))
+
+
+def test_runnable_examples_write_outside_the_tree_or_into_ignored_folders():
+    # docs/convert.md's example wrote out-gqa2/ into the clone, where git shows it as new.
+    ignored, inside = _ignored_folders(), []
+    for page in PAGES:
+        for line, words in _example_commands(page):
+            if not RUNNABLE.search(line):
+                continue
+            for path in _written_paths(words):
+                outside = path.startswith(("/", "~")) or _placeholder(path)
+                if not outside and not any(path.lstrip("./").startswith(folder) for folder in ignored):
+                    inside.append(f"{page.relative_to(ROOT)}: {path} in `{line}`")
+    assert inside == []
+
+
+def test_the_example_check_finds_a_path_inside_the_tree():
+    words = shlex.split("mha2gqa convert mha2gqa/data/austen-mha out-gqa2 --groups 2")
+    assert _written_paths(words) == ["out-gqa2"]
+    assert _written_paths(shlex.split("mha2gqa uptrain --recipe recipes/tiny-cpu.yaml output_dir=runs/x")) == ["runs/x"]
+    assert "runs/" in _ignored_folders()

@@ -23,6 +23,7 @@ NOISE = (
     "Loading weights",
     "Removed shared tensor",
     "is_gradient_checkpointing",
+    "Writing model shards",
 )
 
 
@@ -88,3 +89,18 @@ def test_a_lora_run_with_checkpoints_of_a_tied_model_prints_no_library_chatter(t
     shown = out + err + "\n".join(str(w.message) for w in caught)
     assert _noise_in(shown) == [], shown[-3000:]
     assert (tmp_path / "up" / "final").is_dir() or any((tmp_path / "up").iterdir())
+
+
+def test_the_final_save_shows_no_writing_shards_bar_and_restores_the_setting(tmp_path, capfd):
+    # transformers' "Writing model shards" bar of a one-shard save showed beside uptrain's own bar.
+    from accelerate import Accelerator
+    from tiny_models import make_tiny_model, make_tiny_tokenizer
+    from transformers.utils import logging as hf_logging
+
+    from mha2gqa.uptrain.loop import save_final
+
+    model = make_tiny_model("llama")
+    save_final(Accelerator(cpu=True), model, make_tiny_tokenizer(), tmp_path, model.dtype)
+    out, err = capfd.readouterr()
+    assert "Writing model shards" not in out + err, err
+    assert (tmp_path / "model.safetensors").is_file() and hf_logging.is_progress_bar_enabled()

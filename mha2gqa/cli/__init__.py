@@ -10,7 +10,7 @@ from contextlib import contextmanager, suppress
 import click
 
 from mha2gqa.errors import WeightWarning, exit_report, one_line, signals_as_interrupts
-from mha2gqa.progress import close_open_bars
+from mha2gqa.progress import close_open_bars, write_line
 from mha2gqa.version import __version__
 
 
@@ -25,16 +25,16 @@ class _OneLineError(click.ClickException):
 
 @contextmanager
 def _one_line_warnings():
-    """WeightWarnings (about the user's weights) as `Warning: <message>` lines; other warnings as usual."""
+    """Every warning on a line of its own, above any progress bar (progress.write_line): WeightWarnings (about
+    the user's weights) as `Warning: <message>`, other warnings in Python's usual form."""
     with warnings.catch_warnings():
         warnings.simplefilter("always", WeightWarning)
-        default = warnings.showwarning
 
-        def show(message, category, *args, **kwargs):
+        def show(message, category, filename, lineno, file=None, line=None):
             if issubclass(category, WeightWarning):
-                click.echo(f"Warning: {message}", err=True)
+                write_line(f"Warning: {message}")
             else:
-                default(message, category, *args, **kwargs)
+                write_line(warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"))
 
         warnings.showwarning = show
         yield

@@ -111,9 +111,7 @@ def eval_command(model, quiet, out, force, **options):
     threads.apply(threads.for_model(model))
 
     result = evaluate(model, options=EvalOptions(**options, out=out, progress=not quiet))
-    click.echo(summary(result), err=out is None)
-    for message in result["warnings"]:
-        click.secho(f"WARNING: {message}", fg="red", bold=True, err=True)
+    click.echo(summary(result), err=out is None)  # its warnings were shown as they came (evaluate warns)
     if out is None:
         click.echo(json.dumps(result, indent=2))
 

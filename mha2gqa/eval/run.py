@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from mha2gqa import provenance as model_provenance
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.eval import measurements, provenance, speed
 from mha2gqa.eval import model as M
 from mha2gqa.eval import perplexity as P
@@ -71,8 +71,8 @@ def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | No
     for measurement in measurements.MEASUREMENTS:  # looked up now: the registry is the module's list
         if measurement.wanted(o):
             result.update(measurement.measure(loaded))
-    for message in result["warnings"]:
-        warnings.warn(message, stacklevel=2)
+    for message in result["warnings"]:  # the CLI shows each as one `Warning:` line (cli/__init__.py)
+        warnings.warn(message, WeightWarning, stacklevel=2)
     if o.out:
         write_result(result, Path(o.out))
         _refresh_card(Path(model_dir), Path(o.out))

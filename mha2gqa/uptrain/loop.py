@@ -15,6 +15,7 @@ import torch
 from mha2gqa import provenance
 from mha2gqa.card import write_card
 from mha2gqa.errors import InputError
+from mha2gqa.quiet import without_transformers_bars
 from mha2gqa.uptrain import checkpoints, lora, mixed_data
 from mha2gqa.uptrain.data import TrainData
 from mha2gqa.uptrain.models import (
@@ -279,7 +280,8 @@ def save_final(accelerator, model, tokenizer, out: Path, dtype: torch.dtype, fin
             # fp32 master weights -> the dtype the source was stored in (a bf16 7B stays 14 GB, not 28).
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
             unwrapped = accelerator.unwrap_model(model)
-            unwrapped.save_pretrained(staging, state_dict=state, is_main_process=True)
+            with without_transformers_bars():  # its "Writing model shards" bar beside ours: one bar a stage
+                unwrapped.save_pretrained(staging, state_dict=state, is_main_process=True)
             _set_config_dtype(staging / "config.json", dtype)
             tokenizer.save_pretrained(staging)
             if finish is not None:
