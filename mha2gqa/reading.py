@@ -16,6 +16,7 @@ Each breach is one InputError line naming the file and the limit.
 
 from __future__ import annotations
 
+import difflib
 import errno
 import json
 import os
@@ -231,6 +232,44 @@ def parse_yaml(text: str, where, fix: str, limit: int = MAX_YAML_BYTES):
         loader.dispose()
 
 
+MAX_SIBLINGS = 2000  # a folder listed for a "did you mean": beyond this many entries, none is offered
+
+
+def near_miss(path) -> Path | None:
+    """An existing path one typo away from a missing `path` (runs/smoll -> runs/smol): the first part of it
+    that does not exist, replaced by the closest name in its folder, when the whole path then exists;
+    None otherwise (nothing close, or `path` exists)."""
+    path = Path(path).expanduser()
+    parts = path.parts
+    for depth in range(1, len(parts) + 1):
+        here = Path(*parts[:depth])
+        if os.path.lexists(here):
+            continue
+        folder = here.parent
+        try:
+            names = [entry.name for _, entry in zip(range(MAX_SIBLINGS + 1), os.scandir(folder))]
+        except OSError:
+            return None
+        if len(names) > MAX_SIBLINGS:
+            return None
+        for close in difflib.get_close_matches(here.name, names, n=3, cutoff=0.75):
+            found = Path(folder, close, *parts[depth:])
+            if os.path.lexists(found):
+                return found
+        return None
+    return None
+
+
+def did_you_mean(path, words: str = " (did you mean {}?)") -> str:
+    """`words` with the near_miss of a missing `path` in it (' (did you mean runs/smol?)'), else '': every "no
+    such file" message that names a local path ends with it, as a mistyped flag or recipe key gets one."""
+    found = near_miss(path)
+    if found is None:
+        return ""
+    written = Path(str(path)).expanduser()
+    return words.format(found if written.is_absolute() or str(path).startswith("~") else os.path.relpath(found))
+
+
 def read_yaml_mapping(path, where: str, kind: str, limit: int, size_fix: str, fix: str) -> dict:
     """A YAML file that must hold one mapping (a recipe, a convert config), {} when empty. Refused in one
     line naming `where` (e.g. "recipe PATH"): missing, over `limit` bytes (`size_fix`), not UTF-8,
@@ -238,7 +277,7 @@ def read_yaml_mapping(path, where: str, kind: str, limit: int, size_fix: str, fi
     import yaml
 
     if not os.path.lexists(path):
-        raise InputError(f"{where}: no such file ({fix})")
+        raise InputError(f"{where}: no such file{did_you_mean(path)} ({fix})")
     try:
         text = read_bytes(Path(path), limit, kind=kind, fix=size_fix).decode("utf-8")
         raw = parse_yaml(text, where, fix)

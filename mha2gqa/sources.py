@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from mha2gqa.errors import InputError
+from mha2gqa.reading import did_you_mean
 
 # What a conversion or an eval needs from a hub repo: never pickled weights.
 MODEL_FILE_PATTERNS = ["*.safetensors", "*.json", "*.model", "*.txt", "*.tiktoken", "tokenizer*"]
@@ -62,13 +63,14 @@ def model_ref_problem(name: str, what: str = "") -> str | None:
         return None
     if path.exists():
         return f"{label} is a file: pass a model directory or a hub id like gpt2 or org/name"
-    local = looks_local(name)
+    local, near = looks_local(name), did_you_mean(name, "did you mean {}?")
     if local or not is_hub_id(name):
-        why = f" ({local})" if local else ""
+        why = "; ".join(filter(None, [local, near]))
+        why = f" ({why})" if why else ""
         return f"{label}: no such directory{why}, and not a hub id like gpt2 or org/name"
     if hub_offline() and cached_snapshot(name) is None:
         return (
-            f"{label} is not a local directory and the hub is offline (HF_HUB_OFFLINE=1), and the hub cache "
+            f"{label} is not a local directory{f' ({near})' if near else ''} and the hub is offline (HF_HUB_OFFLINE=1), and the hub cache "
             f"({_cache_dir()}) holds no snapshot of it: download it first or pass a local path"
         )
     return None

@@ -12,6 +12,7 @@ from mha2gqa.corpus.probe import parse_domains
 from mha2gqa.dtypes import dtype_name
 from mha2gqa.errors import InputError
 from mha2gqa.eval.schema import check_writable
+from mha2gqa.reading import did_you_mean
 from mha2gqa.sources import looks_local, model_ref_problem, require_safetensors
 
 # eval flags with a least value; the messages are eval/run.py's and eval/perplexity.py's
@@ -56,7 +57,9 @@ def check_eval(model: str, options: dict, out: str | None, force: bool) -> dict:
         check_model(options["reference"], "--reference ")
     tokenizer = options.get("tokenizer")
     if tokenizer and not Path(tokenizer).expanduser().is_dir() and looks_local(tokenizer):
-        raise InputError(f"--tokenizer {tokenizer}: no such directory ({looks_local(tokenizer)})")
+        raise InputError(
+            f"--tokenizer {tokenizer}: no such directory ({looks_local(tokenizer)}){did_you_mean(tokenizer)}"
+        )
     for path in (parse_domains(options.get("data")) or {}).values():  # each named text (default: the probe set)
         textdata.resolve("--data", path)
     for flag, key, least in _EVAL_LEAST:

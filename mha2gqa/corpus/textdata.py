@@ -25,7 +25,7 @@ from pathlib import Path
 
 from mha2gqa.errors import InputError, first_line
 from mha2gqa.quiet import without_datasets_bars
-from mha2gqa.reading import file_kind, parse_json
+from mha2gqa.reading import did_you_mean, file_kind, near_miss, parse_json
 from mha2gqa.sources import hub_offline
 
 # File suffix -> format; the format is also the name of the `datasets` builder that reads it.
@@ -115,8 +115,8 @@ def _resolve(key, entries, problems, check_files, one_format) -> TextSource | No
             problems.append(f"{key} {entry} is {_kind(path)}, not a regular file: pass a text file")
         elif not check_files and _looks_local(entry):
             files.append(path)
-        elif _looks_local(entry):
-            problems.append(f"{key} {entry}: no such file or folder")
+        elif _looks_local(entry) or near_miss(entry):
+            problems.append(f"{key} {entry}: no such file or folder{did_you_mean(entry)}")
         elif len(entries) > 1:
             problems.append(f"{key} {entry}: not a local path, and a hub dataset must be the only entry")
         elif check_files and hub_offline():

@@ -16,7 +16,7 @@ from mha2gqa import provenance as model_provenance  # noqa: E402
 from mha2gqa.errors import InputError  # noqa: E402
 from mha2gqa.eval import measured_on, schema  # noqa: E402
 from mha2gqa.eval.metrics import tokens_per_s_iqr  # noqa: E402
-from mha2gqa.reading import MAX_JSON_BYTES, parse_json_lines, read_bytes  # noqa: E402
+from mha2gqa.reading import MAX_JSON_BYTES, did_you_mean, parse_json_lines, read_bytes  # noqa: E402
 from mha2gqa.units import byte_unit  # noqa: E402
 
 ROLE_COLORS = {"parent": "#1f77b4", "converted": "#d62728", "uptrained": "#2ca02c"}
@@ -142,7 +142,9 @@ def _speed_line(ax, r: dict, context: int) -> list[str]:
 def read_metrics(path: Path) -> list[dict]:
     path = Path(path)
     if not os.path.lexists(path):
-        raise InputError(f"--metrics {path}: no such file (uptraining writes metrics.jsonl in its output_dir)")
+        raise InputError(
+            f"--metrics {path}: no such file{did_you_mean(path)} (uptraining writes metrics.jsonl in its output_dir)"
+        )
     fix = "pass the uptrain metrics.jsonl"
     raw = parse_json_lines(read_bytes(path, MAX_JSON_BYTES, kind="metrics"), f"--metrics {path}", fix)
     rows = []

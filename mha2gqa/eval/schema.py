@@ -33,7 +33,7 @@ from pathlib import Path
 
 from mha2gqa.errors import InputError, user_file_error
 from mha2gqa.eval.sweep_schema import SWEEP_SCHEMA
-from mha2gqa.reading import read_json
+from mha2gqa.reading import did_you_mean, read_json
 from mha2gqa.writing import write_atomic
 
 SCHEMA = "mha2gqa.eval/1"
@@ -181,7 +181,9 @@ def _sweep_part(path, name: str, part) -> dict:
 
 def _read_json(path: Path):
     if not os.path.lexists(path):
-        raise InputError(f"{path}: no such result file (write one with `mha2gqa eval MODEL --out {path}`)")
+        raise InputError(
+            f"{path}: no such result file{did_you_mean(path)} (write one with `mha2gqa eval MODEL --out {path}`)"
+        )
     return read_json(path, "pass a file written by `mha2gqa eval`")
 
 

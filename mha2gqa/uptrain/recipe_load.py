@@ -22,7 +22,7 @@ import yaml
 
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import read_config
-from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, parse_yaml, read_yaml_mapping
+from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, did_you_mean, parse_yaml, read_yaml_mapping
 from mha2gqa.sources import hub_offline, is_hub_id, looks_local, model_ref_problem
 from mha2gqa.uptrain.data_spec import check_rules, data_parts
 from mha2gqa.uptrain.recipe import BudgetConfig, LoraConfig, Recipe, all_keys, group_keys
@@ -260,7 +260,7 @@ def _check_config_ref(value: str, p: list[str]) -> None:
     if path.is_dir():
         p.append(f"init_from_config={value} holds no config.json")
     elif value.endswith(".json") or looks_local(value) or not is_hub_id(value):
-        p.append(f"init_from_config={value}: no such file")
+        p.append(f"init_from_config={value}: no such file{did_you_mean(value)}")
     elif hub_offline():
         p.append(f"init_from_config={value} is not local and the hub is offline (HF_HUB_OFFLINE=1)")
 
