@@ -186,7 +186,7 @@ def test_report_into_an_earlier_report_needs_force(three, tmp_path):
     """A second report into the same --out is refused in one line and changes nothing; --force replaces it."""
     out = tmp_path / "rep"
     runner = CliRunner()
-    assert runner.invoke(main, ["report", *map(str, three), "--out", str(out)]).exit_code == 0
+    assert runner.invoke(main, ["report", *map(str, three), "--out", str(out), "--speedup-apart"]).exit_code == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     again = runner.invoke(main, ["report", *map(str, three), "--out", str(out), "--baseline", "gqa2"])
     assert again.exit_code == 2, again.output
@@ -297,14 +297,19 @@ def test_a_speed_up_inside_the_noise_is_marked_not_claimed(tmp_path):
     assert clear_row.endswith(f"| 2,909 (2,783–3,048) | {0.12 / 0.022:.2f}× |")
     assert any("marked noise is smaller than its uncertainty" in n for n in table["notes"])
 
-    # The plot draws medians with interquartile bars: the 1.78 s repeat moves neither line nor axis.
-    fig = plots.speed_figure(results)
+    # The plot draws what the table says: the speed-ups with their ranges, the noisy one hollow and labelled.
+    fig = plots.speed_figure(results, speedup_apart=True)
     ax = fig.axes[0]
-    medians = sorted(
-        line.get_ydata()[0] for line in ax.get_lines() if len(line.get_ydata()) == 1 and line.get_marker() == "o"
-    )
-    assert medians == pytest.approx(sorted([64 / 0.12, 64 / 0.10, 64 / 0.022]))
-    assert ax.get_ylim()[1] < 1.2 * 64 / 0.021  # the top of the clear model's bar, not 64/0.020 or beyond
+    drawn = {
+        round(float(line.get_ydata()[0]), 6): line.get_markerfacecolor()
+        for line in ax.get_lines()
+        if len(line.get_ydata()) == 1 and line.get_marker() == "o"
+    }
+    assert sorted(drawn) == pytest.approx(sorted([0.12 / 0.10, 0.12 / 0.022]))
+    noisy_face = drawn[round(0.12 / 0.10, 6)]
+    assert noisy_face == "white" and drawn[round(0.12 / 0.022, 6)] != "white"
+    assert [t.get_text() for t in ax.texts] == ["noise"]
+    assert plots.speed_figure(results) is None  # timed apart, without --speedup-apart: nothing to set side by side
 
 
 def test_columns_nobody_measured_are_left_out_and_lm_eval_gets_its_own_table(three, tmp_path):

@@ -39,6 +39,7 @@ def test_speeds_from_separate_runs_give_no_speed_up_and_say_why(tmp_path):
     md = written["markdown"].read_text()
     assert "speed-up ↑" not in md and "0.29×" not in md
     assert "| 23.9, load 13.0/2 CPUs |" in md  # each speed shown beside its machine's load
+    assert "speed_vs_batch" not in written  # nor drawn: three loads side by side are no comparison of models
 
     asked = json.loads(
         write_report(write_results(tmp_path, results), tmp_path / "asked", speedup_apart=True)["json"].read_text()
@@ -104,13 +105,41 @@ def test_side_by_side_needs_a_reference_and_speed():
 
 
 def test_a_median_outside_its_own_iqr_is_drawn_without_its_bar(tmp_path):
-    """Issue 29 class 10: matplotlib refused the whole report ("'yerr' must not contain negative values")."""
+    """Issue 29 class 10: matplotlib refused the whole report ("'yerr' must not contain negative values"). A lone
+    result's plot draws its tokens/s with their IQR bars."""
     odd = fake_result("odd", "converted", 2, 20.0, 256, {1: 50.0, 4: 90.0})
     odd["speed"]["points"][1]["tokens_per_s_iqr"] = [100.0, 120.0]  # the median 90 lies below its IQR
-    results = [fake_result("parent", "parent", 8, 10.0, 1024, {1: 40.0, 4: 80.0}), odd]
+    results = [odd]
     written = write_report(write_results(tmp_path, results), tmp_path / "rep")
     assert written["speed_vs_batch"].read_bytes()[:4] == b"\x89PNG"
     notes = json.loads(written["json"].read_text())["notes"]
     assert any("leaves out the interquartile bar of odd B=4 T=128" in n for n in notes)
     fig = plots.speed_figure(results)
     assert any("IQR bar left out (median outside its IQR): odd B=4 T=128" in t.get_text() for t in fig.texts)
+
+
+def _timed_beside(result: dict, reference: dict, theirs: dict[int, float], run: str) -> dict:
+    """`result` as `eval --speed-side-by-side` writes it: the reference's speeds of the same run beside its own."""
+    points = [dict(p, tokens_per_s=theirs[p["batch"]]) for p in result["speed"]["points"]]
+    result["reference"] = {"path": reference["model"]["path"], "resolved": reference["model"]["path"], "label": "p"}
+    result["model"]["resolved"] = result["model"]["path"]
+    reference["model"]["resolved"] = reference["model"]["path"]
+    result["speed"]["side_by_side"] = {
+        "id": run,
+        "points": points,
+        "reference_label": reference["label"],
+        "reference_resolved": reference["model"]["path"],
+    }
+    return result
+
+
+def test_the_speed_plot_draws_the_side_by_side_speed_ups_not_the_speeds_of_separate_runs(tmp_path):
+    # The demo: the parent's own run at one load (501 tok/s), each child timed beside the parent in its own run.
+    parent = fake_result("parent", "parent", 8, 10.0, 1024, {1: 501.0, 4: 900.0})
+    child = fake_result("uptrained", "uptrained", 2, 12.0, 256, {1: 335.0, 4: 700.0})
+    child = _timed_beside(child, parent, {1: 330.0, 4: 350.0}, "run-2")
+    fig = plots.speed_figure([parent, child])
+    ax = fig.axes[0]
+    ys = sorted(float(y) for line in ax.get_lines() if line.get_marker() == "o" for y in line.get_ydata())
+    assert ys == pytest.approx(sorted([335.0 / 330.0, 700.0 / 350.0]))  # not 335 / 501
+    assert "baseline" in ax.get_legend_handles_labels()[1][0] and "speed-up" in ax.get_ylabel()

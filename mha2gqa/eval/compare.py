@@ -51,15 +51,37 @@ def comparison_rows(results: list[dict], base: int, speedup_apart: bool = False)
             "A speed-up marked noise is smaller than its uncertainty: with either model's median anywhere in its "
             "confidence interval (from the spread of its timed repeats) the ratio would cross 1, so none is claimed."
         )
+    if len(results) == 1:  # nothing to compare with: no model is shown as its own baseline
+        rows = [_without_comparisons(rows[0], entries)]
+        notes.insert(0, NOTHING_TO_COMPARE)
     empty = [e.column.format(at="") for e in entries if e.column and not metrics.shown(e, rows)]
     if empty:
         notes.append(f"Left out, no result has a value: {', '.join(empty)}.")
     return rows, {
-        "baseline": results[base]["label"],
+        "baseline": results[base]["label"] if len(results) > 1 else None,
         "speed_point": point,
         "notes": notes,
         "metrics": [entry.legend() for entry in entries],
     }
+
+
+NOTHING_TO_COMPARE = (
+    "Nothing to compare with: one result, measured without --reference, so no ratio, saving or speed-up is shown. "
+    "Measure it against its parent (`mha2gqa eval MODEL --reference PARENT`), or report it beside other results."
+)
+# The values a lone result would get against itself (+0.0%, 1.00x): comparisons, left empty.
+COMPARED = ("perplexity_change", "kv_saving", "speedup", "speedup_range", "speedup_noisy", "domains_ratio")
+
+
+def _without_comparisons(row: dict, entries: list[metrics.Metric]) -> dict:
+    row = dict(row)
+    for entry in entries:
+        name = entry.name
+        if name in COMPARED or name.startswith("lm_eval_delta:"):
+            row[name] = None
+        elif name.startswith("domain:") and name.endswith(":perplexity") and row.get(name):
+            row[name] = {**row[name], "ratio": None}
+    return row
 
 
 def recovery_notes(results: list[dict], starts: list[lineage.Start | None]) -> list[str]:
@@ -88,9 +110,10 @@ def table_notes(results: list[dict]) -> list[str]:
         notes.append(f"Decode speeds were measured on different devices: {', '.join(sorted(map(str, devices)))}.")
     if sum(1 for r in results if r.get("speed")) > 1 and speed_point(results) is None:
         notes.append("No (batch, context) point was measured by every result: tokens/s is not compared.")
-    outside = [
+    timed = [r for r in results if schema.speed_points(r)]
+    outside = [  # the plot draws tokens/s with their IQR bars for a lone timed result (else speed-ups)
         f"{r['label']} B={p['batch']} T={p['context']}"
-        for r in results
+        for r in (timed if len(timed) == 1 else [])
         for p in schema.speed_points(r)
         if (q := metrics.tokens_per_s_iqr(p)) and not q[0] <= p["tokens_per_s"] <= q[1]
     ]
@@ -124,7 +147,7 @@ def speed_notes(results: list[dict], rows: list[dict], base: int) -> list[str]:
         notes.append(
             "No speed-up for "
             + ", ".join(results[i]["label"] for i in apart)
-            + ": each was timed in its own run, not side by side with the baseline, and a machine's load changes "
+            + " (in the table or the speed plot): each was timed in its own run, not side by side with the baseline, and a machine's load changes "
             "between runs (separate measurements: "
             + "; ".join(_timed(results[i], rows[i]) for i in [base, *apart])
             + "). Time them together with `mha2gqa eval MODEL --reference BASELINE --speed-side-by-side`, or pass "

@@ -11,6 +11,7 @@ measurement that writes its field (eval/measurements.py); docs/eval.md shows a w
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable
@@ -207,6 +208,25 @@ def _speedup_range(t: Table, rows, i):
     return [mine[0] / base[1], mine[1] / base[0]]
 
 
+def speedup_at(t: Table, i: int, point: tuple[int, int]) -> dict | None:
+    """Row i's speed-up over the baseline at one (batch, context) point, as the table computes it at its
+    speed point: {speedup, low, high, noisy, measured}; None where the table would give none (timed apart
+    without --speedup-apart, not measured there, or the baseline itself). The speed plot draws these."""
+    at = dataclasses.replace(t, speed_point=point)
+    pair = speed_pair(at, i)
+    if pair is None:
+        return None
+    mine, base = _interval(pair[0]), _interval(pair[1])
+    low, high = (mine[0] / base[1], mine[1] / base[0]) if mine and base and base[0] else (None, None)
+    return {
+        "speedup": ratio(pair[0]["tokens_per_s"], pair[1]["tokens_per_s"]),
+        "low": low,
+        "high": high,
+        "noisy": low is not None and low <= 1.0 <= high,
+        "measured": pair[2],
+    }
+
+
 def _speedup_noisy(t: Table, rows, i):
     """A speed-up whose range holds 1 is smaller than its uncertainty: none is claimed."""
     span = rows[i]["speedup_range"]
@@ -268,7 +288,7 @@ METRICS: list[Metric] = [
         "kv heads",
         "key/value heads, from the model's config",
         "model.kv_heads",
-        cell=lambda row: f"{row['kv_heads']}/{row['heads']}",
+        cell=lambda row: f"{DASH if row['kv_heads'] is None else row['kv_heads']}/{row['heads']}",
     ),
     Metric(
         "perplexity",

@@ -15,7 +15,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from mha2gqa import provenance as model_provenance  # noqa: E402
 from mha2gqa.errors import InputError  # noqa: E402
 from mha2gqa.eval import measured_on, schema  # noqa: E402
-from mha2gqa.eval.metrics import tokens_per_s_iqr  # noqa: E402
+from mha2gqa.eval.metrics import Table, speedup_at, tokens_per_s_iqr  # noqa: E402
 from mha2gqa.reading import MAX_JSON_BYTES, did_you_mean, parse_json_lines, read_bytes  # noqa: E402
 from mha2gqa.units import byte_unit  # noqa: E402
 
@@ -31,7 +31,9 @@ def _axis_unit(values: list[float]) -> tuple[float, str]:
 
 
 def _save(fig, out: Path) -> Path:
-    fig.tight_layout()
+    """The figure as a PNG; its footnotes (fig.text, placed at the bottom edge) get a strip of their own below the
+    axes (placed outside the figure, they were cut off)."""
+    fig.tight_layout(rect=(0, 0.07 * len(fig.texts), 1, 1) if fig.texts else None)
     fig.savefig(out, dpi=DPI)
     plt.close(fig)
     return out
@@ -77,26 +79,97 @@ def quality_vs_kv(rows: list[dict], out: Path, subtitle: str = "") -> Path | Non
     return _save(fig, out)
 
 
-def speed_vs_batch(results: list[dict], out: Path) -> Path | None:
-    """The PNG of speed_figure, None when no result measured speed."""
-    fig = speed_figure(results)
+def speed_vs_batch(results: list[dict], out: Path, base: int = 0, speedup_apart: bool = False) -> Path | None:
+    """The PNG of speed_figure, None when it draws nothing."""
+    fig = speed_figure(results, base, speedup_apart)
     return None if fig is None else _save(fig, out)
 
 
-def speed_figure(results: list[dict]):
-    """Decode tokens/s against batch size, one line per result, one panel per context length: the
-    median of the timed repeats, with bars over their interquartile range (so one slow or fast
-    repeat moves neither the line nor the axis)."""
-    measured = [r for r in results if schema.speed_points(r)]
+def speed_figure(results: list[dict], base: int = 0, speedup_apart: bool = False):
+    """What the table says about decode speed, per batch and context. Against a baseline: each model's
+    speed-up over the baseline timed side by side with it (report --speedup-apart: apart too, marked), with
+    its ~95% range; a range that holds 1 is drawn hollow and labelled noise, as the table calls it. A speed
+    timed in a separate run is not drawn against another (two loads, not two models: the demo's plot showed
+    the uptrained model 335 tok/s against the parent's 501 while its table called the gap noise). A single
+    result with speeds gets its own tokens/s (median, IQR bars); None when nothing can be drawn."""
+    measured = [i for i, r in enumerate(results) if schema.speed_points(r)]
     if not measured:
         return None
-    contexts = sorted({p["context"] for r in measured for p in r["speed"]["points"]})
+    table = Table(results, base, None, [None] * len(results), speedup_apart)
+    points = {(p["batch"], p["context"]) for i in measured for p in results[i]["speed"]["points"]}
+    pairs = {
+        i: {point: found for point in points if (found := speedup_at(table, i, point))} for i in measured if i != base
+    }
+    if any(pairs.values()):
+        return _speedup_figure(results, base, {i: found for i, found in pairs.items() if found}, sorted(points))
+    if len(measured) == 1:
+        return _absolute_figure(results[measured[0]])
+    return None
+
+
+def _speedup_figure(results: list[dict], base: int, pairs: dict, points: list[tuple[int, int]]):
+    contexts = sorted({context for _, context in points})
+    batches = sorted({batch for batch, _ in points})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        ax.axhline(1.0, color="gray", lw=1, ls="--", label=f"{results[base]['label']} (baseline)")
+        for n, (i, found) in enumerate(sorted(pairs.items())):
+            _speedup_points(
+                ax, results[i], [(b, found[(b, c)]) for b, c in points if c == context and (b, c) in found], n
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.minorticks_off()
+        ax.set_xlabel("batch size (sequences, log scale)")
+        ax.set_ylabel(f"decode speed-up vs {results[base]['label']} (×)")
+        ax.set_title(f"Greedy decode, context {context} tokens", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    left_out = [r["label"] for i, r in enumerate(results) if i != base and i not in pairs and schema.speed_points(r)]
+    words = "bars: ~95% range from the timed repeats; hollow: the range holds 1 (noise, no speed-up claimed)"
+    if left_out:
+        words += f"; not drawn, timed apart from the baseline: {', '.join(left_out)}"
+    fig.text(0.01, 0.01, words, fontsize=8, ha="left", va="bottom", wrap=True)
+    return fig
+
+
+def _speedup_points(ax, r: dict, found: list[tuple[int, dict]], n: int) -> None:
+    """One model's speed-ups at one context: filled where they are claimed, hollow and labelled noise where
+    their range holds 1; a speed-up from speeds timed apart (--speedup-apart) dashed."""
+    if not found:
+        return
+    color = f"C{n % 10}"
+    apart = any(s["measured"] == "apart" for _, s in found)
+    label = f"{r['label']} ({r['model']['kv_heads']} kv)" + (", timed apart (--speedup-apart)" if apart else "")
+    batch = [b for b, _ in found]
+    ax.plot(batch, [s["speedup"] for _, s in found], color=color, ls="--" if apart else "-", lw=1, label=label)
+    for b, s in found:
+        low, high = (s["low"], s["high"]) if s["low"] is not None else (s["speedup"], s["speedup"])
+        ax.errorbar(
+            [b],
+            [s["speedup"]],
+            yerr=[[s["speedup"] - low], [high - s["speedup"]]],
+            marker="o",
+            color=color,
+            mfc="white" if s["noisy"] else color,
+            capsize=4,
+        )
+        if s["noisy"]:
+            ax.annotate(
+                "noise", (b, s["speedup"]), textcoords="offset points", xytext=(6, -10), fontsize=8, color=color
+            )
+
+
+def _absolute_figure(r: dict):
+    """One model's decode tokens/s against batch size, one panel per context length: the median of the timed
+    repeats, with bars over their interquartile range (so one slow or fast repeat moves neither the line nor
+    the axis). Nothing is compared, so nothing timed apart is set beside it."""
+    contexts = sorted({p["context"] for p in r["speed"]["points"]})
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
     left_out: list[str] = []
     for ax, context in zip(axes[0], contexts):
-        for r in measured:
-            left_out += _speed_line(ax, r, context)
-        batches = sorted({p["batch"] for r in measured for p in r["speed"]["points"]})
+        left_out += _speed_line(ax, r, context)
+        batches = sorted({p["batch"] for p in r["speed"]["points"]})
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.minorticks_off()
@@ -108,12 +181,7 @@ def speed_figure(results: list[dict]):
         ax.legend(fontsize=9)
     if left_out:
         fig.text(
-            0.01,
-            -0.02,
-            "IQR bar left out (median outside its IQR): " + ", ".join(left_out),
-            fontsize=8,
-            ha="left",
-            va="top",
+            0.01, 0.01, "IQR bar left out (median outside its IQR): " + ", ".join(left_out), fontsize=8, va="bottom"
         )
     return fig
 

@@ -31,11 +31,7 @@ def _markdown_table(rows, cols, speed_point) -> list[str]:
 
 
 def markdown(rows, meta, results, plots: dict[str, Path], out_dir: Path) -> str:
-    lines = [
-        "# mha2gqa comparison report",
-        "",
-        f"Baseline: **{meta['baseline']}** (Δ, saving and speed-up are relative to it; ↓ lower, ↑ higher is better).",
-    ]
+    lines = ["# mha2gqa comparison report", "", baseline_line(meta, results).replace("<b>", "**").replace("</b>", "**")]
     for title, cols in tables(rows, results):
         lines += [""] + ([f"## {title}", ""] if title else []) + _markdown_table(rows, cols, meta["speed_point"])
     if meta["notes"]:
@@ -50,6 +46,23 @@ def markdown(rows, meta, results, plots: dict[str, Path], out_dir: Path) -> str:
     ]
     lines += ["| " + " | ".join(provenance_cells(r)) + " |" for r in results]
     return "\n".join(lines) + "\n"
+
+
+def baseline_line(meta: dict, results: list[dict], esc=lambda text: text) -> str:
+    """What the table's ratios are relative to (<b> marks the name): the baseline, where it came from when it is
+    a result's own reference, or that there is nothing to compare with."""
+    if meta["baseline"] is None:
+        return "Nothing to compare with: one result, without a reference (see the notes)."
+    base = next(r for r in results if r["label"] == meta["baseline"])
+    source = (
+        f", from {esc(base['from_result_of'])}'s result file (its numbers on the same windows; KV bytes by formula)"
+        if base.get("from_result_of")
+        else ""
+    )
+    return (
+        f"Baseline: <b>{esc(meta['baseline'])}</b>{source} (Δ, saving and speed-up are relative to it; ↓ lower, "
+        "↑ higher is better)."
+    )
 
 
 def provenance_cells(r: dict) -> list[str]:
@@ -106,8 +119,7 @@ def html_page(rows, meta, results, plots: dict[str, Path]) -> str:
     prov = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in provenance_cells(r)) + "</tr>" for r in results)
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>mha2gqa report</title><style>{CSS}</style></head><body>"
-        f"<h1>mha2gqa comparison report</h1><p>Baseline: <b>{esc(meta['baseline'])}</b> "
-        "(Δ, saving and speed-up are relative to it; ↓ lower, ↑ higher is better).</p>"
+        f"<h1>mha2gqa comparison report</h1><p>{baseline_line(meta, results, esc)}</p>"
         + "".join(table(title, cols) for title, cols in tables(rows, results))
         + (f"<h2>Notes</h2><ul class='notes'>{notes}</ul>" if notes else "")
         + f"<h2>Plots</h2>{imgs}<h2>Provenance</h2><table class='prov'><tr><th>model</th><th>path</th><th>params</th>"

@@ -13,6 +13,7 @@ import matplotlib
 from mha2gqa.errors import InputError, user_file_error
 from mha2gqa.eval import measured_on, plots, render
 from mha2gqa.eval.compare import comparison_rows, pick_baseline
+from mha2gqa.eval.reference_result import reference_of
 from mha2gqa.eval.schema import check_writable, load_results
 from mha2gqa.writing import remove_dead, swap_in
 
@@ -55,6 +56,9 @@ def write_report(
     _check_no_earlier_report(out_dir, force)
     loaded = [(p, result) for p in paths for result in load_results(p)]  # a sweep.json holds many results
     paths, results = [p for p, _ in loaded], [r for _, r in loaded]
+    reference = reference_of(results[0]) if len(results) == 1 else None
+    if reference is not None:  # one result: compared with its own reference, never with itself
+        results, paths = [reference, *results], [f"{paths[0]} (its reference's numbers)", *paths]
     base = pick_baseline(results, paths, baseline)
     metric_paths = [] if metrics is None else [metrics] if isinstance(metrics, (str, Path)) else list(metrics)
     for m in metric_paths:
@@ -72,7 +76,7 @@ def write_report(
         staging.mkdir()
         # Labels are text, never mathtext: a model named "$\\frac{" must not be parsed by matplotlib.
         with matplotlib.rc_context({"text.parse_math": False}):
-            written = _write(staging, rows, meta, results, paths, metric_paths)
+            written = _write(staging, rows, meta, results, paths, metric_paths, (base, speedup_apart))
         if out_dir.exists():
             swap_in(staging, out_dir, files_first="*.png", files_last=("report.json",))
         else:
@@ -97,10 +101,11 @@ def _check_no_earlier_report(out_dir: Path, force: bool) -> None:
         )
 
 
-def _write(out_dir: Path, rows, meta, results, paths, metric_paths) -> dict[str, Path]:
+def _write(out_dir: Path, rows, meta, results, paths, metric_paths, speed: tuple[int, bool]) -> dict[str, Path]:
+    """speed: (the baseline's index, --speedup-apart), what the speed plot compares by, as the table does."""
     drawn = {
         "quality_vs_kv": plots.quality_vs_kv(rows, out_dir / "quality_vs_kv.png", measured_on.perplexity(results)),
-        "speed_vs_batch": plots.speed_vs_batch(results, out_dir / "speed_vs_batch.png"),
+        "speed_vs_batch": plots.speed_vs_batch(results, out_dir / "speed_vs_batch.png", *speed),
     }
     for i, m in enumerate(metric_paths):
         name = "training_curve" if len(metric_paths) == 1 else f"training_curve_{i + 1}"

@@ -66,7 +66,8 @@ def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | No
     model = M.load_model(model_dir, torch_dtype, dev, o.progress)
     ref_model = M.load_model(ref_dir, torch_dtype, dev, o.progress, "--reference") if ref_dir else None
     shape = M.shape_of(model.config)
-    result = _skeleton(model_path, model_dir, model, shape, prov, role, o.label, o.reference, ref_dir, dev, o.seed)
+    result = _skeleton(model_path, model_dir, model, shape, prov, role, o.label, dev, o.seed)
+    result["reference"] = _reference(o.reference, ref_dir, ref_model)
     loaded = Loaded(o, model, ref_model, tok, shape, dev, context, stride, texts, result, prepared)
     for measurement in measurements.MEASUREMENTS:  # looked up now: the registry is the module's list
         if measurement.wanted(o):
@@ -106,7 +107,27 @@ def _window(config, context, stride) -> tuple[int, int]:
     return context, stride
 
 
-def _skeleton(model_path, model_dir, model, shape, prov, role, label, reference, ref_dir, dev, seed) -> dict:
+def _reference(reference, ref_dir, ref_model) -> dict | None:
+    """Which model --reference was, and its shape: a report of this one result compares with it
+    (eval/reference_result.py), its KV bytes per token by formula."""
+    if not reference:
+        return None
+    shape = M.shape_of(ref_model.config)
+    return {
+        "path": str(reference),
+        "resolved": str(Path(ref_dir).resolve()),
+        "label": Path(str(reference).rstrip("/")).name,
+        "kv_heads": shape.kv_heads,
+        "heads": shape.heads,
+        "layers": shape.layers,
+        "head_dim": shape.head_dim,
+        "params": sum(p.numel() for p in ref_model.parameters()),
+        "dtype": str(ref_model.dtype).replace("torch.", ""),
+        "kv_formula_bytes_per_token": shape.kv_bytes_per_token(dtype_bytes=ref_model.dtype.itemsize),
+    }
+
+
+def _skeleton(model_path, model_dir, model, shape, prov, role, label, dev, seed) -> dict:
     return {
         "schema": SCHEMA,
         "label": label or Path(str(model_path).rstrip("/")).name,
@@ -124,13 +145,7 @@ def _skeleton(model_path, model_dir, model, shape, prov, role, label, reference,
             "dtype": str(model.dtype).replace("torch.", ""),
             "provenance": prov,
         },
-        "reference": {
-            "path": str(reference),
-            "resolved": str(Path(ref_dir).resolve()),
-            "label": Path(str(reference).rstrip("/")).name,
-        }
-        if reference
-        else None,
+        "reference": None,
         "data": None,
         "perplexity": None,
         "agreement": None,

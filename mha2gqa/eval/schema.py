@@ -4,7 +4,9 @@ Top-level keys (sections that were not measured are null):
   schema          "mha2gqa.eval/1"
   label, role     short name; parent | converted | uptrained
   model           path, model_type, layers, heads, kv_heads, head_dim, hidden, params, dtype, provenance
-  reference       path, label (when --reference was given)
+  reference       path, resolved, label (when --reference was given); since 2026-12 also its kv_heads, heads,
+                  layers, head_dim, params, dtype and kv_formula_bytes_per_token (a one-result report
+                  compares with it: eval/reference_result.py)
   data            source, path or name, documents, tokens, text_sha256, ids_sha256, tokenizer
   perplexity      perplexity, nll_per_token, tokens_scored, context, stride, windows
   agreement       kl_mean, top1_agreement, tokens, reference_perplexity
