@@ -166,3 +166,34 @@ def test_limits_smoke_times_every_ceiling():
     names = [line.split()[0] for line in out.strip().splitlines()]
     assert names == ["small", "layers", "heads", "width", "experts"]
     assert all(float(line.split()[1]) > 0 for line in out.strip().splitlines())
+
+
+@pytest.mark.slow  # ~2 min on a quiet 2-core machine: twenty commands, each its own process
+def test_estimate_rates_smoke_fits_every_kind_the_commands_time(tmp_path):
+    out, runs = tmp_path / "rates.json", tmp_path / "runs.jsonl"
+    run_smoke("estimate_rates.py", "--out", str(out), "--runs", str(runs))
+    rates = json.loads(out.read_text())
+    for kind in ("torch_start", "eval_load", "eval_quality", "calibrate", "sample", "refine", "train", "write_numpy"):
+        fixed = rates["kinds"][kind]["fixed"]
+        assert finite(fixed[0]) and fixed[0] >= 0, kind
+    assert rates["kinds"]["eval_quality"]["per"]["forward"][0] > 0 and rates["probe_s"]["torch"] > 0
+    assert rates["measured"]["smoke"] is True and runs.read_text().count("\n") >= 15
+
+
+@pytest.mark.slow  # ~2 min: seven commands, each a real run at toy sizes
+def test_estimate_check_smoke_reads_each_commands_estimate_and_time(tmp_path):
+    out = tmp_path / "check.json"
+    stdout = run_smoke("estimate_check.py", "--work", str(tmp_path / "w"), "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"] for r in rows] == [
+        "demo --quick",
+        "convert, mean",
+        "convert, calibrated",
+        "convert, calibrated + refine",
+        "sweep",
+        "eval, with --reference",
+        "uptrain",
+    ]
+    for r in rows:
+        assert finite(r["estimate_s"]) and r["wall_s"] > 0 and r["took_line"], r
+    assert len(table_rows(stdout, r"(demo|convert|sweep|eval|uptrain).*")) == 7

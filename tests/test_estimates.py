@@ -1,118 +1,211 @@
-"""Long runs say how long they will take before they start: `convert --dry-run`, the start of `sweep` and of
-`demo` (mha2gqa/estimates.py). The estimates must reproduce the timings their rates were taken from."""
+"""Long runs say their time and peak memory before they start, correct the rest as they go, and say what they took
+(mha2gqa/estimates/): the rates a bench re-makes, the probe that scales them to the machine, each command's
+stages as work, the clock, and the bench's fit. The rates used here are a file of the tests' own (round numbers),
+so that each assertion can be worked out by hand."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import importlib.util
+import json
+from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from mha2gqa import embedded, estimates
-from mha2gqa.cli import main
-from mha2gqa.convert.inputs import layers_per_pass
 from mha2gqa.convert.options import ConvertOptions, RefineOptions
-from mha2gqa.convert.prepare import prepare
-from mha2gqa.demo import pipeline
-from mha2gqa.layouts import AttentionShape
+from mha2gqa.convert.prepare import Stage, prepare
+from mha2gqa.estimates import clock as clock_module
+from mha2gqa.estimates import rates
+from mha2gqa.estimates.clock import Clock
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL, LARGE = rates.SMALL, rates.LARGE
+
+RATES = {
+    "kinds": {
+        "torch_start": {"fixed": [2.0, 2.0], "per": {}},
+        "eval_load": {"fixed": [1.0, 1.0], "per": {"bytes": [1e-8, 1e-8]}},
+        "eval_quality": {"fixed": [0.0, 0.0], "per": {"forward": [1e-9, 1e-10], "tally": [1e-8, 1e-8]}},
+        "eval_kv": {"fixed": [0.5, 0.5], "per": {}},
+        "calibrate": {"fixed": [1.0, 1.0], "per": {"tokens": [4e-10, 4e-11]}},
+        "only_small": {"fixed": [3.0, None], "per": {}},
+    },
+    "probe_s": {"torch": 0.25, "numpy": 0.5},
+    "measured": {"cores": 2, "load": 0.4, "date": "2026-12-03"},
+}
 
 
-def test_convert_dry_run_says_how_long_the_run_takes(tmp_path):
-    args = ["convert", str(embedded.model_dir()), str(tmp_path / "dst"), "-g", "2", "--method", "calibrated"]
-    result = CliRunner().invoke(main, [*args, "--calibration", "austen", "--dry-run"])
-    assert result.exit_code == 0, result.output
-    line = next(ln for ln in result.output.splitlines() if ln.startswith("time: "))
-    assert line.startswith("time: about 1 min (CPU rates of mha2gqa/estimates.py, measured at load 3-7 on 2 cores")
+@pytest.fixture
+def fixed_rates(tmp_path, monkeypatch):
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps(RATES))
+    monkeypatch.setenv(rates.RATES_ENV, str(path))
+    return rates.load()
 
 
-def test_the_embedded_refine_estimate_is_the_run_it_was_timed_from():
-    # --refine-steps 10, global 0, 16,384 calibration tokens: 139.9 s at load 6.3
-    options = ConvertOptions(
-        2, calibration="austen", calibration_tokens=16384, refine=RefineOptions(steps=10, global_steps=0)
+def test_a_part_costs_its_fixed_seconds_plus_its_work_at_the_rate_of_its_model_size(fixed_rates):
+    assert fixed_rates.seconds("eval_load", SMALL, {"bytes": 1e8}) == pytest.approx(2.0)
+    assert fixed_rates.seconds("eval_quality", SMALL, {"forward": 1e9, "tally": 1e8}) == pytest.approx(2.0)
+    assert fixed_rates.seconds("eval_quality", LARGE, {"forward": 1e9}) == pytest.approx(0.1)
+    # halfway on log(parameters): the geometric mean of the two rates; beyond them, the nearer one's
+    middle = int((SMALL * LARGE) ** 0.5)
+    assert fixed_rates.seconds("eval_quality", middle, {"forward": 1e9}) == pytest.approx(1e9 * (1e-9 * 1e-10) ** 0.5)
+    assert fixed_rates.seconds("eval_quality", 100 * LARGE, {"forward": 1e9}) == pytest.approx(0.1)
+    assert fixed_rates.seconds("only_small", LARGE, {}) == 3.0  # measured on one model only
+    assert fixed_rates.seconds("not_measured", SMALL, {"x": 5}) == 0.0  # a kind the bench did not measure
+
+
+def test_the_probe_scales_every_rate_to_this_machine(fixed_rates, monkeypatch):
+    monkeypatch.setitem(rates.PROBES, "numpy", lambda: 1.5)
+    machine = rates.this_machine("numpy")
+    assert machine.factor == pytest.approx(3.0) and machine.probe_s == 1.5
+    assert "x3 for this machine now (a numpy probe: 1500 ms here)" in machine.words()
+    assert rates.this_machine(None).factor == 1.0
+
+
+def _estimate(factor: float = 1.0) -> estimates.Estimate:
+    stages = (
+        estimates.StageCost("start", (estimates.Part("torch_start", SMALL),)),  # 2 s
+        estimates.StageCost("load", (estimates.Part("eval_load", SMALL, {"bytes": 1e8}),)),  # 2 s
+        estimates.StageCost("quality: prose", (estimates.Part("eval_quality", SMALL, {"forward": 16e9}),)),  # 16 s
     )
-    seconds = estimates.convert_seconds(prepare(embedded.model_dir(), options))
-    assert 0.8 * 139.9 < seconds < 1.25 * 139.9
+    return estimates.Estimate(stages, rates.Machine(factor, 0.5, "torch"), 3 << 30)
 
 
-def smollm2_plan(refine: RefineOptions | None) -> SimpleNamespace:
-    """SmolLM2-135M's shape and parameter count (9 / 3 heads, hidden 576, 30 layers), as prepare() plans it."""
-    shape = AttentionShape("llama", layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576)
-    return SimpleNamespace(
-        shape=shape,
-        options=ConvertOptions(1, method="calibrated", calibration="austen", refine=refine),
-        checkpoint=SimpleNamespace(tensors={"all": SimpleNamespace(shape=(estimates.LARGE,))}),
-        bytes_written=4 * estimates.LARGE,
-        torch_reason="calibrated merge",
-        gathers_statistics=True,
-        calibration_memory=4 << 30,
-        calibration_passes=-(-30 // layers_per_pass(4 << 30, 576)),  # 1: all 30 layers' statistics fit in 4 GiB
-        calibration=SimpleNamespace(tokens=131072, sampled_tokens=0),  # austen, the default 131,072 tokens
-        refine_budget=None if refine is None else SimpleNamespace(seq_len=512, blocks=72),
-    )
+def test_the_estimate_line_says_time_memory_each_share_and_the_scaling(fixed_rates):
+    line = _estimate(2.0).line()
+    assert line.startswith("estimate: about 40 s, peak memory about 3.0 GiB (start 10%, load 10%, quality: prose 80%; ")
+    assert "rates measured on 2 cores at load 0.4, 2026-12-03, x2 for this machine now" in line
 
 
-@pytest.mark.parametrize(
-    "refine, measured",
-    [
-        (RefineOptions(global_steps=0), 11 * 60 + 26),  # docs/refine.md: the default before the global stage
-        (RefineOptions(), 21 * 60 + 17),  # the shipped default, one CLI run
-    ],
-    ids=["layer-wise", "default"],
-)
-def test_the_smollm2_estimates_are_its_measured_conversions(refine, measured):
-    # Quiet 2 cores; the estimate adds start-up and writing, so it may run a little over.
-    assert 0.8 * measured < estimates.convert_seconds(smollm2_plan(refine)) < 1.3 * measured
+class FakeTime:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
 
 
-def test_the_parents_samples_are_counted_at_their_rate():
-    plan = smollm2_plan(RefineOptions())
-    text = estimates.convert_seconds(plan)
-    plan.calibration = SimpleNamespace(tokens=131072, sampled_tokens=36864)
-    sampled = estimates.convert_seconds(plan) - text
-    assert sampled == pytest.approx(36864 * estimates.LARGE * estimates.RATES["sample"][1])
-    assert 20 * 60 < sampled < 60 * 60  # 0.039 s a token measured at load 5, one thread
+def test_the_clock_says_the_estimate_corrects_the_rest_and_says_what_it_took(fixed_rates, monkeypatch, tmp_path):
+    fake = FakeTime()
+    monkeypatch.setattr(clock_module, "time", fake)
+    monkeypatch.setenv(clock_module.TIMINGS_ENV, str(tmp_path / "t.jsonl"))
+    lines = []
+    clock = Clock(echo=lines.append, started=1000.0)
+    clock.begin(lambda: _estimate())  # 20 s: start 2, load 2, quality 16
+    fake.now += 4.0
+    clock.stage("load")  # 4 s for 2 estimated (a tenth of the run): 2x, so the 18 s left are 36 s
+    assert lines[1] == "1 stage in 4 s: about 35 s left (corrected from how the run went so far)"
+    fake.now += 8.0
+    clock.stage("quality: prose")  # 12 s for 4 estimated: 3x, so the 16 s left are 48 s, not the 28 s said
+    assert lines[2] == "2 stages in 12 s: about 50 s left (corrected from how the run went so far)"
+    clock.partial(0.05)  # under a tenth: nothing
+    fake.now += 6.0
+    clock.partial(0.25)  # 6 s for a quarter of 16: 1.5x, so 18 s left
+    assert lines[3] == "quality: prose: 25% in 6 s: about 20 s left (corrected from how the run went so far)"
+    clock.partial(0.5)  # once a stage
+    assert len(lines) == 4
+    fake.now += 18.0
+    assert clock.finish() == pytest.approx(36.0)
+    assert lines[0].startswith("estimate: about 20 s") and lines[-1] == "took 36 s (estimated about 20 s)"
+    (record,) = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert [(s["name"], s["seconds"]) for s in record["stages"]] == [("start", 4), ("load", 8), ("quality: prose", 24)]
+    assert record["stages"][2]["parts"] == [{"kind": "eval_quality", "parameters": SMALL, "work": {"forward": 16e9}}]
+    assert record["estimate_s"] == pytest.approx(20.0) and record["took_s"] == pytest.approx(36.0)
 
 
-def test_rates_are_interpolated_between_the_two_timed_models():
-    small, large = estimates.RATES["calibrate"]
-    assert estimates.rate("calibrate", estimates.SMALL) == small
-    assert estimates.rate("calibrate", estimates.LARGE) == pytest.approx(large)
-    assert estimates.rate("calibrate", 10 * estimates.LARGE) == pytest.approx(large)  # beyond: the nearer one's
-    assert large < estimates.rate("calibrate", 30_000_000) < small
-    assert estimates.rate("train", estimates.LARGE) == estimates.RATES["train"][0]  # timed on one model only
+def test_a_library_call_pays_for_no_estimate():
+    from mha2gqa.estimates.clock import NO_CLOCK
+
+    NO_CLOCK.begin(lambda: pytest.fail("the estimate was made"))
+    NO_CLOCK.stage("x")
+    assert NO_CLOCK.finish() == 0.0
 
 
-def test_the_demo_says_its_time_before_it_starts(tmp_path, monkeypatch):
+def test_every_stage_of_a_refining_conversion_is_costed_and_a_stage_may_cost_itself(fixed_rates):
+    options = ConvertOptions(2, calibration="austen", calibration_tokens=4096, refine=RefineOptions(steps=2))
+    plan = prepare(embedded.model_dir(), options)
+    names = [s.name for s in estimates.convert_stages(plan)]
+    assert names == ["start", "load", "calibrate", "refine", "refine (global)", "write", "metadata"]
+    calibrate = next(s for s in estimates.convert_stages(plan) if s.name == "calibrate")
+    params = estimates.parameters_of(plan)
+    assert calibrate.seconds() == pytest.approx(1.0 + 4096 * params * plan.calibration_passes * 4e-10)
+    plan.stages.append(Stage("check", "the quality check", seconds=12.5))  # a stage that knows its own cost
+    assert estimates.convert_stages(plan)[-1].seconds() == 12.5
+    mean = prepare(embedded.model_dir(), ConvertOptions(2))
+    assert [s.name for s in estimates.convert_stages(mean)] == ["start", "merge", "metadata"]  # numpy: no torch
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("estimate_rates", ROOT / "bench" / "estimate_rates.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_bench_fits_fixed_seconds_and_rates_and_a_kind_inside_a_mixed_stage():
+    bench = _bench()
+
+    def stage(seconds, *parts):
+        return {"seconds": seconds, "parts": [{"kind": k, "parameters": p, "work": w} for k, p, w in parts]}
+
+    records = [{"stages": [stage(3 + 2e-9 * n, ("eval_quality", SMALL, {"forward": n}))]} for n in (1e9, 3e9, 5e9)] + [
+        # a training stage: its steps (unknown) and its evals (eval_quality, fitted above)
+        {
+            "stages": [
+                stage(
+                    1 + 5e-9 * t + 3 + 2e-9 * 1e9,
+                    ("train", SMALL, {"tokens": t}),
+                    ("eval_quality", SMALL, {"forward": 1e9}),
+                )
+            ]
+        }  # fmt: skip
+        for t in (1e9, 2e9)
+    ]
+    fitted = bench.fit(records)
+    quality, train = fitted["eval_quality"][str(SMALL)], fitted["train"][str(SMALL)]
+    assert quality["fixed"] == pytest.approx(3.0) and quality["per"]["forward"] == pytest.approx(2e-9)
+    # the evals' 3 + 2 s taken out first: 1 s fixed, 5e-9 a token
+    assert train["per"]["tokens"] == pytest.approx(5e-9) and train["fixed"] == pytest.approx(1.0)
+    written = bench.rates_file(fitted, SMALL, None, {"torch": 0.2, "numpy": 0.3}, {"cores": 2})
+    assert written["kinds"]["eval_quality"]["per"]["forward"] == [pytest.approx(2e-9), None]  # one model measured
+
+
+def test_a_term_that_never_varies_folds_into_the_fixed_part():
+    bench = _bench()
+    found = bench.least_squares([({"bytes": 100.0, "tokens": 1.0}, 3.0), ({"bytes": 100.0, "tokens": 3.0}, 7.0)])
+    assert found["fixed"] == pytest.approx(1.0) and found["per"] == {"tokens": pytest.approx(2.0)}
+
+
+def test_the_demo_says_its_time_before_it_starts(tmp_path, monkeypatch, fixed_rates):
+    from mha2gqa.demo import pipeline
+
     lines = []
     monkeypatch.setattr(pipeline, "_run_stages", lambda *args: lines.append("stages ran") or {})
     pipeline.run_demo(tmp_path / "demo", quick=True, echo=lines.append, progress=False)
-    assert lines[-1] == "stages ran" and lines[0].startswith("estimated time: about ")
-    assert "evaluations about" in lines[0] and "uptraining about" in lines[0]
-    full = estimates.demo_seconds(pipeline.DemoSettings.make(False, None), estimates.SMALL, 61_440, cloze=True)
-    quick = estimates.demo_seconds(pipeline.DemoSettings.make(True, None), estimates.SMALL, 12_288, cloze=True)
-    assert sum(quick.values()) < sum(full.values())
+    assert lines[0].startswith("estimate: about ") and lines[1] == "stages ran" and lines[2].startswith("took ")
+    for stage in ("convert", "evaluate parent", "evaluate converted", "uptrain", "evaluate uptrained", "report"):
+        assert f" {stage} " in lines[0], stage
+
+
+def test_durations_are_rounded_as_an_estimate_deserves_and_measured_ones_are_not():
+    assert [estimates.duration(s) for s in (3, 42, 200, 6540, 7200)] == [
+        "about 5 s",
+        "about 40 s",
+        "about 3 min",
+        "about 1 h 50 min",
+        "about 2 h",
+    ]
+    assert [estimates.took(s) for s in (42.4, 185, 3725)] == ["42 s", "3 min 5 s", "1 h 2 min"]
 
 
 def test_the_held_out_novels_tokens_are_guessed_from_its_size():
-    assert (
-        0.7 * estimates.HELDOUT_TOKENS
-        < estimates.text_tokens(str(embedded.heldout_path()))
-        < 1.4 * estimates.HELDOUT_TOKENS
-    )
+    from mha2gqa.demo.timing import HELDOUT_TOKENS
+
+    assert 0.7 * HELDOUT_TOKENS < estimates.text_tokens(str(embedded.heldout_path())) < 1.4 * HELDOUT_TOKENS
 
 
-def test_the_sweep_line_counts_every_candidate():
-    plans = [prepare(embedded.model_dir(), ConvertOptions(g, calibration="austen")) for g in (4, 2, 1)]
-    one = estimates.sweep_seconds(plans[:1], estimates.SMALL, 8192, 131072)
-    three = estimates.sweep_seconds(plans, estimates.SMALL, 8192, 131072)
-    assert three > one > estimates.calibration_seconds(131072, estimates.SMALL)
-    line = estimates.sweep_start_line(plans, str(embedded.heldout_path()), 8192, 131072)
-    assert line.startswith("sweep: estimated time about ") and "load 3-7" in line
-
-
-@pytest.mark.parametrize(
-    "seconds, text",
-    [(3, "about 5 s"), (42, "about 40 s"), (200, "about 3 min"), (6540, "about 1 h 50 min"), (7200, "about 2 h")],
-)
-def test_durations_are_rounded_as_an_estimate_deserves(seconds, text):
-    assert estimates.duration(seconds) == text
+def test_the_rates_other_estimates_read_are_the_fitted_ones(fixed_rates):
+    # the API of uptrain --dry-run's estimate: rate, uptrain_seconds, duration, CAVEAT
+    assert estimates.rate("eval", SMALL) == pytest.approx(1e-9)
+    assert estimates.uptrain_seconds(0, SMALL, 0, 0) >= 0 and "bench/estimate_rates.py" in estimates.CAVEAT

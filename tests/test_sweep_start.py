@@ -42,4 +42,4 @@ def test_the_first_phases_have_bars_and_the_time_is_said_first(tiny, tmp_path, m
     with pytest.raises(Stop):
         sweep(tiny / "src", options, echo=lines.append)
     assert seen == [("evaluate", True), ("calibrate", True)]
-    assert lines[0].startswith("sweep: estimated time about ") and "mha2gqa/estimates.py" in lines[0]
+    assert lines[0].startswith("sweep: estimate: about ") and "rates measured on" in lines[0]

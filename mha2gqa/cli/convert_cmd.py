@@ -112,13 +112,15 @@ def convert(src, dst, **flags):
     from mha2gqa import threads
     from mha2gqa.convert.config_file import paths
     from mha2gqa.convert.run import convert as run_convert
+    from mha2gqa.estimates.clock import command_clock
 
     src, dst = paths(src, dst, click.get_current_context().meta.get(_CONFIG))
     options = options_from_flags(flags)
     # The user's count, else torch's own, never one read from the load: float sums differ with the thread
     # count, and the card's Reproduce line promises the same bytes (mha2gqa.json records the count).
     threads.apply()
-    result = run_convert(src, dst, options=options)
+    clock = command_clock(quiet=not options.progress)  # the estimate before the work starts; -q: quiet
+    result = run_convert(src, dst, options=options, clock=clock)
     plan = result.plan
     if options.dry_run:
         for line in plan.describe(result.conversion.checkpoint.tensors) + result.conversion.describe():

@@ -67,13 +67,14 @@ def demo(groups, out, quick, alpha, force, dry_run):
     evaluate again, and write a side-by-side report (markdown, html, plots) under OUT."""
     from mha2gqa import threads
     from mha2gqa.demo import plan_demo, run_demo
+    from mha2gqa.estimates.clock import Clock
 
     plan = plan_demo(out, groups=groups, quick=quick, alpha=alpha, force=force)  # every check, before torch
     if dry_run:
         click.echo("\n".join(plan.describe()))
         return
     threads.apply(threads.small_model_default())
-    written = run_demo(out, echo=click.echo, plan=plan)
+    written = run_demo(out, echo=click.echo, plan=plan, clock=Clock(echo=click.echo))  # from the process' start
     click.echo(_summary(Path(written["json"])))
     click.echo(f"report: {written['html']}")
 

@@ -42,6 +42,20 @@ class _BatchSize(click.ParamType):
             self.fail(f"{value!r} is neither a whole number nor auto", param, ctx)
 
 
+class _TokenCount(click.ParamType):
+    """A whole number of tokens, or all (None: every token)."""
+
+    name = "INTEGER|all"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "all" or isinstance(value, int):
+            return None if value == "all" else value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number of tokens nor all", param, ctx)
+
+
 def _str_list(ctx, param, value):
     """'a,b' -> ['a', 'b']; a value with no names in it ('' or ',, ,') is refused, not ignored."""
     if value is None:
@@ -58,7 +72,7 @@ def _str_list(ctx, param, value):
 @_option("--data-config")
 @_option("--data-split")
 @_option("--data-column")
-@_option("--max-tokens", type=int)
+@_option("--max-tokens", type=_TokenCount())
 @_option("--tokenizer")
 @_option("--reference")
 @_option("--context", type=int)
@@ -91,7 +105,7 @@ def _str_list(ctx, param, value):
 @_option("--seed")
 @_option("--out", type=click.Path(dir_okay=False))
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars, no estimate and no time taken.")
 def eval_command(model, quiet, out, force, **options):
     """Measure MODEL (a local directory or a hub id when online): sliding-window perplexity on --data,
     agreement with --reference, KV-cache bytes per token (formula vs the live cache), greedy decode
@@ -103,14 +117,17 @@ def eval_command(model, quiet, out, force, **options):
     from mha2gqa import threads
     from mha2gqa.cli.early import check_eval
     from mha2gqa.errors import import_torch
+    from mha2gqa.estimates.clock import command_clock
 
     options = check_eval(model, options, out, force)  # paths and values, before torch's start-up
+    clock = command_clock(quiet)  # the estimate, and the time taken at the end; -q: quiet
     import_torch()  # with interrupts held: a signal during torch's start-up would abort
+    clock.stage("load")
     from mha2gqa.eval.run import evaluate
 
     threads.apply(threads.for_model(model))
 
-    result = evaluate(model, options=EvalOptions(**options, out=out, progress=not quiet))
+    result = evaluate(model, options=EvalOptions(**options, out=out, progress=not quiet), clock=clock)
     click.echo(summary(result), err=out is None)  # its warnings were shown as they came (evaluate warns)
     if out is None:
         click.echo(json.dumps(result, indent=2))

@@ -57,15 +57,18 @@ def uptrain(recipe, resume, overrides):
     """
     from mha2gqa import threads
     from mha2gqa.errors import import_torch
+    from mha2gqa.estimates.clock import Clock
     from mha2gqa.uptrain import load_recipe, train
 
     loaded = load_recipe(recipe, list(overrides))  # torch-free: a bad recipe is refused in a second, not after torch
+    clock = Clock()  # the estimate before the models are loaded, and the time taken at the end
     import_torch()  # with interrupts held: a signal during torch's start-up would abort
+    clock.stage("load")
     from mha2gqa.uptrain.steps import TrainingDiverged
 
     threads.apply(threads.for_model(loaded.model or loaded.init_from_config))
     try:
-        out = train(loaded, resume=resume)
+        out = train(loaded, resume=resume, clock=clock)
     except TrainingDiverged as err:
         raise click.ClickException(str(err)) from None
     click.echo(f"output: {out}")

@@ -71,6 +71,7 @@ class Stage:
 
     name: str  # calibrate, merge, refine, metadata
     detail: str
+    seconds: float | None = None  # a stage that knows its own cost (on the rates' machine): the estimate adds it
 
 
 @dataclass

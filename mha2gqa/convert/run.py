@@ -25,6 +25,7 @@ from mha2gqa.convert.plan import Plan
 from mha2gqa.convert.prepare import NOT_COPIED, OUT_DTYPES, ConversionPlan, parse_size, prepare  # noqa: F401
 from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.errors import InputError, import_torch
+from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.layouts import converted_config
 from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, resolve, short_read
@@ -52,7 +53,7 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
 
 
 def convert(
-    src, dst, groups: int | None = None, options: ConvertOptions | None = None, stats=None, **kwargs
+    src, dst, groups: int | None = None, options: ConvertOptions | None = None, stats=None, clock=NO_CLOCK, **kwargs
 ) -> ConversionResult:
     """Convert the model at `src` (directory or hub id) to `groups` kv heads, written to `dst`.
     The keywords are the fields of ConvertOptions (convert/options.py, one docstring each); or pass
@@ -60,7 +61,8 @@ def convert(
     per-layer statistics of the attention input are gathered first (calibrated merge, similarity grouping,
     reconstruction errors); a sweep passes the statistics it gathered once with calibration.calibrate as
     `stats` instead. With `refine`, the merged attention is then refined layer by layer against the parent
-    on the calibration tokens (convert/refine/) before anything is written."""
+    on the calibration tokens (convert/refine/) before anything is written. clock: an estimates Clock that says
+    the run's estimate before it starts and times its stages (the CLI's)."""
     if options is None:
         options = ConvertOptions.from_kwargs(groups, kwargs)
     elif kwargs or groups is not None:
@@ -70,10 +72,18 @@ def convert(
     _check_destination(plan.source, dst, options.force)
     if options.dry_run:
         return ConversionResult(plan.tensors, None, plan.source, conversion=plan)
-    return execute(plan, dst)
+    return execute(plan, dst, clock)
 
 
-def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
+def estimate(plan: ConversionPlan):
+    """The run's estimate, scaled to this machine by a probe of the executor's library (torch's, with the threads
+    it was given)."""
+    from mha2gqa.estimates import convert_estimate, this_machine
+
+    return convert_estimate(plan, this_machine("numpy" if plan.torch_reason is None else "torch"))
+
+
+def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult:
     """Run the stages of `plan` into a new `dst`: calibrate -> merge -> refine -> write -> metadata."""
     options, source = plan.options, plan.source
     dst = Path(dst).expanduser()
@@ -86,11 +96,17 @@ def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
         atomic_directory(dst, replace=options.force, needed_bytes=plan.bytes_written + plan.scratch_bytes) as tmp,
         tempfile.TemporaryDirectory(prefix=".calibration-", dir=tmp) as scratch,
     ):
+        if plan.torch_reason is not None:  # started first: the probe runs on torch's threads, and "start" ends here
+            import_torch()
+            clock.stage("load")
+        clock.begin(lambda: estimate(plan))  # once DST is claimed: a refusal of it stays one line
         layers, refined, stats = [], None, plan.stats
         if plan.torch_reason is None:
+            clock.stage("merge")
             fast.write_tensors(plan.checkpoint, plan.tensors, tmp, plan.shard_bytes, options.progress)
         else:
-            layers, refined, stats = _run_torch(plan, tmp, Path(scratch))
+            layers, refined, stats = _run_torch(plan, tmp, Path(scratch), clock)
+        clock.stage("metadata")
         _copy_files(plan.copied, source, tmp)
         _write_config(plan.config, options.groups, options.dtype, tmp)
         extra = {
@@ -105,6 +121,7 @@ def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
         write_atomic(tmp / config_file.CONFIG_NAME, config_file.render(extra["config"]))
         _write_provenance(source, plan.config, plan.tensors, options.seed, options.dtype, tmp, extra)
         write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
+    clock.finish()
     return ConversionResult(plan.tensors, dst, source, layers, refined, plan)
 
 
@@ -118,7 +135,7 @@ def _torch_threads(plan: ConversionPlan) -> int | None:
     return torch.get_num_threads()
 
 
-def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
+def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOCK):
     """The torch stages: the calibration ids read once, the parent loaded once (for the statistics and for
     refine), the merge, refine, and the one writer pass. Returns (per-layer merge report, refine record,
     statistics)."""
@@ -132,8 +149,11 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
         if stats is not None and stats.ids is not None and options.calibration is None:  # a sweep's: read once
             ids = stats.ids
         else:
+            if plan.calibration.sampled_tokens:
+                clock.stage("sample")
             ids, record = calibration.read_ids(plan.source, plan.calibration, parent, options.seed, options.progress)
     if plan.gathers_statistics:
+        clock.stage("calibrate")
         stats = calibration.gather(
             parent,
             plan.calibration,
@@ -148,9 +168,11 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
         )
     if plan.refine is None:
         del parent  # the merge needs one layer at a time, not the model
+        clock.stage("merge")
         return _write_tensors(plan, out_dir, stats), None, stats
     from mha2gqa.convert.refine import refine_attention
 
+    clock.stage("refine")
     merged, layers = _merge(plan, stats)
     refined, record = refine_attention(
         parent,
@@ -164,8 +186,10 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
         out_dtype=options.dtype,
         spill_dir=out_dir,
         progress=options.progress,
+        clock=clock,
     )
     del parent, merged
+    clock.stage("write")
     _write_tensors(plan, out_dir, stats, computed=refined)
     return layers, record, stats
 

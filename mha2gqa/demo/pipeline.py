@@ -9,15 +9,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa import embedded, estimates
+from mha2gqa import embedded
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.prepare import prepare
-from mha2gqa.errors import InputError
+from mha2gqa.demo.timing import demo_estimate
+from mha2gqa.errors import InputError, import_torch
 from mha2gqa.run_folder import check_folder, run_folder
 
 DEMO_RECIPE = Path(__file__).parent / "demo-uptrain.yaml"
@@ -110,17 +112,26 @@ def run_demo(
     progress: bool = True,
     force: bool = False,
     plan: DemoPlan | None = None,
+    clock=None,
 ) -> dict:
     """Run every stage into `out`; returns the paths written (report files included). An earlier run in
     `out` is refused unless `force`, and then replaced as a whole (see replacing_run). `plan`: one made
-    by plan_demo (the other arguments are then ignored)."""
+    by plan_demo (the other arguments are then ignored). clock: the estimates Clock that says the estimate,
+    times the stages and says the time taken (default: one started now, speaking through `echo`)."""
+    from mha2gqa.estimates import this_machine
+    from mha2gqa.estimates.clock import Clock
+
     plan = plan or plan_demo(out, groups, quick, alpha, force, progress)
+    clock = clock or Clock(echo=echo, started=time.time())
     with replacing_run(plan.out, plan.force) as out:
-        echo(estimates.demo_start_line(plan.settings))  # once --out is accepted: a refusal stays one line
-        return _run_stages(plan.conversion.source, out, plan.conversion, plan.settings, echo, progress)
+        import_torch()  # the probe runs on torch's threads (threads.apply: the CLI's)
+        clock.begin(lambda: demo_estimate(plan, this_machine("torch")))  # once --out is accepted
+        written = _run_stages(plan.conversion.source, out, plan.conversion, plan.settings, echo, progress, clock)
+    clock.finish()
+    return written
 
 
-def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, echo, progress: bool) -> dict:
+def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, echo, progress: bool, clock) -> dict:
     from mha2gqa.convert.inspect import inspect_model
     from mha2gqa.convert.run import execute
     from mha2gqa.eval import evaluate, write_report
@@ -133,19 +144,25 @@ def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, ech
 
     converted = out / "converted"
     groups = conversion.options.groups
+    clock.stage("convert")
     execute(conversion, converted)
     echo(f"[2/6] converted to {groups} kv heads by mean-pooling: {converted}")
 
     results = out / "results"
     eval_kwargs = _eval_kwargs(settings, echo, progress)
+    clock.stage("evaluate parent")
     evaluate(parent, role="parent", label="parent (MHA)", out=results / "parent.json", **eval_kwargs)
+    clock.stage("evaluate converted")
     _evaluate_child(converted, "converted", parent, groups, results, settings.speed, eval_kwargs)
     echo(f"[3/6] evaluated parent and converted on held-out Persuasion: {results}")
 
+    clock.stage("uptrain")
     uptrained = _uptrain(converted, out / "uptrained", settings, echo)
+    clock.stage("evaluate uptrained")
     _evaluate_child(uptrained, "uptrained", parent, groups, results, settings.speed, eval_kwargs)
     echo("[5/6] evaluated the uptrained model")
 
+    clock.stage("report")
     names = ("parent", "converted", "uptrained")
     written = write_report([results / f"{n}.json" for n in names], out / "report", metrics=uptrained / "metrics.jsonl")
     echo(f"[6/6] report: {written.get('markdown') or out / 'report'}")

@@ -25,7 +25,7 @@ class AgreementTally:
 
 
 def agreement(
-    model, reference, ids: torch.Tensor, context: int, stride: int, batch_size: int = 1, progress: bool = False
+    model, reference, ids: torch.Tensor, context: int, stride: int, batch_size: int = 1, progress: bool | str = False
 ) -> tuple[dict, dict, dict]:
     """(agreement, model perplexity, reference perplexity) over the same windows of `ids`."""
     if model.config.vocab_size != reference.config.vocab_size:

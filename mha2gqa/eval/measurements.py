@@ -32,6 +32,7 @@ class Loaded:
     texts: dict  # {domain: eval.data.EvalText}, {} without --data
     result: dict
     prepared: dict = field(default_factory=dict)  # what each check returned, by measurement key
+    clock: Any = None  # the run's estimates Clock (its stages are marked as they start), or None
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class Measurement:
     """The result keys it sets, from the loaded models."""
     wanted: Callable[[EvalOptions], bool] = lambda o: True
     """Whether it runs for these options (its check runs either way)."""
+    stage: str = ""
+    """Its stage's name for the run's clock and its progress bars (default: the key)."""
 
 
 def at_least(flag: str, value, low: int, hint: str = "") -> None:
@@ -73,17 +76,25 @@ def window_batch(run: Loaded) -> int:
     return auto_batch_size(run.model, run.context, run.device, 1 if run.ref_model is None else 2)
 
 
-def _one_domain(run: Loaded, text) -> dict:
+def bar_label(run: Loaded, *stage: str) -> str:
+    """A progress bar's label: the model, then the domain and the stage ('gqa1 · prose · perplexity, KL vs
+    smollm2'), so that a run of several bars says which is which."""
+    return " · ".join([run.result["label"], *stage])
+
+
+def _one_domain(run: Loaded, name: str, text) -> dict:
     """Perplexity on one text, and agreement with the reference in the same pass when there is one."""
     from mha2gqa.eval import perplexity as P
     from mha2gqa.eval.agreement import agreement
 
     o, ids, batch = run.options, text.ids, window_batch(run)
     found = {"data": text.identity, "perplexity": None, "agreement": None}
+    bar = o.progress and bar_label(run, name, "perplexity")
     if run.ref_model is None:
-        found["perplexity"] = P.perplexity(run.model, ids, run.context, run.stride, batch, o.progress)
+        found["perplexity"] = P.perplexity(run.model, ids, run.context, run.stride, batch, bar)
         return found
-    agree, ppl, ref_ppl = agreement(run.model, run.ref_model, ids, run.context, run.stride, batch, o.progress)
+    bar = bar and f"{bar}, KL vs {run.result['reference']['label']}"
+    agree, ppl, ref_ppl = agreement(run.model, run.ref_model, ids, run.context, run.stride, batch, bar)
     return {**found, "perplexity": ppl, "agreement": {**agree, "reference_perplexity": ref_ppl["perplexity"]}}
 
 
@@ -93,7 +104,11 @@ def _quality(run: Loaded) -> dict:
     ratios to the reference (`quality`)."""
     from mha2gqa.eval import domains as D
 
-    per = {name: _one_domain(run, text) for name, text in run.texts.items()}
+    per = {}
+    for name, text in run.texts.items():
+        if run.clock is not None:
+            run.clock.stage(f"quality: {name}")
+        per[name] = _one_domain(run, name, text)
     if len(per) == 1:
         (only,) = per.values()
         top = dict(only)
@@ -152,7 +167,10 @@ def _speed(run: Loaded) -> dict:
     o = run.options
     grid = speed_grid(o, run.device.type)
     beside = run.ref_model if o.speed_side_by_side else None
-    found = speed.decode_speed(run.model, grid, o.seed, o.progress, beside=beside)
+    bar = o.progress and bar_label(run, "decode speed") + (
+        f" beside {run.result['reference']['label']}" if beside else ""
+    )
+    found = speed.decode_speed(run.model, grid, o.seed, bar, beside=beside)
     if beside is not None:  # what the reference's points are: the report pairs them with its own result
         reference = run.result["reference"]
         found["side_by_side"].update(reference_label=reference["label"], reference_resolved=reference["resolved"])
@@ -232,10 +250,12 @@ def check_tokenizer(o: EvalOptions, tokenizer) -> None:
 
 MEASUREMENTS: list[Measurement] = [
     Measurement("quality", _check_quality, _quality, wanted=lambda o: bool(o.domains)),
-    Measurement("kv_cache", _check_kv, _kv_cache),
-    Measurement("speed", _check_speed, _speed, wanted=lambda o: o.speed is not None),
-    Measurement("attention_maps", _check_attention, _attention, wanted=lambda o: bool(o.attention_text)),
-    Measurement("lm_eval", _check_lm_eval, _lm_eval, wanted=lambda o: bool(o.lm_eval_tasks)),
+    Measurement("kv_cache", _check_kv, _kv_cache, stage="kv cache"),
+    Measurement("speed", _check_speed, _speed, wanted=lambda o: o.speed is not None, stage="decode speed"),
+    Measurement(
+        "attention_maps", _check_attention, _attention, wanted=lambda o: bool(o.attention_text), stage="attention maps"
+    ),
+    Measurement("lm_eval", _check_lm_eval, _lm_eval, wanted=lambda o: bool(o.lm_eval_tasks), stage="lm-eval"),
 ]
 
 

@@ -15,6 +15,8 @@ from mha2gqa.corpus.probe import PROBE, parse_domains
 from mha2gqa.errors import InputError
 from mha2gqa.typed import StrEnum, check_keywords
 
+DEFAULT_MAX_TOKENS = 4096  # a domain's tokens scored by default (docs/eval.md, "Cost")
+
 
 class SpeedPreset(StrEnum):
     """The decode-speed grid (eval/speed.py PRESETS); str() and format() are the value."""
@@ -48,12 +50,15 @@ class EvalOptions:
     """Hub dataset split."""
     data_column: str = "text"
     """Field or column holding the text (jsonl/json/parquet files, hub datasets)."""
-    max_tokens: int | None = None
-    """Score at most this many tokens of each --data text (a hub dataset is then read only as far as needed)."""
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
+    """Score at most this many tokens of each --data text, its first ones (a hub dataset is then read only as far
+    as needed); all (None in Python) scores every token. The default keeps `eval` of a 135M model and its
+    reference on the four probe domains within a few minutes on two CPU cores (docs/eval.md, "Cost")."""
     context: int | None = None
     """Perplexity window in tokens (default: min(1024, max_position_embeddings))."""
     stride: int | None = None
-    """Tokens between window starts, 1..context; each token is scored once (default: context/2)."""
+    """Tokens between window starts, 1..context; each token is scored once (default: context: windows side by
+    side, each token computed once, as lm-evaluation-harness's rolling windows; less re-reads context)."""
     batch_size: int | str = 1
     """Windows per forward pass in perplexity (also lm-eval's batch); auto: the largest batch the free memory
     holds by an estimate, at most 64 (lm-eval searches its own). The numbers do not depend on it."""

@@ -49,11 +49,13 @@ def check_window(context: int, stride: int) -> None:
 
 
 def scored_logits(
-    model, ids: torch.Tensor, wins: list[Window], batch_size: int = 1, progress: bool = False
+    model, ids: torch.Tensor, wins: list[Window], batch_size: int = 1, progress: bool | str = False
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """For each batch of windows: (logits (n, V) float32, targets (n,)) of the tokens scored there."""
+    """For each batch of windows: (logits (n, V) float32, targets (n,)) of the tokens scored there. progress:
+    a bar, labelled with the string given (its model, domain and stage) or 'windows'."""
     device = next(model.parameters()).device
-    bar = tqdm(total=len(wins), desc="windows", unit="win", disable=not progress, leave=False)
+    label = progress if isinstance(progress, str) else "windows"
+    bar = tqdm(total=len(wins), desc=label, unit="win", disable=not progress, leave=False)
     for batch in _same_length_batches(wins, batch_size):
         inputs = torch.stack([ids[w.start : w.end] for w in batch]).to(device)  # (B, T)
         keep = max(w.scored for w in batch) + 1  # the last position predicts nothing in-window
@@ -94,7 +96,7 @@ class NllTally:
 
 
 def perplexity(
-    model, ids: torch.Tensor, context: int, stride: int, batch_size: int = 1, progress: bool = False
+    model, ids: torch.Tensor, context: int, stride: int, batch_size: int = 1, progress: bool | str = False
 ) -> dict:
     """exp(mean NLL) over every scored token of `ids`, with the window settings recorded."""
     wins = windows(ids.numel(), context, stride)

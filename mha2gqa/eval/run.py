@@ -7,13 +7,16 @@ only at the end (atomically): a bad flag costs nothing and a failed run leaves n
 from __future__ import annotations
 
 import datetime as dt
+import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mha2gqa import provenance as model_provenance
 from mha2gqa.errors import InputError, WeightWarning
+from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.eval import measurements, provenance, speed
 from mha2gqa.eval import model as M
 from mha2gqa.eval import perplexity as P
@@ -26,7 +29,9 @@ from mha2gqa.sources import require_safetensors, resolve_model_dir
 DEFAULT_CONTEXT = 1024
 
 
-def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | None = None, **kwargs) -> dict:
+def evaluate(
+    model_path, data=None, reference=None, *, options: EvalOptions | None = None, clock=NO_CLOCK, **kwargs
+) -> dict:
     """Measure MODEL_PATH (a dir or hub id) and return the result dict; write it to `out` if given.
 
     The keywords are the fields of EvalOptions (eval/options.py, one docstring each); or pass
@@ -34,7 +39,8 @@ def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | No
     (the probe set shipped in the package), "name=path", a list of those or {name: path}: every text is
     a domain, measured apart (perplexity is skipped without data). reference: a parent model to measure KL and top-1 agreement
     against. speed_preset: "auto" (gpu on CUDA, else cpu), "cpu", "gpu", or None/"off" to skip decode
-    speed. See `mha2gqa eval --help`; what is measured is the list in eval/measurements.py.
+    speed. See `mha2gqa eval --help`; what is measured is the list in eval/measurements.py. clock: an
+    estimates Clock that says the estimate before any weights are loaded and times each stage (the CLI's).
     """
     if options is None:
         options = EvalOptions.from_kwargs({"data": data, "reference": reference, **kwargs})
@@ -42,18 +48,64 @@ def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | No
         raise TypeError("evaluate(): pass either options=EvalOptions(...) or data, reference and keywords, not both")
     o = options
     torch.manual_seed(o.seed)
+    found = _inputs(model_path, o)
+    model = M.load_model(found.model_dir, found.dtype, found.device, o.progress)
+    ref_model = (
+        M.load_model(found.ref_dir, found.dtype, found.device, o.progress, "--reference") if found.ref_dir else None
+    )
+    clock.begin(lambda: eval_estimate(found, o))  # once the weights are checked: a refusal stays one line
+    shape = M.shape_of(model.config)
+    result = _skeleton(model_path, found.model_dir, model, shape, found.prov, found.role, o.label, found.device, o.seed)
+    result["reference"] = _reference(o.reference, found.ref_dir, ref_model)
+    loaded = Loaded(
+        o, model, ref_model, found.tokenizer, shape, found.device, found.context, found.stride, found.texts, result,
+        found.prepared, clock,
+    )  # fmt: skip
+    for measurement in measurements.MEASUREMENTS:  # looked up now: the registry is the module's list
+        if measurement.wanted(o):
+            if measurement.key != "quality":  # quality marks each domain's stage itself
+                clock.stage(measurement.stage)
+            result.update(measurement.measure(loaded))
+    for message in result["warnings"]:  # the CLI shows each as one `Warning:` line (cli/__init__.py)
+        warnings.warn(message, WeightWarning, stacklevel=2)
+    if o.out:
+        write_result(result, Path(o.out))
+        _refresh_card(Path(found.model_dir), Path(o.out))
+    clock.finish()
+    return result
+
+
+@dataclass
+class _Inputs:
+    """What an evaluation reads, checked before any weights are loaded."""
+
+    model_dir: Path
+    ref_dir: Path | None
+    prov: dict | None
+    role: str
+    config: object
+    tokenizer: object
+    context: int
+    stride: int
+    grid: object  # speed.SpeedGrid or None
+    texts: dict
+    device: torch.device
+    dtype: object
+    prepared: dict
+
+
+def _inputs(model_path, o: EvalOptions) -> _Inputs:
+    """Every check of the options, the model's config and tokenizer, and the texts tokenized: before the
+    estimate, and before any weights are loaded."""
     dev, torch_dtype = M.pick_device(o.device), M.pick_dtype(o.dtype)
     grid = speed_grid(o, dev.type)
     prepared = check_all(o)
-
-    # Everything read from config and tokenizer is checked before any weights are loaded.
     model_dir = resolve_model_dir(model_path)
     ref_dir = resolve_model_dir(o.reference) if o.reference else None
     require_safetensors(model_dir, "model")
     if ref_dir:
         require_safetensors(ref_dir, "--reference")
     prov = model_provenance.read(model_dir)
-    role = provenance.infer_role(prov, o.role)
     config = M.load_config(model_dir)
     tok = M.load_tokenizer(model_dir, o.tokenizer)
     M.check_vocab(tok, config, "the model")
@@ -62,22 +114,40 @@ def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | No
     if grid:
         speed.check_grid_fits(grid, getattr(config, "max_position_embeddings", None))
     texts = {name: _text(o, path, tok) for name, path in (o.domains or {}).items()}
+    role = provenance.infer_role(prov, o.role)
+    return _Inputs(
+        model_dir, ref_dir, prov, role, config, tok, context, stride, grid, texts, dev, torch_dtype, prepared
+    )
 
-    model = M.load_model(model_dir, torch_dtype, dev, o.progress)
-    ref_model = M.load_model(ref_dir, torch_dtype, dev, o.progress, "--reference") if ref_dir else None
-    shape = M.shape_of(model.config)
-    result = _skeleton(model_path, model_dir, model, shape, prov, role, o.label, dev, o.seed)
-    result["reference"] = _reference(o.reference, ref_dir, ref_model)
-    loaded = Loaded(o, model, ref_model, tok, shape, dev, context, stride, texts, result, prepared)
-    for measurement in measurements.MEASUREMENTS:  # looked up now: the registry is the module's list
-        if measurement.wanted(o):
-            result.update(measurement.measure(loaded))
-    for message in result["warnings"]:  # the CLI shows each as one `Warning:` line (cli/__init__.py)
-        warnings.warn(message, WeightWarning, stacklevel=2)
-    if o.out:
-        write_result(result, Path(o.out))
-        _refresh_card(Path(model_dir), Path(o.out))
-    return result
+
+def eval_estimate(found: _Inputs, o: EvalOptions):
+    """The run's estimate: each stage's work from the weights' headers, the texts' windows and the speed grid,
+    scaled to this machine by a probe; its peak memory from the weights and a batch of windows."""
+    from mha2gqa.checkpoint import SafetensorsCheckpoint
+    from mha2gqa.estimates import Estimate, EvalWork, eval_peak_bytes, eval_stages, this_machine
+    from mha2gqa.eval.batching import window_bytes
+
+    def size(folder):
+        checkpoint = SafetensorsCheckpoint(folder)
+        return sum(math.prod(t.shape) for t in checkpoint.tensors.values()), sum(
+            t.nbytes for t in checkpoint.tensors.values()
+        )
+
+    (params, weights), (ref_params, ref_weights) = (
+        size(found.model_dir),
+        size(found.ref_dir) if found.ref_dir else (None, 0),
+    )
+    windows = {name: P.windows(text.ids.numel(), found.context, found.stride) for name, text in found.texts.items()}
+    texts = {name: (sum(w.end - w.start for w in wins), sum(w.scored for w in wins)) for name, wins in windows.items()}
+    points = (
+        len(found.grid.batches) * len(found.grid.contexts) * (2 if o.speed_side_by_side else 1) if found.grid else 0
+    )
+    examples = o.lm_eval_limit * len(o.lm_eval_tasks) if o.lm_eval_tasks and o.lm_eval_limit else None
+    work = EvalWork(params, ref_params, found.config.vocab_size, weights + ref_weights, texts, points, examples)
+    element = max(1, weights // max(params, 1))
+    batch = 1 if o.batch_size == "auto" else o.batch_size
+    peak = eval_peak_bytes(work, window_bytes(found.config, found.context, element), batch)
+    return Estimate(tuple(eval_stages(work)), this_machine("torch"), peak)
 
 
 def _text(o: EvalOptions, path: str, tok):
@@ -98,7 +168,7 @@ def _window(config, context, stride) -> tuple[int, int]:
     """--context/--stride, defaulted from the model's max positions and checked against them."""
     max_pos = getattr(config, "max_position_embeddings", None)
     context = context or min(DEFAULT_CONTEXT, max_pos or DEFAULT_CONTEXT)
-    stride = stride or max(1, context // 2)
+    stride = stride or context  # windows side by side: every token computed once (docs/eval.md, "Cost")
     P.check_window(context, stride)
     if max_pos and context > max_pos:
         raise InputError(

@@ -175,12 +175,13 @@ def measure_side_by_side(models: list, batch: int, context: int, grid: SpeedGrid
     return [_point(batch, context, grid, prefill[k], decode[k], mem, load) for k in range(len(models))]
 
 
-def decode_speed(model, grid: SpeedGrid, seed: int = 0, progress: bool = False, beside=None) -> dict:
+def decode_speed(model, grid: SpeedGrid, seed: int = 0, progress: bool | str = False, beside=None) -> dict:
     """The grid's points; with `beside` (the reference model) each point is timed side by side with it, and
     its points go in `side_by_side` under a fresh id: the only speeds a report turns into a speed-up."""
     points = [(b, c) for c in grid.contexts for b in grid.batches]
     results, theirs = [], []
-    for batch, context in tqdm(points, desc="decode speed", disable=not progress, leave=False):
+    label = progress if isinstance(progress, str) else "decode speed"  # the bar's label: model and stage
+    for batch, context in tqdm(points, desc=label, disable=not progress, leave=False):
         if beside is None:
             results.append(measure_point(model, batch, context, grid, seed))
         else:

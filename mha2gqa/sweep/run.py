@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from mha2gqa import estimates, provenance
+from mha2gqa import provenance
 from mha2gqa.convert.options import ConvertOptions, current_refine_fields
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.probe import parse_domains
@@ -42,6 +42,7 @@ from mha2gqa.run_folder import check_folder, continued_folder, run_folder, scrat
 from mha2gqa.sources import resolve_model_dir
 from mha2gqa.sweep.options import BROKEN_SLACK, SweepOptions
 from mha2gqa.sweep.render import QUALITY_PNG, SENSITIVITY_PNG
+from mha2gqa.sweep.timing import sweep_start_line
 from mha2gqa.writing import check_room
 
 UPTRAIN_RECIPE = Path(__file__).resolve().parent.parent / "demo" / "demo-uptrain.yaml"
@@ -301,7 +302,7 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     _check_room(out, needed)
     if plans:
         domains = list(parse_domains(options.data).values())
-        echo(estimates.sweep_start_line(list(plans.values()), domains, options.max_tokens, options.calibration_tokens))
+        echo(sweep_start_line(list(plans.values()), domains, options.max_tokens, options.calibration_tokens))
     if options.dry_run:
         echo(f"would sweep {len(plans)} candidates into {out}: {', '.join(c.name for c in plans) or 'none left'}")
         echo(f"  {out} needs {needed / 2**20:,.1f} MiB at the worst moment (statistics and converted models)")

@@ -15,8 +15,9 @@ from mha2gqa.uptrain.recipe_load import load_recipe
 __all__ = ["Recipe", "load_recipe", "train"]
 
 
-def train(recipe: Recipe, resume: bool = False) -> Path:
-    """Run the recipe (see mha2gqa.uptrain.loop.train)."""
+def train(recipe: Recipe, resume: bool = False, clock=None) -> Path:
+    """Run the recipe (see mha2gqa.uptrain.loop.train); clock: an estimates Clock that says the run's estimate and
+    times it (the CLI's), None for none."""
     from mha2gqa.uptrain.loop import train as _train
 
-    return _train(recipe, resume=resume)
+    return _train(recipe, resume=resume) if clock is None else _train(recipe, resume=resume, clock=clock)

@@ -15,9 +15,12 @@ import torch
 from mha2gqa import provenance
 from mha2gqa.card import write_card
 from mha2gqa.errors import InputError
+from mha2gqa.estimates import this_machine
+from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.quiet import without_transformers_bars
 from mha2gqa.uptrain import checkpoints, lora, mixed_data
 from mha2gqa.uptrain.data import TrainData
+from mha2gqa.uptrain.estimate import uptrain_estimate
 from mha2gqa.uptrain.models import (
     Student,
     check_positions,
@@ -37,16 +40,17 @@ from mha2gqa.writing import check_room, swap_in, write_atomic
 __all__ = ["TrainingDiverged", "train"]
 
 
-def train(recipe: Recipe, resume: bool = False) -> Path:
+def train(recipe: Recipe, resume: bool = False, clock=NO_CLOCK) -> Path:
     """Train as the recipe says; returns output_dir, which holds the final HF checkpoint once the
     budget is spent (a run stopped by exit_after_steps leaves only a resumable checkpoint there).
 
     Works in a plain process (one rank) and under `accelerate launch` (every rank calls it).
-    Raises InputError for bad input (nothing written) and TrainingDiverged on a NaN/inf loss."""
+    Raises InputError for bad input (nothing written) and TrainingDiverged on a NaN/inf loss. clock: an
+    estimates Clock that says the run's estimate before the models are loaded and times its stages (the CLI's)."""
     out = Path(recipe.output_dir).expanduser()
     accelerator = _make_accelerator(recipe, out)
     try:
-        return _train(recipe, resume, out, accelerator)
+        return _train(recipe, resume, out, accelerator, clock)
     finally:
         _release(accelerator)
 
@@ -94,14 +98,21 @@ class _Loaded:
     trainable: int  # parameters the run trains
 
 
-def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
+def _train(recipe: Recipe, resume: bool, out: Path, accelerator, clock=NO_CLOCK) -> Path:
     from accelerate.utils import set_seed
 
     world, rank = accelerator.num_processes, accelerator.process_index
     total = total_steps(recipe, world)
     start_ckpt, changed = checkpoints.check_start(out, recipe, resume, world)
+    if not accelerator.is_main_process:
+        clock = NO_CLOCK  # one process says the estimate
+
+    def ready(student: Student) -> None:  # every refusal the models and output_dir can give is behind
+        _check_output_room(recipe, out, student)
+        clock.begin(lambda: uptrain_estimate(recipe, world, this_machine("torch")))
+
     set_seed(recipe.seed)
-    loaded = _load(recipe, accelerator)
+    loaded = _load(recipe, accelerator, ready)
     model, optimizer = _prepare(recipe, accelerator, loaded.student)
     _open_output(recipe, resume, out, accelerator, loaded.student)
     start = 0
@@ -116,7 +127,8 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
 
     metrics = Metrics(out, accelerator, start if start_ckpt else -1, total, bool(accelerator.log_with))
     trace = Trace(out, rank, start * recipe.grad_accum) if recipe.trace_samples else None
-    run = Run(recipe, accelerator, model, optimizer, loaded.teacher, loaded.data, out, total, metrics, trace)
+    run = Run(recipe, accelerator, model, optimizer, loaded.teacher, loaded.data, out, total, metrics, trace, clock)
+    clock.stage("train")
     try:
         final_evals = run_steps(run, start)
     finally:
@@ -127,27 +139,30 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator) -> Path:
     if trace is not None:
         trace.finish(accelerator.unwrap_model(model))
     record = _run_record(recipe, loaded, total, world, start if start_ckpt else None, final_evals)
+    clock.stage("save")
     _save(recipe, accelerator, model, loaded, out, record)
+    clock.finish()
     return out
 
 
-def _load(recipe: Recipe, accelerator) -> _Loaded:
+def _load(recipe: Recipe, accelerator, ready=lambda student: None) -> _Loaded:
     """The tokenizer, the student (with its LoRA adapters), the data and the teacher, each checked against
-    the others: a bad input fails here, before the first file is written."""
+    the others: a bad input fails here, before the first file is written. `ready(student)` runs once the models
+    are loaded and checked, before the data is read or sampled (the run's estimate is said there)."""
     tokenizer = load_tokenizer(recipe.tokenizer_source)
     student = load_student(recipe)
-    # data.train parent samples the teacher: it is loaded first then (and checked before it draws a token)
-    teacher = _teacher(recipe, accelerator, student) if mixed_data.needs_teacher(recipe) else None
+    # the teacher is loaded and checked before the data: data.train parent samples it, and a broken one is refused
+    # before the run says its estimate
+    teacher = _teacher(recipe, accelerator, student) if recipe.distill.teacher else None
+    check_positions(student.model, recipe.seq_len)
+    ready(student)
     data = _data(recipe, accelerator, tokenizer, teacher)
     check_vocab(student.model, data.eval)
-    check_positions(student.model, recipe.seq_len)
     if student.source_dir is not None:  # a broken source mha2gqa.json fails now, not after training
         provenance.lineage(student.source_dir)
     if recipe.trainable == "lora":
         student.model = lora.add_adapters(student.model, recipe.lora)
     trainable = select_trainable(student.model, recipe.trainable)
-    if teacher is None and recipe.distill.teacher:
-        teacher = _teacher(recipe, accelerator, student)
     return _Loaded(tokenizer, student, data, teacher, trainable)
 
 
@@ -186,16 +201,17 @@ def _prepare(recipe: Recipe, accelerator, student: Student):
     return model, optimizer
 
 
+def _check_output_room(recipe: Recipe, out: Path, student: Student) -> None:
+    """output_dir holds a checkpoint and the final model (every rank checks, read-only: a refusal on rank 0 alone
+    would leave the others waiting)."""
+    saves = bool(recipe.save_every or recipe.exit_after_steps)
+    room = save_bytes(student.model, student.saved_dtype, saves)
+    check_room(out, room, f"output_dir {out}", "a checkpoint and the final model")
+
+
 def _open_output(recipe: Recipe, resume: bool, out: Path, accelerator, student: Student) -> None:
     """Check output_dir's room, then (the first write of the run) clear or create it."""
-    # Every rank checks (read-only): a refusal on rank 0 alone would leave the others waiting.
-    saves = bool(recipe.save_every or recipe.exit_after_steps)
-    check_room(
-        out,
-        save_bytes(student.model, student.saved_dtype, saves),
-        f"output_dir {out}",
-        "a checkpoint and the final model",
-    )
+    _check_output_room(recipe, out, student)
 
     # Nothing was written before this point: every input error above left output_dir untouched.
     if accelerator.is_main_process:

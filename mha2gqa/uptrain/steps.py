@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.kl import kl_divergence
 from mha2gqa.uptrain import checkpoints
 from mha2gqa.uptrain.data import TrainData, block_hash, rank_slice
@@ -175,6 +176,7 @@ class Run:
     total: int
     metrics: Metrics
     trace: Trace | None
+    clock: object = NO_CLOCK  # the run's estimates Clock: the training's progress corrects the remaining time
 
 
 def loss_function(run: Run, model):
@@ -245,6 +247,7 @@ def run_steps(run: Run, start: int) -> dict | None:
         loss, grad_norm, lr = optimizer_step(run, model, loss_fn, batches, step, guard)
         done = step + 1
         run.metrics.step(loss, tps)
+        run.clock.partial((done - start) / max(1, stop_at - start))
         is_eval = (r.eval_every and done % r.eval_every == 0) or done == run.total
         evals = _checked_eval(run, eval_blocks, guard, done, lr) if is_eval else None
         if is_eval or done % r.log_every == 0 or done == stop_at:

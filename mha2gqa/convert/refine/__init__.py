@@ -54,6 +54,7 @@ from mha2gqa.convert.refine.global_stage import GlobalFit, fit_global
 from mha2gqa.convert.refine.hooks import advance, first_hidden_states, layer_targets
 from mha2gqa.convert.refine.model import attention_path, converted_model, layer_path
 from mha2gqa.errors import WeightWarning
+from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.layouts import AttentionShape, Layout
 
 __all__ = [
@@ -82,10 +83,12 @@ def refine_attention(
     out_dtype: str | None = None,
     spill_dir: Path | None = None,
     progress: bool = True,
+    clock=NO_CLOCK,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Refine the merged attention layer by layer against the loaded `parent`. config: the converted
     config.json; merged: the merge's tensors by checkpoint name, in their output dtype; budget: the blocks
-    to fit on, as the plan computed them (prepare); out_dtype: --dtype.
+    to fit on, as the plan computed them (prepare); out_dtype: --dtype; clock: the run's estimates Clock (the
+    layers' progress, and the global stage's start).
     Returns every layer's refined attention tensors by checkpoint name, and the JSON-able record: options,
     token counts and per-layer errors."""
     started, started_cpu = time.perf_counter(), time.process_time()
@@ -114,7 +117,9 @@ def refine_attention(
             # non-finite) stays as merged, so a conversion whose every refit failed is the plain merge.
             if kept:
                 changed.update(names)
+            clock.partial((index + 1) / shape.layers)
         if options.global_steps and changed:
+            clock.stage("refine (global)")
             global_record = _global_stage(run, changed, blocks, progress)
     finally:
         bar.close()

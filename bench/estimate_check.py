@@ -1,0 +1,133 @@
+"""How close each long command's estimate comes to its wall time, on a quiet machine and on a busy one: the table of
+docs/benchmarks.md ("Estimates").
+
+Each command is a real run, as its own process: the first estimate it prints (before any work), the remaining time
+it corrects to after its first stage, what it says it took, and its wall time as measured from outside, with the
+load average before and after. --busy N adds N processes that spin on a core each for the whole check (the
+machine shared with other work), started a minute before the first command so that the load average has risen.
+
+    flock -x /work/locks/cpu python bench/estimate_check.py --large /work/runs/smollm2 --work /tmp/ec
+    flock -x /work/locks/cpu python bench/estimate_check.py --large /work/runs/smollm2 --work /tmp/ec --busy 3
+    python bench/estimate_check.py --smoke --work /tmp/ec                  # toy sizes: no measurement
+
+Prints one markdown row a command and writes every row as JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EMBEDDED = ROOT / "mha2gqa" / "data" / "austen-mha"
+SPIN = "while True: pass"
+
+
+def commands(large: Path | None, work: Path, smoke: bool) -> list[tuple[str, list[str]]]:
+    """(name, mha2gqa arguments) of every command the table times, at sizes that keep each a real run."""
+    e = str(EMBEDDED)
+    big = str(large) if large and not smoke else e
+    groups = "1" if large and not smoke else "2"
+    tokens = "256" if smoke else "32768"
+    found = [
+        ("demo --quick", ["demo", "--quick", "--out", str(work / "demo"), "--force"]),
+        ("convert, mean", ["convert", big, str(work / "mean"), "-g", groups, "--force"]),
+        ("convert, calibrated", ["convert", big, str(work / "cal"), "-g", groups, "--method", "calibrated",
+                                 "--calibration", "austen", "--calibration-tokens", tokens, "--force"]),
+        ("convert, calibrated + refine", ["convert", e, str(work / "ref"), "-g", "2", "--method", "calibrated",
+                                          "--calibration", "austen", "--refine", "--force"]
+         + (["--calibration-tokens", "2048", "--refine-steps", "2", "--refine-global-steps", "2"] if smoke else [])),
+        ("sweep", ["sweep", e, "--calibration", "austen", "--groups", "4,2", "--methods", "mean,calibrated",
+                   "--out", str(work / "sweep"), "--force"] + (["--max-tokens", "128", "--calibration-tokens", "2048"] if smoke else [])),
+        ("eval, with --reference", ["eval", str(work / "mean"), "--reference", big, "--out", str(work / "eval.json"),
+                                    "--force"] + (["--max-tokens", "128"] if smoke else [])),
+        ("uptrain", ["uptrain", "--recipe", str(ROOT / "recipes" / "tiny-cpu.yaml"), f"output_dir={work / 'up'}",
+                     "overwrite=true", f"tokenizer={e}"] + (["budget.max_steps=4"] if smoke else [])),
+    ]  # fmt: skip
+    return found
+
+
+ESTIMATE = re.compile(r"^estimate: about (\d+) (s|min|h)(?: (\d+) min)?", re.M)
+LEFT = re.compile(r"^(\d+) stages? in .*?: about (\d+) (s|min|h)(?: (\d+) min)? left", re.M)
+TOOK = re.compile(r"^took (.*?) \(estimated", re.M)
+
+
+def seconds(amount: str, unit: str, minutes: str | None = None) -> float:
+    return {"s": 1, "min": 60, "h": 3600}[unit] * int(amount) + 60 * int(minutes or 0)
+
+
+def measure(name: str, command: list[str], cwd: Path) -> dict:
+    """One command, timed from outside; what it said about its time, read from its output."""
+    load = os.getloadavg()[0]
+    started = time.perf_counter()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "mha2gqa", *command], cwd=cwd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    text = done.stdout + "\n" + done.stderr.replace("\r", "\n")
+    if done.returncode != 0:
+        raise SystemExit(f"failed: mha2gqa {' '.join(command)}\n{done.stderr[-3000:]}")
+    first = ESTIMATE.search(text)
+    left = LEFT.search(text)
+    took = TOOK.search(text)
+    estimate = seconds(*first.groups()) if first else None
+    return {
+        "name": name,
+        "command": "mha2gqa " + " ".join(command),
+        "estimate_s": estimate,
+        "estimate_line": first.group(0) if first else None,
+        "corrected_left_s": seconds(*left.groups()[1:]) if left else None,
+        "took_line": took.group(1) if took else None,
+        "wall_s": round(wall, 1),
+        "ratio": round(estimate / wall, 2) if estimate else None,
+        "load_before_after": [round(load, 2), round(os.getloadavg()[0], 2)],
+    }
+
+
+def row(r: dict) -> str:
+    ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
+    within = "yes" if r["ratio"] and 0.7 <= r["ratio"] <= 1.3 else "no"
+    load = "-".join(f"{x:.1f}" for x in r["load_before_after"])
+    return f"| {r['name']} | {r['estimate_s']:.0f} s | {r['wall_s']:.0f} s | {ratio} | {within} | {load} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--large", type=Path, help="SmolLM2-135M's folder (convert and eval run on it)")
+    parser.add_argument("--work", type=Path, required=True, help="scratch folder (emptied first)")
+    parser.add_argument("--busy", type=int, default=0, help="processes that spin on a core each during the check")
+    parser.add_argument("--only", nargs="*", help="names of the commands to run (default: all)")
+    parser.add_argument("--out", type=Path, help="write the rows here as JSON")
+    parser.add_argument("--smoke", action="store_true", help="toy sizes on the embedded model: no measurement")
+    args = parser.parse_args()
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(args.busy)]
+    try:
+        if spinners and not args.smoke:
+            time.sleep(60)  # the 1-minute load average rises to the spinners
+        rows = []
+        print("| command | estimate | wall | estimate / wall | within 30% | load before-after |")
+        print("|---|---:|---:|---:|---|---|")
+        for name, command in commands(args.large, args.work, args.smoke):
+            if args.only and name not in args.only:
+                continue
+            rows.append(measure(name, command, ROOT))
+            print(row(rows[-1]), flush=True)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"busy": args.busy, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The demo's estimate: its six stages costed by the same parts as the commands they run (convert's, eval's
+and uptrain's, mha2gqa.estimates), in one process (torch starts once)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+from mha2gqa import embedded, estimates
+from mha2gqa.estimates import EvalWork, Part, StageCost, UptrainWork, combined
+
+HELDOUT_TOKENS = 131_217  # the embedded held-out novel (Persuasion) in the embedded tokenizer
+CLOZE_EXAMPLES = 355  # persuasion_cloze, every passage
+CONTEXT = 512  # the demo's windows: the model's whole context, not overlapping (pipeline._eval_kwargs)
+UPTRAIN_TOKENS_PER_STEP = 8 * 512  # demo-uptrain.yaml: 8 blocks of 512 a step, an eval every 5 steps
+EVAL_EVERY = 5
+
+
+def _evaluation(name: str, params: int, reference: int | None, settings, speed_points: int) -> StageCost:
+    """One of the demo's evaluations: the held-out novel in 512-token windows, the KV cache, the speed grid
+    (side by side with the parent for a child), the cloze task when lm-eval is installed."""
+    tokens = min(settings.eval_tokens or HELDOUT_TOKENS, HELDOUT_TOKENS)
+    windows = math.ceil(tokens / CONTEXT)
+    cloze = settings.cloze_examples or CLOZE_EXAMPLES if importlib.util.find_spec("lm_eval") else None
+    weights = 4 * (params + (reference or 0))
+    work = EvalWork(params, reference, 4096, weights, {"held-out": (tokens, tokens - windows)}, speed_points, cloze)
+    return combined(name, estimates.eval_stages(work, start=False))
+
+
+def demo_estimate(plan, machine) -> estimates.Estimate:
+    """The stages of a checked DemoPlan (pipeline.plan_demo) on `machine`."""
+    settings, conversion = plan.settings, plan.conversion
+    parent = estimates.parameters_of(conversion)
+    child = sum(math.prod(out.shape) for out in conversion.tensors.output_tensors())
+    grid = 2 if settings.speed else 0  # the cpu preset: batches 1 and 4 at context 32
+    train_tokens = int(settings.alpha * embedded.pretrain_tokens())
+    steps = -(-train_tokens // UPTRAIN_TOKENS_PER_STEP)
+    data = estimates.text_tokens([str(p) for p in embedded.train_paths()]) or 0
+    uptrain = UptrainWork(
+        child, None, 4 * child, steps * UPTRAIN_TOKENS_PER_STEP, 1 + -(-steps // EVAL_EVERY),
+        settings.eval_blocks * CONTEXT, data_tokens=data,
+    )  # fmt: skip
+    stages = (
+        StageCost("start", (Part("torch_start", parent),)),
+        combined("convert", estimates.convert_stages(conversion, start=False)),
+        _evaluation("evaluate parent", parent, None, settings, grid),
+        _evaluation("evaluate converted", child, parent, settings, 2 * grid),
+        combined("uptrain", estimates.uptrain_stages(uptrain, start=False)),
+        _evaluation("evaluate uptrained", child, parent, settings, 2 * grid),
+        StageCost("report", (Part("report", parent),)),
+    )
+    peak = estimates.uptrain_peak_bytes(uptrain, child, UPTRAIN_TOKENS_PER_STEP, 4096)  # its largest stage
+    return estimates.Estimate(stages, machine, peak)

@@ -1,0 +1,38 @@
+"""How long a run will take and how much memory it needs, said before it starts, corrected as it runs, and
+what it took at the end: every command that can run past a minute (convert, eval, uptrain, demo, sweep).
+
+- rates.py: the measured rates (mha2gqa/data/estimate_rates.json, re-made by bench/estimate_rates.py) and the
+  probe that scales them to this machine now;
+- costs.py: each command's stages as work, and the estimate line;
+- clock.py: the run's clock: the estimate said, the remaining time corrected, the time taken.
+"""
+
+from __future__ import annotations
+
+from mha2gqa.estimates.costs import (  # noqa: F401 (the package's API)
+    CAVEAT,
+    CHARS_PER_TOKEN,
+    COMPRESSION,
+    Estimate,
+    EvalWork,
+    Part,
+    StageCost,
+    UptrainWork,
+    attention_parameters,
+    combined,
+    convert_estimate,
+    convert_line,
+    convert_seconds,
+    convert_stages,
+    duration,
+    eval_peak_bytes,
+    eval_stages,
+    parameters_of,
+    rate,
+    text_tokens,
+    took,
+    uptrain_peak_bytes,
+    uptrain_seconds,
+    uptrain_stages,
+)
+from mha2gqa.estimates.rates import LARGE, SMALL, Machine, this_machine  # noqa: F401

@@ -1,0 +1,297 @@
+"""What each long command's stages cost, as work: the estimate every one prints before it starts.
+
+A stage is costed by one or more parts, each a kind of work at a model size: `("eval_quality", params,
+{"forward": tokens x parameters, "tally": tokens x vocabulary})`. rates.py turns a part into seconds on the
+machine the rates were measured on (fixed seconds plus a rate per unit of each term), and the probe scales
+that to this machine now. The kinds and their terms are what bench/estimate_rates.py fits; a stage that knows
+its own cost (convert's quality check) carries its seconds instead of parts, and is counted as it is.
+
+Reads no torch and runs nothing: `convert --dry-run` and `uptrain --dry-run` print the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mha2gqa.estimates import rates
+from mha2gqa.estimates.rates import LARGE, SMALL, Machine  # noqa: F401 (re-exported)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One kind of work of a stage: seconds = the kind's fixed seconds + sum of work[term] x its rate."""
+
+    kind: str
+    parameters: int
+    work: dict = field(default_factory=dict)
+
+    def seconds(self) -> float:
+        return rates.load().seconds(self.kind, self.parameters, self.work)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """A stage as the clock (clock.py) times it: its name, and its parts or its own seconds."""
+
+    name: str
+    parts: tuple[Part, ...] = ()
+    own_seconds: float | None = None  # a stage that costs itself (seconds on the measuring machine)
+
+    def seconds(self) -> float:
+        if self.own_seconds is not None:
+            return self.own_seconds
+        return sum(part.seconds() for part in self.parts)
+
+    def record(self) -> dict:
+        """What the clock writes beside the measured seconds (MHA2GQA_TIMINGS), for the bench to fit."""
+        return {"parts": [{"kind": p.kind, "parameters": p.parameters, "work": p.work} for p in self.parts]}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A run's stages, the machine factor, and its peak memory: the line printed before it starts."""
+
+    stages: tuple[StageCost, ...]
+    machine: Machine
+    peak_bytes: int | None = None
+
+    def stage_seconds(self) -> list[float]:
+        return [stage.seconds() * self.machine.factor for stage in self.stages]
+
+    def seconds(self) -> float:
+        return sum(self.stage_seconds())
+
+    def line(self) -> str:
+        """'estimate: about 4 min, peak memory about 1.2 GiB (start 5%, quality: prose 24%, ...; rates ...)'."""
+        from mha2gqa.units import format_bytes
+
+        total = self.seconds()
+        shares = ", ".join(
+            f"{stage.name} {100 * s / total:.0f}%" for stage, s in zip(self.stages, self.stage_seconds()) if total
+        )
+        memory = f", peak memory about {format_bytes(self.peak_bytes, digits=1)}" if self.peak_bytes else ""
+        return f"estimate: {duration(total)}{memory} ({shares + '; ' if shares else ''}{self.machine.words()})"
+
+
+def duration(seconds: float) -> str:
+    """'about 40 s', 'about 3 min', 'about 1 h 50 min': rounded as far as an estimate deserves."""
+    if seconds < 60:
+        return f"about {max(5, round(seconds / 5) * 5)} s"
+    minutes = round(seconds / 60)
+    if minutes < 60:
+        return f"about {minutes} min"
+    hours, rest = divmod(round(seconds / 600) * 10, 60)
+    return f"about {hours} h" + (f" {rest} min" if rest else "")
+
+
+def took(seconds: float) -> str:
+    """A measured duration: '42 s', '3 min 5 s', '1 h 2 min'."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, rest = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {rest} s" if rest else f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
+
+
+CAVEAT = "rates measured by bench/estimate_rates.py on a quiet machine, not scaled to this one"
+
+
+def rate(name: str, parameters: int) -> float:
+    """Seconds per token per parameter of one kind of model work at `parameters`, on the measuring machine:
+    "eval" (a forward), "train" (a training step), "sample" (a sampled token). For estimates made elsewhere
+    (uptrain --dry-run)."""
+    kind, term = {"eval": ("eval_quality", "forward"), "train": ("train", "tokens"), "sample": ("sample", "tokens")}[
+        name
+    ]
+    return rates.load().seconds(kind, parameters, {term: 1.0}) - rates.load().seconds(kind, parameters, {})
+
+
+# ---- convert ----
+
+
+def parameters_of(plan) -> int:
+    """The source's parameters, from its safetensors headers (a ConversionPlan's checkpoint)."""
+    return sum(math.prod(info.shape) for info in plan.checkpoint.tensors.values())
+
+
+def convert_stages(plan, start: bool = True, calibration: bool = True) -> list[StageCost]:
+    """A ConversionPlan's stages (convert/prepare.py), each costed: with the process' start (the parent loaded
+    when a stage reads it), and with its sampling and statistics pass unless a sweep ran them once for all."""
+    p, shape, refine, budget = parameters_of(plan), plan.shape, plan.options.refine, plan.refine_budget
+    stages = []
+    if start:
+        stages.append(StageCost("start", (Part("numpy_start" if plan.torch_reason is None else "torch_start", p),)))
+    if plan.torch_reason is not None:  # the parent loaded when a stage reads it, the calibration text read
+        stages.append(StageCost("load", (Part("convert_load", p, {"bytes": _parent_bytes(plan)}),)))
+    if calibration and plan.calibration is not None and plan.calibration.sampled_tokens:
+        stages.append(StageCost("sample", (Part("sample", p, {"tokens": plan.calibration.sampled_tokens * p}),)))
+    if calibration and plan.gathers_statistics:
+        tokens = plan.calibration.tokens * plan.calibration_passes
+        stages.append(StageCost("calibrate", (Part("calibrate", p, {"tokens": tokens * p}),)))
+    write = "write_numpy" if plan.torch_reason is None else "write_torch"
+    if refine is None or budget is None:
+        stages.append(StageCost("merge", (Part(write, p, {"bytes": plan.bytes_written}),)))
+    else:
+        batch = refine.batch_blocks * budget.seq_len
+        steps = shape.layers * refine.steps * batch * attention_parameters(shape)
+        work = {"steps": steps, "tokens": budget.blocks * budget.seq_len * p}
+        stages.append(StageCost("refine", (Part("refine", p, work),)))
+        if refine.global_steps:
+            global_work = {"steps": refine.global_steps * batch * p}
+            stages.append(StageCost("refine (global)", (Part("refine_global", p, global_work),)))
+        stages.append(StageCost("write", (Part(write, p, {"bytes": plan.bytes_written}),)))
+    stages.append(StageCost("metadata", (Part("metadata", p, {}),)))
+    stages += [StageCost(s.name, own_seconds=s.seconds) for s in plan.stages if getattr(s, "seconds", None)]
+    return stages
+
+
+def _parent_bytes(plan) -> int:
+    """The parent as convert loads it (float32) when a stage reads it, else 0."""
+    return 4 * parameters_of(plan) if plan.calibration is not None else 0
+
+
+def attention_parameters(shape) -> int:
+    """q, k, v and o of one layer of the source (an AttentionShape)."""
+    q = shape.hidden * shape.heads * shape.head_dim
+    return 2 * q + 2 * shape.hidden * shape.kv_heads * shape.head_dim
+
+
+def convert_seconds(plan, start: bool = True, calibration: bool = True) -> float:
+    """The conversion's seconds on the measuring machine (quiet)."""
+    return sum(stage.seconds() for stage in convert_stages(plan, start, calibration))
+
+
+def convert_estimate(plan, machine: Machine) -> Estimate:
+    return Estimate(tuple(convert_stages(plan)), machine, plan.peak_memory)
+
+
+def convert_line(plan) -> str:
+    """The one line `convert --dry-run` prints about time."""
+    return f"time: {duration(convert_seconds(plan))} ({CAVEAT}; a busier machine takes longer, a GPU far less)"
+
+
+# ---- eval ----
+
+
+@dataclass(frozen=True)
+class EvalWork:
+    """What an evaluation will do, known before any model is loaded (eval/run.py fills it)."""
+
+    parameters: int
+    reference_parameters: int | None  # None without --reference
+    vocab: int
+    weight_bytes: int  # of both models, as loaded
+    texts: dict  # {domain: (forward tokens, scored tokens)} from the windows
+    speed_points: int  # decode-speed grid points (x2 timed side by side)
+    lm_eval_examples: int | None = None
+
+
+def eval_stages(work: EvalWork, start: bool = True) -> list[StageCost]:
+    """start (the interpreter, torch: not in a demo's later evaluations), load (tokenizer, texts, weights), each
+    domain's quality, the KV cache, decode speed, lm-eval."""
+    p, ref = work.parameters, work.reference_parameters
+    stages = [StageCost("start", (Part("torch_start", p),))] if start else []
+    stages.append(StageCost("load", (Part("eval_load", p, {"bytes": work.weight_bytes}),)))
+    for name, (forward, scored) in work.texts.items():
+        terms = {"forward": forward * (p + (ref or 0)), "tally": scored * work.vocab if ref else 0}
+        stages.append(StageCost(f"quality: {name}", (Part("eval_quality", p, terms),)))
+    stages.append(StageCost("kv cache", (Part("eval_kv", p, {}),)))
+    if work.speed_points:
+        stages.append(StageCost("decode speed", (Part("eval_speed", p, {"points": work.speed_points}),)))
+    if work.lm_eval_examples is not None:
+        stages.append(StageCost("lm-eval", (Part("lm_eval", p, {"examples": work.lm_eval_examples}),)))
+    return stages
+
+
+def eval_peak_bytes(work: EvalWork, window_bytes: int, batch: int) -> int:
+    """Both models' weights, a batch of windows through each, and the runtime (torch and the libraries)."""
+    return RUNTIME_BYTES + work.weight_bytes + window_bytes * batch * (2 if work.reference_parameters else 1)
+
+
+RUNTIME_BYTES = 400 << 20  # python, torch, transformers and a tokenizer imported (peak RSS before any model)
+
+
+# ---- uptrain ----
+
+
+@dataclass(frozen=True)
+class UptrainWork:
+    """What an uptraining run will do (uptrain/loop.py fills it from the recipe)."""
+
+    parameters: int
+    teacher_parameters: int | None
+    weight_bytes: int  # student and teacher, as loaded
+    tokens: int  # trained: steps x tokens a step
+    evals: int
+    eval_tokens: int  # per eval
+    sampled_tokens: int = 0  # drawn from the teacher before the first step
+    data_tokens: int = 0  # of data.train's text, tokenized at the start
+    checkpointing: bool = False  # gradient checkpointing: every forward runs twice
+    trained: int = 0  # parameters that train (all, the attention's, ...): their gradients and AdamW's update
+
+    def effective(self) -> float:
+        """Parameters a training token costs as: a forward and the backward's activation gradients through every
+        parameter, the weight gradients only through those that train."""
+        trained = self.trained or self.parameters
+        return (2 * self.parameters + trained) / 3
+
+
+def uptrain_stages(work: UptrainWork, start: bool = True) -> list[StageCost]:
+    """start (the interpreter, torch), load (models, data: the teacher's samples too), train (steps, evals, the
+    teacher's forwards), save."""
+    p, t = work.parameters, work.teacher_parameters
+    load = [Part("uptrain_load", p, {"bytes": work.weight_bytes, "data_tokens": work.data_tokens})]
+    if work.sampled_tokens and t:
+        load.append(Part("sample", t, {"tokens": work.sampled_tokens * t}))
+    train = [Part("train", p, {"tokens": work.tokens * work.effective() * (1.25 if work.checkpointing else 1)})]
+    train.append(Part("eval_quality", p, {"forward": work.evals * work.eval_tokens * p}))
+    if t:
+        train.append(Part("eval_quality", t, {"forward": work.tokens * t}))  # the teacher's forwards
+    stages = [StageCost("start", (Part("torch_start", p),))] if start else []
+    return stages + [
+        StageCost("load", tuple(load)),
+        StageCost("train", tuple(train)),
+        StageCost("save", (Part("uptrain_save", p, {"bytes": work.weight_bytes}),)),
+    ]
+
+
+def uptrain_seconds(tokens: int, parameters: int, evals: int, eval_tokens: int) -> float:
+    """A run's start, training and evals on the measuring machine (uptrain --dry-run's estimate)."""
+    work = UptrainWork(parameters, None, 4 * parameters, tokens, evals, eval_tokens)
+    return sum(stage.seconds() for stage in uptrain_stages(work))
+
+
+def uptrain_peak_bytes(work: UptrainWork, trained: int, micro_tokens: int, vocab: int) -> int:
+    """Weights, gradients and AdamW's two moments of what trains, the teacher's weights, a micro-batch's logits
+    (a few vocabulary-wide float32 copies), and the runtime. Rough: docs/uptrain.md measures it."""
+    logits = 4 * micro_tokens * vocab * 4 * (2 if work.teacher_parameters else 1)
+    return RUNTIME_BYTES + work.weight_bytes + 12 * trained + logits
+
+
+def combined(name: str, stages: list[StageCost]) -> StageCost:
+    """Several commands' stages as one stage of a longer run (a demo's "evaluate parent"); a stage that costs
+    itself keeps its seconds as a fixed part."""
+    parts = tuple(part for stage in stages for part in stage.parts)
+    own = sum(stage.own_seconds for stage in stages if stage.own_seconds is not None)
+    return StageCost(name, parts, None) if not own else StageCost(name, (), own + sum(p.seconds() for p in parts))
+
+
+CHARS_PER_TOKEN = 3.6  # the embedded held-out novel: 466,854 characters, 131,217 tokens
+COMPRESSION = 3  # about what gzip, bz2, xz and zstd make of English text
+
+
+def text_tokens(entries) -> int | None:
+    """About how many tokens local text files hold, from their sizes (None for a hub dataset)."""
+    from mha2gqa.corpus import textdata
+
+    source = textdata.resolve("--data", entries)
+    if source is None or source.hub is not None:
+        return None
+    size = sum(
+        p.stat().st_size * (COMPRESSION if p.suffix.lower() in textdata.COMPRESSIONS else 1) for p in source.files
+    )
+    return int(size / CHARS_PER_TOKEN)
