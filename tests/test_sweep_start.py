@@ -4,6 +4,7 @@ one calibration pass) show progress bars: it printed two static lines and no bar
 from __future__ import annotations
 
 import pytest
+from test_estimates import fixed_rates  # noqa: F401 (the tests' own rates: the fixture)
 from test_sweep import CAL_TOKENS, EVAL_TOKENS, tiny  # noqa: F401 (tiny: the fixture)
 
 import mha2gqa.convert.calibration
@@ -15,7 +16,7 @@ class Stop(Exception):
     """Ends the sweep once its first phases have been seen."""
 
 
-def test_the_first_phases_have_bars_and_the_time_is_said_first(tiny, tmp_path, monkeypatch):  # noqa: F811
+def test_the_first_phases_have_bars_and_the_time_is_said_first(tiny, tmp_path, monkeypatch, fixed_rates):  # noqa: F811
     seen, lines = [], []
     evaluate = mha2gqa.eval.run.evaluate
 
@@ -42,4 +43,14 @@ def test_the_first_phases_have_bars_and_the_time_is_said_first(tiny, tmp_path, m
     with pytest.raises(Stop):
         sweep(tiny / "src", options, echo=lines.append)
     assert seen == [("evaluate", True), ("calibrate", True)]
-    assert lines[0].startswith("sweep: estimate: about ") and "rates measured on" in lines[0]
+    assert lines[0].startswith("estimate: about ") and "candidate kv1-mean" in lines[0] and "rates measured" in lines[0]
+    # --data in words, not the Python tuple it printed ("evaluating the parent on ('.../eval.txt',)")
+    assert f"evaluating the parent on eval ({tiny / 'eval.txt'})" in "\n".join(lines)
+
+
+def test_the_data_is_said_in_words():
+    from mha2gqa.sweep.run import data_words
+
+    assert data_words(("probe",)) == "the probe set (prose, code, python_docs, licences)"
+    assert data_words(("a/persuasion.txt.gz",)) == "persuasion (a/persuasion.txt.gz)"
+    assert data_words(("code=src/", "x.txt")) == "code (src/), x (x.txt)"

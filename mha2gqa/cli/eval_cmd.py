@@ -6,7 +6,7 @@ import json
 
 import click
 
-from mha2gqa.cli.fields import field_option
+from mha2gqa.cli.fields import TokenCount, field_option
 from mha2gqa.cli.paths import file_option, folder_option
 from mha2gqa.docfields import choice_docs
 from mha2gqa.eval.options import EvalOptions, SpeedPreset
@@ -42,20 +42,6 @@ class _BatchSize(click.ParamType):
             self.fail(f"{value!r} is neither a whole number nor auto", param, ctx)
 
 
-class _TokenCount(click.ParamType):
-    """A whole number of tokens, or all (None: every token)."""
-
-    name = "INTEGER|all"
-
-    def convert(self, value, param, ctx):
-        if value is None or value == "all" or isinstance(value, int):
-            return None if value == "all" else value
-        try:
-            return int(value)
-        except ValueError:
-            self.fail(f"{value!r} is neither a whole number of tokens nor all", param, ctx)
-
-
 def _str_list(ctx, param, value):
     """'a,b' -> ['a', 'b']; a value with no names in it ('' or ',, ,') is refused, not ignored."""
     if value is None:
@@ -72,7 +58,7 @@ def _str_list(ctx, param, value):
 @_option("--data-config")
 @_option("--data-split")
 @_option("--data-column")
-@_option("--max-tokens", type=_TokenCount())
+@_option("--max-tokens", type=TokenCount())
 @_option("--tokenizer")
 @_option("--reference")
 @_option("--context", type=int)

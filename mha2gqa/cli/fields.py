@@ -40,3 +40,17 @@ def field_option(cls: type, flag: str, *decls: str, field: str | None = None, ch
         kwargs["default"] = as_text(default) if as_text else cli_text(default)
         kwargs.setdefault("show_default", kwargs["default"] is not None and not kwargs.get("is_flag"))
     return click.option(flag, *decls, help=option_help(cls, field, choices), **kwargs)
+
+
+class TokenCount(click.ParamType):
+    """A whole number of tokens, or all (None: every token)."""
+
+    name = "INTEGER|all"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "all" or isinstance(value, int):
+            return None if value == "all" else value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number of tokens nor all", param, ctx)

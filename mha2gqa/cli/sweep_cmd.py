@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from mha2gqa.cli.fields import field_option
+from mha2gqa.cli.fields import TokenCount, field_option
 from mha2gqa.convert.options import METHOD_SUMMARIES
 from mha2gqa.docfields import option_help
 from mha2gqa.sweep.options import SweepOptions
@@ -53,7 +53,7 @@ def _option(flag: str, *decls: str, **kwargs):
 @_option("--groups", "-g")
 @_option("--methods", choices=METHOD_SUMMARIES)
 @click.option("--refine", is_flag=True, help=option_help(SweepOptions, "refine"))
-@_option("--max-tokens", type=int)
+@_option("--max-tokens", type=TokenCount())
 @_option("--calibration-tokens", type=int)
 @_option("--tolerance")
 @_option("--keep", is_flag=True)

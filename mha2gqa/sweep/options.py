@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from mha2gqa.convert.options import DEFAULT_CALIBRATION, Method, RefineOptions
 from mha2gqa.corpus.probe import PROBE, parse_domains
 from mha2gqa.errors import InputError
+from mha2gqa.eval.options import DEFAULT_MAX_TOKENS
 
 DEFAULT_METHODS = (Method.MEAN.value, Method.CALIBRATED.value)
 DEFAULT_TOLERANCE = 0.05
@@ -39,8 +40,9 @@ class SweepOptions:
     refine: RefineOptions | None = None
     """Refine every candidate layer by layer after the merge (convert --refine, its default settings); the
     report then shows each layer's output error at every kv-head count as a heat map."""
-    max_tokens: int | None = None
-    """Evaluate on at most this many tokens of --data (default: all of it)."""
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
+    """Evaluate on at most this many tokens of each --data text, its first ones, as `eval` does by default (all:
+    every token; None in Python)."""
     calibration_tokens: int | None = None
     """Calibration tokens run through the source, once for the whole sweep (unset: convert's default, 131,072
     of a text, 64 x hidden of the parent's samples)."""

@@ -29,9 +29,10 @@ from tqdm.auto import tqdm
 from mha2gqa import provenance
 from mha2gqa.convert.options import ConvertOptions, current_refine_fields
 from mha2gqa.corpus import textdata
-from mha2gqa.corpus.probe import parse_domains
+from mha2gqa.corpus.probe import PROBE, parse_domains
 from mha2gqa.embedded import expand_corpus_name
 from mha2gqa.errors import InputError
+from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.eval import schema
 from mha2gqa.eval.domains import geomean
 from mha2gqa.eval.schema import write_result
@@ -42,7 +43,7 @@ from mha2gqa.run_folder import check_folder, continued_folder, run_folder, scrat
 from mha2gqa.sources import resolve_model_dir
 from mha2gqa.sweep.options import BROKEN_SLACK, SweepOptions
 from mha2gqa.sweep.render import QUALITY_PNG, SENSITIVITY_PNG
-from mha2gqa.sweep.timing import sweep_start_line
+from mha2gqa.sweep.timing import candidate_stage, sweep_clock
 from mha2gqa.writing import check_room
 
 UPTRAIN_RECIPE = Path(__file__).resolve().parent.parent / "demo" / "demo-uptrain.yaml"
@@ -300,9 +301,8 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     }
     needed = _bytes_needed(plans, shape, options.keep)
     _check_room(out, needed)
-    if plans:
-        domains = list(parse_domains(options.data).values())
-        echo(sweep_start_line(list(plans.values()), domains, options.max_tokens, options.calibration_tokens))
+    domains = list(parse_domains(options.data).values())
+    clock = sweep_clock({c.name: plan for c, plan in plans.items()}, domains, options, echo) if plans else NO_CLOCK
     if options.dry_run:
         echo(f"would sweep {len(plans)} candidates into {out}: {', '.join(c.name for c in plans) or 'none left'}")
         echo(f"  {out} needs {needed / 2**20:,.1f} MiB at the worst moment (statistics and converted models)")
@@ -314,7 +314,8 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
             echo(f"sweep: resuming {out}: {len(record['candidates'])} of {len(candidates)} candidates already finished")
         try:
             with scratch_folder(out, SCRATCH) as work:
-                _measure(source, calibration, options, candidates, record, out, work, started, echo, folder.commit)
+                run = (work, started, echo, folder.commit, clock)
+                _measure(source, calibration, options, candidates, record, out, run)
         except KeyboardInterrupt:
             _interrupted(record, out, len(candidates), folder, echo)
             raise
@@ -322,6 +323,7 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
         record["wall_s"] = round(time.perf_counter() - started, 2)
         folder.commit()
         _finish(record, out)
+    clock.finish()
     return record
 
 
@@ -340,18 +342,18 @@ def _interrupted(record: dict, out: Path, total: int, folder, echo) -> None:
     )
 
 
-def _measure(
-    source, calibration, options, candidates, record, out: Path, work: Path, started: float, echo, commit
-) -> None:
+def _measure(source, calibration, options, candidates, record, out: Path, run: tuple) -> None:
     """The parent once (unless a resumed sweep measured it), the statistics once, then every candidate not
     finished yet; sweep.json is rewritten after each, and from the first one on it is the sweep that stays
-    (`commit`)."""
+    (`commit`). run: (scratch folder, start time, echo, commit, the estimates clock)."""
     from mha2gqa.eval.run import evaluate
 
+    work, started, echo, commit, clock = run
     done = {row["name"] for row in record["candidates"]}
     todo = [c for c in candidates if c.name not in done]
     if record["parent"] is None:
-        echo(f"sweep: {len(candidates)} candidates; evaluating the parent on {options.data}")
+        echo(f"sweep: {len(candidates)} candidates; evaluating the parent on {data_words(options.data)}")
+        clock.stage("evaluate parent")
         # With bars (time left): the parent's evaluation and the calibration pass can take many minutes.
         parent = evaluate(
             source, options=replace(_eval_options(options, "parent", "parent"), progress=options.progress)
@@ -366,6 +368,7 @@ def _measure(
     if not todo:
         return
     echo(f"sweep: gathering calibration statistics once ({options.calibration_tokens:,} tokens)")
+    clock.stage("calibrate")
     stats = _gather_statistics(source, calibration, options, work / "calibration")
     record["calibration"] = stats.record
     models_dir = out / "models" if options.keep else work
@@ -374,6 +377,7 @@ def _measure(
     with tqdm(todo, desc="sweep", unit="candidate", disable=not options.progress) as bar:
         for candidate in bar:
             bar.set_postfix_str(candidate.name)
+            clock.stage(candidate_stage(candidate.name))
             row = _run_candidate(source, candidate, stats, options, models_dir, parent, record["context"])
             if not options.keep:
                 shutil.rmtree(models_dir / candidate.name)
@@ -382,6 +386,13 @@ def _measure(
             record["wall_s"] = round(time.perf_counter() - started, 2)
             write_result(record, out / "sweep.json")  # after every candidate: even a kill keeps the finished ones
             commit()
+
+
+def data_words(data) -> str:
+    """--data as words (it printed as a Python tuple): the probe set's domains, or each text's name and path."""
+    if data == (PROBE,) or data == PROBE:
+        return f"the probe set ({', '.join(parse_domains(PROBE))})"
+    return ", ".join(f"{name} ({path})" for name, path in parse_domains(data).items())
 
 
 def _finish(record: dict, out: Path) -> None:

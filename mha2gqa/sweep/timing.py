@@ -20,8 +20,10 @@ def _texts(domains: list, max_tokens: int | None, context: int) -> dict:
     return found
 
 
-def sweep_stages(plans: list, domains: list, max_tokens: int | None, calibration_tokens: int) -> list[StageCost]:
-    first = plans[0]
+def sweep_stages(plans: dict, domains: list, max_tokens: int | None, calibration_tokens: int) -> list[StageCost]:
+    """The sweep's stages: start, the parent's evaluation, the one calibration pass, then a stage per candidate
+    (`plans`: {candidate name: its dry-run ConversionPlan})."""
+    first = next(iter(plans.values()))
     parent = estimates.parameters_of(first)
     context = min(DEFAULT_CONTEXT, first.config.get("max_position_embeddings") or DEFAULT_CONTEXT)
     texts = _texts(domains, max_tokens, context)
@@ -29,19 +31,34 @@ def sweep_stages(plans: list, domains: list, max_tokens: int | None, calibration
     parent_work = EvalWork(parent, None, vocab, 4 * parent, texts, 0)
     stages = [
         StageCost("start", (Part("torch_start", parent),)),
+        StageCost("load", ()),
         combined("evaluate parent", estimates.eval_stages(parent_work, start=False)),
         StageCost("calibrate", (Part("calibrate", parent, {"tokens": calibration_tokens * parent}),)),
     ]
-    for plan in plans:
+    for name, plan in plans.items():
         child = EvalWork(parent, parent, vocab, 8 * parent, texts, 0)
         candidate = estimates.convert_stages(plan, start=False, calibration=False)
         candidate += estimates.eval_stages(child, start=False)
-        stages.append(combined(f"candidate {plan.options.groups} kv, {plan.options.method}", candidate))
+        stages.append(combined(candidate_stage(name), candidate))
     return stages
 
 
-def sweep_start_line(plans: list, domains: list, max_tokens: int | None, calibration_tokens: int) -> str:
-    """The line a sweep prints before it starts, from its candidates' dry-run plans."""
-    machine = estimates.this_machine("numpy")
-    estimate = estimates.Estimate(tuple(sweep_stages(plans, domains, max_tokens, calibration_tokens)), machine)
-    return "sweep: " + estimate.line()
+def candidate_stage(name: str) -> str:
+    return f"candidate {name}"
+
+
+def sweep_clock(plans: dict, domains: list, options, echo):
+    """Says the sweep's estimate and returns the clock that times it: a real run probes with torch (its threads);
+    a dry run with numpy, and gets no clock (NO_CLOCK)."""
+    from mha2gqa.errors import import_torch
+    from mha2gqa.estimates.clock import NO_CLOCK, Clock
+
+    stages = tuple(sweep_stages(plans, domains, options.max_tokens, options.calibration_tokens))
+    if options.dry_run:
+        echo(estimates.Estimate(stages, estimates.this_machine("numpy")).line())
+        return NO_CLOCK
+    import_torch()
+    clock = Clock(echo=echo)
+    clock.stage("load")
+    clock.begin(lambda: estimates.Estimate(stages, estimates.this_machine("torch")))
+    return clock
