@@ -55,6 +55,7 @@ def commands(large: Path | None, work: Path, smoke: bool) -> list[tuple[str, lis
 
 
 ESTIMATE = re.compile(r"^estimate: about (\d+) (s|min|h)(?: (\d+) min)?", re.M)
+MEMORY = re.compile(r"^estimate: .*?, peak memory about ([\d.]+) ([KMG])iB", re.M)
 LEFT = re.compile(r"^(\d+) stages? in .*?: about (\d+) (s|min|h)(?: (\d+) min)? left", re.M)
 TOOK = re.compile(r"^took (.*?) \(estimated", re.M)
 
@@ -66,35 +67,57 @@ def seconds(amount: str, unit: str, minutes: str | None = None) -> float:
 def measure(name: str, command: list[str], cwd: Path) -> dict:
     """One command, timed from outside; what it said about its time, read from its output."""
     load = os.getloadavg()[0]
+    timings = cwd / f".timings-{os.getpid()}.jsonl"
+    timings.unlink(missing_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "MHA2GQA_TIMINGS": str(timings)}
+    rss = cwd / f".peak-{os.getpid()}"
+    timed = ["/usr/bin/time", "-o", str(rss), "-f", "%M"] if Path("/usr/bin/time").exists() else []
     started = time.perf_counter()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "mha2gqa", *command], cwd=cwd, env=env, capture_output=True, text=True)
+    done = subprocess.run([*timed, sys.executable, "-m", "mha2gqa", *command], cwd=cwd, env=env, capture_output=True, text=True)  # fmt: skip
     wall = time.perf_counter() - started
+    peak = int(rss.read_text().split()[-1]) * 1024 if timed and rss.exists() else None
+    rss.unlink(missing_ok=True)
     text = done.stdout + "\n" + done.stderr.replace("\r", "\n")
     if done.returncode != 0:
         raise SystemExit(f"failed: mha2gqa {' '.join(command)}\n{done.stderr[-3000:]}")
     first = ESTIMATE.search(text)
     left = LEFT.search(text)
     took = TOOK.search(text)
-    estimate = seconds(*first.groups()) if first else None
+    record = json.loads(timings.read_text().splitlines()[-1]) if timings.exists() else {}
+    timings.unlink(missing_ok=True)
+    estimate = record.get("estimate_s") or (seconds(*first.groups()) if first else None)  # unrounded, from the clock
     return {
         "name": name,
         "command": "mha2gqa " + " ".join(command),
         "estimate_s": estimate,
         "estimate_line": first.group(0) if first else None,
+        "peak_estimate_bytes": _bytes(MEMORY.search(text)),
         "corrected_left_s": seconds(*left.groups()[1:]) if left else None,
         "took_line": took.group(1) if took else None,
+        "stages": record.get("stages"),
+        "factor": record.get("factor"),
+        "threads": record.get("threads"),
         "wall_s": round(wall, 1),
+        "peak_rss_bytes": peak,
         "ratio": round(estimate / wall, 2) if estimate else None,
         "load_before_after": [round(load, 2), round(os.getloadavg()[0], 2)],
     }
+
+
+def _bytes(found) -> int | None:
+    return int(float(found.group(1)) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[found.group(2)]) if found else None
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / (1 << 30):.2f} GiB"
 
 
 def row(r: dict) -> str:
     ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
     within = "yes" if r["ratio"] and 0.7 <= r["ratio"] <= 1.3 else "no"
     load = "-".join(f"{x:.1f}" for x in r["load_before_after"])
-    return f"| {r['name']} | {r['estimate_s']:.0f} s | {r['wall_s']:.0f} s | {ratio} | {within} | {load} |"
+    memory = f"{_gib(r['peak_estimate_bytes'])} / {_gib(r['peak_rss_bytes'])}"
+    return f"| {r['name']} | {r['estimate_s']:.0f} s | {r['wall_s']:.0f} s | {ratio} | {within} | {memory} | {load} |"
 
 
 def main() -> None:
@@ -113,8 +136,10 @@ def main() -> None:
         if spinners and not args.smoke:
             time.sleep(60)  # the 1-minute load average rises to the spinners
         rows = []
-        print("| command | estimate | wall | estimate / wall | within 30% | load before-after |")
-        print("|---|---:|---:|---:|---|---|")
+        print(
+            "| command | estimate | wall | estimate / wall | within 30% | peak memory, estimate / RSS | load before-after |"
+        )
+        print("|---|---:|---:|---:|---|---|---|")
         for name, command in commands(args.large, args.work, args.smoke):
             if args.only and name not in args.only:
                 continue
