@@ -30,6 +30,7 @@ from mha2gqa.uptrain.models import (
     select_trainable,
 )
 from mha2gqa.uptrain.recipe import Recipe
+from mha2gqa.uptrain.recipe_load import recorded
 from mha2gqa.uptrain.steps import Metrics, Run, Trace, TrainingDiverged, run_steps, tokens_per_step, total_steps
 from mha2gqa.writing import check_room, swap_in, write_atomic
 
@@ -209,7 +210,7 @@ def _run_record(recipe: Recipe, loaded: _Loaded, total: int, world: int, resumed
     """This run's "uptrain" stage in mha2gqa.json."""
     student = loaded.student
     return {
-        "recipe": recipe.to_dict(),
+        "recipe": recorded(recipe),  # local paths absolute: the record reads the same from anywhere
         "source": {
             "model": recipe.model,
             "model_dir": str(student.source_dir) if student.source_dir else None,
