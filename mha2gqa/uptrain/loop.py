@@ -15,7 +15,7 @@ import torch
 from mha2gqa import provenance
 from mha2gqa.card import write_card
 from mha2gqa.errors import InputError
-from mha2gqa.uptrain import checkpoints, lora, mixed_data
+from mha2gqa.uptrain import allocator, checkpoints, lora, mixed_data
 from mha2gqa.uptrain.data import TrainData
 from mha2gqa.uptrain.models import (
     Student,
@@ -44,6 +44,7 @@ def train(recipe: Recipe, resume: bool = False) -> Path:
     Works in a plain process (one rank) and under `accelerate launch` (every rank calls it).
     Raises InputError for bad input (nothing written) and TrainingDiverged on a NaN/inf loss."""
     out = Path(recipe.output_dir).expanduser()
+    allocator.return_freed_memory()  # else the heap keeps every step's freed activations (allocator.py)
     accelerator = _make_accelerator(recipe, out)
     try:
         return _train(recipe, resume, out, accelerator)
