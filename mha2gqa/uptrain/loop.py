@@ -176,7 +176,12 @@ def _data(recipe: Recipe, accelerator, tokenizer, teacher) -> TrainData:
 def _prepare(recipe: Recipe, accelerator, student: Student):
     """The model and its optimizer, handed to accelerate (wrapped for DDP / FSDP, moved to the device)."""
     if recipe.gradient_checkpointing:
-        student.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5.x renamed it (the old name warns); earlier 5.x releases have only the old one
+        enable = getattr(student.model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            student.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = make_optimizer(student.model, recipe.optim, accelerator.device.type)
     model, optimizer = accelerator.prepare(student.model, optimizer)
     if accelerator.gradient_accumulation_steps != recipe.grad_accum:  # a launch config can override it
