@@ -184,6 +184,21 @@ def calibrate(
     from mha2gqa.layouts import read_config
 
     calibration = calibration_input(data, tokens, block_length(read_config(source)), shape.hidden)
+    return statistics_of(source, calibration, layout, shape, out_dir, memory_bytes, progress, seed)
+
+
+def statistics_of(
+    source: Path,
+    calibration: CalibrationInput,
+    layout: Layout,
+    shape: AttentionShape,
+    out_dir: Path,
+    memory_bytes: int = DEFAULT_MEMORY,
+    progress: bool = True,
+    seed: int = 0,
+) -> CalibrationStats:
+    """calibrate() of a calibration already resolved (a sweep's plans hold it): the source loaded once, its ids
+    read, the statistics gathered."""
     model = load_source_model(source, progress=progress)
     ids, record = read_ids(source, calibration, model, seed, progress)
     return gather(model, calibration, ids, record, layout, shape, source, out_dir, memory_bytes, progress)

@@ -65,12 +65,18 @@ def convert(
         options = ConvertOptions.from_kwargs(groups, kwargs)
     elif kwargs or groups is not None:
         raise TypeError("convert(): pass either options=ConvertOptions(...) or groups and keywords, not both")
-    plan = prepare(src, options, stats)
-    dst = Path(dst).expanduser()
-    _check_destination(plan.source, dst, options.force)
+    plan = plan_conversion(src, dst, options, stats)
     if options.dry_run:
         return ConversionResult(plan.tensors, None, plan.source, conversion=plan)
     return execute(plan, dst)
+
+
+def plan_conversion(src, dst, options: ConvertOptions, stats=None, resolved=None) -> ConversionPlan:
+    """prepare, then the destination's checks: everything convert refuses before it writes. `resolved`: the
+    calibration already resolved for an earlier plan (a sweep plans every candidate from one resolution)."""
+    plan = prepare(src, options, stats, resolved)
+    _check_destination(plan.source, Path(dst).expanduser(), options.force)
+    return plan
 
 
 def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:

@@ -88,9 +88,10 @@ def _text(o: EvalOptions, path: str, tok):
 def _refresh_card(model_dir: Path, out: Path) -> None:
     """A result saved beside a model whose card mha2gqa wrote goes into that card."""
     from mha2gqa.card import CARD, is_ours, write_card
+    from mha2gqa.eval.card_table import measured_cells
 
     if out.resolve().parent == model_dir.resolve() and is_ours(model_dir / CARD):
-        write_card(model_dir)
+        write_card(model_dir, measured=measured_cells(model_dir))
 
 
 def _window(config, context, stride) -> tuple[int, int]:
