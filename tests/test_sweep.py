@@ -60,9 +60,9 @@ def swept(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("swept") / "s"
     counts = {"calibrate": 0, "forwards": 0, "evaluate": [], "resolved": 0}
     mp = pytest.MonkeyPatch()
-    load, calibrate, evaluate = (
+    load, gather, evaluate = (
         calibration_module.load_source_model,
-        calibration_module.statistics_of,
+        calibration_module.gather,
         eval_run.evaluate,
     )
     mp.setattr(textdata, "resolve", counted_resolve(counts, textdata.resolve))
@@ -73,16 +73,16 @@ def swept(tiny, tmp_path_factory):
             model.base_model.register_forward_hook(lambda *_: counts.__setitem__("forwards", counts["forwards"] + 1))
         return model
 
-    def counted_calibrate(*args, **kwargs):
+    def counted_gather(*args, **kwargs):
         counts["calibrate"] += 1
-        return calibrate(*args, **kwargs)
+        return gather(*args, **kwargs)
 
     def counted_evaluate(model_path, *args, **kwargs):
         counts["evaluate"].append(Path(model_path).name)
         return evaluate(model_path, *args, **kwargs)
 
     mp.setattr(calibration_module, "load_source_model", counted_load)
-    mp.setattr(calibration_module, "statistics_of", counted_calibrate)
+    mp.setattr(calibration_module, "gather", counted_gather)
     mp.setattr(eval_run, "evaluate", counted_evaluate)
     try:
         result = cli(*_sweep_args(tiny, out, "--keep"))

@@ -19,7 +19,7 @@ from mha2gqa import provenance
 from mha2gqa.card import about_the_source
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
 from mha2gqa.convert import config_file, fast
-from mha2gqa.convert.inputs import (  # noqa: F401 (block_length re-exported)
+from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
     CalibrationInput,
     RefineBudget,
@@ -28,7 +28,7 @@ from mha2gqa.convert.inputs import (  # noqa: F401 (block_length re-exported)
     layers_per_pass,
     stats_bytes,
 )
-from mha2gqa.convert.options import (  # noqa: F401 (OUT_DTYPES re-exported)
+from mha2gqa.convert.options import (
     DEFAULT_CALIBRATION,
     OUT_DTYPES,
     REFINE_TOKENS_PER_HIDDEN,
@@ -54,7 +54,7 @@ from mha2gqa.layouts import (
 )
 from mha2gqa.reading import check_regular, inside
 from mha2gqa.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir, snapshot_hub_id
-from mha2gqa.units import format_bytes, parse_size  # noqa: F401 (parse_size re-exported)
+from mha2gqa.units import format_bytes, parse_size
 
 NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME, config_file.CONFIG_NAME}  # written anew, not copied
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -61,7 +61,7 @@ def open_folder(out: Path, options: SweepOptions):
 
 def new_record(src, source: Path, config: dict, options: SweepOptions, candidates: list) -> dict:
     """sweep.json as the sweep starts (eval/sweep_schema.py): the source, the settings, the planned candidates."""
-    from mha2gqa.eval.provenance import versions
+    from mha2gqa.eval.environment import versions
 
     settings = asdict(options)
     settings["refine"] = asdict(options.refine) if options.refine else None

@@ -17,14 +17,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from mha2gqa import estimates
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.probe import parse_domains
 from mha2gqa.eval import schema
 from mha2gqa.eval.schema import write_result
 from mha2gqa.layouts import attention_shape, read_config
+from mha2gqa.progress import progress_bar
 from mha2gqa.run_folder import scratch_folder
 from mha2gqa.sources import resolve_model_dir
 from mha2gqa.sweep import folder as out_folder
@@ -138,15 +137,11 @@ def _gather_statistics(plan, options: SweepOptions, out_dir: Path):
     from mha2gqa.convert import calibration
 
     out_dir.mkdir()
-    return calibration.statistics_of(
-        plan.source,
-        plan.calibration,
-        plan.layout,
-        plan.shape,
-        out_dir,
-        plan.calibration_memory,
-        progress=options.progress,
-        seed=options.seed,
+    model = calibration.load_source_model(plan.source, progress=options.progress)
+    ids, record = calibration.read_ids(plan.source, plan.calibration, model, options.seed, options.progress)
+    layout, shape, memory = plan.layout, plan.shape, plan.calibration_memory
+    return calibration.gather(
+        model, plan.calibration, ids, record, layout, shape, plan.source, out_dir, memory, options.progress
     )
 
 
@@ -168,7 +163,7 @@ def _measure(source, options, candidates, plans, record, out: Path, work: Path, 
     if options.keep:
         models_dir.mkdir(exist_ok=True)
     parent, context = record["parent"]["result"], record["context"]
-    with tqdm(todo, desc="sweep", unit="candidate", disable=not options.progress) as bar:
+    with progress_bar(len(todo), "sweep", options.progress, todo, unit="candidate") as bar:
         for candidate in bar:
             bar.set_postfix_str(candidate.name)
             row = measure_candidate(source, candidate, options, stats, plan.calibration, models_dir, parent, context)
