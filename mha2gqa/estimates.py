@@ -111,6 +111,9 @@ def convert_seconds(plan, start: bool = True, calibration: bool = True) -> float
         seconds += shape.layers * refine.steps * batch * attention_parameters(shape) * rate("refine_step", parameters)
         seconds += budget.blocks * budget.seq_len * parameters * rate("refine_pass", parameters)
         seconds += refine.global_steps * batch * parameters * rate("refine_global", parameters)
+    check = getattr(plan, "check", None)
+    if check is not None and check.skip is None:
+        seconds += check.seconds
     return seconds
 
 
@@ -122,6 +125,11 @@ def convert_line(plan) -> str:
 def eval_seconds(tokens: int, parameters: int, reference: bool = False, speed: bool = False) -> float:
     per = rate("eval_with_reference" if reference else "eval", parameters)
     return FIXED_S["torch_start"] + tokens * parameters * per + (FIXED_S["speed_grid"] if speed else 0)
+
+
+def check_seconds(tokens: int, parameters: int) -> float:
+    """convert's check (convert/check.py): both models over `tokens` probe tokens, as eval with a reference."""
+    return eval_seconds(tokens, parameters, reference=True)
 
 
 def uptrain_seconds(tokens: int, parameters: int, evals: int, eval_tokens: int) -> float:

@@ -40,6 +40,7 @@ class ConversionResult:
     layers: list[dict] = field(default_factory=list)
     refine: dict | None = None  # with refine: options, token counts and per-layer output errors
     plan: ConversionPlan | None = None  # the checked request and its stages (what --dry-run prints)
+    check: dict | None = None  # what the conversion kept (convert/check.py), or {"skipped": why}
 
 
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
@@ -92,13 +93,15 @@ def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
         atomic_directory(dst, replace=options.force, needed_bytes=plan.bytes_written + plan.scratch_bytes) as tmp,
         tempfile.TemporaryDirectory(prefix=".calibration-", dir=tmp) as scratch,
     ):
-        layers, refined, stats = [], None, plan.stats
+        layers, refined, stats, parent = [], None, plan.stats, None
         if plan.torch_reason is None:
             fast.write_tensors(plan.checkpoint, plan.tensors, tmp, plan.shard_bytes, options.progress)
         else:
-            layers, refined, stats = _run_torch(plan, tmp, Path(scratch))
+            layers, refined, stats, parent = _run_torch(plan, tmp, Path(scratch))
         _copy_files(plan.copied, source, tmp)
         _write_config(plan.config, options.groups, options.dtype, tmp)
+        checked = _check(plan, tmp, dst, parent)
+        del parent
         extra = {
             "grouping": options.grouping.value,
             "calibration": stats.record if stats else None,
@@ -107,11 +110,33 @@ def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
             "command": plan.command(),
             "torch_threads": _torch_threads(plan),  # the same bytes again need the same count (card: Reproduce)
             "config": plan.config_values(),  # DST/convert.yaml's mapping; the card shows it
+            "check": checked,
         }
         write_atomic(tmp / config_file.CONFIG_NAME, config_file.render(extra["config"]))
         _write_provenance(source, plan.config, plan.tensors, options.seed, options.dtype, tmp, extra)
         write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
-    return ConversionResult(plan.tensors, dst, source, layers, refined, plan)
+    return ConversionResult(plan.tensors, dst, source, layers, refined, plan, checked)
+
+
+def _kept_for_check(plan: ConversionPlan, parent):
+    """The loaded parent when the check will score it (loaded once per convert), else None (freed)."""
+    return parent if plan.check is not None and plan.check.skip is None else None
+
+
+def _check(plan: ConversionPlan, written: Path, dst: Path, parent=None) -> dict:
+    """The quality check of the model now complete in the partial DST (weights, config, tokenizer), before its
+    record is written: what it kept goes into mha2gqa.json and the card with the rest, atomically."""
+    check, options = plan.check, plan.options
+    if check is None or check.skip is not None:
+        return {"skipped": check.skip if check else "not planned"}
+    import_torch()
+    from mha2gqa.convert.check import next_steps
+    from mha2gqa.convert.check_scores import run_check
+
+    record = run_check(plan.source, written, check, options.progress, parent)
+    full = options.method.needs_calibration and options.refine is not None
+    record["next"] = next_steps(record["verdict"], plan.source_spec, str(dst), options.groups, full, record["device"])
+    return record
 
 
 def _torch_threads(plan: ConversionPlan) -> int | None:
@@ -153,8 +178,8 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
             options.progress,
         )
     if plan.refine is None:
-        del parent  # the merge needs one layer at a time, not the model
-        return _write_tensors(plan, out_dir, stats), None, stats
+        parent = _kept_for_check(plan, parent)  # the merge needs one layer at a time, not the model
+        return _write_tensors(plan, out_dir, stats), None, stats, parent
     from mha2gqa.convert.refine import refine_attention
 
     merged, layers = _merge(plan, stats)
@@ -171,9 +196,10 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
         spill_dir=out_dir,
         progress=options.progress,
     )
-    del parent, merged
+    del merged
+    parent = _kept_for_check(plan, parent)
     _write_tensors(plan, out_dir, stats, computed=refined)
-    return layers, record, stats
+    return layers, record, stats, parent
 
 
 def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: dict | None = None) -> list[dict]:
