@@ -13,6 +13,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.plan import Plan
 from mha2gqa.convert.prepare import ConversionPlan, prepare
 from mha2gqa.convert.roles import pack, unpack
-from mha2gqa.errors import InputError, import_torch
+from mha2gqa.errors import InputError, InputWarning, import_torch
 from mha2gqa.layouts import converted_config
 from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, resolve, short_read
@@ -110,7 +111,7 @@ def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
             "command": plan.command(),
             "torch_threads": _torch_threads(plan),  # the same bytes again need the same count (card: Reproduce)
             "config": plan.config_values(),  # DST/convert.yaml's mapping; the card shows it
-            "check": checked,
+            "check": {k: v for k, v in checked.items() if k not in RUN_FACTS},
         }
         write_atomic(tmp / config_file.CONFIG_NAME, config_file.render(extra["config"]))
         _write_provenance(source, plan.config, plan.tensors, options.seed, options.dtype, tmp, extra)
@@ -133,10 +134,17 @@ def _check(plan: ConversionPlan, written: Path, dst: Path, parent=None) -> dict:
     from mha2gqa.convert.check import next_steps
     from mha2gqa.convert.check_scores import run_check
 
-    record = run_check(plan.source, written, check, options.progress, parent)
+    try:
+        record = run_check(plan.source, written, check, options.progress, parent)
+    except InputError as err:  # a model transformers cannot load as it stands: the conversion stands, unchecked
+        warnings.warn(f"the check could not run: {err}", InputWarning, stacklevel=2)
+        return {"skipped": f"it could not run: {err}"}
     full = options.method.needs_calibration and options.refine is not None
     record["next"] = next_steps(record["verdict"], plan.source_spec, str(dst), options.groups, full, record["device"])
     return record
+
+
+RUN_FACTS = ("seconds", "parent_cached")  # of this run, not of the model: printed, kept out of mha2gqa.json
 
 
 def _torch_threads(plan: ConversionPlan) -> int | None:
