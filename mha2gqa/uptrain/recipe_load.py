@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from mha2gqa.convert.options import PARENT
+from mha2gqa.corpus.mix import PARENT
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import read_config
