@@ -25,7 +25,7 @@ from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import DTYPE_BYTES, config_dtype, head_counts, kv_cache_bytes
 from mha2gqa.reading import check_regular, parse_yaml, read_bytes, read_json
 from mha2gqa.sources import snapshot_hub_id
-from mha2gqa.units import format_bytes
+from mha2gqa.units import counted, format_bytes
 from mha2gqa.version import __version__
 from mha2gqa.writing import write_atomic
 
@@ -229,7 +229,7 @@ def _summary(conversion, after, config, evaluated: bool) -> list[str]:
     if not conversion:
         return [
             f"A {config.get('model_type')} model trained by mha2gqa {__version__} "
-            f"({len(after)} training stage(s), see below).",
+            f"({counted(len(after), 'training stage')}, see below).",
             "",
         ]
     src, dst = conversion["source_kv_heads"], conversion["groups"]
@@ -315,8 +315,8 @@ def _uptrain_section(stages: list[dict], converted: bool) -> list[str]:
             ("budget", ", ".join(f"{k} {v}" for k, v in budget.items())),
             (
                 "steps, tokens",
-                f"{_count(s.get('steps'), 'step')}, {s.get('tokens_seen', 0):,} tokens "
-                f"({_count(s.get('world_size'), 'process')})",
+                f"{counted(s.get('steps'), 'step')}, {s.get('tokens_seen', 0):,} tokens "
+                f"({counted(s.get('world_size'), 'process')})",
             ),
             ("parameters trained", f"{trained}: {s.get('trainable_params', 0):,}"),
             ("data", _training_data(s, r)),
@@ -325,11 +325,6 @@ def _uptrain_section(stages: list[dict], converted: bool) -> list[str]:
         ]
         lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
     return lines
-
-
-def _count(count, noun: str) -> str:
-    """'1 step', '2 steps', '1 process', '2 processes'."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}{'es' if noun.endswith('s') else 's'}"
 
 
 def _training_data(stage: dict, recipe: dict) -> str:

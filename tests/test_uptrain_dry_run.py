@@ -56,7 +56,7 @@ def test_the_dry_run_says_the_run_and_writes_nothing(tmp_path, tiny):
     parameters = sum(info.nbytes // 4 for info in SafetensorsCheckpoint(tiny["model"]).tensors.values())
     assert f"model: {tiny['model']} ({parameters:,} parameters; trains all: {parameters:,})" in out
     assert f"distill.teacher: {tiny['teacher']} ({parameters:,} parameters)" in out
-    assert "data.train: 1 file(s) (train.jsonl), " in out
+    assert "data.train: 1 file (train.jsonl), " in out
     assert "data.eval: unset: 8 blocks of 32 tokens held out of data.train" in out
     # recipe_file: 8 steps of 4 blocks x 32 tokens, an eval at the start and every 4 steps
     assert (
@@ -80,7 +80,7 @@ def test_the_dry_run_counts_what_the_parent_samples(tmp_path, tiny):
     mix = _dry_run(path, f"data.train=[parent:0.5,{tiny['train']}:0.5]")
     assert mix.exit_code == 0, mix.output
     assert "data.train: parent (50% of the blocks): 17 blocks of 32 tokens sampled" in mix.output
-    assert "data.train: 1 file(s) (train.jsonl), " in mix.output and "(50% of the blocks)" in mix.output
+    assert "data.train: 1 file (train.jsonl), " in mix.output and "(50% of the blocks)" in mix.output
 
 
 def test_a_bad_recipe_is_refused_as_without_it(tmp_path, tiny):

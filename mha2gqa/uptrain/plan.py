@@ -13,7 +13,7 @@ from mha2gqa import estimates
 from mha2gqa.checkpoint import SafetensorsCheckpoint
 from mha2gqa.layouts import attention_shape, read_config
 from mha2gqa.sources import cached_snapshot, is_hub_id
-from mha2gqa.units import format_bytes
+from mha2gqa.units import counted, format_bytes
 from mha2gqa.uptrain import trainable
 from mha2gqa.uptrain.recipe import Recipe
 
@@ -233,7 +233,9 @@ def _text_words(text) -> str:
     if text.hub is not None:
         return f"hub dataset {text.hub} (its size is known once it is read)"
     size = format_bytes(sum(f.stat().st_size for f in text.files), digits=1)
-    return f"{len(text.files)} file(s) ({_names(text.files)}), {size}, about {text_tokens(text.files):,} tokens"
+    return (
+        f"{counted(len(text.files), 'file')} ({_names(text.files)}), {size}, about {text_tokens(text.files):,} tokens"
+    )
 
 
 def _eval_words(key: str, recipe: Recipe) -> str:
