@@ -29,9 +29,10 @@ from mha2gqa.uptrain.models import (
     save_bytes,
     select_trainable,
 )
+from mha2gqa.uptrain.plan import tokens_per_step, total_steps
 from mha2gqa.uptrain.recipe import Recipe
 from mha2gqa.uptrain.recipe_load import recorded
-from mha2gqa.uptrain.steps import Metrics, Run, Trace, TrainingDiverged, run_steps, tokens_per_step, total_steps
+from mha2gqa.uptrain.steps import Metrics, Run, Trace, TrainingDiverged, run_steps
 from mha2gqa.writing import check_room, swap_in, write_atomic
 
 __all__ = ["TrainingDiverged", "train"]

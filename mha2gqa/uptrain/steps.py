@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
+from mha2gqa.progress import progress_bar
 from mha2gqa.uptrain import checkpoints
 from mha2gqa.uptrain.data import TrainData, block_hash, rank_slice
 from mha2gqa.uptrain.distill import DistillLoss
-from mha2gqa.uptrain.plan import tokens_per_step, total_steps  # noqa: F401 - loop and mixed_data import them here
+from mha2gqa.uptrain.plan import tokens_per_step
 from mha2gqa.uptrain.recipe import OptimConfig, Recipe
 
 # ---- how long, and the learning rate at each step (a pure function of the step, so that a
@@ -311,13 +311,13 @@ class Metrics:
             # A resumed run keeps the lines up to its checkpoint; a fresh run (start_step -1) none.
             checkpoints.truncate_jsonl(path, lambda rec: rec["step"] <= start_step)
             self.file = path.open("a")
-        self.bar = tqdm(
-            total=total,
+        self.bar = progress_bar(
+            total,
+            "uptrain",
+            accelerator.is_local_main_process,
             initial=max(start_step, 0),
             unit="step",
-            disable=not accelerator.is_local_main_process,
             dynamic_ncols=True,
-            desc="uptrain",
         )
         self._losses: list[float] = []
         self._since, self._tokens_since, self._cpu_since = time.perf_counter(), 0, time.process_time()
