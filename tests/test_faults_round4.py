@@ -1,0 +1,248 @@
+"""Fault injection, fourth round (issue 38): a bad value is named as what it is (a share, a domain name), a
+conversion replays from anywhere, `--resume` trusts only what it checks, a dry run answers as the run
+would, a reserved name never hides a user's file, and an empty part of a mix is refused before torch.
+
+Every refusal asserts exit code 2, exactly one `Error:` line, nothing written where the run would write,
+$TMPDIR empty and the sources byte-identical; each case takes seconds."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from fault_helpers import cli, error_line, tree_digest
+from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+from uptrain_helpers import corpus, recipe_file
+
+from mha2gqa.convert.config_file import CONFIG_NAME
+from mha2gqa.corpus.mix import parse_spec
+from mha2gqa.corpus.probe import parse_domains
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPE = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=4)
+SHARE_RULE = "a share is a positive number or percentage, e.g. 0.5 or 50%"
+NAME_RULE = "a domain name starts with a letter, then letters, digits, _ or -, at most 40 characters"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny 4-kv-head llama with a tokenizer (64-token context), calibration, eval and training text."""
+    root = tmp_path_factory.mktemp("round4")
+    save_tiny_model(root / "src", "llama", max_position_embeddings=64, **SHAPE)
+    make_tiny_tokenizer(root / "src")
+    (root / "cal.txt").write_text(SAMPLE_TEXT * 8)
+    (root / "eval.txt").write_text(SAMPLE_TEXT.upper() * 4)
+    (root / "notes:v2.txt").write_text(SAMPLE_TEXT * 4)  # a file whose own name holds a colon
+    corpus(root / "train.jsonl", docs=40)
+    return root
+
+
+@pytest.fixture
+def sources(tiny):
+    """The fixture's digest before the case; the case's end checks it unchanged."""
+    before = tree_digest(tiny)
+    yield tiny
+    assert tree_digest(tiny) == before
+
+
+def _beside(out: Path) -> list[str]:
+    """What a run left at OUT's place: OUT itself and any `.OUT.*` entry beside it."""
+    if not out.parent.is_dir():
+        return []
+    return sorted(p.name for p in out.parent.iterdir() if p.name == out.name or p.name.startswith(f".{out.name}."))
+
+
+def refused(result, *words, out: Path, tmpdir: Path, left=(), started: float | None = None) -> str:
+    """The whole promise: exit 2, one Error line naming `words`, nothing at OUT's place but `left`, $TMPDIR
+    empty, and (given `started`) in seconds."""
+    line = error_line(result, 2, strict=False)
+    for word in words:
+        assert word in line, (word, line)
+    assert _beside(out) == sorted(left), _beside(out)
+    assert list(tmpdir.iterdir()) == []
+    if started is not None:
+        assert time.perf_counter() - started < 20, "a refusal must come in seconds"
+    return line
+
+
+# --------------------------------------------------- class 1: a share that is not a number is a bad share
+BAD_SHARES = ["-0.5", "", "nan", "NaN", "inf", "-inf", "+inf%", "1e-400", "1e999", "0", "0.0%", "half", "50%%", "1/2"]
+
+
+def _share_words(share: str) -> list[str]:
+    return [SHARE_RULE, "the share after the colon is empty" if not share else f"{share!r} is not a share"]
+
+
+def _convert_args(tiny: Path, dst: Path, *calibration: str) -> list:
+    flags = [word for entry in calibration for word in ("--calibration", entry)]
+    return ["convert", tiny / "src", dst, "--groups", "2", "--method", "calibrated", *flags, "--quiet"]
+
+
+@pytest.mark.parametrize("share", BAD_SHARES)
+def test_convert_calls_a_bad_share_a_bad_share(sources, tmp_path, tmpdir_env, share):
+    dst = tmp_path / "dst"
+    started = time.perf_counter()
+    result = cli(*_convert_args(sources, dst, f"{sources / 'cal.txt'}:{share}", "austen:0.5"))
+    line = refused(result, *_share_words(share), out=dst, tmpdir=tmpdir_env, started=started)
+    assert "no share while others do" not in line and "hub is offline" not in line
+    assert "read whole when it exists" in line  # how to reach a path that holds a colon
+
+
+@pytest.mark.parametrize("share", ["-1", "nan", "", "zero"])
+def test_a_bad_share_of_a_lone_existing_file_or_a_reserved_name_is_a_bad_share(sources, tmp_path, tmpdir_env, share):
+    for entry in (f"{sources / 'cal.txt'}:{share}", f"parent:{share}", f"austen:{share}"):
+        dst = tmp_path / "dst"
+        refused(cli(*_convert_args(sources, dst, entry)), *_share_words(share), out=dst, tmpdir=tmpdir_env)
+
+
+@pytest.mark.parametrize("share", ["-0.25", "", ".nan", "abc", "1e-500"])
+def test_convert_config_reads_shares_by_the_same_rule(sources, tmp_path, tmpdir_env, share):
+    """A list entry and a {entry: share} mapping in --config; YAML's own numbers (-0.25, .nan, 1e-500 -> 0)
+    and strings alike."""
+    cal = str(sources / "cal.txt")
+    for calibration in (f"[{cal}:{share}, austen:0.5]", f"{{{cal}: {share or 'null'}, austen: 0.5}}"):
+        config = tmp_path / "c.yaml"
+        config.write_text(f"source: {sources / 'src'}\ngroups: 2\nmethod: calibrated\ncalibration: {calibration}\n")
+        dst = tmp_path / "dst"
+        line = refused(cli("convert", "--config", config, dst, "--quiet"), SHARE_RULE, out=dst, tmpdir=tmpdir_env)
+        assert "is not a share" in line or "is empty" in line, line
+
+
+@pytest.mark.parametrize("share", ["-3", "", "inf", "1e-330%", "a lot"])
+def test_uptrain_data_train_reads_shares_by_the_same_rule(sources, tmp_path, tmpdir_env, share):
+    out = tmp_path / "out"
+    recipe = recipe_file(
+        tmp_path / "r.yaml",
+        model=str(sources / "src"),
+        output_dir=str(out),
+        distill={"teacher": str(sources / "src")},
+        data={"train": [f"{sources / 'train.jsonl'}:{share}", "parent:0.5"]},
+    )
+    started = time.perf_counter()
+    refused(cli("uptrain", "--recipe", recipe), *_share_words(share), out=out, tmpdir=tmpdir_env, started=started)
+
+
+@pytest.mark.parametrize("share", ["-0.5", "", "NAN", "0%"])
+def test_sweep_calibration_reads_shares_by_the_same_rule(sources, tmp_path, tmpdir_env, share):
+    out = tmp_path / "out"
+    args = ["sweep", sources / "src", "--data", sources / "eval.txt", "--out", out, "--quiet"]
+    calibration = ["--calibration", f"{sources / 'cal.txt'}:{share}", "--calibration", "austen:0.5"]
+    refused(cli(*args, *calibration), *_share_words(share), out=out, tmpdir=tmpdir_env)
+
+
+def test_a_path_that_holds_a_colon_stays_reachable(sources, tmp_path):
+    odd = str(sources / "notes:v2.txt")
+    assert parse_spec(odd) == [(odd, None)]  # an existing path is read whole
+    assert parse_spec([f"{odd}:0.5", "austen:50%"]) == [(odd, 0.5), ("austen", 0.5)]  # a share after one more colon
+    assert parse_spec(["cal.txt:1e-1", "parent:.5", "x:+2"]) == [("cal.txt", 0.1), ("parent", 0.5), ("x", 2.0)]
+    for calibration in ([odd], [f"{odd}:0.5", "austen:0.5"]):
+        result = cli(*_convert_args(sources, tmp_path / "dst", *calibration), "--dry-run")
+        assert result.exit_code == 0, result.output
+        assert "notes:v2.txt" in result.output and not (tmp_path / "dst").exists()
+
+
+def test_a_name_with_a_colon_that_is_no_share_is_left_to_the_readers():
+    """A hub dataset's name may hold a colon: what follows it is no number, and nothing before it exists."""
+    assert parse_spec("someorg/data:v2") == [("someorg/data:v2", None)]
+
+
+# --------------------------------------------- class 2: a domain name breaks its rule in the rule's words
+BAD_NAMES = ["9lives", "x" * 41, "my text", "", "naïve", "a.b", "-x", "_x", "prose!"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_eval_refuses_a_bad_domain_name_as_a_bad_name(sources, tmp_path, tmpdir_env, name):
+    out = tmp_path / "r.json"
+    started = time.perf_counter()
+    result = cli("eval", sources / "src", "--data", f"{name}={sources / 'eval.txt'}", "--out", out)
+    line = refused(result, NAME_RULE, out=out, tmpdir=tmpdir_env, started=started)
+    assert ("is empty" in line) if not name else (f"{name!r} is not a domain name" in line), line
+    assert "no such file" not in line
+
+
+def test_sweep_takes_the_same_rule(sources, tmp_path, tmpdir_env):
+    out = tmp_path / "out"
+    result = cli("sweep", sources / "src", "--data", f"2024={sources / 'eval.txt'}", "--out", out, "--quiet")
+    refused(result, "'2024' is not a domain name", NAME_RULE, out=out, tmpdir=tmpdir_env)
+    result = cli("sweep", sources / "src", "--data", "prose=", "--out", out, "--quiet")
+    refused(result, "--data prose=: names no text after '='", out=out, tmpdir=tmpdir_env)
+
+
+def test_a_path_that_holds_an_equals_sign_is_a_path(tmp_path):
+    with contextlib.chdir(tmp_path):
+        Path("k=v.txt").write_text("text")
+        Path("dir").mkdir()
+        assert parse_domains(["k=v.txt"]) == {"data": "k=v.txt"}  # an existing path wins
+        assert parse_domains(["./9=missing.txt"]) == {"data": "./9=missing.txt"}  # ./ forces a path
+        assert parse_domains(["dir/a=b.txt"]) == {"data": "dir/a=b.txt"}  # so does any / before the =
+        assert parse_domains(["k=v.txt", "prose=k=v.txt"]) == {"data": "k=v.txt", "prose": "k=v.txt"}
+        name = "a" + "b_-9" * 9 + "xyz"  # 40 characters: the longest name
+        assert parse_domains([f"{name}=k.txt"]) == {name: "k.txt"}
+
+
+def test_eval_reads_a_file_whose_name_holds_an_equals_sign(sources, tmp_path):
+    (tmp_path / "split=test.txt").write_text(SAMPLE_TEXT)
+    out = tmp_path / "r.json"
+    args = ["eval", sources / "src", "--data", "split=test.txt", "--data", "prose=./split=test.txt"]
+    result = cli(*args, "--speed", "off", "--max-tokens", "64", "--out", out, "--quiet", cwd=tmp_path)
+    assert result.exit_code == 0, result.output
+    domains = json.loads(out.read_text())["domains"]
+    assert sorted(domains) == ["data", "prose"]
+
+
+def test_the_domain_name_rule_is_in_the_help_and_the_docs():
+    help_text = " ".join(cli("eval", "--help").output.split())
+    assert "NAME starts with a letter, then letters, digits, _ or -, at most 40 characters" in help_text
+    docs = " ".join((REPO / "docs" / "eval.md").read_text().split())
+    assert "starts with a letter, then letters, digits, `_` or `-`, at most 40 characters" in docs
+    assert "`./a=b.txt`" in docs
+
+
+# ----------------------------------------------------------- class 3: a conversion replays from anywhere
+def _checkpoint_files(model_dir: Path) -> dict[str, bytes]:
+    made = ("mha2gqa.json", "README.md", "convert.yaml")
+    return {p.name: p.read_bytes() for p in sorted(model_dir.iterdir()) if p.name not in made}
+
+
+def test_convert_yaml_replays_from_dst_and_from_anywhere(sources, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copytree(sources / "src", work / "model")
+    shutil.copyfile(sources / "cal.txt", work / "text.txt")
+    first = ["--groups", "2", "--method", "calibrated", "--calibration-tokens", "256", "--quiet"]
+    result = cli(
+        "convert", "model", "made", "--calibration", "text.txt:0.7", "--calibration", "austen:0.3", *first, cwd=work
+    )
+    assert result.exit_code == 0, result.output
+    text = (work / "made" / CONFIG_NAME).read_text()
+    written = yaml.safe_load(text)
+    assert written["source"] == str(work / "model")
+    assert written["calibration"] == [f"{work / 'text.txt'}:0.7", "austen:0.3"]
+    command = text.splitlines()[0].removeprefix("# ").split()  # mha2gqa convert --config convert.yaml DST
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for cwd, config, out in (
+        (work / "made", CONFIG_NAME, tmp_path / "again"),  # the file's own comment, from DST
+        (elsewhere, work / "made" / CONFIG_NAME, "again"),  # from any other folder
+    ):
+        result = cli(*command[1:3], config, out, "--quiet", cwd=cwd)
+        assert result.exit_code == 0, result.output
+        again = cwd / out
+        assert _checkpoint_files(again) == _checkpoint_files(work / "made")
+        assert (again / CONFIG_NAME).read_text() == text  # the replay records the same file, byte for byte
+
+
+def test_a_hub_id_and_reserved_names_stay_as_they_are(tmp_path):
+    from mha2gqa.convert.config_file import anywhere
+
+    with contextlib.chdir(tmp_path):
+        Path("local.txt").write_text("text")
+        config = {"source": "someorg/tiny-llama", "groups": 1, "calibration": ["parent:0.5", "local.txt:0.5"]}
+        assert anywhere(config) == {**config, "calibration": ["parent:0.5", f"{tmp_path / 'local.txt'}:0.5"]}
+        assert anywhere({"source": "someorg/tiny-llama", "calibration": ["wikitext"]})["calibration"] == ["wikitext"]
+        assert anywhere({"source": "someorg/tiny-llama", "calibration": None})["calibration"] is None
