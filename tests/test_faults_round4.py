@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from fault_helpers import cli, error_line, tree_digest
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 from uptrain_helpers import corpus, recipe_file
 
+import mha2gqa
 from mha2gqa.convert.config_file import CONFIG_NAME
 from mha2gqa.corpus.mix import parse_spec
 from mha2gqa.corpus.probe import parse_domains
@@ -246,3 +248,139 @@ def test_a_hub_id_and_reserved_names_stay_as_they_are(tmp_path):
         assert anywhere(config) == {**config, "calibration": ["parent:0.5", f"{tmp_path / 'local.txt'}:0.5"]}
         assert anywhere({"source": "someorg/tiny-llama", "calibration": ["wikitext"]})["calibration"] == ["wikitext"]
         assert anywhere({"source": "someorg/tiny-llama", "calibration": None})["calibration"] is None
+
+
+# ------------------------------------------------ class 6: a name the tool reserves never hides a user's file
+def _warnings(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("Warning: ")]
+
+
+@pytest.fixture
+def shadowed(tmp_path):
+    """A working folder holding folders `parent` and `austen` and a file `probe` of the user's."""
+    for name in ("parent", "austen"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mine.txt").write_text(SAMPLE_TEXT)
+    (tmp_path / "probe").write_text(SAMPLE_TEXT)
+    return tmp_path
+
+
+def test_a_reserved_name_that_shadows_a_path_is_said_once(sources, shadowed):
+    args = ["--method", "calibrated", "--dry-run"]
+    result = cli(*_convert_args(sources, shadowed / "dst", "parent:0.5", "austen:0.5"), *args, cwd=shadowed)
+    assert result.exit_code == 0, result.output
+    assert _warnings(result) == [
+        "Warning: --calibration parent means text sampled from the model (a name mha2gqa reserves), not ./parent "
+        "in the working folder: to read that folder, write ./parent",
+        "Warning: --calibration austen means the embedded Austen novels (a name mha2gqa reserves), not ./austen "
+        "in the working folder: to read that folder, write ./austen",
+    ]
+    result = cli(*_convert_args(sources, shadowed / "dst", "./parent:0.5", "./austen:0.5"), *args, cwd=shadowed)
+    assert result.exit_code == 0 and _warnings(result) == [], result.output
+    assert "./parent" in result.output and "./austen" in result.output  # the user's text is what is read
+
+
+def test_sweep_says_each_shadowed_name_once(sources, shadowed):
+    """Each candidate's plan reads the calibration again: the warning is still one line per name."""
+    args = ["sweep", sources / "src", "--out", shadowed / "out", "--calibration", "parent:0.5"]
+    result = cli(*args, "--calibration", "austen:0.5", "--data", "probe", "--dry-run", "--quiet", cwd=shadowed)
+    assert result.exit_code == 0, result.output
+    found = _warnings(result)
+    assert len(found) == 3 and len(set(found)) == 3, found
+    assert any("--data probe means the probe set" in w and "write ./probe" in w for w in found), found
+    assert not (shadowed / "out").exists()
+
+
+def test_uptrain_data_train_says_it_too(shadowed):
+    with contextlib.chdir(shadowed), pytest.warns(UserWarning, match="data.train parent means text sampled"):
+        parse_spec(["parent:0.5", "./parent:0.5"], "data.train")
+    with contextlib.chdir(shadowed.parent), warnings_as_errors():
+        parse_spec(["parent:0.5", "austen:0.5"], "data.train")  # no such path there: not a word
+
+
+@contextlib.contextmanager
+def warnings_as_errors():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
+@pytest.mark.parametrize(
+    "command, files",
+    [
+        ("reproduce", {"ablations.md": "my own notes"}),
+        ("reproduce", {"ablations.json": "{}", "quality_vs_kv.png": "mine"}),
+        ("demo", {"report/report.md": "mine"}),
+    ],
+)
+def test_files_mha2gqa_did_not_write_are_never_offered_to_force(tmp_path, tmpdir_env, command, files):
+    out = tmp_path / "mine"
+    for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    before = tree_digest(out)
+    for force in ([], ["--force"]):
+        result = cli(command, "--out", out, *force, "--dry-run")
+        line = refused(result, f"which no {command} run wrote", out=out, tmpdir=tmpdir_env, left=["mine"])
+        assert "--force" not in line and "earlier" not in line, line
+        assert tree_digest(out) == before
+
+
+# ----------------------------------------------- class 7: an empty part of a mix is refused before torch
+_BEFORE_TORCH = """
+import sys
+from mha2gqa.cli import main
+for recipe in sys.argv[1:]:
+    try:
+        main(["uptrain", "--recipe", recipe])
+    except SystemExit as e:
+        print("exit", e.code)
+print("torch", "torch" in sys.modules)
+"""
+
+
+def test_an_empty_part_of_data_is_refused_before_torch(sources, tmp_path, tmpdir_env):
+    import subprocess
+    import sys
+
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": "  "}\n{"text": "\\n"}\n')
+    (tmp_path / "hollow").mkdir()
+    (tmp_path / "hollow" / "a.txt").write_text("\n\n")
+    train = str(sources / "train.jsonl")
+    cases = {  # data: the empty part named in the line
+        "empty": ({"train": [f"{tmp_path / 'empty.txt'}:0.5", f"{train}:0.5"]}, "empty.txt holds no text"),
+        "blank": ({"train": [f"{tmp_path / 'blank.jsonl'}:1", "parent:1"]}, "blank.jsonl holds no text"),
+        "folder": ({"train": [f"{tmp_path / 'hollow'}:25%", f"{train}:75%"]}, "a.txt holds no text"),
+        "plain": ({"train": [str(tmp_path / "empty.txt")]}, "empty.txt holds no text"),
+        "eval": ({"train": [train], "eval": [str(tmp_path / "empty.txt")]}, "data.eval"),
+    }
+    recipes = []
+    for name, (data, _) in cases.items():
+        recipes.append(
+            recipe_file(
+                tmp_path / f"{name}.yaml",
+                model=str(sources / "src"),
+                output_dir=str(tmp_path / f"out-{name}"),
+                distill={"teacher": str(sources / "src")},
+                data=data,
+            )
+        )
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", _BEFORE_TORCH, *map(str, recipes)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(mha2gqa.__file__).parent.parent)},  # the package under test
+    )
+    assert time.perf_counter() - started < 60
+    assert done.stdout.split() == ["exit", "2"] * len(cases) + ["torch", "False"], done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == len(cases), done.stderr
+    for line, (_, words) in zip(errors, cases.values()):
+        assert words in line and "holds no text" in line, line
+    assert not any((tmp_path / f"out-{name}").exists() for name in cases)
+    assert list(tmpdir_env.iterdir()) == []

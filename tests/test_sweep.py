@@ -17,6 +17,7 @@ import mha2gqa.eval.run as eval_run
 from mha2gqa.convert.options import RefineOptions
 from mha2gqa.eval.report import write_report
 from mha2gqa.eval.schema import load_results
+from mha2gqa.run_folder import MARKER
 from mha2gqa.sweep import SweepOptions, sweep
 from mha2gqa.sweep import run as sweep_run
 from mha2gqa.sweep.render import pareto_front
@@ -202,7 +203,13 @@ def test_an_interrupted_sweep_keeps_its_finished_rows_and_no_temporary_model(tin
     assert record["interrupted"] is True and [r["name"] for r in record["candidates"]] == ["kv2-mean"]
     assert "Interrupted: 1 of 4" in (out / "sweep.md").read_text()
     assert not seen[2].exists() and not list(out.glob(".sweep-*")) and not (out / "models").exists()
-    assert sorted(p.name for p in out.iterdir()) == ["sweep.html", "sweep.json", "sweep.md", "sweep_quality_vs_kv.png"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        MARKER,
+        "sweep.html",
+        "sweep.json",
+        "sweep.md",
+        "sweep_quality_vs_kv.png",
+    ]
 
 
 def test_a_sweep_interrupted_before_any_candidate_leaves_nothing(tiny, tmp_path, monkeypatch):

@@ -21,10 +21,12 @@ import math
 import re
 from pathlib import Path
 
+from mha2gqa.corpus.reserved import warn_if_shadowing
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
 
 PARENT = "parent"  # the source sampled from the model itself (sampling.py)
+RESERVED = {PARENT: "text sampled from the model", CORPUS_NAME: "the embedded Austen novels"}
 SHARE_RULE = "a share is a positive number or percentage, e.g. 0.5 or 50%"
 COLON_PATHS = "a path whose name holds a colon is read whole when it exists (in a mix, add its share: a:b.txt:0.5)"
 _NUMBER = re.compile(r"\+?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")  # what float() reads, minus nan/inf/_
@@ -50,6 +52,8 @@ def parse_spec(spec, flag: str = "--calibration") -> list[tuple[str, float | Non
             f"{flag} {missing} has no share while others do: give every entry one, e.g. {flag} {missing}:0.5"
         )
     names = [name for name, _ in pairs]
+    for name in {PARENT, CORPUS_NAME} & set(names):
+        warn_if_shadowing(name, flag, RESERVED[name])
     if any(shared) and len(set(names)) < len(names):
         repeated = next(name for name in names if names.count(name) > 1)
         raise InputError(f"{flag} {repeated} is given twice in a mix: give it once, with the sum of its shares")

@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from mha2gqa.corpus.reserved import warn_if_shadowing
 from mha2gqa.errors import InputError
 
 PROBE = "probe"  # what a user types for the whole set (--data probe, the default)
@@ -62,6 +63,7 @@ def parse_domains(data, flag: str = "--data") -> dict[str, str] | None:
         items = []
         for spec in [data] if isinstance(data, (str, Path)) else list(data):
             if str(spec) == PROBE:
+                warn_if_shadowing(PROBE, flag, "the probe set shipped in the package")
                 items += list(probe_paths().items())
                 continue
             name, path = _split(str(spec), flag)

@@ -272,7 +272,7 @@ def _check_data(r: Recipe, p: list[str], check_files: bool) -> None:
     checked = {}
     for key, entries in (("data.train", r.data.train), ("data.eval", r.data.eval)):
         if entries is not None:
-            checked[key] = (list(entries), data_parts(key, entries, p, check_files))
+            checked[key] = (list(entries), data_parts(key, entries, p, check_files, r.data.text_field))
     check_rules(r, {key: parts for key, (_, parts) in checked.items()}, p)
     if check_files:
         r.data.checked_sources = checked
