@@ -129,6 +129,42 @@ def test_uptrain_data_train_reads_shares_by_the_same_rule(sources, tmp_path, tmp
     refused(cli("uptrain", "--recipe", recipe), *_share_words(share), out=out, tmpdir=tmpdir_env, started=started)
 
 
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("data.train=[TRAIN:,parent:0.5]", "the share after the colon is empty"),  # YAML: [{TRAIN: null}, ...]
+        ("data.train=[TRAIN: -1, parent: 0.5]", "'-1' is not a share"),
+        ("data.train={TRAIN: .inf, parent: 1}", "'inf' is not a share"),
+        ("data.train=[TRAIN:1e-999,parent:1]", "'1e-999' is not a share"),
+    ],
+)
+def test_uptrain_overrides_read_shares_in_every_form_yaml_gives(sources, tmp_path, tmpdir_env, override, words):
+    out = tmp_path / "out"
+    recipe = recipe_file(
+        tmp_path / "r.yaml", model=str(sources / "src"), output_dir=str(out), distill={"teacher": str(sources / "src")}
+    )
+    result = cli("uptrain", "--recipe", recipe, override.replace("TRAIN", str(sources / "train.jsonl")))
+    line = refused(result, words, SHARE_RULE, out=out, tmpdir=tmpdir_env)
+    assert line.count(";") == 1 and "is empty: give" not in line  # one problem, not a second one about it
+
+
+def test_a_mix_in_yamls_mapping_forms_is_the_notation(sources, tmp_path):
+    from mha2gqa.uptrain.recipe_load import load_recipe
+
+    train = str(sources / "train.jsonl")
+    recipe = recipe_file(
+        tmp_path / "r.yaml", model=str(sources / "src"), output_dir="o", distill={"teacher": str(sources / "src")}
+    )
+    for override in (f"data.train=[{train}: 0.5, parent: 50%]", f"data.train={{{train}: 0.5, parent: 0.5}}"):
+        assert load_recipe(recipe, [override]).data.train == [f"{train}:0.5", "parent:0.5"]
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"source: {sources / 'src'}\ngroups: 2\nmethod: calibrated\ncalibration: [{train}: 1, austen: 3]\n"
+    )
+    result = cli("convert", "--config", config, tmp_path / "dst", "--dry-run")
+    assert result.exit_code == 0 and "train.jsonl 25%, austen 75%" in result.output, result.output
+
+
 @pytest.mark.parametrize("share", ["-0.5", "", "NAN", "0%"])
 def test_sweep_calibration_reads_shares_by_the_same_rule(sources, tmp_path, tmpdir_env, share):
     out = tmp_path / "out"

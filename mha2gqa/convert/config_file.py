@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from mha2gqa.convert.options import CONVERT_FLAGS, ConvertOptions, Flag, changed_flags
-from mha2gqa.corpus.mix import PARENT, parse_spec, read_share
+from mha2gqa.corpus.mix import PARENT, as_words, parse_spec
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
 from mha2gqa.reading import read_yaml_mapping
@@ -75,12 +75,12 @@ def _load(path: Path) -> dict:
 def _words(flag: Flag, key: str, value, problems: list[str]) -> str | list[str] | None:
     """`value` as the word(s) the command line gives click for `flag` (None: a problem, appended)."""
     if flag.repeat:  # a list, one value, or a {source: share} mix as in Python
-        values = value if isinstance(value, list) else [value]
-        try:  # `[a.txt: 0.5, b.txt: 0.5]` (a space after the colon) is YAML for a list of one-entry mappings
-            values = [word for v in values for word in (_shared(v, key) if isinstance(v, dict) else [v])]
+        try:  # a {source: share} mapping, or YAML's `[a.txt: 0.5]` (a list of one-entry mappings), as words
+            value = as_words(value, key)
         except InputError as err:
             problems.append(str(err))
             return None
+        values = value if isinstance(value, list) else [value]
         if any(isinstance(v, (dict, list)) or v is None for v in values):
             problems.append(f"{key}: give a list of values, each as one {flag.flag} takes it")
             return None
@@ -95,11 +95,6 @@ def _words(flag: Flag, key: str, value, problems: list[str]) -> str | list[str] 
         problems.append(f"{key}: {value!r} is not true or false ({flag.flag} is a switch)")
         return None
     return _word(value)
-
-
-def _shared(mix: dict, key: str) -> list[str]:
-    """A {source: share} mapping as the words `source:share`, each share read now by the notation's reader."""
-    return [f"{name}:{_word(read_share(share, str(name), key))}" for name, share in mix.items()]
 
 
 def _word(value) -> str:

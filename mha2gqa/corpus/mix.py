@@ -60,13 +60,29 @@ def parse_spec(spec, flag: str = "--calibration") -> list[tuple[str, float | Non
     return pairs
 
 
+def as_words(value, flag: str):
+    """A mix as YAML holds it, in the notation's words (`name:share`): a {name: share} mapping, or a list of
+    strings and one-entry mappings (YAML reads `[a.txt: 0.5]` and `[a.txt:, b.txt:0.5]` so), each share read
+    now by read_share. Any other value passes unchanged, for the caller's own type check to name."""
+    items = [value] if isinstance(value, dict) else value
+    if not isinstance(items, list) or not any(isinstance(item, dict) for item in items):
+        return value
+    words = []
+    for item in items:
+        if isinstance(item, dict):
+            words += [f"{name}:{read_share(share, str(name), flag)!r}" for name, share in item.items()]
+        else:
+            words.append(item)
+    return words
+
+
 def read_share(value, name: str, flag: str) -> float:
     """The one reader of a share, typed (`parent:50%`) or given as a number ({parent: 0.5}): a positive finite
     number, or a percentage of one; anything else (negative, 0, empty, nan, inf, a word, a value that
     rounds to 0) is refused with the rule."""
     share = _number(value)
     if share is None or not math.isfinite(share) or not share > 0:
-        shown = str(value).strip()
+        shown = "" if value is None else str(value).strip()  # YAML's `a.txt:` holds None
         what = "the share after the colon is empty" if not shown else f"{shown!r} is not a share"
         raise InputError(f"{flag} {name}:{shown}: {what}: {SHARE_RULE}; {COLON_PATHS}")
     return share
