@@ -48,13 +48,17 @@ _LANGUAGE = re.compile(r"[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8}){0,3}")
 _CARRIED = {"license": _ID, "license_name": _ID, "license_link": _LINK, "language": _LANGUAGE}
 
 
-def write_card(model_dir: str | Path, source_dir: str | Path | None = None, name: str | None = None) -> Path:
+def write_card(
+    model_dir: str | Path, source_dir: str | Path | None = None, name: str | None = None, measured: dict | None = None
+) -> Path:
     """Write MODEL_DIR/README.md; keep the source's card as MODEL_DIR/SOURCE_README.md. `name`: the
-    model's folder name when MODEL_DIR is a staging folder that will be renamed."""
+    model's folder name when MODEL_DIR is a staging folder that will be renamed. `measured`: the numbers of
+    the eval results beside the model, {result file: [(header, cell)]} (eval/card_table.py: the report's
+    metrics, which this module sits below)."""
     model_dir = Path(model_dir)
     source_card = _keep_source_card(model_dir, Path(source_dir) if source_dir else None)
     name = _printable(name or model_dir.resolve().name)
-    return write_atomic(model_dir / CARD, render(model_dir, source_card, name))
+    return write_atomic(model_dir / CARD, render(model_dir, source_card, name, measured))
 
 
 def is_ours(card: Path) -> bool:
@@ -163,7 +167,7 @@ def kv_bytes_per_token(config: dict, kv_heads: int) -> int | None:
     return kv_cache_bytes(layers, kv_heads, head_dim, size)
 
 
-def render(model_dir: Path, source_card: Path | None, name: str) -> str:
+def render(model_dir: Path, source_card: Path | None, name: str, measured: dict | None = None) -> str:
     stages = provenance.lineage(model_dir)
     config = read_json(model_dir / "config.json", "re-save the model")
     conversions = [i for i, s in enumerate(stages) if s["stage"] == "conversion"]
@@ -191,7 +195,7 @@ def render(model_dir: Path, source_card: Path | None, name: str) -> str:
     if after:
         lines += _uptrain_section(after, converted=conversion is not None)
     if results:
-        lines += _eval_section(results)
+        lines += _eval_section(results, measured or {})
     lines += _reproduce_section(conversion, after, name)
     lines += _source_section(conversion, source_card, source_meta)
     return "\n".join(lines) + "\n"
@@ -357,19 +361,20 @@ def eval_results(model_dir: Path) -> list[tuple[str, dict]]:
     return found
 
 
-def _eval_section(results) -> list[str]:
+def _eval_section(results, measured: dict) -> list[str]:
+    """A row per result: its file, its data, the measured numbers (`measured`: the report's metrics) and lm-eval's."""
+    headers = list(dict.fromkeys(header for cells in measured.values() for header, _ in cells))
     lines = [
         "## Evaluation",
         "",
         "Measured by `mha2gqa eval` (files beside this card):",
         "",
-        "| result | data | perplexity | KV / token | lm-eval |",
-        "|---|---|---|---|---|",
+        "| result | data | " + "".join(f"{header} | " for header in headers) + "lm-eval |",
+        "|---|---|" + "---|" * len(headers) + "---|",
     ]
     for name, r in results:
-        ppl = (r.get("perplexity") or {}).get("perplexity")
         data = r.get("data") or {}
-        kv = (r.get("kv_cache") or {}).get("measured_bytes_per_token")
+        cells = dict(measured.get(name, ()))
         tasks = (r.get("lm_eval") or {}).get("tasks") or {}
         shown = "; ".join(
             f"{_text(task)} {_text(metric)} {lm_eval_brief(metric, m)}"
@@ -379,10 +384,10 @@ def _eval_section(results) -> list[str]:
             if isinstance(m, dict) and isinstance(m.get("value"), (int, float))
         )
         tokens = f", {data['tokens']:,} tokens" if data.get("tokens") else ""
-        ppl_text = f"{ppl:.2f}" if ppl else "—"
+        numbers = "".join(f"{_text(cells.get(header, '—'))} | " for header in headers)
         lines.append(
             f"| [{_text(name)}]({_text(name)}) | {_data_name(data.get('path') or data.get('name'))}{tokens} | "
-            f"{ppl_text} | {_human(kv) if kv else '—'} | {shown or '—'} |"
+            f"{numbers}{shown or '—'} |"
         )
     per_domain = [(name, found) for name, r in results if (found := domains_brief(r))]
     if per_domain:

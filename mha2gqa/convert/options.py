@@ -61,7 +61,7 @@ METHOD_SUMMARIES = {
     Method.RANDOM.value: "random K/V with the source's mean and std, seeded (ablation)",
     Method.MEAN_NORM.value: "mean-pool, each pooled K/V head rescaled to its group's mean norm",
     Method.CALIBRATED.value: "RoPE-aware merge from calibration statistics, maps folded into q_proj/o_proj "
-    "(needs --calibration)",
+    "(reads --calibration; unset: its default)",
 }
 
 
@@ -72,7 +72,7 @@ class Grouping(StrEnum):
     """transformers' order, group g holds heads [g*r, (g+1)*r)."""
     SIMILARITY = "similarity"
     """chosen per layer from calibrated K/V similarity, then query heads and o_proj columns permuted to match
-    (needs --calibration)."""
+    (reads --calibration; unset: its default)."""
 
 
 @dataclass(frozen=True)
@@ -161,8 +161,8 @@ class ConvertOptions:
     force: bool = False
     """Replace DST if it exists and is not empty (SRC is never touched)."""
     dry_run: bool = False
-    """Plan only, write nothing: the plan (every output tensor and what it is made of) is returned, and printed
-    by the command."""
+    """Plan only, write nothing: the plan is returned, and the command prints its summary first (what would be
+    written, the stages, memory and time), every output tensor and what it is made of with --plan-tensors."""
     progress: bool = True
     """Show progress bars."""
     calibration: str | list[str] | dict | None = None
@@ -186,8 +186,8 @@ class ConvertOptions:
     once per slice of layers."""
     refine: RefineOptions | None = None
     """After the merge, fit each layer's attention parameters, layer by layer, so that its output on the
-    calibration tokens matches the parent's (inputs from the already-refined layers below). Needs
-    --calibration; works with every --method and --grouping. Per-layer errors on fit and held-out
+    calibration tokens matches the parent's (inputs from the already-refined layers below). Reads
+    --calibration (unset: its default); works with every --method and --grouping. Per-layer errors on fit and held-out
     calibration tokens go to the terminal and mha2gqa.json. Then all layers together against the parent's
     next-token distribution (--refine-global-steps; 0: off). Settings: the --refine-* flags (in Python a
     RefineOptions; None: no refinement)."""

@@ -19,7 +19,7 @@ from mha2gqa import provenance
 from mha2gqa.card import about_the_source
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
 from mha2gqa.convert import config_file, fast
-from mha2gqa.convert.inputs import (  # noqa: F401 (block_length re-exported)
+from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
     CalibrationInput,
     RefineBudget,
@@ -28,7 +28,7 @@ from mha2gqa.convert.inputs import (  # noqa: F401 (block_length re-exported)
     layers_per_pass,
     stats_bytes,
 )
-from mha2gqa.convert.options import (  # noqa: F401 (OUT_DTYPES re-exported)
+from mha2gqa.convert.options import (
     DEFAULT_CALIBRATION,
     OUT_DTYPES,
     REFINE_TOKENS_PER_HIDDEN,
@@ -54,7 +54,7 @@ from mha2gqa.layouts import (
 )
 from mha2gqa.reading import check_regular, inside
 from mha2gqa.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir, snapshot_hub_id
-from mha2gqa.units import format_bytes, parse_size  # noqa: F401 (parse_size re-exported)
+from mha2gqa.units import format_bytes, parse_size
 
 NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME, config_file.CONFIG_NAME}  # written anew, not copied
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -149,9 +149,10 @@ class ConversionPlan:
         return lines
 
 
-def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
+def prepare(src, options: ConvertOptions, stats=None, resolved: CalibrationInput | None = None) -> ConversionPlan:
     """Check the request `options` against the model `src` (a directory or a hub id) and plan it.
-    `stats`: calibration.CalibrationStats gathered once by a sweep (then no calibration stage runs).
+    `stats`: calibration.CalibrationStats gathered once by a sweep (then no calibration stage runs); `resolved`:
+    the calibration of `options` (or of `stats`) already resolved, by an earlier plan of the same sweep.
     Raises InputError for every mistake that can be known before reading a tensor."""
     if options.calibration is not None and not isinstance(options.calibration, (str, Path, list, tuple, dict)):
         raise TypeError(
@@ -170,7 +171,7 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
     check_groups(shape, options.groups)
     check_target(config, options.groups)
     _check_calibration_needs(options, config)
-    calibration = _calibration_input(options, stats, config, source)
+    calibration = _calibration_input(options, stats, config, source, resolved)
     calibrated = calibration is not None or stats is not None
     memory_bytes = parse_size(options.calibration_memory, "--calibration-memory")
     require_safetensors(source, "SRC")
@@ -221,10 +222,13 @@ def _check_calibration_needs(options: ConvertOptions, config: dict) -> None:
         check_rotary_dims(config)
 
 
-def _calibration_input(options: ConvertOptions, stats, config: dict, source: Path) -> CalibrationInput | None:
+def _calibration_input(
+    options: ConvertOptions, stats, config: dict, source: Path, resolved: CalibrationInput | None = None
+) -> CalibrationInput | None:
     """The calibration text, resolved once: --calibration; else (refine on a sweep's statistics) the data
     those statistics were gathered from; else, where a stage that shapes the weights needs it, the default
-    (the parent's samples); None when nothing reads calibration text."""
+    (the parent's samples); None when nothing reads calibration text. `resolved`: the same text resolved
+    before (a sweep's), budgeted here for the tokens asked."""
     seq_len, hidden = block_length(config), attention_shape(config).hidden
     tokens = options.calibration_tokens
     if options.calibration is not None or (stats is None and options.calibration_shapes_weights):
@@ -233,7 +237,10 @@ def _calibration_input(options: ConvertOptions, stats, config: dict, source: Pat
         spec, tokens = stats.record.get("data"), stats.tokens
     else:
         return None
-    calibration = calibration_input(spec, tokens, seq_len, hidden)  # missing files, unknown formats, no text: now
+    if resolved is not None:
+        calibration = resolved.budgeted(tokens)
+    else:
+        calibration = calibration_input(spec, tokens, seq_len, hidden)  # missing files, unknown formats, no text: now
     if options.refine is not None and calibration.tokens < 2 * seq_len:
         raise InputError(
             f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {calibration.tokens} tokens): "

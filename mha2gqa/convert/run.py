@@ -20,9 +20,9 @@ from mha2gqa import provenance
 from mha2gqa.card import write_card
 from mha2gqa.checkpoint import ShardedWriter, atomic_directory, check_destination
 from mha2gqa.convert import config_file, fast
-from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, ConvertOptions, Grouping  # noqa: F401 (re-exported)
+from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.plan import Plan
-from mha2gqa.convert.prepare import NOT_COPIED, OUT_DTYPES, ConversionPlan, parse_size, prepare  # noqa: F401
+from mha2gqa.convert.prepare import ConversionPlan, prepare
 from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.errors import InputError, import_torch
 from mha2gqa.layouts import converted_config
@@ -33,13 +33,13 @@ from mha2gqa.writing import write_atomic
 
 @dataclass
 class ConversionResult:
-    plan: Plan
+    tensors: Plan  # every output tensor and what it is made of (the plan's `tensors`)
     dst: Path | None  # None for a dry run
     source: Path
     # Per layer (with calibration or grouping): key_error, value_error, kv_order.
     layers: list[dict] = field(default_factory=list)
     refine: dict | None = None  # with refine: options, token counts and per-layer output errors
-    conversion: ConversionPlan | None = None  # the checked request and its stages (what --dry-run prints)
+    plan: ConversionPlan | None = None  # the checked request and its stages (what --dry-run prints)
 
 
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
@@ -56,21 +56,27 @@ def convert(
 ) -> ConversionResult:
     """Convert the model at `src` (directory or hub id) to `groups` kv heads, written to `dst`.
     The keywords are the fields of ConvertOptions (convert/options.py, one docstring each); or pass
-    `options=ConvertOptions(...)`. With `calibration` (files, folders or a hub dataset: see mha2gqa.corpus.textdata),
+    `options=ConvertOptions(...)`. With `calibration` (files, folders or a hub dataset: mha2gqa.corpus.textdata),
     per-layer statistics of the attention input are gathered first (calibrated merge, similarity grouping,
-    reconstruction errors); a sweep passes the statistics it gathered once with calibration.calibrate as
-    `stats` instead. With `refine`, the merged attention is then refined layer by layer against the parent
+    reconstruction errors); statistics gathered once for several conversions (calibration.calibrate, or a
+    sweep's pass) come as `stats` instead. With `refine`, the merged attention is then refined layer by layer against the parent
     on the calibration tokens (convert/refine/) before anything is written."""
     if options is None:
         options = ConvertOptions.from_kwargs(groups, kwargs)
     elif kwargs or groups is not None:
         raise TypeError("convert(): pass either options=ConvertOptions(...) or groups and keywords, not both")
-    plan = prepare(src, options, stats)
-    dst = Path(dst).expanduser()
-    _check_destination(plan.source, dst, options.force)
+    plan = plan_conversion(src, dst, options, stats)
     if options.dry_run:
-        return ConversionResult(plan.tensors, None, plan.source, conversion=plan)
+        return ConversionResult(plan.tensors, None, plan.source, plan=plan)
     return execute(plan, dst)
+
+
+def plan_conversion(src, dst, options: ConvertOptions, stats=None, resolved=None) -> ConversionPlan:
+    """prepare, then the destination's checks: everything convert refuses before it writes. `resolved`: the
+    calibration already resolved for an earlier plan (a sweep plans every candidate from one resolution)."""
+    plan = prepare(src, options, stats, resolved)
+    _check_destination(plan.source, Path(dst).expanduser(), options.force)
+    return plan
 
 
 def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:

@@ -207,9 +207,10 @@ def _beside_model(result: Path, model_dir: Path) -> None:
     """A copy of the demo's result as MODEL_DIR/eval.json, so the model's card shows the numbers of the
     demo's table (the card lists the eval results saved beside the model)."""
     from mha2gqa.card import write_card
+    from mha2gqa.eval.card_table import measured_cells
 
     shutil.copyfile(result, model_dir / "eval.json")
-    write_card(model_dir)
+    write_card(model_dir, measured=measured_cells(model_dir))
 
 
 # What a demo run writes into --out: a folder holding only these is an earlier run, and --force may

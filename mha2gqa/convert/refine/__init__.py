@@ -44,7 +44,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from mha2gqa.convert.inputs import RefineBudget
 from mha2gqa.convert.options import RefineOptions
@@ -55,6 +54,7 @@ from mha2gqa.convert.refine.hooks import advance, first_hidden_states, layer_tar
 from mha2gqa.convert.refine.model import attention_path, converted_model, layer_path
 from mha2gqa.errors import WeightWarning
 from mha2gqa.layouts import AttentionShape, Layout
+from mha2gqa.progress import progress_bar
 
 __all__ = [
     "BUFFERS",
@@ -97,9 +97,7 @@ def refine_attention(
         len(blocks), budget.seq_len, shape.hidden, options.memory, next(model.parameters()).device, spill_dir
     )
     layers, refined, changed, global_record = [], {}, {}, None
-    bar = tqdm(
-        total=shape.layers * max(options.steps, 1), desc="refine", unit="step", disable=not progress, leave=False
-    )
+    bar = progress_bar(shape.layers * max(options.steps, 1), "refine", progress, unit="step", leave=False)
     try:
         layer_kwargs = first_hidden_states(parent, layout, shape.layers, blocks, buffers, options.batch_blocks)
         generator = torch.Generator().manual_seed(options.seed)
@@ -136,7 +134,7 @@ class _Run:
     split: dict
     options: RefineOptions
     generator: torch.Generator
-    bar: tqdm
+    bar: object  # a progress bar (mha2gqa.progress)
     layer_kwargs: dict[int, dict]
 
 

@@ -1,6 +1,7 @@
-"""Fault injection, third round (issue 29): the newer commands (reproduce, demo, sweep) check all their
-input before any work and follow one rule for their output folder; file modes follow the umask;
-option values are checked by their own rule; the source's side files never sink a conversion.
+"""Output folders and refusals: the newer commands (reproduce, demo, sweep, report) check all their input
+before any work and follow one rule for their output folder; file modes follow the umask; option values are
+checked by their own rule; the source's side files never sink a conversion; loops, bounds and the warm hub
+cache answer in one line.
 
 Every refusal asserts exit code 2, exactly one `Error:` line, nothing beside OUT/DST, $TMPDIR empty and
 the sources byte-identical."""
