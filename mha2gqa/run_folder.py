@@ -189,14 +189,17 @@ class _Continued:
 
 
 @contextmanager
-def continued_folder(out: Path, flag: str, scratch: str | None = None):
+def continued_folder(out: Path, flag: str, scratch: str | None = None, command: str | None = None):
     """OUT claimed for a run that adds to what it holds: the same lock and debris rule as run_folder,
-    without moving anything aside."""
+    without moving anything aside. Called only once every check has passed: a refused continuation finds
+    and leaves OUT as it was. `command`: OUT is marked as its run (a run made before the MARKER existed)."""
     out = Path(out).expanduser()
     with claim(out, f"{flag} {out}"):
         recover(out)
         if scratch:
             remove_dead(out, scratch)
+        if command and _marked(out) is None:
+            mark(out, command)
         yield _Continued(out)
 
 

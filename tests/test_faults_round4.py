@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import time
@@ -25,7 +26,7 @@ from mha2gqa.convert.config_file import CONFIG_NAME
 from mha2gqa.corpus.mix import parse_spec
 from mha2gqa.corpus.probe import parse_domains
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(mha2gqa.__file__).resolve().parent.parent  # the tree under test (its docs too)
 SHAPE = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=4)
 SHARE_RULE = "a share is a positive number or percentage, e.g. 0.5 or 50%"
 NAME_RULE = "a domain name starts with a letter, then letters, digits, _ or -, at most 40 characters"
@@ -420,3 +421,209 @@ def test_an_empty_part_of_data_is_refused_before_torch(sources, tmp_path, tmpdir
         assert words in line and "holds no text" in line, line
     assert not any((tmp_path / f"out-{name}").exists() for name in cases)
     assert list(tmpdir_env.iterdir()) == []
+
+
+# ------------------------------------------------------ class 5: a dry run answers as the run would
+def _both(src: Path, dst: Path, *flags) -> tuple[str, str]:
+    """The error lines of `convert --dry-run` and of the real run to `dst`, each asserted one line, exit 2."""
+    lines = []
+    for dry in (["--dry-run"], []):
+        result = cli("convert", src, dst, "--groups", "2", *flags, *dry, "--quiet")
+        lines.append(error_line(result, 2, strict=False))
+        assert not dst.exists()
+    return lines[0], lines[1]
+
+
+def test_a_dry_run_to_a_read_only_filesystem_is_refused_as_the_run_is(sources, tmp_path, tmpdir_env):
+    from fault_helpers import remount_readonly, tmpfs
+
+    with tmpfs(tmp_path / "ro", "1m") as mount:
+        remount_readonly(mount)
+        dry, real = _both(sources / "src", mount / "dst")
+        assert dry == real and "is not writable" in dry, (dry, real)
+        dry, real = _both(sources / "src", mount / "deep" / "dst")  # parents the run would make: not made
+        assert dry == real and "is not writable" in dry
+    assert list(tmpdir_env.iterdir()) == []
+
+
+def test_a_dry_run_to_a_filesystem_too_small_is_refused_as_the_run_is(sources, tmp_path, tmpdir_env):
+    from fault_helpers import tmpfs
+
+    with tmpfs(tmp_path / "small", "16k") as mount:
+        dry, real = _both(sources / "src", mount / "dst")
+        assert dry == real and "MiB free" in dry and "needs" in dry, (dry, real)
+        assert sorted(p.name for p in mount.iterdir()) == []  # no lock file, no partial folder
+    assert list(tmpdir_env.iterdir()) == []
+
+
+def test_a_dry_run_names_the_run_that_holds_dst_and_says_what_it_checked(sources, tmp_path):
+    from mha2gqa.writing import claim
+
+    dst = tmp_path / "new" / "dst"
+    result = cli("convert", sources / "src", dst, "--groups", "2", "--dry-run", "--quiet")
+    assert result.exit_code == 0, result.output
+    (line,) = [ln for ln in result.output.splitlines() if ln.startswith("checked: ")]
+    assert f"{tmp_path} is writable and has" in line and "free for the" in line and "the run writes" in line
+    assert not (tmp_path / "new").exists()  # the parents the run would make are not made by a dry run
+    dst.parent.mkdir()
+    with claim(dst, f"DST {dst}"):
+        result = cli("convert", sources / "src", dst, "--groups", "2", "--dry-run", "--quiet")
+        assert f"is being written by another mha2gqa run (PID {os.getpid()}" in error_line(result, 2, strict=False)
+    assert sorted(p.name for p in dst.parent.iterdir()) == []
+
+
+# -------------------------------- class 4: --resume trusts only what it can check; class 8: a refused one
+@pytest.fixture(scope="module")
+def interrupted(tiny, tmp_path_factory):
+    """A sweep of kv2-mean and kv1-mean stopped by Ctrl-C at the second candidate: kv2-mean finished."""
+    import mha2gqa.eval.run as eval_run
+
+    out = tmp_path_factory.mktemp("interrupted") / "out"
+    evaluate, seen = eval_run.evaluate, []
+
+    def stop_at_the_second_candidate(path, *args, **kwargs):
+        seen.append(Path(path).name)
+        if len(seen) == 3:  # the parent, kv2-mean, then kv1-mean
+            raise KeyboardInterrupt
+        return evaluate(path, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(eval_run, "evaluate", stop_at_the_second_candidate)
+        assert cli(*_resume_args(tiny, out)).exit_code == 130
+    assert [r["name"] for r in json.loads((out / "sweep.json").read_text())["candidates"]] == ["kv2-mean"]
+    return out
+
+
+def _resume_args(tiny: Path, out: Path, *extra) -> list:
+    from fault_helpers import sweep_args
+
+    return sweep_args(tiny, out, "--methods", "mean", *extra)
+
+
+@pytest.fixture
+def resumable(interrupted, tmp_path, monkeypatch):
+    """A copy of the interrupted sweep, and the names evaluate is called with from now on."""
+    import mha2gqa.eval.run as eval_run
+
+    out = tmp_path / "out"
+    shutil.copytree(interrupted, out)
+    evaluate, seen = eval_run.evaluate, []
+    monkeypatch.setattr(
+        eval_run, "evaluate", lambda path, *a, **k: seen.append(Path(path).name) or evaluate(path, *a, **k)
+    )
+    return out, seen
+
+
+def _edit(out: Path, edit) -> None:
+    """sweep.json edited by hand and written back as Python's json writes it (NaN as a bare NaN)."""
+    record = json.loads((out / "sweep.json").read_text())
+    edit(record)
+    (out / "sweep.json").write_text(json.dumps(record, indent=2))
+
+
+def _set(path: str, value):
+    def edit(record):
+        *parents, leaf = path.split(".")
+        node = record
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node[leaf] = value
+
+    return edit
+
+
+EDITS = {  # what was edited, and the words of the line that says the row is run again
+    "a NaN perplexity": (_set("candidates.0.perplexity", math.nan), "perplexity is not a finite number"),
+    "an infinite KL": (_set("candidates.0.kl_mean", -math.inf), "kl_mean is not a finite number"),
+    "a NaN inside a domain": (_set("candidates.0.domains.eval.ratio", math.nan), "domains.eval.ratio is not a finite"),
+    "the kv-head count": (_set("candidates.0.groups", 1), "its groups 1 and method 'mean' do not give its name"),
+    "a finite perplexity": (_set("candidates.0.perplexity", 1.5), "its perplexity is not what its eval result gives"),
+    "a domain's ratio": (_set("candidates.0.domains.eval.ratio", 0.5), "its domains is not what its eval result"),
+    "the result's kv heads": (_set("candidates.0.result.model.kv_heads", 4), "its result measured 4 kv heads"),
+    "no result": (_set("candidates.0.result", None), "it holds no eval result"),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_resume_runs_again_a_finished_row_that_does_not_hold(tiny, resumable, edit):
+    out, seen = resumable
+    change, words = EDITS[edit]
+    _edit(out, change)
+    result = cli(*_resume_args(tiny, out, "--resume"))
+    assert result.exit_code == 0, result.output
+    (line,) = [ln for ln in result.output.splitlines() if "does not hold" in ln]
+    assert "candidate 'kv2-mean'" in line and words in line and "running it again" in line, line
+    assert seen == ["kv2-mean", "kv1-mean"]  # the parent held: measured once, not again
+    record = _strict_json(out / "sweep.json")
+    assert [r["name"] for r in record["candidates"]] == ["kv2-mean", "kv1-mean"]
+    assert record["candidates"][0]["groups"] == 2 and math.isfinite(record["candidates"][0]["perplexity"])
+
+
+def test_resume_measures_everything_again_when_the_parent_does_not_hold(tiny, resumable):
+    out, seen = resumable
+    _edit(out, _set("parent.perplexity", math.nan))
+    result = cli(*_resume_args(tiny, out, "--resume"))
+    assert result.exit_code == 0, result.output
+    assert "the parent's entry in sweep.json does not hold (perplexity is not a finite number)" in result.output
+    assert seen == ["src", "kv2-mean", "kv1-mean"]
+    assert math.isfinite(_strict_json(out / "sweep.json")["parent"]["perplexity"])
+
+
+def test_resume_keeps_a_row_that_holds(tiny, resumable):
+    """The control: nothing edited, nothing run again (this held before issue 38 too)."""
+    out, seen = resumable
+    result = cli(*_resume_args(tiny, out, "--resume"))
+    assert result.exit_code == 0 and "does not hold" not in result.output, result.output
+    assert seen == ["kv1-mean"]
+
+
+def _strict_json(path: Path):
+    def refuse(word):
+        raise ValueError(f"{path} holds {word}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def _state(root: Path) -> dict:
+    """Every entry under root (hidden ones too): a file by its sha256, a folder as such."""
+    import hashlib
+
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+        for p in sorted(root.rglob("*"))
+    }
+
+
+REFUSED_RESUMES = {
+    "a changed seed": (["--seed", "7"], "--resume: --seed differs"),
+    "a changed calibration": (["--calibration", "austen"], "--resume: --calibration differs"),
+    "force too": (["--force"], "--force and --resume contradict each other"),
+    "no kv-head count": (["--groups", "3"], "--groups 3 leaves no kv-head count to try"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_RESUMES)
+def test_a_refused_resume_leaves_the_state_it_found(tiny, resumable, case):
+    """Debris of killed runs (a dead PID's scratch in OUT, a dead run's old copy beside it) is removed only by
+    a resume that starts; a refused one, or a --dry-run, changes nothing."""
+    out, seen = resumable
+    (out / ".sweep-999999999").mkdir()
+    (out / ".sweep-999999999" / "stats.bin").write_bytes(b"\0" * 64)
+    (out.parent / ".out.old-999999999").mkdir()
+    before = _state(out.parent)
+    flags, words = REFUSED_RESUMES[case]
+    assert words in error_line(cli(*_resume_args(tiny, out, "--resume", *flags)), 2, strict=False)
+    assert _state(out.parent) == before and seen == []
+    assert cli(*_resume_args(tiny, out, "--resume", "--dry-run")).exit_code == 0
+    assert _state(out.parent) == before and seen == []
+    assert cli(*_resume_args(tiny, out, "--resume")).exit_code == 0  # a resume that starts: the debris goes
+    assert not (out / ".sweep-999999999").exists() and not (out.parent / ".out.old-999999999").exists()
+
+
+def test_guarantees_say_what_resume_removes_and_when():
+    text = " ".join((REPO / "docs" / "guarantees.md").read_text().split())
+    assert "A refused `--resume` changes nothing" in text
+    assert (
+        "removes a dead PID's `.sweep-PID` scratch and `.OUT.old-PID` leftovers only once every check has passed"
+        in text
+    )

@@ -52,7 +52,7 @@ def parse_spec(spec, flag: str = "--calibration") -> list[tuple[str, float | Non
             f"{flag} {missing} has no share while others do: give every entry one, e.g. {flag} {missing}:0.5"
         )
     names = [name for name, _ in pairs]
-    for name in {PARENT, CORPUS_NAME} & set(names):
+    for name in dict.fromkeys(name for name in names if name in RESERVED):  # in the order given, once each
         warn_if_shadowing(name, flag, RESERVED[name])
     if any(shared) and len(set(names)) < len(names):
         repeated = next(name for name in names if names.count(name) > 1)
