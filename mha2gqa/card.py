@@ -192,6 +192,7 @@ def render(model_dir: Path, source_card: Path | None, name: str, measured: dict 
     lines += _summary(conversion, after, config, evaluated=bool(results))
     if conversion:
         lines += _conversion_section(conversion, config)
+        lines += _check_section(conversion.get("check"))
     if after:
         lines += _uptrain_section(after, converted=conversion is not None)
     if results:
@@ -272,6 +273,29 @@ def _conversion_section(c: dict, config: dict) -> list[str]:
         rows.append(("layer-wise refinement", "yes (see mha2gqa.json: refine)"))
     rows.append(("weights dtype", c.get("dtype", "unchanged")))
     return ["## What was done", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
+
+
+def _check_section(check: dict | None) -> list[str]:
+    """What the conversion kept, as `convert`'s check measured it (convert/check.py), before any training."""
+    from mha2gqa.check_record import HEADERS, table_rows, title
+
+    if not check:  # a conversion of before the check
+        return []
+    if "skipped" in check:
+        return ["## What it kept", "", f"Not checked at conversion: {_text(check['skipped'])}.", ""]
+    rows = [f"| {' | '.join(_text(cell) for cell in row)} |" for row in table_rows(check)]
+    words = title(check).removeprefix("check: what DST kept, ")
+    lines = [
+        "## What it kept",
+        "",
+        f"Measured by `convert` right after the conversion (SRC: the parent, DST: this model), {_text(words)}:",
+        "",
+    ]
+    lines += [f"| {' | '.join(HEADERS)} |", "|" + "---|" * len(HEADERS), *rows, ""]
+    lines += [f"**Verdict: {_text(check['verdict_line'])}.**", ""]
+    if check.get("next"):
+        lines += ["Next, one of:" if len(check["next"]) > 1 else "Next:", "", "```bash", *check["next"], "```", ""]
+    return lines
 
 
 def _uptrain_section(stages: list[dict], converted: bool) -> list[str]:

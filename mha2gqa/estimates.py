@@ -99,8 +99,10 @@ def convert_seconds(plan, start: bool = True, calibration: bool = True) -> float
     shape, options = plan.shape, plan.options
     parameters = sum(math.prod(info.shape) for info in plan.checkpoint.tensors.values())
     seconds = plan.bytes_written / 200e6
+    check = getattr(plan, "check", None)
+    checked = check is not None and check.skip is None
     if start:
-        seconds += FIXED_S["torch_start"] if plan.torch_reason else 1
+        seconds += FIXED_S["torch_start"] if plan.torch_reason or checked else 1
     if calibration and plan.calibration is not None:
         seconds += plan.calibration.sampled_tokens * parameters * rate("sample", parameters)
     if calibration and plan.gathers_statistics:
@@ -111,6 +113,8 @@ def convert_seconds(plan, start: bool = True, calibration: bool = True) -> float
         seconds += shape.layers * refine.steps * batch * attention_parameters(shape) * rate("refine_step", parameters)
         seconds += budget.blocks * budget.seq_len * parameters * rate("refine_pass", parameters)
         seconds += refine.global_steps * batch * parameters * rate("refine_global", parameters)
+    if checked:
+        seconds += check.seconds
     return seconds
 
 
@@ -122,6 +126,12 @@ def convert_line(plan) -> str:
 def eval_seconds(tokens: int, parameters: int, reference: bool = False, speed: bool = False) -> float:
     per = rate("eval_with_reference" if reference else "eval", parameters)
     return FIXED_S["torch_start"] + tokens * parameters * per + (FIXED_S["speed_grid"] if speed else 0)
+
+
+def check_seconds(tokens: int, parameters: int) -> float:
+    """convert's check (convert/check.py): both models over `tokens` probe tokens, as eval with a reference
+    (torch's start-up is counted once, by convert_seconds)."""
+    return eval_seconds(tokens, parameters, reference=True) - FIXED_S["torch_start"]
 
 
 def uptrain_seconds(tokens: int, parameters: int, evals: int, eval_tokens: int) -> float:

@@ -139,6 +139,20 @@ def convert(src, dst, plan_tensors, **flags):
     if result.refine:
         click.echo(refine_table(result.refine))
     click.echo(_written_line("wrote", dst, result.tensors))
+    click.echo(check_report(result.check))
+
+
+def check_report(record: dict | None) -> str:
+    """What the conversion kept (convert/check.py): the table, the verdict and the next commands; or why the
+    check was skipped."""
+    from mha2gqa.check_record import HEADERS, table_rows, title
+
+    if not record or "skipped" in record:
+        return f"check: skipped ({(record or {}).get('skipped', 'not run')})"
+    lines = [title(record), table(HEADERS, table_rows(record)), f"verdict: {record['verdict_line']}"]
+    for i, command in enumerate(record.get("next", [])):
+        lines.append(f"{'next' if i == 0 else '  or'}: {command}")
+    return "\n".join(lines)
 
 
 def _written_line(verb: str, dst, tensors) -> str:

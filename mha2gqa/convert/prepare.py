@@ -11,6 +11,7 @@ here, before DST, its lock or any statistics exist.
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from mha2gqa import provenance
 from mha2gqa.card import about_the_source
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
 from mha2gqa.convert import config_file, fast
+from mha2gqa.convert.check import CHECK_TOKENS, CheckPlan, check_logits_bytes, plan_check
 from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
     CalibrationInput,
@@ -40,9 +42,10 @@ from mha2gqa.convert.options import (
 from mha2gqa.convert.plan import Plan, make_plan
 from mha2gqa.convert.rope import check_calibrated, check_grouping, check_refine_layout, check_rotary_dims
 from mha2gqa.corpus import sampling
+from mha2gqa.corpus.probe import DOMAINS
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
-from mha2gqa.estimates import convert_line
+from mha2gqa.estimates import check_seconds, convert_line
 from mha2gqa.layouts import (
     AttentionShape,
     Layout,
@@ -96,6 +99,7 @@ class ConversionPlan:
     bytes_written: int = 0  # tensors + copied files + headers and JSON
     scratch_bytes: int = 0  # statistics and refine spill files inside DST's partial folder, removed at the end
     peak_memory: int = 0  # estimated peak resident memory, bytes
+    check: CheckPlan | None = None  # the quality check after the write (convert/check.py)
 
     @property
     def gathers_statistics(self) -> bool:
@@ -286,9 +290,28 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int) -> None:
         stages.append(Stage("merge", merge + "; the merged attention kept in memory for refine"))
         stages += _refine_stages(plan, calibration_tokens, seq_len)
         peak = max(peak, _refine_peak(plan, model_bytes, seq_len))
+    plan.check = _plan_check(plan, params)
+    stages.append(Stage("check", plan.check.describe().removeprefix("check: ")))
+    if plan.check.skip is None:
+        peak = max(peak, model_bytes + check_logits_bytes(plan.config))
     stages.append(Stage("metadata", "config.json, tokenizer and other files, mha2gqa.json, README.md card"))
     plan.stages = stages
     plan.peak_memory = peak + RUNTIME_BYTES["numpy" if plan.torch_reason is None else "torch"]
+
+
+def _plan_check(plan: ConversionPlan, params: int) -> CheckPlan:
+    if not any((plan.source / name).is_file() for name in TOKENIZER_FILES):
+        return CheckPlan(0, 0, (), 0.0, "SRC has no tokenizer to read the probe texts with")
+    seconds = check_seconds(CHECK_TOKENS * len(DOMAINS), params)
+    return plan_check(plan.config, params, plan.options.check, seconds, on_gpu=_cuda_visible())
+
+
+def _cuda_visible() -> bool:
+    """Whether the check will run on a GPU, asked without importing torch: an NVIDIA driver is present and
+    CUDA_VISIBLE_DEVICES does not hide every device (a wrong guess only misjudges the check's skip)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return Path("/proc/driver/nvidia/version").exists()
 
 
 def _sample_stage(calibration: CalibrationInput, params: int) -> Stage:

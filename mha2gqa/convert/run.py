@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.plan import Plan
 from mha2gqa.convert.prepare import ConversionPlan, prepare
 from mha2gqa.convert.roles import pack, unpack
-from mha2gqa.errors import InputError, import_torch
+from mha2gqa.errors import InputError, InputWarning, import_torch
 from mha2gqa.layouts import converted_config
 from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, resolve, short_read
@@ -40,6 +41,7 @@ class ConversionResult:
     layers: list[dict] = field(default_factory=list)
     refine: dict | None = None  # with refine: options, token counts and per-layer output errors
     plan: ConversionPlan | None = None  # the checked request and its stages (what --dry-run prints)
+    check: dict | None = None  # what the conversion kept (convert/check.py), or {"skipped": why}
     checked: str | None = None  # a dry run: what it checked at DST (the run's checks before its first byte)
 
 
@@ -107,13 +109,15 @@ def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
         atomic_directory(dst, replace=options.force, needed_bytes=plan.bytes_written + plan.scratch_bytes) as tmp,
         tempfile.TemporaryDirectory(prefix=".calibration-", dir=tmp) as scratch,
     ):
-        layers, refined, stats = [], None, plan.stats
+        layers, refined, stats, parent = [], None, plan.stats, None
         if plan.torch_reason is None:
             fast.write_tensors(plan.checkpoint, plan.tensors, tmp, plan.shard_bytes, options.progress)
         else:
-            layers, refined, stats = _run_torch(plan, tmp, Path(scratch))
+            layers, refined, stats, parent = _run_torch(plan, tmp, Path(scratch))
         _copy_files(plan.copied, source, tmp)
         _write_config(plan.config, options.groups, options.dtype, tmp)
+        checked = _check(plan, tmp, dst, parent)
+        del parent
         extra = {
             "grouping": options.grouping.value,
             "calibration": stats.record if stats else None,
@@ -122,11 +126,40 @@ def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
             "command": plan.command(),
             "torch_threads": _torch_threads(plan),  # the same bytes again need the same count (card: Reproduce)
             "config": plan.config_values(),  # DST/convert.yaml's mapping; the card shows it
+            "check": {k: v for k, v in checked.items() if k not in RUN_FACTS},
         }
         write_atomic(tmp / config_file.CONFIG_NAME, config_file.render(extra["config"]))
         _write_provenance(source, plan.config, plan.tensors, options.seed, options.dtype, tmp, extra)
         write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
-    return ConversionResult(plan.tensors, dst, source, layers, refined, plan)
+    return ConversionResult(plan.tensors, dst, source, layers, refined, plan, checked)
+
+
+def _kept_for_check(plan: ConversionPlan, parent):
+    """The loaded parent when the check will score it (loaded once per convert), else None (freed)."""
+    return parent if plan.check is not None and plan.check.skip is None else None
+
+
+def _check(plan: ConversionPlan, written: Path, dst: Path, parent=None) -> dict:
+    """The quality check of the model now complete in the partial DST (weights, config, tokenizer), before its
+    record is written: what it kept goes into mha2gqa.json and the card with the rest, atomically."""
+    check, options = plan.check, plan.options
+    if check is None or check.skip is not None:
+        return {"skipped": check.skip if check else "not planned"}
+    import_torch()
+    from mha2gqa.convert.check import next_steps
+    from mha2gqa.convert.check_scores import run_check
+
+    try:
+        record = run_check(plan.source, written, check, options.progress, parent)
+    except InputError as err:  # a model transformers cannot load as it stands: the conversion stands, unchecked
+        warnings.warn(f"the check could not run: {err}", InputWarning, stacklevel=2)
+        return {"skipped": f"it could not run: {err}"}
+    full = options.method.needs_calibration and options.refine is not None
+    record["next"] = next_steps(record["verdict"], plan.source_spec, str(dst), options.groups, full, record["device"])
+    return record
+
+
+RUN_FACTS = ("seconds", "parent_cached")  # of this run, not of the model: printed, kept out of mha2gqa.json
 
 
 def _torch_threads(plan: ConversionPlan) -> int | None:
@@ -168,8 +201,8 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
             options.progress,
         )
     if plan.refine is None:
-        del parent  # the merge needs one layer at a time, not the model
-        return _write_tensors(plan, out_dir, stats), None, stats
+        parent = _kept_for_check(plan, parent)  # the merge needs one layer at a time, not the model
+        return _write_tensors(plan, out_dir, stats), None, stats, parent
     from mha2gqa.convert.refine import refine_attention
 
     merged, layers = _merge(plan, stats)
@@ -186,9 +219,10 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
         spill_dir=out_dir,
         progress=options.progress,
     )
-    del parent, merged
+    del merged
+    parent = _kept_for_check(plan, parent)
     _write_tensors(plan, out_dir, stats, computed=refined)
-    return layers, record, stats
+    return layers, record, stats, parent
 
 
 def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: dict | None = None) -> list[dict]:

@@ -95,7 +95,7 @@ def plan_demo(
     if not 0 < settings.alpha <= 1:
         raise InputError(f"--alpha {settings.alpha} must be in (0, 1]: e.g. 0.05 for 5% of the pretraining tokens")
     conversion = prepare(
-        embedded.model_dir(), ConvertOptions(groups=groups, method="mean", force=True, progress=progress)
+        embedded.model_dir(), ConvertOptions(groups=groups, method="mean", force=True, progress=progress, check=False)
     )
     out = check_folder(out, "--out", "demo", RUN_ENTRIES, force)
     return DemoPlan(out, settings, conversion, force)

@@ -65,6 +65,7 @@ def _conversion_options(candidate: Candidate, options: SweepOptions, planned: bo
         refine=options.refine,
         dry_run=planned,
         progress=False,
+        check=False,  # the sweep evaluates every candidate on its own data
     )
 
 
