@@ -76,9 +76,9 @@ def test_the_mix_notation(spec, expected):
     "spec, message",
     [
         (["parent:0.5", "austen"], "--calibration austen has no share while others do: give every entry one"),
-        (["parent:0", "austen:1"], "--calibration parent:0: a share must be above 0"),
+        (["parent:0", "austen:1"], "--calibration parent:0: '0' is not a share: a share is a positive number"),
         (["austen:1", "austen:2"], "--calibration austen is given twice in a mix"),
-        ({"parent": "half"}, "--calibration parent: share 'half' must be a positive number"),
+        ({"parent": "half"}, "--calibration parent:half: 'half' is not a share: a share is a positive number"),
         ([], "--calibration is empty"),
         (["parent", "austen"], "--calibration parent samples the model, and cannot be read in order with other text"),
     ],
