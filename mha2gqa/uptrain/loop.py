@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa import provenance
+from mha2gqa import jsontext, provenance
 from mha2gqa.card import write_card
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain import allocator, checkpoints, lora, mixed_data
@@ -310,4 +310,4 @@ def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
     """save_pretrained records the in-memory (fp32) dtype; record the one the weights were saved in."""
     config = json.loads(path.read_text())
     config["dtype"] = str(dtype).replace("torch.", "")
-    write_atomic(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_atomic(path, jsontext.dumps(config, indent=2, sort_keys=True) + "\n")

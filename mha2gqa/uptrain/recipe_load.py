@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from mha2gqa.corpus.mix import PARENT
+from mha2gqa.corpus.mix import PARENT, as_words
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import read_config
@@ -111,7 +111,11 @@ def _build(cls, raw: dict, prefix: str, problems: list[str]):
                 problems.append(f"{dotted} is a section: give its keys ({', '.join(all_keys(hint, dotted + '.'))})")
             continue
         try:
+            if dotted in MIX_KEYS:  # a mix as YAML may read it ([a.txt: 0.5]), in the notation's words
+                value = as_words(value, dotted)
             kwargs[name] = _coerce(value, hint)
+        except InputError as err:
+            problems.append(str(err))
         except (TypeError, ValueError) as err:
             problems.append(f"{dotted}: {err}")
     return cls(**kwargs)
@@ -119,6 +123,7 @@ def _build(cls, raw: dict, prefix: str, problems: list[str]):
 
 # Names other tools give a key, by the leaf: `optim.learning_rate` means optim.lr, however close
 # optim.min_lr_ratio is in spelling.
+MIX_KEYS = ("data.train", "data.eval")  # written in the mix notation (corpus/mix.py)
 _SYNONYMS = {"learning_rate": "lr", "batch_size": "micro_batch_size", "gradient_accumulation_steps": "grad_accum"}
 
 
@@ -326,8 +331,10 @@ def _check_data(r: Recipe, p: list[str], check_files: bool) -> None:
     rather than walking the folders again."""
     checked = {}
     for key, entries in (("data.train", r.data.train), ("data.eval", r.data.eval)):
+        if any(problem.startswith(f"{key} ") or problem.startswith(f"{key}:") for problem in p):
+            continue  # its value was refused already (not read as a list): 'is empty' would only add noise
         if entries is not None:
-            checked[key] = (list(entries), data_parts(key, entries, p, check_files))
+            checked[key] = (list(entries), data_parts(key, entries, p, check_files, r.data.text_field))
     check_rules(r, {key: parts for key, (_, parts) in checked.items()}, p)
     if check_files:
         r.data.checked_sources = checked

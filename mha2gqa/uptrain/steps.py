@@ -8,7 +8,6 @@ Kept lean on purpose: on CPU the loop must cost within 5% of a hand-written torc
 from __future__ import annotations
 
 import functools
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from mha2gqa import jsontext
 from mha2gqa.progress import progress_bar
 from mha2gqa.uptrain import checkpoints
 from mha2gqa.uptrain.data import TrainData, block_hash, rank_slice
@@ -343,7 +343,7 @@ class Metrics:
         }
         self._losses, self._since, self._tokens_since, self._cpu_since = [], now, 0, cpu
         if self.main:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(jsontext.dumps(record) + "\n")
             self.file.flush()
             if self.tensorboard:
                 numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
@@ -376,9 +376,9 @@ class Trace:
 
     def batch(self, step: int, micro: int, batch: torch.Tensor) -> None:
         hashes = [block_hash(row) for row in batch.cpu()]
-        self.file.write(json.dumps({"step": step, "micro": micro, "blocks": hashes}) + "\n")
+        self.file.write(jsontext.dumps({"step": step, "micro": micro, "blocks": hashes}) + "\n")
 
     def finish(self, model: torch.nn.Module) -> None:
         sums = {name: float(p.detach().double().sum()) for name, p in model.named_parameters()}
-        self.file.write(json.dumps({"final_param_sums": sums}) + "\n")
+        self.file.write(jsontext.dumps({"final_param_sums": sums}) + "\n")
         self.file.close()
