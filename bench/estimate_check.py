@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from mha2gqa import jsontext
+
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "mha2gqa" / "data" / "austen-mha"
 SPIN = "while True: pass"
@@ -151,7 +153,7 @@ def main() -> None:
             spinner.wait()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"busy": args.busy, "rows": rows}, indent=1) + "\n")
+        args.out.write_text(jsontext.dumps({"busy": args.busy, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

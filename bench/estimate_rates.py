@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mha2gqa import jsontext
+
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "mha2gqa" / "data" / "austen-mha"
 OUT = ROOT / "mha2gqa" / "data" / "estimate_rates.json"
@@ -216,9 +218,9 @@ def main() -> None:
     }
     result = rates_file(fit(records), SMALL, LARGE if args.large else None, found, measured)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(jsontext.dumps(result, indent=1) + "\n")
     args.runs.parent.mkdir(parents=True, exist_ok=True)
-    args.runs.write_text("".join(json.dumps(r) + "\n" for r in records))
+    args.runs.write_text("".join(jsontext.dumps(r) + "\n" for r in records))
     print(f"wrote {args.out} ({len(result['kinds'])} kinds, load {load[0]:.2f} -> {load[1]:.2f}) and {args.runs}")
 
 

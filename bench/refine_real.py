@@ -92,7 +92,17 @@ def cli_row(args, source: Path, out: Path, setting: str) -> dict:
     """The whole conversion as a user runs it (calibration included), timed as a child process."""
     from mha2gqa.provenance import latest
 
-    command = [sys.executable, "-m", "mha2gqa", "convert", str(source), str(out), "--groups", str(args.kv)]
+    command = [
+        sys.executable,
+        "-m",
+        "mha2gqa",
+        "convert",
+        str(source),
+        str(out),
+        "--groups",
+        str(args.kv),
+        "--no-check",
+    ]
     command += ["--method", "calibrated", "--calibration", args.calibration, "--refine", "--quiet", "--force"]
     command += ["--calibration-tokens", str(args.calibration_tokens)]
     if SETTINGS[setting]:
@@ -118,7 +128,7 @@ def convert_row(args, source: Path, out: Path, method: str, setting: str, stats)
     from mha2gqa.convert.run import convert
 
     refine = None if setting == "merge" else RefineOptions(**setting_fields(setting, args.smoke), seed=args.seed)
-    options = ConvertOptions(args.kv, method=method, refine=refine, progress=False, force=True)
+    options = ConvertOptions(args.kv, method=method, refine=refine, progress=False, force=True, check=False)
     return convert(source, out, options=options, stats=stats)
 
 

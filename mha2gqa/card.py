@@ -25,7 +25,7 @@ from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import DTYPE_BYTES, config_dtype, head_counts, kv_cache_bytes
 from mha2gqa.reading import check_regular, parse_yaml, read_bytes, read_json
 from mha2gqa.sources import snapshot_hub_id
-from mha2gqa.units import format_bytes
+from mha2gqa.units import counted, format_bytes
 from mha2gqa.version import __version__
 from mha2gqa.writing import write_atomic
 
@@ -48,13 +48,17 @@ _LANGUAGE = re.compile(r"[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8}){0,3}")
 _CARRIED = {"license": _ID, "license_name": _ID, "license_link": _LINK, "language": _LANGUAGE}
 
 
-def write_card(model_dir: str | Path, source_dir: str | Path | None = None, name: str | None = None) -> Path:
+def write_card(
+    model_dir: str | Path, source_dir: str | Path | None = None, name: str | None = None, measured: dict | None = None
+) -> Path:
     """Write MODEL_DIR/README.md; keep the source's card as MODEL_DIR/SOURCE_README.md. `name`: the
-    model's folder name when MODEL_DIR is a staging folder that will be renamed."""
+    model's folder name when MODEL_DIR is a staging folder that will be renamed. `measured`: the numbers of
+    the eval results beside the model, {result file: [(header, cell)]} (eval/card_table.py: the report's
+    metrics, which this module sits below)."""
     model_dir = Path(model_dir)
     source_card = _keep_source_card(model_dir, Path(source_dir) if source_dir else None)
     name = _printable(name or model_dir.resolve().name)
-    return write_atomic(model_dir / CARD, render(model_dir, source_card, name))
+    return write_atomic(model_dir / CARD, render(model_dir, source_card, name, measured))
 
 
 def is_ours(card: Path) -> bool:
@@ -163,7 +167,7 @@ def kv_bytes_per_token(config: dict, kv_heads: int) -> int | None:
     return kv_cache_bytes(layers, kv_heads, head_dim, size)
 
 
-def render(model_dir: Path, source_card: Path | None, name: str) -> str:
+def render(model_dir: Path, source_card: Path | None, name: str, measured: dict | None = None) -> str:
     stages = provenance.lineage(model_dir)
     config = read_json(model_dir / "config.json", "re-save the model")
     conversions = [i for i, s in enumerate(stages) if s["stage"] == "conversion"]
@@ -188,10 +192,11 @@ def render(model_dir: Path, source_card: Path | None, name: str) -> str:
     lines += _summary(conversion, after, config, evaluated=bool(results))
     if conversion:
         lines += _conversion_section(conversion, config)
+        lines += _check_section(conversion.get("check"))
     if after:
         lines += _uptrain_section(after, converted=conversion is not None)
     if results:
-        lines += _eval_section(results)
+        lines += _eval_section(results, measured or {})
     lines += _reproduce_section(conversion, after, name)
     lines += _source_section(conversion, source_card, source_meta)
     return "\n".join(lines) + "\n"
@@ -224,7 +229,7 @@ def _summary(conversion, after, config, evaluated: bool) -> list[str]:
     if not conversion:
         return [
             f"A {config.get('model_type')} model trained by mha2gqa {__version__} "
-            f"({len(after)} training stage(s), see below).",
+            f"({counted(len(after), 'training stage')}, see below).",
             "",
         ]
     src, dst = conversion["source_kv_heads"], conversion["groups"]
@@ -270,6 +275,29 @@ def _conversion_section(c: dict, config: dict) -> list[str]:
     return ["## What was done", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
 
 
+def _check_section(check: dict | None) -> list[str]:
+    """What the conversion kept, as `convert`'s check measured it (convert/check.py), before any training."""
+    from mha2gqa.check_record import HEADERS, table_rows, title
+
+    if not check:  # a conversion of before the check
+        return []
+    if "skipped" in check:
+        return ["## What it kept", "", f"Not checked at conversion: {_text(check['skipped'])}.", ""]
+    rows = [f"| {' | '.join(_text(cell) for cell in row)} |" for row in table_rows(check)]
+    words = title(check).removeprefix("check: what DST kept, ")
+    lines = [
+        "## What it kept",
+        "",
+        f"Measured by `convert` right after the conversion (SRC: the parent, DST: this model), {_text(words)}:",
+        "",
+    ]
+    lines += [f"| {' | '.join(HEADERS)} |", "|" + "---|" * len(HEADERS), *rows, ""]
+    lines += [f"**Verdict: {_text(check['verdict_line'])}.**", ""]
+    if check.get("next"):
+        lines += ["Next, one of:" if len(check["next"]) > 1 else "Next:", "", "```bash", *check["next"], "```", ""]
+    return lines
+
+
 def _uptrain_section(stages: list[dict], converted: bool) -> list[str]:
     lines = ["## Training after the conversion" if converted else "## Training", ""]
     for s in stages:
@@ -287,7 +315,8 @@ def _uptrain_section(stages: list[dict], converted: bool) -> list[str]:
             ("budget", ", ".join(f"{k} {v}" for k, v in budget.items())),
             (
                 "steps, tokens",
-                f"{s.get('steps')} steps, {s.get('tokens_seen', 0):,} tokens ({s.get('world_size')} process(es))",
+                f"{counted(s.get('steps'), 'step')}, {s.get('tokens_seen', 0):,} tokens "
+                f"({counted(s.get('world_size'), 'process')})",
             ),
             ("parameters trained", f"{trained}: {s.get('trainable_params', 0):,}"),
             ("data", _training_data(s, r)),
@@ -357,19 +386,20 @@ def eval_results(model_dir: Path) -> list[tuple[str, dict]]:
     return found
 
 
-def _eval_section(results) -> list[str]:
+def _eval_section(results, measured: dict) -> list[str]:
+    """A row per result: its file, its data, the measured numbers (`measured`: the report's metrics) and lm-eval's."""
+    headers = list(dict.fromkeys(header for cells in measured.values() for header, _ in cells))
     lines = [
         "## Evaluation",
         "",
         "Measured by `mha2gqa eval` (files beside this card):",
         "",
-        "| result | data | perplexity | KV / token | lm-eval |",
-        "|---|---|---|---|---|",
+        "| result | data | " + "".join(f"{header} | " for header in headers) + "lm-eval |",
+        "|---|---|" + "---|" * len(headers) + "---|",
     ]
     for name, r in results:
-        ppl = (r.get("perplexity") or {}).get("perplexity")
         data = r.get("data") or {}
-        kv = (r.get("kv_cache") or {}).get("measured_bytes_per_token")
+        cells = dict(measured.get(name, ()))
         tasks = (r.get("lm_eval") or {}).get("tasks") or {}
         shown = "; ".join(
             f"{_text(task)} {_text(metric)} {lm_eval_brief(metric, m)}"
@@ -379,10 +409,10 @@ def _eval_section(results) -> list[str]:
             if isinstance(m, dict) and isinstance(m.get("value"), (int, float))
         )
         tokens = f", {data['tokens']:,} tokens" if data.get("tokens") else ""
-        ppl_text = f"{ppl:.2f}" if ppl else "—"
+        numbers = "".join(f"{_text(cells.get(header, '—'))} | " for header in headers)
         lines.append(
             f"| [{_text(name)}]({_text(name)}) | {_data_name(data.get('path') or data.get('name'))}{tokens} | "
-            f"{ppl_text} | {_human(kv) if kv else '—'} | {shown or '—'} |"
+            f"{numbers}{shown or '—'} |"
         )
     per_domain = [(name, found) for name, r in results if (found := domains_brief(r))]
     if per_domain:
@@ -405,9 +435,10 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
         if _convert_yaml(conversion):  # the same options as a file: an alternative, so a comment (not run twice)
             words = ["mha2gqa", "convert", "--config", "convert.yaml", str(conversion["config"]["source"]), "OUT"]
             lines.append(f"# or, with convert.yaml (below, and beside the converted model): {shlex.join(words)}")
+    recipes = [s["recipe"] for s in after if s["stage"] == "uptrain" and s.get("recipe")]
     if any(s["stage"] == "uptrain" for s in after):
         lines += [
-            "# the resolved recipe is below; save it as recipe.yaml (set model: and output_dir:)",
+            f"# the resolved recipe is below ({_paths_note(recipes)}); save it as recipe.yaml (set model: and output_dir:)",
             "mha2gqa uptrain --recipe recipe.yaml",
         ]
     lines += [f"mha2gqa eval {name} --data HELD_OUT_TEXT --out {name}/eval.json  # the card then lists it", "```", ""]
@@ -418,6 +449,22 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
         lines += _yaml_details("convert.yaml", conversion["config"])
     lines += [f"Everything above is read from [{provenance.FILE_NAME}]({provenance.FILE_NAME}), the full record.", ""]
     return lines
+
+
+def _paths_note(recipes: list[dict]) -> str:
+    """What the recipes' local paths are relative to: nothing (uptrain records them absolute), or, in a record
+    from before it did, the folder the run started in (which the record does not name)."""
+    paths = [
+        str(value)
+        for r in recipes
+        for value in [r.get("model"), r.get("tokenizer"), (r.get("distill") or {}).get("teacher")]
+        + list((r.get("data") or {}).get("train") or [])
+        + list((r.get("data") or {}).get("eval") or [])
+        if value and "/" in str(value)
+    ]
+    if all(Path(p).is_absolute() for p in paths):
+        return "local paths absolute, as on the machine that ran it"
+    return "relative paths are relative to the folder the run started in"
 
 
 def _convert_yaml(conversion) -> bool:

@@ -26,7 +26,7 @@ def format_bytes(n: float, digits: int = 2, largest: str = "TiB") -> str:
 
 
 def format_size(n: int) -> str:
-    """A byte count as a size flag takes it (convert.run.parse_size reads it back): in the largest binary
+    """A byte count as a size flag takes it (units.parse_size reads it back): in the largest binary
     unit that holds it exactly, 4GiB, 512MiB, else plain bytes."""
     div, unit = 1, ""
     for power, name in enumerate(_UNITS, start=1):
@@ -50,3 +50,8 @@ def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
     if number * scale < 1:
         raise InputError(f"{flag} {text!r} must be positive")
     return int(number * scale)
+
+
+def counted(count: int, noun: str) -> str:
+    """'1 step', '2 steps', '1 process', '2 processes', '1 file', '5 files' (never 'file(s)')."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}{'es' if noun.endswith('s') else 's'}"

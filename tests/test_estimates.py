@@ -205,7 +205,21 @@ def test_the_held_out_novels_tokens_are_guessed_from_its_size():
     assert 0.7 * HELDOUT_TOKENS < estimates.text_tokens(str(embedded.heldout_path())) < 1.4 * HELDOUT_TOKENS
 
 
-def test_the_rates_other_estimates_read_are_the_fitted_ones(fixed_rates):
-    # the API of uptrain --dry-run's estimate: rate, uptrain_seconds, duration, CAVEAT
-    assert estimates.rate("eval", SMALL) == pytest.approx(1e-9)
-    assert estimates.uptrain_seconds(0, SMALL, 0, 0) >= 0 and "bench/estimate_rates.py" in estimates.CAVEAT
+def test_convert_checks_own_seconds_are_a_stage_of_its_estimate(fixed_rates):
+    # convert's quality check (convert/check.py) costs itself: a Stage with seconds, counted before the metadata
+    tokens, vocab = 1024, 4096
+    scored = estimates.check_seconds(tokens, SMALL, vocab)
+    assert scored == pytest.approx(
+        fixed_rates.seconds("eval_load", SMALL, {"bytes": 4 * SMALL})
+        + fixed_rates.seconds("eval_quality", SMALL, {"forward": 2 * tokens * SMALL, "tally": tokens * vocab})
+    )
+    assert estimates.check_seconds(tokens, SMALL, vocab, torch_start=True) == pytest.approx(
+        scored + fixed_rates.seconds("torch_start", SMALL, {})
+    )
+    plan = prepare(embedded.model_dir(), ConvertOptions(groups=2))
+    names = [stage.name for stage in estimates.convert_stages(plan)]
+    assert names[-2:] == ["check", "metadata"]
+    check = estimates.convert_stages(plan)[-2]
+    assert check.own_seconds == pytest.approx(plan.check.seconds) and check.own_seconds > 0
+    unchecked = prepare(embedded.model_dir(), ConvertOptions(groups=2, check=False))
+    assert "check" not in [stage.name for stage in estimates.convert_stages(unchecked)]

@@ -26,13 +26,17 @@ class _OneLineError(click.ClickException):
 @contextmanager
 def _one_line_warnings():
     """Every warning on a line of its own, above any progress bar (progress.write_line): WeightWarnings (about
-    the user's weights) as `Warning: <message>`, other warnings in Python's usual form."""
+    the user's weights) as `Warning: <message>`, each line once per command (a check that several stages repeat
+    says it once), other warnings in Python's usual form."""
     with warnings.catch_warnings():
         warnings.simplefilter("always", WeightWarning)
+        shown = set()
 
         def show(message, category, filename, lineno, file=None, line=None):
             if issubclass(category, WeightWarning):
-                write_line(f"Warning: {message}")
+                if str(message) not in shown:
+                    shown.add(str(message))
+                    write_line(f"Warning: {message}")
             else:
                 write_line(warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"))
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
+from mha2gqa import jsontext
 from mha2gqa.cli.fields import TokenCount, field_option
 from mha2gqa.cli.paths import file_option, folder_option
 from mha2gqa.docfields import choice_docs
@@ -116,7 +115,7 @@ def eval_command(model, quiet, out, force, **options):
     result = evaluate(model, options=EvalOptions(**options, out=out, progress=not quiet), clock=clock)
     click.echo(summary(result), err=out is None)  # its warnings were shown as they came (evaluate warns)
     if out is None:
-        click.echo(json.dumps(result, indent=2))
+        click.echo(jsontext.dumps(result, indent=2))
 
 
 def summary(result: dict) -> str:

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
@@ -38,6 +37,7 @@ from mha2gqa.corpus import textdata
 from mha2gqa.corpus.mix import interleaved
 from mha2gqa.errors import InputError, InputWarning
 from mha2gqa.layouts import AttentionShape, Layout
+from mha2gqa.progress import progress_bar
 
 DEFAULT_MEMORY = DEFAULT_CALIBRATION_MEMORY  # bytes of accumulators held at once
 CALIBRATION_PIECE_CHARS = 1 << 16  # characters of a text file tokenized at a time
@@ -126,7 +126,7 @@ def collect_statistics(
     per_pass = layers_per_pass(memory_bytes, width)
     batches = _batches(ids, seq_len, batch_size)
     passes = range(0, shape.layers, per_pass)
-    bar = tqdm(total=len(batches) * len(passes), desc="calibrate", unit="batch", disable=not progress)
+    bar = progress_bar(len(batches) * len(passes), "calibrate", progress, unit="batch")
     for first in passes:
         layers = range(first, min(first + per_pass, shape.layers))
         sums = {layer: GramAccumulator(width, device) for layer in layers}

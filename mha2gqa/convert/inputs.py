@@ -8,7 +8,7 @@ tokens; `parent`, text sampled from the model being converted (corpus/sampling.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, REFINE_TOKENS_PER_HIDDEN
 from mha2gqa.corpus.mix import PARENT, parse_spec, part_tokens
@@ -66,6 +66,17 @@ class CalibrationInput:
     @property
     def sampled_tokens(self) -> int:
         return sum(part.tokens for part in self.parts if part.sampled)
+
+    def budgeted(self, tokens: int | None) -> CalibrationInput:
+        """These resolved parts for `tokens` in all (None: as they are): what calibration_input(self.spec, tokens,
+        ...) gives, without resolving the text again (a sweep resolves its calibration once for every plan)."""
+        if tokens is None or tokens == self.tokens:
+            return self
+        pairs = parse_spec(self.spec)
+        shares = [share for _, share in pairs] if pairs[0][1] is not None else [1.0]
+        counts = part_tokens(shares, tokens, self.seq_len)
+        parts = (replace(p, share=s / sum(shares), tokens=n) for p, s, n in zip(self.parts, shares, counts))
+        return replace(self, parts=tuple(parts), tokens=tokens)
 
 
 @dataclass(frozen=True)

@@ -10,37 +10,40 @@ byte-identical, and the torch one below for everything else; torch is imported o
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mha2gqa import provenance
+from mha2gqa import jsontext, provenance
 from mha2gqa.card import write_card
 from mha2gqa.checkpoint import ShardedWriter, atomic_directory, check_destination
 from mha2gqa.convert import config_file, fast
-from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, ConvertOptions, Grouping  # noqa: F401 (re-exported)
+from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.plan import Plan
-from mha2gqa.convert.prepare import NOT_COPIED, OUT_DTYPES, ConversionPlan, parse_size, prepare  # noqa: F401
+from mha2gqa.convert.prepare import ConversionPlan, prepare
 from mha2gqa.convert.roles import pack, unpack
-from mha2gqa.errors import InputError, import_torch
+from mha2gqa.errors import InputError, InputWarning, import_torch
 from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.layouts import converted_config
 from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, resolve, short_read
-from mha2gqa.writing import write_atomic
+from mha2gqa.units import format_bytes
+from mha2gqa.writing import check_room, check_unclaimed, write_atomic
 
 
 @dataclass
 class ConversionResult:
-    plan: Plan
+    tensors: Plan  # every output tensor and what it is made of (the plan's `tensors`)
     dst: Path | None  # None for a dry run
     source: Path
     # Per layer (with calibration or grouping): key_error, value_error, kv_order.
     layers: list[dict] = field(default_factory=list)
     refine: dict | None = None  # with refine: options, token counts and per-layer output errors
-    conversion: ConversionPlan | None = None  # the checked request and its stages (what --dry-run prints)
+    plan: ConversionPlan | None = None  # the checked request and its stages (what --dry-run prints)
+    check: dict | None = None  # what the conversion kept (convert/check.py), or {"skipped": why}
+    checked: str | None = None  # a dry run: what it checked at DST (the run's checks before its first byte)
 
 
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
@@ -57,22 +60,42 @@ def convert(
 ) -> ConversionResult:
     """Convert the model at `src` (directory or hub id) to `groups` kv heads, written to `dst`.
     The keywords are the fields of ConvertOptions (convert/options.py, one docstring each); or pass
-    `options=ConvertOptions(...)`. With `calibration` (files, folders or a hub dataset: see mha2gqa.corpus.textdata),
+    `options=ConvertOptions(...)`. With `calibration` (files, folders or a hub dataset: mha2gqa.corpus.textdata),
     per-layer statistics of the attention input are gathered first (calibrated merge, similarity grouping,
-    reconstruction errors); a sweep passes the statistics it gathered once with calibration.calibrate as
-    `stats` instead. With `refine`, the merged attention is then refined layer by layer against the parent
-    on the calibration tokens (convert/refine/) before anything is written. clock: an estimates Clock that says
-    the run's estimate before it starts and times its stages (the CLI's)."""
+    reconstruction errors); statistics gathered once for several conversions (calibration.calibrate, or a
+    sweep's pass) come as `stats` instead. With `refine`, the merged attention is then refined layer by layer against the parent
+    on the calibration tokens (convert/refine/) before anything is written. clock: an
+    estimates Clock that says the run's estimate before it starts and times its stages (the CLI's)."""
     if options is None:
         options = ConvertOptions.from_kwargs(groups, kwargs)
     elif kwargs or groups is not None:
         raise TypeError("convert(): pass either options=ConvertOptions(...) or groups and keywords, not both")
-    plan = prepare(src, options, stats)
-    dst = Path(dst).expanduser()
-    _check_destination(plan.source, dst, options.force)
+    plan = plan_conversion(src, dst, options, stats)
     if options.dry_run:
-        return ConversionResult(plan.tensors, None, plan.source, conversion=plan)
+        checked = check_output(plan, Path(dst).expanduser())
+        return ConversionResult(plan.tensors, None, plan.source, plan=plan, checked=checked)
     return execute(plan, dst, clock)
+
+
+def plan_conversion(src, dst, options: ConvertOptions, stats=None, resolved=None) -> ConversionPlan:
+    """prepare, then the destination's checks: everything convert refuses before it writes. `resolved`: the
+    calibration already resolved for an earlier plan (a sweep plans every candidate from one resolution)."""
+    plan = prepare(src, options, stats, resolved)
+    _check_destination(plan.source, Path(dst).expanduser(), options.force)
+    return plan
+
+
+def check_output(plan: ConversionPlan, dst: Path) -> str:
+    """What the run checks at DST before its first byte, checked by a dry run without writing anything: no
+    other run holds DST, and DST's filesystem is writable and holds what the run writes (the estimate, with
+    its scratch files). Returns the line that says so."""
+    check_unclaimed(dst, f"DST {dst}")
+    needed = plan.bytes_written + plan.scratch_bytes
+    folder = check_room(dst.parent, needed, f"DST {dst}")
+    return (
+        f"checked: {folder} is writable and has {format_bytes(shutil.disk_usage(folder).free)} free for the "
+        f"{format_bytes(needed)} the run writes"
+    )
 
 
 def estimate(plan: ConversionPlan):
@@ -100,15 +123,17 @@ def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult
             import_torch()
             clock.stage("load")
         clock.begin(lambda: estimate(plan))  # once DST is claimed: a refusal of it stays one line
-        layers, refined, stats = [], None, plan.stats
+        layers, refined, stats, parent = [], None, plan.stats, None
         if plan.torch_reason is None:
             clock.stage("merge")
             fast.write_tensors(plan.checkpoint, plan.tensors, tmp, plan.shard_bytes, options.progress)
         else:
-            layers, refined, stats = _run_torch(plan, tmp, Path(scratch), clock)
-        clock.stage("metadata")
+            layers, refined, stats, parent = _run_torch(plan, tmp, Path(scratch), clock)
         _copy_files(plan.copied, source, tmp)
         _write_config(plan.config, options.groups, options.dtype, tmp)
+        checked = _check(plan, tmp, dst, parent, clock)
+        del parent
+        clock.stage("metadata")
         extra = {
             "grouping": options.grouping.value,
             "calibration": stats.record if stats else None,
@@ -117,12 +142,42 @@ def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult
             "command": plan.command(),
             "torch_threads": _torch_threads(plan),  # the same bytes again need the same count (card: Reproduce)
             "config": plan.config_values(),  # DST/convert.yaml's mapping; the card shows it
+            "check": {k: v for k, v in checked.items() if k not in RUN_FACTS},
         }
         write_atomic(tmp / config_file.CONFIG_NAME, config_file.render(extra["config"]))
         _write_provenance(source, plan.config, plan.tensors, options.seed, options.dtype, tmp, extra)
         write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
     clock.finish()
-    return ConversionResult(plan.tensors, dst, source, layers, refined, plan)
+    return ConversionResult(plan.tensors, dst, source, layers, refined, plan, checked)
+
+
+def _kept_for_check(plan: ConversionPlan, parent):
+    """The loaded parent when the check will score it (loaded once per convert), else None (freed)."""
+    return parent if plan.check is not None and plan.check.skip is None else None
+
+
+def _check(plan: ConversionPlan, written: Path, dst: Path, parent=None, clock=NO_CLOCK) -> dict:
+    """The quality check of the model now complete in the partial DST (weights, config, tokenizer), before its
+    record is written: what it kept goes into mha2gqa.json and the card with the rest, atomically."""
+    check, options = plan.check, plan.options
+    if check is None or check.skip is not None:
+        return {"skipped": check.skip if check else "not planned"}
+    clock.stage("check")
+    import_torch()
+    from mha2gqa.convert.check import next_steps
+    from mha2gqa.convert.check_scores import run_check
+
+    try:
+        record = run_check(plan.source, written, check, options.progress, parent)
+    except InputError as err:  # a model transformers cannot load as it stands: the conversion stands, unchecked
+        warnings.warn(f"the check could not run: {err}", InputWarning, stacklevel=2)
+        return {"skipped": f"it could not run: {err}"}
+    full = options.method.needs_calibration and options.refine is not None
+    record["next"] = next_steps(record["verdict"], plan.source_spec, str(dst), options.groups, full, record["device"])
+    return record
+
+
+RUN_FACTS = ("seconds", "parent_cached")  # of this run, not of the model: printed, kept out of mha2gqa.json
 
 
 def _torch_threads(plan: ConversionPlan) -> int | None:
@@ -167,9 +222,9 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
             options.progress,
         )
     if plan.refine is None:
-        del parent  # the merge needs one layer at a time, not the model
+        parent = _kept_for_check(plan, parent)  # the merge needs one layer at a time, not the model
         clock.stage("merge")
-        return _write_tensors(plan, out_dir, stats), None, stats
+        return _write_tensors(plan, out_dir, stats), None, stats, parent
     from mha2gqa.convert.refine import refine_attention
 
     clock.stage("refine")
@@ -188,10 +243,11 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
         progress=options.progress,
         clock=clock,
     )
-    del parent, merged
+    del merged
+    parent = _kept_for_check(plan, parent)
     clock.stage("write")
     _write_tensors(plan, out_dir, stats, computed=refined)
-    return layers, record, stats
+    return layers, record, stats, parent
 
 
 def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: dict | None = None) -> list[dict]:
@@ -310,7 +366,7 @@ def _write_config(config: dict, groups: int, dtype: str | None, out_dir: Path) -
     new = converted_config(config, groups)
     if dtype is not None:
         new["dtype"] = dtype
-    (out_dir / "config.json").write_text(json.dumps(new, indent=2) + "\n")
+    (out_dir / "config.json").write_text(jsontext.dumps(new, indent=2) + "\n")
 
 
 def _write_provenance(

@@ -8,6 +8,9 @@ import math
 
 from mha2gqa import embedded, estimates
 from mha2gqa.estimates import EvalWork, Part, StageCost, UptrainWork, combined
+from mha2gqa.layouts import converted_config
+from mha2gqa.uptrain.plan import config_size, peak_memory
+from mha2gqa.uptrain.recipe import Recipe
 
 HELDOUT_TOKENS = 131_217  # the embedded held-out novel (Persuasion) in the embedded tokenizer
 CLOZE_EXAMPLES = 355  # persuasion_cloze, every passage
@@ -49,5 +52,9 @@ def demo_estimate(plan, machine) -> estimates.Estimate:
         _evaluation("evaluate uptrained", child, parent, settings, 2 * grid),
         StageCost("report", (Part("report", parent),)),
     )
-    peak = estimates.uptrain_peak_bytes(uptrain, child, UPTRAIN_TOKENS_PER_STEP, 4096)  # its largest stage
-    return estimates.Estimate(stages, machine, peak)
+    # its largest stage: uptraining (uptrain/plan.py's formula, as `uptrain --dry-run` says it)
+    recipe = Recipe(seq_len=CONTEXT, micro_batch_size=UPTRAIN_TOKENS_PER_STEP // CONTEXT)
+    peak = peak_memory(
+        recipe, config_size(converted_config(conversion.config, conversion.options.groups), recipe), None
+    )
+    return estimates.Estimate(stages, machine, peak.total)

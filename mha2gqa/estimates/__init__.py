@@ -19,6 +19,7 @@ from mha2gqa.estimates.costs import (  # noqa: F401 (the package's API)
     StageCost,
     UptrainWork,
     attention_parameters,
+    check_seconds,
     combined,
     convert_estimate,
     convert_line,
@@ -28,11 +29,8 @@ from mha2gqa.estimates.costs import (  # noqa: F401 (the package's API)
     eval_peak_bytes,
     eval_stages,
     parameters_of,
-    rate,
     text_tokens,
     took,
-    uptrain_peak_bytes,
-    uptrain_seconds,
     uptrain_stages,
 )
 from mha2gqa.estimates.rates import LARGE, SMALL, Machine, this_machine  # noqa: F401

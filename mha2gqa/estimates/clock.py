@@ -13,13 +13,13 @@ re-makes the rates and bench/estimate_check.py the table of estimates against wa
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mha2gqa import jsontext
 from mha2gqa.estimates.costs import Estimate, duration, took
 from mha2gqa.progress import write_line
 
@@ -64,6 +64,8 @@ class Clock:
         """Say the estimate: time, peak memory, each stage's share and what the rates were scaled by. A callable
         is called here (NO_CLOCK never calls it: a library call pays for no probe)."""
         self.estimate = estimate if isinstance(estimate, Estimate) else estimate()
+        if self.estimate is None:  # the work is not known (a model's size): nothing to say, nothing corrected
+            return
         self.load_at_begin = _load()
         self.echo(self.estimate.line())
 
@@ -155,7 +157,7 @@ class Clock:
             "stages": stages,
         }
         with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(jsontext.dumps(record) + "\n")
 
 
 def _load() -> float | None:

@@ -100,16 +100,6 @@ def took(seconds: float) -> str:
 CAVEAT = "rates measured by bench/estimate_rates.py on a quiet machine, not scaled to this one"
 
 
-def rate(name: str, parameters: int) -> float:
-    """Seconds per token per parameter of one kind of model work at `parameters`, on the measuring machine:
-    "eval" (a forward), "train" (a training step), "sample" (a sampled token). For estimates made elsewhere
-    (uptrain --dry-run)."""
-    kind, term = {"eval": ("eval_quality", "forward"), "train": ("train", "tokens"), "sample": ("sample", "tokens")}[
-        name
-    ]
-    return rates.load().seconds(kind, parameters, {term: 1.0}) - rates.load().seconds(kind, parameters, {})
-
-
 # ---- convert ----
 
 
@@ -144,9 +134,24 @@ def convert_stages(plan, start: bool = True, calibration: bool = True) -> list[S
             global_work = {"steps": refine.global_steps * batch * p}
             stages.append(StageCost("refine (global)", (Part("refine_global", p, global_work),)))
         stages.append(StageCost("write", (Part(write, p, {"bytes": plan.bytes_written}),)))
-    stages.append(StageCost("metadata", (Part("metadata", p, {}),)))
+    # a stage that costs itself (the quality check: check_seconds) runs after the write, before the metadata
     stages += [StageCost(s.name, own_seconds=s.seconds) for s in plan.stages if getattr(s, "seconds", None)]
+    stages.append(StageCost("metadata", (Part("metadata", p, {}),)))
     return stages
+
+
+def check_seconds(tokens: int, parameters: int, vocab: int = 0, torch_start: bool = False) -> float:
+    """convert's quality check (convert/check.py) on the measuring machine: the conversion loaded and both
+    models over `tokens` probe tokens, scored as eval with a reference (their forwards, the KL's tally over
+    the vocabulary); with torch's start when the conversion itself ran without torch (the check imports it).
+    The check's Stage carries these seconds (prepare.py), and its skip on a CPU compares them with its budget."""
+    parts = [
+        Part("eval_load", parameters, {"bytes": 4 * parameters}),
+        Part("eval_quality", parameters, {"forward": 2 * tokens * parameters, "tally": tokens * vocab}),
+    ]
+    if torch_start:
+        parts.append(Part("torch_start", parameters))
+    return sum(part.seconds() for part in parts)
 
 
 def _parent_bytes(plan) -> int:
@@ -257,19 +262,6 @@ def uptrain_stages(work: UptrainWork, start: bool = True) -> list[StageCost]:
         StageCost("train", tuple(train)),
         StageCost("save", (Part("uptrain_save", p, {"bytes": work.weight_bytes}),)),
     ]
-
-
-def uptrain_seconds(tokens: int, parameters: int, evals: int, eval_tokens: int) -> float:
-    """A run's start, training and evals on the measuring machine (uptrain --dry-run's estimate)."""
-    work = UptrainWork(parameters, None, 4 * parameters, tokens, evals, eval_tokens)
-    return sum(stage.seconds() for stage in uptrain_stages(work))
-
-
-def uptrain_peak_bytes(work: UptrainWork, trained: int, micro_tokens: int, vocab: int) -> int:
-    """Weights, gradients and AdamW's two moments of what trains, the teacher's weights, a micro-batch's logits
-    (a few vocabulary-wide float32 copies), and the runtime. Rough: docs/uptrain.md measures it."""
-    logits = 4 * micro_tokens * vocab * 4 * (2 if work.teacher_parameters else 1)
-    return RUNTIME_BYTES + work.weight_bytes + 12 * trained + logits
 
 
 def combined(name: str, stages: list[StageCost]) -> StageCost:

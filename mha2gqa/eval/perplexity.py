@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from mha2gqa.errors import InputError
+from mha2gqa.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def scored_logits(
     a bar, labelled with the string given (its model, domain and stage) or 'windows'."""
     device = next(model.parameters()).device
     label = progress if isinstance(progress, str) else "windows"
-    bar = tqdm(total=len(wins), desc=label, unit="win", disable=not progress, leave=False)
+    bar = progress_bar(len(wins), label, bool(progress), unit="win", leave=False)
     for batch in _same_length_batches(wins, batch_size):
         inputs = torch.stack([ids[w.start : w.end] for w in batch]).to(device)  # (B, T)
         keep = max(w.scored for w in batch) + 1  # the last position predicts nothing in-window

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -12,7 +13,7 @@ matplotlib.use("Agg")  # files only: no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from mha2gqa import provenance as model_provenance  # noqa: E402
+from mha2gqa import provenance  # noqa: E402
 from mha2gqa.errors import InputError  # noqa: E402
 from mha2gqa.eval import measured_on, schema  # noqa: E402
 from mha2gqa.eval.metrics import Table, speedup_at, tokens_per_s_iqr  # noqa: E402
@@ -244,7 +245,7 @@ def training_objective(metrics_path: Path) -> str:
     """What the logged train `loss` is, from the run's recipe in its mha2gqa.json when there is one:
     the LM loss, or distillation's mix of the LM loss and the KL to the teacher."""
     try:
-        stage = model_provenance.latest(Path(metrics_path).parent, "uptrain")
+        stage = provenance.latest(Path(metrics_path).parent, "uptrain")
     except InputError:
         stage = None
     recipe = (stage or {}).get("recipe") or {}
@@ -255,6 +256,16 @@ def training_objective(metrics_path: Path) -> str:
         w, t = distill.get("kl_weight", 0.5), distill.get("temperature", 1.0)
         return f"train objective: {1 - w:g}·LM + {w:g}·T²·KL(teacher‖model), T={t:g}"
     return "train LM loss (training batches)"
+
+
+# Characters of a panel title's line in the training curve: a 6-inch panel at font size 10 holds about 70, and
+# a longer line ran past the figure's edge (the held-out panel's "measured on ..." line was cut off).
+TITLE_CHARS = 60
+
+
+def _wrapped(lines: list[str]) -> str:
+    """The non-empty lines, each broken at spaces into lines of at most TITLE_CHARS."""
+    return "\n".join(part for line in lines if line for part in textwrap.wrap(line, TITLE_CHARS))
 
 
 def training_curve(metrics_path: Path, out: Path) -> Path:
@@ -274,7 +285,7 @@ def training_figure(metrics_path: Path):
     panels = [
         ("Training batches, each optimizer step", "nats/token", train, {"loss": objective}),
         (
-            "\n".join(filter(None, ["Held-out (recipe's data.eval)", measured_on.training_eval(metrics_path)])),
+            _wrapped(["Held-out (recipe's data.eval)", measured_on.training_eval(metrics_path)]),
             "LM perplexity" if any("ppl" in k for k in held_out) else "LM loss (nats/token)",
             held_out,
             {"eval_ppl": "held-out LM perplexity", "eval_loss": "held-out LM loss"},

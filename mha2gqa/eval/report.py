@@ -3,13 +3,13 @@ report.json (the table's numbers) and PNG plots."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
 import matplotlib
 
+from mha2gqa import jsontext
 from mha2gqa.errors import InputError, user_file_error
 from mha2gqa.eval import measured_on, plots, render
 from mha2gqa.eval.compare import comparison_rows, pick_baseline
@@ -118,5 +118,5 @@ def _write(out_dir: Path, rows, meta, results, paths, metric_paths, speed: tuple
     }
     written["markdown"].write_text(render.markdown(rows, meta, results, drawn, out_dir))
     written["html"].write_text(render.html_page(rows, meta, results, drawn))
-    written["json"].write_text(json.dumps({**meta, "rows": rows, "results": paths}, indent=2) + "\n")
+    written["json"].write_text(jsontext.dumps({**meta, "rows": rows, "results": paths}, indent=2) + "\n")
     return {**written, **drawn}

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa import provenance as model_provenance
+from mha2gqa import provenance
 from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.estimates.clock import NO_CLOCK
-from mha2gqa.eval import measurements, provenance, speed
+from mha2gqa.eval import environment, measurements, speed
 from mha2gqa.eval import model as M
 from mha2gqa.eval import perplexity as P
 from mha2gqa.eval.data import load_eval_text
@@ -105,7 +105,8 @@ def _inputs(model_path, o: EvalOptions) -> _Inputs:
     require_safetensors(model_dir, "model")
     if ref_dir:
         require_safetensors(ref_dir, "--reference")
-    prov = model_provenance.read(model_dir)
+    prov = provenance.read(model_dir)
+    role = environment.infer_role(prov, o.role)
     config = M.load_config(model_dir)
     tok = M.load_tokenizer(model_dir, o.tokenizer)
     M.check_vocab(tok, config, "the model")
@@ -114,7 +115,6 @@ def _inputs(model_path, o: EvalOptions) -> _Inputs:
     if grid:
         speed.check_grid_fits(grid, getattr(config, "max_position_embeddings", None))
     texts = {name: _text(o, path, tok) for name, path in (o.domains or {}).items()}
-    role = provenance.infer_role(prov, o.role)
     return _Inputs(
         model_dir, ref_dir, prov, role, config, tok, context, stride, grid, texts, dev, torch_dtype, prepared
     )
@@ -159,9 +159,10 @@ def _text(o: EvalOptions, path: str, tok):
 def _refresh_card(model_dir: Path, out: Path) -> None:
     """A result saved beside a model whose card mha2gqa wrote goes into that card."""
     from mha2gqa.card import CARD, is_ours, write_card
+    from mha2gqa.eval.card_table import measured_cells
 
     if out.resolve().parent == model_dir.resolve() and is_ours(model_dir / CARD):
-        write_card(model_dir)
+        write_card(model_dir, measured=measured_cells(model_dir))
 
 
 def _window(config, context, stride) -> tuple[int, int]:
@@ -228,8 +229,8 @@ def _skeleton(model_path, model_dir, model, shape, prov, role, label, dev, seed)
         "warnings": [],
         "env": {
             "device": str(dev),
-            "device_name": provenance.device_name(dev),
-            "versions": provenance.versions(),
+            "device_name": environment.device_name(dev),
+            "versions": environment.versions(),
             "seed": seed,
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         },

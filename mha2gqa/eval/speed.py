@@ -17,11 +17,11 @@ import uuid
 from dataclasses import asdict, dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from mha2gqa.errors import InputError
 from mha2gqa.eval.memory import PeakMemory
 from mha2gqa.eval.metrics import quartiles
+from mha2gqa.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def decode_speed(model, grid: SpeedGrid, seed: int = 0, progress: bool | str = F
     points = [(b, c) for c in grid.contexts for b in grid.batches]
     results, theirs = [], []
     label = progress if isinstance(progress, str) else "decode speed"  # the bar's label: model and stage
-    for batch, context in tqdm(points, desc=label, disable=not progress, leave=False):
+    for batch, context in progress_bar(len(points), label, bool(progress), points, leave=False):
         if beside is None:
             results.append(measure_point(model, batch, context, grid, seed))
         else:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from mha2gqa.corpus import textdata
 from mha2gqa.errors import InputError
+from mha2gqa.progress import progress_bar
 from mha2gqa.uptrain.data_spec import DataPart, data_parts, is_plain
 from mha2gqa.uptrain.recipe import DataConfig, Recipe
 
@@ -224,13 +224,8 @@ def tokenized(source: textdata.TextSource, cfg: DataConfig, tokenizer, streaming
         hub_split=cfg.split,
     )
     total = None if streaming else len(ds)
-    bar = tqdm(
-        textdata.dataset_texts(ds, cfg.text_field, source.key, "data.text_field"),
-        total=total,
-        desc="tokenizing",
-        unit="doc",
-        disable=streaming or not show_progress,
-    )
+    texts = textdata.dataset_texts(ds, cfg.text_field, source.key, "data.text_field")
+    bar = progress_bar(total, "tokenizing", not streaming and show_progress, texts, unit="doc")
     return ds, token_docs(bar, tokenizer)
 
 
@@ -258,7 +253,7 @@ def sources(cfg: DataConfig) -> tuple[tuple[DataPart, ...], textdata.TextSource 
         elif key in checked and checked[key][0] == list(entries):
             found.append(checked[key][1])
         else:
-            found.append(data_parts(key, entries, problems))
+            found.append(data_parts(key, entries, problems, field=cfg.text_field))
     if problems:
         raise InputError("; ".join(problems))
     evals = found[1]

@@ -44,7 +44,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from mha2gqa.convert.inputs import RefineBudget
 from mha2gqa.convert.options import RefineOptions
@@ -56,6 +55,7 @@ from mha2gqa.convert.refine.model import attention_path, converted_model, layer_
 from mha2gqa.errors import WeightWarning
 from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.layouts import AttentionShape, Layout
+from mha2gqa.progress import progress_bar
 
 __all__ = [
     "BUFFERS",
@@ -100,9 +100,7 @@ def refine_attention(
         len(blocks), budget.seq_len, shape.hidden, options.memory, next(model.parameters()).device, spill_dir
     )
     layers, refined, changed, global_record = [], {}, {}, None
-    bar = tqdm(
-        total=shape.layers * max(options.steps, 1), desc="refine", unit="step", disable=not progress, leave=False
-    )
+    bar = progress_bar(shape.layers * max(options.steps, 1), "refine", progress, unit="step", leave=False)
     try:
         layer_kwargs = first_hidden_states(parent, layout, shape.layers, blocks, buffers, options.batch_blocks)
         generator = torch.Generator().manual_seed(options.seed)
@@ -141,7 +139,7 @@ class _Run:
     split: dict
     options: RefineOptions
     generator: torch.Generator
-    bar: tqdm
+    bar: object  # a progress bar (mha2gqa.progress)
     layer_kwargs: dict[int, dict]
 
 
