@@ -69,6 +69,7 @@ def test_a_lora_run_with_checkpoints_of_a_tied_model_prints_no_library_chatter(t
     from mha2gqa.uptrain import load_recipe, train
 
     model = tiny_model_dir(tmp_path / "tied", tie_word_embeddings=True)
+    capfd.readouterr()  # the test's own model, saved by transformers (its "Writing model shards" bar): not the run's
     recipe = load_recipe(
         recipe_file(
             tmp_path / "r.yaml",
