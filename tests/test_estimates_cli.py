@@ -49,7 +49,7 @@ def test_a_calibrated_conversion_says_its_estimate_and_what_it_took(tmp_path, fi
     result = CliRunner().invoke(main, [*args, "--calibration", str(root / "cal.txt"), "--calibration-tokens", "512"])
     assert result.exit_code == 0, result.output
     stages, _ = _said(result.stderr)
-    assert stages == ["start", "load", "calibrate", "merge", "metadata"]
+    assert stages == ["start", "load", "calibrate", "merge", "check", "metadata"]  # the check: main's, after the write
 
 
 def test_uptrain_says_its_estimate_and_what_it_took(tmp_path, fixed_rates):  # noqa: F811
