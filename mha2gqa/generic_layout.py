@@ -270,7 +270,7 @@ def _config_object(config: dict):
     from transformers import AutoConfig
 
     with tempfile.TemporaryDirectory(prefix="mha2gqa-config-") as folder:
-        (Path(folder) / "config.json").write_text(jsontext.dumps(config))
+        (Path(folder) / "config.json").write_text(jsontext.model_config(config))
         return AutoConfig.from_pretrained(folder, trust_remote_code=False)
 
 
