@@ -93,7 +93,7 @@ def guarded(server: Server, call: Callable, *args):
     try:
         return call(*args)
     except client.ServerGone as err:
-        server.check_alive()  # it died: its exit code and last log line
+        server.check_alive(grace_s=5.0)  # it died: its exit code and last log line
         raise InputError(f"the server for {server.label} stopped answering ({err}); its log: {server.log}") from None
     except client.ServerRefused as err:
         raise InputError(
@@ -102,13 +102,17 @@ def guarded(server: Server, call: Callable, *args):
         ) from None
 
 
-def start_servers(plan: Plan, stack: ExitStack, timeout_s: float, say) -> None:
-    """Start every server at once (their start-ups overlap), then wait for each; all end with `stack`."""
+def start_servers(plan: Plan, stack: ExitStack, timeout_s: float) -> None:
+    """Start every server at once (their start-ups overlap, with each other and with what the caller does
+    meanwhile); each ends with `stack`."""
     env = engine.server_environment()
     for m in plan.models:
         port = free_port()
         command = engine.server_command(plan.engine, str(m.path), m.label, port, plan.args)
         m.server = stack.enter_context(Server(m.label, command, port, plan.logs / f"{m.label}.log", env, timeout_s))
+
+
+def wait_ready(plan: Plan, say) -> None:
     for m in plan.models:
         seconds = m.server.wait_ready()
         say(f"{m.label}: {plan.engine.describe()} ready after {seconds:.0f} s (log: {m.server.log})")
@@ -188,14 +192,15 @@ def serve_bench(
     greedy_set = prompts.greedy_prompts(ids, options.prompts_per_domain, GREEDY_PROMPT_TOKENS)
     count = max(options.concurrency or [0]) * options.waves
     timing_prompts = prompts.load_prompts(ids, count, options.prompt_tokens) if count else []
-    say(f"transformers' greedy decode of {len(greedy_set)} prompts x {options.greedy_tokens} tokens per model ...")
-    references = {
-        m.label: reference_texts(m.path, plan.args.dtype, [p for _, p in greedy_set], options.greedy_tokens)
-        for m in plan.models
-    }
     load_before = os.getloadavg()
     with ExitStack() as stack:
-        start_servers(plan, stack, options.startup_timeout, say)
+        start_servers(plan, stack, options.startup_timeout)  # minutes on a CPU: the reference decodes meanwhile
+        say(f"transformers' greedy decode of {len(greedy_set)} prompts x {options.greedy_tokens} tokens per model ...")
+        references = {
+            m.label: reference_texts(m.path, plan.args.dtype, [p for _, p in greedy_set], options.greedy_tokens)
+            for m in plan.models
+        }
+        wait_ready(plan, say)
         texts = engine_greedy(plan, greedy_set, options.greedy_tokens)
         kv = engine_kv(plan)
         points = throughput(plan, timing_prompts, options, say)

@@ -12,11 +12,12 @@ from mha2gqa.eval.probe import probe_paths
 
 
 def probe_ids(tokenizer) -> dict[str, list[int]]:
-    """{domain: the token ids of its whole probe text}, no special tokens added."""
+    """{domain: the token ids of its whole probe text}, no special tokens added (and no warning that a text is
+    longer than the model's context: it is cut into prompts)."""
     found = {}
     for domain, path in probe_paths().items():
         with gzip.open(path, "rt", encoding="utf-8") as f:
-            found[domain] = tokenizer(f.read(), add_special_tokens=False)["input_ids"]
+            found[domain] = tokenizer(f.read(), add_special_tokens=False, verbose=False)["input_ids"]
     return found
 
 

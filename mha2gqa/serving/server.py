@@ -98,9 +98,13 @@ class Server:
                 )
             time.sleep(POLL_S)
 
-    def check_alive(self, when: str = "during the run") -> None:
-        """InputError naming the exit code and the log's last error if the server process has ended."""
-        code = self.process.poll()
+    def check_alive(self, when: str = "during the run", grace_s: float = 0.0) -> None:
+        """InputError naming the exit code and the log's last error if the server process has ended (or ends
+        within `grace_s`: a server whose connection just broke is often a moment from its exit)."""
+        try:
+            code = self.process.wait(timeout=grace_s) if grace_s else self.process.poll()
+        except subprocess.TimeoutExpired:
+            code = None
         if code is not None:
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
             raise InputError(f"the server for {self.label} {how} {when}: {self._last_words()}; its log: {self.log}")
