@@ -224,3 +224,16 @@ def test_serve_bench_against_the_fake_writes_a_result_the_report_shows(tmp_path,
     text = (tmp_path / "report" / "report.md").read_text()
     assert "## Serving (vLLM 0.0.0+fake" in text and "| child | 2 | 349,440 | 4.00x (4.00x) |" in text
     assert (tmp_path / "report" / "serving_throughput.png").stat().st_size > 1000
+
+
+def test_the_gqa8_serving_bench_runs_at_its_smoke_size(tmp_path):
+    """bench/serve_gqa8.py builds a random MHA model, converts it and serves both (here by the fake server)."""
+    root = EMBEDDED.parents[2]
+    command = [sys.executable, "bench/serve_gqa8.py", "--smoke", "--vllm-python", str(fake_python(tmp_path))]
+    command += ["--tokenizer", str(EMBEDDED), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "gqa8.json")]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=root, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout[done.stdout.index("[") :])
+    assert [r["kv_heads"] for r in rows] == [8, 2] and rows[1]["ratios"]["kv_tokens"] == pytest.approx(4, rel=0.01)
+    assert rows[0]["concurrency"] == 4 and rows[0]["output_tokens_per_s"] > 0
+    assert json.loads((tmp_path / "gqa8.json").read_text())["settings"]["prompt_tokens"] == 248

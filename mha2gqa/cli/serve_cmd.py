@@ -62,6 +62,9 @@ def serve_bench(parent, children, out, force, **options):
 
     plan = prepare(parent, list(children), out, opts)  # every refusal before torch's start-up and any server
     import_torch()
+    from mha2gqa import threads
+
+    threads.apply(threads.for_model(parent))  # transformers' reference decode: one thread on a busy machine
     from mha2gqa.serving.bench import serve_bench as run
 
     found = run(parent, list(children), out, opts, say=lambda line: click.echo(line, err=True), plan=plan)

@@ -167,6 +167,7 @@ def _point(concurrency: int, runs: list[dict]) -> dict:
         "concurrency": concurrency,
         "requests": runs[0]["requests"],
         "output_tokens_per_s": median("output_tokens_per_s"),
+        "total_tokens_per_s": median("total_tokens_per_s"),
         "tpot_ms": median("tpot_ms"),
         "ttft_ms": median("ttft_ms"),
         "runs": runs,

@@ -125,8 +125,8 @@ def timed(url: str, model: str, prompt: list[int], tokens: int) -> dict:
 
 
 def load(url: str, model: str, prompts: list[list[int]], tokens: int, concurrency: int) -> dict:
-    """Every prompt once, `concurrency` requests in flight at a time: output tokens/s over the whole run and
-    the medians per request of the time to the first token and the time per output token after it."""
+    """Every prompt once, `concurrency` requests in flight at a time: output tokens/s (and prompt + output
+    tokens/s) over the whole run and the medians per request of the time to the first token and the time per output token after it."""
     done: list[dict] = []
     lock = threading.Lock()
 
@@ -150,6 +150,7 @@ def load(url: str, model: str, prompts: list[list[int]], tokens: int, concurrenc
         "output_tokens": output,
         "wall_s": wall,
         "output_tokens_per_s": output / wall,
+        "total_tokens_per_s": (output + sum(len(p) for p in prompts)) / wall,  # prompt tokens prefilled too
         "ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in done),
         "tpot_ms": 1000 * statistics.median(tpot) if tpot else None,
     }
