@@ -93,7 +93,15 @@ def run(args) -> dict:
             method, grouping = VARIANTS[name]
             model_dir, out = work / f"{name}-kv{kv}", work / f"{name}-kv{kv}-uptrained"
             mha2gqa.convert(
-                source, model_dir, kv, method=method, stats=stats, grouping=grouping, progress=False, force=True
+                source,
+                model_dir,
+                kv,
+                method=method,
+                stats=stats,
+                grouping=grouping,
+                progress=False,
+                force=True,
+                check=False,
             )
             overrides = [
                 f"model={model_dir}",

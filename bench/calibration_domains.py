@@ -11,7 +11,7 @@ stage: the shipped default). Every calibration gets the same --tokens; each is r
 its statistics gathered once, and every stage converts from them, refine fitting on the same ids, as a
 sweep does. The times are per calibration (read + statistics) and per stage; one CLI run of the default
 is the end-to-end figure (docs/calibration.md).
-`--sampling '{"chat_share": 1.0}'` varies the parent's sampling recipe (convert/sampling.py).
+`--sampling '{"chat_share": 1.0}'` varies the parent's sampling recipe (corpus/sampling.py).
 `--score DIR...` only scores existing folders (a conversion, then uptrained) the same way.
 `--smoke` runs the tiny embedded model at toy sizes (tests/test_bench_smoke.py).
 """
@@ -43,8 +43,8 @@ def probe_ids(model_dir: Path, tokens: int) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from mha2gqa import textdata
-    from mha2gqa.eval.probe import probe_paths
+    from mha2gqa.corpus import textdata
+    from mha2gqa.corpus.probe import probe_paths
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     sets = {}
@@ -83,7 +83,7 @@ def calibration_rows(args, source: Path, work: Path, calibration: str, parent: d
     for stage in args.stages:
         refine = None if STAGES[stage] is None else RefineOptions(**{**STAGES[stage], **args.refine})
         started = time.perf_counter()
-        convert(source, work / stage, args.kv, method="calibrated", stats=stats, refine=refine, force=True)
+        convert(source, work / stage, args.kv, method="calibrated", stats=stats, refine=refine, force=True, check=False)
         stage_s = time.perf_counter() - started
         measured = domain_perplexities(work / stage, sets, args.context)
         shutil.rmtree(work / stage)
@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
         args.calibrations, args.stages = ["austen", "parent:0.5+austen:0.5"], ["merge", "global"]
         args.refine = {"steps": 1, "tokens": 512}
     if args.sampling:  # every sampling below reads the module's default recipe when called
-        from mha2gqa.convert import sampling
+        from mha2gqa.corpus import sampling
 
         sampling.DEFAULT_RECIPE = sampling.SamplingRecipe(**args.sampling)
     source = Path(args.model)

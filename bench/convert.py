@@ -116,7 +116,7 @@ JOBS = ("convert", "cp", "naive", "import-torch", "convert-torch")
 
 def jobs(src: Path, out: Path, chosen=JOBS[:3]) -> dict[str, tuple[list[str], dict | None]]:
     """label -> (command, environment or None)."""
-    convert = [sys.executable, "-m", "mha2gqa", "convert", str(src), str(out), "--groups", "8", "-q"]
+    convert = [sys.executable, "-m", "mha2gqa", "convert", str(src), str(out), "--groups", "8", "-q", "--no-check"]
     every = {
         "convert": ("mha2gqa convert", convert, None),
         # the torch executor on the same plan (what convert ran before convert/fast.py)

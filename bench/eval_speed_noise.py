@@ -43,7 +43,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         gqa = work / "gqa2"
-        mha2gqa.convert(embedded.model_dir(), gqa, groups=2, progress=False)
+        mha2gqa.convert(embedded.model_dir(), gqa, groups=2, progress=False, check=False)
         print(
             "| round | model | tok/s median (IQR) | repeats | eval s (load, KV, speed) | speed-up (range) | report says |",
             "|---|---|---|---|---|---|---|",

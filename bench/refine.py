@@ -57,6 +57,7 @@ def convert_row(args, source: Path, out: Path, kv: int, method: str, refine: boo
         "convert",
         str(source),
         str(out),
+        "--no-check",
         "--groups",
         str(kv),
         "--method",
@@ -139,7 +140,7 @@ def run_explore(args, source: Path, work: Path, ids, context: int) -> tuple[list
                 options = None if name == "merge" else RefineOptions(**EXPLORE[name])
                 started = time.perf_counter()
                 result = convert(
-                    source, out, kv, method=method, stats=stats, refine=options, progress=False, force=True
+                    source, out, kv, method=method, stats=stats, refine=options, progress=False, force=True, check=False
                 )
                 row = {
                     "kv_heads": kv,
@@ -187,6 +188,7 @@ def run_timing(args, source: Path, work: Path) -> dict:
             refine=RefineOptions(steps=args.steps, lr=args.lr),
             progress=False,
             force=True,
+            check=False,
         ).refine
         rounds.append(
             {

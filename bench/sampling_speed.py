@@ -1,4 +1,4 @@
-"""The cost of a sampled token (`--calibration parent`, convert/sampling.py): sample_ids with the shipped
+"""The cost of a sampled token (`--calibration parent`, corpus/sampling.py): sample_ids with the shipped
 nucleus draw (only the rows whose nucleus is wider than the top-k candidates sorted in full) against the
 draw it replaced (the whole batch sorted and drawn over the vocabulary once any row was wide), side by
 side, alternating, medians of --repeats.
@@ -29,7 +29,7 @@ from calibrated_merge import load_float32  # noqa: E402
 def whole_batch_draw(logits, recipe, generator):
     """The draw before: one full sort and one draw over the vocabulary for every row of a batch holding a
     wide row (the baseline)."""
-    from mha2gqa.convert.sampling import NUCLEUS_CANDIDATES, nucleus_pick
+    from mha2gqa.corpus.sampling import NUCLEUS_CANDIDATES, nucleus_pick
 
     probs = torch.softmax(logits / recipe.temperature, dim=-1)
     ordered, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)
@@ -39,7 +39,7 @@ def whole_batch_draw(logits, recipe, generator):
 
 
 def ms_per_token(model, tokenizer, batch: int, seq_len: int, draw) -> float:
-    from mha2gqa.convert import sampling
+    from mha2gqa.corpus import sampling
 
     shipped, sampling.nucleus_draw = sampling.nucleus_draw, draw
     try:
@@ -54,7 +54,7 @@ def ms_per_token(model, tokenizer, batch: int, seq_len: int, draw) -> float:
 def main(argv=None) -> dict:
     from transformers import AutoTokenizer
 
-    from mha2gqa.convert import sampling
+    from mha2gqa.corpus import sampling
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", help="the model folder (omit with --smoke)")

@@ -24,6 +24,7 @@ from mha2gqa.brief import domains_brief, lm_eval_brief
 from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import DTYPE_BYTES, config_dtype, head_counts, kv_cache_bytes
 from mha2gqa.reading import check_regular, parse_yaml, read_bytes, read_json
+from mha2gqa.sources import snapshot_hub_id
 from mha2gqa.units import format_bytes
 from mha2gqa.version import __version__
 from mha2gqa.writing import write_atomic
@@ -47,13 +48,17 @@ _LANGUAGE = re.compile(r"[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8}){0,3}")
 _CARRIED = {"license": _ID, "license_name": _ID, "license_link": _LINK, "language": _LANGUAGE}
 
 
-def write_card(model_dir: str | Path, source_dir: str | Path | None = None, name: str | None = None) -> Path:
+def write_card(
+    model_dir: str | Path, source_dir: str | Path | None = None, name: str | None = None, measured: dict | None = None
+) -> Path:
     """Write MODEL_DIR/README.md; keep the source's card as MODEL_DIR/SOURCE_README.md. `name`: the
-    model's folder name when MODEL_DIR is a staging folder that will be renamed."""
+    model's folder name when MODEL_DIR is a staging folder that will be renamed. `measured`: the numbers of
+    the eval results beside the model, {result file: [(header, cell)]} (eval/card_table.py: the report's
+    metrics, which this module sits below)."""
     model_dir = Path(model_dir)
     source_card = _keep_source_card(model_dir, Path(source_dir) if source_dir else None)
     name = _printable(name or model_dir.resolve().name)
-    return write_atomic(model_dir / CARD, render(model_dir, source_card, name))
+    return write_atomic(model_dir / CARD, render(model_dir, source_card, name, measured))
 
 
 def is_ours(card: Path) -> bool:
@@ -153,12 +158,6 @@ def _text(value) -> str:
     return shown if len(shown) <= 200 else shown[:199] + "…"
 
 
-def hub_id(path: str | None) -> str | None:
-    """org/name of a model the hub cache resolved (…/models--org--name/snapshots/…), else None."""
-    match = re.search(r"models--([^/]+?)--([^/]+)/snapshots/", str(path or ""))
-    return f"{match.group(1)}/{match.group(2)}" if match else None
-
-
 def kv_bytes_per_token(config: dict, kv_heads: int) -> int | None:
     """K and V of every layer for one token: 2 x layers x kv_heads x head_dim x bytes per value."""
     layers, (_, _, head_dim) = config.get("num_hidden_layers"), head_counts(config)
@@ -168,7 +167,7 @@ def kv_bytes_per_token(config: dict, kv_heads: int) -> int | None:
     return kv_cache_bytes(layers, kv_heads, head_dim, size)
 
 
-def render(model_dir: Path, source_card: Path | None, name: str) -> str:
+def render(model_dir: Path, source_card: Path | None, name: str, measured: dict | None = None) -> str:
     stages = provenance.lineage(model_dir)
     config = read_json(model_dir / "config.json", "re-save the model")
     conversions = [i for i, s in enumerate(stages) if s["stage"] == "conversion"]
@@ -193,17 +192,18 @@ def render(model_dir: Path, source_card: Path | None, name: str) -> str:
     lines += _summary(conversion, after, config, evaluated=bool(results))
     if conversion:
         lines += _conversion_section(conversion, config)
+        lines += _check_section(conversion.get("check"))
     if after:
         lines += _uptrain_section(after, converted=conversion is not None)
     if results:
-        lines += _eval_section(results)
+        lines += _eval_section(results, measured or {})
     lines += _reproduce_section(conversion, after, name)
     lines += _source_section(conversion, source_card, source_meta)
     return "\n".join(lines) + "\n"
 
 
 def _yaml_lines(conversion, after, source_meta, config) -> list[str]:
-    base = hub_id(conversion["source"]) if conversion else None
+    base = snapshot_hub_id(conversion["source"]) if conversion else None
     tags = ["mha2gqa"]
     heads, kv_heads, _ = head_counts(config)
     if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads < heads:  # an MHA model gets no GQA tags
@@ -248,7 +248,7 @@ def _summary(conversion, after, config, evaluated: bool) -> list[str]:
 
 
 def _source_name(conversion) -> str:
-    return hub_id(conversion["source"]) or f"The model in `{_text(Path(conversion['source']).name)}`"
+    return snapshot_hub_id(conversion["source"]) or f"The model in `{_text(Path(conversion['source']).name)}`"
 
 
 def _conversion_section(c: dict, config: dict) -> list[str]:
@@ -273,6 +273,29 @@ def _conversion_section(c: dict, config: dict) -> list[str]:
         rows.append(("layer-wise refinement", "yes (see mha2gqa.json: refine)"))
     rows.append(("weights dtype", c.get("dtype", "unchanged")))
     return ["## What was done", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
+
+
+def _check_section(check: dict | None) -> list[str]:
+    """What the conversion kept, as `convert`'s check measured it (convert/check.py), before any training."""
+    from mha2gqa.check_record import HEADERS, table_rows, title
+
+    if not check:  # a conversion of before the check
+        return []
+    if "skipped" in check:
+        return ["## What it kept", "", f"Not checked at conversion: {_text(check['skipped'])}.", ""]
+    rows = [f"| {' | '.join(_text(cell) for cell in row)} |" for row in table_rows(check)]
+    words = title(check).removeprefix("check: what DST kept, ")
+    lines = [
+        "## What it kept",
+        "",
+        f"Measured by `convert` right after the conversion (SRC: the parent, DST: this model), {_text(words)}:",
+        "",
+    ]
+    lines += [f"| {' | '.join(HEADERS)} |", "|" + "---|" * len(HEADERS), *rows, ""]
+    lines += [f"**Verdict: {_text(check['verdict_line'])}.**", ""]
+    if check.get("next"):
+        lines += ["Next, one of:" if len(check["next"]) > 1 else "Next:", "", "```bash", *check["next"], "```", ""]
+    return lines
 
 
 def _uptrain_section(stages: list[dict], converted: bool) -> list[str]:
@@ -362,19 +385,20 @@ def eval_results(model_dir: Path) -> list[tuple[str, dict]]:
     return found
 
 
-def _eval_section(results) -> list[str]:
+def _eval_section(results, measured: dict) -> list[str]:
+    """A row per result: its file, its data, the measured numbers (`measured`: the report's metrics) and lm-eval's."""
+    headers = list(dict.fromkeys(header for cells in measured.values() for header, _ in cells))
     lines = [
         "## Evaluation",
         "",
         "Measured by `mha2gqa eval` (files beside this card):",
         "",
-        "| result | data | perplexity | KV / token | lm-eval |",
-        "|---|---|---|---|---|",
+        "| result | data | " + "".join(f"{header} | " for header in headers) + "lm-eval |",
+        "|---|---|" + "---|" * len(headers) + "---|",
     ]
     for name, r in results:
-        ppl = (r.get("perplexity") or {}).get("perplexity")
         data = r.get("data") or {}
-        kv = (r.get("kv_cache") or {}).get("measured_bytes_per_token")
+        cells = dict(measured.get(name, ()))
         tasks = (r.get("lm_eval") or {}).get("tasks") or {}
         shown = "; ".join(
             f"{_text(task)} {_text(metric)} {lm_eval_brief(metric, m)}"
@@ -384,10 +408,10 @@ def _eval_section(results) -> list[str]:
             if isinstance(m, dict) and isinstance(m.get("value"), (int, float))
         )
         tokens = f", {data['tokens']:,} tokens" if data.get("tokens") else ""
-        ppl_text = f"{ppl:.2f}" if ppl else "—"
+        numbers = "".join(f"{_text(cells.get(header, '—'))} | " for header in headers)
         lines.append(
             f"| [{_text(name)}]({_text(name)}) | {_data_name(data.get('path') or data.get('name'))}{tokens} | "
-            f"{ppl_text} | {_human(kv) if kv else '—'} | {shown or '—'} |"
+            f"{numbers}{shown or '—'} |"
         )
     per_domain = [(name, found) for name, r in results if (found := domains_brief(r))]
     if per_domain:
@@ -438,7 +462,7 @@ def _yaml_details(name: str, mapping: dict) -> list[str]:
 
 def _legacy_command(conversion: dict) -> str:
     """The convert command of a record written before convert recorded its own."""
-    words = ["mha2gqa", "convert", hub_id(conversion["source"]) or conversion["source"], "OUT"]
+    words = ["mha2gqa", "convert", snapshot_hub_id(conversion["source"]) or conversion["source"], "OUT"]
     words += ["--groups", str(conversion["groups"]), "--method", conversion["method"]]
     if conversion.get("seed"):
         words += ["--seed", str(conversion["seed"])]

@@ -47,7 +47,7 @@ def heldout_path() -> Path:
 
 def expand_corpus_name(spec, flag: str = "--calibration"):
     """The five training novels' paths for CORPUS_NAME; anything else unchanged. Commands call this on
-    the text a user names, so the readers (mha2gqa.textdata) only ever see files. A name that is no
+    the text a user names, so the readers (mha2gqa.corpus.textdata) only ever see files. A name that is no
     local path and is one typo away from CORPUS_NAME (austin, austen.) is refused here, with the fix,
     rather than looked up on the hub as a dataset."""
     if spec == CORPUS_NAME:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import math
 
-from mha2gqa.convert.inputs import stats_bytes
-
 SMALL, LARGE = 6_163_712, 134_515_008  # the embedded model's parameters and SmolLM2-135M's
 # Seconds per token per parameter (refine_step: per attention parameter of one layer), on CPU, as
 # (at SMALL, at LARGE); None where only the embedded model was timed.
@@ -101,19 +99,22 @@ def convert_seconds(plan, start: bool = True, calibration: bool = True) -> float
     shape, options = plan.shape, plan.options
     parameters = sum(math.prod(info.shape) for info in plan.checkpoint.tensors.values())
     seconds = plan.bytes_written / 200e6
+    check = getattr(plan, "check", None)
+    checked = check is not None and check.skip is None
     if start:
-        seconds += FIXED_S["torch_start"] if plan.torch_reason else 1
+        seconds += FIXED_S["torch_start"] if plan.torch_reason or checked else 1
     if calibration and plan.calibration is not None:
         seconds += plan.calibration.sampled_tokens * parameters * rate("sample", parameters)
     if calibration and plan.gathers_statistics:
-        per_pass = max(1, plan.calibration_memory // stats_bytes(shape.hidden))
-        seconds += calibration_seconds(plan.calibration.tokens, parameters, -(-shape.layers // per_pass))
+        seconds += calibration_seconds(plan.calibration.tokens, parameters, plan.calibration_passes)
     budget, refine = plan.refine_budget, options.refine
     if refine is not None and budget is not None:
         batch = refine.batch_blocks * budget.seq_len
         seconds += shape.layers * refine.steps * batch * attention_parameters(shape) * rate("refine_step", parameters)
         seconds += budget.blocks * budget.seq_len * parameters * rate("refine_pass", parameters)
         seconds += refine.global_steps * batch * parameters * rate("refine_global", parameters)
+    if checked:
+        seconds += check.seconds
     return seconds
 
 
@@ -125,6 +126,12 @@ def convert_line(plan) -> str:
 def eval_seconds(tokens: int, parameters: int, reference: bool = False, speed: bool = False) -> float:
     per = rate("eval_with_reference" if reference else "eval", parameters)
     return FIXED_S["torch_start"] + tokens * parameters * per + (FIXED_S["speed_grid"] if speed else 0)
+
+
+def check_seconds(tokens: int, parameters: int) -> float:
+    """convert's check (convert/check.py): both models over `tokens` probe tokens, as eval with a reference
+    (torch's start-up is counted once, by convert_seconds)."""
+    return eval_seconds(tokens, parameters, reference=True) - FIXED_S["torch_start"]
 
 
 def uptrain_seconds(tokens: int, parameters: int, evals: int, eval_tokens: int) -> float:
@@ -177,7 +184,7 @@ COMPRESSION = 3  # about what gzip, bz2, xz and zstd make of English text
 
 def text_tokens(entries) -> int | None:
     """About how many tokens local text files hold, from their sizes (None for a hub dataset)."""
-    from mha2gqa import textdata
+    from mha2gqa.corpus import textdata
 
     source = textdata.resolve("--data", entries)
     if source is None or source.hub is not None:

@@ -1,7 +1,7 @@
-"""Progress bars that cost nothing when they are off. tqdm is imported only for a bar that is shown, and
-then its plain terminal class unless IPython is running (tqdm.auto also imports asyncio for its async
-variant, and tqdm itself importlib.metadata: together about a tenth of a second of a conversion's start-up,
-more than copying a few hundred MB takes)."""
+"""The package's one progress helper: bars that cost nothing when they are off. tqdm is imported only for a
+bar that is shown, and then its plain terminal class unless IPython is running (tqdm.auto also imports
+asyncio for its async variant, and tqdm itself importlib.metadata: together about a tenth of a second of a
+conversion's start-up, more than copying a few hundred MB takes)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,19 @@ import sys
 
 
 class _Off:
-    """What a disabled bar is asked to do, done as nothing."""
+    """What a disabled bar is asked to do, done as nothing; iterated, it yields what it wraps."""
+
+    def __init__(self, iterable=None):
+        self.iterable = iterable
+
+    def __iter__(self):
+        return iter(() if self.iterable is None else self.iterable)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def update(self, n: float = 1) -> None:
         pass
@@ -17,16 +29,26 @@ class _Off:
     def close(self) -> None:
         pass
 
+    def set_description(self, *args, **kwargs) -> None:
+        pass
 
-def progress_bar(total: float, desc: str, enabled: bool, **kwargs):
-    """tqdm(total=..., desc=..., **kwargs) when `enabled`, else an object whose update and close do nothing."""
+    def set_postfix(self, *args, **kwargs) -> None:
+        pass
+
+    def set_postfix_str(self, *args, **kwargs) -> None:
+        pass
+
+
+def progress_bar(total: float | None, desc: str, enabled: bool, iterable=None, **kwargs):
+    """tqdm(iterable, total=..., desc=..., **kwargs) when `enabled`, else an object that does nothing (and
+    iterated, yields `iterable`)."""
     if not enabled:
-        return _Off()
+        return _Off(iterable)
     if "IPython" in sys.modules:  # a notebook: tqdm.auto picks its widget bar
         from tqdm.auto import tqdm
     else:
         from tqdm.std import tqdm
-    return tqdm(total=total, desc=desc, **kwargs)
+    return tqdm(iterable, total=total, desc=desc, **kwargs)
 
 
 def close_open_bars() -> None:

@@ -1,6 +1,6 @@
 """Where a model comes from: a local directory, or a hub id when online.
 
-The one hub-id rule of the package (`is_hub_id`, `model_ref_problem`): convert, inspect, eval and the
+The one hub-id rule of the package (`is_hub_id`, `model_ref_problem`, `snapshot_hub_id`): convert, inspect, eval and the
 recipe checks all ask here, so a name is judged the same way everywhere.
 """
 
@@ -88,6 +88,12 @@ def cached_snapshot(repo_id: str) -> Path | None:
 
     found = try_to_load_from_cache(repo_id, "config.json")
     return Path(found).parent if isinstance(found, str) else None
+
+
+def snapshot_hub_id(path: str | None) -> str | None:
+    """org/name of a model the hub cache resolved (…/models--org--name/snapshots/…), else None."""
+    match = re.search(r"models--([^/]+?)--([^/]+)/snapshots/", str(path or ""))
+    return f"{match.group(1)}/{match.group(2)}" if match else None
 
 
 def resolve_model_dir(src: str | os.PathLike) -> Path:

@@ -26,7 +26,7 @@ def format_bytes(n: float, digits: int = 2, largest: str = "TiB") -> str:
 
 
 def format_size(n: int) -> str:
-    """A byte count as a size flag takes it (convert.run.parse_size reads it back): in the largest binary
+    """A byte count as a size flag takes it (units.parse_size reads it back): in the largest binary
     unit that holds it exactly, 4GiB, 512MiB, else plain bytes."""
     div, unit = 1, ""
     for power, name in enumerate(_UNITS, start=1):

@@ -95,7 +95,7 @@ def test_gpt2_converts_to_multi_query_only_and_inspect_offers_only_that(tmp_path
     info = json.loads(_run("inspect", src, "--json").output)
     assert [t["kv_heads"] for t in info["targets"]] == [8, 1]
     assert info["layout"] == "gpt2 converts to gpt_bigcode (multi-query only: --groups 1)"
-    result = _run("convert", src, tmp_path / "mqa", "--groups", "1", "--dry-run")
+    result = _run("convert", src, tmp_path / "mqa", "--groups", "1", "--dry-run", "--plan-tensors")
     assert result.exit_code == 0, result.output
     assert "transformer.h.0.mlp.c_fc.weight  F32 [256, 64]  <- transpose (Conv1D -> Linear)\n" in result.output
     assert "transformer.h.0.attn.c_attn.weight  F32 [80, 64]  <- mean over groups of 8 kv heads" in result.output

@@ -35,15 +35,13 @@ def test_every_bench_script_has_a_row_naming_the_test_that_runs_it():
             assert script.removesuffix(".py") in text, f"{test} does not name {script}"
 
 
-def test_bench_holds_runners_a_readme_results_and_the_archive():
-    """No recipes, data or results beside the runners: those have their own folders."""
+def test_bench_holds_runners_a_readme_and_results():
+    """No recipes, data, results or archived scripts beside the runners: results have their own folder, and a
+    script that no longer runs against the package is deleted (git history keeps it)."""
     ignored = {"wheels", "__pycache__"}
     loose = sorted(p.name for p in BENCH.iterdir() if p.suffix != ".py" and p.name not in ignored)
-    assert loose == ["README.md", "archive", "results"]
+    assert loose == ["README.md", "results"]
     assert not [p for p in (BENCH / "results").rglob("*") if p.is_file() and p.suffix not in {".json", ".jsonl"}]
-    assert (BENCH / "archive" / "README.md").is_file()
-    for script in (BENCH / "archive").glob("*.py"):  # each archived script says what its numbers back
-        assert f"`{script.name}`" in (BENCH / "archive" / "README.md").read_text()
 
 
 def private_imports(path: Path) -> list[str]:

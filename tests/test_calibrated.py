@@ -195,7 +195,7 @@ def test_calibrated_without_calibration_samples_the_parent(tmp_path):
     with pytest.raises(InputError, match="--calibration needs the source's tokenizer"):
         convert(tmp_path / "src", tmp_path / "dst", groups=2, method="calibrated")
     make_tiny_tokenizer(tmp_path / "src")
-    plan = convert(tmp_path / "src", tmp_path / "dst", groups=2, method="calibrated", dry_run=True).conversion
+    plan = convert(tmp_path / "src", tmp_path / "dst", groups=2, method="calibrated", dry_run=True).plan
     hidden = AutoConfig.from_pretrained(tmp_path / "src").hidden_size
     assert plan.calibration.spec == ["parent:0.5", "austen:0.5"] and plan.calibration.tokens == 64 * hidden
     assert [part.tokens for part in plan.calibration.parts] == [32 * hidden, 32 * hidden]
@@ -213,7 +213,7 @@ def test_bf16_source_keeps_its_dtype_and_dry_run_gathers_nothing(tmp_path, calib
     monkeypatch.setattr("mha2gqa.convert.calibration.read_ids", lambda *args: calls.append(args))
     plan = convert(
         tmp_path / "bf16", tmp_path / "dry", groups=2, method="calibrated", calibration=calibration_file, dry_run=True
-    ).plan  # dry run: the data is checked (it exists, its format is known) but not read
+    ).tensors  # dry run: the data is checked (it exists, its format is known) but not read
     assert any("q_proj" in out.name for out in plan.output_tensors()) and not (tmp_path / "dry").exists()
     assert calls == []
     monkeypatch.undo()

@@ -6,11 +6,12 @@ from calibrated_models import write_calibration_text
 from click.testing import CliRunner
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
-from mha2gqa import embedded, textdata
+from mha2gqa import embedded
 from mha2gqa.cli import main
 from mha2gqa.convert.calibration import GramAccumulator, calibration_ids, collect_statistics, load_source_model
 from mha2gqa.convert.inputs import calibration_input
 from mha2gqa.convert.methods import LayerContext, mean_layer, mean_norm_layer
+from mha2gqa.corpus import textdata
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, layout_for, read_config
 from mha2gqa.provenance import latest

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mha2gqa import textdata
 from mha2gqa.cli import main
-from mha2gqa.convert.inputs import CalibrationInput, calibration_input, parse_spec, part_tokens
+from mha2gqa.convert.inputs import CalibrationInput, calibration_input
 from mha2gqa.convert.options import ConvertOptions, RefineOptions
 from mha2gqa.convert.prepare import prepare
 from mha2gqa.convert.run import convert
+from mha2gqa.corpus import textdata
+from mha2gqa.corpus.mix import parse_spec, part_tokens
 from mha2gqa.errors import InputError
 
 QUICK = RefineOptions(steps=2, lr=2e-3, tokens=256, batch_blocks=2, global_steps=0)

@@ -112,15 +112,22 @@ def test_missing_path_and_offline_hub_id_are_one_line_errors(tmp_path):
     assert not (tmp_path / "dst").exists()
 
 
-def test_dry_run_prints_the_plan(src, tmp_path):
+def test_dry_run_prints_the_summary_first_and_the_tensors_on_request(src, tmp_path):
+    """What would be written, the stages, memory and time lead; the per-tensor mapping follows with
+    --plan-tensors only (a real model has hundreds of tensors)."""
     result = _run("convert", src, tmp_path / "dst", "--groups", "2", "--dry-run")
     assert result.exit_code == 0, result.output
-    assert (
-        "model.layers.0.self_attn.k_proj.weight  F32 [16, 64]  <- mean over groups of 4 kv heads of layer 0"
-        in result.output
-    )
-    assert "model.embed_tokens.weight  F32 [128, 64]  <- copy" in result.output
-    assert "would write" in result.output and not (tmp_path / "dst").exists()
+    lines = result.output.splitlines()
+    assert lines[0].startswith(f"would write {tmp_path / 'dst'}: ") and "kv heads 8 -> 2 by mean" in lines[0]
+    assert [line.split(":")[0] for line in lines[1:6]] == ["stage 1", "stage 2", "stage 3", "estimates", "time"]
+    assert lines[2].startswith("stage 2: check: ")  # the quality check after the write, listed with the rest
+    assert lines[6] == "(--plan-tensors lists the 29 output tensors, each with its source)" and len(lines) == 7
+    listed = _run("convert", src, tmp_path / "dst", "--groups", "2", "--dry-run", "--plan-tensors").output.splitlines()
+    assert listed[:6] == lines[:6] and len(listed) == 6 + 29
+    k_proj = "model.layers.0.self_attn.k_proj.weight  F32 [16, 64]  <- mean over groups of 4 kv heads of layer 0 ("
+    assert any(line.startswith(k_proj) for line in listed[6:])
+    assert "model.embed_tokens.weight  F32 [128, 64]  <- copy" in listed
+    assert not (tmp_path / "dst").exists()
 
 
 def test_inspect_reports_kv_bytes_and_parameters_of_every_target(src, tmp_path):

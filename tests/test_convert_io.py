@@ -1,4 +1,5 @@
-"""What convert writes: shards and index, dtypes, copied files, provenance, dry run, atomicity."""
+"""What convert writes: shards and index, dtypes, copied files (the same bytes where copy_file_range is refused
+or missing), provenance, dry run, atomicity."""
 
 import hashlib
 import json
@@ -117,11 +118,11 @@ def test_dry_run_writes_nothing_and_plans_every_tensor(tmp_path):
     result = convert(tmp_path / "src", tmp_path / "dst", groups=2, dry_run=True, progress=False)
     assert not (tmp_path / "dst").exists()
     assert result.dst is None
-    outputs = {t.name: t.shape for t in result.plan.output_tensors()}
+    outputs = {t.name: t.shape for t in result.tensors.output_tensors()}
     assert outputs["model.layers.1.self_attn.k_proj.weight"] == (16, 64)
     assert outputs["model.layers.1.self_attn.k_proj.bias"] == (16,)
     assert outputs["model.layers.1.self_attn.q_proj.weight"] == (64, 64)
-    assert result.plan.bytes_in - result.plan.bytes_out == 2 * 2 * (64 - 16) * (64 + 1) * 4
+    assert result.tensors.bytes_in - result.tensors.bytes_out == 2 * 2 * (64 - 16) * (64 + 1) * 4
 
 
 def test_force_replaces_a_non_empty_destination(tmp_path):
@@ -155,4 +156,28 @@ def test_python_api_stays_callable_after_submodules_are_imported(tmp_path):
 
     save_tiny_model(tmp_path / "src", "llama")
     result = mha2gqa.convert(tmp_path / "src", tmp_path / "dst", groups=4, progress=False)
-    assert result.dst == tmp_path / "dst" and result.plan.groups == 4
+    assert result.dst == tmp_path / "dst" and result.tensors.groups == 4
+
+
+def test_plain_copies_give_identical_shards_without_copy_file_range(tmp_path, monkeypatch):
+    import mha2gqa.checkpoint as checkpoint
+
+    save_tiny_model(tmp_path / "src", "llama")
+    options = dict(groups=2, max_shard_size="20KB", progress=False)  # several shards, many copied tensors
+    convert(tmp_path / "src", tmp_path / "fast", **options)
+
+    def refuse(*args):
+        raise OSError(18, "Invalid cross-device link")  # EXDEV: what some filesystem pairs answer
+
+    calls = []
+    monkeypatch.setattr(checkpoint.os, "copy_file_range", lambda *a: calls.append(a) or refuse(), raising=False)
+    convert(tmp_path / "src", tmp_path / "fallback", **options)
+    assert calls  # the fast path was tried, refused, and the user-space copy took over
+    monkeypatch.delattr(checkpoint.os, "copy_file_range")  # and a platform without it at all
+    convert(tmp_path / "src", tmp_path / "none", **options)
+    names = sorted(p.name for p in (tmp_path / "fast").glob("*.safetensors"))
+    assert len(names) > 1
+    for name in names:
+        expected = (tmp_path / "fast" / name).read_bytes()
+        assert (tmp_path / "fallback" / name).read_bytes() == expected
+        assert (tmp_path / "none" / name).read_bytes() == expected

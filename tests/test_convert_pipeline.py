@@ -23,17 +23,18 @@ def test_one_parent_load_and_one_tokenization(tmp_path, tiny_src, calibration_fi
     from mha2gqa import loading
     from mha2gqa.convert import calibration
 
-    counts = {"load": 0, "tokenize": 0}
+    counts, loaded = {"tokenize": 0}, []
     real_load, real_ids = loading.load_causal_lm, calibration.calibration_ids
 
     def load(*args, **kwargs):
-        counts["load"] += 1
+        loaded.append(Path(args[0]).name)
         return real_load(*args, **kwargs)
 
     def ids(*args, **kwargs):
         counts["tokenize"] += 1
         return real_ids(*args, **kwargs)
 
+    monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loading, "load_causal_lm", load)
     monkeypatch.setattr(calibration, "calibration_ids", ids)
     result = convert(
@@ -47,10 +48,18 @@ def test_one_parent_load_and_one_tokenization(tmp_path, tiny_src, calibration_fi
         progress=False,
     )
     assert result.refine["layers"] and result.layers  # both stages ran
-    assert counts == {"load": 1, "tokenize": 1}
-    counts.update(load=0, tokenize=0)
-    convert(tiny_src, tmp_path / "plain", 2, method="mean-norm", progress=False)  # no calibration: neither
-    assert counts == {"load": 0, "tokenize": 0}
+    # The parent once, for the statistics, refine and the check; the converted model once, by the check.
+    assert loaded[0] == tiny_src.name and loaded[1].startswith(".dst.partial") and len(loaded) == 2
+    assert counts["tokenize"] == 1
+    assert result.check["parent_cached"] is False
+    loaded.clear()
+    counts.update(tokenize=0)
+    convert(tiny_src, tmp_path / "plain", 2, method="mean-norm", progress=False, check=False)  # nothing to read
+    assert loaded == [] and counts["tokenize"] == 0
+    checked = convert(tiny_src, tmp_path / "checked", 2, method="mean-norm", progress=False)
+    assert (
+        len(loaded) == 1 and loaded[0].startswith(".checked.partial") and checked.check["parent_cached"] is True
+    )  # the parent's numbers came cached
 
 
 def test_stats_travel_as_their_own_argument(tmp_path, tiny_src, calibration_file):
@@ -76,13 +85,13 @@ def test_dry_run_prints_every_stage_and_writes_nothing(tmp_path, tiny_src, calib
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     stages = [line.split(":")[1].strip() for line in lines if line.startswith("stage ")]
-    assert stages == ["calibrate", "merge", "refine", "refine (global)", "write", "metadata"], lines
+    assert stages == ["calibrate", "merge", "refine", "refine (global)", "write", "check", "metadata"], lines
     refine = next(line for line in lines if line.startswith("stage 3: refine"))
     assert "up to 448 fit and 64 held-out tokens" in refine  # 512 tokens: 8 blocks of 64, 1 held out
     assert "up to 24 Adam steps (lr 0.0002" in next(line for line in lines if line.startswith("stage 4: refine"))
     off = CliRunner().invoke(main, [*args, "--refine-global-steps", "0", "--dry-run"]).output.splitlines()
     assert [line.split(":")[1].strip() for line in off if line.startswith("stage ")] == [
-        "calibrate", "merge", "refine", "write", "metadata"
+        "calibrate", "merge", "refine", "write", "check", "metadata"
     ]  # fmt: skip
     assert "up to 1,024 tokens" in next(line for line in lines if line.startswith("stage 1: calibrate"))
     estimates = next(line for line in lines if line.startswith("estimates:"))

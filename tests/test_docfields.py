@@ -12,16 +12,17 @@ from mha2gqa.cli.eval_cmd import eval_command
 from mha2gqa.cli.fields import field_default
 from mha2gqa.cli.sweep_cmd import sweep
 from mha2gqa.convert.options import CONVERT_FLAGS, METHOD_SUMMARIES, ConvertOptions, Grouping, Method, RefineOptions
-from mha2gqa.convert.run import parse_size
 from mha2gqa.docfields import choice_docs, field_docs
 from mha2gqa.eval.options import EvalOptions, SpeedPreset
 from mha2gqa.sweep.options import SweepOptions
+from mha2gqa.units import parse_size
 
 # options that set no field of the command's options type, so keep a literal help
 # --refine-* options set RefineOptions fields (ConvertOptions.refine): the flag table says which
 REFINE_FIELDS = {flag.key: flag.name for flag in CONVERT_FLAGS if flag.owner is RefineOptions}
 FOLLOWS = {flag.key: flag.default_from for flag in CONVERT_FLAGS if flag.default_from}  # unset: another flag's value
-NOT_FIELDS = {"convert": {"quiet", "config", *REFINE_FIELDS}, "eval": {"quiet", "force"}}  # --config: the flags' file
+# --config: the flags' file; --plan-tensors: how --dry-run prints the plan, no option of the conversion
+NOT_FIELDS = {"convert": {"quiet", "config", "plan_tensors", *REFINE_FIELDS}, "eval": {"quiet", "force"}}
 # options that pick one of several: their help lists each choice after the field's docstring
 CHOICES = {"method": METHOD_SUMMARIES, "grouping": choice_docs(Grouping), "speed_preset": choice_docs(SpeedPreset)}
 
@@ -44,7 +45,8 @@ def test_every_convert_and_refine_field_has_one_flag_in_the_table():
     table = [(flag.owner, flag.name) for flag in CONVERT_FLAGS]
     assert len(table) == len(set(table))
     assert set(table) == {(cls, f.name) for cls in (ConvertOptions, RefineOptions) for f in fields(cls)}
-    flags = [p.name for p in convert.params if isinstance(p, click.Option) and p.name != "config"]
+    shown = ("config", "plan_tensors")  # how the command reads its flags and prints a plan: no conversion options
+    flags = [p.name for p in convert.params if isinstance(p, click.Option) and p.name not in shown]
     assert flags == [f.key for f in CONVERT_FLAGS]
 
 
@@ -119,6 +121,9 @@ def test_each_options_default_is_its_fields_default(command, cls):
             continue
         elif option.name == "config" and command is convert:  # a file of the other options, not an option itself
             assert not option.expose_value
+            continue
+        elif option.name == "plan_tensors" and command is convert:  # how --dry-run prints, no conversion option
+            assert default is False
             continue
         else:
             assert option.name == "quiet", option.opts[0]  # sets progress, inverted

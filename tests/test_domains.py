@@ -12,9 +12,9 @@ from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_family, save
 
 from mha2gqa import embedded
 from mha2gqa.cli import main
+from mha2gqa.corpus import probe as probe_set
 from mha2gqa.errors import InputError
 from mha2gqa.eval import evaluate, write_report
-from mha2gqa.eval import probe as probe_set
 from mha2gqa.eval.domains import geomean, pooled_perplexity
 from mha2gqa.eval.schema import load_results
 
@@ -151,7 +151,7 @@ def _candidate(name, groups, ratios, kv):
 
 
 def test_the_recommendation_refuses_a_candidate_broken_on_one_domain():
-    from mha2gqa.sweep import run as sweep_run
+    from mha2gqa.sweep.recommend import recommend
 
     settings = {"methods": ["calibrated"], "tolerance": 0.5, "calibration": "austen", "calibration_tokens": 4096,
                 "seed": 0, "refine": None, "data": ["probe"]}  # fmt: skip
@@ -160,14 +160,14 @@ def test_the_recommendation_refuses_a_candidate_broken_on_one_domain():
     kv2 = _candidate("kv2-calibrated", 2, {"prose": 1.2, "code": 1.9, "python_docs": 1.3, "licences": 1.1}, 512)
     assert kv1["domains_ratio"] < 1.5 and kv1["kv_bytes_per_token"] < kv2["kv_bytes_per_token"]
     record = {"settings": settings, "parent": {"perplexity": 100.0}, "candidates": [kv1, kv2], "source": {"path": "m"}}
-    found = sweep_run.recommend(record)
+    found = recommend(record)
     assert found["per_method"] == {"calibrated": "kv2-calibrated"}  # the larger cache, good on every domain
     assert found["refused"]["kv1-calibrated"] == "broken on code (4.00x the parent's, above 2.00x)"
     assert "refused kv1-calibrated (broken on code" in found["summary"]
     assert "no domain above 2.00x" in found["summary"]
     # The same numbers as one text (a record without domains) keep the old rule: the perplexity alone.
     flat = [{k: v for k, v in r.items() if k != "domains"} for r in (kv1, kv2)]
-    assert sweep_run.recommend({**record, "candidates": flat})["per_method"] == {"calibrated": "kv1-calibrated"}
+    assert recommend({**record, "candidates": flat})["per_method"] == {"calibrated": "kv1-calibrated"}
 
 
 def test_the_probe_set_is_the_default_data_of_sweep(tmp_path):

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from mha2gqa import embedded, estimates
 from mha2gqa.cli import main
+from mha2gqa.convert.inputs import layers_per_pass
 from mha2gqa.convert.options import ConvertOptions, RefineOptions
 from mha2gqa.convert.prepare import prepare
 from mha2gqa.demo import pipeline
@@ -44,6 +45,7 @@ def smollm2_plan(refine: RefineOptions | None) -> SimpleNamespace:
         torch_reason="calibrated merge",
         gathers_statistics=True,
         calibration_memory=4 << 30,
+        calibration_passes=-(-30 // layers_per_pass(4 << 30, 576)),  # 1: all 30 layers' statistics fit in 4 GiB
         calibration=SimpleNamespace(tokens=131072, sampled_tokens=0),  # austen, the default 131,072 tokens
         refine_budget=None if refine is None else SimpleNamespace(seq_len=512, blocks=72),
     )

@@ -50,6 +50,18 @@ def test_a_new_metric_is_one_measurement_and_one_metric(tiny, tmp_path, monkeypa
     assert header.endswith("| vocab |") and lines[lines.index(header) + 2].endswith(f"| {result['vocab']['size']:,} |")
     row = json.loads(written["json"].read_text())["rows"][0]
     assert row["vocab_size"] == result["vocab"]["size"]
+    # a model card beside the result shows it, and a sweep measures it for each candidate and shows its
+    # column, with no change to the card or the sweep
+    from mha2gqa.eval.card_table import measured_cells
+    from mha2gqa.sweep import candidates, render
+
+    (tmp_path / "r.json").rename(tmp_path / "report" / "eval.json")
+    assert ("vocab", f"{result['vocab']['size']:,}") in measured_cells(tmp_path / "report")["eval.json"]
+
+    swept = candidates.metric_values(result, result)
+    assert swept["vocab_size"] == result["vocab"]["size"]
+    (vocab,) = [cell for header, cell in render.metric_columns([swept]) if header == "vocab"]
+    assert vocab(swept, ()) == f"{result['vocab']['size']:,}"
     with pytest.raises(InputError, match="refused by the vocab measurement"):
         evaluate(tiny / "missing-model", str(tiny / "text.txt"), label="no-vocab", **QUICK)  # before any loading
 

@@ -46,8 +46,8 @@ def test_convert_with_options_matches_keywords(tmp_path):
     save_tiny_model(tmp_path / "src", "llama")
     by_keywords = convert(tmp_path / "src", tmp_path / "a", groups=2, method="first", dry_run=True, progress=False)
     by_options = convert(tmp_path / "src", tmp_path / "b", options=ConvertOptions(2, Method.FIRST, dry_run=True))
-    assert by_keywords.plan.method == by_options.plan.method == "first"
-    assert type(by_options.plan.method) is str  # plain text in mha2gqa.json and the printed plan
+    assert by_keywords.tensors.method == by_options.tensors.method == "first"
+    assert type(by_options.tensors.method) is str  # plain text in mha2gqa.json and the printed plan
     with pytest.raises(TypeError, match="not both"):
         convert(tmp_path / "src", tmp_path / "c", 2, options=ConvertOptions(2))
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mha2gqa.convert.sampling import SamplingRecipe, chat_turn_header, sample_ids
+from mha2gqa.corpus.sampling import SamplingRecipe, chat_turn_header, sample_ids
 
 USER_TURN = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
 
@@ -60,7 +60,7 @@ def test_without_a_template_or_with_share_0_every_sequence_starts_at_random(pare
 
 
 def test_the_nucleus_is_drawn_from_the_narrow_rows_candidates_and_the_wide_rows_full_sort():
-    from mha2gqa.convert.sampling import NUCLEUS_CANDIDATES, nucleus_draw
+    from mha2gqa.corpus.sampling import NUCLEUS_CANDIDATES, nucleus_draw
 
     vocab = 4 * NUCLEUS_CANDIDATES
     probs = torch.full((3, vocab), 0.02 / (vocab - 2))

@@ -2,6 +2,7 @@
 bad input is refused before anything runs, and an interrupted sweep keeps its finished rows only."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,11 +16,13 @@ from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 import mha2gqa.convert.calibration as calibration_module
 import mha2gqa.eval.run as eval_run
 from mha2gqa.convert.options import RefineOptions
+from mha2gqa.corpus import textdata
 from mha2gqa.eval.report import write_report
 from mha2gqa.eval.schema import load_results
-from mha2gqa.sweep import SweepOptions, sweep
-from mha2gqa.sweep import run as sweep_run
-from mha2gqa.sweep.render import pareto_front
+from mha2gqa.sweep import SweepOptions, folder, sweep
+from mha2gqa.sweep.next_step import pretrain_tokens
+from mha2gqa.sweep.plots import pareto_front
+from mha2gqa.sweep.recommend import recommend
 
 CAL_TOKENS, EVAL_TOKENS = 600, 300
 # 4 kv heads: the default candidates are 2 and 1 kv heads x mean, calibrated
@@ -40,17 +43,29 @@ def tiny(tmp_path_factory):
 _sweep_args = sweep_args
 
 
+def counted_resolve(counts: dict, resolve):
+    """textdata.resolve, counting the resolutions of the calibration text (not of the eval --data)."""
+
+    def counted(key, *args, **kwargs):
+        counts["resolved"] += key == "--calibration"
+        return resolve(key, *args, **kwargs)
+
+    return counted
+
+
 @pytest.fixture(scope="module")
 def swept(tiny, tmp_path_factory):
-    """One kept sweep, with every calibration forward of the parent and every evaluate() call counted."""
+    """One kept sweep, with every calibration forward of the parent, every calibration pass, every resolution of
+    the calibration text and every evaluate() call counted."""
     out = tmp_path_factory.mktemp("swept") / "s"
-    counts = {"calibrate": 0, "forwards": 0, "evaluate": []}
+    counts = {"calibrate": 0, "forwards": 0, "evaluate": [], "resolved": 0}
     mp = pytest.MonkeyPatch()
-    load, calibrate, evaluate = (
+    load, gather, evaluate = (
         calibration_module.load_source_model,
-        calibration_module.calibrate,
+        calibration_module.gather,
         eval_run.evaluate,
     )
+    mp.setattr(textdata, "resolve", counted_resolve(counts, textdata.resolve))
 
     def counted_load(model_dir, *args, **kwargs):
         model = load(model_dir, *args, **kwargs)
@@ -58,16 +73,16 @@ def swept(tiny, tmp_path_factory):
             model.base_model.register_forward_hook(lambda *_: counts.__setitem__("forwards", counts["forwards"] + 1))
         return model
 
-    def counted_calibrate(*args, **kwargs):
+    def counted_gather(*args, **kwargs):
         counts["calibrate"] += 1
-        return calibrate(*args, **kwargs)
+        return gather(*args, **kwargs)
 
     def counted_evaluate(model_path, *args, **kwargs):
         counts["evaluate"].append(Path(model_path).name)
         return evaluate(model_path, *args, **kwargs)
 
     mp.setattr(calibration_module, "load_source_model", counted_load)
-    mp.setattr(calibration_module, "calibrate", counted_calibrate)
+    mp.setattr(calibration_module, "gather", counted_gather)
     mp.setattr(eval_run, "evaluate", counted_evaluate)
     try:
         result = cli(*_sweep_args(tiny, out, "--keep"))
@@ -110,8 +125,11 @@ def test_each_candidates_convert_command_is_its_cards_reproduce_line(swept):
     assert "--calibration" in record["convert_commands"]["kv2-calibrated"]
 
 
-def test_calibration_runs_once_and_the_parent_is_evaluated_once(swept):
+def test_calibration_is_resolved_once_runs_once_and_the_parent_is_evaluated_once(swept):
+    """Four candidates, each planned (a dry run) and converted: one resolution of the calibration text, made by
+    the first plan, read by every other plan and by the calibration pass."""
     _, record, counts, _ = swept
+    assert counts["resolved"] == 1
     assert counts["calibrate"] == 1
     # one pass over the calibration tokens: 600 tokens in blocks of 256 -> 2 full blocks (one batch) + a short one
     assert record["calibration"]["tokens"] == CAL_TOKENS and record["calibration"]["passes"] == 1
@@ -177,7 +195,7 @@ def test_a_missing_eval_text_and_too_little_room_are_refused_up_front(tiny, tmp_
     args = _sweep_args(tiny, out)
     args[args.index("--data") + 1] = tmp_path / "missing.txt"
     assert_refused(cli(*args), "missing.txt")
-    monkeypatch.setattr(sweep_run.shutil, "disk_usage", lambda _: type("U", (), {"free": 1000})())
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: type("U", (), {"free": 1000})())
     assert_refused(cli(*_sweep_args(tiny, out)), f"--out {out} needs", "MiB free")
     assert not out.exists()
 
@@ -218,8 +236,12 @@ def test_a_sweep_interrupted_before_any_candidate_leaves_nothing(tiny, tmp_path,
     assert not out.exists()
 
 
-def test_refine_adds_the_per_layer_sensitivity_heat_map(tiny, tmp_path):
+def test_refine_adds_the_per_layer_sensitivity_heat_map(tiny, tmp_path, monkeypatch):
+    """With --refine each conversion reads its statistics' text again (refine's blocks): still the one
+    resolution of the sweep."""
     out = tmp_path / "out"
+    counts = {"resolved": 0}
+    monkeypatch.setattr(textdata, "resolve", counted_resolve(counts, textdata.resolve))
     options = SweepOptions(
         calibration=str(tiny / "cal.txt"),
         data=str(tiny / "eval.txt"),
@@ -237,6 +259,7 @@ def test_refine_adds_the_per_layer_sensitivity_heat_map(tiny, tmp_path):
     assert [layer["layer"] for layer in row["refine"]["layers"]] == [0, 1]
     assert (out / "sweep_layer_sensitivity.png").stat().st_size > 1000
     assert "![layer_sensitivity](sweep_layer_sensitivity.png)" in (out / "sweep.md").read_text()
+    assert counts["resolved"] == 1
 
 
 def _row(name, groups, method, ppl, kv):
@@ -257,10 +280,10 @@ def test_recommendation_is_the_smallest_cache_within_tolerance_or_the_next_comma
     commands["kv4-calibrated"] += " --calibration austen"
     record = {"settings": settings, "parent": {"perplexity": 100.0}, "candidates": rows,
               "source": {"path": "m", "pretrain_tokens": 123456}, "convert_commands": commands}  # fmt: skip
-    found = sweep_run.recommend(record)
+    found = recommend(record)
     assert found["per_method"] == {"mean": "kv4-mean", "calibrated": "kv2-calibrated"} and found["next"] is None
     record["settings"] = {**settings, "tolerance": 0.005}
-    found = sweep_run.recommend(record)
+    found = recommend(record)
     assert found["per_method"] == {"mean": None, "calibrated": None}
     assert found["next"].startswith(
         "mha2gqa convert m kv4-calibrated --groups 4 --method calibrated --calibration austen"
@@ -270,15 +293,15 @@ def test_recommendation_is_the_smallest_cache_within_tolerance_or_the_next_comma
     assert "budget.pretrain_tokens=123456" in found["next"]  # the model's own 5% budget, not the demo's
     assert "--recipe mha2gqa/demo/demo-uptrain.yaml" in found["next"]  # relative to the working folder
     record["settings"] = {**settings, "tolerance": 0.005, "calibration": "parent"}
-    assert "data.train=[TRAIN_TEXT]" in sweep_run.recommend(record)["next"]  # samples are no uptrain data
+    assert "data.train=[TRAIN_TEXT]" in recommend(record)["next"]  # samples are no uptrain data
 
 
 def test_the_budget_base_is_the_models_own_pretraining_or_20_tokens_a_parameter(tmp_path):
     from mha2gqa import embedded
 
-    assert sweep_run.pretrain_tokens(embedded.model_dir(), 6_000_000) == embedded.pretrain_tokens()
+    assert pretrain_tokens(embedded.model_dir(), 6_000_000) == embedded.pretrain_tokens()
     (tmp_path / "m").mkdir()
-    assert sweep_run.pretrain_tokens(tmp_path / "m", 135_000_000) == 2_700_000_000
+    assert pretrain_tokens(tmp_path / "m", 135_000_000) == 2_700_000_000
 
 
 def test_pareto_front_keeps_only_points_nothing_beats_on_both_axes():
@@ -317,13 +340,13 @@ def test_resume_reads_a_sweep_json_written_while_refine_had_mlp_output(tiny, tmp
 
     src, out = tiny / "src", tmp_path / "out"
     options = SweepOptions(out=str(out), refine=RefineOptions(), calibration=str(tiny / "cal.txt"), progress=False)
-    record = sweep_run._record(src, src, read_config(src), options, [])
+    record = folder.new_record(src, src, read_config(src), options, [])
     earlier = json.loads(json.dumps(record))
     earlier["settings"]["refine"]["mlp_output"] = mlp_output
     out.mkdir()
     (out / "sweep.json").write_text(json.dumps(earlier))
     if mlp_output:
         with pytest.raises(InputError, match="--resume: --refine differs from the sweep"):
-            sweep_run._earlier(out, record)
+            folder.earlier_sweep(out, record)
     else:
-        assert sweep_run._earlier(out, record)["settings"]["refine"]["mlp_output"] is False
+        assert folder.earlier_sweep(out, record)["settings"]["refine"]["mlp_output"] is False

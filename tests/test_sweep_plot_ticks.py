@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mha2gqa.eval import plots
-from mha2gqa.sweep import render
+from mha2gqa.sweep import plots as sweep_plots
 
 
 def _record(parent: float, candidates: list[float]) -> dict:
@@ -40,7 +40,7 @@ def _labelled_ticks(record: dict, tmp_path, monkeypatch) -> tuple[list[float], t
         return save(fig, out)
 
     monkeypatch.setattr(plots, "_save", keep)
-    render.quality_plot(record, tmp_path / "q.png")
+    sweep_plots.quality_plot(record, tmp_path / "q.png")
     return seen["ticks"], seen["limits"]
 
 
@@ -56,10 +56,10 @@ def test_labelled_ticks_cover_every_point(tmp_path, monkeypatch, parent, candida
 
 
 def test_log_ticks_are_round_and_few():
-    assert render.log_ticks(244.9, 20000) == [200, 500, 1000, 2000, 5000, 10000, 20000]
-    assert render.log_ticks(130.6, 139.9) == [130, 140]
-    assert render.log_ticks(0.5, 0.9) == [0.5, 0.6, 0.7, 0.8, 0.9]
-    assert len(render.log_ticks(1.5, 1e9)) <= 8
+    assert sweep_plots.log_ticks(244.9, 20000) == [200, 500, 1000, 2000, 5000, 10000, 20000]
+    assert sweep_plots.log_ticks(130.6, 139.9) == [130, 140]
+    assert sweep_plots.log_ticks(0.5, 0.9) == [0.5, 0.6, 0.7, 0.8, 0.9]
+    assert len(sweep_plots.log_ticks(1.5, 1e9)) <= 8
 
 
 def test_the_plot_names_the_tokens_the_parent_and_candidates_were_scored_on(tmp_path, monkeypatch):
@@ -71,7 +71,7 @@ def test_the_plot_names_the_tokens_the_parent_and_candidates_were_scored_on(tmp_
     titles = []
     save = plots._save
     monkeypatch.setattr(plots, "_save", lambda fig, out: titles.append(fig.axes[0].get_title()) or save(fig, out))
-    render.quality_plot(record, tmp_path / "q.png")
+    sweep_plots.quality_plot(record, tmp_path / "q.png")
     assert (
         titles[0].splitlines()[1] == "perplexity on 8,191 tokens of persuasion.txt, windows of 512 tokens, stride 256"
     )

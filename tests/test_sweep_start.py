@@ -28,7 +28,7 @@ def test_the_first_phases_have_bars_and_the_time_is_said_first(tiny, tmp_path, m
         raise Stop
 
     monkeypatch.setattr(mha2gqa.eval.run, "evaluate", parent_evaluation)
-    monkeypatch.setattr(mha2gqa.convert.calibration, "calibrate", calibration)
+    monkeypatch.setattr(mha2gqa.convert.calibration, "load_source_model", calibration)
     options = SweepOptions(
         calibration=str(tiny / "cal.txt"),
         data=str(tiny / "eval.txt"),

@@ -1,4 +1,4 @@
-"""mha2gqa.textdata: one set of formats and one set of errors for calibration, eval and uptrain."""
+"""mha2gqa.corpus.textdata: one set of formats and one set of errors for calibration, eval and uptrain."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import lzma
 import pytest
 from click.testing import CliRunner
 
-from mha2gqa import embedded, textdata
+from mha2gqa import embedded
 from mha2gqa.cli import main
+from mha2gqa.corpus import textdata
 from mha2gqa.errors import InputError
 
 DOCS = ["It is a truth universally acknowledged.", "Emma Woodhouse, handsome, clever, and rich."]

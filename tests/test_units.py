@@ -1,8 +1,7 @@
 """The shared small helpers: byte formatting and the first line of an error."""
 
-from mha2gqa.convert.run import parse_size
 from mha2gqa.errors import first_line
-from mha2gqa.units import byte_unit, format_bytes, format_size
+from mha2gqa.units import byte_unit, format_bytes, format_size, parse_size
 
 
 def test_format_bytes_terminal_and_report_styles():

@@ -9,7 +9,7 @@ import torch
 from tiny_models import make_tiny_tokenizer
 from uptrain_helpers import corpus, recipe_file
 
-from mha2gqa import textdata
+from mha2gqa.corpus import textdata
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain import load_recipe
 from mha2gqa.uptrain.data import MemoryBatches, StreamBatches, block_hash, build_data, pack, pack_all, rank_slice

@@ -98,7 +98,12 @@ class _ConvertCommand(click.Command):
     "Every conversion writes one, DST/convert.yaml, that makes it again.",
 )
 @_convert_flags
-def convert(src, dst, **flags):
+@click.option(
+    "--plan-tensors",
+    is_flag=True,
+    help="With --dry-run: after the summary, every output tensor and what it is made of, one line each.",
+)
+def convert(src, dst, plan_tensors, **flags):
     """Convert the checkpoint SRC (a local directory with config.json and safetensors, or a hub id when
     online) into a grouped-query checkpoint DST with GROUPS kv heads.
 
@@ -119,20 +124,44 @@ def convert(src, dst, **flags):
     # count, and the card's Reproduce line promises the same bytes (mha2gqa.json records the count).
     threads.apply()
     result = run_convert(src, dst, options=options)
-    plan = result.plan
-    if options.dry_run:
-        for line in plan.describe(result.conversion.checkpoint.tensors) + result.conversion.describe():
-            click.echo(line)
+    if options.dry_run:  # the answer first: what would be written, the stages, memory and time; the tensors on request
+        lines = [_written_line("would write", dst, result.tensors), *result.plan.describe()]
+        if plan_tensors:
+            lines += result.tensors.describe(result.plan.checkpoint.tensors)
+        else:
+            lines.append(
+                f"(--plan-tensors lists the {len(result.tensors.output_tensors())} output tensors, each with its source)"
+            )
+        click.echo("\n".join(lines))
+        return
     if result.layers:
         click.echo(layer_table(result.layers))
     if result.refine:
         click.echo(refine_table(result.refine))
-    saving = plan.shape.kv_heads / plan.groups
-    verb = "would write" if options.dry_run else "wrote"
-    click.echo(
-        f"{verb} {dst}: {len(plan.output_tensors())} tensors, {format_bytes(plan.bytes_out)} "
-        f"(from {format_bytes(plan.bytes_in)}); kv heads {plan.shape.kv_heads} -> {plan.groups} by {plan.method}, "
-        f"KV cache {saving:g}x smaller"
+    click.echo(_written_line("wrote", dst, result.tensors))
+    click.echo(check_report(result.check))
+
+
+def check_report(record: dict | None) -> str:
+    """What the conversion kept (convert/check.py): the table, the verdict and the next commands; or why the
+    check was skipped."""
+    from mha2gqa.check_record import HEADERS, table_rows, title
+
+    if not record or "skipped" in record:
+        return f"check: skipped ({(record or {}).get('skipped', 'not run')})"
+    lines = [title(record), table(HEADERS, table_rows(record)), f"verdict: {record['verdict_line']}"]
+    for i, command in enumerate(record.get("next", [])):
+        lines.append(f"{'next' if i == 0 else '  or'}: {command}")
+    return "\n".join(lines)
+
+
+def _written_line(verb: str, dst, tensors) -> str:
+    """What a conversion writes (or would): its tensors and bytes, the kv heads and the KV-cache saving."""
+    saving = tensors.shape.kv_heads / tensors.groups
+    return (
+        f"{verb} {dst}: {len(tensors.output_tensors())} tensors, {format_bytes(tensors.bytes_out)} "
+        f"(from {format_bytes(tensors.bytes_in)}); kv heads {tensors.shape.kv_heads} -> {tensors.groups} by "
+        f"{tensors.method}, KV cache {saving:g}x smaller"
     )
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mha2gqa import textdata
+from mha2gqa.corpus import textdata
+from mha2gqa.corpus.probe import parse_domains
 from mha2gqa.dtypes import dtype_name
 from mha2gqa.errors import InputError
-from mha2gqa.eval.probe import parse_domains
 from mha2gqa.eval.schema import check_writable
 from mha2gqa.sources import looks_local, model_ref_problem, require_safetensors
 

@@ -24,7 +24,9 @@ def _print_keys(ctx, _param, value):
 )
 @file_option(
     "--recipe",
-    "YAML recipe; the shipped ones are in recipes/ and each starts with the command that runs it.",
+    "YAML recipe, or the name of one shipped in the package: distill-parent-cpu or distill-parent-gpu (distil a "
+    "converted model from its parent on the parent's own samples: no data needed; give model=, distill.teacher= "
+    "and output_dir=). The repository's recipes/ holds more; each starts with the command that runs it.",
     required=True,
 )
 @click.option(

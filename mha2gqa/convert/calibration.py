@@ -24,20 +24,20 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
-from mha2gqa import textdata
 from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
     CalibrationInput,
     block_length,
     calibration_input,
-    interleaved,
-    stats_bytes,
+    layers_per_pass,
 )
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_MEMORY
+from mha2gqa.corpus import textdata
+from mha2gqa.corpus.mix import interleaved
 from mha2gqa.errors import InputError, InputWarning
 from mha2gqa.layouts import AttentionShape, Layout
+from mha2gqa.progress import progress_bar
 
 DEFAULT_MEMORY = DEFAULT_CALIBRATION_MEMORY  # bytes of accumulators held at once
 CALIBRATION_PIECE_CHARS = 1 << 16  # characters of a text file tokenized at a time
@@ -123,10 +123,10 @@ def collect_statistics(
     """Run ids (N,) through `model` (a loaded causal LM) and write each layer's gram to out_dir."""
     device = next(model.parameters()).device
     width = model.get_submodule(input_module(layout, 0)).weight.shape[1]
-    per_pass = max(1, memory_bytes // stats_bytes(width))
+    per_pass = layers_per_pass(memory_bytes, width)
     batches = _batches(ids, seq_len, batch_size)
     passes = range(0, shape.layers, per_pass)
-    bar = tqdm(total=len(batches) * len(passes), desc="calibrate", unit="batch", disable=not progress)
+    bar = progress_bar(len(batches) * len(passes), "calibrate", progress, unit="batch")
     for first in passes:
         layers = range(first, min(first + per_pass, shape.layers))
         sums = {layer: GramAccumulator(width, device) for layer in layers}
@@ -196,7 +196,7 @@ def read_ids(source: Path, calibration: CalibrationInput, parent, seed: int, pro
     the statistics and --refine."""
     from transformers import AutoTokenizer
 
-    from mha2gqa.convert import sampling
+    from mha2gqa.corpus import sampling
 
     tokenizer = AutoTokenizer.from_pretrained(source)
     per_part, parts = [], []
@@ -218,7 +218,7 @@ def read_ids(source: Path, calibration: CalibrationInput, parent, seed: int, pro
 
 
 def interleave_blocks(parts: list[torch.Tensor], seq_len: int) -> torch.Tensor:
-    """The full blocks of every part, spread evenly in one order (inputs.interleaved)."""
+    """The full blocks of every part, spread evenly in one order (corpus.mix.interleaved)."""
     blocks = [ids[: len(ids) // seq_len * seq_len].view(-1, seq_len) for ids in parts]
     order = interleaved([len(b) for b in blocks])
     return torch.cat([blocks[p][i] for p, i in order]) if order else torch.zeros(0, dtype=torch.long)

@@ -2,31 +2,21 @@
 calibration input (its parts, their shares, the token count and the block length) and the blocks --refine
 fits on. Torch-free: `--dry-run` prints it, `execute` and `refine` read it and never resolve or count again.
 
-The calibration notation, on the command line and in Python alike:
-- `--calibration corpus.txt` (repeat it for several files, read in order), a folder, a hub dataset, or
-  `austen` (the embedded novels): one text, its first `--calibration-tokens` tokens;
-- `--calibration parent`: text sampled from the model being converted (no data of the user's at all;
-  convert/sampling.py);
-- a mix: every entry with a share after a colon, `--calibration parent:0.5 --calibration austen:0.5`
-  (percentages too, `parent:50%`); the shares are normalised, and each part gives that share of the tokens
-  in whole blocks, the parts' blocks interleaved so that every stretch of the calibration (and refine's
-  held-out blocks) holds each part in proportion. In Python a dict says the same: {"parent": 0.5, "austen": 0.5}.
+--calibration is written in the mix notation (corpus/mix.py): one text, its first `--calibration-tokens`
+tokens; `parent`, text sampled from the model being converted (corpus/sampling.py); or parts with shares.
 """
 
 from __future__ import annotations
 
-import math
-import re
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 
-from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, PARENT, REFINE_TOKENS_PER_HIDDEN
+from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, REFINE_TOKENS_PER_HIDDEN
+from mha2gqa.corpus.mix import PARENT, parse_spec, part_tokens
 from mha2gqa.errors import InputError
 
 CALIBRATION_SEQ_LEN = 512  # tokens per calibration block, or the model's context when shorter
 CALIBRATION_BATCH = 8  # blocks per calibration forward (calibration.collect_statistics)
 HOLDOUT_FRACTION = 1 / 8  # of the refine blocks, held out to check each layer's fit
-_SHARE = re.compile(r"^(?P<name>.+):(?P<share>\d+(?:\.\d*)?|\.\d+)(?P<percent>%?)$")
 
 
 def block_length(config: dict) -> int:
@@ -38,6 +28,11 @@ def block_length(config: dict) -> int:
 def stats_bytes(hidden: int) -> int:
     """One layer's calibration statistics: the (hidden+1)^2 float64 second moments."""
     return (hidden + 1) ** 2 * 8
+
+
+def layers_per_pass(memory_bytes: int, hidden: int) -> int:
+    """How many layers' statistics one pass of the calibration tokens gathers within --calibration-memory."""
+    return max(1, memory_bytes // stats_bytes(hidden))
 
 
 @dataclass(frozen=True)
@@ -72,55 +67,16 @@ class CalibrationInput:
     def sampled_tokens(self) -> int:
         return sum(part.tokens for part in self.parts if part.sampled)
 
-
-def parse_spec(spec, flag: str = "--calibration") -> list[tuple[str, float | None]]:
-    """[(entry, share or None)] of a calibration spec: a str, a list of str, or a {entry: share} dict. Shares
-    are all given or all absent; each is a positive number or percentage."""
-    if isinstance(spec, dict):
-        pairs = [(str(name), share) for name, share in spec.items()]
-        for name, share in pairs:
-            if isinstance(share, bool) or not isinstance(share, (int, float)) or not math.isfinite(share):
-                raise InputError(f"{flag} {name}: share {share!r} must be a positive number, e.g. 0.5")
-    else:
-        pairs = [_split_share(str(entry)) for entry in ([spec] if isinstance(spec, (str, Path)) else spec)]
-    if not pairs:
-        raise InputError(f"{flag} is empty: give a file, a folder, 'austen', 'parent' or a hub dataset name")
-    shared = [share is not None for _, share in pairs]
-    if any(shared) and not all(shared):
-        missing = next(name for name, share in pairs if share is None)
-        raise InputError(
-            f"{flag} {missing} has no share while others do: give every entry one, e.g. {flag} {missing}:0.5"
-        )
-    for name, share in pairs:
-        if share is not None and not share > 0:
-            raise InputError(f"{flag} {name}:{share:g}: a share must be above 0 (e.g. {name}:0.5)")
-    names = [name for name, _ in pairs]
-    if any(shared) and len(set(names)) < len(names):
-        repeated = next(name for name in names if names.count(name) > 1)
-        raise InputError(f"{flag} {repeated} is given twice in a mix: give it once, with the sum of its shares")
-    return pairs
-
-
-def _split_share(entry: str) -> tuple[str, float | None]:
-    """'corpus.txt:0.5' -> ('corpus.txt', 0.5); '50%' is 0.5. A whole entry that is a local path (even one
-    with a colon in its name) is a path."""
-    match = _SHARE.match(entry)
-    if match is None or Path(entry).expanduser().exists():
-        return entry, None
-    share = float(match.group("share")) / (100 if match.group("percent") else 1)
-    return match.group("name"), share
-
-
-def part_tokens(shares: list[float], tokens: int, seq_len: int) -> list[int]:
-    """Each part's tokens: its share of `tokens` in whole blocks (at least one), the rounding left to the
-    largest part so that the total is what was asked for, to a block."""
-    if len(shares) == 1:
-        return [tokens]
-    total = sum(shares)
-    blocks = max(len(shares), round(tokens / seq_len))
-    counts = [max(1, round(blocks * share / total)) for share in shares]
-    counts[counts.index(max(counts))] += blocks - sum(counts)
-    return [count * seq_len for count in counts]
+    def budgeted(self, tokens: int | None) -> CalibrationInput:
+        """These resolved parts for `tokens` in all (None: as they are): what calibration_input(self.spec, tokens,
+        ...) gives, without resolving the text again (a sweep resolves its calibration once for every plan)."""
+        if tokens is None or tokens == self.tokens:
+            return self
+        pairs = parse_spec(self.spec)
+        shares = [share for _, share in pairs] if pairs[0][1] is not None else [1.0]
+        counts = part_tokens(shares, tokens, self.seq_len)
+        parts = (replace(p, share=s / sum(shares), tokens=n) for p, s, n in zip(self.parts, shares, counts))
+        return replace(self, parts=tuple(parts), tokens=tokens)
 
 
 @dataclass(frozen=True)
@@ -148,15 +104,6 @@ class RefineBudget:
         return max(1, round(blocks * HOLDOUT_FRACTION))
 
 
-def interleaved(counts: list[int]) -> list[tuple[int, int]]:
-    """(part, block) for every block of parts holding `counts` blocks, in the one order that spreads each
-    part evenly: block i of a part of n blocks goes at (i + 0.5) / n, ties in part order. So any stretch
-    of the result, and so refine's subset and its held-out tail, holds every part in proportion (the parts
-    of a mix, and the two kinds of the parent's samples)."""
-    keyed = sorted(((i + 0.5) / n, p, i) for p, n in enumerate(counts) for i in range(n))
-    return [(p, i) for _, p, i in keyed]
-
-
 def default_tokens(pairs: list[tuple[str, float | None]], hidden: int) -> int:
     """--calibration-tokens when unset: 131,072 of a text; 64 x hidden when the parent's samples are part of
     it (a sampled token costs a forward of its own: the tokens refine fits on, not more)."""
@@ -171,7 +118,7 @@ def calibration_input(
     """`spec` checked and resolved once: every file found and of a known format, holding some text, before
     anything is read in earnest; 'austen' expanded to the embedded novels. `tokens` None: default_tokens
     (which needs the model's `hidden` size)."""
-    from mha2gqa import textdata
+    from mha2gqa.corpus import textdata
     from mha2gqa.embedded import expand_corpus_name
 
     pairs = parse_spec(spec, flag)

@@ -11,13 +11,13 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from enum import Enum
 
+from mha2gqa.corpus.mix import PARENT
 from mha2gqa.dtypes import dtype_name
 from mha2gqa.errors import InputError
 from mha2gqa.typed import StrEnum, check_keywords
 from mha2gqa.units import parse_size
 
 OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
-PARENT = "parent"  # the calibration source sampled from SRC itself (convert/sampling.py)
 # Half the parent's samples, half the embedded novels: the best of the calibrations measured on SmolLM2's four
 # probe domains (geometric mean 2.96x with the samples' chat turns, 3.56x before them, against 6.91x for the
 # samples alone and 5.90x for Austen alone, docs/calibration.md), and still no data of the user's.
@@ -56,12 +56,12 @@ _CALIBRATED_METHODS = frozenset({Method.CALIBRATED})
 
 # One line on each method, for `--method`'s help; kept here so that `convert --help` needs no torch.
 METHOD_SUMMARIES = {
-    Method.MEAN.value: "mean-pool each group's K/V heads (Ainslie et al. 2023)",
+    Method.MEAN.value: "mean-pool each group's K/V heads (Ainslie et al. 2023): the paper's start for uptraining",
     Method.FIRST.value: "keep the first K/V head of each group (ablation)",
     Method.RANDOM.value: "random K/V with the source's mean and std, seeded (ablation)",
     Method.MEAN_NORM.value: "mean-pool, each pooled K/V head rescaled to its group's mean norm",
     Method.CALIBRATED.value: "RoPE-aware merge from calibration statistics, maps folded into q_proj/o_proj "
-    "(needs --calibration)",
+    "(reads --calibration; unset: its default)",
 }
 
 
@@ -72,7 +72,7 @@ class Grouping(StrEnum):
     """transformers' order, group g holds heads [g*r, (g+1)*r)."""
     SIMILARITY = "similarity"
     """chosen per layer from calibrated K/V similarity, then query heads and o_proj columns permuted to match
-    (needs --calibration)."""
+    (reads --calibration; unset: its default)."""
 
 
 @dataclass(frozen=True)
@@ -161,8 +161,8 @@ class ConvertOptions:
     force: bool = False
     """Replace DST if it exists and is not empty (SRC is never touched)."""
     dry_run: bool = False
-    """Plan only, write nothing: the plan (every output tensor and what it is made of) is returned, and printed
-    by the command."""
+    """Plan only, write nothing: the plan is returned, and the command prints its summary first (what would be
+    written, the stages, memory and time), every output tensor and what it is made of with --plan-tensors."""
     progress: bool = True
     """Show progress bars."""
     calibration: str | list[str] | dict | None = None
@@ -186,11 +186,17 @@ class ConvertOptions:
     once per slice of layers."""
     refine: RefineOptions | None = None
     """After the merge, fit each layer's attention parameters, layer by layer, so that its output on the
-    calibration tokens matches the parent's (inputs from the already-refined layers below). Needs
-    --calibration; works with every --method and --grouping. Per-layer errors on fit and held-out
+    calibration tokens matches the parent's (inputs from the already-refined layers below). Reads
+    --calibration (unset: its default); works with every --method and --grouping. Per-layer errors on fit and held-out
     calibration tokens go to the terminal and mha2gqa.json. Then all layers together against the parent's
     next-token distribution (--refine-global-steps; 0: off). Settings: the --refine-* flags (in Python a
     RefineOptions; None: no refinement)."""
+    check: bool = True
+    """After the write, score SRC and DST on the first 512 tokens of each probe domain (prose, code, Python docs,
+    licences): per domain the perplexity ratio, KL and top-1 agreement to SRC, one verdict (close / usable /
+    not usable without uptraining) and the next command; kept in mha2gqa.json and on the card. SRC's numbers
+    are cached per SRC (MHA2GQA_CACHE, else ~/.cache/mha2gqa). Skipped with one line where SRC has no
+    tokenizer, or on a CPU where it would take over 2 minutes (a model over about 1B parameters)."""
 
     def __post_init__(self):
         self.method = Method.parse(self.method, "--method")
@@ -285,6 +291,7 @@ CONVERT_FLAGS: tuple[Flag, ...] = (
     Flag("--calibration-tokens", type=int),
     Flag("--calibration-memory", size=True),
     Flag("--grouping"),
+    Flag("--check", changes_output=False),
     Flag("--refine"),
     *_refine_flags(memory=dict(size=True), tokens=dict(type=int), seed=dict(type=int, default_from="seed")),
 )

@@ -11,23 +11,26 @@ here, before DST, its lock or any statistics exist.
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mha2gqa import provenance
-from mha2gqa.card import about_the_source, hub_id
+from mha2gqa.card import about_the_source
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
-from mha2gqa.convert import config_file, fast, sampling
-from mha2gqa.convert.inputs import (  # noqa: F401 (block_length re-exported)
+from mha2gqa.convert import config_file, fast
+from mha2gqa.convert.check import CHECK_TOKENS, CheckPlan, check_logits_bytes, plan_check
+from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
     CalibrationInput,
     RefineBudget,
     block_length,
     calibration_input,
+    layers_per_pass,
     stats_bytes,
 )
-from mha2gqa.convert.options import (  # noqa: F401 (OUT_DTYPES re-exported)
+from mha2gqa.convert.options import (
     DEFAULT_CALIBRATION,
     OUT_DTYPES,
     REFINE_TOKENS_PER_HIDDEN,
@@ -38,9 +41,11 @@ from mha2gqa.convert.options import (  # noqa: F401 (OUT_DTYPES re-exported)
 )
 from mha2gqa.convert.plan import Plan, make_plan
 from mha2gqa.convert.rope import check_calibrated, check_grouping, check_refine_layout, check_rotary_dims
+from mha2gqa.corpus import sampling
+from mha2gqa.corpus.probe import DOMAINS
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
-from mha2gqa.estimates import convert_line
+from mha2gqa.estimates import check_seconds, convert_line
 from mha2gqa.layouts import (
     AttentionShape,
     Layout,
@@ -51,8 +56,8 @@ from mha2gqa.layouts import (
     read_config,
 )
 from mha2gqa.reading import check_regular, inside
-from mha2gqa.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir
-from mha2gqa.units import format_bytes, parse_size  # noqa: F401 (parse_size re-exported)
+from mha2gqa.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir, snapshot_hub_id
+from mha2gqa.units import format_bytes, parse_size
 
 NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME, config_file.CONFIG_NAME}  # written anew, not copied
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -94,6 +99,7 @@ class ConversionPlan:
     bytes_written: int = 0  # tensors + copied files + headers and JSON
     scratch_bytes: int = 0  # statistics and refine spill files inside DST's partial folder, removed at the end
     peak_memory: int = 0  # estimated peak resident memory, bytes
+    check: CheckPlan | None = None  # the quality check after the write (convert/check.py)
 
     @property
     def gathers_statistics(self) -> bool:
@@ -102,6 +108,11 @@ class ConversionPlan:
     @property
     def refine(self) -> RefineOptions | None:
         return self.options.refine
+
+    @property
+    def calibration_passes(self) -> int:
+        """Passes of the calibration tokens through SRC that gather the statistics within --calibration-memory."""
+        return -(-self.shape.layers // layers_per_pass(self.calibration_memory, self.shape.hidden))
 
     def command(self) -> str:
         """The `mha2gqa convert` command line that makes this conversion again (byte for byte), with OUT
@@ -142,9 +153,10 @@ class ConversionPlan:
         return lines
 
 
-def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
+def prepare(src, options: ConvertOptions, stats=None, resolved: CalibrationInput | None = None) -> ConversionPlan:
     """Check the request `options` against the model `src` (a directory or a hub id) and plan it.
-    `stats`: calibration.CalibrationStats gathered once by a sweep (then no calibration stage runs).
+    `stats`: calibration.CalibrationStats gathered once by a sweep (then no calibration stage runs); `resolved`:
+    the calibration of `options` (or of `stats`) already resolved, by an earlier plan of the same sweep.
     Raises InputError for every mistake that can be known before reading a tensor."""
     if options.calibration is not None and not isinstance(options.calibration, (str, Path, list, tuple, dict)):
         raise TypeError(
@@ -163,7 +175,7 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
     check_groups(shape, options.groups)
     check_target(config, options.groups)
     _check_calibration_needs(options, config)
-    calibration = _calibration_input(options, stats, config, source)
+    calibration = _calibration_input(options, stats, config, source, resolved)
     calibrated = calibration is not None or stats is not None
     memory_bytes = parse_size(options.calibration_memory, "--calibration-memory")
     require_safetensors(source, "SRC")
@@ -181,7 +193,7 @@ def prepare(src, options: ConvertOptions, stats=None) -> ConversionPlan:
     torch_reason = fast.request_refusal(options, config, calibrated) or fast.plan_refusal(tensors, checkpoint.tensors)
     plan = ConversionPlan(
         source=source,
-        source_spec=hub_id(str(source)) or (str(source) if Path(str(src)).expanduser().is_dir() else str(src)),
+        source_spec=snapshot_hub_id(str(source)) or (str(source) if Path(str(src)).expanduser().is_dir() else str(src)),
         options=options,
         config=config,
         layout=layout,
@@ -214,10 +226,13 @@ def _check_calibration_needs(options: ConvertOptions, config: dict) -> None:
         check_rotary_dims(config)
 
 
-def _calibration_input(options: ConvertOptions, stats, config: dict, source: Path) -> CalibrationInput | None:
+def _calibration_input(
+    options: ConvertOptions, stats, config: dict, source: Path, resolved: CalibrationInput | None = None
+) -> CalibrationInput | None:
     """The calibration text, resolved once: --calibration; else (refine on a sweep's statistics) the data
     those statistics were gathered from; else, where a stage that shapes the weights needs it, the default
-    (the parent's samples); None when nothing reads calibration text."""
+    (the parent's samples); None when nothing reads calibration text. `resolved`: the same text resolved
+    before (a sweep's), budgeted here for the tokens asked."""
     seq_len, hidden = block_length(config), attention_shape(config).hidden
     tokens = options.calibration_tokens
     if options.calibration is not None or (stats is None and options.calibration_shapes_weights):
@@ -226,7 +241,10 @@ def _calibration_input(options: ConvertOptions, stats, config: dict, source: Pat
         spec, tokens = stats.record.get("data"), stats.tokens
     else:
         return None
-    calibration = calibration_input(spec, tokens, seq_len, hidden)  # missing files, unknown formats, no text: now
+    if resolved is not None:
+        calibration = resolved.budgeted(tokens)
+    else:
+        calibration = calibration_input(spec, tokens, seq_len, hidden)  # missing files, unknown formats, no text: now
     if options.refine is not None and calibration.tokens < 2 * seq_len:
         raise InputError(
             f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {calibration.tokens} tokens): "
@@ -272,9 +290,28 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int) -> None:
         stages.append(Stage("merge", merge + "; the merged attention kept in memory for refine"))
         stages += _refine_stages(plan, calibration_tokens, seq_len)
         peak = max(peak, _refine_peak(plan, model_bytes, seq_len))
+    plan.check = _plan_check(plan, params)
+    stages.append(Stage("check", plan.check.describe().removeprefix("check: ")))
+    if plan.check.skip is None:
+        peak = max(peak, model_bytes + check_logits_bytes(plan.config))
     stages.append(Stage("metadata", "config.json, tokenizer and other files, mha2gqa.json, README.md card"))
     plan.stages = stages
     plan.peak_memory = peak + RUNTIME_BYTES["numpy" if plan.torch_reason is None else "torch"]
+
+
+def _plan_check(plan: ConversionPlan, params: int) -> CheckPlan:
+    if not any((plan.source / name).is_file() for name in TOKENIZER_FILES):
+        return CheckPlan(0, 0, (), 0.0, "SRC has no tokenizer to read the probe texts with")
+    seconds = check_seconds(CHECK_TOKENS * len(DOMAINS), params)
+    return plan_check(plan.config, params, plan.options.check, seconds, on_gpu=_cuda_visible())
+
+
+def _cuda_visible() -> bool:
+    """Whether the check will run on a GPU, asked without importing torch: an NVIDIA driver is present and
+    CUDA_VISIBLE_DEVICES does not hide every device (a wrong guess only misjudges the check's skip)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return Path("/proc/driver/nvidia/version").exists()
 
 
 def _sample_stage(calibration: CalibrationInput, params: int) -> Stage:
@@ -289,9 +326,7 @@ def _sample_stage(calibration: CalibrationInput, params: int) -> Stage:
 
 
 def _calibrate_stage(plan: ConversionPlan, calibration_tokens: int) -> Stage:
-    shape = plan.shape
-    per_pass = max(1, plan.calibration_memory // stats_bytes(shape.hidden))
-    passes = -(-shape.layers // per_pass)
+    shape, passes = plan.shape, plan.calibration_passes
     words = _data_words(plan.calibration) if plan.calibration is not None else "the statistics' data"
     return Stage(
         "calibrate",

@@ -13,6 +13,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,11 +21,11 @@ from mha2gqa import provenance
 from mha2gqa.card import write_card
 from mha2gqa.checkpoint import ShardedWriter, atomic_directory, check_destination
 from mha2gqa.convert import config_file, fast
-from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, ConvertOptions, Grouping  # noqa: F401 (re-exported)
+from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.plan import Plan
-from mha2gqa.convert.prepare import NOT_COPIED, OUT_DTYPES, ConversionPlan, parse_size, prepare  # noqa: F401
+from mha2gqa.convert.prepare import ConversionPlan, prepare
 from mha2gqa.convert.roles import pack, unpack
-from mha2gqa.errors import InputError, import_torch
+from mha2gqa.errors import InputError, InputWarning, import_torch
 from mha2gqa.layouts import converted_config
 from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, resolve, short_read
@@ -33,13 +34,14 @@ from mha2gqa.writing import write_atomic
 
 @dataclass
 class ConversionResult:
-    plan: Plan
+    tensors: Plan  # every output tensor and what it is made of (the plan's `tensors`)
     dst: Path | None  # None for a dry run
     source: Path
     # Per layer (with calibration or grouping): key_error, value_error, kv_order.
     layers: list[dict] = field(default_factory=list)
     refine: dict | None = None  # with refine: options, token counts and per-layer output errors
-    conversion: ConversionPlan | None = None  # the checked request and its stages (what --dry-run prints)
+    plan: ConversionPlan | None = None  # the checked request and its stages (what --dry-run prints)
+    check: dict | None = None  # what the conversion kept (convert/check.py), or {"skipped": why}
 
 
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
@@ -56,27 +58,31 @@ def convert(
 ) -> ConversionResult:
     """Convert the model at `src` (directory or hub id) to `groups` kv heads, written to `dst`.
     The keywords are the fields of ConvertOptions (convert/options.py, one docstring each); or pass
-    `options=ConvertOptions(...)`. With `calibration` (files, folders or a hub dataset: see mha2gqa.textdata),
+    `options=ConvertOptions(...)`. With `calibration` (files, folders or a hub dataset: mha2gqa.corpus.textdata),
     per-layer statistics of the attention input are gathered first (calibrated merge, similarity grouping,
-    reconstruction errors); a sweep passes the statistics it gathered once with calibration.calibrate as
-    `stats` instead. With `refine`, the merged attention is then refined layer by layer against the parent
+    reconstruction errors); statistics gathered once for several conversions (calibration.calibrate, or a
+    sweep's pass) come as `stats` instead. With `refine`, the merged attention is then refined layer by layer against the parent
     on the calibration tokens (convert/refine/) before anything is written."""
     if options is None:
         options = ConvertOptions.from_kwargs(groups, kwargs)
     elif kwargs or groups is not None:
         raise TypeError("convert(): pass either options=ConvertOptions(...) or groups and keywords, not both")
-    plan = prepare(src, options, stats)
-    dst = Path(dst).expanduser()
-    _check_destination(plan.source, dst, options.force)
+    plan = plan_conversion(src, dst, options, stats)
     if options.dry_run:
-        return ConversionResult(plan.tensors, None, plan.source, conversion=plan)
+        return ConversionResult(plan.tensors, None, plan.source, plan=plan)
     return execute(plan, dst)
 
 
-def execute(plan: ConversionPlan, dst: Path, layer_stage=None) -> ConversionResult:
-    """Run the stages of `plan` into a new `dst`: calibrate -> merge -> refine -> write -> metadata.
-    `layer_stage`: refine's hook after each layer's attention fit (refine.LayerStage), for experiments in bench/;
-    what it changes is not in the plan's command, so the card cannot make it again."""
+def plan_conversion(src, dst, options: ConvertOptions, stats=None, resolved=None) -> ConversionPlan:
+    """prepare, then the destination's checks: everything convert refuses before it writes. `resolved`: the
+    calibration already resolved for an earlier plan (a sweep plans every candidate from one resolution)."""
+    plan = prepare(src, options, stats, resolved)
+    _check_destination(plan.source, Path(dst).expanduser(), options.force)
+    return plan
+
+
+def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
+    """Run the stages of `plan` into a new `dst`: calibrate -> merge -> refine -> write -> metadata."""
     options, source = plan.options, plan.source
     dst = Path(dst).expanduser()
     _check_destination(source, dst, options.force)
@@ -88,13 +94,15 @@ def execute(plan: ConversionPlan, dst: Path, layer_stage=None) -> ConversionResu
         atomic_directory(dst, replace=options.force, needed_bytes=plan.bytes_written + plan.scratch_bytes) as tmp,
         tempfile.TemporaryDirectory(prefix=".calibration-", dir=tmp) as scratch,
     ):
-        layers, refined, stats = [], None, plan.stats
+        layers, refined, stats, parent = [], None, plan.stats, None
         if plan.torch_reason is None:
             fast.write_tensors(plan.checkpoint, plan.tensors, tmp, plan.shard_bytes, options.progress)
         else:
-            layers, refined, stats = _run_torch(plan, tmp, Path(scratch), layer_stage)
+            layers, refined, stats, parent = _run_torch(plan, tmp, Path(scratch))
         _copy_files(plan.copied, source, tmp)
         _write_config(plan.config, options.groups, options.dtype, tmp)
+        checked = _check(plan, tmp, dst, parent)
+        del parent
         extra = {
             "grouping": options.grouping.value,
             "calibration": stats.record if stats else None,
@@ -103,11 +111,40 @@ def execute(plan: ConversionPlan, dst: Path, layer_stage=None) -> ConversionResu
             "command": plan.command(),
             "torch_threads": _torch_threads(plan),  # the same bytes again need the same count (card: Reproduce)
             "config": plan.config_values(),  # DST/convert.yaml's mapping; the card shows it
+            "check": {k: v for k, v in checked.items() if k not in RUN_FACTS},
         }
         write_atomic(tmp / config_file.CONFIG_NAME, config_file.render(extra["config"]))
         _write_provenance(source, plan.config, plan.tensors, options.seed, options.dtype, tmp, extra)
         write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
-    return ConversionResult(plan.tensors, dst, source, layers, refined, plan)
+    return ConversionResult(plan.tensors, dst, source, layers, refined, plan, checked)
+
+
+def _kept_for_check(plan: ConversionPlan, parent):
+    """The loaded parent when the check will score it (loaded once per convert), else None (freed)."""
+    return parent if plan.check is not None and plan.check.skip is None else None
+
+
+def _check(plan: ConversionPlan, written: Path, dst: Path, parent=None) -> dict:
+    """The quality check of the model now complete in the partial DST (weights, config, tokenizer), before its
+    record is written: what it kept goes into mha2gqa.json and the card with the rest, atomically."""
+    check, options = plan.check, plan.options
+    if check is None or check.skip is not None:
+        return {"skipped": check.skip if check else "not planned"}
+    import_torch()
+    from mha2gqa.convert.check import next_steps
+    from mha2gqa.convert.check_scores import run_check
+
+    try:
+        record = run_check(plan.source, written, check, options.progress, parent)
+    except InputError as err:  # a model transformers cannot load as it stands: the conversion stands, unchecked
+        warnings.warn(f"the check could not run: {err}", InputWarning, stacklevel=2)
+        return {"skipped": f"it could not run: {err}"}
+    full = options.method.needs_calibration and options.refine is not None
+    record["next"] = next_steps(record["verdict"], plan.source_spec, str(dst), options.groups, full, record["device"])
+    return record
+
+
+RUN_FACTS = ("seconds", "parent_cached")  # of this run, not of the model: printed, kept out of mha2gqa.json
 
 
 def _torch_threads(plan: ConversionPlan) -> int | None:
@@ -120,7 +157,7 @@ def _torch_threads(plan: ConversionPlan) -> int | None:
     return torch.get_num_threads()
 
 
-def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, layer_stage=None):
+def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path):
     """The torch stages: the calibration ids read once, the parent loaded once (for the statistics and for
     refine), the merge, refine, and the one writer pass. Returns (per-layer merge report, refine record,
     statistics)."""
@@ -149,8 +186,8 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, layer_stage=N
             options.progress,
         )
     if plan.refine is None:
-        del parent  # the merge needs one layer at a time, not the model
-        return _write_tensors(plan, out_dir, stats), None, stats
+        parent = _kept_for_check(plan, parent)  # the merge needs one layer at a time, not the model
+        return _write_tensors(plan, out_dir, stats), None, stats, parent
     from mha2gqa.convert.refine import refine_attention
 
     merged, layers = _merge(plan, stats)
@@ -166,11 +203,11 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, layer_stage=N
         out_dtype=options.dtype,
         spill_dir=out_dir,
         progress=options.progress,
-        layer_stage=layer_stage,
     )
-    del parent, merged
+    del merged
+    parent = _kept_for_check(plan, parent)
     _write_tensors(plan, out_dir, stats, computed=refined)
-    return layers, record, stats
+    return layers, record, stats, parent
 
 
 def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: dict | None = None) -> list[dict]:

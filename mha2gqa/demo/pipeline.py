@@ -95,7 +95,7 @@ def plan_demo(
     if not 0 < settings.alpha <= 1:
         raise InputError(f"--alpha {settings.alpha} must be in (0, 1]: e.g. 0.05 for 5% of the pretraining tokens")
     conversion = prepare(
-        embedded.model_dir(), ConvertOptions(groups=groups, method="mean", force=True, progress=progress)
+        embedded.model_dir(), ConvertOptions(groups=groups, method="mean", force=True, progress=progress, check=False)
     )
     out = check_folder(out, "--out", "demo", RUN_ENTRIES, force)
     return DemoPlan(out, settings, conversion, force)
@@ -207,9 +207,10 @@ def _beside_model(result: Path, model_dir: Path) -> None:
     """A copy of the demo's result as MODEL_DIR/eval.json, so the model's card shows the numbers of the
     demo's table (the card lists the eval results saved beside the model)."""
     from mha2gqa.card import write_card
+    from mha2gqa.eval.card_table import measured_cells
 
     shutil.copyfile(result, model_dir / "eval.json")
-    write_card(model_dir)
+    write_card(model_dir, measured=measured_cells(model_dir))
 
 
 # What a demo run writes into --out: a folder holding only these is an earlier run, and --force may

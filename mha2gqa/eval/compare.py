@@ -41,10 +41,7 @@ def comparison_rows(results: list[dict], base: int, speedup_apart: bool = False)
     starts = lineage.recovery_starts(results)
     table = metrics.Table(results, base, point, starts, speedup_apart)
     entries = metrics.entries(results)
-    rows: list[dict] = [{} for _ in results]
-    for entry in entries:  # column by column: a derived metric reads the columns before it
-        for i, row in enumerate(rows):
-            row[entry.name] = entry.value(table, rows, i)
+    rows = _values(table, entries)
     notes = table_notes(results) + recovery_notes(results, starts) + speed_notes(results, rows, base)
     if any(row["speedup_noisy"] for row in rows):
         notes.append(
@@ -60,6 +57,21 @@ def comparison_rows(results: list[dict], base: int, speedup_apart: bool = False)
         "notes": notes,
         "metrics": [entry.legend() for entry in entries],
     }
+
+
+def _values(table: metrics.Table, entries: list[metrics.Metric]) -> list[dict]:
+    """One row per result of `table`, every entry's value by name."""
+    rows: list[dict] = [{} for _ in table.results]
+    for entry in entries:  # column by column: a derived metric reads the columns before it
+        for i, row in enumerate(rows):
+            row[entry.name] = entry.value(table, rows, i)
+    return rows
+
+
+def row_against(result: dict, baseline: dict) -> dict:
+    """The main table's metrics (metrics.METRICS) of `result` against `baseline`, by name: the second row of a
+    report of the two, without a speed point or lineage (a sweep's candidate against its parent)."""
+    return _values(metrics.Table([baseline, result], 0, None, [None, None]), metrics.METRICS)[1]
 
 
 def recovery_notes(results: list[dict], starts: list[lineage.Start | None]) -> list[str]:

@@ -1,5 +1,5 @@
 """Held-out text for perplexity: the documents of files, a folder or a hub dataset (read by
-mha2gqa.textdata), joined with a blank line and tokenized once, as one stream, the usual way
+mha2gqa.corpus.textdata), joined with a blank line and tokenized once, as one stream, the usual way
 sliding-window perplexity is reported (e.g. wikitext)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa import textdata
+from mha2gqa.corpus import textdata
 from mha2gqa.errors import InputError
 
 SEPARATOR = "\n\n"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mha2gqa import provenance as model_provenance
+from mha2gqa import provenance
 from mha2gqa.errors import InputError
 
 
@@ -20,7 +20,7 @@ def _names(entries) -> str:
 def training_eval(metrics_path: str | Path) -> str:
     """The held-out tokens of an uptrain run's evals, from the recipe in its mha2gqa.json ('' without one)."""
     try:
-        stage = model_provenance.latest(Path(metrics_path).parent, "uptrain")
+        stage = provenance.latest(Path(metrics_path).parent, "uptrain")
     except InputError:
         stage = None
     recipe = (stage or {}).get("recipe") or {}

@@ -4,9 +4,10 @@ computed, where it sits in a result file, its report column and which direction 
 A metric `mha2gqa eval` measures reads its value from the result at `field`; a derived one is
 computed from the table (`derive`: the baseline, the lineage pairs, the speed point, the columns
 before it). compare.py fills report.json's rows from this list (the demo's summary reads them by these
-names), render.py draws the columns, report.json carries the list as its legend, and sweep's table takes its
-columns' headers and formats from here too (sweep/render.py). A new metric is one entry here plus the
-measurement that writes its field (eval/measurements.py); docs/eval.md shows a worked example.
+names), render.py draws the columns, report.json carries the list as its legend, and the sweep measures its
+candidates by it and takes its columns from it too (sweep/candidates.py, sweep/render.py). A new metric is one
+entry here plus the measurement that writes its field (eval/measurements.py); docs/eval.md shows a worked
+example.
 """
 
 from __future__ import annotations

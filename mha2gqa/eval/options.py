@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mha2gqa.corpus.probe import PROBE, parse_domains
 from mha2gqa.errors import InputError
-from mha2gqa.eval.probe import PROBE, parse_domains
 from mha2gqa.typed import StrEnum, check_keywords
 
 
@@ -113,7 +113,7 @@ class EvalOptions:
 
     @property
     def domains(self) -> dict[str, str] | None:
-        """{name: text} of --data (eval/probe.py parse_domains), None without any."""
+        """{name: text} of --data (corpus/probe.py parse_domains), None without any."""
         return parse_domains(self.data)
 
     @property

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from mha2gqa.errors import InputError
+from mha2gqa.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def scored_logits(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """For each batch of windows: (logits (n, V) float32, targets (n,)) of the tokens scored there."""
     device = next(model.parameters()).device
-    bar = tqdm(total=len(wins), desc="windows", unit="win", disable=not progress, leave=False)
+    bar = progress_bar(len(wins), "windows", progress, unit="win", leave=False)
     for batch in _same_length_batches(wins, batch_size):
         inputs = torch.stack([ids[w.start : w.end] for w in batch]).to(device)  # (B, T)
         keep = max(w.scored for w in batch) + 1  # the last position predicts nothing in-window

@@ -12,7 +12,7 @@ matplotlib.use("Agg")  # files only: no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from mha2gqa import provenance as model_provenance  # noqa: E402
+from mha2gqa import provenance  # noqa: E402
 from mha2gqa.errors import InputError  # noqa: E402
 from mha2gqa.eval import measured_on, schema  # noqa: E402
 from mha2gqa.eval.metrics import tokens_per_s_iqr  # noqa: E402
@@ -174,7 +174,7 @@ def training_objective(metrics_path: Path) -> str:
     """What the logged train `loss` is, from the run's recipe in its mha2gqa.json when there is one:
     the LM loss, or distillation's mix of the LM loss and the KL to the teacher."""
     try:
-        stage = model_provenance.latest(Path(metrics_path).parent, "uptrain")
+        stage = provenance.latest(Path(metrics_path).parent, "uptrain")
     except InputError:
         stage = None
     recipe = (stage or {}).get("recipe") or {}

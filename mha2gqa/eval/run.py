@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa import provenance as model_provenance
+from mha2gqa import provenance
 from mha2gqa.errors import InputError
-from mha2gqa.eval import measurements, provenance, speed
+from mha2gqa.eval import environment, measurements, speed
 from mha2gqa.eval import model as M
 from mha2gqa.eval import perplexity as P
 from mha2gqa.eval.data import load_eval_text
@@ -52,8 +52,8 @@ def evaluate(model_path, data=None, reference=None, *, options: EvalOptions | No
     require_safetensors(model_dir, "model")
     if ref_dir:
         require_safetensors(ref_dir, "--reference")
-    prov = model_provenance.read(model_dir)
-    role = provenance.infer_role(prov, o.role)
+    prov = provenance.read(model_dir)
+    role = environment.infer_role(prov, o.role)
     config = M.load_config(model_dir)
     tok = M.load_tokenizer(model_dir, o.tokenizer)
     M.check_vocab(tok, config, "the model")
@@ -88,9 +88,10 @@ def _text(o: EvalOptions, path: str, tok):
 def _refresh_card(model_dir: Path, out: Path) -> None:
     """A result saved beside a model whose card mha2gqa wrote goes into that card."""
     from mha2gqa.card import CARD, is_ours, write_card
+    from mha2gqa.eval.card_table import measured_cells
 
     if out.resolve().parent == model_dir.resolve() and is_ours(model_dir / CARD):
-        write_card(model_dir)
+        write_card(model_dir, measured=measured_cells(model_dir))
 
 
 def _window(config, context, stride) -> tuple[int, int]:
@@ -143,8 +144,8 @@ def _skeleton(model_path, model_dir, model, shape, prov, role, label, reference,
         "warnings": [],
         "env": {
             "device": str(dev),
-            "device_name": provenance.device_name(dev),
-            "versions": provenance.versions(),
+            "device_name": environment.device_name(dev),
+            "versions": environment.versions(),
             "seed": seed,
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         },

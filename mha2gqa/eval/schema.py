@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from mha2gqa.errors import InputError, user_file_error
+from mha2gqa.eval.sweep_schema import SWEEP_SCHEMA
 from mha2gqa.reading import read_json
 from mha2gqa.writing import write_atomic
 
@@ -148,8 +149,6 @@ def load_result(path: str | os.PathLike) -> dict:
 
 def load_results(path: str | os.PathLike) -> list[dict]:
     """The results in one file: an eval result, or a sweep.json's parent and finished candidates."""
-    from mha2gqa.sweep.schema import SWEEP_SCHEMA  # the sweep owns its record's layout
-
     found = _read_json(Path(path))
     if isinstance(found, dict) and found.get("schema") == SWEEP_SCHEMA:
         return [_sweep_part(path, name, part) for name, part in _sweep_parts(found)]

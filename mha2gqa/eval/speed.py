@@ -17,12 +17,12 @@ import uuid
 from dataclasses import asdict, dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from mha2gqa.errors import InputError
 from mha2gqa.eval.memory import PeakMemory
 from mha2gqa.eval.metrics import quartiles
 from mha2gqa.hfcache import cache_kwargs, cache_of
+from mha2gqa.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def decode_speed(model, grid: SpeedGrid, seed: int = 0, progress: bool = False, 
     its points go in `side_by_side` under a fresh id: the only speeds a report turns into a speed-up."""
     points = [(b, c) for c in grid.contexts for b in grid.batches]
     results, theirs = [], []
-    for batch, context in tqdm(points, desc="decode speed", disable=not progress, leave=False):
+    for batch, context in progress_bar(len(points), "decode speed", progress, points, leave=False):
         if beside is None:
             results.append(measure_point(model, batch, context, grid, seed))
         else:

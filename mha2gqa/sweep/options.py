@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mha2gqa.convert.options import DEFAULT_CALIBRATION, Method, RefineOptions
+from mha2gqa.corpus.probe import PROBE, parse_domains
 from mha2gqa.errors import InputError
-from mha2gqa.eval.probe import PROBE, parse_domains
 
 DEFAULT_METHODS = (Method.MEAN.value, Method.CALIBRATED.value)
 DEFAULT_TOLERANCE = 0.05

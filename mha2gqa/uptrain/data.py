@@ -1,7 +1,7 @@
 """A recipe's data, ready for the loop: text -> tokens -> packed seq_len blocks (EOS between
 documents, no padding) -> per-rank training batches and the held-out eval blocks.
 
-Documents come from mha2gqa.textdata (a `datasets` Dataset of local files or a hub dataset). Training
+Documents come from mha2gqa.corpus.textdata (a `datasets` Dataset of local files or a hub dataset). Training
 batches are a pure function of (seed, micro-step, rank): a resumed run asks for the batches from its
 micro-step on and gets exactly what the uninterrupted run saw; the ranks take disjoint slices of
 every global batch (in memory) or disjoint documents (streaming).
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-from mha2gqa import textdata
+from mha2gqa.corpus import textdata
 from mha2gqa.errors import InputError
+from mha2gqa.progress import progress_bar
 from mha2gqa.uptrain.data_spec import DataPart, data_parts, is_plain
 from mha2gqa.uptrain.recipe import DataConfig, Recipe
 
@@ -224,13 +224,8 @@ def tokenized(source: textdata.TextSource, cfg: DataConfig, tokenizer, streaming
         hub_split=cfg.split,
     )
     total = None if streaming else len(ds)
-    bar = tqdm(
-        textdata.dataset_texts(ds, cfg.text_field, source.key, "data.text_field"),
-        total=total,
-        desc="tokenizing",
-        unit="doc",
-        disable=streaming or not show_progress,
-    )
+    texts = textdata.dataset_texts(ds, cfg.text_field, source.key, "data.text_field")
+    bar = progress_bar(total, "tokenizing", not streaming and show_progress, texts, unit="doc")
     return ds, token_docs(bar, tokenizer)
 
 

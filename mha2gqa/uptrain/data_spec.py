@@ -2,9 +2,9 @@
 mixed_data.py read it).
 
 The names are convert's --calibration names, through the same resolvers: files, folders and a hub dataset
-(mha2gqa.textdata), `austen` (the embedded novels, mha2gqa.embedded), and, in data.train only, `parent`:
-sequences sampled from distill.teacher (convert/sampling.py), the data a user always has. A mix is written
-as convert writes one (convert/inputs.parse_spec): every entry with a share, `[parent:0.5, corpus.txt:0.5]`;
+(mha2gqa.corpus.textdata), `austen` (the embedded novels, mha2gqa.embedded), and, in data.train only, `parent`:
+sequences sampled from distill.teacher (corpus/sampling.py), the data a user always has. A mix is written
+as convert writes one (corpus/mix.parse_spec): every entry with a share, `[parent:0.5, corpus.txt:0.5]`;
 each part then gives its share of the blocks the run trains on. A list without shares is one text, its
 files read together (the plain path, data.build_data).
 """
@@ -15,9 +15,8 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa import textdata
-from mha2gqa.convert.inputs import parse_spec
-from mha2gqa.convert.options import PARENT
+from mha2gqa.corpus import textdata
+from mha2gqa.corpus.mix import PARENT, parse_spec
 from mha2gqa.embedded import expand_corpus_name
 from mha2gqa.errors import InputError
 

@@ -19,8 +19,8 @@ import hashlib
 
 import torch
 
-from mha2gqa.convert import sampling
-from mha2gqa.convert.inputs import part_tokens
+from mha2gqa.corpus import sampling
+from mha2gqa.corpus.mix import part_tokens
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain.data import (
     MemoryBatches,

@@ -47,7 +47,23 @@ def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
     return recipe
 
 
+SHIPPED = Path(__file__).resolve().parent / "recipes"  # recipes inside the package, named without a path
+
+
+def shipped_recipes() -> list[str]:
+    return sorted(p.stem for p in SHIPPED.glob("*.yaml"))
+
+
+def recipe_path(recipe) -> Path:
+    """`--recipe`'s file: the path given, or a shipped recipe's name (distill-parent-cpu); an existing path wins."""
+    path = Path(recipe).expanduser()
+    if not path.exists() and path.name == str(recipe) and (SHIPPED / f"{recipe}.yaml").is_file():
+        return SHIPPED / f"{recipe}.yaml"
+    return path
+
+
 def _read_yaml(path) -> dict:
+    path = recipe_path(path)
     size_fix = "a recipe is a few KB of YAML: pass the recipe itself (see recipes/*.yaml)"
     return read_yaml_mapping(path, f"recipe {path}", "a recipe", MAX_YAML_BYTES, size_fix, "see recipes/*.yaml")
 

@@ -32,9 +32,7 @@ whose refit was kept, all together, against the parent's next-token distribution
 
 The package: buffers.py (the blocks, their mini-batches, one layer's activation buffers), model.py (the
 converted model), hooks.py (running the models layer by layer), attention.py (the attention fit) and
-global_stage.py; this module runs them layer by layer. A LayerStage (below) is the one hook for an experiment
-after each layer's attention fit: the block stage that solved the MLP output projection (once --refine-mlp)
-lost on held-out text on a real model and lives in bench/_block_stage.py (docs/refine-results.md).
+global_stage.py; this module runs them layer by layer.
 """
 
 from __future__ import annotations
@@ -42,14 +40,10 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
-from typing import Protocol
 
 import torch
-from tqdm.auto import tqdm
 
 from mha2gqa.convert.inputs import RefineBudget
 from mha2gqa.convert.options import RefineOptions
@@ -60,13 +54,13 @@ from mha2gqa.convert.refine.hooks import advance, first_hidden_states, layer_tar
 from mha2gqa.convert.refine.model import attention_path, converted_model, layer_path
 from mha2gqa.errors import WeightWarning
 from mha2gqa.layouts import AttentionShape, Layout
+from mha2gqa.progress import progress_bar
 
 __all__ = [
     "BUFFERS",
     "EXACT",
     "ActivationBuffers",
     "GlobalFit",
-    "LayerStage",
     "RefineOptions",
     "calibration_blocks",
     "converted_model",
@@ -88,11 +82,10 @@ def refine_attention(
     out_dtype: str | None = None,
     spill_dir: Path | None = None,
     progress: bool = True,
-    layer_stage: Callable[..., LayerStage] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Refine the merged attention layer by layer against the loaded `parent`. config: the converted
     config.json; merged: the merge's tensors by checkpoint name, in their output dtype; budget: the blocks
-    to fit on, as the plan computed them (prepare); out_dtype: --dtype; layer_stage: see LayerStage.
+    to fit on, as the plan computed them (prepare); out_dtype: --dtype.
     Returns every layer's refined attention tensors by checkpoint name, and the JSON-able record: options,
     token counts and per-layer errors."""
     started, started_cpu = time.perf_counter(), time.process_time()
@@ -104,13 +97,11 @@ def refine_attention(
         len(blocks), budget.seq_len, shape.hidden, options.memory, next(model.parameters()).device, spill_dir
     )
     layers, refined, changed, global_record = [], {}, {}, None
-    bar = tqdm(
-        total=shape.layers * max(options.steps, 1), desc="refine", unit="step", disable=not progress, leave=False
-    )
+    bar = progress_bar(shape.layers * max(options.steps, 1), "refine", progress, unit="step", leave=False)
     try:
         layer_kwargs = first_hidden_states(parent, layout, shape.layers, blocks, buffers, options.batch_blocks)
         generator = torch.Generator().manual_seed(options.seed)
-        run = _Run(parent, model, layout, buffers, split, options, generator, bar, layer_kwargs, layer_stage)
+        run = _Run(parent, model, layout, buffers, split, options, generator, bar, layer_kwargs)
         buffers["converted"].copy_(buffers["parent"])
         for index in range(shape.layers):
             bar.set_description(f"refine layer {index + 1}/{shape.layers}", refresh=False)
@@ -130,21 +121,6 @@ def refine_attention(
     return refined, _record(run, budget.seq_len, timing, layers, global_record)
 
 
-class LayerStage(Protocol):
-    """A stage after each layer's attention fit, for experiments outside the package (bench/_block_stage.py).
-    refine_attention builds one per fitted layer, `layer_stage(layer, kwargs, buffers, split, options)` (the
-    decoder layer, its call's keyword arguments, the ActivationBuffers, the fit / held-out split, the
-    RefineOptions), hands it each batch of the layer's outputs on the pass that moves the converted states on,
-    and builds it again if the attention refit is not kept, as that pass runs again."""
-
-    def add(self, start: int, out: torch.Tensor) -> None:
-        """The layer's output for blocks start, start + 1, ... (buffers['parent'] holds the parent's)."""
-
-    def finish(self, advance: Callable[[], torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-        """After that pass: `advance()` re-runs it (refilling buffers['inputs']). Returns the tensors it changed,
-        by name in the layer (written with the attention's), and keys for the layer's report."""
-
-
 @dataclass
 class _Run:
     """What every layer's refit shares: both models, the activation buffers, the fit / held-out split, the
@@ -158,14 +134,8 @@ class _Run:
     split: dict
     options: RefineOptions
     generator: torch.Generator
-    bar: tqdm
+    bar: object  # a progress bar (mha2gqa.progress)
     layer_kwargs: dict[int, dict]
-    layer_stage: Callable[..., LayerStage] | None = None
-
-    def stage(self, layer, kwargs: dict) -> LayerStage | None:
-        if self.layer_stage is None:
-            return None
-        return self.layer_stage(layer, kwargs, self.buffers, self.split, self.options)
 
 
 def _refine_layer(run: _Run, index: int) -> tuple[dict, dict[str, torch.Tensor], bool]:
@@ -184,11 +154,9 @@ def _refine_layer(run: _Run, index: int) -> tuple[dict, dict[str, torch.Tensor],
         inputs, targets = buffers["inputs"], buffers["targets"]
         fit_attention(attn, layout, attn_kwargs, inputs, targets, split["fit"], options, run.generator, index, run.bar)
     run.bar.update(max(options.steps, 1) if not fitted or options.steps == 0 else 0)
-    # A layer stage accumulates from the pass that advances the converted states.
-    stage = run.stage(layer, kwargs) if fitted else None
     # The next converted states go into the inputs buffer (free once the fit is done), measuring
     # the refined layer's errors on the way; the buffers then swap roles.
-    after = advance(layer, layout, kwargs, buffers, batch, stage)
+    after = advance(layer, layout, kwargs, buffers, batch)
     fit_after, held_after = (relative(after, power, split[part]) for part in ("fit", "heldout"))
     # Kept only if better on the fit blocks (an exact merge stays exact) and on the held-out ones
     # (a layer that overfits too few calibration tokens is left as merged).
@@ -196,12 +164,8 @@ def _refine_layer(run: _Run, index: int) -> tuple[dict, dict[str, torch.Tensor],
     if fitted and not (fit_after < fit_before and held_after < held_before):
         outcome = _lost(index, fit_after, held_after, options)
         _restore(attn, kept)
-        stage = run.stage(layer, kwargs) if stage else None
-        advance(layer, layout, kwargs, buffers, batch, stage)
+        advance(layer, layout, kwargs, buffers, batch)
         fit_after, held_after = fit_before, held_before
-    solved, stage_report = {}, {}
-    if stage is not None:
-        solved, stage_report = stage.finish(partial(advance, layer, layout, kwargs, buffers, batch))
     buffers.swap("converted", "inputs")
     report = {
         "layer": index,
@@ -209,11 +173,10 @@ def _refine_layer(run: _Run, index: int) -> tuple[dict, dict[str, torch.Tensor],
         "fit_error_after": fit_after,
         "heldout_error_before": held_before,
         "heldout_error_after": held_after,
-        **stage_report,
     }
     if outcome in ("worse", "non-finite"):
         report["kept_merged"] = outcome
-    return report, _tensor_names(layout, index, attn, solved), outcome == "refined"
+    return report, _tensor_names(layout, index, attn), outcome == "refined"
 
 
 def _lost(index: int, fit_after: float, held_after: float, options: RefineOptions) -> str:
@@ -261,11 +224,7 @@ def _restore(module, saved: dict) -> None:
             p.copy_(saved[name])
 
 
-def _tensor_names(layout: Layout, index: int, attn, solved: dict | None = None) -> dict[str, torch.Tensor]:
-    """The refined parameters under their checkpoint names: the attention's, and those a layer stage
-    changed (`solved`: names relative to the layer)."""
-    layer = layout.layer_prefix.format(layer=index)
-    prefix = layer + attention_path(layout) + "."
-    tensors = {prefix + name: p.detach() for name, p in attn.named_parameters()}
-    tensors.update({layer + name: p for name, p in (solved or {}).items()})
-    return tensors
+def _tensor_names(layout: Layout, index: int, attn) -> dict[str, torch.Tensor]:
+    """The refined attention parameters under their checkpoint names."""
+    prefix = layout.layer_prefix.format(layer=index) + attention_path(layout) + "."
+    return {prefix + name: p.detach() for name, p in attn.named_parameters()}

@@ -1,7 +1,6 @@
 """The attention fit of `--refine` (chosen by measurement, docs/refine.md): Adam on the normalised MSE
 ||attn(x) - t||^2 / mean ||t||^2 over seeded mini-batches of blocks, cosine-decayed learning rate, then a
-closed-form least-squares solve of o_proj given the rest. Also the one ridge solve and the one relative
-error, public for a layer stage (refine.LayerStage) to use as well."""
+closed-form least-squares solve of o_proj given the rest, and the relative error every layer's report uses."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ def relative(errors: torch.Tensor, power: torch.Tensor, blocks: torch.Tensor) ->
     return float(errors[blocks].sum()) / total if total > 0 else 0.0
 
 
-def ridge_solve(gram: torch.Tensor, cross: torch.Tensor) -> torch.Tensor:
+def _ridge_solve(gram: torch.Tensor, cross: torch.Tensor) -> torch.Tensor:
     """argmin_W ||A W - T||^2 from the normal equations (gram = A^T A, cross = A^T T, float64), with a tiny
     ridge (1e-6 of the mean diagonal) so that an input direction the tokens never use stays finite."""
     width = len(gram)
@@ -109,7 +108,7 @@ def _solve_output(attn, layout: Layout, kwargs, inputs, targets, fit: torch.Tens
                 cross += a.T @ targets[chunk].to(device).reshape(len(a), -1).double()
     finally:
         handle.remove()
-    solution = ridge_solve(gram, cross)  # (width, d)
+    solution = _ridge_solve(gram, cross)  # (width, d)
     with torch.no_grad():
         o_proj.weight.copy_(solution[: o_proj.weight.shape[1]].T)
         if has_bias:

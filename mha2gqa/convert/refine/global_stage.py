@@ -26,11 +26,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from mha2gqa.convert.options import RefineOptions
 from mha2gqa.convert.refine.buffers import mini_batches
 from mha2gqa.kl import kl_divergence
+from mha2gqa.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def fit_global(
     checks = [{"step": 0, "heldout_kl": heldout_kl(parent, model, blocks, heldout)}]
     best, stale = (checks[0]["heldout_kl"], [m.detach().clone() for m in masters]), 0
     batches = mini_batches(split["fit"], fit.batch_blocks, generator)
-    bar = tqdm(range(1, fit.steps + 1), desc="refine all layers", unit="step", disable=not progress, leave=False)
+    bar = progress_bar(fit.steps, "refine all layers", progress, range(1, fit.steps + 1), unit="step", leave=False)
     try:
         for step in bar:
             optimizer.zero_grad(set_to_none=True)

@@ -146,10 +146,9 @@ def layer_targets(parent_layer, layer, layout: Layout, kwargs: dict, buffers, ba
     return attn_kwargs, errors, power
 
 
-def advance(layer, layout: Layout, kwargs: dict, buffers, batch_blocks: int, stage=None) -> torch.Tensor:
+def advance(layer, layout: Layout, kwargs: dict, buffers, batch_blocks: int) -> torch.Tensor:
     """buffers['converted'] through the (refined) layer into buffers['inputs']; returns the attention's
-    squared error per block against buffers['targets'] on the way. `stage` (a refine.LayerStage), when given,
-    is handed each batch's layer output."""
+    squared error per block against buffers['targets'] on the way."""
     source, dest = buffers["converted"], buffers["inputs"]
     device, dtype = next(layer.parameters()).device, next(layer.parameters()).dtype
     errors = torch.zeros(len(source), dtype=torch.float64)
@@ -163,8 +162,6 @@ def advance(layer, layout: Layout, kwargs: dict, buffers, batch_blocks: int, sta
                 cursor["start"] = start
                 end = start + batch_blocks
                 out = call_layer(layer, source[start:end].to(device, dtype), kwargs)
-                if stage is not None:
-                    stage.add(start, out)
                 dest[start:end] = out.float().to(dest.device)
     finally:
         handle.remove()

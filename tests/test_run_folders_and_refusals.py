@@ -1,6 +1,7 @@
-"""Fault injection, third round (issue 29): the newer commands (reproduce, demo, sweep) check all their
-input before any work and follow one rule for their output folder; file modes follow the umask;
-option values are checked by their own rule; the source's side files never sink a conversion.
+"""Output folders and refusals: the newer commands (reproduce, demo, sweep, report) check all their input
+before any work and follow one rule for their output folder; file modes follow the umask; option values are
+checked by their own rule; the source's side files never sink a conversion; loops, bounds and the warm hub
+cache answer in one line.
 
 Every refusal asserts exit code 2, exactly one `Error:` line, nothing beside OUT/DST, $TMPDIR empty and
 the sources byte-identical."""
@@ -354,7 +355,7 @@ def parent_result(tiny):
     ],
 )
 def test_report_of_a_broken_sweep_names_the_bad_entry(parent_result, tmp_path, tmpdir_env, parent, candidates, words):
-    from mha2gqa.sweep.schema import SWEEP_SCHEMA
+    from mha2gqa.eval.sweep_schema import SWEEP_SCHEMA
 
     sweep_json = tmp_path / "sweep.json"
     parent = {"perplexity": 1.0, "result": parent_result} if parent else None

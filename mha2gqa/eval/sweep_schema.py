@@ -1,4 +1,5 @@
-"""sweep.json, the record `mha2gqa sweep` writes (sweep/run.py) and `mha2gqa report` reads.
+"""sweep.json, the record `mha2gqa sweep` writes (sweep/) and `mha2gqa report` reads (eval/schema.py): here,
+below both, so that the reader of results does not import the sweep.
 
 Top-level keys:
   schema          "mha2gqa.sweep/1"

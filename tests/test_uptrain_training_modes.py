@@ -1,6 +1,5 @@
-"""Paths no other test reached (issue 14 item 9): bf16/fp16 training and the cast back to the source dtype,
-one mixed precision per process, trainable=attention on fused/per-head-norm layouts, gradient
-checkpointing, the public API wrappers, the hub paths (mocked), the copy_file_range fallback."""
+"""uptrain's training modes: bf16/fp16 training and the cast back to the source dtype, one mixed precision per
+process, trainable=attention on fused/per-head-norm layouts, gradient checkpointing that changes no number."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from safetensors.torch import load_file
 from tiny_models import make_tiny_tokenizer, save_tiny_model
 from uptrain_helpers import corpus, metrics, recipe_file, tiny_model_dir
 
-import mha2gqa
 from mha2gqa.errors import InputError
 from mha2gqa.provenance import latest
 from mha2gqa.uptrain import load_recipe, train
@@ -137,107 +135,3 @@ def test_gradient_checkpointing_is_used_and_changes_no_number(tmp_path, data, mo
 
 
 # ---- the public API wrappers ----
-
-
-def test_public_api_wrappers_are_the_implementations(tmp_path, data):
-    from mha2gqa.convert.inspect import inspect_model
-    from mha2gqa.eval.run import evaluate
-    from mha2gqa.uptrain.recipe import Recipe
-
-    model = tiny_model_dir(tmp_path / "model")
-    assert mha2gqa.inspect_model(model) == inspect_model(model)
-    info = mha2gqa.inspect_model(model)
-    assert (info["heads"], info["kv_heads"]) == (8, 8)
-    recipe = mha2gqa.load_recipe(_recipe(tmp_path, model, data), ["seq_len=16"])
-    assert isinstance(recipe, Recipe) and recipe.seq_len == 16 and recipe.model == str(model)
-    with pytest.raises(mha2gqa.InputError, match="seq_len"):
-        mha2gqa.load_recipe(_recipe(tmp_path, model, data), ["seq_len=zero"])
-    (tmp_path / "t.txt").write_text(" ".join(["It is a truth universally acknowledged."] * 20))
-    kwargs = dict(data=str(tmp_path / "t.txt"), context=32, stride=16, speed_preset="off", progress=False)
-    ours, direct = mha2gqa.evaluate(model, **kwargs), evaluate(model, **kwargs)
-    assert ours["perplexity"] == direct["perplexity"] and ours["data"] == direct["data"]
-    assert ours["model"]["kv_heads"] == 8
-
-
-# ---- hub paths, mocked (these machines are offline) ----
-
-
-def test_a_hub_model_id_downloads_safetensors_only_then_converts(tmp_path, monkeypatch):
-    import huggingface_hub
-
-    local = tmp_path / "hub-copy"
-    save_tiny_model(local, "llama")
-    asked = {}
-
-    def fake_snapshot_download(repo_id, allow_patterns=None, **kwargs):
-        asked.update(repo_id=repo_id, allow_patterns=allow_patterns)
-        return str(local)
-
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    result = mha2gqa.convert("org/tiny-llama", tmp_path / "gqa", groups=2, progress=False)
-    assert asked["repo_id"] == "org/tiny-llama" and result.dst == tmp_path / "gqa"
-    assert "*.safetensors" in asked["allow_patterns"] and not any(
-        p.endswith((".bin", ".pt", ".pth")) for p in asked["allow_patterns"]
-    )
-    assert json.loads((tmp_path / "gqa" / "config.json").read_text())["num_key_value_heads"] == 2
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(InputError, match=r"org/tiny-llama is not a local directory and the hub is offline"):
-        mha2gqa.convert("org/tiny-llama", tmp_path / "gqa-offline", groups=2, progress=False)
-
-
-def test_a_hub_dataset_is_read_through_datasets_streaming(monkeypatch):
-    import datasets
-
-    from mha2gqa import textdata
-
-    calls = []
-
-    def fake_load_dataset(name, config=None, split=None, streaming=False, **kwargs):
-        calls.append((name, config, split, streaming))
-        return [{"text": "first row", "id": 0}, {"text": "second row", "id": 1}, {"text": "third row", "id": 2}]
-
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    source = textdata.resolve("--data", "org/corpus")
-    assert source.hub == "org/corpus"
-    assert list(textdata.iter_texts(source, hub_config="en", hub_split="test")) == [
-        "first row",
-        "second row",
-        "third row",
-    ]
-    assert calls == [("org/corpus", "en", "test", True)]
-    with pytest.raises(InputError, match=r"--data org/corpus: has no 'body' column \(columns: text, id\)"):
-        list(textdata.iter_texts(source, "body", field_key="--data-column"))
-    from mha2gqa.eval.data import read_documents
-
-    docs, identity = read_documents("org/corpus", "en", "test", max_chars=12)
-    assert docs == ["first row", "second row"]  # stops once the character budget is met
-    assert identity == {"source": "hub", "name": "org/corpus", "config": "en", "split": "test", "column": "text"}
-
-
-# ---- the copy_file_range fallback ----
-
-
-def test_plain_copies_give_identical_shards_without_copy_file_range(tmp_path, monkeypatch):
-    import mha2gqa.checkpoint as checkpoint
-
-    save_tiny_model(tmp_path / "src", "llama")
-    convert = dict(groups=2, max_shard_size="20KB", progress=False)  # several shards, many copied tensors
-    mha2gqa.convert(tmp_path / "src", tmp_path / "fast", **convert)
-
-    def refuse(*args):
-        raise OSError(18, "Invalid cross-device link")  # EXDEV: what some filesystem pairs answer
-
-    calls = []
-    monkeypatch.setattr(checkpoint.os, "copy_file_range", lambda *a: calls.append(a) or refuse(), raising=False)
-    mha2gqa.convert(tmp_path / "src", tmp_path / "fallback", **convert)
-    assert calls  # the fast path was tried, refused, and the user-space copy took over
-    monkeypatch.delattr(checkpoint.os, "copy_file_range")  # and a platform without it at all
-    mha2gqa.convert(tmp_path / "src", tmp_path / "none", **convert)
-    names = sorted(p.name for p in (tmp_path / "fast").glob("*.safetensors"))
-    assert len(names) > 1
-    for name in names:
-        expected = (tmp_path / "fast" / name).read_bytes()
-        assert (tmp_path / "fallback" / name).read_bytes() == expected
-        assert (tmp_path / "none" / name).read_bytes() == expected

@@ -121,7 +121,7 @@ def sample_ids(
     import torch
     from tqdm.auto import tqdm
 
-    from mha2gqa.convert.inputs import interleaved
+    from mha2gqa.corpus.mix import interleaved
 
     generator = torch.Generator().manual_seed(seed)
     pool = first_token_pool(tokenizer, model.config.vocab_size)

@@ -1,4 +1,5 @@
-"""What a result was measured on: the model's role and label, its shape, the machine, the versions."""
+"""Where and how a result was measured, beside its numbers: the model's role, the machine, the versions. (What
+made the model is mha2gqa.provenance's: its mha2gqa.json.)"""
 
 from __future__ import annotations
 
@@ -6,17 +7,17 @@ import platform
 
 import torch
 
-from mha2gqa import provenance as model_provenance
+from mha2gqa import provenance
 from mha2gqa.errors import InputError
 
 
 def infer_role(record: dict | None, role: str | None = None) -> str:
     """--role when given, else the role the model's mha2gqa.json records (`mha2gqa.provenance.role_of`)."""
     if role is not None:
-        if role not in model_provenance.ROLES:
-            raise InputError(f"--role {role!r} is not a role (use {', '.join(model_provenance.ROLES)})")
+        if role not in provenance.ROLES:
+            raise InputError(f"--role {role!r} is not a role (use {', '.join(provenance.ROLES)})")
         return role
-    return model_provenance.role_of(record)
+    return provenance.role_of(record)
 
 
 def device_name(device: torch.device) -> str:

@@ -1,0 +1,11 @@
+"""Text that feeds a model, for every command that reads some: convert's calibration, uptrain's data, sweep's
+and eval's measurement text. It imports none of them (tests/test_layers.py).
+
+- textdata.py: the one reader of text corpora (files, folders, compressed, jsonl/parquet fields, hub datasets);
+- mix.py: the notation that names several texts with shares (`parent:0.5 austen:0.5`) and splits a token
+  budget between them;
+- sampling.py: text sampled from the parent itself (`parent`), the data a user always has;
+- probe.py: the probe set (small texts of several domains shipped in the package) and how --data names texts.
+
+Importing it imports no torch: the modules that need torch import it inside their functions.
+"""

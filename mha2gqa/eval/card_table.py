@@ -1,0 +1,30 @@
+"""The numbers a model card shows for the `mha2gqa eval` results saved beside its model: the report's measured
+metrics (eval/metrics.py METRICS, the entries read from a result's field) that some result there has, with
+their headers and formats. card.py lays the card out and sits below eval (convert and uptrain write cards
+too), so the commands that write a card beside results (eval, demo) hand it these cells."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mha2gqa.card import eval_results
+from mha2gqa.eval import metrics, schema
+
+NAMED_BY_THE_CARD = ("label", "role")  # the card's row names the result file instead
+
+
+def measured_cells(model_dir: Path) -> dict[str, list[tuple[str, str]]]:
+    """{result file name: [(column header, cell text)]}, the same columns for every result."""
+    found = {
+        name: {m.name: schema.field(result, m.field) for m in metrics.METRICS if m.field}
+        for name, result in eval_results(Path(model_dir))
+    }
+    shown = [
+        m
+        for m in metrics.METRICS
+        if m.column
+        and m.field
+        and m.name not in NAMED_BY_THE_CARD
+        and any(row[m.name] is not None for row in found.values())
+    ]
+    return {name: [(metrics.header(m, None), m.text(row)) for m in shown] for name, row in found.items()}
