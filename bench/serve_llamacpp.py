@@ -43,15 +43,17 @@ def child_main(gguf: str, prompts_file: str, tokens: int, context: int, kv_type:
 
     type_id = _TYPES[kv_type][0]
     llm = Llama(model_path=gguf, n_ctx=context, n_threads=1, verbose=True, type_k=type_id, type_v=type_id)
+    vocab = llm.n_vocab()
     found = []
     for prompt in json.loads(Path(prompts_file).read_text()):
         llm.reset()
         llm.eval(prompt)
         ids = []
         for _ in range(tokens):
-            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            ids.append(nxt)
-            llm.eval([nxt])
+            # the last position's logits (Llama.scores keeps them only with logits_all, 0.3.36)
+            logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))
+            ids.append(int(np.argmax(logits)))
+            llm.eval([ids[-1]])
         found.append(ids)
     print(json.dumps(found))
 
@@ -84,7 +86,8 @@ def check(models: list[Path], converter: Path, work: Path, tokens: int, context:
         engine, kv = run_llamacpp(gguf, prompts_file, tokens, context, kv_type)
         reference = reference_texts(model, "float32", [p for _, p in greedy_set], tokens)
         shape = attention_shape(read_config(model))
-        formula_mib = shape.kv_bytes_per_token(dtype_bytes=_TYPES[kv_type][1]) * context / 2**20
+        cells = kv["cells"] if kv else context  # llama.cpp may pad n_ctx: the formula at the cells it allocated
+        formula_mib = shape.kv_bytes_per_token(dtype_bytes=_TYPES[kv_type][1]) * cells / 2**20
         rows.append({
             "model": str(model), "kv_heads": shape.kv_heads, "gguf": str(gguf),
             "greedy_equal": sum(a == b for a, b in zip(engine, reference)), "prompts": len(greedy_set),
