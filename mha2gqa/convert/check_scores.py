@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from mha2gqa import jsontext
 from mha2gqa.convert.check import CheckPlan
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.probe import probe_paths
@@ -173,7 +174,7 @@ def save_cached(key: str, scores: dict[str, ParentScores]) -> None:
     folder = cache_dir() / "check"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        write_atomic(folder / f"{key}.safetensors", save(tensors, metadata={"domains": json.dumps(meta)}))
+        write_atomic(folder / f"{key}.safetensors", save(tensors, metadata={"domains": jsontext.dumps(meta)}))
     except (OSError, InputError):
         pass
 

@@ -3,13 +3,13 @@ report.json (the table's numbers) and PNG plots."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
 import matplotlib
 
+from mha2gqa import jsontext
 from mha2gqa.errors import InputError, user_file_error
 from mha2gqa.eval import measured_on, plots, render
 from mha2gqa.eval.compare import comparison_rows, pick_baseline
@@ -127,5 +127,5 @@ def _write(out_dir: Path, rows, meta, results, paths, metric_paths, served) -> d
     )
     written["html"].write_text(page.replace("</body>", serving_html + "</body>"))
     record = {**meta, "rows": rows, "results": paths, "serving": [path for path, _ in served]}
-    written["json"].write_text(json.dumps(record, indent=2) + "\n")
+    written["json"].write_text(jsontext.dumps(record, indent=2) + "\n")
     return {**written, **drawn, **serving_drawn}

@@ -16,6 +16,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
+from mha2gqa import jsontext
+
 REQUEST_TIMEOUT_S = 1800.0  # one request at a high concurrency on a CPU can take many minutes
 
 
@@ -60,7 +62,7 @@ def get_text(url: str, path: str, timeout: float = 30.0) -> str | None:
 def _post(url: str, body: dict, timeout: float) -> http.client.HTTPResponse:
     conn = _connection(url, timeout)
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        conn.request("POST", "/v1/completions", jsontext.dumps(body), {"Content-Type": "application/json"})
         response = conn.getresponse()
     except (ConnectionError, http.client.RemoteDisconnected, OSError) as err:
         conn.close()

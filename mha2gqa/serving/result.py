@@ -27,6 +27,7 @@ import platform
 from datetime import datetime, timezone
 from pathlib import Path
 
+from mha2gqa import jsontext
 from mha2gqa.errors import InputError
 from mha2gqa.reading import MAX_JSON_BYTES, read_json
 from mha2gqa.serving.options import GREEDY_PROMPT_TOKENS
@@ -173,7 +174,7 @@ def build(plan, options, greedy_set, references, texts, kv, points, startup, loa
 
 def write(found: dict, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
-    return write_atomic(out, json.dumps(found, indent=2) + "\n")
+    return write_atomic(out, jsontext.dumps(found, indent=2) + "\n")
 
 
 def is_serve_file(path: str | os.PathLike) -> bool:
