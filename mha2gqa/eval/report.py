@@ -11,11 +11,9 @@ import matplotlib
 
 from mha2gqa import jsontext
 from mha2gqa.errors import InputError, user_file_error
-from mha2gqa.eval import measured_on, plots, render
+from mha2gqa.eval import measured_on, plots, render, serve_schema, serving_section
 from mha2gqa.eval.compare import comparison_rows, pick_baseline
 from mha2gqa.eval.schema import check_writable, load_results
-from mha2gqa.serving import report as serving_report
-from mha2gqa.serving import result as serving_result
 from mha2gqa.writing import remove_dead, swap_in
 
 
@@ -51,8 +49,8 @@ def write_report(
     paths = [str(p) for p in result_paths]
     if not paths:
         raise InputError("report needs at least one results.json (written by `mha2gqa eval --out`)")
-    serve_paths = [p for p in paths if serving_result.is_serve_file(p)]  # serve-bench's files: their own section
-    served = [(p, serving_result.load(p)) for p in serve_paths]
+    serve_paths = [p for p in paths if serve_schema.is_serve_file(p)]  # serve-bench's files: their own section
+    served = [(p, serve_schema.load(p)) for p in serve_paths]
     paths = [p for p in paths if p not in serve_paths]
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -120,7 +118,7 @@ def _write(out_dir: Path, rows, meta, results, paths, metric_paths, served) -> d
         "html": out_dir / "report.html",
         "json": out_dir / "report.json",
     }
-    serving_md, serving_html, serving_drawn = serving_report.sections([found for _, found in served], out_dir)
+    serving_md, serving_html, serving_drawn = serving_section.sections([found for _, found in served], out_dir)
     page = render.html_page(rows, meta, results, drawn) if results else render.empty_page()
     written["markdown"].write_text(
         (render.markdown(rows, meta, results, drawn, out_dir) if results else render.HEADING) + serving_md
