@@ -57,8 +57,12 @@ def test_vllm_not_found_is_refused_in_one_line(tmp_path):
         engine.find_engine(None, {"PATH": str(tmp_path)})
     with pytest.raises(InputError, match=r"--vllm-python .*/nope: no such executable file"):
         engine.find_engine(str(tmp_path / "nope"), {})
+    # a Python without site-packages cannot import vllm, even in a venv that has it (.ci/vllm runs this test there)
+    bare = tmp_path / "python-without-site-packages"
+    bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    bare.chmod(0o755)
     with pytest.raises(InputError, match=r"MHA2GQA_VLLM_PYTHON .* cannot import vllm"):
-        engine.find_engine(None, {engine.ENV: sys.executable})
+        engine.find_engine(None, {engine.ENV: str(bare)})
 
 
 def test_the_python_of_vllm_on_path_is_found_from_its_script(tmp_path):
