@@ -35,6 +35,8 @@ SCHEMA = "mha2gqa.serve/1"
 def is_serve_file(path: str | os.PathLike) -> bool:
     """Whether `path` holds a serve-bench result (its schema says so); False for anything else, which the
     eval-result reader then judges and refuses in its own words."""
+    if not Path(path).is_file():  # a FIFO or a device would block the read: the result reader refuses it
+        return False
     try:
         with open(path, "rb") as f:
             found = json.loads(f.read(MAX_JSON_BYTES + 1))
