@@ -270,9 +270,7 @@ def _config_object(config: dict):
     from transformers import AutoConfig
 
     with tempfile.TemporaryDirectory(prefix="mha2gqa-config-") as folder:
-        # transformers' config.json, not ours: Infinity stays Infinity (time_step_limit of bamba, falcon_h1,
-        # nemotron_h is [0.0, Infinity]); jsontext.dumps would write null, which their configs refuse
-        (Path(folder) / "config.json").write_text(jsontext.shown(config))
+        (Path(folder) / "config.json").write_text(jsontext.model_config(config))
         return AutoConfig.from_pretrained(folder, trust_remote_code=False)
 
 

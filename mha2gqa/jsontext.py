@@ -5,7 +5,9 @@ which no strict reader takes (a sweep.json with a NaN perplexity was not JSON). 
 non-finite number as null, as JavaScript's JSON.stringify does, and encodes with allow_nan=False, so
 what it returns is always valid JSON; readers treat null as "no number". `shown` is for text that is no
 file (a value quoted in a message, a cache key) and keeps Python's defaults, so that quoting a hostile
-value never fails. tests/test_jsontext.py checks that no other module calls json.dump or json.dumps.
+value never fails. `model_config` writes a model's config.json as transformers does: a parent's
+infinite value (falcon_h1's time_step_limit, (0.0, inf)) is a setting transformers reads back as
+Infinity, and null there makes the config unloadable. tests/test_jsontext.py checks that no other module calls json.dump or json.dumps.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ def dumps(value, **kwargs) -> str:
 def shown(value, **kwargs) -> str:
     """`value` as JSON text in a message or a key: never raises on NaN (never written to a file)."""
     return json.dumps(value, **kwargs)
+
+
+def model_config(config: dict, **kwargs) -> str:
+    """A model's config.json text as transformers' save_pretrained writes it (Infinity and NaN kept)."""
+    return json.dumps(config, **kwargs)
 
 
 def _finite(value):

@@ -9,8 +9,9 @@ import math
 from pathlib import Path
 
 import pytest
+from tiny_models import save_tiny_model
 
-from mha2gqa import jsontext
+from mha2gqa import convert, jsontext
 from mha2gqa.eval.schema import write_result
 from mha2gqa.provenance import FILE_NAME, append
 
@@ -86,3 +87,15 @@ def test_results_and_provenance_with_a_nan_are_valid_json(tmp_path):
     (tmp_path / "m").mkdir()
     append(tmp_path / "m", "uptrain", {"loss": math.inf})
     assert _strict((tmp_path / "m" / FILE_NAME).read_text())
+
+
+def test_a_converted_config_keeps_the_parents_infinite_setting(tmp_path):
+    """A model's config.json is transformers' format, not a result: an infinite setting (falcon_h1's
+    time_step_limit) stays Infinity, which transformers reads back; null made the child unloadable."""
+    save_tiny_model(tmp_path / "src", "llama")
+    config_path = tmp_path / "src" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "time_step_limit": [0.0, math.inf]}))
+    convert(tmp_path / "src", tmp_path / "dst", 2, progress=False, check=False)
+    assert json.loads((tmp_path / "dst" / "config.json").read_text())["time_step_limit"] == [0.0, math.inf]
+    assert jsontext.model_config({"a": math.inf}) == '{"a": Infinity}'

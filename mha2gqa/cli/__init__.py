@@ -125,5 +125,9 @@ def _register():
 
     main.add_command(sweep_cmd.sweep)
 
+    from mha2gqa.cli import serve_cmd  # mha2gqa serve-bench
+
+    main.add_command(serve_cmd.serve_bench)
+
 
 _register()

@@ -366,7 +366,7 @@ def _write_config(config: dict, groups: int, dtype: str | None, out_dir: Path) -
     new = converted_config(config, groups)
     if dtype is not None:
         new["dtype"] = dtype
-    (out_dir / "config.json").write_text(jsontext.dumps(new, indent=2) + "\n")
+    (out_dir / "config.json").write_text(jsontext.model_config(new, indent=2) + "\n")
 
 
 def _write_provenance(

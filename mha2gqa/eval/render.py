@@ -30,8 +30,19 @@ def _markdown_table(rows, cols, speed_point) -> list[str]:
     return lines + ["| " + " | ".join(c.text(r) for c in cols) + " |" for r in rows]
 
 
+HEADING = "# mha2gqa comparison report\n"
+
+
+def empty_page() -> str:
+    """The HTML page of a report without eval results (serve-bench results alone): its heading only."""
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>mha2gqa report</title><style>{CSS}</style></head>"
+        "<body><h1>mha2gqa comparison report</h1></body></html>\n"
+    )
+
+
 def markdown(rows, meta, results, plots: dict[str, Path], out_dir: Path) -> str:
-    lines = ["# mha2gqa comparison report", "", baseline_line(meta, results).replace("<b>", "**").replace("</b>", "**")]
+    lines = [HEADING.strip(), "", baseline_line(meta, results).replace("<b>", "**").replace("</b>", "**")]
     for title, cols in tables(rows, results):
         lines += [""] + ([f"## {title}", ""] if title else []) + _markdown_table(rows, cols, meta["speed_point"])
     if meta["notes"]:

@@ -327,4 +327,4 @@ def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
     """save_pretrained records the in-memory (fp32) dtype; record the one the weights were saved in."""
     config = json.loads(path.read_text())
     config["dtype"] = str(dtype).replace("torch.", "")
-    write_atomic(path, jsontext.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_atomic(path, jsontext.model_config(config, indent=2, sort_keys=True) + "\n")
