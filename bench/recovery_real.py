@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -51,7 +52,7 @@ def convert_start(args, name: str, folder: Path) -> dict:
     """WORK/<name> converted by the CLI (as a user runs it), unless a finished conversion is there."""
     command = [sys.executable, "-m", "mha2gqa", *threads(args), "convert", str(args.model), str(folder)]
     command += ["--groups", str(args.kv), *STARTS[name]] + (["--seed", str(args.seed)] if STARTS[name] else [])
-    command += args.convert_args
+    command += shlex.split(args.convert_args) + (shlex.split(args.calibrated_args) if name == "calibrated" else [])
     record = {"command": " ".join(["mha2gqa", *command[3:]]).replace(str(args.model), "PARENT")}
     if (folder / "mha2gqa.json").is_file():
         return {**record, "reused": True}
@@ -78,7 +79,7 @@ def threads(args) -> list[str]:
 def overrides(args, start: Path, out: Path) -> list[str]:
     """The shipped recipe's keys this measurement sets: the models, the budget, a checkpoint at every stop."""
     keys = [f"model={start}", f"distill.teacher={args.model}", f"output_dir={out}"]
-    keys += [f"budget.max_steps={args.steps[-1]}", "save_every=0", f"keep_last={len(args.steps)}"]
+    keys += [f"budget.max_steps={args.budget}", "save_every=0", f"keep_last={len(args.steps)}"]
     return keys + args.set
 
 
@@ -103,7 +104,7 @@ def distill(args, start: Path, out: Path) -> list[dict]:
         done = done_steps(out)
         if done >= stop:
             continue
-        keys = overrides(args, start, out) + ([f"exit_after_steps={stop - done}"] if stop < args.steps[-1] else [])
+        keys = overrides(args, start, out) + ([f"exit_after_steps={stop - done}"] if stop < args.budget else [])
         before, started = load_average(), time.perf_counter()
         train(load_recipe(args.recipe, keys), resume=done > 0)
         legs.append({"steps": [done, stop], "wall_s": round(time.perf_counter() - started, 1)})
@@ -181,8 +182,18 @@ def measure_start(args, name: str, sets: dict, result: dict) -> dict:
     entry["distill"] = entry.get("distill", []) + distill(args, start, out)
     entry["points"] = score_points(args, name, start, out, sets, result["parent"], entry.get("points", []))
     entry["held_out"] = held_out(out)
+    entry["closing"] = closing(entry["points"], args.target)
     result["starts"][name] = entry
     return entry
+
+
+def closing(points: list[dict], target: float) -> dict:
+    """How much of the gap the run closed: 1 - log(last ratio) / log(first) by the geometric mean (1: the
+    parent's perplexity reached, 0: no change), and the first tokens at which it was within `target` of the parent."""
+    first, last = points[0]["geometric_mean"], points[-1]["geometric_mean"]
+    within = next((p["tokens"] for p in points if p["geometric_mean"] <= target), None)
+    share = 1 - math.log(last) / math.log(first) if first > 1 else None
+    return {"gap_closed": None if share is None else round(share, 4), "target": target, "tokens_within_target": within}
 
 
 def table(result: dict) -> str:
@@ -260,12 +271,22 @@ def parse_args(argv=None):
     parser.add_argument("--starts", nargs="+", default=list(STARTS), choices=list(STARTS))
     parser.add_argument("--start", nargs="+", default=[], metavar="NAME=DIR", help="a start converted elsewhere")
     parser.add_argument("--seed", type=int, default=1, help="convert --seed of the calibrated start")
-    parser.add_argument("--convert-args", nargs="*", default=[], help="more convert flags for every start")
+    parser.add_argument("--convert-args", default="", help='more convert flags for every start, e.g. "--no-check"')
+    parser.add_argument("--calibrated-args", default="", help="more convert flags for the calibrated start")
     parser.add_argument("--recipe", default="distill-parent-cpu", help="a shipped recipe's name, or a YAML file")
-    parser.add_argument("--steps", default="12,25,50", help="optimizer steps of every point (the last: the budget)")
+    parser.add_argument(
+        "--steps", help="optimizer steps of every point, the last the budget (default 12,25,50; --smoke 1,2)"
+    )
+    parser.add_argument(
+        "--budget-steps",
+        type=int,
+        help="the run's budget.max_steps when above the last of --steps (a comparison stopped early on the same "
+        "samples as a longer run: the samples are drawn, and cached, for the whole budget)",
+    )
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more recipe overrides")
     parser.add_argument("--sampling", type=json.loads, default={}, help='SamplingRecipe keywords, e.g. {"batch": 256}')
     parser.add_argument("--threads", type=int, help="mha2gqa --threads for every conversion and run")
+    parser.add_argument("--target", type=float, default=1.1, help="a ratio to the parent that counts as closed")
     parser.add_argument("--eval-tokens", type=int, default=4096, help="tokens of each probe domain")
     parser.add_argument("--context", type=int, default=512, help="perplexity window")
     parser.add_argument("--work", type=Path, help="where the starts and runs are kept (default: a temporary folder)")
@@ -276,14 +297,15 @@ def parse_args(argv=None):
     if args.smoke:  # 8 -> 1 kv heads, 2 steps of 2 blocks of 64 sampled tokens, a stop after the first
         from mha2gqa.embedded import MODEL_DIR
 
-        args.model, args.steps, args.eval_tokens, args.context = MODEL_DIR, "1,2", 256, 128
-        args.convert_args = ["--no-check", "--calibration-tokens", "1024", "--refine-steps", "2"]
-        args.convert_args += ["--refine-global-steps", "2"]
+        args.model, args.steps, args.eval_tokens, args.context = MODEL_DIR, args.steps or "1,2", 256, 128
+        args.convert_args = "--no-check"
+        args.calibrated_args = "--calibration austen --calibration-tokens 1024 --refine-steps 2 --refine-global-steps 2"
         args.set = ["seq_len=64", "micro_batch_size=2", "data.eval_blocks=2", "eval_every=0", *args.set]
         args.set += ["tensorboard=false"]
     if args.model is None:
         parser.error("give the parent model folder (or --smoke)")
-    args.steps = sorted({int(s) for s in str(args.steps).split(",")})
+    args.steps = sorted({int(s) for s in str(args.steps or "12,25,50").split(",")})
+    args.budget = max(args.budget_steps or 0, args.steps[-1])
     args.given = {name: Path(folder) for name, _, folder in (item.partition("=") for item in args.start)}
     return args
 
@@ -315,6 +337,7 @@ def main(argv=None) -> dict:
         args.work = args.work or Path(scratch)
         args.work.mkdir(parents=True, exist_ok=True)
         settings = {"model": str(args.model), "kv_heads": args.kv, "recipe": args.recipe, "steps": args.steps}
+        settings |= {"budget_steps": args.budget} if args.budget > args.steps[-1] else {}
         settings |= {
             "set": args.set,
             "sampling": args.sampling,

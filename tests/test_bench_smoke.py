@@ -190,6 +190,8 @@ def test_recovery_real_smoke_scores_every_point_of_both_starts(tmp_path, monkeyp
             assert point["geometric_mean"] == pytest.approx(math.exp(sum(map(math.log, ratios.values())) / 4), rel=1e-3)
         # the checkpoint at step 1 and the final model are different weights: the scores move
         assert len({p["geometric_mean"] for p in entry["points"]}) == 3
+        first, last = entry["points"][0]["geometric_mean"], entry["points"][-1]["geometric_mean"]
+        assert entry["closing"]["gap_closed"] == pytest.approx(1 - math.log(last) / math.log(first), abs=1e-3)
         assert [h["step"] for h in entry["held_out"]] == [0, 2] and all(
             finite(h["eval_ppl"]) for h in entry["held_out"]
         )
