@@ -74,7 +74,7 @@ PARTS = (
     Part("fsdp", "accelerate FSDP launch, 5 steps: final checkpoint == trained weights; --resume exact", 60, 120, 20),
     Part("qlora", "trainable: lora + load_in_4bit, 5 steps, merged into a plain checkpoint", 45, 90, 8),
     Part(
-        "recovery", "distill-parent-gpu from two starts: ratio to the parent per domain up to 4.2M tokens", 210, 300, 90
+        "recovery", "distill-parent-gpu from two starts: ratio to the parent per domain up to 1M tokens", 130, 300, 90
     ),
 )
 
