@@ -33,6 +33,7 @@ from mha2gqa.eval.kvcache import measure_kv_cache
 from mha2gqa.eval.memory import PeakMemory
 from mha2gqa.eval.model import shape_of
 from mha2gqa.eval.speed import SpeedGrid, measure_point
+from mha2gqa.hfcache import cache_kwargs
 
 PRESETS = {
     # name: (model dims, kv-head variants, batches, context, new tokens, repeats, device, dtype)
@@ -115,12 +116,14 @@ def graph_point(model, batch: int, context: int, new_tokens: int, repeats: int) 
 
     def prefill():
         cache.reset()  # in place: the graph keeps pointing at the same cache tensors and length counter
-        out = model(ids, cache=cache, cache_position=torch.arange(context, device=device), logits_to_keep=1)
+        out = model(
+            ids, cache_position=torch.arange(context, device=device), logits_to_keep=1, **cache_kwargs(model, cache)
+        )
         step_ids.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
         position.fill_(context)
 
     def step():
-        return model(step_ids, cache=cache, cache_position=position).logits  # (B, 1, V)
+        return model(step_ids, cache_position=position, **cache_kwargs(model, cache)).logits  # (B, 1, V)
 
     prefill()
     graph, logits = None, None

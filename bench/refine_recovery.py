@@ -53,7 +53,7 @@ def uptrain(args, model: Path, source: Path, out: Path, alpha: float, total: int
     """One run of the demo recipe from `model` for alpha x total tokens; returns the tokens it trained on."""
     from mha2gqa.demo.pipeline import DEMO_RECIPE, embedded_run_overrides
     from mha2gqa.uptrain import load_recipe, train
-    from mha2gqa.uptrain.steps import tokens_per_step, total_steps
+    from mha2gqa.uptrain.plan import tokens_per_step, total_steps
 
     overrides = (
         embedded_run_overrides(model, out, eval_blocks=1)

@@ -25,7 +25,7 @@ from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import DTYPE_BYTES, config_dtype, head_counts, kv_cache_bytes
 from mha2gqa.reading import check_regular, parse_yaml, read_bytes, read_json
 from mha2gqa.sources import snapshot_hub_id
-from mha2gqa.units import format_bytes
+from mha2gqa.units import counted, format_bytes
 from mha2gqa.version import __version__
 from mha2gqa.writing import write_atomic
 
@@ -229,7 +229,7 @@ def _summary(conversion, after, config, evaluated: bool) -> list[str]:
     if not conversion:
         return [
             f"A {config.get('model_type')} model trained by mha2gqa {__version__} "
-            f"({len(after)} training stage(s), see below).",
+            f"({counted(len(after), 'training stage')}, see below).",
             "",
         ]
     src, dst = conversion["source_kv_heads"], conversion["groups"]
@@ -315,7 +315,8 @@ def _uptrain_section(stages: list[dict], converted: bool) -> list[str]:
             ("budget", ", ".join(f"{k} {v}" for k, v in budget.items())),
             (
                 "steps, tokens",
-                f"{s.get('steps')} steps, {s.get('tokens_seen', 0):,} tokens ({s.get('world_size')} process(es))",
+                f"{counted(s.get('steps'), 'step')}, {s.get('tokens_seen', 0):,} tokens "
+                f"({counted(s.get('world_size'), 'process')})",
             ),
             ("parameters trained", f"{trained}: {s.get('trainable_params', 0):,}"),
             ("data", _training_data(s, r)),
@@ -434,9 +435,10 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
         if _convert_yaml(conversion):  # the same options as a file: an alternative, so a comment (not run twice)
             words = ["mha2gqa", "convert", "--config", "convert.yaml", str(conversion["config"]["source"]), "OUT"]
             lines.append(f"# or, with convert.yaml (below, and beside the converted model): {shlex.join(words)}")
+    recipes = [s["recipe"] for s in after if s["stage"] == "uptrain" and s.get("recipe")]
     if any(s["stage"] == "uptrain" for s in after):
         lines += [
-            "# the resolved recipe is below; save it as recipe.yaml (set model: and output_dir:)",
+            f"# the resolved recipe is below ({_paths_note(recipes)}); save it as recipe.yaml (set model: and output_dir:)",
             "mha2gqa uptrain --recipe recipe.yaml",
         ]
     lines += [f"mha2gqa eval {name} --data HELD_OUT_TEXT --out {name}/eval.json  # the card then lists it", "```", ""]
@@ -447,6 +449,22 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
         lines += _yaml_details("convert.yaml", conversion["config"])
     lines += [f"Everything above is read from [{provenance.FILE_NAME}]({provenance.FILE_NAME}), the full record.", ""]
     return lines
+
+
+def _paths_note(recipes: list[dict]) -> str:
+    """What the recipes' local paths are relative to: nothing (uptrain records them absolute), or, in a record
+    from before it did, the folder the run started in (which the record does not name)."""
+    paths = [
+        str(value)
+        for r in recipes
+        for value in [r.get("model"), r.get("tokenizer"), (r.get("distill") or {}).get("teacher")]
+        + list((r.get("data") or {}).get("train") or [])
+        + list((r.get("data") or {}).get("eval") or [])
+        if value and "/" in str(value)
+    ]
+    if all(Path(p).is_absolute() for p in paths):
+        return "local paths absolute, as on the machine that ran it"
+    return "relative paths are relative to the folder the run started in"
 
 
 def _convert_yaml(conversion) -> bool:

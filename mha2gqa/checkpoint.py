@@ -9,7 +9,6 @@ is transformed is read alone into memory it owns. Memory stays flat whatever the
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 import struct
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mha2gqa import jsontext
 from mha2gqa.errors import InputError, is_user_fault, user_file_error
 from mha2gqa.reading import open_regular, parse_json, read_exactly, read_json, short_read
 from mha2gqa.writing import beside, check_room, claim, make_parents, remove_dead, swap_in
@@ -412,7 +412,7 @@ class ShardedWriter:
             weight_map = {t.name: self.file_names[i] for i, t in self._pending}
             total = sum(t.nbytes for _, t in self._pending)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            (self.out_dir / INDEX_NAME).write_text(jsontext.dumps(index, indent=2) + "\n")
 
 
 def _header_bytes(tensors: list[OutputTensor], data_phase: int | None = None) -> bytes:
@@ -421,7 +421,7 @@ def _header_bytes(tensors: list[OutputTensor], data_phase: int | None = None) ->
     for t in tensors:
         header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw = jsontext.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data must start 8-byte aligned
     if data_phase is not None:  # and at data_phase within a page: JSON allows trailing spaces
         raw += b" " * ((data_phase - 8 - len(raw)) % _PAGE)

@@ -99,8 +99,10 @@ def convert_seconds(plan, start: bool = True, calibration: bool = True) -> float
     shape, options = plan.shape, plan.options
     parameters = sum(math.prod(info.shape) for info in plan.checkpoint.tensors.values())
     seconds = plan.bytes_written / 200e6
+    check = getattr(plan, "check", None)
+    checked = check is not None and check.skip is None
     if start:
-        seconds += FIXED_S["torch_start"] if plan.torch_reason else 1
+        seconds += FIXED_S["torch_start"] if plan.torch_reason or checked else 1
     if calibration and plan.calibration is not None:
         seconds += plan.calibration.sampled_tokens * parameters * rate("sample", parameters)
     if calibration and plan.gathers_statistics:
@@ -111,8 +113,7 @@ def convert_seconds(plan, start: bool = True, calibration: bool = True) -> float
         seconds += shape.layers * refine.steps * batch * attention_parameters(shape) * rate("refine_step", parameters)
         seconds += budget.blocks * budget.seq_len * parameters * rate("refine_pass", parameters)
         seconds += refine.global_steps * batch * parameters * rate("refine_global", parameters)
-    check = getattr(plan, "check", None)
-    if check is not None and check.skip is None:
+    if checked:
         seconds += check.seconds
     return seconds
 
@@ -128,8 +129,9 @@ def eval_seconds(tokens: int, parameters: int, reference: bool = False, speed: b
 
 
 def check_seconds(tokens: int, parameters: int) -> float:
-    """convert's check (convert/check.py): both models over `tokens` probe tokens, as eval with a reference."""
-    return eval_seconds(tokens, parameters, reference=True)
+    """convert's check (convert/check.py): both models over `tokens` probe tokens, as eval with a reference
+    (torch's start-up is counted once, by convert_seconds)."""
+    return eval_seconds(tokens, parameters, reference=True) - FIXED_S["torch_start"]
 
 
 def uptrain_seconds(tokens: int, parameters: int, evals: int, eval_tokens: int) -> float:

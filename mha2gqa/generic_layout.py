@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from mha2gqa import jsontext
 from mha2gqa.errors import InputError, first_line
 from mha2gqa.layout_spec import Layout
 
@@ -56,7 +57,7 @@ def config_counts(config: dict) -> GenericArchitecture:
 
 def generic_architecture(config: dict) -> GenericArchitecture:
     """The derived layout and geometry of `config`, or InputError naming what did not fit."""
-    return _derive(json.dumps(config, sort_keys=True))
+    return _derive(jsontext.shown(config, sort_keys=True))
 
 
 @lru_cache(maxsize=8)
@@ -269,7 +270,7 @@ def _config_object(config: dict):
     from transformers import AutoConfig
 
     with tempfile.TemporaryDirectory(prefix="mha2gqa-config-") as folder:
-        (Path(folder) / "config.json").write_text(json.dumps(config))
+        (Path(folder) / "config.json").write_text(jsontext.model_config(config))
         return AutoConfig.from_pretrained(folder, trust_remote_code=False)
 
 

@@ -8,11 +8,11 @@ LAYOUTS. The layout is chosen from config.json's `model_type`, never from a mode
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from mha2gqa import jsontext
 from mha2gqa.errors import InputError
 from mha2gqa.generic_layout import check_target as check_generic_target
 from mha2gqa.generic_layout import config_counts, generic_architecture
@@ -180,7 +180,7 @@ def read_config(model_dir: str | Path, shapes: dict[str, tuple] | None = None) -
         raise InputError(f"{path} is a JSON {type(config).__name__}, not an object of settings: fix or re-save it")
     if not isinstance(config.get("model_type"), str):
         raise InputError(
-            f"{path} has model_type={json.dumps(config.get('model_type'))}: it must name the "
+            f"{path} has model_type={jsontext.shown(config.get('model_type'))}: it must name the "
             'architecture (e.g. "llama"); use the model\'s own config.json'
         )
     for key in _REQUIRED_COUNTS + _OPTIONAL_COUNTS:
@@ -190,7 +190,9 @@ def read_config(model_dir: str | Path, shapes: dict[str, tuple] | None = None) -
         if value is None:
             raise InputError(f"{path} has no {key}: add it (a positive integer) or use the model's own config.json")
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise InputError(f"{path} has {key}={json.dumps(value)}: it must be a positive integer; fix config.json")
+            raise InputError(
+                f"{path} has {key}={jsontext.shown(value)}: it must be a positive integer; fix config.json"
+            )
     check_sizes(config, shapes, path)
     return config
 

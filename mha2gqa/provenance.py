@@ -26,11 +26,11 @@ source's uptrain record>, "mha2gqa_version"}} (the embedded model's file is of t
 
 from __future__ import annotations
 
-import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+from mha2gqa import jsontext
 from mha2gqa.errors import InputError
 from mha2gqa.reading import read_json
 from mha2gqa.version import __version__
@@ -105,7 +105,7 @@ def append(out_dir: str | os.PathLike, stage: str, fields: dict, source: str | o
     record = {"schema": SCHEMA, "tool": "mha2gqa", "lineage": lineage(source) if source is not None else []}
     record["lineage"].append({"stage": stage, "version": __version__, "date": now, **fields})
     path = Path(out_dir) / FILE_NAME
-    write_atomic(path, json.dumps(record, indent=2) + "\n")
+    write_atomic(path, jsontext.dumps(record, indent=2) + "\n")
     return record
 
 

@@ -6,7 +6,9 @@ record the final paths in what they write (results name their model, the card it
 - check_folder (torch-free, part of every plan step): OUT is not `.`, `..` or the home folder, not a
   link or a file, and holds nothing but what this command writes. A user's file there is never
   overwritten, moved or deleted, with or without --force; an earlier run of the command is replaced
-  only with --force.
+  only with --force. An earlier run is known by the MARKER file every run writes first into OUT, naming
+  its command: files that only carry the names a run writes (a user's own ablations.md) are not one,
+  and --force is never offered for them.
 - run_folder: under the output's lock (writing.claim, with the PID), an earlier run is moved aside to
   `.OUT.replaced-PID` (or, where OUT held nothing, an empty `.OUT.created-PID` marks it as new) before
   anything is written. `commit()` makes the new run the one that stays (the earlier one is deleted);
@@ -27,6 +29,7 @@ from mha2gqa.reading import resolve
 from mha2gqa.writing import beside, check_room, claim, dead_entries, make_parents, remove_dead
 
 _REPLACED, _CREATED, _OLD = "replaced", "created", "old"
+MARKER = ".mha2gqa-run"  # written first into OUT by every run, holding the command's name
 
 
 def check_folder(out: Path, flag: str, command: str, entries, force: bool) -> Path:
@@ -43,18 +46,36 @@ def check_folder(out: Path, flag: str, command: str, entries, force: bool) -> Pa
             recover(out)
     if out.exists() and not out.is_dir():
         raise InputError(f"{flag} {out} is a file: pass a directory for the {command} run")
-    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    held = sorted(p.name for p in out.iterdir() if p.name != MARKER) if out.is_dir() else []
     foreign = [name for name in held if not _ours(name, entries)]
     if foreign:
         raise InputError(
             f"{flag} {out} holds files that are not a {command} run ({', '.join(foreign[:3])}): mha2gqa never "
             f"overwrites them; choose another {flag}"
         )
-    if held and not force:
+    if held and _marked(out) != command:
+        raise InputError(
+            f"{flag} {out} holds {', '.join(held[:3])}, which no {command} run wrote (a run marks its folder with "
+            f"{MARKER}): mha2gqa never overwrites a file it did not write; move them or choose another {flag}"
+        )
+    if (held or _marked(out)) and not force:
         raise InputError(
             f"{flag} {out} holds an earlier {command} run: pass --force to replace it, or choose another {flag}"
         )
     return out
+
+
+def _marked(out: Path) -> str | None:
+    """The command whose run OUT holds, by its MARKER; None when there is none."""
+    marker = out / MARKER
+    if not marker.is_file() or marker.is_symlink() or marker.stat().st_size > 64:
+        return None
+    return marker.read_text(errors="replace").strip() or None
+
+
+def mark(out: Path, command: str) -> None:
+    """OUT holds a run of `command` (check_folder offers --force only for a marked folder)."""
+    (out / MARKER).write_text(f"{command}\n")
 
 
 def _under(err: BaseException, out: Path) -> bool:
@@ -69,8 +90,8 @@ def _ours(name: str, entries) -> bool:
 class RunFolder:
     """OUT while a run fills it; `commit()` once the new run is worth more than the earlier one."""
 
-    def __init__(self, out: Path):
-        self.path = out
+    def __init__(self, out: Path, command: str):
+        self.path, self.command = out, command
         stem = out.parent / f"{beside(out)}."
         self._replaced = Path(f"{stem}{_REPLACED}-{os.getpid()}")
         self._created = Path(f"{stem}{_CREATED}-{os.getpid()}")
@@ -83,6 +104,7 @@ class RunFolder:
         else:
             self._created.mkdir()
         self.path.mkdir()
+        mark(self.path, self.command)
 
     def commit(self) -> None:
         if self.committed:
@@ -137,7 +159,7 @@ def run_folder(out: Path, flag: str, command: str, entries, force: bool, scratch
                 remove_dead(out, scratch)
             check_folder(out, flag, command, entries, force)  # again: the recovery may have restored a run
             check_room(out.parent, 0, f"{flag} {out}")
-            folder = RunFolder(out)
+            folder = RunFolder(out, command)
             folder.begin()
             try:
                 yield folder
@@ -167,14 +189,17 @@ class _Continued:
 
 
 @contextmanager
-def continued_folder(out: Path, flag: str, scratch: str | None = None):
+def continued_folder(out: Path, flag: str, scratch: str | None = None, command: str | None = None):
     """OUT claimed for a run that adds to what it holds: the same lock and debris rule as run_folder,
-    without moving anything aside."""
+    without moving anything aside. Called only once every check has passed: a refused continuation finds
+    and leaves OUT as it was. `command`: OUT is marked as its run (a run made before the MARKER existed)."""
     out = Path(out).expanduser()
     with claim(out, f"{flag} {out}"):
         recover(out)
         if scratch:
             remove_dead(out, scratch)
+        if command and _marked(out) is None:
+            mark(out, command)
         yield _Continued(out)
 
 

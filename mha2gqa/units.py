@@ -50,3 +50,8 @@ def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
     if number * scale < 1:
         raise InputError(f"{flag} {text!r} must be positive")
     return int(number * scale)
+
+
+def counted(count: int, noun: str) -> str:
+    """'1 step', '2 steps', '1 process', '2 processes', '1 file', '5 files' (never 'file(s)')."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}{'es' if noun.endswith('s') else 's'}"

@@ -196,12 +196,7 @@ def claim(path: Path, what: str):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise InputError(
-                f"{what} is being written by another mha2gqa run (PID {holder}, lock {lock_path}): "
-                f"wait for it to finish or choose another {what.split()[0]}"
-            ) from None
+            _refuse_held(fd, lock_path, what)
         try:
             current = os.stat(lock_path)
         except FileNotFoundError:
@@ -217,6 +212,30 @@ def claim(path: Path, what: str):
         with suppress(FileNotFoundError):
             os.unlink(lock_path)
         os.close(fd)
+
+
+def _refuse_held(fd: int, lock_path: Path, what: str):
+    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+    os.close(fd)
+    raise InputError(
+        f"{what} is being written by another mha2gqa run (PID {holder}, lock {lock_path}): "
+        f"wait for it to finish or choose another {what.split()[0]}"
+    ) from None
+
+
+def check_unclaimed(path: Path, what: str) -> None:
+    """claim's refusal without claiming (a dry run writes nothing, not even the lock file): another run that
+    holds `path`'s lock is named as claim would name it."""
+    lock_path = path.parent / f"{beside(path)}.lock"
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return  # no lock file (or none readable): no run holds it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        _refuse_held(fd, lock_path, what)
+    os.close(fd)  # closing releases the shared lock it took
 
 
 def pid_alive(pid: int) -> bool:

@@ -133,7 +133,7 @@ def _check_type(model_type: str, workdir: Path) -> Outcome:
         config.save_pretrained(source)  # the refusal must hold on the real path too, before any weight is read
         with pytest.raises(InputError) as again:
             convert(source, workdir / "refused", groups=1, progress=False)
-        assert str(again.value) == str(err), (str(again.value), str(err))
+        assert _same_refusal(str(again.value), str(err)), (str(again.value), str(err))
         assert str(err) and "\n" not in str(err)
         assert not (workdir / "refused").exists()
         return Outcome(model_type, "refused", str(err))
@@ -230,3 +230,15 @@ def _kv_rows(model, layout, shape) -> int:
 def _short(err: Exception) -> str:
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0][:120]}" if text else type(err).__name__
+
+
+_NOT_BUILT = "transformers could not build it from this config ("
+
+
+def _same_refusal(on_disk: str, in_memory: str) -> bool:
+    """The same refusal, or, where transformers could not build the class, the same one but for transformers' own
+    error: under transformers < 5.20 (the release vLLM pins) dbrx's config fails one way built from its dict and
+    another read back from config.json."""
+    if on_disk == in_memory:
+        return True
+    return _NOT_BUILT in in_memory and on_disk.split(_NOT_BUILT)[0] == in_memory.split(_NOT_BUILT)[0]

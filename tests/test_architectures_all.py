@@ -3,9 +3,11 @@ on planted-redundant heads, and to one) or is refused in one line; never a crash
 docs/architectures.md is generated from the same outcomes (scripts/supported_architectures.py)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
+import transformers
 from all_architectures import causal_lm_types, check_type
 
 from mha2gqa.layouts import LAYOUTS, RETARGETED
@@ -43,7 +45,11 @@ def test_enough_types_convert_and_the_documented_list_matches(outcome):
         for line in DOC.read_text().splitlines()
         if line.startswith("| `") and "| converts exactly |" in line
     ]
-    assert documented == exact, "docs/architectures.md is stale: run python scripts/supported_architectures.py"
+    generated_with = re.search(r"with transformers (\S+) \(", DOC.read_text())[1]
+    if transformers.__version__ == generated_with:
+        assert documented == exact, "docs/architectures.md is stale: run python scripts/supported_architectures.py"
+    else:  # another release (the one vLLM pins, .ci/vllm): what the doc says converts still does, where it exists
+        assert sorted(set(documented) & set(TYPES) - set(exact)) == [], (transformers.__version__, generated_with)
 
 
 def _run(*args):

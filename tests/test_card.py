@@ -89,11 +89,34 @@ def test_uptrain_card_records_the_training_and_carries_the_source_card(hub_sourc
         "LoRA adapters (rank 2, alpha 32.0, on self_attn.k_proj, self_attn.o_proj, self_attn.q_proj, "
         "self_attn.v_proj), merged into the weights" in text
     )
-    assert "| steps, tokens | 2 steps, 256 tokens (1 process(es)) |" in text
+    assert "| steps, tokens | 2 steps, 256 tokens (1 process) |" in text
     assert "| key/value heads | 8 → 2 (query heads: 8) |" in text  # the conversion is still described
     recipe_block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
     assert yaml.safe_load(recipe_block) == recipe.to_dict()
     assert (out / SOURCE_CARD).read_text() == SOURCE_CARD_TEXT  # carried through the converted model
+
+
+def test_an_uptrain_card_names_its_files_by_absolute_paths(tmp_path, monkeypatch):
+    """The card's recipe held the data paths as typed, relative to wherever the recipe was run: the record now
+    holds them absolute, and the card says so (an older record's relative paths are said to be relative)."""
+    tiny_model_dir(tmp_path / "tiny")
+    corpus(tmp_path / "c.jsonl")
+    monkeypatch.chdir(tmp_path)
+    keys = dict(model="tiny", output_dir="up", data={"train": "c.jsonl"}, budget={"max_steps": 1}, eval_every=0)
+    out = train(load_recipe(recipe_file(tmp_path / "r.yaml", **keys)))
+    text = _card(out)[1]
+    recipe = yaml.safe_load(text.split("```yaml\n", 1)[1].split("```", 1)[0])
+    assert recipe["data"]["train"] == [str(tmp_path / "c.jsonl")] and recipe["model"] == str(tmp_path / "tiny")
+    assert recipe["output_dir"] == str(tmp_path / "up") and recipe["data"]["eval"] is None
+    assert "| steps, tokens | 1 step, 128 tokens (1 process) |" in text
+    assert "# the resolved recipe is below (local paths absolute, as on the machine that ran it)" in text
+
+
+def test_the_card_counts_processes_in_words():
+    from mha2gqa.card import _uptrain_section
+
+    stage = {"recipe": {"budget": {"max_steps": 2}}, "steps": 2, "tokens_seen": 64, "world_size": 2}
+    assert "| steps, tokens | 2 steps, 64 tokens (2 processes) |" in _uptrain_section([stage], converted=True)
 
 
 def test_a_source_without_a_card_says_so(tmp_path):
@@ -136,6 +159,8 @@ def test_an_mha_model_trained_from_scratch_carries_no_gqa_tags():
         "| final held-out perplexity | 124.47 (the training run's own check: up to 64 blocks of 512 tokens, "
         "persuasion.txt.gz; an `mha2gqa eval` result is measured on its own tokens) |" in text
     )
+    # its record is older than absolute paths: the card says what they are relative to
+    assert "(relative paths are relative to the folder the run started in)" in text
 
 
 def test_a_converted_card_points_to_an_evaluation_only_when_it_has_one(hub_source, tmp_path):

@@ -119,13 +119,14 @@ def test_dry_run_prints_the_summary_first_and_the_tensors_on_request(src, tmp_pa
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[0].startswith(f"would write {tmp_path / 'dst'}: ") and "kv heads 8 -> 2 by mean" in lines[0]
-    assert [line.split(":")[0] for line in lines[1:6]] == ["stage 1", "stage 2", "stage 3", "estimates", "time"]
-    assert lines[2].startswith("stage 2: check: ")  # the quality check after the write, listed with the rest
-    assert lines[6] == "(--plan-tensors lists the 29 output tensors, each with its source)" and len(lines) == 7
+    assert lines[1].startswith(f"checked: {tmp_path} is writable and has ")  # what the run checks first (issue 38)
+    assert [line.split(":")[0] for line in lines[2:7]] == ["stage 1", "stage 2", "stage 3", "estimates", "time"]
+    assert lines[3].startswith("stage 2: check: ")  # the quality check after the write, listed with the rest
+    assert lines[7] == "(--plan-tensors lists the 29 output tensors, each with its source)" and len(lines) == 8
     listed = _run("convert", src, tmp_path / "dst", "--groups", "2", "--dry-run", "--plan-tensors").output.splitlines()
-    assert listed[:6] == lines[:6] and len(listed) == 6 + 29
+    assert listed[:7] == lines[:7] and len(listed) == 7 + 29
     k_proj = "model.layers.0.self_attn.k_proj.weight  F32 [16, 64]  <- mean over groups of 4 kv heads of layer 0 ("
-    assert any(line.startswith(k_proj) for line in listed[6:])
+    assert any(line.startswith(k_proj) for line in listed[7:])
     assert "model.embed_tokens.weight  F32 [128, 64]  <- copy" in listed
     assert not (tmp_path / "dst").exists()
 

@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from mha2gqa.cli import main
 from mha2gqa.demo import markdown_table
 from mha2gqa.provenance import lineage
+from mha2gqa.run_folder import MARKER, mark
 
 
 @pytest.mark.parametrize(
@@ -59,6 +60,7 @@ def _earlier_run(out):
     (out / "report" / "speed_vs_batch.png").write_bytes(b"old plot")
     (out / "results").mkdir()
     (out / "results" / "parent.json").write_text("{}")
+    mark(out, "demo")  # every run marks its folder first: a folder of the same names without it is no run
 
 
 def test_demo_into_an_earlier_run_needs_force_and_changes_nothing(tmp_path):
@@ -91,6 +93,7 @@ def test_a_replaced_run_keeps_no_old_file_and_a_failed_one_restores_it(tmp_path)
             (out / "report" / "report.md").write_text("half")
             raise KeyboardInterrupt
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
+        MARKER,
         "report",
         "report/speed_vs_batch.png",
         "results",
@@ -99,7 +102,7 @@ def test_a_replaced_run_keeps_no_old_file_and_a_failed_one_restores_it(tmp_path)
     with replacing_run(out, force=True):
         (out / "report").mkdir()
         (out / "report" / "report.md").write_text("new")
-    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["report", "report/report.md"]
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [MARKER, "report", "report/report.md"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # nothing left beside it
 
 

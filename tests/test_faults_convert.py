@@ -275,7 +275,10 @@ def test_layers_beyond_the_config_are_copied_with_a_warning(src, tmp_path):
     result = cli("convert", src, tmp_path / "dst", "--groups", "2", "-q")
     assert result.exit_code == 0, result.output
     warnings = [line for line in result.stderr.splitlines() if line.startswith("Warning:")]
-    assert len(warnings) == 1 and "tensors for layer 1 (model.layers.1.*)" in warnings[0], result.stderr
+    assert "tensors for layer 1 (model.layers.1.*)" in warnings[0], result.stderr
+    # transformers' loader refuses the layers its config does not hold, so the quality check says it could not run
+    assert len(warnings) == 2 and warnings[1].startswith("Warning: the check could not run: SRC "), result.stderr
+    assert result.output.splitlines()[-1].startswith("check: skipped (it could not run: SRC ")
     shapes = {n: list(t.shape) for n, t in load_file(tmp_path / "dst" / "model.safetensors").items()}
     assert shapes["model.layers.0.self_attn.k_proj.weight"] == [16, 64]  # converted
     assert shapes["model.layers.1.self_attn.k_proj.weight"] == [64, 64]  # copied

@@ -18,10 +18,25 @@ def test_the_training_curve_names_the_held_out_blocks(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(METRICS_LINES)
     (tmp_path / "mha2gqa.json").write_text(json.dumps(lineage_of(MEAN2, stage("uptrain", recipe=RECIPE))))
     _, held_out = plots.training_figure(tmp_path / "metrics.jsonl").axes
-    assert held_out.get_title().splitlines() == [
-        "Held-out (recipe's data.eval)",
-        "measured on at most the first 16 blocks x 512 tokens (8,192) of persuasion.txt, block by block",
-    ]
+    lines = held_out.get_title().splitlines()
+    assert lines[0] == "Held-out (recipe's data.eval)"
+    assert " ".join(lines[1:]) == (
+        "measured on at most the first 16 blocks x 512 tokens (8,192) of persuasion.txt, block by block"
+    )
+
+
+def test_the_training_curve_titles_fit_inside_the_figure(tmp_path):
+    """The held-out panel's title ran past the figure's right edge and was cut off in the PNG."""
+    recipe = {**RECIPE, "data": {**RECIPE["data"], "eval": ["/d/a-held-out-novel-with-a-long-name.txt.gz"]}}
+    (tmp_path / "metrics.jsonl").write_text(METRICS_LINES)
+    (tmp_path / "mha2gqa.json").write_text(json.dumps(lineage_of(MEAN2, stage("uptrain", recipe=recipe))))
+    fig = plots.training_figure(tmp_path / "metrics.jsonl")
+    fig.canvas.draw()
+    renderer, width = fig.canvas.get_renderer(), fig.bbox.width
+    for ax in fig.axes:
+        box = ax.title.get_window_extent(renderer)
+        assert 0 <= box.x0 and box.x1 <= width, (ax.get_title(), box, width)
+    assert len(fig.axes[1].get_title().splitlines()) == 3  # the long line was wrapped, not dropped
 
 
 def test_held_out_of_train_and_no_recipe_are_said_so(tmp_path):

@@ -38,3 +38,19 @@ def test_every_headline_number_links_to_a_page_and_names_its_command():
         linked = (ROOT / link.group(1)).read_text()
         value = re.match(r"\[([^\]]+)\]", number).group(1)
         assert value.replace(" of ", " ").split()[0] in linked, f"{value} is not on {link.group(1)}"
+
+
+def test_the_readme_and_help_agree_on_the_default_method_and_calibration():
+    """The README names the default method as `--method`'s default is, and the default calibration as the one
+    prepare fills in (issue 36: the README once called calibrated + refine "the shipped default")."""
+    from mha2gqa.convert.options import DEFAULT_CALIBRATION, ConvertOptions
+
+    text = " ".join(README.read_text().split())
+    method = ConvertOptions(groups=1).method.value
+    assert f"# the default method, {method} " in text and f"The default method, {method}-pooling," in text
+    assert "shipped default" not in text
+    parts = {entry.split(":")[0] for entry in DEFAULT_CALIBRATION}
+    assert (
+        parts == {"parent", "austen"}
+        and "its default calibration is the no-data mix, the parent's own samples and the embedded novels" in text
+    )

@@ -212,3 +212,45 @@ def test_the_exclusive_groups_are_declared_on_their_keys():
     assert group_keys(BudgetConfig, "budget") == ("max_steps", "tokens", "alpha")
     assert group_keys(Recipe, "source") == ("model", "init_from_config")
     assert group_keys(Recipe, "budget") == () and BudgetConfig().max_steps is None
+
+
+def test_every_shipped_recipe_is_in_the_docs_table():
+    """docs/uptrain.md's table of recipes lacked recipes/smollm2-distill-cpu.yaml, the real-model one: every
+    recipes/*.yaml is a row by its file name, every recipe shipped inside the package by the name --recipe takes."""
+    from mha2gqa.uptrain.recipe_load import shipped_recipes
+
+    doc = (ROOT / "docs" / "uptrain.md").read_text()
+    rows = set(re.findall(r"^\| `([\w.-]+)` \|", doc, flags=re.M))
+    shipped = {p.name for p in (ROOT / "recipes").glob("*.yaml")} | set(shipped_recipes())
+    assert {"distill-parent-cpu", "smollm2-distill-cpu.yaml"} <= shipped
+    assert shipped <= rows, f"recipes missing from docs/uptrain.md's table: {sorted(shipped - rows)}"
+    assert rows <= shipped, f"docs/uptrain.md's table names recipes that do not exist: {sorted(rows - shipped)}"
+
+
+def test_a_model_made_by_the_recipes_first_line_is_refused_with_that_command(tmp_path, monkeypatch):
+    """The README's `mha2gqa uptrain --recipe recipes/austen-gqa-parent.yaml` names a model that the convert on
+    the recipe's first line makes: the refusal names that command (it looked the path up on the hub)."""
+    from mha2gqa.cli import main
+
+    monkeypatch.chdir(tmp_path)  # runs/austen-gqa2 does not exist here
+    result = CliRunner().invoke(main, ["uptrain", "--recipe", str(ROOT / "recipes" / "austen-gqa-parent.yaml")])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert (
+        "model=runs/austen-gqa2 does not exist yet: the recipe's first line makes it, run that first "
+        "(mha2gqa convert mha2gqa/data/austen-mha runs/austen-gqa2 --groups 2), or set model= to a model you have"
+    ) in result.output
+    assert "hub" not in result.output and not (tmp_path / "runs").exists()
+    # a recipe of one's own: the command before `&&` is what makes it; once it exists, no word of it
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "# mha2gqa convert SRC made --groups 2 && mha2gqa uptrain --recipe r.yaml\n"
+        "model: made\noutput_dir: out\ndata: {train: [t.txt]}\nbudget: {max_steps: 1}\n"
+    )
+    (tmp_path / "t.txt").write_text("hello\n")
+    with pytest.raises(InputError, match=r"model=made does not exist yet: .* \(mha2gqa convert SRC made --groups 2\)"):
+        load_recipe(recipe)
+    (tmp_path / "made").mkdir()
+    (tmp_path / "made" / "config.json").write_text(
+        '{"model_type": "llama", "num_attention_heads": 4, "hidden_size": 32, "num_hidden_layers": 2}'
+    )
+    assert load_recipe(recipe).model == "made"

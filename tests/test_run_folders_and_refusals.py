@@ -24,6 +24,7 @@ from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 import mha2gqa.demo.ablations as ablations
 import mha2gqa.eval.run as eval_run
 from mha2gqa import embedded
+from mha2gqa.run_folder import MARKER, mark
 from mha2gqa.writing import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
@@ -145,6 +146,7 @@ def test_an_earlier_reproduce_run_needs_force(tmp_path, tmpdir_env, no_grid):
     out = tmp_path / "ablations"
     out.mkdir()
     (out / "ablations.json").write_text("{}")
+    mark(out, "reproduce")  # what every run writes first: it is a run, not a user's file of that name
     refused(
         cli("reproduce", "--out", out),
         "holds an earlier reproduce run: pass --force",
@@ -169,6 +171,15 @@ def test_sweep_refuses_a_users_file_and_an_earlier_sweep_without_force(tiny, tmp
         left=["out"],
     )
     (out / "todo.txt").unlink()
+    line = refused(
+        cli(*_sweep_args(tiny, out)),
+        "holds sweep.md, which no sweep run wrote",
+        out=out,
+        tmpdir=tmpdir_env,
+        left=["out"],
+    )
+    assert "--force" not in line  # never offered for a file mha2gqa did not write (issue 38)
+    mark(out, "sweep")
     refused(
         cli(*_sweep_args(tiny, out)),
         "holds an earlier sweep run: pass --force",
@@ -215,6 +226,7 @@ def test_the_next_start_undoes_a_run_killed_with_sigkill(tmp_path, tmpdir_env, n
     if earlier:
         (out / "results").mkdir(parents=True)
         (out / "results" / "parent.json").write_text("earlier run")
+        mark(out, "demo")
     before = tree_digest(out) if earlier else None
     _killed_run(out)
     assert any(name.startswith(".demo.") for name in _beside(out))  # the kill left its markers
@@ -234,15 +246,16 @@ def test_scratch_of_a_killed_sweep_is_removed_by_the_next_start(tmp_path):
     out = tmp_path / "sweep"
     out.mkdir()
     (out / "sweep.json").write_text("{}")
+    mark(out, "sweep")
     for pid in ("999999999", "999999998"):
         (out / f".sweep-{pid}").mkdir()  # dead PIDs' statistics, several MB in real runs
         (out / f".sweep-{pid}" / "stats.bin").write_bytes(b"\0" * 4096)
     with continued_folder(out, "--out", scratch=".sweep-"):  # sweep --resume
-        assert sorted(p.name for p in out.iterdir()) == ["sweep.json"]
+        assert sorted(p.name for p in out.iterdir()) == [MARKER, "sweep.json"]
     (out / ".sweep-999999999").mkdir()
     with run_folder(out, "--out", "sweep", {"sweep.json", ".sweep-*"}, force=True, scratch=".sweep-"):
-        assert list(out.iterdir()) == []  # the earlier sweep is aside, its scratch with it
-    assert _beside(out) == ["sweep"] and list(out.iterdir()) == []
+        assert [p.name for p in out.iterdir()] == [MARKER]  # the earlier sweep is aside, its scratch with it
+    assert _beside(out) == ["sweep"] and [p.name for p in out.iterdir()] == [MARKER]
 
 
 def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tmp_path, tmpdir_env, no_grid):

@@ -19,6 +19,7 @@ from mha2gqa.convert.options import RefineOptions
 from mha2gqa.corpus import textdata
 from mha2gqa.eval.report import write_report
 from mha2gqa.eval.schema import load_results
+from mha2gqa.run_folder import MARKER
 from mha2gqa.sweep import SweepOptions, folder, sweep
 from mha2gqa.sweep.next_step import pretrain_tokens
 from mha2gqa.sweep.plots import pareto_front
@@ -220,7 +221,13 @@ def test_an_interrupted_sweep_keeps_its_finished_rows_and_no_temporary_model(tin
     assert record["interrupted"] is True and [r["name"] for r in record["candidates"]] == ["kv2-mean"]
     assert "Interrupted: 1 of 4" in (out / "sweep.md").read_text()
     assert not seen[2].exists() and not list(out.glob(".sweep-*")) and not (out / "models").exists()
-    assert sorted(p.name for p in out.iterdir()) == ["sweep.html", "sweep.json", "sweep.md", "sweep_quality_vs_kv.png"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        MARKER,
+        "sweep.html",
+        "sweep.json",
+        "sweep.md",
+        "sweep_quality_vs_kv.png",
+    ]
 
 
 def test_a_sweep_interrupted_before_any_candidate_leaves_nothing(tiny, tmp_path, monkeypatch):

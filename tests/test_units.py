@@ -1,7 +1,7 @@
 """The shared small helpers: byte formatting and the first line of an error."""
 
 from mha2gqa.errors import first_line
-from mha2gqa.units import byte_unit, format_bytes, format_size, parse_size
+from mha2gqa.units import byte_unit, counted, format_bytes, format_size, parse_size
 
 
 def test_format_bytes_terminal_and_report_styles():
@@ -36,3 +36,9 @@ def test_format_size_is_read_back_by_parse_size():
         "3TiB",
     ]
     assert all(parse_size(format_size(n)) == n for n in (4 << 30, 1, 1536, 5 * 10**9, 7 << 20))
+
+
+def test_counted_says_one_or_many_in_words():
+    assert [counted(1, "file"), counted(5, "file"), counted(0, "step")] == ["1 file", "5 files", "0 steps"]
+    assert [counted(1, "process"), counted(2, "process")] == ["1 process", "2 processes"]
+    assert counted(2, "training stage") == "2 training stages"

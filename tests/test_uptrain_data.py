@@ -13,8 +13,9 @@ from mha2gqa.corpus import textdata
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain import load_recipe
 from mha2gqa.uptrain.data import MemoryBatches, StreamBatches, block_hash, build_data, pack, pack_all, rank_slice
+from mha2gqa.uptrain.plan import total_steps
 from mha2gqa.uptrain.recipe import OptimConfig
-from mha2gqa.uptrain.steps import lr_at, total_steps
+from mha2gqa.uptrain.steps import lr_at
 
 EOS = 2
 

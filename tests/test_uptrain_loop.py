@@ -17,7 +17,8 @@ from mha2gqa.errors import InputError
 from mha2gqa.provenance import latest, lineage
 from mha2gqa.uptrain import load_recipe, train
 from mha2gqa.uptrain.data import MemoryBatches, build_data
-from mha2gqa.uptrain.steps import TrainingDiverged, kl_teacher_student
+from mha2gqa.uptrain.distill import kl_teacher_student
+from mha2gqa.uptrain.steps import TrainingDiverged
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ from mha2gqa.provenance import latest
 from mha2gqa.uptrain import load_recipe, sample_cache, train
 from mha2gqa.uptrain.data import text_blocks
 from mha2gqa.uptrain.mixed_data import EVAL_SEED_OFFSET, build, ids_sha256, merge_records, sample_blocks
-from mha2gqa.uptrain.steps import total_steps
+from mha2gqa.uptrain.plan import total_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 

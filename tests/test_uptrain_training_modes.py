@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -114,16 +115,18 @@ def test_gradient_checkpointing_is_used_and_changes_no_number(tmp_path, data, mo
     model = tiny_model_dir(tmp_path / "model")
     plain = train(load_recipe(_recipe(tmp_path / "a", model, data, budget={"max_steps": 3}, log_every=1)))
     calls = []
-    enable = PreTrainedModel.gradient_checkpointing_enable
+    enable = PreTrainedModel.activation_checkpointing_enable  # transformers 5.x's name (the old one warns)
     monkeypatch.setattr(
-        PreTrainedModel, "gradient_checkpointing_enable", lambda self, **kw: (calls.append(kw), enable(self, **kw))[1]
+        PreTrainedModel, "activation_checkpointing_enable", lambda self, **kw: (calls.append(kw), enable(self, **kw))[1]
     )
-    ckpt = train(
-        load_recipe(
-            _recipe(tmp_path / "b", model, data, budget={"max_steps": 3}, log_every=1, gradient_checkpointing=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        ckpt = train(
+            load_recipe(
+                _recipe(tmp_path / "b", model, data, budget={"max_steps": 3}, log_every=1, gradient_checkpointing=True)
+            )
         )
-    )
-    assert calls == [{"gradient_checkpointing_kwargs": {"use_reentrant": False}}]
+    assert calls == [{"activation_checkpointing_kwargs": {"use_reentrant": False}}]
     ckpt_losses, plain_losses = ([r["loss"] for r in metrics(run)] for run in (ckpt, plain))
     # step 0 logs an eval before any training step: its loss is null in both runs, and only numbers compare
     assert [loss is None for loss in ckpt_losses] == [loss is None for loss in plain_losses]

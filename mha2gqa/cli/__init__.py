@@ -25,14 +25,17 @@ class _OneLineError(click.ClickException):
 
 @contextmanager
 def _one_line_warnings():
-    """WeightWarnings (about the user's weights) as `Warning: <message>` lines; other warnings as usual."""
+    """WeightWarnings (about the user's weights) as `Warning: <message>` lines, each line once per command
+    (a check that several stages repeat says it once); other warnings as usual."""
     with warnings.catch_warnings():
         warnings.simplefilter("always", WeightWarning)
-        default = warnings.showwarning
+        default, shown = warnings.showwarning, set()
 
         def show(message, category, *args, **kwargs):
             if issubclass(category, WeightWarning):
-                click.echo(f"Warning: {message}", err=True)
+                if str(message) not in shown:
+                    shown.add(str(message))
+                    click.echo(f"Warning: {message}", err=True)
             else:
                 default(message, category, *args, **kwargs)
 
@@ -120,6 +123,10 @@ def _register():
     from mha2gqa.cli import sweep_cmd  # mha2gqa sweep
 
     main.add_command(sweep_cmd.sweep)
+
+    from mha2gqa.cli import serve_cmd  # mha2gqa serve-bench
+
+    main.add_command(serve_cmd.serve_bench)
 
 
 _register()

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from enum import Enum
 
 import click
 from click.core import ParameterSource
 
+from mha2gqa import jsontext
 from mha2gqa.cli.fields import field_option
 from mha2gqa.cli.format import human_count, table
 from mha2gqa.convert.options import CONVERT_FLAGS, METHOD_SUMMARIES, ConvertOptions, Flag, Method, options_from_flags
@@ -125,7 +125,7 @@ def convert(src, dst, plan_tensors, **flags):
     threads.apply()
     result = run_convert(src, dst, options=options)
     if options.dry_run:  # the answer first: what would be written, the stages, memory and time; the tensors on request
-        lines = [_written_line("would write", dst, result.tensors), *result.plan.describe()]
+        lines = [_written_line("would write", dst, result.tensors), result.checked, *result.plan.describe()]
         if plan_tensors:
             lines += result.tensors.describe(result.plan.checkpoint.tensors)
         else:
@@ -217,7 +217,7 @@ def inspect(src, context, batch, as_json):
 
     info = inspect_model(src, context=context, batch=batch)
     if as_json:
-        click.echo(json.dumps(info, indent=2))
+        click.echo(jsontext.dumps(info, indent=2))
         return
     click.echo(
         f"{info['architecture']} ({info['model_type']}): {info['layers']} layers, {info['heads']} heads, "

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
+from mha2gqa import jsontext
 from mha2gqa.cli.fields import field_option
 from mha2gqa.cli.paths import file_option, folder_option
 from mha2gqa.docfields import choice_docs
@@ -115,7 +114,7 @@ def eval_command(model, quiet, out, force, **options):
     for message in result["warnings"]:
         click.secho(f"WARNING: {message}", fg="red", bold=True, err=True)
     if out is None:
-        click.echo(json.dumps(result, indent=2))
+        click.echo(jsontext.dumps(result, indent=2))
 
 
 def summary(result: dict) -> str:

@@ -36,6 +36,12 @@ def _print_keys(ctx, _param, value):
     "learning rate, optimizer and RNG state.",
 )
 @click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Check the recipe and print the run: the recipe as resolved, the data it reads or samples, its steps and "
+    "tokens, its time and peak memory; write nothing.",
+)
+@click.option(
     "--keys",
     is_flag=True,
     expose_value=False,
@@ -44,7 +50,7 @@ def _print_keys(ctx, _param, value):
     help="List every recipe key with its default and meaning, then exit.",
 )
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
-def uptrain(recipe, resume, overrides):
+def uptrain(recipe, resume, dry_run, overrides):
     """Uptrain (continue pre-training) a model as the YAML RECIPE says, in this process.
 
     KEY=VALUE pairs after the options override recipe keys, dotted for sections:
@@ -62,6 +68,9 @@ def uptrain(recipe, resume, overrides):
     from mha2gqa.uptrain import load_recipe, train
 
     loaded = load_recipe(recipe, list(overrides))  # torch-free: a bad recipe is refused in a second, not after torch
+    if dry_run:
+        _dry_run(recipe, loaded)
+        return
     import_torch()  # with interrupts held: a signal during torch's start-up would abort
     from mha2gqa.uptrain.steps import TrainingDiverged
 
@@ -71,3 +80,20 @@ def uptrain(recipe, resume, overrides):
     except TrainingDiverged as err:
         raise click.ClickException(str(err)) from None
     click.echo(f"output: {out}")
+
+
+def _dry_run(path, recipe) -> None:
+    """What the run would do, torch-free, nothing written (mha2gqa.uptrain.plan)."""
+    import yaml
+
+    from mha2gqa.uptrain.plan import plan_run
+    from mha2gqa.uptrain.recipe_load import recorded
+
+    resolved = yaml.safe_dump(recorded(recipe), sort_keys=False).rstrip().splitlines()
+    click.echo(f"recipe {path}, as resolved (local paths absolute):")
+    click.echo("\n".join(f"  {line}" for line in resolved))
+    for line in plan_run(recipe).describe():
+        click.echo(line)
+    click.echo(
+        f"would write {recipe.output_dir}: checkpoints, metrics.jsonl, the final model (--dry-run: nothing written)"
+    )

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from mha2gqa import jsontext
 from mha2gqa.cache import cache_dir, update_with_model
 from mha2gqa.convert.check import CheckPlan
 from mha2gqa.corpus import textdata
@@ -157,7 +158,7 @@ def save_cached(key: str, scores: dict[str, ParentScores]) -> None:
     folder = cache_dir() / "check"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        write_atomic(folder / f"{key}.safetensors", save(tensors, metadata={"domains": json.dumps(meta)}))
+        write_atomic(folder / f"{key}.safetensors", save(tensors, metadata={"domains": jsontext.dumps(meta)}))
     except (OSError, InputError):
         pass
 

@@ -20,6 +20,8 @@ from pathlib import Path
 import yaml
 
 from mha2gqa.convert.options import CONVERT_FLAGS, ConvertOptions, Flag, changed_flags
+from mha2gqa.corpus.mix import PARENT, as_words, parse_spec
+from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
 from mha2gqa.reading import read_yaml_mapping
 
@@ -73,8 +75,11 @@ def _load(path: Path) -> dict:
 def _words(flag: Flag, key: str, value, problems: list[str]) -> str | list[str] | None:
     """`value` as the word(s) the command line gives click for `flag` (None: a problem, appended)."""
     if flag.repeat:  # a list, one value, or a {source: share} mix as in Python
-        if isinstance(value, dict):
-            value = [f"{name}:{share}" for name, share in value.items()]
+        try:  # a {source: share} mapping, or YAML's `[a.txt: 0.5]` (a list of one-entry mappings), as words
+            value = as_words(value, key)
+        except InputError as err:
+            problems.append(str(err))
+            return None
         values = value if isinstance(value, list) else [value]
         if any(isinstance(v, (dict, list)) or v is None for v in values):
             problems.append(f"{key}: give a list of values, each as one {flag.flag} takes it")
@@ -145,6 +150,26 @@ def values(options: ConvertOptions) -> dict:
             value = list(value) if isinstance(value, (list, tuple)) else [value]
         out[flag.key] = value
     return out
+
+
+def anywhere(config: dict) -> dict:
+    """`config` (values' mapping plus source) with every local path made absolute: the source folder and each
+    calibration file or folder, so that DST/convert.yaml replays from DST, or from any other folder, as it
+    did where it was written. A hub id, a hub dataset, `parent` and `austen` stay as they are."""
+    out = {**config, "source": _absolute(config["source"])}
+    if out.get("calibration") is not None:
+        pairs = parse_spec(out["calibration"], "calibration")
+        out["calibration"] = [
+            _absolute(name) if share is None else f"{_absolute(name)}:{share:g}" for name, share in pairs
+        ]
+    return out
+
+
+def _absolute(entry: str) -> str:
+    """An existing local path, absolute (symbolic links kept, as typed); anything else as it is."""
+    if entry in (PARENT, CORPUS_NAME) or not Path(entry).expanduser().exists():
+        return entry
+    return os.path.abspath(Path(entry).expanduser())
 
 
 def render(config: dict) -> str:

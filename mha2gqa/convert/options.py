@@ -56,7 +56,7 @@ _CALIBRATED_METHODS = frozenset({Method.CALIBRATED})
 
 # One line on each method, for `--method`'s help; kept here so that `convert --help` needs no torch.
 METHOD_SUMMARIES = {
-    Method.MEAN.value: "mean-pool each group's K/V heads (Ainslie et al. 2023)",
+    Method.MEAN.value: "mean-pool each group's K/V heads (Ainslie et al. 2023): the paper's start for uptraining",
     Method.FIRST.value: "keep the first K/V head of each group (ablation)",
     Method.RANDOM.value: "random K/V with the source's mean and std, seeded (ablation)",
     Method.MEAN_NORM.value: "mean-pool, each pooled K/V head rescaled to its group's mean norm",

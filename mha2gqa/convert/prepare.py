@@ -122,7 +122,7 @@ class ConversionPlan:
 
     def config_values(self) -> dict:
         """The same source and options as command(), as DST/convert.yaml's mapping (config_file.render writes it)."""
-        return {"source": self.source_spec, **config_file.values(self.reproduced())}
+        return config_file.anywhere({"source": self.source_spec, **config_file.values(self.reproduced())})
 
     def reproduced(self) -> ConvertOptions:
         """The options that make this conversion again: the calibration as resolved (or the data and tokens of

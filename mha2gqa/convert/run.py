@@ -10,13 +10,13 @@ byte-identical, and the torch one below for everything else; torch is imported o
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mha2gqa import provenance
+from mha2gqa import jsontext, provenance
 from mha2gqa.card import write_card
 from mha2gqa.checkpoint import ShardedWriter, atomic_directory, check_destination
 from mha2gqa.convert import config_file, fast
@@ -24,11 +24,12 @@ from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.plan import Plan
 from mha2gqa.convert.prepare import ConversionPlan, prepare
 from mha2gqa.convert.roles import pack, unpack
-from mha2gqa.errors import InputError, import_torch
+from mha2gqa.errors import InputError, InputWarning, import_torch
 from mha2gqa.layouts import converted_config
 from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, resolve, short_read
-from mha2gqa.writing import write_atomic
+from mha2gqa.units import format_bytes
+from mha2gqa.writing import check_room, check_unclaimed, write_atomic
 
 
 @dataclass
@@ -41,6 +42,7 @@ class ConversionResult:
     refine: dict | None = None  # with refine: options, token counts and per-layer output errors
     plan: ConversionPlan | None = None  # the checked request and its stages (what --dry-run prints)
     check: dict | None = None  # what the conversion kept (convert/check.py), or {"skipped": why}
+    checked: str | None = None  # a dry run: what it checked at DST (the run's checks before its first byte)
 
 
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
@@ -68,7 +70,8 @@ def convert(
         raise TypeError("convert(): pass either options=ConvertOptions(...) or groups and keywords, not both")
     plan = plan_conversion(src, dst, options, stats)
     if options.dry_run:
-        return ConversionResult(plan.tensors, None, plan.source, plan=plan)
+        checked = check_output(plan, Path(dst).expanduser())
+        return ConversionResult(plan.tensors, None, plan.source, plan=plan, checked=checked)
     return execute(plan, dst)
 
 
@@ -78,6 +81,19 @@ def plan_conversion(src, dst, options: ConvertOptions, stats=None, resolved=None
     plan = prepare(src, options, stats, resolved)
     _check_destination(plan.source, Path(dst).expanduser(), options.force)
     return plan
+
+
+def check_output(plan: ConversionPlan, dst: Path) -> str:
+    """What the run checks at DST before its first byte, checked by a dry run without writing anything: no
+    other run holds DST, and DST's filesystem is writable and holds what the run writes (the estimate, with
+    its scratch files). Returns the line that says so."""
+    check_unclaimed(dst, f"DST {dst}")
+    needed = plan.bytes_written + plan.scratch_bytes
+    folder = check_room(dst.parent, needed, f"DST {dst}")
+    return (
+        f"checked: {folder} is writable and has {format_bytes(shutil.disk_usage(folder).free)} free for the "
+        f"{format_bytes(needed)} the run writes"
+    )
 
 
 def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
@@ -110,7 +126,7 @@ def execute(plan: ConversionPlan, dst: Path) -> ConversionResult:
             "command": plan.command(),
             "torch_threads": _torch_threads(plan),  # the same bytes again need the same count (card: Reproduce)
             "config": plan.config_values(),  # DST/convert.yaml's mapping; the card shows it
-            "check": checked,
+            "check": {k: v for k, v in checked.items() if k not in RUN_FACTS},
         }
         write_atomic(tmp / config_file.CONFIG_NAME, config_file.render(extra["config"]))
         _write_provenance(source, plan.config, plan.tensors, options.seed, options.dtype, tmp, extra)
@@ -133,10 +149,17 @@ def _check(plan: ConversionPlan, written: Path, dst: Path, parent=None) -> dict:
     from mha2gqa.convert.check import next_steps
     from mha2gqa.convert.check_scores import run_check
 
-    record = run_check(plan.source, written, check, options.progress, parent)
+    try:
+        record = run_check(plan.source, written, check, options.progress, parent)
+    except InputError as err:  # a model transformers cannot load as it stands: the conversion stands, unchecked
+        warnings.warn(f"the check could not run: {err}", InputWarning, stacklevel=2)
+        return {"skipped": f"it could not run: {err}"}
     full = options.method.needs_calibration and options.refine is not None
     record["next"] = next_steps(record["verdict"], plan.source_spec, str(dst), options.groups, full, record["device"])
     return record
+
+
+RUN_FACTS = ("seconds", "parent_cached")  # of this run, not of the model: printed, kept out of mha2gqa.json
 
 
 def _torch_threads(plan: ConversionPlan) -> int | None:
@@ -318,7 +341,7 @@ def _write_config(config: dict, groups: int, dtype: str | None, out_dir: Path) -
     new = converted_config(config, groups)
     if dtype is not None:
         new["dtype"] = dtype
-    (out_dir / "config.json").write_text(json.dumps(new, indent=2) + "\n")
+    (out_dir / "config.json").write_text(jsontext.model_config(new, indent=2) + "\n")
 
 
 def _write_provenance(

@@ -11,12 +11,14 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from mha2gqa.corpus.reserved import warn_if_shadowing
 from mha2gqa.errors import InputError
 
 PROBE = "probe"  # what a user types for the whole set (--data probe, the default)
 PROBE_DIR = Path(__file__).resolve().parent.parent / "data" / "probe"
 DOMAINS = ("prose", "code", "python_docs", "licences")
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,39}")
+NAME_RULE = "a domain name starts with a letter, then letters, digits, _ or -, at most 40 characters (e.g. code)"
 
 
 def probe_paths() -> dict[str, str]:
@@ -31,13 +33,22 @@ def _default_name(spec: str) -> str:
     return name if _NAME.fullmatch(name) else "data"
 
 
-def _split(spec: str) -> tuple[str | None, str]:
-    """'name=path' -> (name, path); a spec whose part before '=' is no name (a path with '=' in it) is
-    all path."""
+def _split(spec: str, flag: str) -> tuple[str | None, str]:
+    """'name=path' -> (name, path). A spec is all path when it is an existing path (a file whose own name
+    holds '='), when it starts with ./, ../, / or ~, or when '/' comes before its first '='; otherwise what
+    precedes the first '=' is a domain name, and one that breaks NAME_RULE is refused as a bad name."""
     head, sep, tail = spec.partition("=")
-    if sep and _NAME.fullmatch(head) and tail:
-        return head, tail
-    return None, spec
+    if not sep or "/" in head or spec.startswith("~") or Path(spec).expanduser().exists():
+        return None, spec
+    if not _NAME.fullmatch(head):
+        shown = repr(head) if head else "the name before '=' is empty:"
+        raise InputError(
+            f"{flag} {spec}: {shown}{' is not a domain name:' if head else ''} {NAME_RULE}; a path that holds "
+            f"'=' is read whole when it exists, or when written ./{spec}"
+        )
+    if not tail:
+        raise InputError(f"{flag} {spec}: names no text after '=': give NAME=PATH, e.g. {flag} {head}=held_out.txt")
+    return head, tail
 
 
 def parse_domains(data, flag: str = "--data") -> dict[str, str] | None:
@@ -52,16 +63,15 @@ def parse_domains(data, flag: str = "--data") -> dict[str, str] | None:
         items = []
         for spec in [data] if isinstance(data, (str, Path)) else list(data):
             if str(spec) == PROBE:
+                warn_if_shadowing(PROBE, flag, "the probe set shipped in the package")
                 items += list(probe_paths().items())
                 continue
-            name, path = _split(str(spec))
+            name, path = _split(str(spec), flag)
             items.append((name or _default_name(path), path))
     found: dict[str, str] = {}
     for name, path in items:
         if not _NAME.fullmatch(name):
-            raise InputError(
-                f"{flag} {name}={path}: a text's name is a letter then letters, digits, _ or - (e.g. code)"
-            )
+            raise InputError(f"{flag} {name}={path}: {name!r} is not a domain name: {NAME_RULE}")
         if name in found:
             raise InputError(
                 f"{flag}: two texts are named {name!r} ({found[name]} and {path}): name each, e.g. "

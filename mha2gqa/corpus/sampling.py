@@ -149,13 +149,15 @@ def sample_batch(model, opening, seq_len: int, greedy: int, recipe: SamplingReci
     `greedy` tokens after the opening are the likeliest, the rest drawn."""
     import torch
 
+    from mha2gqa.hfcache import cache_kwargs, cache_of
+
     ids = [opening]
     cache, step_input = None, opening.to(device)
     bar.update(opening.numel())
     with torch.no_grad():
         for position in range(opening.shape[1], seq_len):
-            output = model(step_input, cache=cache, use_cache=True, logits_to_keep=1)
-            cache = output.cache
+            output = model(step_input, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+            cache = cache_of(output)
             logits = output.logits[:, -1].float().cpu()  # (B, V): drawn on the CPU, the same on every device
             greedy_here = position < opening.shape[1] + greedy
             chosen = logits.argmax(-1) if greedy_here else nucleus_draw(logits, recipe, generator)

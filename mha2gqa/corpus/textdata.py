@@ -171,13 +171,13 @@ def iter_texts(
                 yield _end(previous)
 
 
-def require_text(source: TextSource, field: str = "text") -> None:
+def require_text(source: TextSource, field: str = "text", field_key: str | None = None) -> None:
     """Refuse local files that hold no text at all (empty, or only whitespace), reading no further than
     the first piece that has some: a calibration of 0 tokens is known before any model is loaded. A hub
-    dataset is not read here (that would download it)."""
+    dataset is not read here (that would download it). field_key: the key that names `field`."""
     if source.hub is not None:
         return
-    for piece in iter_texts(source, field, piece_chars=1 << 16):
+    for piece in iter_texts(source, field, field_key=field_key, piece_chars=1 << 16):
         if piece.strip():
             return
     named = source.files[0] if len(source.files) == 1 else f"{len(source.files)} files"

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa import embedded
+from mha2gqa import embedded, jsontext
 from mha2gqa.demo.pipeline import DEMO_RECIPE, embedded_run_overrides
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import head_counts, read_config
@@ -188,7 +188,7 @@ def run_grid(out: Path, plan: ReproducePlan, echo: Callable[[str], None] = print
         "rows": rows,
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ablations.json").write_text(json.dumps(table, indent=2) + "\n")
+    (out / "ablations.json").write_text(jsontext.dumps(table, indent=2) + "\n")
     return table
 
 

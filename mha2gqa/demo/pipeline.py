@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa import embedded, estimates
+from mha2gqa import embedded, estimates, jsontext
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.prepare import prepare
 from mha2gqa.errors import InputError
@@ -59,8 +59,8 @@ def embedded_run_overrides(model: Path, out: Path, eval_blocks: int) -> list[str
     return [
         f"model={model}",
         f"output_dir={out}",
-        f"data.train={json.dumps(train)}",
-        f"data.eval={json.dumps([str(embedded.heldout_path())])}",
+        f"data.train={jsontext.dumps(train)}",
+        f"data.eval={jsontext.dumps([str(embedded.heldout_path())])}",
         f"data.eval_blocks={eval_blocks}",
     ]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from mha2gqa.hfcache import cache_of
 from mha2gqa.layouts import AttentionShape
 
 
@@ -26,7 +27,7 @@ def measure_kv_cache(model, shape: AttentionShape, batch: int = 2, tokens: int =
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=gen).to(device)  # (B, T)
     with torch.no_grad():
-        cache = model(ids, use_cache=True).cache
+        cache = cache_of(model(ids, use_cache=True))
     pairs = cache_tensors(cache)
     measured = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in pairs)
     per_token = measured / (batch * tokens)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
-import json
 import math
 import os
 import statistics
 from pathlib import Path
 
+from mha2gqa import jsontext
 from mha2gqa.errors import InputError
 from mha2gqa.quiet import LM_EVAL_NOISE, without_datasets_bars, without_log_messages
 
@@ -200,7 +200,9 @@ def write_samples(samples: dict, path: Path) -> Path:
     prompt arguments, responses, per-example metrics); values JSON has no type for are written as text."""
     from mha2gqa.writing import write_atomic
 
-    lines = [json.dumps({"task": task, **example}, default=str) for task, found in samples.items() for example in found]
+    lines = [
+        jsontext.dumps({"task": task, **example}, default=str) for task, found in samples.items() for example in found
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_atomic(path, "".join(line + "\n" for line in lines))
 

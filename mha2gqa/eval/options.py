@@ -33,7 +33,9 @@ class SpeedPreset(StrEnum):
 class EvalOptions:
     data: str | Sequence[str] | Mapping[str, str] | None = (PROBE,)
     """Held-out texts, each a domain measured apart: NAME=PATH (repeatable, e.g. --data prose=novel.txt
-    --data code=src/), or PATH alone (named after the file). PATH is a .txt/.md file (one document),
+    --data code=src/), or PATH alone (named after the file). NAME starts with a letter, then letters,
+    digits, _ or -, at most 40 characters, and one that breaks the rule is refused; a PATH whose own name
+    holds '=' is read whole when it exists, or when written ./PATH. PATH is a .txt/.md file (one document),
     .jsonl/.json/.parquet (a document per record, from --data-column), each .gz/.bz2/.xz/.zst too, a
     folder of them, or a hub dataset name such as wikitext (online only). 'probe': the probe set shipped
     in the package (prose, code, python_docs, licences; docs/eval.md), the default. In Python, None skips

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -187,6 +188,16 @@ def training_objective(metrics_path: Path) -> str:
     return "train LM loss (training batches)"
 
 
+# Characters of a panel title's line in the training curve: a 6-inch panel at font size 10 holds about 70, and
+# a longer line ran past the figure's edge (the held-out panel's "measured on ..." line was cut off).
+TITLE_CHARS = 60
+
+
+def _wrapped(lines: list[str]) -> str:
+    """The non-empty lines, each broken at spaces into lines of at most TITLE_CHARS."""
+    return "\n".join(part for line in lines if line for part in textwrap.wrap(line, TITLE_CHARS))
+
+
 def training_curve(metrics_path: Path, out: Path) -> Path:
     """The PNG of training_figure."""
     return _save(training_figure(metrics_path), out)
@@ -204,7 +215,7 @@ def training_figure(metrics_path: Path):
     panels = [
         ("Training batches, each optimizer step", "nats/token", train, {"loss": objective}),
         (
-            "\n".join(filter(None, ["Held-out (recipe's data.eval)", measured_on.training_eval(metrics_path)])),
+            _wrapped(["Held-out (recipe's data.eval)", measured_on.training_eval(metrics_path)]),
             "LM perplexity" if any("ppl" in k for k in held_out) else "LM loss (nats/token)",
             held_out,
             {"eval_ppl": "held-out LM perplexity", "eval_loss": "held-out LM loss"},

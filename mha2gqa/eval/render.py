@@ -30,9 +30,20 @@ def _markdown_table(rows, cols, speed_point) -> list[str]:
     return lines + ["| " + " | ".join(c.text(r) for c in cols) + " |" for r in rows]
 
 
+HEADING = "# mha2gqa comparison report\n"
+
+
+def empty_page() -> str:
+    """The HTML page of a report without eval results (serve-bench results alone): its heading only."""
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>mha2gqa report</title><style>{CSS}</style></head>"
+        "<body><h1>mha2gqa comparison report</h1></body></html>\n"
+    )
+
+
 def markdown(rows, meta, results, plots: dict[str, Path], out_dir: Path) -> str:
     lines = [
-        "# mha2gqa comparison report",
+        HEADING.strip(),
         "",
         f"Baseline: **{meta['baseline']}** (Δ, saving and speed-up are relative to it; ↓ lower, ↑ higher is better).",
     ]

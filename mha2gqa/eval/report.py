@@ -3,15 +3,15 @@ report.json (the table's numbers) and PNG plots."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
 import matplotlib
 
+from mha2gqa import jsontext
 from mha2gqa.errors import InputError, user_file_error
-from mha2gqa.eval import measured_on, plots, render
+from mha2gqa.eval import measured_on, plots, render, serve_schema, serving_section
 from mha2gqa.eval.compare import comparison_rows, pick_baseline
 from mha2gqa.eval.schema import check_writable, load_results
 from mha2gqa.writing import remove_dead, swap_in
@@ -49,18 +49,21 @@ def write_report(
     paths = [str(p) for p in result_paths]
     if not paths:
         raise InputError("report needs at least one results.json (written by `mha2gqa eval --out`)")
+    serve_paths = [p for p in paths if serve_schema.is_serve_file(p)]  # serve-bench's files: their own section
+    served = [(p, serve_schema.load(p)) for p in serve_paths]
+    paths = [p for p in paths if p not in serve_paths]
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--out {out_dir} is a file: pass a directory for the report")
     _check_no_earlier_report(out_dir, force)
     loaded = [(p, result) for p in paths for result in load_results(p)]  # a sweep.json holds many results
     paths, results = [p for p, _ in loaded], [r for _, r in loaded]
-    base = pick_baseline(results, paths, baseline)
+    base = pick_baseline(results, paths, baseline) if results else None
     metric_paths = [] if metrics is None else [metrics] if isinstance(metrics, (str, Path)) else list(metrics)
     for m in metric_paths:
         plots.read_metrics(m)  # refuse a bad file before anything is written
     _unique_labels(results)
-    rows, meta = comparison_rows(results, base, speedup_apart)
+    rows, meta = comparison_rows(results, base, speedup_apart) if results else ([], {})
 
     check_writable(out_dir / "report.json", "--out")  # read-only or full: say so before drawing anything
     # Drawn in a staging folder beside --out, then moved in: a failure leaves no half report, no PNG.
@@ -72,7 +75,7 @@ def write_report(
         staging.mkdir()
         # Labels are text, never mathtext: a model named "$\\frac{" must not be parsed by matplotlib.
         with matplotlib.rc_context({"text.parse_math": False}):
-            written = _write(staging, rows, meta, results, paths, metric_paths)
+            written = _write(staging, rows, meta, results, paths, metric_paths, served)
         if out_dir.exists():
             swap_in(staging, out_dir, files_first="*.png", files_last=("report.json",))
         else:
@@ -89,7 +92,11 @@ def _check_no_earlier_report(out_dir: Path, force: bool) -> None:
     folder silently overwrote the first one's tables and plots."""
     if force or not out_dir.is_dir():
         return
-    found = sorted(p.name for p in out_dir.iterdir() if p.name in REPORT_FILES or p.match("training_curve*.png"))
+    found = sorted(
+        p.name
+        for p in out_dir.iterdir()
+        if p.name in REPORT_FILES or p.match("training_curve*.png") or p.match("serving_throughput*.png")
+    )
     if found:
         raise InputError(
             f"--out {out_dir} holds an earlier report ({', '.join(found)}): pass --force to replace it, "
@@ -97,7 +104,7 @@ def _check_no_earlier_report(out_dir: Path, force: bool) -> None:
         )
 
 
-def _write(out_dir: Path, rows, meta, results, paths, metric_paths) -> dict[str, Path]:
+def _write(out_dir: Path, rows, meta, results, paths, metric_paths, served) -> dict[str, Path]:
     drawn = {
         "quality_vs_kv": plots.quality_vs_kv(rows, out_dir / "quality_vs_kv.png", measured_on.perplexity(results)),
         "speed_vs_batch": plots.speed_vs_batch(results, out_dir / "speed_vs_batch.png"),
@@ -111,7 +118,12 @@ def _write(out_dir: Path, rows, meta, results, paths, metric_paths) -> dict[str,
         "html": out_dir / "report.html",
         "json": out_dir / "report.json",
     }
-    written["markdown"].write_text(render.markdown(rows, meta, results, drawn, out_dir))
-    written["html"].write_text(render.html_page(rows, meta, results, drawn))
-    written["json"].write_text(json.dumps({**meta, "rows": rows, "results": paths}, indent=2) + "\n")
-    return {**written, **drawn}
+    serving_md, serving_html, serving_drawn = serving_section.sections([found for _, found in served], out_dir)
+    page = render.html_page(rows, meta, results, drawn) if results else render.empty_page()
+    written["markdown"].write_text(
+        (render.markdown(rows, meta, results, drawn, out_dir) if results else render.HEADING) + serving_md
+    )
+    written["html"].write_text(page.replace("</body>", serving_html + "</body>"))
+    record = {**meta, "rows": rows, "results": paths, "serving": [path for path, _ in served]}
+    written["json"].write_text(jsontext.dumps(record, indent=2) + "\n")
+    return {**written, **drawn, **serving_drawn}

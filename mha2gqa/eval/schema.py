@@ -26,11 +26,11 @@ Top-level keys (sections that were not measured are null):
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
 
+from mha2gqa import jsontext
 from mha2gqa.errors import InputError, user_file_error
 from mha2gqa.eval.sweep_schema import SWEEP_SCHEMA
 from mha2gqa.reading import read_json
@@ -115,7 +115,7 @@ def write_result(result: dict, out: Path) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise user_file_error(err, out) from err
-    return write_atomic(out, json.dumps(result, indent=2, sort_keys=False) + "\n")
+    return write_atomic(out, jsontext.dumps(result, indent=2, sort_keys=False) + "\n")
 
 
 def check_writable(out: Path, flag: str = "--out") -> None:
@@ -315,5 +315,5 @@ def type_problems(result: dict) -> list[str]:
             continue
         value = node[keys[-1]]
         if not ok(value):
-            problems.append(f"{dotted} is {json.dumps(value)[:40]}, must be {what}")
+            problems.append(f"{dotted} is {jsontext.shown(value)[:40]}, must be {what}")
     return problems

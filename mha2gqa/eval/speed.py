@@ -21,6 +21,7 @@ import torch
 from mha2gqa.errors import InputError
 from mha2gqa.eval.memory import PeakMemory
 from mha2gqa.eval.metrics import quartiles
+from mha2gqa.hfcache import cache_kwargs, cache_of
 from mha2gqa.progress import progress_bar
 
 
@@ -92,10 +93,10 @@ def greedy_decode(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, flo
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
     _sync(device)
     t1 = time.perf_counter()
-    cache = out.cache
+    cache = cache_of(out)
     for _ in range(new_tokens):
-        out = model(nxt, cache=cache, use_cache=True)
-        cache = out.cache
+        out = model(nxt, use_cache=True, **cache_kwargs(model, cache))
+        cache = cache_of(out)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     _sync(device)
     return t1 - t0, time.perf_counter() - t1

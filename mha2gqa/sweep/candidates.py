@@ -127,18 +127,36 @@ def measure_candidate(source, candidate, options, stats, calibration, models_dir
     result = evaluate(dst, options=eval_options(options, candidate.name, "converted", source))
     eval_s = time.perf_counter() - started
     return {
-        **_domain_columns(result, parent),
         "name": candidate.name,
         "groups": candidate.groups,
         "method": candidate.method,
-        **metric_values(result, parent),
-        "kv_bytes_per_sequence": kv_columns(result, context)["kv_bytes_per_sequence"],
+        **derived_columns(result, parent, context),
         "convert_wall_s": round(convert_s, 3),
         "convert_peak_rss_bytes": peak.peak_bytes,
         "eval_wall_s": round(eval_s, 3),
         "model": str(dst) if options.keep else None,
         "merge_layers": converted.layers,
         "refine": converted.refine,
+        "result": result,
+    }
+
+
+def derived_columns(result: dict, parent: dict, context: int | None) -> dict:
+    """The columns of a candidate's row that follow from its eval result and the parent's: per domain, the
+    main metrics, the KV bytes of a sequence (--resume derives them again to check a recorded row)."""
+    return {
+        **_domain_columns(result, parent),
+        **metric_values(result, parent),
+        "kv_bytes_per_sequence": kv_columns(result, context)["kv_bytes_per_sequence"],
+    }
+
+
+def parent_row(result: dict, context: int | None) -> dict:
+    """sweep.json's parent entry: its eval result, with the numbers every candidate is compared with."""
+    return {
+        "perplexity": schema.perplexity(result),
+        "domains": {name: d["perplexity"]["perplexity"] for name, d in (result.get("domains") or {}).items()},
+        **kv_columns(result, context),
         "result": result,
     }
 

@@ -9,7 +9,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from mha2gqa import provenance
+from mha2gqa import jsontext, provenance
 from mha2gqa.convert.inputs import stats_bytes
 from mha2gqa.convert.options import current_refine_fields
 from mha2gqa.errors import InputError
@@ -55,7 +55,7 @@ def check_out(out: Path, options: SweepOptions) -> None:
 
 def open_folder(out: Path, options: SweepOptions):
     if options.resume:
-        return continued_folder(out, "--out", scratch=SCRATCH)
+        return continued_folder(out, "--out", scratch=SCRATCH, command="sweep")
     return run_folder(out, "--out", "sweep", RUN_ENTRIES, options.force, scratch=SCRATCH)
 
 
@@ -105,7 +105,7 @@ def earlier_sweep(out: Path, record: dict) -> dict:
         recorded = found["settings"].get(key)
         if key == "refine" and isinstance(recorded, dict):  # a sweep.json from before a refine field retired
             recorded = current_refine_fields(recorded)
-        if recorded != json.loads(json.dumps(record["settings"][key])):
+        if recorded != json.loads(jsontext.dumps(record["settings"][key])):
             flag = "--" + key.replace("_", "-")
             raise InputError(
                 f"--resume: {flag} differs from the sweep in {out} (it ran with {found['settings'].get(key)!r}): "

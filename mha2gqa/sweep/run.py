@@ -20,7 +20,6 @@ from pathlib import Path
 from mha2gqa import estimates
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.probe import parse_domains
-from mha2gqa.eval import schema
 from mha2gqa.eval.schema import write_result
 from mha2gqa.layouts import attention_shape, read_config
 from mha2gqa.progress import progress_bar
@@ -30,14 +29,15 @@ from mha2gqa.sweep import folder as out_folder
 from mha2gqa.sweep.candidates import (
     Candidate,
     eval_options,
-    kv_columns,
     kv_head_counts,
     measure_candidate,
+    parent_row,
     plan_candidates,
 )
 from mha2gqa.sweep.next_step import pretrain_tokens
 from mha2gqa.sweep.options import SweepOptions
 from mha2gqa.sweep.recommend import recommend
+from mha2gqa.sweep.trust import trusted
 
 
 def sweep(src, options: SweepOptions, echo=print) -> dict:
@@ -55,6 +55,8 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     out_folder.check_out(out, options)
     record = out_folder.new_record(src, source, config, options, candidates)
     earlier = out_folder.earlier_sweep(out, record) if options.resume else None
+    if earlier is not None:  # only what it can check: a row that does not hold is run again
+        earlier = trusted(earlier, record["planned"], record["source"]["kv_heads"], record["context"], echo)
     done = {r.get("name") for r in (earlier or {}).get("candidates") or [] if isinstance(r, dict)}
     # What is left to convert (a resumed sweep's finished models are not planned again); the first plan
     # resolves the calibration and its token count (unset: the default of the calibration's kind).
@@ -123,12 +125,7 @@ def _measure_parent(source, options: SweepOptions, record: dict, count: int, ech
     echo(f"sweep: {count} candidates; evaluating the parent on {options.data}")
     # With bars (time left): the parent's evaluation and the calibration pass can take many minutes.
     parent = evaluate(source, options=replace(eval_options(options, "parent", "parent"), progress=options.progress))
-    record["parent"] = {
-        "perplexity": schema.perplexity(parent),
-        "domains": {name: d["perplexity"]["perplexity"] for name, d in (parent.get("domains") or {}).items()},
-        **kv_columns(parent, record["context"]),
-        "result": parent,
-    }
+    record["parent"] = parent_row(parent, record["context"])
 
 
 def _gather_statistics(plan, options: SweepOptions, out_dir: Path):

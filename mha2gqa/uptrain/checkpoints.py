@@ -15,6 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
+from mha2gqa import jsontext
 from mha2gqa.errors import InputError, first_line, is_user_fault, user_file_error
 from mha2gqa.quiet import SHARED_TENSOR_NOISE, without_log_messages
 from mha2gqa.reading import read_json
@@ -68,7 +69,7 @@ def read_progress(ckpt: Path) -> dict | None:
 
 
 def write_progress(ckpt: Path, progress: dict) -> None:
-    write_atomic(ckpt / PROGRESS, json.dumps(progress, indent=1))
+    write_atomic(ckpt / PROGRESS, jsontext.dumps(progress, indent=1))
 
 
 def prune(out: Path, keep_last: int) -> None:

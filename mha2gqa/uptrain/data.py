@@ -253,7 +253,7 @@ def sources(cfg: DataConfig) -> tuple[tuple[DataPart, ...], textdata.TextSource 
         elif key in checked and checked[key][0] == list(entries):
             found.append(checked[key][1])
         else:
-            found.append(data_parts(key, entries, problems))
+            found.append(data_parts(key, entries, problems, field=cfg.text_field))
     if problems:
         raise InputError("; ".join(problems))
     evals = found[1]

@@ -39,8 +39,12 @@ def is_plain(parts: tuple[DataPart, ...]) -> bool:
     return len(parts) == 1 and parts[0].share is None and not parts[0].sampled
 
 
-def data_parts(key: str, entries, problems: list[str], check_files: bool = True) -> tuple[DataPart, ...] | None:
-    """The parts `entries` name, each problem appended to `problems` (None when the spec itself is bad)."""
+def data_parts(
+    key: str, entries, problems: list[str], check_files: bool = True, field: str = "text"
+) -> tuple[DataPart, ...] | None:
+    """The parts `entries` name, each problem appended to `problems` (None when the spec itself is bad).
+    With the files checked, a text part that holds no text (in `field` of jsonl/json/parquet) is refused
+    here, with the other data rules and before torch, not after the model has loaded."""
     try:
         pairs = parse_spec(entries, key)
     except InputError as err:
@@ -70,15 +74,15 @@ def data_parts(key: str, entries, problems: list[str], check_files: bool = True)
         if group == [PARENT]:
             parts.append(DataPart(PARENT, share, None))
             continue
-        text = _text(key, group, problems, check_files)
+        text = _text(key, group, problems, check_files, field)
         if text is None:
             return None
         parts.append(DataPart(", ".join(group), share, text))
     return tuple(parts)
 
 
-def _text(key: str, names: list[str], problems: list[str], check_files: bool) -> textdata.TextSource | None:
-    """The text `names` name, 'austen' expanded to the embedded novels (as convert does)."""
+def _text(key: str, names: list[str], problems: list[str], check_files: bool, field: str) -> textdata.TextSource | None:
+    """The text `names` name, 'austen' expanded to the embedded novels (as convert does), holding some text."""
     entries = []
     try:
         for name in names:
@@ -89,6 +93,11 @@ def _text(key: str, names: list[str], problems: list[str], check_files: bool) ->
         return None
     before = len(problems)
     source = textdata.resolve(key, entries, problems, check_files, one_format=True)
+    if source is not None and check_files and len(problems) == before:
+        try:  # reads no further than the first piece with text in it
+            textdata.require_text(source, field, "data.text_field")
+        except InputError as err:
+            problems.append(str(err))
     return source if len(problems) == before else None
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa import provenance
+from mha2gqa import jsontext, provenance
 from mha2gqa.card import write_card
 from mha2gqa.errors import InputError
-from mha2gqa.uptrain import checkpoints, lora, mixed_data
+from mha2gqa.uptrain import allocator, checkpoints, lora, mixed_data
 from mha2gqa.uptrain.data import TrainData
 from mha2gqa.uptrain.models import (
     Student,
@@ -29,8 +29,10 @@ from mha2gqa.uptrain.models import (
     save_bytes,
     select_trainable,
 )
+from mha2gqa.uptrain.plan import tokens_per_step, total_steps
 from mha2gqa.uptrain.recipe import Recipe
-from mha2gqa.uptrain.steps import Metrics, Run, Trace, TrainingDiverged, run_steps, tokens_per_step, total_steps
+from mha2gqa.uptrain.recipe_load import recorded
+from mha2gqa.uptrain.steps import Metrics, Run, Trace, TrainingDiverged, run_steps
 from mha2gqa.writing import check_room, swap_in, write_atomic
 
 __all__ = ["TrainingDiverged", "train"]
@@ -43,6 +45,7 @@ def train(recipe: Recipe, resume: bool = False) -> Path:
     Works in a plain process (one rank) and under `accelerate launch` (every rank calls it).
     Raises InputError for bad input (nothing written) and TrainingDiverged on a NaN/inf loss."""
     out = Path(recipe.output_dir).expanduser()
+    allocator.return_freed_memory()  # else the heap keeps every step's freed activations (allocator.py)
     accelerator = _make_accelerator(recipe, out)
     try:
         return _train(recipe, resume, out, accelerator)
@@ -174,7 +177,12 @@ def _data(recipe: Recipe, accelerator, tokenizer, teacher) -> TrainData:
 def _prepare(recipe: Recipe, accelerator, student: Student):
     """The model and its optimizer, handed to accelerate (wrapped for DDP / FSDP, moved to the device)."""
     if recipe.gradient_checkpointing:
-        student.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5.x renamed it (the old name warns); earlier 5.x releases have only the old one
+        enable = getattr(student.model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            student.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = make_optimizer(student.model, recipe.optim, accelerator.device.type)
     model, optimizer = accelerator.prepare(student.model, optimizer)
     if accelerator.gradient_accumulation_steps != recipe.grad_accum:  # a launch config can override it
@@ -209,7 +217,7 @@ def _run_record(recipe: Recipe, loaded: _Loaded, total: int, world: int, resumed
     """This run's "uptrain" stage in mha2gqa.json."""
     student = loaded.student
     return {
-        "recipe": recipe.to_dict(),
+        "recipe": recorded(recipe),  # local paths absolute: the record reads the same from anywhere
         "source": {
             "model": recipe.model,
             "model_dir": str(student.source_dir) if student.source_dir else None,
@@ -302,4 +310,4 @@ def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
     """save_pretrained records the in-memory (fp32) dtype; record the one the weights were saved in."""
     config = json.loads(path.read_text())
     config["dtype"] = str(dtype).replace("torch.", "")
-    write_atomic(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_atomic(path, jsontext.model_config(config, indent=2, sort_keys=True) + "\n")

@@ -20,7 +20,12 @@ def target_modules(model, lora) -> list[str]:
     (layer-relative names such as self_attn.q_proj, so that no MLP module of the same name matches)."""
     if lora.target_modules:
         return list(lora.target_modules)
-    layout = layout_for(model.config.to_dict())
+    return default_targets(model.config.to_dict())
+
+
+def default_targets(config: dict) -> list[str]:
+    """The attention projections of the config's layout, layer-relative (self_attn.q_proj, ...)."""
+    layout = layout_for(config)
     return [
         name
         for name in (

@@ -34,8 +34,8 @@ from mha2gqa.uptrain.data import (
     text_blocks,
 )
 from mha2gqa.uptrain.data_spec import DataPart, is_plain
+from mha2gqa.uptrain.plan import total_steps
 from mha2gqa.uptrain.recipe import Recipe
-from mha2gqa.uptrain.steps import total_steps
 
 EVAL_SEED_OFFSET = 1 << 32  # eval samples' seed - recipe.seed: apart from every process's training seed
 

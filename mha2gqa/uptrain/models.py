@@ -3,18 +3,18 @@ the trainable parameters; building AdamW."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mha2gqa.errors import InputError, first_line
-from mha2gqa.layouts import layout_for, read_config
+from mha2gqa.layouts import read_config
 from mha2gqa.loading import load_causal_lm
 from mha2gqa.sources import resolve_model_dir
 from mha2gqa.uptrain import lora
 from mha2gqa.uptrain.recipe import Recipe
+from mha2gqa.uptrain.trainable import patterns as trainable_patterns
 
 
 @dataclass
@@ -99,27 +99,11 @@ def check_vocab(model: torch.nn.Module, blocks: torch.Tensor, what: str = "model
         )
 
 
-def _patterns(config: dict, mode: str) -> list[re.Pattern]:
-    """Regexes over parameter names for the attention (or k/v only) tensors of every layer."""
-    layout = layout_for(config)
-    if mode == "kv" and layout.qkv:
-        raise InputError(f"trainable=kv: {config['model_type']} fuses q/k/v in one tensor; use trainable=attention")
-    names = [layout.k, layout.v, layout.k_norm_rows, layout.k_norm_per_head]
-    if mode == "attention":  # the whole attention module: projections and every norm in it (stablelm's
-        names.append(layout.o.rsplit(".", 1)[0])  # per-head q_layernorm, olmo2's q_norm are no layout role)
-    prefix = re.escape(layout.layer_prefix).replace(re.escape("{layer}"), r"\d+")
-    out = []
-    for name in filter(None, names):
-        body = re.escape(name).replace(re.escape("{head}"), r"\d+")
-        out.append(re.compile(rf"^{prefix}{body}\."))
-    return out
-
-
 def select_trainable(model: torch.nn.Module, mode: str) -> int:
     """Freeze everything outside `mode`; returns the number of trainable parameters (for lora, peft
     has already frozen all but the adapters)."""
     if mode not in ("all", "lora"):
-        patterns = _patterns(model.config.to_dict(), mode)
+        patterns = trainable_patterns(model.config.to_dict(), mode)
         for name, param in model.named_parameters():
             param.requires_grad_(any(p.match(name) for p in patterns))
     count = sum(p.numel() for p in model.parameters() if p.requires_grad)

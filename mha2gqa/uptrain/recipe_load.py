@@ -14,12 +14,16 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import os
+import shlex
 import types
 import typing
 from pathlib import Path
 
 import yaml
 
+from mha2gqa.corpus.mix import PARENT, as_words
+from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import read_config
 from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, parse_yaml, read_yaml_mapping
@@ -39,7 +43,7 @@ def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
     recipe = _build(Recipe, raw, "", problems)
     _check_numbers(recipe, problems)
     _check_budget(recipe, problems, overridden={item.partition("=")[0].strip() for item in overrides})
-    _check_sources(recipe, problems, check_files)
+    _check_sources(recipe, problems, check_files, made_first(path))
     _check_data(recipe, problems, check_files)
     _check_lora(recipe, problems)
     if problems:
@@ -107,7 +111,11 @@ def _build(cls, raw: dict, prefix: str, problems: list[str]):
                 problems.append(f"{dotted} is a section: give its keys ({', '.join(all_keys(hint, dotted + '.'))})")
             continue
         try:
+            if dotted in MIX_KEYS:  # a mix as YAML may read it ([a.txt: 0.5]), in the notation's words
+                value = as_words(value, dotted)
             kwargs[name] = _coerce(value, hint)
+        except InputError as err:
+            problems.append(str(err))
         except (TypeError, ValueError) as err:
             problems.append(f"{dotted}: {err}")
     return cls(**kwargs)
@@ -115,6 +123,7 @@ def _build(cls, raw: dict, prefix: str, problems: list[str]):
 
 # Names other tools give a key, by the leaf: `optim.learning_rate` means optim.lr, however close
 # optim.min_lr_ratio is in spelling.
+MIX_KEYS = ("data.train", "data.eval")  # written in the mix notation (corpus/mix.py)
 _SYNONYMS = {"learning_rate": "lr", "batch_size": "micro_batch_size", "gradient_accumulation_steps": "grad_accum"}
 
 
@@ -238,7 +247,36 @@ def _check_budget(r: Recipe, p: list[str], overridden: set[str] = frozenset()) -
     )
 
 
-def _check_sources(r: Recipe, p: list[str], check_files: bool) -> None:
+def made_first(path) -> list[str]:
+    """The commands a recipe's first line runs before its `mha2gqa uptrain` (`# mha2gqa convert SRC runs/x ... &&
+    mha2gqa uptrain --recipe R`): what they make (runs/x) is a local path to make first, not a hub id."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(4096).decode("utf-8", "replace")
+    except OSError:
+        return []
+    if not first.startswith("#"):
+        return []
+    commands = [c.strip() for c in first.lstrip("#").split("&&")]
+    upto = next((i for i, c in enumerate(commands) if "uptrain --recipe" in c or "-m mha2gqa.uptrain" in c), 0)
+    return commands[:upto]
+
+
+def _made_by(value: str, commands: list[str]) -> str | None:
+    """The first of `commands` that names `value` as one of its words, for a `value` that does not exist."""
+    if Path(value).expanduser().exists():
+        return None
+    for command in commands:
+        try:
+            words = shlex.split(command)
+        except ValueError:
+            words = command.split()
+        if value in words or value.rstrip("/") in words:
+            return command
+    return None
+
+
+def _check_sources(r: Recipe, p: list[str], check_files: bool, first: list[str] = ()) -> None:
     if sum(getattr(r, key) is not None for key in group_keys(Recipe, "source")) != 1:
         p.append("set exactly one of model (to uptrain) and init_from_config (to train from scratch)")
     _need(p, bool(r.output_dir), "output_dir is required (where checkpoints and the final model go)")
@@ -246,7 +284,13 @@ def _check_sources(r: Recipe, p: list[str], check_files: bool) -> None:
         p.append(f"output_dir={r.output_dir} is a file: choose a directory")
     if check_files:
         for key, value in [("model", r.model), ("tokenizer", r.tokenizer), ("distill.teacher", r.distill.teacher)]:
-            if value is not None:
+            maker = None if value is None else _made_by(value, first)
+            if maker:
+                p.append(
+                    f"{key}={value} does not exist yet: the recipe's first line makes it, run that first "
+                    f"({maker}), or set {key}= to a model you have"
+                )
+            elif value is not None:
                 _check_model_ref(key, value, p)
         if r.init_from_config is not None:
             _check_config_ref(r.init_from_config, p)
@@ -287,8 +331,10 @@ def _check_data(r: Recipe, p: list[str], check_files: bool) -> None:
     rather than walking the folders again."""
     checked = {}
     for key, entries in (("data.train", r.data.train), ("data.eval", r.data.eval)):
+        if any(problem.startswith(f"{key} ") or problem.startswith(f"{key}:") for problem in p):
+            continue  # its value was refused already (not read as a list): 'is empty' would only add noise
         if entries is not None:
-            checked[key] = (list(entries), data_parts(key, entries, p, check_files))
+            checked[key] = (list(entries), data_parts(key, entries, p, check_files, r.data.text_field))
     check_rules(r, {key: parts for key, (_, parts) in checked.items()}, p)
     if check_files:
         r.data.checked_sources = checked
@@ -330,3 +376,30 @@ def _check_lora(recipe: Recipe, problems: list[str]) -> None:
                 f"lora.load_in_4bit=true (QLoRA) needs {' and '.join(missing)}, absent here: "
                 "set lora.load_in_4bit=false (plain LoRA holds the base as stored, e.g. bf16)"
             )
+
+
+# ---- the recipe as a run records it ----
+
+
+def recorded(recipe: Recipe) -> dict:
+    """recipe.to_dict() with every local path made absolute (from the working directory the run started in),
+    so that mha2gqa.json and the model card name the files a run read wherever they are read from. Hub ids
+    and the names `austen` and `parent` stay as typed; so does a path that does not exist (yet)."""
+    out = recipe.to_dict()
+    for key in ("model", "tokenizer", "init_from_config", "output_dir"):
+        out[key] = _absolute(out[key])
+    out["distill"]["teacher"] = _absolute(out["distill"]["teacher"])
+    for key in ("train", "eval"):
+        if out["data"][key] is not None:
+            out["data"][key] = [_absolute(entry) for entry in out["data"][key]]
+    return out
+
+
+def _absolute(value: str | None) -> str | None:
+    """A local path (with a mix's `:share` kept as typed) made absolute; anything else unchanged."""
+    if value is None or value in (PARENT, CORPUS_NAME):
+        return value
+    for name, share in ((value, ""), value.rpartition(":")[::2]):
+        if name and Path(name).expanduser().exists():
+            return os.path.abspath(Path(name).expanduser()) + (f":{share}" if share else "")
+    return value

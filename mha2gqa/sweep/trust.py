@@ -1,0 +1,101 @@
+"""What `sweep --resume` keeps of an earlier sweep.json: only what it can check.
+
+A finished candidate is kept, not run again, when its row is consistent with itself and with its settings:
+its name is the one its kv-head count and method give, its eval result measured that many kv heads, every
+number in it is finite, and the columns that follow from its result (per domain, the main metrics, KV bytes)
+are what that result and the parent's give again (candidates.derived_columns). The parent is kept when its
+entry is what its own result gives (candidates.parent_row) and every number is finite; when it is not, no
+candidate is kept, since each was measured against it. Whatever is not kept is run again, and one line says
+which and why: a sweep.json edited by hand (a NaN written back as bare `NaN`, a changed kv-head count) can
+cost a re-run, never a wrong row.
+"""
+
+from __future__ import annotations
+
+import math
+
+from mha2gqa.sweep.candidates import Candidate, derived_columns, parent_row
+
+# A result too damaged to derive anything from: a missing key, a string where a number was, a zero divisor.
+_DAMAGED = (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError)
+
+
+def trusted(earlier: dict, planned: list[str], source_kv_heads: int, context, echo=print) -> dict:
+    """`earlier` (a checked sweep.json) with its parent and candidates reduced to those that hold up; each one
+    dropped is said in one line."""
+    parent = earlier.get("parent")
+    doubt = _parent_doubt(parent, source_kv_heads, context) if parent is not None else None
+    if doubt:
+        echo(f"sweep: the parent's entry in sweep.json does not hold ({doubt}): measuring it and every candidate again")
+        return {**earlier, "parent": None, "candidates": []}
+    kept = []
+    for row in earlier.get("candidates") or []:
+        name = row.get("name") if isinstance(row, dict) else None
+        if name not in planned:
+            continue  # not asked for this time (--groups, --methods may change): not kept, not run
+        doubt = _row_doubt(row, parent, context) if parent is not None else "no parent was measured"
+        if doubt:
+            echo(f"sweep: candidate {name!r} in sweep.json does not hold ({doubt}): running it again")
+        else:
+            kept.append(row)
+    return {**earlier, "candidates": kept}
+
+
+def _parent_doubt(parent, source_kv_heads: int, context) -> str | None:
+    if not isinstance(parent, dict) or not isinstance(parent.get("result"), dict):
+        return "it holds no eval result"
+    bad = _non_finite(parent)
+    if bad:
+        return f"{bad} is not a finite number"
+    try:
+        again = parent_row(parent["result"], context)
+        measured = parent["result"]["model"]["kv_heads"]
+    except _DAMAGED:
+        return "its eval result is incomplete"
+    if measured != source_kv_heads:
+        return f"its result measured {measured} kv heads, the source has {source_kv_heads}"
+    return _differs(parent, again)
+
+
+def _row_doubt(row: dict, parent: dict, context) -> str | None:
+    groups, method = row.get("groups"), row.get("method")
+    if not isinstance(groups, int) or isinstance(groups, bool) or Candidate(groups, method).name != row.get("name"):
+        return f"its groups {groups!r} and method {method!r} do not give its name"
+    if not isinstance(row.get("result"), dict):
+        return "it holds no eval result"
+    bad = _non_finite(row)
+    if bad:
+        return f"{bad} is not a finite number"
+    try:
+        again = derived_columns(row["result"], parent["result"], context)
+        measured = row["result"]["model"]["kv_heads"]
+    except _DAMAGED:
+        return "its eval result is incomplete"
+    if measured != groups:
+        return f"its result measured {measured} kv heads, not its {groups}"
+    return _differs(row, again)
+
+
+def _differs(recorded: dict, again: dict) -> str | None:
+    """The first column whose recorded value is not what the result gives again."""
+    for key, value in again.items():
+        if key != "result" and recorded.get(key) != value:
+            return f"its {key} is not what its eval result gives"
+    return None
+
+
+def _non_finite(value, where: str = "") -> str | None:
+    """The dotted path of the first number that is missing its finite value (NaN, inf), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where or "a value"
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _non_finite(item, f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
