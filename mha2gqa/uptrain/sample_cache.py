@@ -14,11 +14,11 @@ cannot be read is drawn again, one that cannot be written costs the next run the
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
 
+from mha2gqa import jsontext
 from mha2gqa.cache import cache_dir, update_with_model
 from mha2gqa.corpus import sampling
 from mha2gqa.errors import InputError
@@ -49,7 +49,7 @@ def draw_key(teacher_dir: str | None, teacher, tokenizer, count: int, seq_len: i
     dtype = str(next(teacher.parameters()).dtype)
     settings = {"v": CACHE_VERSION, "record": record, "dtype": dtype, "count": count, "seq_len": seq_len}
     settings["torch"] = torch.__version__
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    digest = hashlib.sha256(jsontext.shown(settings, sort_keys=True).encode())
     update_with_model(digest, folder)
     return digest.hexdigest()
 
