@@ -1,6 +1,6 @@
 """Every GPU check of the toolkit in one command, for the times a GPU machine (one H200) is lent.
 
-    python3 bench/gpu_check.py                 # on the GPU machine, from the repo root: about 7 minutes (estimate)
+    python3 bench/gpu_check.py                 # on the GPU machine, from the repo root: about 9.5 minutes (estimate)
     python3 bench/gpu_check.py --parts 3,5     # rerun only some parts (numbers or names)
     python3 bench/gpu_check.py --smoke         # the same code at toy sizes on CPU (run by a test)
 
@@ -15,6 +15,10 @@ run. Without CUDA the tests skip, unless --smoke asks for their toy sizes on CPU
   4 fsdp            accelerate launch --config_file recipes/accelerate/fsdp.yaml --num_processes 1, 5 steps:
                     the final checkpoint loads and equals the trained weights; --resume continues exactly
   5 qlora           trainable: lora with load_in_4bit, 5 steps, merged into a plain checkpoint that loads
+  6 recovery        the real model's recovery: bench/recovery_real.py --recipe distill-parent-gpu from the mean and
+                    the calibrated + --refine start, ratio to the parent per probe domain at 131k, 262k and 1.05M
+                    distillation tokens (the parent: RECOVERY_PARENT, else the embedded model); how many tokens
+                    close the gap. Last, it gets what is left of the budget, and keeps the starts it finished
 Writes gpu_check.json (every number), gpu_check.md (the same as one table) and gpu_check.log (every part's output)
 to $OUT, or --out, or .bench/gpu-check.
 
@@ -44,7 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL_DIR = ROOT / "bench" / "wheels"
-BUDGET_S = 480  # the issue's bound for the whole check on one H200: 8 minutes
+BUDGET_S = 570  # one device call runs 600 s at most: the wheels' install and Python's start take the rest
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,9 @@ PARTS = (
     ),
     Part("fsdp", "accelerate FSDP launch, 5 steps: final checkpoint == trained weights; --resume exact", 60, 120, 20),
     Part("qlora", "trainable: lora + load_in_4bit, 5 steps, merged into a plain checkpoint", 45, 90, 8),
+    Part(
+        "recovery", "distill-parent-gpu from two starts: ratio to the parent per domain up to 1M tokens", 130, 300, 90
+    ),
 )
 
 
@@ -164,6 +171,7 @@ def run_part(part: Part, args, env: dict, work: Path, log, left: float | None, l
     part_env = {**env, "GPU_CHECK_WORK": str(work), "GPU_CHECK_RESULT": str(result_file)}  # read by tests/gpu
     part_env["GPU_CHECK_SMOKE"] = "1" if args.smoke else "0"
     part_env["GPU_CHECK_FAIL"] = part.name if args.fail == part.name else ""
+    part_env["GPU_CHECK_LIMIT_S"] = str(limit)  # a part that can stop early and keep what it measured reads it
     returncode, output = run_logged(part_command(part), part_env, limit, log, part.name)
     entry["seconds"] = round(time.perf_counter() - started, 1)
     entry["cpu_s"] = round(_children_cpu() - cpu, 1)  # the part's processes, launcher workers included

@@ -197,3 +197,37 @@ def test_estimate_check_smoke_reads_each_commands_estimate_and_time(tmp_path):
     for r in rows:
         assert finite(r["estimate_s"]) and r["wall_s"] > 0 and r["took_line"], r
     assert len(table_rows(stdout, r"(demo|convert|sweep|eval|uptrain).*")) == 7
+
+
+@pytest.mark.slow
+def test_recovery_real_smoke_scores_every_point_of_both_starts(tmp_path, monkeypatch):
+    """Both starts converted by the CLI, each distilled once with the shipped recipe (stopped at step 1 and resumed
+    to step 2), every point scored against the parent; the second start reads the teacher's samples from the cache,
+    and a second run of the same measurement redoes nothing."""
+    monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path / "cache"))  # the samples' cache of this test alone
+    args = ["--work", str(tmp_path / "w"), "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]
+    out = run_smoke("recovery_real.py", *args)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["recipe"] == "distill-parent-cpu" and result["steps"] == [1, 2] and result["kv_from"] == 8
+    assert list(result["starts"]) == ["mean", "calibrated"]
+    assert "--method calibrated --refine --seed 1" in result["starts"]["calibrated"]["convert"]["command"]
+    for entry in result["starts"].values():
+        assert [p["tokens"] for p in entry["points"]] == [0, 128, 256]  # 2 blocks of 64 tokens a step
+        assert [leg["steps"] for leg in entry["distill"]] == [[0, 1], [1, 2]]
+        for point in entry["points"]:
+            ratios = point["ratio"]
+            assert list(ratios) == list(result["parent"]) == ["prose", "code", "python_docs", "licences"]
+            assert ratios["code"] == pytest.approx(point["perplexity"]["code"] / result["parent"]["code"], rel=1e-3)
+            assert point["geometric_mean"] == pytest.approx(math.exp(sum(map(math.log, ratios.values())) / 4), rel=1e-3)
+        # the checkpoint at step 1 and the final model are different weights: the scores move
+        assert len({p["geometric_mean"] for p in entry["points"]}) == 3
+        first, last = entry["points"][0]["geometric_mean"], entry["points"][-1]["geometric_mean"]
+        assert entry["closing"]["gap_closed"] == pytest.approx(1 - math.log(last) / math.log(first), abs=1e-3)
+        assert [h["step"] for h in entry["held_out"]] == [0, 2] and all(
+            finite(h["eval_ppl"]) for h in entry["held_out"]
+        )
+    assert out.count("read from the cache, not sampled again") == 6  # the resumes and the second start
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+    assert len(table_rows(out, "mean|calibrated")) == 6
+    again = run_smoke("recovery_real.py", *args)
+    assert "uptrain" not in again and json.loads((tmp_path / "r.json").read_text())["starts"] == result["starts"]

@@ -32,7 +32,7 @@ def smoke(tmp_path_factory):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=900,
+        timeout=1500,
     )
     record = json.loads((out / "gpu_check.json").read_text())
     return done, record, out
@@ -42,8 +42,8 @@ def test_every_part_runs_in_order_and_the_failing_one_is_recorded(smoke):
     done, record, out = smoke
     assert done.returncode == 1, (done.stdout + done.stderr)[-3000:]  # one part failed
     parts = {p["name"]: p for p in record["parts"]}
-    assert list(parts) == ["eval_gpu", "uptrain_gpu", "convert_refine", "fsdp", "qlora"]
-    assert [p["status"] for p in record["parts"]] == ["ok", "failed", "ok", "ok", "ok"], record["parts"]
+    assert list(parts) == ["eval_gpu", "uptrain_gpu", "convert_refine", "fsdp", "qlora", "recovery"]
+    assert [p["status"] for p in record["parts"]] == ["ok", "failed", "ok", "ok", "ok", "ok"], record["parts"]
     failed = parts["uptrain_gpu"]
     assert failed["error"] == "RuntimeError: deliberate failure of part uptrain_gpu (--fail uptrain_gpu)"
     assert failed["traceback"].startswith("Traceback (most recent call last)")
@@ -72,6 +72,10 @@ def test_what_needs_cuda_is_skipped_with_the_reason(smoke):
         and "bitsandbytes" in skipped["qlora"]["load_in_4bit (QLoRA)"]
     )
     assert skipped["fsdp"] == {}
+    assert (
+        list(skipped["recovery"]) == ["the real model"]
+        and "RECOVERY_PARENT unset" in skipped["recovery"]["the real model"]
+    )
 
 
 def test_eval_part_measures_mha_gqa_and_mqa(smoke):
@@ -127,6 +131,22 @@ def test_qlora_part_merges_into_a_plain_checkpoint(smoke):
     assert finite(result["final_eval_loss"])
 
 
+def test_recovery_part_scores_both_starts_at_every_point(smoke):
+    """Part 6 runs bench/recovery_real.py (at its --smoke size here) and keeps its points."""
+    _, record, out = smoke
+    entry = next(p for p in record["parts"] if p["name"] == "recovery")
+    result = entry["result"]
+    assert result["finished"] and result["recipe"] == "distill-parent-cpu"  # --smoke: bench's own smoke sizes
+    assert result["parent"].endswith("austen-mha") and list(result["starts"]) == ["mean", "calibrated"]
+    assert list(result["parent_perplexity"]) == ["prose", "code", "python_docs", "licences"]
+    for start in result["starts"].values():
+        assert [p["tokens"] for p in start["points"]] == [0, 256]
+        assert all(finite(p["geometric_mean"]) for p in start["points"]) and finite(start["closing"]["gap_closed"])
+        assert finite(start["distill_s"]) and start["distill_s"] > 0
+    assert 0 < result["starts"]["mean"]["closing"]["gap_closed"] < 1  # 2 steps close a little of the mean's gap
+    assert "| recovery | starts.mean.points[1].geometric_mean |" in (out / "gpu_check.md").read_text()
+
+
 def test_a_part_past_its_limit_is_ended(tmp_path):
     # No bound on the wall time (a busy machine stretches it): code None says it was ended, as a run to
     # the end would have returned 0. The limit leaves a loaded machine time to start Python and print.
@@ -140,18 +160,20 @@ def test_a_part_past_its_limit_is_ended(tmp_path):
 def test_limits_leave_room_for_the_later_parts():
     eval_part, *later = gpu_check.PARTS
     reserve = sum(p.estimate_s for p in later)
-    assert gpu_check.part_limit(eval_part, False, 480, reserve) == min(eval_part.limit_s, 480 - reserve)
+    budget = gpu_check.BUDGET_S
+    assert gpu_check.part_limit(eval_part, False, budget, reserve) == min(eval_part.limit_s, budget - reserve)
     assert gpu_check.part_limit(eval_part, False, 100, reserve) == eval_part.estimate_s  # not below its estimate
     assert gpu_check.part_limit(eval_part, False, 30, reserve) == 30  # nor past the budget's end
     assert gpu_check.part_limit(eval_part, True, None, reserve) == 300
-    assert sum(p.estimate_s for p in gpu_check.PARTS) < gpu_check.BUDGET_S  # the whole check fits 8 minutes
+    assert sum(p.estimate_s for p in gpu_check.PARTS) < gpu_check.BUDGET_S  # the whole check fits one device call
 
 
 def test_bad_parts_are_one_error_line(capsys):
     assert gpu_check.main(["--smoke", "--parts", "2,sixth"]) == 2
     assert (
         capsys.readouterr().err
-        == "Error: --parts 2,sixth: 'sixth' is not a part (1-5 or eval_gpu, uptrain_gpu, convert_refine, fsdp, qlora)\n"
+        == "Error: --parts 2,sixth: 'sixth' is not a part (1-6 or eval_gpu, uptrain_gpu, convert_refine, fsdp, qlora, "
+        "recovery)\n"
     )
 
 
@@ -196,8 +218,8 @@ def test_the_gpu_tests_skip_without_cuda_and_each_part_is_a_module():
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert re.search(r"^5 skipped", done.stdout.splitlines()[-1]), done.stdout[-2000:]
-    assert done.stdout.count("needs a CUDA GPU: `python3 bench/gpu_check.py` runs it there") == 5
+    assert re.search(r"^6 skipped", done.stdout.splitlines()[-1]), done.stdout[-2000:]
+    assert done.stdout.count("needs a CUDA GPU: `python3 bench/gpu_check.py` runs it there") == 6
 
 
 def test_a_part_without_cuda_outside_smoke_is_recorded_as_not_run(tmp_path):

@@ -4,6 +4,8 @@ data.train: the token count follows the budget, seeds per process, the record, t
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +16,11 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from uptrain_helpers import corpus, recipe_file, tiny_model_dir
 
+from mha2gqa.corpus import sampling
 from mha2gqa.embedded import train_paths
 from mha2gqa.errors import InputError
 from mha2gqa.provenance import latest
-from mha2gqa.uptrain import load_recipe, train
+from mha2gqa.uptrain import load_recipe, sample_cache, train
 from mha2gqa.uptrain.data import text_blocks
 from mha2gqa.uptrain.mixed_data import EVAL_SEED_OFFSET, build, ids_sha256, merge_records, sample_blocks
 from mha2gqa.uptrain.plan import total_steps
@@ -96,6 +99,38 @@ def test_a_mix_gives_each_part_its_share_of_the_blocks(tmp_path, tiny, loaded):
     sampled = sample_blocks(teacher, tokenizer, 12, 32, 0, progress=False)
     pool = {tuple(row) for row in data.train.blocks.tolist()}
     assert {tuple(row) for row in sampled.tolist()} <= pool
+
+
+def test_a_second_draw_of_the_same_samples_is_read_from_the_cache(tmp_path, tiny, loaded, monkeypatch, capsys):
+    teacher, tokenizer = loaded
+    monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path / "cache"))
+    shutil.copytree(tiny["teacher"], tmp_path / "teacher")
+    recipe = _recipe(tmp_path, tiny, distill={"teacher": str(tmp_path / "teacher")})
+    first = build(recipe, tokenizer, 0, 1, True, teacher)
+    assert len(list((tmp_path / "cache" / "samples").glob("*.safetensors"))) == 2  # training and eval blocks
+    drawn = []
+    real = sampling.sample_ids
+    monkeypatch.setattr(sampling, "sample_ids", lambda *a, **kw: drawn.append(a) or real(*a, **kw))
+    capsys.readouterr()
+    second = build(recipe, tokenizer, 0, 1, True, teacher)
+    assert drawn == [] and torch.equal(second.train.blocks, first.train.blocks)
+    assert torch.equal(second.eval, first.eval) and second.record["parts"] == first.record["parts"]
+    assert "12 blocks of seed 0 read from the cache, not sampled again" in capsys.readouterr().out
+    # another seed, a changed teacher file or a damaged cache file: drawn again, the same ids for the same draw
+    build(
+        _recipe(tmp_path, tiny, seed=3, distill={"teacher": str(tmp_path / "teacher")}), tokenizer, 0, 1, False, teacher
+    )
+    assert len(drawn) == 2
+    weights = tmp_path / "teacher" / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert torch.equal(build(recipe, tokenizer, 0, 1, False, teacher).train.blocks, first.train.blocks)
+    assert len(drawn) == 4
+    for kept in (tmp_path / "cache" / "samples").glob("*.safetensors"):
+        kept.write_bytes(b"not safetensors")
+    assert torch.equal(build(recipe, tokenizer, 0, 1, False, teacher).train.blocks, first.train.blocks)
+    assert len(drawn) == 6
+    # a hub id is not cached: its files are the hub cache's
+    assert sample_cache.draw_key("HuggingFaceTB/SmolLM2-135M", teacher, tokenizer, 12, 32, 0) is None
 
 
 def test_training_on_parent_samples_records_them(tmp_path, tiny, loaded):

@@ -6,7 +6,7 @@ tokens with their log-probabilities: enough for the converted model's perplexity
 KL without loading the parent again. The KL is the one between the two distributions coarsened to the
 parent's top tokens and one bucket for the rest: a lower bound of the full KL(parent || model) (the
 data-processing inequality), and within a few percent of it on the models measured (docs/convert.md).
-The cache sits in MHA2GQA_CACHE (else $XDG_CACHE_HOME/mha2gqa, else ~/.cache/mha2gqa), one safetensors
+The cache sits in mha2gqa.cache.cache_dir() (MHA2GQA_CACHE, else ~/.cache/mha2gqa), one safetensors
 file per parent, keyed by the parent's fingerprint (its config, tokenizer and weight files' headers, sizes
 and modification times) and the check's settings; never pickle.
 """
@@ -16,13 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mha2gqa import jsontext
+from mha2gqa.cache import cache_dir, update_with_model
 from mha2gqa.convert.check import CheckPlan
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.probe import probe_paths
@@ -119,27 +119,11 @@ def _exp(x: float) -> float:
 # ---- the parent's cache ----
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("MHA2GQA_CACHE")
-    if root:
-        return Path(root).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "mha2gqa"
-
-
 def fingerprint(src: Path, plan: CheckPlan, ids: dict[str, torch.Tensor], device: str, dtype: str) -> str:
     """What the parent's numbers depend on: its config, tokenizer files and weight files (header, size and
     modification time: a changed file gets new numbers), the ids scored and the check's settings."""
     digest = hashlib.sha256(f"v{CACHE_VERSION} k{TOP_K} w{plan.window} {device} {dtype}".encode())
-    for path in sorted(Path(src).iterdir()):
-        if path.name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-            digest.update(path.name.encode() + path.read_bytes())
-        elif path.suffix == ".safetensors" and path.is_file():
-            stat = path.stat()
-            with open(path, "rb") as f:
-                head = f.read(8)
-                digest.update(f"{path.name} {stat.st_size} {stat.st_mtime_ns}".encode() + head)
-                digest.update(f.read(min(int.from_bytes(head, "little"), 100 << 20)))
+    update_with_model(digest, src)
     for name, domain_ids in ids.items():
         digest.update(name.encode() + domain_ids.numpy().tobytes())
     return digest.hexdigest()

@@ -22,6 +22,7 @@ import torch
 from mha2gqa.corpus import sampling
 from mha2gqa.corpus.mix import part_tokens
 from mha2gqa.errors import InputError
+from mha2gqa.uptrain import sample_cache
 from mha2gqa.uptrain.data import (
     MemoryBatches,
     TrainData,
@@ -96,14 +97,31 @@ def _sampled_part(part: DataPart, teacher, tokenizer, recipe: Recipe, counts, ra
     """This process's sampled training blocks (counts[0], seed recipe.seed + rank) and the eval blocks
     (counts[1], the eval seed: the same on every process), with what to record of them."""
     (count, held), seq_len = counts, recipe.seq_len
-    train = sample_blocks(teacher, tokenizer, count, seq_len, recipe.seed + rank, progress)
+    train = _kept_or_drawn(recipe, teacher, tokenizer, count, recipe.seed + rank, progress)
     row = {"name": part.name, "share": part.share, "blocks": count * world, "tokens": count * world * seq_len}
     row |= {"seeds": [recipe.seed + rank], "ids_sha256": [ids_sha256(train)]}
     held_blocks = torch.zeros(0, seq_len, dtype=torch.int32)
     if held:
-        held_blocks = sample_blocks(teacher, tokenizer, held, seq_len, recipe.seed + EVAL_SEED_OFFSET, progress)
+        held_blocks = _kept_or_drawn(recipe, teacher, tokenizer, held, recipe.seed + EVAL_SEED_OFFSET, progress)
         row |= {"eval_seed": recipe.seed + EVAL_SEED_OFFSET, "eval_ids_sha256": ids_sha256(held_blocks)}
     return train, row, held_blocks
+
+
+def _kept_or_drawn(recipe: Recipe, teacher, tokenizer, count: int, seed: int, progress: bool) -> torch.Tensor:
+    """`count` sampled blocks of seed `seed`: the cache's when this draw was made before (sample_cache.py)."""
+    seq_len = recipe.seq_len
+    blocks, cached = sample_cache.cached_blocks(
+        recipe.distill.teacher,
+        teacher,
+        tokenizer,
+        count,
+        seq_len,
+        seed,
+        lambda: sample_blocks(teacher, tokenizer, count, seq_len, seed, progress),
+    )
+    if cached and progress:
+        print(f"data.train parent: {count} blocks of seed {seed} read from the cache, not sampled again", flush=True)
+    return blocks
 
 
 def _text_part(part: DataPart, blocks: torch.Tensor, seed: int, count: int, held: int, rank: int, world: int):

@@ -1,0 +1,38 @@
+"""The user's cache of numbers worth not computing twice (the parent's check scores, the parent's samples):
+where it sits, and the fingerprint of a model folder that keys it.
+
+The cache sits in MHA2GQA_CACHE (else $XDG_CACHE_HOME/mha2gqa, else ~/.cache/mha2gqa). Each user keeps its
+own subfolder and file format (safetensors: never pickle); everything here is best effort, a cache file that
+cannot be read or written only costs the work again.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+HEADER_LIMIT = 100 << 20  # a safetensors header this long or longer is read only up to here
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MHA2GQA_CACHE")
+    if root:
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "mha2gqa"
+
+
+def update_with_model(digest, folder: Path) -> None:
+    """Feed `digest` (a hashlib object) what a model folder's outputs depend on: its config and tokenizer
+    files whole, and each weight file's name, size, modification time and safetensors header (a changed
+    file changes the fingerprint without reading its gigabytes)."""
+    for path in sorted(Path(folder).iterdir()):
+        if path.name in FINGERPRINT_FILES:
+            digest.update(path.name.encode() + path.read_bytes())
+        elif path.suffix == ".safetensors" and path.is_file():
+            stat = path.stat()
+            with open(path, "rb") as f:
+                head = f.read(8)
+                digest.update(f"{path.name} {stat.st_size} {stat.st_mtime_ns}".encode() + head)
+                digest.update(f.read(min(int.from_bytes(head, "little"), HEADER_LIMIT)))
