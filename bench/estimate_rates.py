@@ -70,9 +70,10 @@ def commands(model: Path, large: bool, smoke: bool, work: Path) -> list[list[str
     data = [] if large else [f"data.train=[{','.join(str(p) for p in sorted((ROOT / 'mha2gqa/data/austen').glob('[!p]*.txt.gz')))}]"]  # fmt: skip
     data += [f"data.eval={ROOT / 'mha2gqa/data/austen/persuasion.txt.gz'}"]
     teacher = [f"distill.teacher={m}"] if large else []
+    unset = [] if large else ["budget.alpha=null"]  # the demo's recipe budgets by alpha: steps replace it
     for n in steps:
         runs.append(["uptrain", "--recipe", str(recipe), f"model={m}", f"output_dir={work / 'up'}", "overwrite=true",
-                     f"budget.max_steps={n}", "eval_every=1000", *data, *teacher])  # fmt: skip
+                     f"budget.max_steps={n}", *unset, "eval_every=1000", *data, *teacher])  # fmt: skip
     if not large and _installed("lm_eval"):
         for n in (10, 10 if smoke else 40):
             runs.append(["eval", m, "--lm-eval-tasks", "persuasion_cloze", "--lm-eval-limit", str(n), "--speed", "off",
