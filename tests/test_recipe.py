@@ -77,7 +77,7 @@ def test_every_problem_is_reported_together_each_naming_its_key(valid):
     with pytest.raises(InputError) as err:
         load_recipe(valid, ["sed_len=3", "micro_batch_size=two", "data.train=missing.txt", "optim.schedule=step"])
     message = str(err.value)
-    assert "4 problem(s)" in message
+    assert "4 problems" in message
     assert "unknown key sed_len (did you mean seq_len?)" in message
     assert "micro_batch_size: expected a number, got 'two'" in message
     assert "data.train missing.txt: no such file or folder" in message

@@ -1,7 +1,12 @@
 """The shared small helpers: byte formatting and the first line of an error."""
 
+import re
+from pathlib import Path
+
 from mha2gqa.errors import first_line
 from mha2gqa.units import byte_unit, counted, format_bytes, format_size, parse_size
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_format_bytes_terminal_and_report_styles():
@@ -42,3 +47,17 @@ def test_counted_says_one_or_many_in_words():
     assert [counted(1, "file"), counted(5, "file"), counted(0, "step")] == ["1 file", "5 files", "0 steps"]
     assert [counted(1, "process"), counted(2, "process")] == ["1 process", "2 processes"]
     assert counted(2, "training stage") == "2 training stages"
+
+
+def test_no_message_counts_with_a_parenthesised_plural():
+    """A counted noun in a message reads '1 checkpoint' or '3 checkpoints' (units.counted), never '3 checkpoint(s)':
+    any f-string placeholder followed by a word ending in '(s)' is a count written the old way."""
+    pattern = re.compile(r"\{[^{}]+\}\s+[\w. ]*?\w\(s\)")
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted((ROOT / "mha2gqa").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == []
+    assert pattern.search('f"has {len(problems)} problem(s): "') and not pattern.search('f"layer(s) {shown}"')

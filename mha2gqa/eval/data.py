@@ -12,6 +12,7 @@ import torch
 
 from mha2gqa.corpus import textdata
 from mha2gqa.errors import InputError
+from mha2gqa.units import counted
 
 SEPARATOR = "\n\n"
 
@@ -63,7 +64,7 @@ def load_eval_text(
     docs, source = read_documents(data, config, split, column, max_chars)
     ids = tokenize_documents(docs, tokenizer, max_tokens)
     if ids.numel() < 2:
-        raise InputError(f"--data {data} gives {ids.numel()} token(s): perplexity needs at least 2")
+        raise InputError(f"--data {data} gives {counted(ids.numel(), 'token')}: perplexity needs at least 2")
     identity = {
         **source,
         "documents": len(docs),

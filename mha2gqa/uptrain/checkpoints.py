@@ -19,6 +19,7 @@ from mha2gqa import jsontext
 from mha2gqa.errors import InputError, first_line, is_user_fault, user_file_error
 from mha2gqa.quiet import SHARED_TENSOR_NOISE, without_log_messages
 from mha2gqa.reading import read_json
+from mha2gqa.units import counted
 from mha2gqa.uptrain.recipe import RESUME_FREE_KEYS, Recipe
 from mha2gqa.writing import nearest_existing, write_atomic
 
@@ -227,7 +228,7 @@ def load_newest_loadable(accelerator, out: Path) -> Path:
                 f"its {PROGRESS} is now {DAMAGED}; trying the one before it"
             )
     raise InputError(
-        f"--resume: none of the {len(found)} checkpoint(s) under {out / CHECKPOINTS} could be loaded "
+        f"--resume: none of the {counted(len(found), 'checkpoint')} under {out / CHECKPOINTS} could be loaded "
         "(see the notes above): start over with overwrite=true"
     )
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import layout_for
 from mha2gqa.quiet import without_peft_deprecation
+from mha2gqa.units import counted
 
 
 def target_modules(model, lora) -> list[str]:
@@ -107,7 +108,7 @@ def _check_targets(model, targets: list[str]) -> None:
                 else "name Linear layers (e.g. q_proj, v_proj)"
             )
             raise InputError(
-                f"lora.target_modules entry {target!r} matches {len(found)} {type(module).__name__} module(s) "
+                f"lora.target_modules entry {target!r} matches {counted(len(found), type(module).__name__ + ' module')} "
                 f"(e.g. {name}), which are not Linear layers LoRA can adapt: {hint}"
             )
 

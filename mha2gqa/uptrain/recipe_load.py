@@ -28,6 +28,7 @@ from mha2gqa.errors import InputError
 from mha2gqa.layouts import read_config
 from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, did_you_mean, parse_yaml, read_yaml_mapping
 from mha2gqa.sources import hub_offline, is_hub_id, looks_local, model_ref_problem
+from mha2gqa.units import counted
 from mha2gqa.uptrain.data_spec import check_rules, data_parts
 from mha2gqa.uptrain.recipe import BudgetConfig, LoraConfig, Recipe, all_keys, group_keys
 
@@ -47,7 +48,7 @@ def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
     _check_data(recipe, problems, check_files)
     _check_lora(recipe, problems)
     if problems:
-        raise InputError(f"recipe {path} has {len(problems)} problem(s): " + "; ".join(problems))
+        raise InputError(f"recipe {path} has {counted(len(problems), 'problem')}: " + "; ".join(problems))
     return recipe
 
 
