@@ -44,17 +44,7 @@ def trusted(earlier: dict, planned: list[str], source_kv_heads: int, context, ec
 def _parent_doubt(parent, source_kv_heads: int, context) -> str | None:
     if not isinstance(parent, dict) or not isinstance(parent.get("result"), dict):
         return "it holds no eval result"
-    bad = _non_finite(parent)
-    if bad:
-        return f"{bad} is not a finite number"
-    try:
-        again = parent_row(parent["result"], context)
-        measured = parent["result"]["model"]["kv_heads"]
-    except _DAMAGED:
-        return "its eval result is incomplete"
-    if measured != source_kv_heads:
-        return f"its result measured {measured} kv heads, the source has {source_kv_heads}"
-    return _differs(parent, again)
+    return _entry_doubt(parent, lambda: parent_row(parent["result"], context), source_kv_heads, "the source has")
 
 
 def _row_doubt(row: dict, parent: dict, context) -> str | None:
@@ -63,17 +53,23 @@ def _row_doubt(row: dict, parent: dict, context) -> str | None:
         return f"its groups {groups!r} and method {method!r} do not give its name"
     if not isinstance(row.get("result"), dict):
         return "it holds no eval result"
-    bad = _non_finite(row)
+    return _entry_doubt(row, lambda: derived_columns(row["result"], parent["result"], context), groups, "not its")
+
+
+def _entry_doubt(entry: dict, derive, kv_heads: int, expected_words: str) -> str | None:
+    """Why an entry holding an eval result does not hold: a non-finite number, a result too damaged to derive its
+    columns from (`derive`), a result measured on other than `kv_heads` kv heads, or a column that differs."""
+    bad = _non_finite(entry)
     if bad:
         return f"{bad} is not a finite number"
     try:
-        again = derived_columns(row["result"], parent["result"], context)
-        measured = row["result"]["model"]["kv_heads"]
+        again = derive()
+        measured = entry["result"]["model"]["kv_heads"]
     except _DAMAGED:
         return "its eval result is incomplete"
-    if measured != groups:
-        return f"its result measured {measured} kv heads, not its {groups}"
-    return _differs(row, again)
+    if measured != kv_heads:
+        return f"its result measured {measured} kv heads, {expected_words} {kv_heads}"
+    return _differs(entry, again)
 
 
 def _differs(recorded: dict, again: dict) -> str | None:
