@@ -42,8 +42,16 @@ JOINT = {"torch_start", "numpy_start", "eval_load", "convert_load", "uptrain_loa
 JOINT |= {"metadata", "uptrain_save", "eval_kv", "report"}
 
 
+def check_commands(model: Path, large: bool, work: Path) -> list[list[str]]:
+    """convert's quality check, cold and warm: the first conversion scores the parent (the bench's cache starts
+    empty), the next reads its numbers from the cache, the third runs with torch already started (calibrated)."""
+    convert = ["convert", str(model), str(work / "out"), "-g", "1" if large else "2", "--force", "-q"]
+    calibrated = [*convert, "--method", "calibrated", "--calibration", "austen", "--calibration-tokens", "1024"]
+    return [convert, convert, calibrated]
+
+
 def commands(model: Path, large: bool, smoke: bool, work: Path) -> list[list[str]]:
-    """The runs of one model: each a `mha2gqa` command line (without the program)."""
+    """The runs of one model: each a `mha2gqa` command line (without the program), the check's first."""
     m, out = str(model), str(work / "out")
     size = (lambda small, big: small) if not large else (lambda small, big: big)  # noqa: E731
     tokens = [64, 192] if smoke else size([2048, 8192], [1024, 3072])
@@ -54,11 +62,11 @@ def commands(model: Path, large: bool, smoke: bool, work: Path) -> list[list[str
     convert = ["convert", m, out, "-g", groups, "--force", "-q"]
     calibrated = [*convert, "--method", "calibrated", "--calibration", "austen"]
     refine = [*calibrated, "--calibration-tokens", str(calibration[0]), "--refine"]
-    runs = [
+    runs = check_commands(model, large, work)
+    runs += [
         ["eval", m, "--max-tokens", str(n), "--speed", "off", "-q", "--out", f"{out}.json", "--force"] for n in tokens
     ]
     runs.append(["eval", m, "--reference", m, "--max-tokens", str(tokens[0]), "--speed", "cpu", "-q", "--out", f"{out}.json", "--force"])  # fmt: skip
-    runs.append(convert)
     runs += [[*calibrated, "--calibration-tokens", str(n)] for n in calibration]
     runs += [
         [*convert, "--method", "calibrated", "--calibration", "parent", "--calibration-tokens", str(n)] for n in sampled
@@ -94,6 +102,7 @@ def run(command: list[str], timings: Path) -> float:
     """One command as its own process, timed; its clock appends to `timings` (whatever rates its estimate used:
     the records hold the measured seconds and the work, not the estimate)."""
     env = {**os.environ, "MHA2GQA_TIMINGS": str(timings), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env["MHA2GQA_CACHE"] = str(timings.parent / "cache")  # empty at first: the first check of each model is cold
     started = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "mha2gqa", *command], cwd=ROOT, env=env, capture_output=True, text=True
@@ -192,6 +201,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT, help="the rates file to write")
     parser.add_argument("--runs", type=Path, default=RUNS, help="every stage record, as JSON lines")
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the embedded model: no measurement")
+    parser.add_argument(
+        "--check-only",
+        action="store_true",
+        help="run only convert's check (cold and warm), add its records to --runs and refit every kind from them all",
+    )
     args = parser.parse_args()
     load = [os.getloadavg()[0]]
     found = probes()
@@ -200,12 +214,18 @@ def main() -> None:
         work, timings = Path(tmp), Path(tmp) / "timings.jsonl"
         models = [(EMBEDDED, False)] + ([(args.large, True)] if args.large and not args.smoke else [])
         for model, large in models:
-            for command in commands(model, large, args.smoke, work):
+            chosen = check_commands(model, large, work) if args.check_only else commands(model, large, args.smoke, work)
+            for command in chosen:
                 wall = run(command, timings)
                 print(f"{wall:7.1f} s  mha2gqa {' '.join(command)}", flush=True)
         records = [json.loads(line) for line in timings.read_text().splitlines()]
     load.append(os.getloadavg()[0])
     found = {kind: min(seconds, probes()[kind]) for kind, seconds in found.items()}  # before and after: the quieter
+    measured_before = {}
+    if args.check_only:  # the earlier records and their probe stay: these runs add the check's kind to them
+        earlier = json.loads(args.out.read_text())
+        found, measured_before = earlier["probe_s"], earlier["measured"]
+        records = [json.loads(line) for line in args.runs.read_text().splitlines()] + records
     from mha2gqa.estimates.rates import LARGE, SMALL
 
     measured = {
@@ -214,9 +234,13 @@ def main() -> None:
         "load": max(load),
         "load_before_after": load,
         "threads": records[0]["threads"] if records else None,
-        "command": "python bench/estimate_rates.py" + (f" --large {args.large}" if args.large else ""),
+        "command": "python bench/estimate_rates.py"
+        + (f" --large {args.large}" if args.large else "")
+        + (" --check-only" if args.check_only else ""),
         "smoke": args.smoke,
     }
+    if args.check_only:
+        measured = {**measured_before, "check_added": measured}
     result = rates_file(fit(records), SMALL, LARGE if args.large else None, found, measured)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(jsontext.dumps(result, indent=1) + "\n")

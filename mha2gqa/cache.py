@@ -8,11 +8,20 @@ cannot be read or written only costs the work again.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
 FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 HEADER_LIMIT = 100 << 20  # a safetensors header this long or longer is read only up to here
+
+
+def model_key(folder: Path) -> str:
+    """A short key of a model folder alone (update_with_model): the prefix of every cache file made from it, so
+    that a plan that cannot tokenize (convert's torch-free prepare) can ask whether the cache holds its numbers."""
+    digest = hashlib.sha256()
+    update_with_model(digest, folder)
+    return digest.hexdigest()[:16]
 
 
 def cache_dir() -> Path:

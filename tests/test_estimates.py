@@ -27,6 +27,7 @@ RATES = {
         "eval_load": {"fixed": [1.0, 1.0], "per": {"bytes": [1e-8, 1e-8]}},
         "eval_quality": {"fixed": [0.0, 0.0], "per": {"forward": [1e-9, 1e-10], "tally": [1e-8, 1e-8]}},
         "eval_kv": {"fixed": [0.5, 0.5], "per": {}},
+        "check": {"fixed": [0.5, 0.5], "per": {"forward": [1e-9, 1e-10], "cold_start": [4.0, 4.0]}},
         "calibrate": {"fixed": [1.0, 1.0], "per": {"tokens": [4e-10, 4e-11]}},
         "only_small": {"fixed": [3.0, None], "per": {}},
     },
@@ -130,8 +131,8 @@ def test_every_stage_of_a_refining_conversion_is_costed_and_a_stage_may_cost_its
     calibrate = next(s for s in estimates.convert_stages(plan) if s.name == "calibrate")
     params = estimates.parameters_of(plan)
     assert calibrate.seconds() == pytest.approx(1.0 + 4096 * params * plan.calibration_passes * 4e-10)
-    plan.stages.append(Stage("later", "a stage that knows its own cost", seconds=12.5))
-    assert [s for s in estimates.convert_stages(plan) if s.name == "later"][0].seconds() == 12.5
+    plan.stages.append(Stage("later", "a stage its planner costs", parts=(estimates.Part("eval_kv", params),)))
+    assert [s for s in estimates.convert_stages(plan) if s.name == "later"][0].seconds() == 0.5
     mean = prepare(embedded.model_dir(), ConvertOptions(2))  # numpy: no torch until the check imports it
     assert [s.name for s in estimates.convert_stages(mean)] == ["start", "merge", "check", "metadata"]
 
@@ -205,23 +206,30 @@ def test_the_held_out_novels_tokens_are_guessed_from_its_size():
     assert 0.7 * HELDOUT_TOKENS < estimates.text_tokens(str(embedded.heldout_path())) < 1.4 * HELDOUT_TOKENS
 
 
-def test_convert_checks_own_seconds_are_a_stage_of_its_estimate(fixed_rates):
-    # convert's quality check (convert/check.py) costs itself: a Stage with seconds, counted before the metadata
+def test_convert_checks_work_is_a_stage_of_its_estimate_and_a_cached_parent_halves_its_forwards(
+    fixed_rates, tmp_path, monkeypatch
+):
+    # convert's quality check (convert/check.py) is costed by its planner: a part of kind "check" (with a cold
+    # start on the numpy path), counted before the metadata; the parent's forwards only when the cache lacks them
     tokens, vocab = 1024, 4096
-    scored = estimates.check_seconds(tokens, SMALL, vocab)
-    assert scored == pytest.approx(
-        fixed_rates.seconds("eval_load", SMALL, {"bytes": 4 * SMALL})
-        + fixed_rates.seconds("eval_quality", SMALL, {"forward": 2 * tokens * SMALL, "tally": tokens * vocab})
-    )
-    assert estimates.check_seconds(tokens, SMALL, vocab, torch_start=True) == pytest.approx(
-        scored + fixed_rates.seconds("torch_start", SMALL, {})
-    )
+    cold = estimates.check_parts(tokens, SMALL, vocab)
+    work = {"forward": 2 * tokens * SMALL, "tally": tokens * vocab, "cold_start": 0}
+    assert [(p.kind, p.work) for p in cold] == [("check", work)]
+    warm = estimates.check_parts(tokens, SMALL, vocab, torch_start=True, parent_cached=True)
+    assert [(p.kind, p.work) for p in warm] == [("check", {**work, "forward": tokens * SMALL, "cold_start": 1})]
+    monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path / "cache"))
     plan = prepare(embedded.model_dir(), ConvertOptions(groups=2))  # numpy executor: the check starts torch
     check = next(stage for stage in estimates.convert_stages(plan) if stage.name == "check")
-    assert check.own_seconds == pytest.approx(plan.check.seconds) and plan.check.skip is None
-    vocab = plan.config["vocab_size"]
-    assert plan.check.seconds == pytest.approx(
-        estimates.check_seconds(plan.check.tokens * len(plan.check.domains), estimates.parameters_of(plan), vocab, True)
-    )
+    assert [p.kind for p in check.parts] == ["check"] and check.parts[0].work["cold_start"] == 1
+    assert plan.check.skip is None
+    forward = plan.check.tokens * len(plan.check.domains) * estimates.parameters_of(plan)
+    assert check.parts[0].work["forward"] == 2 * forward  # an empty cache: the parent is scored too
+    assert check.seconds() == pytest.approx(plan.check.seconds)
+    from mha2gqa.cache import model_key
+
+    (tmp_path / "cache" / "check").mkdir(parents=True)
+    (tmp_path / "cache" / "check" / f"{model_key(embedded.model_dir())}-settings.safetensors").write_bytes(b"")
+    cached = prepare(embedded.model_dir(), ConvertOptions(groups=2))
+    assert cached.check.parts[0].work["forward"] == forward and cached.check.seconds < plan.check.seconds
     unchecked = prepare(embedded.model_dir(), ConvertOptions(groups=2, check=False))
     assert "check" not in [stage.name for stage in estimates.convert_stages(unchecked)]

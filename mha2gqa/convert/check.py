@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
+from mha2gqa.cache import cache_dir, model_key
 from mha2gqa.corpus.probe import DOMAINS
 
 CHECK_TOKENS = 512  # scored per domain: a few hundred tokens keep a 135M model's check well under a minute on CPU
@@ -36,8 +38,9 @@ class CheckPlan:
     tokens: int  # scored per domain
     window: int  # tokens per forward
     domains: tuple[str, ...]
-    seconds: float  # estimated, parent included (a cached parent costs less)
+    seconds: float  # estimated on the rates' machine (a cached parent costs less)
     skip: str | None = None  # why it will not run; None: it runs
+    parts: tuple = ()  # its work (estimates.check_parts), which the estimate adds
 
     def describe(self) -> str:
         if self.skip:
@@ -48,8 +51,18 @@ class CheckPlan:
         )
 
 
-def plan_check(config: dict, params: int, wanted: bool, seconds: float, on_gpu: bool) -> CheckPlan:
-    """The check of a conversion of a model of `params` parameters whose check would take `seconds`."""
+def parent_cached(src: Path) -> bool:
+    """Whether the cache holds a check of this parent (check_scores names each file by the parent's model key
+    first): the estimate's guess, without torch or the tokenizer, that its forward will not run again."""
+    try:
+        return any((cache_dir() / "check").glob(f"{model_key(src)}-*.safetensors"))
+    except OSError:
+        return False
+
+
+def plan_check(config: dict, params: int, wanted: bool, seconds: float, on_gpu: bool, parts: tuple = ()) -> CheckPlan:
+    """The check of a conversion of a model of `params` parameters whose check would take `seconds` (the sum of
+    its `parts` of work)."""
     context = config.get("max_position_embeddings")
     window = min(CHECK_WINDOW, context) if isinstance(context, int) and context > 1 else CHECK_WINDOW
     skip = None
@@ -60,7 +73,7 @@ def plan_check(config: dict, params: int, wanted: bool, seconds: float, on_gpu: 
             f"a {params / 1e9:.1f}B-parameter model's check would take about {math.ceil(seconds / 60)} min on this "
             "CPU; run `mha2gqa eval DST --reference SRC --max-tokens 512` on a GPU instead"
         )
-    return CheckPlan(CHECK_TOKENS, window, DOMAINS, seconds, skip)
+    return CheckPlan(CHECK_TOKENS, window, DOMAINS, seconds, skip, parts)
 
 
 def check_logits_bytes(config: dict) -> int:

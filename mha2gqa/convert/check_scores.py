@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from mha2gqa import jsontext
-from mha2gqa.cache import cache_dir, update_with_model
+from mha2gqa.cache import cache_dir, model_key, update_with_model
 from mha2gqa.convert.check import CheckPlan
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.probe import probe_paths
@@ -126,7 +126,7 @@ def fingerprint(src: Path, plan: CheckPlan, ids: dict[str, torch.Tensor], device
     update_with_model(digest, src)
     for name, domain_ids in ids.items():
         digest.update(name.encode() + domain_ids.numpy().tobytes())
-    return digest.hexdigest()
+    return f"{model_key(src)}-{digest.hexdigest()}"  # the parent's own key first: check.parent_cached finds it
 
 
 def load_cached(key: str) -> dict[str, ParentScores] | None:

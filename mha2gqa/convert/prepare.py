@@ -20,7 +20,7 @@ from mha2gqa import provenance
 from mha2gqa.card import about_the_source
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
 from mha2gqa.convert import config_file, fast
-from mha2gqa.convert.check import CHECK_TOKENS, CheckPlan, check_logits_bytes, plan_check
+from mha2gqa.convert.check import CHECK_TOKENS, CheckPlan, check_logits_bytes, parent_cached, plan_check
 from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
     CalibrationInput,
@@ -45,7 +45,7 @@ from mha2gqa.corpus import sampling
 from mha2gqa.corpus.probe import DOMAINS
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
-from mha2gqa.estimates import check_seconds, convert_line
+from mha2gqa.estimates import check_parts, convert_line
 from mha2gqa.layouts import (
     AttentionShape,
     Layout,
@@ -74,7 +74,7 @@ class Stage:
 
     name: str  # calibrate, merge, refine, metadata
     detail: str
-    seconds: float | None = None  # a stage that knows its own cost (on the rates' machine): the estimate adds it
+    parts: tuple = ()  # a stage its planner costs (estimates.Part): the estimate adds them
 
 
 @dataclass
@@ -292,8 +292,8 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int) -> None:
         stages += _refine_stages(plan, calibration_tokens, seq_len)
         peak = max(peak, _refine_peak(plan, model_bytes, seq_len))
     plan.check = _plan_check(plan, params)
-    runs = plan.check.skip is None  # the check's own seconds (check_seconds) count in the estimate when it runs
-    stages.append(Stage("check", plan.check.describe().removeprefix("check: "), plan.check.seconds if runs else None))
+    runs = plan.check.skip is None  # the check's work (check_parts) counts in the estimate when it runs
+    stages.append(Stage("check", plan.check.describe().removeprefix("check: "), plan.check.parts if runs else ()))
     if plan.check.skip is None:
         peak = max(peak, model_bytes + check_logits_bytes(plan.config))
     stages.append(Stage("metadata", "config.json, tokenizer and other files, mha2gqa.json, README.md card"))
@@ -305,8 +305,10 @@ def _plan_check(plan: ConversionPlan, params: int) -> CheckPlan:
     if not any((plan.source / name).is_file() for name in TOKENIZER_FILES):
         return CheckPlan(0, 0, (), 0.0, "SRC has no tokenizer to read the probe texts with")
     vocab = plan.config.get("vocab_size") or 0
-    seconds = check_seconds(CHECK_TOKENS * len(DOMAINS), params, vocab, torch_start=plan.torch_reason is None)
-    return plan_check(plan.config, params, plan.options.check, seconds, on_gpu=_cuda_visible())
+    cached = parent_cached(plan.source)
+    parts = check_parts(CHECK_TOKENS * len(DOMAINS), params, vocab, plan.torch_reason is None, cached)
+    seconds = sum(part.seconds() for part in parts)
+    return plan_check(plan.config, params, plan.options.check, seconds, _cuda_visible(), parts)
 
 
 def _cuda_visible() -> bool:

@@ -19,7 +19,7 @@ from mha2gqa.estimates.costs import (  # noqa: F401 (the package's API)
     StageCost,
     UptrainWork,
     attention_parameters,
-    check_seconds,
+    check_parts,
     combined,
     convert_estimate,
     convert_line,

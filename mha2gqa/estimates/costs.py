@@ -134,24 +134,23 @@ def convert_stages(plan, start: bool = True, calibration: bool = True) -> list[S
             global_work = {"steps": refine.global_steps * batch * p}
             stages.append(StageCost("refine (global)", (Part("refine_global", p, global_work),)))
         stages.append(StageCost("write", (Part(write, p, {"bytes": plan.bytes_written}),)))
-    # a stage that costs itself (the quality check: check_seconds) runs after the write, before the metadata
-    stages += [StageCost(s.name, own_seconds=s.seconds) for s in plan.stages if getattr(s, "seconds", None)]
+    # a stage costed by its planner (the quality check: check_parts) runs after the write, before the metadata
+    stages += [StageCost(s.name, s.parts) for s in plan.stages if s.parts]
     stages.append(StageCost("metadata", (Part("metadata", p, {}),)))
     return stages
 
 
-def check_seconds(tokens: int, parameters: int, vocab: int = 0, torch_start: bool = False) -> float:
-    """convert's quality check (convert/check.py) on the measuring machine: the conversion loaded and both
-    models over `tokens` probe tokens, scored as eval with a reference (their forwards, the KL's tally over
-    the vocabulary); with torch's start when the conversion itself ran without torch (the check imports it).
-    The check's Stage carries these seconds (prepare.py), and its skip on a CPU compares them with its budget."""
-    parts = [
-        Part("eval_load", parameters, {"bytes": 4 * parameters}),
-        Part("eval_quality", parameters, {"forward": 2 * tokens * parameters, "tally": tokens * vocab}),
-    ]
-    if torch_start:
-        parts.append(Part("torch_start", parameters))
-    return sum(part.seconds() for part in parts)
+def check_parts(
+    tokens: int, parameters: int, vocab: int = 0, torch_start: bool = False, parent_cached: bool = False
+) -> tuple[Part, ...]:
+    """convert's quality check (convert/check.py) as work of its own kind, fitted on convert's checks (its short
+    windows run faster a token than eval's): the conversion loaded, the forwards of `tokens` probe tokens through
+    it and, unless the cache holds its numbers, through the parent; `cold_start` when the conversion itself ran
+    without torch, so that the check starts torch and transformers. The check's Stage carries these parts
+    (prepare.py); its skip on a CPU compares their seconds with its budget."""
+    models = 1 if parent_cached else 2
+    work = {"forward": models * tokens * parameters, "tally": tokens * vocab, "cold_start": int(torch_start)}
+    return (Part("check", parameters, work),)
 
 
 def _parent_bytes(plan) -> int:
