@@ -66,6 +66,16 @@ def seconds(amount: str, unit: str, minutes: str | None = None) -> float:
     return {"s": 1, "min": 60, "h": 3600}[unit] * int(amount) + 60 * int(minutes or 0)
 
 
+def settle(limit_s: float = 150.0, quiet: float = 0.8) -> None:
+    """Wait (at most `limit_s`) until the 1-minute load average falls below `quiet`: the previous command's own
+    threads linger in it for a minute or two, and a command that starts then sees a busy machine (it takes one
+    thread, and its probe says so), which a user on a quiet machine never does."""
+    waited = 0.0
+    while os.getloadavg()[0] >= quiet and waited < limit_s:
+        time.sleep(5)
+        waited += 5
+
+
 def measure(name: str, command: list[str], cwd: Path) -> dict:
     """One command, timed from outside; what it said about its time, read from its output."""
     load = os.getloadavg()[0]
@@ -145,6 +155,8 @@ def main() -> None:
         for name, command in commands(args.large, args.work, args.smoke):
             if args.only and name not in args.only:
                 continue
+            if not args.busy and not args.smoke:
+                settle()
             rows.append(measure(name, command, ROOT))
             print(row(rows[-1]), flush=True)
     finally:

@@ -39,7 +39,7 @@ RUNS = ROOT / "bench" / "results" / "estimates" / "rates-runs.jsonl"
 # Kinds fitted over both models at once (their work is bytes or nothing: a rate per byte does not depend on the
 # model's shape); every other kind is fitted per model.
 JOINT = {"torch_start", "numpy_start", "eval_load", "convert_load", "uptrain_load", "write_numpy", "write_torch"}
-JOINT |= {"metadata", "uptrain_save", "eval_kv", "report"}
+JOINT |= {"metadata", "uptrain_save", "eval_kv", "report", "eval_tally"}
 
 
 def check_commands(model: Path, large: bool, work: Path) -> list[list[str]]:
@@ -133,7 +133,9 @@ def _seconds(fit: dict, part: dict) -> float:
     if key not in fit:  # a model this kind was not fitted on: the nearest one
         key = min((k for k in fit), key=lambda k: abs(np.log(int(k) / part["parameters"])))
     entry = fit[key]
-    return entry["fixed"] + sum(amount * entry["per"].get(term, 0.0) for term, amount in part["work"].items())
+    return (0.0 if part.get("warm") else entry["fixed"]) + sum(
+        amount * entry["per"].get(term, 0.0) for term, amount in part["work"].items()
+    )
 
 
 def least_squares(samples: list[tuple[dict, float]]) -> dict:

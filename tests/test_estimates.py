@@ -25,7 +25,8 @@ RATES = {
     "kinds": {
         "torch_start": {"fixed": [2.0, 2.0], "per": {}},
         "eval_load": {"fixed": [1.0, 1.0], "per": {"bytes": [1e-8, 1e-8]}},
-        "eval_quality": {"fixed": [0.0, 0.0], "per": {"forward": [1e-9, 1e-10], "tally": [1e-8, 1e-8]}},
+        "eval_quality": {"fixed": [0.0, 0.0], "per": {"forward": [1e-9, 1e-10]}},
+        "eval_tally": {"fixed": [0.0, 0.0], "per": {"tally": [1e-8, 1e-8]}},
         "eval_kv": {"fixed": [0.5, 0.5], "per": {}},
         "check": {"fixed": [0.5, 0.5], "per": {"forward": [1e-9, 1e-10], "cold_start": [4.0, 4.0]}},
         "calibrate": {"fixed": [1.0, 1.0], "per": {"tokens": [4e-10, 4e-11]}},
@@ -46,7 +47,9 @@ def fixed_rates(tmp_path, monkeypatch):
 
 def test_a_part_costs_its_fixed_seconds_plus_its_work_at_the_rate_of_its_model_size(fixed_rates):
     assert fixed_rates.seconds("eval_load", SMALL, {"bytes": 1e8}) == pytest.approx(2.0)
-    assert fixed_rates.seconds("eval_quality", SMALL, {"forward": 1e9, "tally": 1e8}) == pytest.approx(2.0)
+    assert fixed_rates.seconds("eval_quality", SMALL, {"forward": 1e9}) == pytest.approx(1.0)
+    assert fixed_rates.seconds("eval_tally", SMALL, {"tally": 1e8}) == pytest.approx(1.0)
+    assert fixed_rates.seconds("eval_load", SMALL, {"bytes": 1e8}, fixed=False) == pytest.approx(1.0)  # paid once
     assert fixed_rates.seconds("eval_quality", LARGE, {"forward": 1e9}) == pytest.approx(0.1)
     # halfway on log(parameters): the geometric mean of the two rates; beyond them, the nearer one's
     middle = int((SMALL * LARGE) ** 0.5)
@@ -233,3 +236,20 @@ def test_convert_checks_work_is_a_stage_of_its_estimate_and_a_cached_parent_halv
     assert cached.check.parts[0].work["forward"] == forward and cached.check.seconds < plan.check.seconds
     unchecked = prepare(embedded.model_dir(), ConvertOptions(groups=2, check=False))
     assert "check" not in [stage.name for stage in estimates.convert_stages(unchecked)]
+
+
+def test_a_warm_evaluation_pays_no_fixed_seconds_and_a_reference_adds_the_vocabulary_tally(fixed_rates):
+    # a demo's or a sweep's later evaluations run in the process that paid each kind's fixed seconds already
+    work = estimates.EvalWork(SMALL, SMALL, 4096, 8 * SMALL, {"text": (1000, 990)}, 0)
+    cold = sum(stage.seconds() for stage in estimates.eval_stages(work, start=False))
+    warm = sum(stage.seconds() for stage in estimates.eval_stages(work, start=False, warm=True))
+    assert cold - warm == pytest.approx(1.0 + 0.5)  # eval_load's and eval_kv's fixed seconds in RATES
+    quality = next(s for s in estimates.eval_stages(work) if s.name == "quality: text")
+    assert [(p.kind, p.work) for p in quality.parts] == [
+        ("eval_quality", {"forward": 1000 * 2 * SMALL}),
+        ("eval_tally", {"tally": 990 * 4096}),
+    ]
+    alone = estimates.EvalWork(SMALL, None, 4096, 4 * SMALL, {"text": (1000, 990)}, 0)
+    assert [p.kind for s in estimates.eval_stages(alone) if s.name == "quality: text" for p in s.parts] == [
+        "eval_quality"
+    ]

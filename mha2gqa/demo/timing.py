@@ -21,13 +21,14 @@ EVAL_EVERY = 5
 
 def _evaluation(name: str, params: int, reference: int | None, settings, speed_points: int) -> StageCost:
     """One of the demo's evaluations: the held-out novel in 512-token windows, the KV cache, the speed grid
-    (side by side with the parent for a child), the cloze task when lm-eval is installed."""
+    (side by side with the parent for a child), the cloze task when lm-eval is installed. The parent's comes
+    first and pays each kind's fixed seconds; a child's runs warm in the same process."""
     tokens = min(settings.eval_tokens or HELDOUT_TOKENS, HELDOUT_TOKENS)
     windows = math.ceil(tokens / CONTEXT)
     cloze = settings.cloze_examples or CLOZE_EXAMPLES if importlib.util.find_spec("lm_eval") else None
     weights = 4 * (params + (reference or 0))
     work = EvalWork(params, reference, 4096, weights, {"held-out": (tokens, tokens - windows)}, speed_points, cloze)
-    return combined(name, estimates.eval_stages(work, start=False))
+    return combined(name, estimates.eval_stages(work, start=False, warm=reference is not None))
 
 
 def demo_estimate(plan, machine) -> estimates.Estimate:
@@ -48,7 +49,7 @@ def demo_estimate(plan, machine) -> estimates.Estimate:
         combined("convert", estimates.convert_stages(conversion, start=False)),
         _evaluation("evaluate parent", parent, None, settings, grid),
         _evaluation("evaluate converted", child, parent, settings, 2 * grid),
-        combined("uptrain", estimates.uptrain_stages(uptrain, start=False)),
+        combined("uptrain", estimates.uptrain_stages(uptrain, start=False, warm=True)),
         _evaluation("evaluate uptrained", child, parent, settings, 2 * grid),
         StageCost("report", (Part("report", parent),)),
     )

@@ -1,10 +1,11 @@
 """What each long command's stages cost, as work: the estimate every one prints before it starts.
 
 A stage is costed by one or more parts, each a kind of work at a model size: `("eval_quality", params,
-{"forward": tokens x parameters, "tally": tokens x vocabulary})`. rates.py turns a part into seconds on the
+{"forward": tokens x parameters})`. rates.py turns a part into seconds on the
 machine the rates were measured on (fixed seconds plus a rate per unit of each term), and the probe scales
-that to this machine now. The kinds and their terms are what bench/estimate_rates.py fits; a stage that knows
-its own cost (convert's quality check) carries its seconds instead of parts, and is counted as it is.
+that to this machine now. The kinds and their terms are what bench/estimate_rates.py fits. A kind's fixed
+seconds are what a process pays once for it (imports, first calls, the texts read): a demo's or a sweep's later
+evaluations and its uptraining run in the process that paid them, and their parts are `warm` (rates only).
 
 Reads no torch and runs nothing: `convert --dry-run` and `uptrain --dry-run` print the same numbers.
 """
@@ -25,27 +26,30 @@ class Part:
     kind: str
     parameters: int
     work: dict = field(default_factory=dict)
+    warm: bool = False  # in a process that has run this kind already: its fixed seconds are paid
 
     def seconds(self) -> float:
-        return rates.load().seconds(self.kind, self.parameters, self.work)
+        return rates.load().seconds(self.kind, self.parameters, self.work, fixed=not self.warm)
 
 
 @dataclass(frozen=True)
 class StageCost:
-    """A stage as the clock (clock.py) times it: its name, and its parts or its own seconds."""
+    """A stage as the clock (clock.py) times it: its name and its parts."""
 
     name: str
     parts: tuple[Part, ...] = ()
-    own_seconds: float | None = None  # a stage that costs itself (seconds on the measuring machine)
 
     def seconds(self) -> float:
-        if self.own_seconds is not None:
-            return self.own_seconds
         return sum(part.seconds() for part in self.parts)
 
     def record(self) -> dict:
         """What the clock writes beside the measured seconds (MHA2GQA_TIMINGS), for the bench to fit."""
-        return {"parts": [{"kind": p.kind, "parameters": p.parameters, "work": p.work} for p in self.parts]}
+        return {"parts": [_part_record(p) for p in self.parts]}
+
+
+def _part_record(part: Part) -> dict:
+    found = {"kind": part.kind, "parameters": part.parameters, "work": part.work}
+    return {**found, "warm": True} if part.warm else found
 
 
 @dataclass(frozen=True)
@@ -194,20 +198,22 @@ class EvalWork:
     lm_eval_examples: int | None = None
 
 
-def eval_stages(work: EvalWork, start: bool = True) -> list[StageCost]:
-    """start (the interpreter, torch: not in a demo's later evaluations), load (tokenizer, texts, weights), each
-    domain's quality, the KV cache, decode speed, lm-eval."""
+def eval_stages(work: EvalWork, start: bool = True, warm: bool = False) -> list[StageCost]:
+    """start (the interpreter, torch: not in a demo's evaluations), load (tokenizer, texts, weights), each
+    domain's quality, the KV cache, decode speed, lm-eval; `warm`: a later evaluation of a demo or a sweep."""
     p, ref = work.parameters, work.reference_parameters
     stages = [StageCost("start", (Part("torch_start", p),))] if start else []
-    stages.append(StageCost("load", (Part("eval_load", p, {"bytes": work.weight_bytes}),)))
+    stages.append(StageCost("load", (Part("eval_load", p, {"bytes": work.weight_bytes}, warm),)))
     for name, (forward, scored) in work.texts.items():
-        terms = {"forward": forward * (p + (ref or 0)), "tally": scored * work.vocab if ref else 0}
-        stages.append(StageCost(f"quality: {name}", (Part("eval_quality", p, terms),)))
-    stages.append(StageCost("kv cache", (Part("eval_kv", p, {}),)))
+        parts = [Part("eval_quality", p, {"forward": forward * (p + (ref or 0))}, warm)]
+        if ref:  # the KL, top-1 and agreement against the reference: work over the vocabulary, any model size
+            parts.append(Part("eval_tally", p, {"tally": scored * work.vocab}, warm))
+        stages.append(StageCost(f"quality: {name}", tuple(parts)))
+    stages.append(StageCost("kv cache", (Part("eval_kv", p, {}, warm),)))
     if work.speed_points:
-        stages.append(StageCost("decode speed", (Part("eval_speed", p, {"points": work.speed_points}),)))
+        stages.append(StageCost("decode speed", (Part("eval_speed", p, {"points": work.speed_points}, warm),)))
     if work.lm_eval_examples is not None:
-        stages.append(StageCost("lm-eval", (Part("lm_eval", p, {"examples": work.lm_eval_examples}),)))
+        stages.append(StageCost("lm-eval", (Part("lm_eval", p, {"examples": work.lm_eval_examples}, warm),)))
     return stages
 
 
@@ -244,17 +250,18 @@ class UptrainWork:
         return (2 * self.parameters + trained) / 3
 
 
-def uptrain_stages(work: UptrainWork, start: bool = True) -> list[StageCost]:
+def uptrain_stages(work: UptrainWork, start: bool = True, warm: bool = False) -> list[StageCost]:
     """start (the interpreter, torch), load (models, data: the teacher's samples too), train (steps, evals, the
-    teacher's forwards), save."""
+    teacher's forwards), save; `warm`: a demo's uptraining, after its evaluations in the same process."""
     p, t = work.parameters, work.teacher_parameters
-    load = [Part("uptrain_load", p, {"bytes": work.weight_bytes, "data_tokens": work.data_tokens})]
+    load = [Part("uptrain_load", p, {"bytes": work.weight_bytes, "data_tokens": work.data_tokens}, warm)]
     if work.sampled_tokens and t:
-        load.append(Part("sample", t, {"tokens": work.sampled_tokens * t}))
-    train = [Part("train", p, {"tokens": work.tokens * work.effective() * (1.25 if work.checkpointing else 1)})]
-    train.append(Part("eval_quality", p, {"forward": work.evals * work.eval_tokens * p}))
+        load.append(Part("sample", t, {"tokens": work.sampled_tokens * t}, warm))
+    tokens = work.tokens * work.effective() * (1.25 if work.checkpointing else 1)
+    train = [Part("train", p, {"tokens": tokens}, warm)]
+    train.append(Part("eval_quality", p, {"forward": work.evals * work.eval_tokens * p}, warm))
     if t:
-        train.append(Part("eval_quality", t, {"forward": work.tokens * t}))  # the teacher's forwards
+        train.append(Part("eval_quality", t, {"forward": work.tokens * t}, warm))  # the teacher's forwards
     stages = [StageCost("start", (Part("torch_start", p),))] if start else []
     return stages + [
         StageCost("load", tuple(load)),
@@ -264,11 +271,8 @@ def uptrain_stages(work: UptrainWork, start: bool = True) -> list[StageCost]:
 
 
 def combined(name: str, stages: list[StageCost]) -> StageCost:
-    """Several commands' stages as one stage of a longer run (a demo's "evaluate parent"); a stage that costs
-    itself keeps its seconds as a fixed part."""
-    parts = tuple(part for stage in stages for part in stage.parts)
-    own = sum(stage.own_seconds for stage in stages if stage.own_seconds is not None)
-    return StageCost(name, parts, None) if not own else StageCost(name, (), own + sum(p.seconds() for p in parts))
+    """Several commands' stages as one stage of a longer run (a demo's "evaluate parent")."""
+    return StageCost(name, tuple(part for stage in stages for part in stage.parts))
 
 
 CHARS_PER_TOKEN = 3.6  # the embedded held-out novel: 466,854 characters, 131,217 tokens

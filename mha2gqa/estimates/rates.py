@@ -40,11 +40,12 @@ class Rates:
     probe_s: dict  # {"torch": seconds, "numpy": seconds}
     measured: dict  # machine, cores, threads, load before and after, date, command
 
-    def seconds(self, kind: str, parameters: int, work: dict[str, float]) -> float:
-        """Seconds of one stage on the measuring machine: its fixed part plus each term's work times its rate. A
-        kind or term the bench did not measure (lm-eval where it was not installed) counts nothing."""
+    def seconds(self, kind: str, parameters: int, work: dict[str, float], fixed: bool = True) -> float:
+        """Seconds of one stage on the measuring machine: its fixed part (unless `fixed` is False: a process that
+        paid it already) plus each term's work times its rate. A kind or term the bench did not measure (lm-eval
+        where it was not installed) counts nothing."""
         entry = self.kinds.get(kind, {})
-        total = _between(entry.get("fixed") or (0.0, 0.0), parameters)
+        total = _between(entry.get("fixed") or (0.0, 0.0), parameters) if fixed else 0.0
         for term, amount in work.items():
             total += amount * _between(entry.get("per", {}).get(term) or (0.0, 0.0), parameters)
         return max(0.0, total)

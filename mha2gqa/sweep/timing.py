@@ -38,7 +38,7 @@ def sweep_stages(plans: dict, domains: list, max_tokens: int | None, calibration
     for name, plan in plans.items():
         child = EvalWork(parent, parent, vocab, 8 * parent, texts, 0)
         candidate = estimates.convert_stages(plan, start=False, calibration=False)
-        candidate += estimates.eval_stages(child, start=False)
+        candidate += estimates.eval_stages(child, start=False, warm=True)  # after the parent's, in its process
         stages.append(combined(candidate_stage(name), candidate))
     return stages
 
