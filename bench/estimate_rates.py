@@ -42,6 +42,14 @@ JOINT = {"torch_start", "numpy_start", "eval_load", "convert_load", "uptrain_loa
 JOINT |= {"metadata", "uptrain_save", "eval_kv", "report", "eval_tally"}
 
 
+# --only: which of commands() a subset runs again (its records replace the earlier ones); "check" runs
+# check_commands, and its records add the check's parts that earlier runs lacked
+SUBSETS = {
+    "check": lambda command: False,
+    "eval": lambda command: command[0] == "eval" and "--lm-eval-tasks" not in command,
+}
+
+
 def check_commands(model: Path, large: bool, work: Path) -> list[list[str]]:
     """convert's quality check, cold and warm: the first conversion scores the parent (the bench's cache starts
     empty), the next reads its numbers from the cache, the third runs with torch already started (calibrated)."""
@@ -204,9 +212,10 @@ def main() -> None:
     parser.add_argument("--runs", type=Path, default=RUNS, help="every stage record, as JSON lines")
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the embedded model: no measurement")
     parser.add_argument(
-        "--check-only",
-        action="store_true",
-        help="run only convert's check (cold and warm), add its records to --runs and refit every kind from them all",
+        "--only",
+        choices=sorted(SUBSETS),
+        help="run only these commands (check: convert's check cold and warm; eval: eval's runs), put their records "
+        "in --runs in place of the earlier ones of the same commands, and refit every kind from them all",
     )
     args = parser.parse_args()
     load = [os.getloadavg()[0]]
@@ -216,7 +225,13 @@ def main() -> None:
         work, timings = Path(tmp), Path(tmp) / "timings.jsonl"
         models = [(EMBEDDED, False)] + ([(args.large, True)] if args.large and not args.smoke else [])
         for model, large in models:
-            chosen = check_commands(model, large, work) if args.check_only else commands(model, large, args.smoke, work)
+            chosen = commands(model, large, args.smoke, work)
+            if args.only:
+                chosen = (
+                    check_commands(model, large, work)
+                    if args.only == "check"
+                    else list(filter(SUBSETS[args.only], chosen))
+                )
             for command in chosen:
                 wall = run(command, timings)
                 print(f"{wall:7.1f} s  mha2gqa {' '.join(command)}", flush=True)
@@ -224,10 +239,11 @@ def main() -> None:
     load.append(os.getloadavg()[0])
     found = {kind: min(seconds, probes()[kind]) for kind, seconds in found.items()}  # before and after: the quieter
     measured_before = {}
-    if args.check_only:  # the earlier records and their probe stay: these runs add the check's kind to them
+    if args.only:  # the earlier records and their probe stay, less those these runs measured again
         earlier = json.loads(args.out.read_text())
         found, measured_before = earlier["probe_s"], earlier["measured"]
-        records = [json.loads(line) for line in args.runs.read_text().splitlines()] + records
+        kept = [json.loads(line) for line in args.runs.read_text().splitlines()]
+        records = [r for r in kept if not SUBSETS[args.only](r["command"][1:])] + records
     from mha2gqa.estimates.rates import LARGE, SMALL
 
     measured = {
@@ -238,11 +254,11 @@ def main() -> None:
         "threads": records[0]["threads"] if records else None,
         "command": "python bench/estimate_rates.py"
         + (f" --large {args.large}" if args.large else "")
-        + (" --check-only" if args.check_only else ""),
+        + (f" --only {args.only}" if args.only else ""),
         "smoke": args.smoke,
     }
-    if args.check_only:
-        measured = {**measured_before, "check_added": measured}
+    if args.only:
+        measured = {**measured_before, f"{args.only}_measured_again": measured}
     result = rates_file(fit(records), SMALL, LARGE if args.large else None, found, measured)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(jsontext.dumps(result, indent=1) + "\n")
