@@ -253,3 +253,13 @@ def test_a_warm_evaluation_pays_no_fixed_seconds_and_a_reference_adds_the_vocabu
     assert [p.kind for s in estimates.eval_stages(alone) if s.name == "quality: text" for p in s.parts] == [
         "eval_quality"
     ]
+
+
+def test_a_checked_conversion_probes_torch_which_its_check_runs_on(fixed_rates, monkeypatch):
+    from mha2gqa.convert import run as convert_run
+
+    probed = []
+    monkeypatch.setattr(estimates, "this_machine", lambda kind: probed.append(kind) or rates.Machine(1.0, None, kind))
+    for check in (True, False):
+        convert_run.estimate(prepare(embedded.model_dir(), ConvertOptions(groups=2, check=check)))
+    assert probed == ["torch", "numpy"]  # mean merges with numpy: only the unchecked run is torch-free

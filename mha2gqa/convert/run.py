@@ -99,11 +99,14 @@ def check_output(plan: ConversionPlan, dst: Path) -> str:
 
 
 def estimate(plan: ConversionPlan):
-    """The run's estimate, scaled to this machine by a probe of the executor's library (torch's, with the threads
-    it was given)."""
+    """The run's estimate, scaled to this machine by a probe of the library that does most of its work: torch
+    (with the threads it was given) for a torch executor or when the quality check runs (it imports torch anyway,
+    and on a busy machine torch's one thread and numpy's two slow down apart: a numpy probe made a busy SmolLM2
+    mean conversion's estimate 1.65x its time), numpy for a torch-free conversion left unchecked."""
     from mha2gqa.estimates import convert_estimate, this_machine
 
-    return convert_estimate(plan, this_machine("numpy" if plan.torch_reason is None else "torch"))
+    checked = plan.check is not None and plan.check.skip is None
+    return convert_estimate(plan, this_machine("torch" if plan.torch_reason is not None or checked else "numpy"))
 
 
 def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult:
