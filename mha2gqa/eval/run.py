@@ -185,16 +185,23 @@ def _reference(reference, ref_dir, ref_model) -> dict | None:
         return None
     shape = M.shape_of(ref_model.config)
     return {
-        "path": str(reference),
-        "resolved": str(Path(ref_dir).resolve()),
+        **_model_facts(reference, ref_dir, ref_model, shape),
         "label": Path(str(reference).rstrip("/")).name,
-        "kv_heads": shape.kv_heads,
-        "heads": shape.heads,
-        "layers": shape.layers,
-        "head_dim": shape.head_dim,
-        "params": sum(p.numel() for p in ref_model.parameters()),
-        "dtype": str(ref_model.dtype).replace("torch.", ""),
         "kv_formula_bytes_per_token": shape.kv_bytes_per_token(dtype_bytes=ref_model.dtype.itemsize),
+    }
+
+
+def _model_facts(path, model_dir, model, shape) -> dict:
+    """Where a model is and its attention's shape, size and dtype: the evaluated model's and the reference's."""
+    return {
+        "path": str(path),
+        "resolved": str(Path(model_dir).resolve()),
+        "layers": shape.layers,
+        "heads": shape.heads,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "params": sum(p.numel() for p in model.parameters()),
+        "dtype": str(model.dtype).replace("torch.", ""),
     }
 
 
@@ -204,16 +211,9 @@ def _skeleton(model_path, model_dir, model, shape, prov, role, label, dev, seed)
         "label": label or Path(str(model_path).rstrip("/")).name,
         "role": role,
         "model": {
-            "path": str(model_path),
-            "resolved": str(Path(model_dir).resolve()),
+            **_model_facts(model_path, model_dir, model, shape),
             "model_type": shape.model_type,
-            "layers": shape.layers,
-            "heads": shape.heads,
-            "kv_heads": shape.kv_heads,
-            "head_dim": shape.head_dim,
             "hidden": shape.hidden,
-            "params": sum(p.numel() for p in model.parameters()),
-            "dtype": str(model.dtype).replace("torch.", ""),
             "provenance": prov,
         },
         "reference": None,
