@@ -47,6 +47,7 @@ JOINT |= {"metadata", "uptrain_save", "eval_kv", "report", "eval_tally"}
 SUBSETS = {
     "check": lambda command: False,
     "eval": lambda command: command[0] == "eval" and "--lm-eval-tasks" not in command,
+    "probe": lambda command: False,  # no command: the probe's seconds measured again (its design changed)
 }
 
 
@@ -214,8 +215,9 @@ def main() -> None:
     parser.add_argument(
         "--only",
         choices=sorted(SUBSETS),
-        help="run only these commands (check: convert's check cold and warm; eval: eval's runs), put their records "
-        "in --runs in place of the earlier ones of the same commands, and refit every kind from them all",
+        help="run only these commands (check: convert's check cold and warm; eval: eval's runs; probe: none, the "
+        "probe measured again), put their records in --runs in place of the earlier ones of the same commands, "
+        "and refit every kind from them all",
     )
     args = parser.parse_args()
     load = [os.getloadavg()[0]]
@@ -235,13 +237,14 @@ def main() -> None:
             for command in chosen:
                 wall = run(command, timings)
                 print(f"{wall:7.1f} s  mha2gqa {' '.join(command)}", flush=True)
-        records = [json.loads(line) for line in timings.read_text().splitlines()]
+        records = [json.loads(line) for line in timings.read_text().splitlines()] if timings.exists() else []
     load.append(os.getloadavg()[0])
     found = {kind: min(seconds, probes()[kind]) for kind, seconds in found.items()}  # before and after: the quieter
     measured_before = {}
     if args.only:  # the earlier records and their probe stay, less those these runs measured again
         earlier = json.loads(args.out.read_text())
-        found, measured_before = earlier["probe_s"], earlier["measured"]
+        measured_before = earlier["measured"]
+        found = found if args.only == "probe" else earlier["probe_s"]
         kept = [json.loads(line) for line in args.runs.read_text().splitlines()]
         records = [r for r in kept if not SUBSETS[args.only](r["command"][1:])] + records
     from mha2gqa.estimates.rates import LARGE, SMALL

@@ -181,6 +181,16 @@ def test_estimate_rates_smoke_fits_every_kind_the_commands_time(tmp_path):
 
 
 @pytest.mark.slow  # ~2 min: seven commands, each a real run at toy sizes
+def test_estimate_probe_smoke_sums_up_the_rounds_every_way(tmp_path):
+    out = tmp_path / "probe.json"
+    stdout = run_smoke("estimate_probe.py", "--out", str(out))
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["spinners"] == 0 and len(run["rounds"]) == 11 and run["work_per_round"] > 0
+    rows = table_rows(stdout, r"(fastest|2nd|median|mean).*")
+    assert len(rows) == 6 and rows[0][0] == "fastest of 11 (shipped)"
+    assert all(finite(float(cell)) for row in rows for cell in row[1:])
+
+
 def test_estimate_check_smoke_reads_each_commands_estimate_and_time(tmp_path):
     out = tmp_path / "check.json"
     stdout = run_smoke("estimate_check.py", "--work", str(tmp_path / "w"), "--out", str(out))

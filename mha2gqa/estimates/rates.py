@@ -9,9 +9,15 @@ Between and beyond the two models a rate is interpolated on log(parameters) (the
 
 A rate measured on a quiet machine is wrong on a busy one (issue 39: a sweep said 15 min and was on course for
 55 at load 4), and a table of "rates at load 3-7" is wrong on both. So a run times a probe when it starts, with
-the torch threads it will use (about a third of a second of matrix products, the kind of work every stage
-does): the probe's seconds here over its seconds on the measuring machine scale every rate. A quiet twin of
-the measuring machine gets about 1; two cores shared with three busy processes, 3-4.
+the torch threads it will use (the fastest of 11 rounds of matrix products, the kind of work every stage does:
+about 0.6 s on a quiet machine): the probe's seconds here over its seconds on the measuring machine scale every
+rate. A quiet twin of the measuring machine gets about 1; two cores shared with two other busy processes, 3-4.
+Why the fastest of many rounds: this machine's speed moves by 2x from one second to the next even when it is
+quiet (the host's other guests), and the first rounds after torch starts are slow. Against 80 rounds of the same
+work timed right after, in 12 runs at 0-3 spinning processes beside (bench/estimate_probe.py, 2026-12-03), the
+fastest of 11 rounds predicted the work's time with a spread (s.d. of the log ratio) of 0.21 and about the same
+bias at every count (0.53-0.66, which the rates file's probe, measured the same way, cancels); the median of the
+first 5 rounds (about the probe before this one: the median of 3 after one warm-up) 0.31, the median of 15, 0.29.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ import functools
 import json
 import math
 import os
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +33,7 @@ from pathlib import Path
 RATES_FILE = Path(__file__).resolve().parent.parent / "data" / "estimate_rates.json"
 RATES_ENV = "MHA2GQA_ESTIMATE_RATES"  # another rates file (the bench's, a test's)
 SMALL, LARGE = 6_163_712, 134_515_008  # the embedded model's parameters and SmolLM2-135M's: the two measured
-PROBE_ROUNDS = 3
+PROBE_ROUNDS, PROBE_WARMUP = 11, 2
 
 
 @dataclass(frozen=True)
@@ -118,10 +123,12 @@ PROBES = {"torch": _torch_probe, "numpy": _numpy_probe}
 
 
 def probe_seconds(kind: str = "torch") -> float:
-    """The median of a few rounds of the probe (after one warm-up round), in seconds."""
+    """The fastest of PROBE_ROUNDS rounds of the probe (after PROBE_WARMUP rounds that start its threads), in
+    seconds."""
     probe = PROBES[kind]
-    probe()
-    return statistics.median(probe() for _ in range(PROBE_ROUNDS))
+    for _ in range(PROBE_WARMUP):
+        probe()
+    return min(probe() for _ in range(PROBE_ROUNDS))
 
 
 @dataclass(frozen=True)
