@@ -3,12 +3,15 @@ one calibration pass) show progress bars: it printed two static lines and no bar
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from test_estimates import fixed_rates  # noqa: F401 (the tests' own rates: the fixture)
 from test_sweep import CAL_TOKENS, EVAL_TOKENS, tiny  # noqa: F401 (tiny: the fixture)
 
 import mha2gqa.convert.calibration
 import mha2gqa.eval.run
+from mha2gqa.estimates.costs import RUNTIME_BYTES
 from mha2gqa.sweep import SweepOptions, sweep
 
 
@@ -44,6 +47,8 @@ def test_the_first_phases_have_bars_and_the_time_is_said_first(tiny, tmp_path, m
         sweep(tiny / "src", options, echo=lines.append)
     assert seen == [("evaluate", True), ("calibrate", True)]
     assert lines[0].startswith("estimate: about ") and "candidate kv1-mean" in lines[0] and "rates measured" in lines[0]
+    peak = re.search(r"peak memory about ([\d.]+) MiB", lines[0])  # a sweep said none (issue 39's table: "-")
+    assert peak and float(peak.group(1)) >= RUNTIME_BYTES / 2**20  # torch and the libraries at least
     # --data in words, not the Python tuple it printed ("evaluating the parent on ('.../eval.txt',)")
     assert f"evaluating the parent on eval ({tiny / 'eval.txt'})" in "\n".join(lines)
 

@@ -43,6 +43,22 @@ def sweep_stages(plans: dict, domains: list, max_tokens: int | None, calibration
     return stages
 
 
+def sweep_peak_bytes(plans: dict) -> int:
+    """The larger of a candidate's conversion (its dry run's peak) and an evaluation of it beside the parent, both
+    held in the sweep's process, one window at a time."""
+    from types import SimpleNamespace
+
+    from mha2gqa.eval.batching import window_bytes
+
+    first = next(iter(plans.values()))
+    parent = estimates.parameters_of(first)
+    context = min(DEFAULT_CONTEXT, first.config.get("max_position_embeddings") or DEFAULT_CONTEXT)
+    config = SimpleNamespace(**first.config)
+    evaluation = EvalWork(parent, parent, config.vocab_size, 8 * parent, {}, 0)
+    window = window_bytes(config, context, element_bytes=4)
+    return max([estimates.eval_peak_bytes(evaluation, window, batch=1)] + [p.peak_memory for p in plans.values()])
+
+
 def candidate_stage(name: str) -> str:
     return f"candidate {name}"
 
@@ -55,10 +71,10 @@ def sweep_clock(plans: dict, domains: list, options, echo):
 
     stages = tuple(sweep_stages(plans, domains, options.max_tokens, options.calibration_tokens))
     if options.dry_run:
-        echo(estimates.Estimate(stages, estimates.this_machine("numpy")).line())
+        echo(estimates.Estimate(stages, estimates.this_machine("numpy"), sweep_peak_bytes(plans)).line())
         return NO_CLOCK
     import_torch()
     clock = Clock(echo=echo)
     clock.stage("load")
-    clock.begin(lambda: estimates.Estimate(stages, estimates.this_machine("torch")))
+    clock.begin(lambda: estimates.Estimate(stages, estimates.this_machine("torch"), sweep_peak_bytes(plans)))
     return clock
