@@ -116,6 +116,8 @@ def test_the_clock_says_the_estimate_corrects_the_rest_and_says_what_it_took(fix
     assert [(s["name"], s["seconds"]) for s in record["stages"]] == [("start", 4), ("load", 8), ("quality: prose", 24)]
     assert record["stages"][2]["parts"] == [{"kind": "eval_quality", "parameters": SMALL, "work": {"forward": 16e9}}]
     assert record["estimate_s"] == pytest.approx(20.0) and record["took_s"] == pytest.approx(36.0)
+    peaks = [s["peak_rss_bytes"] for s in record["stages"]]  # where the run's memory peaked, stage by stage
+    assert peaks == sorted(peaks) and peaks[0] > 50 << 20  # this test's process: python, torch, pytest
 
 
 def test_a_library_call_pays_for_no_estimate():

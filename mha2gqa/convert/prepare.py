@@ -46,6 +46,7 @@ from mha2gqa.corpus.probe import DOMAINS
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
 from mha2gqa.estimates import check_parts, convert_line
+from mha2gqa.estimates.costs import RUNTIME_BYTES as EVAL_RUNTIME_BYTES
 from mha2gqa.layouts import (
     AttentionShape,
     Layout,
@@ -298,7 +299,10 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int) -> None:
         peak = max(peak, model_bytes + check_logits_bytes(plan.config))
     stages.append(Stage("metadata", "config.json, tokenizer and other files, mha2gqa.json, README.md card"))
     plan.stages = stages
-    plan.peak_memory = peak + RUNTIME_BYTES["numpy" if plan.torch_reason is None else "torch"]
+    runtime = RUNTIME_BYTES["numpy" if plan.torch_reason is None else "torch"]
+    if plan.check.skip is None:  # the check runs the models in transformers, with a tokenizer: eval's runtime
+        runtime = max(runtime, EVAL_RUNTIME_BYTES)
+    plan.peak_memory = peak + runtime
 
 
 def _plan_check(plan: ConversionPlan, params: int) -> CheckPlan:

@@ -55,6 +55,7 @@ class Clock:
         self.started = process_started() if started is None else started
         self.estimate: Estimate | None = None
         self.finished: list[tuple[str, float]] = []  # (stage, seconds) in order
+        self.peak_rss: list[int | None] = []  # the process's peak RSS so far as each finished stage ended
         self.current, self.current_started = "start", self.started
         self.said_remaining: tuple[float, float] | None = None  # (remaining, when said)
         self.partial_said: set[str] = set()
@@ -73,6 +74,7 @@ class Clock:
         """Stage `name` starts now; the one before it ends."""
         now = time.time()
         self.finished.append((self.current, now - self.current_started))
+        self.peak_rss.append(_peak_rss())
         self.current, self.current_started = name, now
         self._correct(now)
 
@@ -94,6 +96,7 @@ class Clock:
         """The last stage ends: say what the run took, beside the estimate; returns the seconds."""
         now = time.time()
         self.finished.append((self.current, now - self.current_started))
+        self.peak_rss.append(_peak_rss())
         total = now - self.started
         if self.estimate is not None:
             self.echo(f"took {took(total)} (estimated {duration(self.estimate.seconds())})")
@@ -139,10 +142,10 @@ class Clock:
             return
         estimated = dict(zip((s.name for s in self.estimate.stages), self.estimate.stage_seconds()))
         costs = {s.name: s for s in self.estimate.stages}
-        stages = [
-            {"name": name, "seconds": seconds, "estimated_s": estimated.get(name, 0.0)}
+        stages = [  # peak_rss_bytes: the stage whose end raised it first is where the run's memory peaked
+            {"name": name, "seconds": seconds, "estimated_s": estimated.get(name, 0.0), "peak_rss_bytes": rss}
             | (costs[name].record() if name in costs else {"parts": []})
-            for name, seconds in self.finished
+            for (name, seconds), rss in zip(self.finished, self.peak_rss)
         ]
         record = {
             "command": sys.argv,
@@ -165,6 +168,16 @@ def _load() -> float | None:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
+
+
+def _peak_rss() -> int | None:
+    """The process's peak resident memory so far, in bytes (Linux counts ru_maxrss in KiB, macOS in bytes)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _threads() -> int | None:
