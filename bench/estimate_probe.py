@@ -29,9 +29,12 @@ from mha2gqa.estimates import rates
 SPIN = "while True: pass"
 CHILD = """
 import json, sys, time
+import torch
 from mha2gqa.estimates import rates
 probe = rates.PROBES["torch"]
-rounds, work_rounds = int(sys.argv[1]), int(sys.argv[2])
+rounds, work_rounds, threads = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+if threads:
+    torch.set_num_threads(threads)
 for _ in range(rates.PROBE_WARMUP):
     probe()
 timed = [probe() for _ in range(rounds)]
@@ -50,18 +53,21 @@ STATISTICS = {
 }
 
 
-def one_run(spinners: int, rounds: int, work_rounds: int) -> dict:
+def one_run(spinners: int, rounds: int, work_rounds: int, threads: int = 0) -> dict:
     spinning = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(spinners)]
     try:
         time.sleep(2 if spinners else 0)  # the spinners running before the probe starts
         done = subprocess.run(
-            [sys.executable, "-c", CHILD, str(rounds), str(work_rounds)], capture_output=True, text=True, check=True
+            [sys.executable, "-c", CHILD, str(rounds), str(work_rounds), str(threads)],
+            capture_output=True,
+            text=True,
+            check=True,
         )
     finally:
         for process in spinning:
             process.kill()
             process.wait()
-    return {"spinners": spinners, **json.loads(done.stdout.strip().splitlines()[-1])}
+    return {"spinners": spinners, "threads": threads, **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
 def table(runs: list[dict]) -> list[str]:
@@ -80,6 +86,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--busy", type=int, nargs="+", default=[0, 1, 2, 3], help="spinning processes, per run")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0: torch's default, one a core); mha2gqa runs a small model on a busy machine with one",
+    )
     parser.add_argument("--out", type=Path, help="write every run as JSON")
     parser.add_argument("--smoke", action="store_true", help="one toy run: no measurement")
     args = parser.parse_args()
@@ -88,7 +100,7 @@ def main() -> None:
     runs = []
     for _ in range(repeats):  # the spinner counts interleaved: the machine's own drift falls on each alike
         for spinners in busy:
-            runs.append(one_run(spinners, rounds, work_rounds))
+            runs.append(one_run(spinners, rounds, work_rounds, args.threads))
             print(f"{spinners} busy: work {1000 * runs[-1]['work_per_round']:.0f} ms a round", flush=True)
     print("\n".join(table(runs)))
     if args.out:
