@@ -7,7 +7,7 @@ load average before and after. --busy N adds N processes that spin on a core eac
 machine shared with other work), started a minute before the first command so that the load average has risen.
 
     flock -x /work/locks/cpu python bench/estimate_check.py --large /work/runs/smollm2 --work /tmp/ec
-    flock -x /work/locks/cpu python bench/estimate_check.py --large /work/runs/smollm2 --work /tmp/ec --busy 3
+    flock -x /work/locks/cpu python bench/estimate_check.py --large /work/runs/smollm2 --work /tmp/ec --busy 2
     python bench/estimate_check.py --smoke --work /tmp/ec                  # toy sizes: no measurement
 
 Prints one markdown row a command and writes every row as JSON (--out).

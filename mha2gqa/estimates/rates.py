@@ -11,13 +11,16 @@ A rate measured on a quiet machine is wrong on a busy one (issue 39: a sweep sai
 55 at load 4), and a table of "rates at load 3-7" is wrong on both. So a run times a probe when it starts, with
 the torch threads it will use (the fastest of 11 rounds of matrix products, the kind of work every stage does:
 about 0.6 s on a quiet machine): the probe's seconds here over its seconds on the measuring machine scale every
-rate. A quiet twin of the measuring machine gets about 1; two cores shared with two other busy processes, 3-4.
+rate. A quiet twin of the measuring machine gets about 1; two cores shared with two spinning processes, about 2
+(while the commands themselves ran 1.9-4x slower: docs/benchmarks.md, "Estimate against wall time").
 Why the fastest of many rounds: this machine's speed moves by 2x from one second to the next even when it is
 quiet (the host's other guests), and the first rounds after torch starts are slow. Against 80 rounds of the same
 work timed right after, in 12 runs at 0-3 spinning processes beside (bench/estimate_probe.py, 2026-12-03), the
 fastest of 11 rounds predicted the work's time with a spread (s.d. of the log ratio) of 0.21 and about the same
 bias at every count (0.53-0.66, which the rates file's probe, measured the same way, cancels); the median of the
 first 5 rounds (about the probe before this one: the median of 3 after one warm-up) 0.31, the median of 15, 0.29.
+On one thread (a small model on a busy machine) the fastest round is a lucky one: its bias was 0.28 quiet and
+0.47 beside 2 spinners (`--threads 1`), so there it under-states a busy machine by about 1.2x.
 """
 
 from __future__ import annotations
