@@ -48,6 +48,7 @@ SUBSETS = {
     "check": lambda command: False,
     "eval": lambda command: command[0] == "eval" and "--lm-eval-tasks" not in command,
     "probe": lambda command: False,  # no command: the probe's seconds measured again (its design changed)
+    "sample": lambda command: "parent" in command,  # the conversions calibrated on the parent's samples
 }
 
 
@@ -65,7 +66,8 @@ def commands(model: Path, large: bool, smoke: bool, work: Path) -> list[list[str
     size = (lambda small, big: small) if not large else (lambda small, big: big)  # noqa: E731
     tokens = [64, 192] if smoke else size([2048, 8192], [1024, 3072])
     calibration = [1024, 2048] if smoke else size([8192, 32768], [4096, 16384])
-    sampled = [64, 128] if smoke else size([1024, 3072], [256, 768])
+    # drawn from the parent: one batch, then more (a batch's forwards cost about the same whatever its size)
+    sampled = [64, 128] if smoke else size([1024, 3072, 16384], [256, 768, 8192])
     steps = [1, 3] if smoke else size([4, 12], [2, 6])
     groups = "1" if large else "2"
     convert = ["convert", m, out, "-g", groups, "--force", "-q"]
@@ -215,8 +217,8 @@ def main() -> None:
     parser.add_argument(
         "--only",
         choices=sorted(SUBSETS),
-        help="run only these commands (check: convert's check cold and warm; eval: eval's runs; probe: none, the "
-        "probe measured again), put their records in --runs in place of the earlier ones of the same commands, "
+        help="run only these commands (check: convert's check cold and warm; eval: eval's runs; sample: the "
+        "conversions calibrated on the parent's samples; probe: none, the probe measured again), put their records in --runs in place of the earlier ones of the same commands, "
         "and refit every kind from them all",
     )
     args = parser.parse_args()

@@ -265,3 +265,23 @@ def test_a_checked_conversion_probes_torch_which_its_check_runs_on(fixed_rates, 
     for check in (True, False):
         convert_run.estimate(prepare(embedded.model_dir(), ConvertOptions(groups=2, check=check)))
     assert probed == ["torch", "numpy"]  # mean merges with numpy: only the unchecked run is torch-free
+
+
+def test_sampling_is_costed_by_its_batched_forwards_and_the_tokens_they_draw(tmp_path):
+    """A batch of 16 sequences costs about one sequence's forwards (SmolLM2's default 36 sequences were costed as
+    36 sequential ones: 15 min said, 3.5 min taken), and a chat template splits the batches in two."""
+    from mha2gqa.corpus.sampling import forward_work, has_chat_template
+    from mha2gqa.estimates.costs import sample_part
+
+    assert forward_work(18_432, 512, chat=True) == (4 * 512, 36 * 512)  # 18 + 18 sequences: 16 + 2, twice
+    assert forward_work(18_432, 512, chat=False) == (3 * 512, 36 * 512)  # 36: 16 + 16 + 4
+    assert forward_work(256, 512, chat=True) == (512, 512)  # one sequence, whole
+    part = sample_part(1000, 18_432, 512, chat=True)
+    assert part.kind == "sample" and part.work == {"steps": 2048 * 1000, "tokens": 18_432 * 1000}
+    assert not has_chat_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    assert has_chat_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("not json")
+    assert not has_chat_template(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    assert has_chat_template(tmp_path)

@@ -61,6 +61,34 @@ def flops(params: int, tokens: int) -> float:
     return 2.0 * params * tokens
 
 
+def forward_work(tokens: int, seq_len: int, chat: bool, recipe: SamplingRecipe | None = None) -> tuple[int, int]:
+    """(batched forwards, tokens drawn) of sample_ids for `tokens`, as the estimates cost it: every batch of up to
+    recipe.batch sequences takes seq_len forwards, and the random starts and the chat turns (`chat`: the tokenizer
+    has a template) are batched apart. A forward's cost hardly grows with its batch on a CPU (one SmolLM2 step:
+    44 ms, each sequence in it 6 ms more), so the forwards, not the tokens, set the time of a small batch."""
+    recipe = recipe or DEFAULT_RECIPE
+    sequences = -(-tokens // seq_len)
+    chats = round(sequences * recipe.chat_share) if chat else 0
+    batches = -(-(sequences - chats) // recipe.batch) + -(-chats // recipe.batch)
+    return batches * seq_len, sequences * seq_len
+
+
+def has_chat_template(folder) -> bool:
+    """Whether a model folder's tokenizer has a chat template (its own file, or tokenizer_config.json's key),
+    read without loading the tokenizer: what chat_turn_header finds when the template renders a user turn."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    if any((folder / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(isinstance(config, dict) and config.get("chat_template"))
+
+
 def cache_bytes(config: dict, shape, seq_len: int, recipe: SamplingRecipe | None = None) -> int:
     """Memory beyond the model while sampling, float32: the KV cache of a batch of full sequences and a few
     vocabulary-wide rows per sequence."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mha2gqa.corpus.sampling import forward_work, has_chat_template
 from mha2gqa.estimates import rates
 from mha2gqa.estimates.rates import LARGE, SMALL, Machine  # noqa: F401 (re-exported)
 
@@ -122,7 +123,10 @@ def convert_stages(plan, start: bool = True, calibration: bool = True) -> list[S
     if plan.torch_reason is not None:  # the parent loaded when a stage reads it, the calibration text read
         stages.append(StageCost("load", (Part("convert_load", p, {"bytes": _parent_bytes(plan)}),)))
     if calibration and plan.calibration is not None and plan.calibration.sampled_tokens:
-        stages.append(StageCost("sample", (Part("sample", p, {"tokens": plan.calibration.sampled_tokens * p}),)))
+        chat = has_chat_template(plan.source)
+        stages.append(
+            StageCost("sample", (sample_part(p, plan.calibration.sampled_tokens, plan.calibration.seq_len, chat),))
+        )
     if calibration and plan.gathers_statistics:
         tokens = plan.calibration.tokens * plan.calibration_passes
         stages.append(StageCost("calibrate", (Part("calibrate", p, {"tokens": tokens * p}),)))
@@ -242,6 +246,8 @@ class UptrainWork:
     data_tokens: int = 0  # of data.train's text, tokenized at the start
     checkpointing: bool = False  # gradient checkpointing: every forward runs twice
     trained: int = 0  # parameters that train (all, the attention's, ...): their gradients and AdamW's update
+    sample_seq_len: int = 512  # the teacher's samples: sequence length, and whether its tokenizer has a chat template
+    sample_chat: bool = False
 
     def effective(self) -> float:
         """Parameters a training token costs as: a forward and the backward's activation gradients through every
@@ -256,7 +262,7 @@ def uptrain_stages(work: UptrainWork, start: bool = True, warm: bool = False) ->
     p, t = work.parameters, work.teacher_parameters
     load = [Part("uptrain_load", p, {"bytes": work.weight_bytes, "data_tokens": work.data_tokens}, warm)]
     if work.sampled_tokens and t:
-        load.append(Part("sample", t, {"tokens": work.sampled_tokens * t}, warm))
+        load.append(sample_part(t, work.sampled_tokens, work.sample_seq_len, work.sample_chat, warm))
     tokens = work.tokens * work.effective() * (1.25 if work.checkpointing else 1)
     train = [Part("train", p, {"tokens": tokens}, warm)]
     train.append(Part("eval_quality", p, {"forward": work.evals * work.eval_tokens * p}, warm))
@@ -268,6 +274,13 @@ def uptrain_stages(work: UptrainWork, start: bool = True, warm: bool = False) ->
         StageCost("train", tuple(train)),
         StageCost("save", (Part("uptrain_save", p, {"bytes": work.weight_bytes}),)),
     ]
+
+
+def sample_part(parameters: int, tokens: int, seq_len: int, chat: bool, warm: bool = False) -> Part:
+    """Drawing `tokens` from a model: its batched forwards and the tokens they draw, each times its parameters
+    (a small batch costs about what a full one does: corpus.sampling.forward_work)."""
+    steps, drawn = forward_work(tokens, seq_len, chat)
+    return Part("sample", parameters, {"steps": steps * parameters, "tokens": drawn * parameters}, warm)
 
 
 def combined(name: str, stages: list[StageCost]) -> StageCost:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mha2gqa import estimates
 from mha2gqa.checkpoint import SafetensorsCheckpoint
+from mha2gqa.corpus.sampling import has_chat_template
 from mha2gqa.layouts import attention_shape, read_config
 from mha2gqa.sources import cached_snapshot, is_hub_id
 from mha2gqa.units import counted, format_bytes
@@ -284,6 +285,8 @@ class RunPlan:
             text,
             bool(r.gradient_checkpointing),
             s.trained,
+            r.seq_len,
+            bool(r.distill.teacher) and has_chat_template(r.distill.teacher),
         )
 
     def seconds(self) -> float | None:
