@@ -76,15 +76,17 @@ def forward_work(tokens: int, seq_len: int, chat: bool, recipe: SamplingRecipe |
 def has_chat_template(folder) -> bool:
     """Whether a model folder's tokenizer has a chat template (its own file, or tokenizer_config.json's key),
     read without loading the tokenizer: what chat_turn_header finds when the template renders a user turn."""
-    import json
     from pathlib import Path
+
+    from mha2gqa.errors import InputError
+    from mha2gqa.reading import read_json
 
     folder = Path(folder)
     if any((folder / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
         return True
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
+    try:  # bounded, as every JSON file of a model the user hands us; an unreadable one only costs the estimate
+        config = read_json(folder / "tokenizer_config.json", fix="")
+    except (InputError, OSError):
         return False
     return bool(isinstance(config, dict) and config.get("chat_template"))
 

@@ -23,12 +23,11 @@ def _texts(domains: list, max_tokens: int | None, context: int) -> dict:
 def sweep_stages(plans: dict, domains: list, max_tokens: int | None, calibration_tokens: int) -> list[StageCost]:
     """The sweep's stages: start, the parent's evaluation, the one calibration pass, then a stage per candidate
     (`plans`: {candidate name: its dry-run ConversionPlan})."""
-    first = next(iter(plans.values()))
-    parent = estimates.parameters_of(first)
-    context = min(DEFAULT_CONTEXT, first.config.get("max_position_embeddings") or DEFAULT_CONTEXT)
+    parent, context, config = _parent_facts(plans)
     texts = _texts(domains, max_tokens, context)
-    vocab = first.config.get("vocab_size") or 0
+    vocab = config.get("vocab_size") or 0
     parent_work = EvalWork(parent, None, vocab, 4 * parent, texts, 0)
+    child = _candidate_evaluation(parent, vocab, texts)
     stages = [
         StageCost("start", (Part("torch_start", parent),)),
         StageCost("load", ()),
@@ -36,7 +35,6 @@ def sweep_stages(plans: dict, domains: list, max_tokens: int | None, calibration
         StageCost("calibrate", (Part("calibrate", parent, {"tokens": calibration_tokens * parent}),)),
     ]
     for name, plan in plans.items():
-        child = EvalWork(parent, parent, vocab, 8 * parent, texts, 0)
         candidate = estimates.convert_stages(plan, start=False, calibration=False)
         candidate += estimates.eval_stages(child, start=False, warm=True)  # after the parent's, in its process
         stages.append(combined(candidate_stage(name), candidate))
@@ -50,13 +48,22 @@ def sweep_peak_bytes(plans: dict) -> int:
 
     from mha2gqa.eval.batching import window_bytes
 
-    first = next(iter(plans.values()))
-    parent = estimates.parameters_of(first)
-    context = min(DEFAULT_CONTEXT, first.config.get("max_position_embeddings") or DEFAULT_CONTEXT)
-    config = SimpleNamespace(**first.config)
-    evaluation = EvalWork(parent, parent, config.vocab_size, 8 * parent, {}, 0)
-    window = window_bytes(config, context, element_bytes=4)
+    parent, context, config = _parent_facts(plans)
+    evaluation = _candidate_evaluation(parent, config.get("vocab_size") or 0, {})
+    window = window_bytes(SimpleNamespace(**config), context, element_bytes=4)
     return max([estimates.eval_peak_bytes(evaluation, window, batch=1)] + [p.peak_memory for p in plans.values()])
+
+
+def _parent_facts(plans: dict) -> tuple[int, int, dict]:
+    """The parent's parameters, eval's window on it and its config: every candidate converts the same parent."""
+    first = next(iter(plans.values()))
+    context = min(DEFAULT_CONTEXT, first.config.get("max_position_embeddings") or DEFAULT_CONTEXT)
+    return estimates.parameters_of(first), context, first.config
+
+
+def _candidate_evaluation(parent: int, vocab: int, texts: dict) -> EvalWork:
+    """A candidate evaluated against the parent, both held in float32 in the sweep's process."""
+    return EvalWork(parent, parent, vocab, 8 * parent, texts, 0)
 
 
 def candidate_stage(name: str) -> str:
