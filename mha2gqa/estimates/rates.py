@@ -21,6 +21,8 @@ bias at every count (0.53-0.66, which the rates file's probe, measured the same 
 first 5 rounds (about the probe before this one: the median of 3 after one warm-up) 0.31, the median of 15, 0.29.
 On one thread (a small model on a busy machine) the fastest round is a lucky one: its bias was 0.28 quiet and
 0.47 beside 2 spinners (`--threads 1`), so there it under-states a busy machine by about 1.2x.
+A second run of the bench disagreed (fastest 0.21, median 0.14, mean 0.10): the choice is not settled
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
