@@ -31,8 +31,7 @@ CHILD = """
 import json, sys, time
 import torch
 from mha2gqa.estimates import rates
-probe = rates.PROBES["torch"]
-rounds, work_rounds, threads = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+rounds, work_rounds, threads, probe = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), rates.PROBES[sys.argv[4]]
 if threads:
     torch.set_num_threads(threads)
 for _ in range(rates.PROBE_WARMUP):
@@ -44,7 +43,8 @@ for _ in range(work_rounds):
 print(json.dumps({"rounds": timed, "work_per_round": (time.perf_counter() - started) / work_rounds}))
 """
 STATISTICS = {
-    "fastest of 11 (shipped)": lambda r: min(r[: rates.PROBE_ROUNDS]),
+    "fastest of 11 (shipped, several threads)": lambda r: min(r[: rates.PROBE_ROUNDS]),
+    "median of 11 (shipped, one thread)": lambda r: statistics.median(r[: rates.PROBE_ROUNDS]),
     "fastest of all": min,
     "2nd fastest of 11": lambda r: sorted(r[: rates.PROBE_ROUNDS])[1],
     "median of all": statistics.median,
@@ -53,12 +53,12 @@ STATISTICS = {
 }
 
 
-def one_run(spinners: int, rounds: int, work_rounds: int, threads: int = 0) -> dict:
+def one_run(spinners: int, rounds: int, work_rounds: int, threads: int = 0, probe: str = "torch") -> dict:
     spinning = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(spinners)]
     try:
         time.sleep(2 if spinners else 0)  # the spinners running before the probe starts
         done = subprocess.run(
-            [sys.executable, "-c", CHILD, str(rounds), str(work_rounds), str(threads)],
+            [sys.executable, "-c", CHILD, str(rounds), str(work_rounds), str(threads), probe],
             capture_output=True,
             text=True,
             check=True,
@@ -67,7 +67,12 @@ def one_run(spinners: int, rounds: int, work_rounds: int, threads: int = 0) -> d
         for process in spinning:
             process.kill()
             process.wait()
-    return {"spinners": spinners, "threads": threads, **json.loads(done.stdout.strip().splitlines()[-1])}
+    return {
+        "spinners": spinners,
+        "threads": threads,
+        "probe": probe,
+        **json.loads(done.stdout.strip().splitlines()[-1]),
+    }
 
 
 def table(runs: list[dict]) -> list[str]:
@@ -92,6 +97,7 @@ def main() -> None:
         default=0,
         help="torch threads (0: torch's default, one a core); mha2gqa runs a small model on a busy machine with one",
     )
+    parser.add_argument("--probe", choices=sorted(rates.PROBES), default="torch", help="which of rates.PROBES")
     parser.add_argument("--out", type=Path, help="write every run as JSON")
     parser.add_argument("--smoke", action="store_true", help="one toy run: no measurement")
     args = parser.parse_args()
@@ -100,7 +106,7 @@ def main() -> None:
     runs = []
     for _ in range(repeats):  # the spinner counts interleaved: the machine's own drift falls on each alike
         for spinners in busy:
-            runs.append(one_run(spinners, rounds, work_rounds, args.threads))
+            runs.append(one_run(spinners, rounds, work_rounds, args.threads, args.probe))
             print(f"{spinners} busy: work {1000 * runs[-1]['work_per_round']:.0f} ms a round", flush=True)
     print("\n".join(table(runs)))
     if args.out:

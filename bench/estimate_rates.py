@@ -205,7 +205,7 @@ def probes() -> dict:
     """The probes on this machine now, with torch's own threads (what a command on a quiet machine uses)."""
     from mha2gqa.estimates.rates import probe_seconds
 
-    return {kind: probe_seconds(kind) for kind in ("torch", "numpy")}
+    return {kind: probe_seconds(kind) for kind in ("torch", "numpy", "torch_fine")}
 
 
 def main() -> None:

@@ -31,8 +31,9 @@ RATES = {
         "check": {"fixed": [0.5, 0.5], "per": {"forward": [1e-9, 1e-10], "cold_start": [4.0, 4.0]}},
         "calibrate": {"fixed": [1.0, 1.0], "per": {"tokens": [4e-10, 4e-11]}},
         "only_small": {"fixed": [3.0, None], "per": {}},
+        "refine": {"fixed": [0.0, 0.0], "per": {"steps": [1e-9, 1e-9]}},
     },
-    "probe_s": {"torch": 0.25, "numpy": 0.5},
+    "probe_s": {"torch": 0.25, "numpy": 0.5, "torch_fine": 0.1},
     "measured": {"cores": 2, "load": 0.4, "date": "2026-12-03"},
 }
 
@@ -65,6 +66,37 @@ def test_the_probe_scales_every_rate_to_this_machine(fixed_rates, monkeypatch):
     assert machine.factor == pytest.approx(3.0) and machine.probe_s == 1.5
     assert "x3 for this machine now (a numpy probe: 1500 ms here)" in machine.words()
     assert rates.this_machine(None).factor == 1.0
+
+
+def test_refine_is_scaled_by_the_probe_of_small_products_the_rest_by_the_torch_probe(fixed_rates, monkeypatch):
+    monkeypatch.setitem(rates.PROBES, "torch", lambda: 0.5)  # x2 of the rates file's 0.25
+    monkeypatch.setitem(rates.PROBES, "torch_fine", lambda: 0.4)  # x4 of its 0.1
+    machine = rates.this_machine("torch", fine=True)
+    assert (machine.factor, machine.fine_factor) == pytest.approx((2.0, 4.0))
+    assert "x2, x4 for small products for this machine now" in machine.words()
+    stage = estimates.StageCost(
+        "refine",
+        (estimates.Part("refine", SMALL, {"steps": 1e9}), estimates.Part("eval_quality", SMALL, {"forward": 1e9})),
+    )
+    assert estimates.Estimate((stage,), machine).seconds() == pytest.approx(1.0 * 4 + 1.0 * 2)
+    monkeypatch.setitem(rates.PROBES, "torch_fine", lambda: pytest.fail("a run without refine probed small products"))
+    assert rates.this_machine("torch").fine_factor is None
+    assert estimates.Estimate((stage,), rates.this_machine("torch")).seconds() == pytest.approx(4.0)
+
+
+def test_the_probe_takes_the_fastest_round_of_large_products_on_several_threads_else_the_median(
+    fixed_rates, monkeypatch
+):
+    rounds = iter([9.0, 9.0, 0.3, 0.1, 0.5, 0.4, 0.2, 0.7, 0.9, 0.35, 0.45, 0.8, 0.6])  # 2 warm-ups, then 11 rounds
+    monkeypatch.setitem(rates.PROBES, "torch", lambda: next(rounds))
+    monkeypatch.setattr(rates, "_torch_threads", lambda: 1)
+    assert rates.probe_seconds("torch") == pytest.approx(0.45)  # a lucky round on a busy machine is not the speed
+    rounds = iter([9.0, 9.0, 0.3, 0.1, 0.5, 0.4, 0.2, 0.7, 0.9, 0.35, 0.45, 0.8, 0.6])
+    monkeypatch.setattr(rates, "_torch_threads", lambda: 2)
+    assert rates.probe_seconds("torch") == pytest.approx(0.1)
+    rounds = iter([9.0, 9.0, 0.3, 0.1, 0.5, 0.4, 0.2, 0.7, 0.9, 0.35, 0.45, 0.8, 0.6])
+    monkeypatch.setitem(rates.PROBES, "torch_fine", lambda: next(rounds))
+    assert rates.probe_seconds("torch_fine") == pytest.approx(0.45)  # small products dodge on any count
 
 
 def _estimate(factor: float = 1.0) -> estimates.Estimate:
@@ -261,7 +293,9 @@ def test_a_checked_conversion_probes_torch_which_its_check_runs_on(fixed_rates, 
     from mha2gqa.convert import run as convert_run
 
     probed = []
-    monkeypatch.setattr(estimates, "this_machine", lambda kind: probed.append(kind) or rates.Machine(1.0, None, kind))
+    monkeypatch.setattr(
+        estimates, "this_machine", lambda kind, fine=False: probed.append(kind) or rates.Machine(1.0, None, kind)
+    )
     for check in (True, False):
         convert_run.estimate(prepare(embedded.model_dir(), ConvertOptions(groups=2, check=check)))
     assert probed == ["torch", "numpy"]  # mean merges with numpy: only the unchecked run is torch-free

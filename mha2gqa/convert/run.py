@@ -106,7 +106,8 @@ def estimate(plan: ConversionPlan):
     from mha2gqa.estimates import convert_estimate, this_machine
 
     checked = plan.check is not None and plan.check.skip is None
-    return convert_estimate(plan, this_machine("torch" if plan.torch_reason is not None or checked else "numpy"))
+    probe = "torch" if plan.torch_reason is not None or checked else "numpy"
+    return convert_estimate(plan, this_machine(probe, fine=plan.options.refine is not None))
 
 
 def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult:

@@ -152,6 +152,7 @@ class Clock:
             "took_s": total,
             "estimate_s": self.estimate.seconds(),
             "factor": self.estimate.machine.factor,
+            "fine_factor": self.estimate.machine.fine_factor,
             "probe_s": self.estimate.machine.probe_s,
             "probe": self.estimate.machine.kind,
             "threads": _threads(),

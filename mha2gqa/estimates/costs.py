@@ -43,6 +43,10 @@ class StageCost:
     def seconds(self) -> float:
         return sum(part.seconds() for part in self.parts)
 
+    def seconds_on(self, machine: Machine) -> float:
+        """The stage's seconds on `machine`: each part scaled by its kind's factor."""
+        return sum(part.seconds() * machine.factor_for(part.kind) for part in self.parts)
+
     def record(self) -> dict:
         """What the clock writes beside the measured seconds (MHA2GQA_TIMINGS), for the bench to fit."""
         return {"parts": [_part_record(p) for p in self.parts]}
@@ -62,7 +66,7 @@ class Estimate:
     peak_bytes: int | None = None
 
     def stage_seconds(self) -> list[float]:
-        return [stage.seconds() * self.machine.factor for stage in self.stages]
+        return [stage.seconds_on(self.machine) for stage in self.stages]
 
     def seconds(self) -> float:
         return sum(self.stage_seconds())

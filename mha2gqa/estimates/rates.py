@@ -9,20 +9,16 @@ Between and beyond the two models a rate is interpolated on log(parameters) (the
 
 A rate measured on a quiet machine is wrong on a busy one (issue 39: a sweep said 15 min and was on course for
 55 at load 4), and a table of "rates at load 3-7" is wrong on both. So a run times a probe when it starts, with
-the torch threads it will use (the fastest of 11 rounds of matrix products, the kind of work every stage does:
-about 0.6 s on a quiet machine): the probe's seconds here over its seconds on the measuring machine scale every
-rate. A quiet twin of the measuring machine gets about 1; two cores shared with two spinning processes, about 2
-(while the commands themselves ran 1.9-4x slower: docs/benchmarks.md, "Estimate against wall time").
-Why the fastest of many rounds: this machine's speed moves by 2x from one second to the next even when it is
-quiet (the host's other guests), and the first rounds after torch starts are slow. Against 80 rounds of the same
-work timed right after, in 12 runs at 0-3 spinning processes beside (bench/estimate_probe.py, 2026-12-03), the
-fastest of 11 rounds predicted the work's time with a spread (s.d. of the log ratio) of 0.21 and about the same
-bias at every count (0.53-0.66, which the rates file's probe, measured the same way, cancels); the median of the
-first 5 rounds (about the probe before this one: the median of 3 after one warm-up) 0.31, the median of 15, 0.29.
-On one thread (a small model on a busy machine) the fastest round is a lucky one: its bias was 0.28 quiet and
-0.47 beside 2 spinners (`--threads 1`), so there it under-states a busy machine by about 1.2x.
-A second run of the bench disagreed (fastest 0.21, median 0.14, mean 0.10): the choice is not settled
-(docs/benchmarks.md).
+the torch threads it will use (11 rounds of matrix products, the kind of work most stages do: about 0.6 s on a
+quiet machine): the probe's seconds here over its seconds on the measuring machine scale every rate. A quiet twin
+of the measuring machine gets about 1; two cores shared with two spinning processes, about 2. Which round stands
+for the machine (probe_seconds): on several threads the fastest, since the machine's speed moves by 2x from one
+second to the next even when it is quiet (the host's other guests) and a round on several threads cannot dodge a
+busy machine; on one thread (mha2gqa/threads.py gives a small model one on a busy machine) the median, since
+there the fastest round is one the scheduler left alone (bench/estimate_probe.py, docs/benchmarks.md).
+A run with refine stages (FINE_KINDS) also times a probe of small products, torch_fine (the median of its rounds,
+which dodge as one thread's do), and it scales those stages alone: thousands of small Adam steps slow down on a
+shared machine about twice as much as large products.
 """
 
 from __future__ import annotations
@@ -31,6 +27,7 @@ import functools
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,38 +121,86 @@ def _numpy_probe() -> float:
     return time.perf_counter() - started
 
 
-PROBES = {"torch": _torch_probe, "numpy": _numpy_probe}
+def _fine_probe() -> float:
+    """One round of fine-grained work, refine's kind: eight Adam steps of a small attention block (4 blocks of 64
+    tokens, 256 wide, 8 heads), each product microseconds long. On a shared machine every such product waits for
+    the slowest of torch's threads, so this work slows down far more than the large products of the torch probe:
+    the refine stages of the embedded model ran 4.8x slower beside two spinning processes while the torch probe
+    said 2.1x (docs/benchmarks.md)."""
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, 256, generator=gen)
+    qkv = (torch.randn(768, 256, generator=gen) / 16).requires_grad_()
+    out = (torch.randn(256, 256, generator=gen) / 16).requires_grad_()
+    optimizer = torch.optim.Adam([qkv, out], lr=1e-3)
+    started = time.perf_counter()
+    for _ in range(8):
+        q, k, v = F.linear(x, qkv).view(4, 64, 3, 8, 32).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(4, 64, 256)
+        loss = (F.linear(attended, out) - x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return time.perf_counter() - started
+
+
+PROBES = {"torch": _torch_probe, "numpy": _numpy_probe, "torch_fine": _fine_probe}
+FINE_KINDS = frozenset({"refine", "refine_global"})  # stages of many small products: scaled by the torch_fine probe
 
 
 def probe_seconds(kind: str = "torch") -> float:
-    """The fastest of PROBE_ROUNDS rounds of the probe (after PROBE_WARMUP rounds that start its threads), in
-    seconds."""
+    """The probe's time here: PROBE_ROUNDS rounds after PROBE_WARMUP that start its threads; the fastest round where
+    a round cannot dodge a busy machine, else the median. Large products on several threads cannot (each waits for
+    all its threads), and the fastest is the round least disturbed by the host's own noise. One thread can (a
+    small model on a busy machine runs on one, mha2gqa/threads.py): beside two spinners its fastest round
+    under-stated the work by 1.13-1.4x, the median by none (bench/estimate_probe.py). Small products can too:
+    beside two spinners torch_fine's fastest round was 1.7-2.6x its quiet time, its median 4-5x, as refine's
+    stages ran 4.8x (docs/benchmarks.md)."""
     probe = PROBES[kind]
     for _ in range(PROBE_WARMUP):
         probe()
-    return min(probe() for _ in range(PROBE_ROUNDS))
+    rounds = [probe() for _ in range(PROBE_ROUNDS)]
+    dodges = kind == "torch_fine" or (kind == "torch" and _torch_threads() == 1)
+    return statistics.median(rounds) if dodges else min(rounds)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 @dataclass(frozen=True)
 class Machine:
-    """This machine now against the measuring one: every rate is multiplied by `factor`."""
+    """This machine now against the measuring one: every rate is multiplied by `factor`, a FINE_KINDS rate by
+    `fine_factor` when the run measured one (a run with such stages)."""
 
     factor: float
     probe_s: float | None
     kind: str
+    fine_factor: float | None = None
+
+    def factor_for(self, kind: str) -> float:
+        return self.fine_factor if self.fine_factor is not None and kind in FINE_KINDS else self.factor
 
     def words(self) -> str:
         if self.probe_s is None:
             return f"rates of a machine with {measured_on()}, not scaled to this one"
+        fine = f", x{self.fine_factor:.2g} for small products" if self.fine_factor is not None else ""
         return (
-            f"rates measured on {measured_on()}, x{self.factor:.2g} for this machine now "
+            f"rates measured on {measured_on()}, x{self.factor:.2g}{fine} for this machine now "
             f"(a {self.kind} probe: {self.probe_s * 1000:.0f} ms here)"
         )
 
 
-def this_machine(kind: str | None = "torch") -> Machine:
-    """The factor of a probe run now (`kind` torch, with the threads the command set; numpy; None: no probe, 1)."""
+def this_machine(kind: str | None = "torch", fine: bool = False) -> Machine:
+    """The factor of a probe run now (`kind` torch, with the threads the command set; numpy; None: no probe, 1);
+    with `fine`, also the torch_fine probe's, for a run with FINE_KINDS stages (when the rates file has it)."""
     if kind is None:
         return Machine(1.0, None, "none")
+    measured = load().probe_s
     here = probe_seconds(kind)
-    return Machine(here / load().probe_s[kind], here, kind)
+    fine_factor = probe_seconds("torch_fine") / measured["torch_fine"] if fine and "torch_fine" in measured else None
+    return Machine(here / measured[kind], here, kind, fine_factor)

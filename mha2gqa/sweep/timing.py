@@ -83,5 +83,6 @@ def sweep_clock(plans: dict, domains: list, options, echo):
     import_torch()
     clock = Clock(echo=echo)
     clock.stage("load")
-    clock.begin(lambda: estimates.Estimate(stages, estimates.this_machine("torch"), sweep_peak_bytes(plans)))
+    fine = options.refine is not None  # refine's small products get their own probe
+    clock.begin(lambda: estimates.Estimate(stages, estimates.this_machine("torch", fine), sweep_peak_bytes(plans)))
     return clock
