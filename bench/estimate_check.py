@@ -78,6 +78,10 @@ def settle(limit_s: float = 150.0, quiet: float = 0.8) -> None:
 
 def measure(name: str, command: list[str], cwd: Path) -> dict:
     """One command, timed from outside; what it said about its time, read from its output."""
+    # The previous command's writes (a 500 MB checkpoint) flushed first: the kernel's writeback beside the next
+    # command's probe read 2.7-3.3x where 2.3-2.7x after a sync, two spinners beside (a user starts the next command
+    # after reading the last one's output, not within the same second).
+    os.sync()
     load = os.getloadavg()[0]
     timings = cwd / f".timings-{os.getpid()}.jsonl"
     timings.unlink(missing_ok=True)

@@ -14,11 +14,11 @@ quiet machine): the probe's seconds here over its seconds on the measuring machi
 of the measuring machine gets about 1; two cores shared with two spinning processes, about 2. Which round stands
 for the machine (probe_seconds): on several threads the fastest, since the machine's speed moves by 2x from one
 second to the next even when it is quiet (the host's other guests) and a round on several threads cannot dodge a
-busy machine; on one thread (mha2gqa/threads.py gives a small model one on a busy machine) the median, since
-there the fastest round is one the scheduler left alone (bench/estimate_probe.py, docs/benchmarks.md).
-A run with refine stages (FINE_KINDS) also times a probe of small products, torch_fine (the median of its rounds,
-which dodge as one thread's do), and it scales those stages alone: thousands of small Adam steps slow down on a
-shared machine about twice as much as large products.
+busy machine; on one thread (mha2gqa/threads.py gives a small model one on a busy machine) the geometric mean
+of the fastest and the median, since there the fastest round is one the scheduler left alone (probe_seconds).
+A run with refine stages (FINE_KINDS) also times a probe of small products, torch_fine (the median of its rounds),
+and it scales those stages alone: thousands of small Adam steps slow down on a shared machine about twice as much
+as large products.
 """
 
 from __future__ import annotations
@@ -151,19 +151,25 @@ FINE_KINDS = frozenset({"refine", "refine_global"})  # stages of many small prod
 
 
 def probe_seconds(kind: str = "torch") -> float:
-    """The probe's time here: PROBE_ROUNDS rounds after PROBE_WARMUP that start its threads; the fastest round where
-    a round cannot dodge a busy machine, else the median. Large products on several threads cannot (each waits for
-    all its threads), and the fastest is the round least disturbed by the host's own noise. One thread can (a
-    small model on a busy machine runs on one, mha2gqa/threads.py): beside two spinners its fastest round
-    under-stated the work by 1.13-1.4x, the median by none (bench/estimate_probe.py). Small products can too:
-    beside two spinners torch_fine's fastest round was 1.7-2.6x its quiet time, its median 4-5x, as refine's
-    stages ran 4.8x (docs/benchmarks.md)."""
+    """The probe's time here, from PROBE_ROUNDS rounds after PROBE_WARMUP that start its threads. Which summary
+    stands for the machine depends on whether a round can dodge a busy machine (measured beside two spinning
+    processes, docs/benchmarks.md "Estimate against wall time"):
+    - large products on several threads cannot (each waits for all its threads): the fastest round, the one least
+      disturbed by the host's own noise (it read 2.5-3.1x where commands on two threads ran 2.4-2.5x);
+    - on one thread (a small model on a busy machine, mha2gqa/threads.py) the fastest round is one the scheduler
+      left alone (1.8-2.2x) and the median is not far from the worst (2.7-4.0x), where commands on one thread ran
+      2.4-2.6x: the geometric mean of the two (2.3-2.9x);
+    - small products (torch_fine) dodge on any count: the median (4-5x, as refine's stages ran 4.8x; the fastest
+      round read 1.7-2.6x)."""
     probe = PROBES[kind]
     for _ in range(PROBE_WARMUP):
         probe()
     rounds = [probe() for _ in range(PROBE_ROUNDS)]
-    dodges = kind == "torch_fine" or (kind == "torch" and _torch_threads() == 1)
-    return statistics.median(rounds) if dodges else min(rounds)
+    if kind == "torch_fine":
+        return statistics.median(rounds)
+    if kind == "torch" and _torch_threads() == 1:
+        return math.sqrt(min(rounds) * statistics.median(rounds))
+    return min(rounds)
 
 
 def _torch_threads() -> int:
