@@ -6,9 +6,12 @@ the warm-up rounds a command runs too), then a long stretch of the same work, wi
 each beside it. For each way of summing up the rounds (their median, their fastest, the first few...) the table
 gives the log of (work per round / the statistic) by N, and its spread over every run: the statistic wanted has
 a small spread and about the same mean at every N (a bias the same quiet and busy cancels against the rates
-file's probe, which is measured the same way).
+file's probe, which is measured the same way). Then each run's statistics as the factor they would scale the
+rates by (over the rates file's probe), to set beside the commands' own slow-down in bench/estimate_check.py.
 
     python bench/estimate_probe.py --repeats 3 --busy 0 1 2 3 --out bench/results/estimates/probe.json
+    python bench/estimate_probe.py --threads 1 --repeats 10 --busy 2          # the factors at one thread, busy
+    python bench/estimate_probe.py --probe torch_fine --repeats 3 --busy 0 2  # refine's small products
     python bench/estimate_probe.py --smoke      # one toy run: no measurement
 """
 
@@ -44,7 +47,10 @@ print(json.dumps({"rounds": timed, "work_per_round": (time.perf_counter() - star
 """
 STATISTICS = {
     "fastest of 11 (shipped, several threads)": lambda r: min(r[: rates.PROBE_ROUNDS]),
-    "median of 11 (shipped, one thread)": lambda r: statistics.median(r[: rates.PROBE_ROUNDS]),
+    "median of 11 (shipped, small products)": lambda r: statistics.median(r[: rates.PROBE_ROUNDS]),
+    "geometric mean of fastest and median of 11 (shipped, one thread)": lambda r: math.sqrt(
+        min(r[: rates.PROBE_ROUNDS]) * statistics.median(r[: rates.PROBE_ROUNDS])
+    ),
     "fastest of all": min,
     "2nd fastest of 11": lambda r: sorted(r[: rates.PROBE_ROUNDS])[1],
     "median of all": statistics.median,
@@ -109,6 +115,12 @@ def main() -> None:
             runs.append(one_run(spinners, rounds, work_rounds, args.threads, args.probe))
             print(f"{spinners} busy: work {1000 * runs[-1]['work_per_round']:.0f} ms a round", flush=True)
     print("\n".join(table(runs)))
+    measured = rates.load().probe_s[args.probe]
+    for r in runs:  # what each statistic would scale the rates by: compare with the commands' own slow-down
+        factors = ", ".join(
+            f"{name} x{statistic(r['rounds']) / measured:.2f}" for name, statistic in STATISTICS.items()
+        )
+        print(f"{r['spinners']} busy, factor of the rates file's probe: {factors}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(jsontext.dumps({"runs": runs}, indent=1) + "\n")
