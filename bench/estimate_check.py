@@ -112,6 +112,7 @@ def measure(name: str, command: list[str], cwd: Path) -> dict:
         "took_line": took.group(1) if took else None,
         "stages": record.get("stages"),
         "factor": record.get("factor"),
+        "fine_factor": record.get("fine_factor"),
         "threads": record.get("threads"),
         "wall_s": round(wall, 1),
         "peak_rss_bytes": peak,
