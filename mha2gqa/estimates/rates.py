@@ -155,11 +155,11 @@ def probe_seconds(kind: str = "torch") -> float:
     stands for the machine depends on whether a round can dodge a busy machine (measured beside two spinning
     processes, docs/benchmarks.md "Estimate against wall time"):
     - large products on several threads cannot (each waits for all its threads): the fastest round, the one least
-      disturbed by the host's own noise (it read 2.5-3.1x where commands on two threads ran 2.4-2.5x);
+      disturbed by the host's own noise (it read 2.5-3.1x where commands on two threads ran 2.4-3.0x);
     - on one thread (a small model on a busy machine, mha2gqa/threads.py) the fastest round is one the scheduler
       left alone (1.8-2.2x) and the median is not far from the worst (2.7-4.0x), where commands on one thread ran
       2.4-2.6x: the geometric mean of the two (2.3-2.9x);
-    - small products (torch_fine) dodge on any count: the median (4-5x, as refine's stages ran 4.8x; the fastest
+    - small products (torch_fine) dodge on any count: the median (3.9-5.1x, as refine's stages ran 4.8x; the fastest
       round read 1.7-2.6x)."""
     probe = PROBES[kind]
     for _ in range(PROBE_WARMUP):
