@@ -11,7 +11,7 @@ A rate measured on a quiet machine is wrong on a busy one (issue 39: a sweep sai
 55 at load 4), and a table of "rates at load 3-7" is wrong on both. So a run times a probe when it starts, with
 the torch threads it will use (11 rounds of matrix products, the kind of work most stages do: about 0.6 s on a
 quiet machine): the probe's seconds here over its seconds on the measuring machine scale every rate. A quiet twin
-of the measuring machine gets about 1; two cores shared with two spinning processes, about 2. Which round stands
+of the measuring machine gets about 1; two cores shared with two spinning processes, about 2.3. Which round stands
 for the machine (probe_seconds): on several threads the fastest, since the machine's speed moves by 2x from one
 second to the next even when it is quiet (the host's other guests) and a round on several threads cannot dodge a
 busy machine; on one thread (mha2gqa/threads.py gives a small model one on a busy machine) the geometric mean
