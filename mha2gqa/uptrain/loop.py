@@ -49,11 +49,13 @@ def train(recipe: Recipe, resume: bool = False, clock=NO_CLOCK) -> Path:
     Raises InputError for bad input (nothing written) and TrainingDiverged on a NaN/inf loss. clock: an
     estimates Clock that says the run's estimate before the models are loaded and times its stages (the CLI's)."""
     out = Path(recipe.output_dir).expanduser()
-    # The machine is probed before the allocator change: with every block of 1 MiB or more mapped afresh, the
-    # probe's products read 1.2-1.4x slower than the machine is (the rates' training stages ran with the change).
-    machine = this_machine("torch") if clock is not NO_CLOCK else None
-    allocator.return_freed_memory()  # else the heap keeps every step's freed activations (allocator.py)
     accelerator = _make_accelerator(recipe, out)
+    # The machine is probed before the allocator change, by the one process that says the estimate: with every block
+    # of 1 MiB or more mapped afresh, the probe's products read 1.2-1.4x slower than the machine is (the rates'
+    # training stages ran with the change).
+    says = clock is not NO_CLOCK and accelerator.is_main_process
+    machine = this_machine("torch") if says else None
+    allocator.return_freed_memory()  # else the heap keeps every step's freed activations (allocator.py)
     try:
         return _train(recipe, resume, out, accelerator, clock, machine)
     finally:
@@ -114,7 +116,7 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator, clock=NO_CLOCK,
 
     def ready(student: Student) -> None:  # every refusal the models and output_dir can give is behind
         _check_output_room(recipe, out, student)
-        clock.begin(lambda: uptrain_estimate(recipe, world, machine or this_machine("torch")))
+        clock.begin(lambda: uptrain_estimate(recipe, world, machine))
 
     set_seed(recipe.seed)
     loaded = _load(recipe, accelerator, ready)
