@@ -182,7 +182,8 @@ def layer_table(layers: list[dict]) -> str:
 def refine_table(record: dict) -> str:
     """Per-layer relative attention-output error before/after --refine, on fit and held-out tokens."""
     keys = ["fit_error_before", "fit_error_after", "heldout_error_before", "heldout_error_after"]
-    headers = ["layer", "fit before", "fit after", "held-out before", "held-out after"]
+    keys += ["opening_heldout_error_before", "opening_heldout_error_after"]
+    headers = ["layer", "fit before", "fit after", "held-out before", "held-out after", "openings before", "after"]
     rows = [
         [str(row["layer"])] + [f"{row[key]:.4f}" if key in row else "-" for key in keys] for row in record["layers"]
     ]
@@ -190,12 +191,16 @@ def refine_table(record: dict) -> str:
         f"refine: relative attention-output error, {record['fit_tokens']} fit and {record['heldout_tokens']} "
         "held-out calibration tokens"
     )
+    if record.get("openings"):
+        opened = record["openings"]
+        title += f"; openings: {opened['heldout']} held-out of {opened['sequences']} (first positions, any token)"
     text = title + "\n" + table(headers, rows)
     stage = record.get("global")
     if stage:
         start, best = stage["checks"][0]["heldout_kl"], min(c["heldout_kl"] for c in stage["checks"])
         text += (
-            f"\nall layers together: held-out KL to the parent {start:.4f} -> {best:.4f} (step {stage['best_step']})"
+            f"\nall layers together: held-out KL to the parent {start:.4f} -> {best:.4f} (step {stage['best_step']}"
+            f"{'; blocks and openings' if record.get('openings') else ''})"
         )
     return text
 

@@ -17,6 +17,17 @@ from mha2gqa.errors import InputError
 CALIBRATION_SEQ_LEN = 512  # tokens per calibration block, or the model's context when shorter
 CALIBRATION_BATCH = 8  # blocks per calibration forward (calibration.collect_statistics)
 HOLDOUT_FRACTION = 1 / 8  # of the refine blocks, held out to check each layer's fit
+# refine's openings (refine/buffers.py opening_sequences): short sequences whose first tokens cover the vocabulary,
+# fitted beside the blocks so that the child keeps the parent's first-position state (the attention sink) for
+# whatever token a window opens with; OPENINGS_PER_STEP of them join every Adam step of both stages.
+OPENING_LENGTH = 8
+OPENING_SHARE = 1 / 8  # the openings' tokens, of the blocks'
+OPENINGS_PER_STEP = 64
+
+
+def opening_count(block_tokens: int) -> int:
+    """How many openings refine fits beside `block_tokens` tokens of blocks (576 beside SmolLM2's 36,864)."""
+    return max(16, round(block_tokens * OPENING_SHARE / OPENING_LENGTH))
 
 
 def block_length(config: dict) -> int:
@@ -102,6 +113,20 @@ class RefineBudget:
     @staticmethod
     def heldout_of(blocks: int) -> int:
         return max(1, round(blocks * HOLDOUT_FRACTION))
+
+    @property
+    def openings(self) -> int:
+        """The openings fitted beside the planned blocks (opening_count)."""
+        return opening_count(self.blocks * self.seq_len)
+
+    @property
+    def opening_tokens(self) -> int:
+        return self.openings * OPENING_LENGTH
+
+    @property
+    def opening_tokens_per_step(self) -> int:
+        """The openings' tokens in each Adam step of either stage."""
+        return min(OPENINGS_PER_STEP, self.openings - self.heldout_of(self.openings)) * OPENING_LENGTH
 
 
 def default_tokens(pairs: list[tuple[str, float | None]], hidden: int) -> int:

@@ -23,6 +23,7 @@ from mha2gqa.convert import config_file, fast
 from mha2gqa.convert.check import CHECK_TOKENS, CheckPlan, check_logits_bytes, parent_cached, plan_check
 from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
+    OPENING_LENGTH,
     CalibrationInput,
     RefineBudget,
     block_length,
@@ -351,7 +352,8 @@ def _refine_stages(plan: ConversionPlan, calibration_tokens: int, seq_len: int) 
     wanted = refine.tokens or REFINE_TOKENS_PER_HIDDEN * shape.hidden
     blocks = RefineBudget(seq_len, wanted).blocks_of(calibration_tokens // seq_len)
     held = RefineBudget.heldout_of(blocks)
-    buffer_bytes = REFINE_BUFFERS * blocks * seq_len * shape.hidden * 4
+    opened = RefineBudget(seq_len, wanted, blocks)
+    buffer_bytes = REFINE_BUFFERS * (blocks * seq_len + opened.opening_tokens) * shape.hidden * 4
     plan.refine_budget = RefineBudget(
         seq_len, wanted, blocks, blocks - held, held, buffer_bytes, buffer_bytes > refine.memory
     )
@@ -363,7 +365,8 @@ def _refine_stages(plan: ConversionPlan, calibration_tokens: int, seq_len: int) 
             "refine",
             f"{shape.layers} layers x {refine.steps} Adam steps (lr {refine.lr:g}, {refine.batch_blocks} blocks "
             f"a step){', then the o_proj solve' if refine.solve_output else ''}; up to {(blocks - held) * seq_len:,} "
-            f"fit and {held * seq_len:,} held-out tokens in blocks of {seq_len}; activations "
+            f"fit and {held * seq_len:,} held-out tokens in blocks of {seq_len}, beside {opened.openings:,} openings of "
+            f"{OPENING_LENGTH} tokens (every first token kept, the attention sink); activations "
             f"{format_bytes(buffer_bytes)} {where}",
         )
     ]

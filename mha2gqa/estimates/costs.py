@@ -138,9 +138,9 @@ def convert_stages(plan, start: bool = True, calibration: bool = True) -> list[S
     if refine is None or budget is None:
         stages.append(StageCost("merge", (Part(write, p, {"bytes": plan.bytes_written}),)))
     else:
-        batch = refine.batch_blocks * budget.seq_len
+        batch = refine.batch_blocks * budget.seq_len + budget.opening_tokens_per_step
         steps = shape.layers * refine.steps * batch * attention_parameters(shape)
-        work = {"steps": steps, "tokens": budget.blocks * budget.seq_len * p}
+        work = {"steps": steps, "tokens": (budget.blocks * budget.seq_len + budget.opening_tokens) * p}
         stages.append(StageCost("refine", (Part("refine", p, work),)))
         if refine.global_steps:
             global_work = {"steps": refine.global_steps * batch * p}

@@ -45,10 +45,10 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa.convert.inputs import RefineBudget
+from mha2gqa.convert.inputs import RefineBudget, opening_count
 from mha2gqa.convert.options import RefineOptions
-from mha2gqa.convert.refine.attention import EXACT, fit_attention, relative
-from mha2gqa.convert.refine.buffers import BUFFERS, ActivationBuffers, calibration_blocks
+from mha2gqa.convert.refine.attention import EXACT, Side, fit_attention, relative
+from mha2gqa.convert.refine.buffers import BUFFERS, ActivationBuffers, Openings, calibration_blocks, opening_sequences
 from mha2gqa.convert.refine.global_stage import GlobalFit, fit_global
 from mha2gqa.convert.refine.hooks import advance, first_hidden_states, layer_targets
 from mha2gqa.convert.refine.model import attention_path, converted_model, layer_path
@@ -96,16 +96,26 @@ def refine_attention(
     parent.requires_grad_(False)
     model = converted_model(parent, layout, shape, config, merged, out_dtype)
     blocks, split = calibration_blocks(ids, budget)
-    buffers = ActivationBuffers(
-        len(blocks), budget.seq_len, shape.hidden, options.memory, next(model.parameters()).device, spill_dir
-    )
+    count = opening_count(blocks.numel())
+    openings = opening_sequences(ids, parent.get_input_embeddings().num_embeddings, options.seed, count)
+    device = next(model.parameters()).device
+    buffers = ActivationBuffers(len(blocks), budget.seq_len, shape.hidden, options.memory, device, spill_dir)
+    opening_buffers = None
     layers, refined, changed, global_record = [], {}, {}, None
     bar = progress_bar(shape.layers * max(options.steps, 1), "refine", progress, unit="step", leave=False)
     try:
+        opening_buffers = ActivationBuffers(
+            len(openings.ids), openings.ids.shape[1], shape.hidden, options.memory, device, spill_dir
+        )
         layer_kwargs = first_hidden_states(parent, layout, shape.layers, blocks, buffers, options.batch_blocks)
+        opening_kwargs = first_hidden_states(
+            parent, layout, shape.layers, openings.ids, opening_buffers, _opening_batch(openings, budget, options)
+        )
         generator = torch.Generator().manual_seed(options.seed)
         run = _Run(parent, model, layout, buffers, split, options, generator, bar, layer_kwargs)
+        run.openings = _OpeningRun(openings, opening_buffers, opening_kwargs, _opening_batch(openings, budget, options))
         buffers["converted"].copy_(buffers["parent"])
+        opening_buffers["converted"].copy_(opening_buffers["parent"])
         for index in range(shape.layers):
             bar.set_description(f"refine layer {index + 1}/{shape.layers}", refresh=False)
             report, names, kept = _refine_layer(run, index)
@@ -122,15 +132,33 @@ def refine_attention(
     finally:
         bar.close()
         buffers.close()
+        if opening_buffers is not None:
+            opening_buffers.close()
     timing = {"wall_s": round(time.perf_counter() - started, 2), "cpu_s": round(time.process_time() - started_cpu, 2)}
     return refined, _record(run, budget.seq_len, timing, layers, global_record)
 
 
 @dataclass
+class _OpeningRun:
+    """The openings (buffers.Openings) as the layer loop carries them: their activation buffers, each layer's
+    keyword arguments at their length, and how many go through a layer at once."""
+
+    openings: Openings
+    buffers: ActivationBuffers
+    layer_kwargs: dict[int, dict]
+    batch: int
+
+
+def _opening_batch(openings: Openings, budget: RefineBudget, options: RefineOptions) -> int:
+    """Openings per forward when the layer loop moves them: as many tokens as a batch of blocks."""
+    return max(1, options.batch_blocks * budget.seq_len // openings.ids.shape[1])
+
+
+@dataclass
 class _Run:
     """What every layer's refit shares: both models, the activation buffers, the fit / held-out split, the
-    options, the one seeded generator of the mini-batch orders, the progress bar, and each layer's keyword
-    arguments (masks, rotary tables)."""
+    options, the one seeded generator of the mini-batch orders, the progress bar, each layer's keyword
+    arguments (masks, rotary tables), and the openings fitted beside the blocks."""
 
     parent: torch.nn.Module
     model: torch.nn.Module
@@ -141,43 +169,79 @@ class _Run:
     generator: torch.Generator
     bar: object  # a progress bar (mha2gqa.progress)
     layer_kwargs: dict[int, dict]
+    openings: _OpeningRun | None = None
 
 
 def _refine_layer(run: _Run, index: int) -> tuple[dict, dict[str, torch.Tensor], bool]:
     """Refit layer `index` and move both models' hidden states past it. Returns the layer's report (its
-    relative errors before and after, on fit and held-out blocks), its tensors by checkpoint name, and
-    whether the refit was kept."""
-    layout, buffers, split, options = run.layout, run.buffers, run.split, run.options
+    relative errors before and after, on fit and held-out blocks and on the openings), its tensors by
+    checkpoint name, and whether the refit was kept."""
+    layout, buffers, split, options, opened = run.layout, run.buffers, run.split, run.options, run.openings
     kwargs, batch = run.layer_kwargs[index], options.batch_blocks
+    opening_kwargs, opening_split = opened.layer_kwargs[index], opened.openings.split
     parent_layer, layer = (m.get_submodule(layer_path(layout, index)) for m in (run.parent, run.model))
     attn_kwargs, before, power = layer_targets(parent_layer, layer, layout, kwargs, buffers, batch)
+    side_kwargs, side_before, side_power = layer_targets(
+        parent_layer, layer, layout, opening_kwargs, opened.buffers, opened.batch
+    )
     attn = layer.get_submodule(attention_path(layout))
     fit_before, held_before = (relative(before, power, split[part]) for part in ("fit", "heldout"))
+    side_fit_before, side_held_before = (
+        relative(side_before, side_power, opening_split[p]) for p in ("fit", "heldout")
+    )
     kept = {name: p.detach().clone() for name, p in attn.named_parameters()}
-    fitted = fit_before > EXACT  # below it the merge is exact up to rounding: Adam would only add noise
+    # below EXACT the merge is exact up to rounding (at every position): Adam would only add noise
+    fitted = fit_before + side_fit_before > EXACT
     if fitted:
+        side = Side(
+            side_kwargs,
+            opened.buffers["inputs"],
+            opened.buffers["targets"],
+            opening_split["fit"],
+            opened.openings.per_step,
+        )
         inputs, targets = buffers["inputs"], buffers["targets"]
-        fit_attention(attn, layout, attn_kwargs, inputs, targets, split["fit"], options, run.generator, index, run.bar)
+        fit_attention(
+            attn, layout, attn_kwargs, inputs, targets, split["fit"], options, run.generator, index, run.bar, side
+        )
     run.bar.update(max(options.steps, 1) if not fitted or options.steps == 0 else 0)
-    # The next converted states go into the inputs buffer (free once the fit is done), measuring
-    # the refined layer's errors on the way; the buffers then swap roles.
-    after = advance(layer, layout, kwargs, buffers, batch)
-    fit_after, held_after = (relative(after, power, split[part]) for part in ("fit", "heldout"))
-    # Kept only if better on the fit blocks (an exact merge stays exact) and on the held-out ones
-    # (a layer that overfits too few calibration tokens is left as merged).
+
+    def move_on() -> tuple[float, float, float, float]:
+        # The next converted states go into the inputs buffers (free once the fit is done), measuring the
+        # layer's errors on the way; the buffers then swap roles.
+        after = advance(layer, layout, kwargs, buffers, batch)
+        side_after = advance(layer, layout, opening_kwargs, opened.buffers, opened.batch)
+        return (
+            *(relative(after, power, split[part]) for part in ("fit", "heldout")),
+            *(relative(side_after, side_power, opening_split[part]) for part in ("fit", "heldout")),
+        )
+
+    fit_after, held_after, side_fit_after, side_held_after = move_on()
+    # Kept only if better on the fit sequences (an exact merge stays exact) and on the held-out ones (a layer
+    # that overfits too few calibration tokens is left as merged), blocks and openings counted alike.
     outcome = "exact" if not fitted else "refined"
-    if fitted and not (fit_after < fit_before and held_after < held_before):
-        outcome = _lost(index, fit_after, held_after, options)
+    better_fit = fit_after + side_fit_after < fit_before + side_fit_before
+    better_held = held_after + side_held_after < held_before + side_held_before
+    if fitted and not (better_fit and better_held):
+        outcome = _lost(index, fit_after + side_fit_after, held_after + side_held_after, options)
         _restore(attn, kept)
-        advance(layer, layout, kwargs, buffers, batch)
-        fit_after, held_after = fit_before, held_before
+        move_on()
+        fit_after, held_after, side_fit_after, side_held_after = (
+            fit_before,
+            held_before,
+            side_fit_before,
+            side_held_before,
+        )
     buffers.swap("converted", "inputs")
+    opened.buffers.swap("converted", "inputs")
     report = {
         "layer": index,
         "fit_error_before": fit_before,
         "fit_error_after": fit_after,
         "heldout_error_before": held_before,
         "heldout_error_after": held_after,
+        "opening_heldout_error_before": side_held_before,
+        "opening_heldout_error_after": side_held_after,
     }
     if outcome in ("worse", "non-finite"):
         report["kept_merged"] = outcome
@@ -203,7 +267,10 @@ def _global_stage(run: _Run, refined: dict, blocks: torch.Tensor, progress: bool
     by_data = {p.data_ptr(): p for p in run.model.parameters()}
     params = [by_data[t.data_ptr()] for t in refined.values()]
     fit = GlobalFit.of(run.options)
-    return fit_global(run.parent, run.model, params, blocks, run.split, fit, run.generator, progress=progress)
+    openings = run.openings.openings if run.openings is not None else None
+    return fit_global(
+        run.parent, run.model, params, blocks, run.split, fit, run.generator, progress=progress, openings=openings
+    )
 
 
 def _record(run: _Run, seq_len: int, timing: dict, layers: list[dict], global_record: dict | None) -> dict:
@@ -214,12 +281,22 @@ def _record(run: _Run, seq_len: int, timing: dict, layers: list[dict], global_re
         "sequence_length": seq_len,
         "fit_tokens": tokens["fit"],
         "heldout_tokens": tokens["heldout"],
+        "openings": None if run.openings is None else _openings_record(run.openings.openings),
         "device": str(next(run.model.parameters()).device),
         "spilled_to_disk": run.buffers.spill_dir is not None,
         "buffer_bytes": run.buffers.bytes,
         **timing,
         "layers": layers,
         "global": global_record,
+    }
+
+
+def _openings_record(openings: Openings) -> dict:
+    return {
+        "sequences": len(openings.ids),
+        "length": openings.ids.shape[1],
+        "heldout": len(openings.split["heldout"]),
+        "per_step": openings.per_step,
     }
 
 

@@ -7,11 +7,12 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mha2gqa.convert.inputs import RefineBudget
+from mha2gqa.convert.inputs import HOLDOUT_FRACTION, OPENING_LENGTH, OPENINGS_PER_STEP, RefineBudget
 from mha2gqa.errors import InputError
 
 BUFFERS = ("parent", "converted", "inputs", "targets")
@@ -88,6 +89,42 @@ def calibration_blocks(ids: torch.Tensor, budget: RefineBudget) -> tuple[torch.T
         )
     held = budget.heldout_of(len(blocks))
     return blocks, {"fit": torch.arange(len(blocks) - held), "heldout": torch.arange(len(blocks) - held, len(blocks))}
+
+
+@dataclass
+class Openings:
+    """Short sequences whose first tokens cover the vocabulary, fitted beside the blocks (both stages).
+
+    Why: a causal model's first position attends only to itself, so its state is a function of its token
+    alone, and the parent builds there the attention sink (a hidden state hundreds of times the others' norm
+    from the third layer on, on SmolLM2) that every later position leans on. The blocks open on a few dozen
+    tokens (a sampled sequence's start, a cut in a text); a merged child fitted on them alone kept the sink
+    for those and lost it for others ('#', '[', '(' on SmolLM2: windows of code opening there scored 15-17
+    nats a token where the parent scored 2-3, and which tokens broke changed with the draw of the samples).
+    Half the openings start on a token drawn uniformly from the vocabulary (every token, special ones too),
+    half on a token of the calibration text at a random place (the tokens windows most often open with);
+    the rest of each is the text that follows such a place. The last 1/8 are held out, as the blocks'."""
+
+    ids: torch.Tensor  # (n, OPENING_LENGTH)
+    split: dict  # {"fit": indices, "heldout": indices}
+    per_step: int = OPENINGS_PER_STEP
+
+    @property
+    def tokens(self) -> int:
+        return self.ids.numel()
+
+
+def opening_sequences(ids: torch.Tensor, vocab_size: int, seed: int, count: int) -> Openings:
+    """`count` openings of OPENING_LENGTH tokens (Openings) from the calibration `ids`, drawn with `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    length = min(OPENING_LENGTH, len(ids))
+    starts = torch.randint(len(ids) - length + 1, (count,), generator=generator)
+    rows = ids[starts[:, None] + torch.arange(length)].clone()
+    uniform = torch.arange(count) % 2 == 0
+    rows[uniform, 0] = torch.randint(vocab_size, (int(uniform.sum()),), generator=generator)
+    held = max(1, round(count * HOLDOUT_FRACTION))
+    split = {"fit": torch.arange(count - held), "heldout": torch.arange(count - held, count)}
+    return Openings(rows, split, min(OPENINGS_PER_STEP, count - held))
 
 
 def mini_batches(fit: torch.Tensor, size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from mha2gqa.convert.options import RefineOptions
-from mha2gqa.convert.refine.buffers import mini_batches
+from mha2gqa.convert.refine.buffers import Openings, mini_batches
 from mha2gqa.kl import kl_divergence
 from mha2gqa.progress import progress_bar
 
@@ -53,14 +53,20 @@ class GlobalFit:
         return cls(options.global_steps, options.global_lr, options.batch_blocks)
 
 
-def heldout_kl(parent, model, blocks: torch.Tensor, heldout: torch.Tensor) -> float:
+def heldout_kl(parent, model, blocks: torch.Tensor, heldout: torch.Tensor, openings: Openings | None = None) -> float:
+    """The mean KL over the held-out blocks, plus the mean over the held-out openings when given: the measure
+    that picks the best step sees the first positions the blocks alone would not (buffers.Openings)."""
     device = next(model.parameters()).device
     total = 0.0
     with torch.no_grad():
         for index in heldout.tolist():
             block = blocks[index : index + 1].to(device)
             total += float(kl_divergence(parent(block, use_cache=False).logits, model(block, use_cache=False).logits))
-    return total / len(heldout)
+        opening_kl = 0.0
+        if openings is not None:
+            rows = openings.ids[openings.split["heldout"]].to(device)
+            opening_kl = float(kl_divergence(parent(rows, use_cache=False).logits, model(rows, use_cache=False).logits))
+    return total / len(heldout) + opening_kl
 
 
 def fit_global(
@@ -72,9 +78,11 @@ def fit_global(
     fit: GlobalFit,
     generator: torch.Generator,
     progress: bool = True,
+    openings: Openings | None = None,
 ) -> dict:
-    """Adam on `params` (of `model`) against the parent's distribution on blocks[split['fit']]; the best
-    held-out parameters are left in place. Returns the record: per check the step, fit and held-out KL."""
+    """Adam on `params` (of `model`) against the parent's distribution on blocks[split['fit']] (and on a batch
+    of the fit openings each step, when given); the best held-out parameters are left in place. Returns the
+    record: per check the step, fit and held-out KL."""
     for p in params:
         p.requires_grad_(True)
     # What Adam updates: the parameters themselves when float32, else float32 copies written back each step.
@@ -86,14 +94,17 @@ def fit_global(
         lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * s / fit.steps)) if fit.decay else 1),
     )
     heldout = split["heldout"]
-    checks = [{"step": 0, "heldout_kl": heldout_kl(parent, model, blocks, heldout)}]
+    checks = [{"step": 0, "heldout_kl": heldout_kl(parent, model, blocks, heldout, openings)}]
     best, stale = (checks[0]["heldout_kl"], [m.detach().clone() for m in masters]), 0
     batches = mini_batches(split["fit"], fit.batch_blocks, generator)
+    opening_batches = None if openings is None else mini_batches(openings.split["fit"], openings.per_step, generator)
     bar = progress_bar(fit.steps, "refine all layers", progress, range(1, fit.steps + 1), unit="step", leave=False)
     try:
         for step in bar:
             optimizer.zero_grad(set_to_none=True)
             fit_kl = _kl_gradients(parent, model, blocks, next(batches))
+            if opening_batches is not None:
+                fit_kl += _kl_gradients(parent, model, openings.ids, next(opening_batches), together=True)
             if fit.clip:
                 torch.nn.utils.clip_grad_norm_(params, fit.clip)
             _step(optimizer, params, masters)
@@ -101,7 +112,7 @@ def fit_global(
             bar.set_postfix(kl=f"{fit_kl:.4f}", refresh=False)
             if step % fit.check_every == 0 or step == fit.steps:
                 checks.append(
-                    {"step": step, "fit_kl": fit_kl, "heldout_kl": heldout_kl(parent, model, blocks, heldout)}
+                    {"step": step, "fit_kl": fit_kl, "heldout_kl": heldout_kl(parent, model, blocks, heldout, openings)}
                 )
                 if checks[-1]["heldout_kl"] < best[0]:
                     best, stale = (checks[-1]["heldout_kl"], [m.detach().clone() for m in masters]), 0
@@ -115,16 +126,16 @@ def fit_global(
     return _record(fit, checks, best[0])
 
 
-def _kl_gradients(parent, model, blocks: torch.Tensor, chunk: torch.Tensor) -> float:
-    """Accumulate the gradients of the mean KL over the blocks `chunk`, one block at a time so that only one
-    block's activations are held; returns that mean KL."""
+def _kl_gradients(parent, model, blocks: torch.Tensor, chunk: torch.Tensor, together: bool = False) -> float:
+    """Accumulate the gradients of the mean KL over the sequences `chunk` of `blocks`, one at a time so that only
+    one block's activations are held (`together`: all in one forward, for short sequences); returns that mean KL."""
     device = next(model.parameters()).device
     fit_kl = 0.0
-    for index in chunk.tolist():
-        block = blocks[index : index + 1].to(device)
+    for rows in [chunk] if together else chunk.split(1):
+        ids = blocks[rows].to(device)
         with torch.no_grad():
-            target = parent(block, use_cache=False).logits
-        loss = kl_divergence(target, model(block, use_cache=False).logits) / len(chunk)
+            target = parent(ids, use_cache=False).logits
+        loss = kl_divergence(target, model(ids, use_cache=False).logits) * len(rows) / len(chunk)
         loss.backward()
         fit_kl += loss.item()
     return fit_kl

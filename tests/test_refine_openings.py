@@ -1,0 +1,76 @@
+"""refine's openings (convert/refine/buffers.py Openings): short sequences whose first tokens cover the vocabulary,
+fitted beside the blocks in both stages and counted in the global stage's held-out measure, so that the child
+keeps the parent's first-position state (the attention sink) whatever token a window opens with."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from mha2gqa.convert.inputs import OPENING_LENGTH, RefineBudget, opening_count
+from mha2gqa.convert.refine import RefineOptions
+from mha2gqa.convert.refine.buffers import opening_sequences
+from mha2gqa.convert.refine.global_stage import heldout_kl
+from mha2gqa.convert.run import convert
+
+TEXT = torch.arange(1000, 1400)  # ids a vocabulary of 50,000 mostly lacks: a drawn first token stands out
+
+
+def test_openings_open_on_any_token_and_continue_with_text():
+    openings = opening_sequences(TEXT, 50_000, seed=0, count=64)
+    rows = openings.ids
+    assert rows.shape == (64, OPENING_LENGTH)
+    tails = rows[:, 1:]  # every row's rest is a run of the text, at its own place
+    assert bool((tails[:, 1:] - tails[:, :-1] == 1).all()) and bool(((tails >= 1000) & (tails < 1400)).all())
+    assert len({int(t) for t in tails[:, 0]}) > 32  # places spread over the text
+    drawn, natural = rows[0::2, 0], rows[1::2, 0]
+    assert bool(((natural >= 1000) & (natural < 1400)).all())  # half open on the text's own token there
+    assert bool((natural == tails[1::2, 0] - 1).all())
+    assert int(((drawn < 1000) | (drawn >= 1400)).sum()) >= 28  # half on a token drawn from the whole vocabulary
+    assert len(openings.split["heldout"]) == 8 and len(openings.split["fit"]) == 56
+    assert openings.per_step == 56  # at most OPENINGS_PER_STEP, never more than the fit set
+    assert torch.equal(rows, opening_sequences(TEXT, 50_000, seed=0, count=64).ids)
+    assert not torch.equal(rows, opening_sequences(TEXT, 50_000, seed=1, count=64).ids)
+
+
+def test_the_opening_count_follows_the_blocks_and_the_plan_costs_them():
+    assert opening_count(36_864) == 576 and opening_count(64) == 16
+    budget = RefineBudget(512, 36_864, blocks=72)
+    assert budget.openings == 576 and budget.opening_tokens == 576 * OPENING_LENGTH
+    assert budget.opening_tokens_per_step == 64 * OPENING_LENGTH
+
+
+def test_the_global_stages_heldout_measure_counts_the_openings(tiny_src):
+    parent = AutoModelForCausalLM.from_pretrained(tiny_src, dtype=torch.float32).eval()
+    child = AutoModelForCausalLM.from_pretrained(tiny_src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        child.model.layers[0].self_attn.v_proj.weight.mul_(0.5)
+    vocab = parent.config.vocab_size
+    blocks = torch.randint(vocab, (4, 32), generator=torch.Generator().manual_seed(0))
+    openings = opening_sequences(blocks.reshape(-1), vocab, seed=0, count=16)
+    heldout = torch.tensor([3])
+    alone = heldout_kl(parent, child, blocks, heldout)
+    counted = heldout_kl(parent, child, blocks, heldout, openings)
+    assert alone > 0 and counted > alone
+    assert heldout_kl(parent, parent, blocks, heldout, openings) < 1e-6
+
+
+def test_refine_fits_the_openings_and_records_them(tmp_path, tiny_src, calibration_file):
+    record = convert(
+        tiny_src,
+        tmp_path / "dst",
+        1,
+        method="mean",
+        calibration=calibration_file,
+        calibration_tokens=1024,
+        refine=RefineOptions(steps=30, lr=3e-3, batch_blocks=4, global_steps=0),
+        check=False,
+        progress=False,
+    ).refine
+    opened = record["openings"]
+    blocks = (record["fit_tokens"] + record["heldout_tokens"]) // record["sequence_length"]
+    assert opened == {"sequences": opening_count(blocks * 64), "length": 8, "heldout": 2, "per_step": 14}
+    layers = [layer for layer in record["layers"] if "kept_merged" not in layer]
+    assert layers  # the mean-pooled start is far from exact: every layer has something to fit
+    for layer in layers:
+        assert layer["opening_heldout_error_after"] < layer["opening_heldout_error_before"], layer
