@@ -13,6 +13,12 @@ sweep does. The times are per calibration (read + statistics) and per stage; one
 is the end-to-end figure (docs/calibration.md).
 `--sampling '{"chat_share": 1.0}'` varies the parent's sampling recipe (corpus/sampling.py).
 `--score DIR...` only scores existing folders (a conversion, then uptrained) the same way.
+`--extra NAME=PATH ...` scores more texts beside the probe set's domains (a domain the choices were not made
+on); the geometric mean stays the probe set's, `geometric_mean_all` takes the extras in too.
+`--openings` (with --score) also scores where windows open: WINDOWS windows of OPENING_WINDOW tokens a domain at
+offsets 0, 251, 502, ... (so they open on whatever token is there: '#', a quote, a word), each folder's mean
+NLL over the parent's as a ratio, and how many windows collapse (more than COLLAPSE nats a token above the
+parent's): a child that lost the attention sink for some first tokens collapses there (docs/refine.md).
 `--smoke` runs the tiny embedded model at toy sizes (tests/test_bench_smoke.py).
 """
 
@@ -38,8 +44,12 @@ STAGES = {  # stage: RefineOptions keywords (None: the merge alone)
 }
 
 
-def probe_ids(model_dir: Path, tokens: int) -> dict:
-    """The first `tokens` ids of every probe-set domain, tokenized with the model's tokenizer."""
+WINDOWS, OPENING_WINDOW, OPENING_STEP, COLLAPSE = 16, 256, 251, 3.0
+
+
+def probe_ids(model_dir: Path, tokens: int, extra: dict | None = None) -> dict:
+    """The first `tokens` ids of every probe-set domain, then of each `extra` text ({name: path}), tokenized
+    with the model's tokenizer."""
     import torch
     from transformers import AutoTokenizer
 
@@ -48,7 +58,7 @@ def probe_ids(model_dir: Path, tokens: int) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     sets = {}
-    for name, path in probe_paths().items():
+    for name, path in {**probe_paths(), **(extra or {})}.items():
         text = "".join(textdata.iter_texts(textdata.resolve("--data", [str(path)])))
         sets[name] = torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][:tokens])
     return sets
@@ -61,6 +71,46 @@ def domain_perplexities(model_dir: Path, sets: dict, context: int) -> dict:
 
 def geometric_mean(ratios: dict) -> float:
     return math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
+
+
+def summary(measured: dict, parent: dict) -> dict:
+    """Ratios to the parent per domain, their geometric mean over the probe set's domains, and over all."""
+    from mha2gqa.corpus.probe import DOMAINS
+
+    ratios = {name: round(measured[name] / parent[name], 4) for name in measured}
+    probe = {name: r for name, r in ratios.items() if name in DOMAINS}
+    out = {"perplexity": measured, "ratio": ratios, "geometric_mean": round(geometric_mean(probe), 4)}
+    if len(probe) < len(ratios):
+        out["geometric_mean_all"] = round(geometric_mean(ratios), 4)
+    return out
+
+
+def window_nlls(model_dir: Path, sets: dict) -> dict:
+    """Mean NLL of each of WINDOWS windows of OPENING_WINDOW tokens a domain, at offsets 0, OPENING_STEP, ..."""
+    import torch
+
+    model = load_float32(model_dir)
+    out = {}
+    with torch.no_grad():
+        for name, ids in sets.items():
+            starts = range(0, max(1, len(ids) - OPENING_WINDOW + 1), OPENING_STEP)
+            windows = [ids[s : s + OPENING_WINDOW] for s in list(starts)[:WINDOWS]]
+            nll = []
+            for w in windows:
+                log_probs = torch.log_softmax(model(w[None]).logits[0, :-1].float(), -1)
+                nll.append(round(-float(log_probs.gather(1, w[1:, None]).mean()), 4))
+            out[name] = nll
+    return out
+
+
+def openings_summary(child: dict, parent: dict) -> dict:
+    """Per domain: exp(mean NLL difference) over the windows, and how many collapse."""
+    ratio, collapsed = {}, {}
+    for name, nll in child.items():
+        gaps = [c - p for c, p in zip(nll, parent[name], strict=True)]
+        ratio[name] = round(math.exp(sum(gaps) / len(gaps)), 4)
+        collapsed[name] = sum(gap > COLLAPSE for gap in gaps)
+    return {"window_ratio": ratio, "collapsed": collapsed, "windows": {n: len(v) for n, v in child.items()}}
 
 
 def calibration_rows(args, source: Path, work: Path, calibration: str, parent: dict, sets: dict) -> list[dict]:
@@ -87,15 +137,13 @@ def calibration_rows(args, source: Path, work: Path, calibration: str, parent: d
         stage_s = time.perf_counter() - started
         measured = domain_perplexities(work / stage, sets, args.context)
         shutil.rmtree(work / stage)
-        ratios = {name: round(measured[name] / parent[name], 4) for name in measured}
+        scores = summary(measured, parent)
         rows.append(
             {
                 "calibration": calibration,
                 "stage": stage,
-                "perplexity": measured,
-                "ratio": ratios,
-                "geometric_mean": round(geometric_mean(ratios), 4),
-                "worst": max(ratios, key=ratios.get),
+                **scores,
+                "worst": max(scores["ratio"], key=scores["ratio"].get),
                 "calibrate_s": round(calibrate_s, 1),
                 "stage_s": round(stage_s, 1),
                 "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -112,11 +160,13 @@ def calibration_rows(args, source: Path, work: Path, calibration: str, parent: d
 def scored(args, result: dict, sets: dict) -> dict:
     """--score: each folder's perplexity ratio to the parent per domain, by the rows' own measure."""
     result["scored"] = []
+    parent_windows = window_nlls(Path(args.model), sets) if args.openings else None
     for folder in args.score:
         measured = domain_perplexities(folder, sets, args.context)
-        ratios = {name: round(measured[name] / result["parent"][name], 4) for name in measured}
-        row = {"model": str(folder), "perplexity": measured, "ratio": ratios}
-        result["scored"].append({**row, "geometric_mean": round(geometric_mean(ratios), 4)})
+        row = {"model": str(folder), **summary(measured, result["parent"])}
+        if parent_windows is not None:
+            row["openings"] = openings_summary(window_nlls(folder, sets), parent_windows)
+        result["scored"].append(row)
         print(json.dumps(result["scored"][-1]), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -162,6 +212,10 @@ def main(argv=None) -> dict:
         help="only score these model folders (e.g. a conversion then uptrained) "
         "against MODEL, the same way as the rows: no conversion",
     )
+    parser.add_argument(
+        "--extra", nargs="+", default=[], metavar="NAME=PATH", help="more texts to score beside the probe set"
+    )
+    parser.add_argument("--openings", action="store_true", help="with --score: also score where windows open")
     parser.add_argument("--out", type=Path, help="JSON file for the result")
     parser.add_argument("--smoke", action="store_true", help="the embedded model at toy sizes")
     args = parser.parse_args(argv)
@@ -176,7 +230,8 @@ def main(argv=None) -> dict:
 
         sampling.DEFAULT_RECIPE = sampling.SamplingRecipe(**args.sampling)
     source = Path(args.model)
-    sets = probe_ids(source, args.eval_tokens)
+    extra = dict(entry.split("=", 1) for entry in args.extra)
+    sets = probe_ids(source, args.eval_tokens, extra)
     parent = domain_perplexities(source, sets, args.context)
     result = {"model": str(source), "kv_heads": args.kv, "tokens": args.tokens, "parent": parent, "rows": []}
     result.update(eval_tokens={n: len(ids) for n, ids in sets.items()}, context=args.context)

@@ -152,13 +152,20 @@ def test_sampling_speed_smoke_times_both_draws():
 
 
 def test_calibration_domains_scores_given_folders_by_the_rows_measure(tmp_path):
-    """--score: a folder that is the parent itself scores 1x on every domain."""
-    from mha2gqa.embedded import MODEL_DIR
+    """--score: a folder that is the parent itself scores 1x on every domain, an --extra text beside them (outside
+    the probe set's geometric mean), and --openings finds no window collapsed."""
+    from mha2gqa.embedded import MODEL_DIR, read_novel
 
-    run_smoke("calibration_domains.py", "--score", str(MODEL_DIR), "--out", str(tmp_path / "s.json"))
+    extra = tmp_path / "letters.txt"
+    extra.write_text(read_novel("emma")[:20_000])
+    args = ["--score", str(MODEL_DIR), "--extra", f"letters={extra}", "--openings", "--out", str(tmp_path / "s.json")]
+    run_smoke("calibration_domains.py", *args)
     (row,) = json.loads((tmp_path / "s.json").read_text())["scored"]
-    assert row["model"] == str(MODEL_DIR) and row["geometric_mean"] == 1.0
-    assert row["ratio"] == {"prose": 1.0, "code": 1.0, "python_docs": 1.0, "licences": 1.0}
+    assert row["model"] == str(MODEL_DIR) and row["geometric_mean"] == 1.0 == row["geometric_mean_all"]
+    assert row["ratio"] == {"prose": 1.0, "code": 1.0, "python_docs": 1.0, "licences": 1.0, "letters": 1.0}
+    openings = row["openings"]
+    assert openings["window_ratio"] == dict.fromkeys(row["ratio"], 1.0)
+    assert openings["collapsed"] == dict.fromkeys(row["ratio"], 0) and min(openings["windows"].values()) >= 1
 
 
 def test_limits_smoke_times_every_ceiling():
