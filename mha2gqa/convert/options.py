@@ -104,8 +104,8 @@ class RefineOptions:
     solve_output: bool = True
     """Finish each layer's attention with the closed-form least-squares o_proj."""
     seed: int = 0
-    """Seeds the mini-batch order and the held-out split (on the command line: --seed, unless --refine-seed is
-    given)."""
+    """Seeds the mini-batch order, the held-out split and the openings' draw (on the command line: --seed, unless
+    --refine-seed is given)."""
 
     def check(self) -> None:
         """Refuse settings no fit can run with; a NaN or infinite learning rate would run every Adam step
