@@ -82,11 +82,13 @@ def test_deterministic_with_seed_and_same_when_spilled_to_disk(tmp_path, tiny_sr
 
 
 def test_output_is_a_stock_checkpoint_of_the_merged_shapes(tmp_path, tiny_src, calibration_file):
+    # From mean-pooling: the tiny model's calibrated merge is within 0.2% of its parent on the blocks, so close
+    # that a refit that also fits the openings' first positions may not beat it, and is then left as merged.
     convert(
         tiny_src,
         tmp_path / "merged",
         2,
-        method="calibrated",
+        method="mean",
         calibration=calibration_file,
         calibration_tokens=1024,
         progress=False,
@@ -95,7 +97,7 @@ def test_output_is_a_stock_checkpoint_of_the_merged_shapes(tmp_path, tiny_src, c
         tiny_src,
         tmp_path / "refined",
         2,
-        method="calibrated",
+        method="mean",
         calibration=calibration_file,
         calibration_tokens=1024,
         refine=FAST,

@@ -99,23 +99,17 @@ def refine_attention(
     count = opening_count(blocks.numel())
     openings = opening_sequences(ids, parent.get_input_embeddings().num_embeddings, options.seed, count)
     device = next(model.parameters()).device
-    buffers = ActivationBuffers(len(blocks), budget.seq_len, shape.hidden, options.memory, device, spill_dir)
-    opening_buffers = None
+    held: list[ActivationBuffers] = []  # every set's buffers, closed at the end whatever happens
     layers, refined, changed, global_record = [], {}, {}, None
     bar = progress_bar(shape.layers * max(options.steps, 1), "refine", progress, unit="step", leave=False)
     try:
-        opening_buffers = ActivationBuffers(
-            len(openings.ids), openings.ids.shape[1], shape.hidden, options.memory, device, spill_dir
-        )
-        layer_kwargs = first_hidden_states(parent, layout, shape.layers, blocks, buffers, options.batch_blocks)
-        opening_kwargs = first_hidden_states(
-            parent, layout, shape.layers, openings.ids, opening_buffers, _opening_batch(openings, budget, options)
-        )
+        carry = (parent, layout, shape, options.memory, device, spill_dir, held)
+        buffers, layer_kwargs = _carried(*carry, blocks, options.batch_blocks)
+        opening_batch = _opening_batch(openings, budget, options)
+        opening_buffers, opening_kwargs = _carried(*carry, openings.ids, opening_batch)
         generator = torch.Generator().manual_seed(options.seed)
-        run = _Run(parent, model, layout, buffers, split, options, generator, bar, layer_kwargs)
-        run.openings = _OpeningRun(openings, opening_buffers, opening_kwargs, _opening_batch(openings, budget, options))
-        buffers["converted"].copy_(buffers["parent"])
-        opening_buffers["converted"].copy_(opening_buffers["parent"])
+        opened = _OpeningRun(openings, opening_buffers, opening_kwargs, opening_batch)
+        run = _Run(parent, model, layout, buffers, split, options, generator, bar, layer_kwargs, opened)
         for index in range(shape.layers):
             bar.set_description(f"refine layer {index + 1}/{shape.layers}", refresh=False)
             report, names, kept = _refine_layer(run, index)
@@ -131,9 +125,8 @@ def refine_attention(
             global_record = _global_stage(run, changed, blocks, progress)
     finally:
         bar.close()
-        buffers.close()
-        if opening_buffers is not None:
-            opening_buffers.close()
+        for each in held:
+            each.close()
     timing = {"wall_s": round(time.perf_counter() - started, 2), "cpu_s": round(time.process_time() - started_cpu, 2)}
     return refined, _record(run, budget.seq_len, timing, layers, global_record)
 
@@ -147,6 +140,16 @@ class _OpeningRun:
     buffers: ActivationBuffers
     layer_kwargs: dict[int, dict]
     batch: int
+
+
+def _carried(parent, layout, shape, memory, device, spill_dir, held: list, ids: torch.Tensor, batch: int):
+    """Activation buffers for the sequences `ids` (joining `held`, which the caller closes), the first layer's
+    input in both the parent's and the converted states, and each layer's keyword arguments at their length."""
+    buffers = ActivationBuffers(len(ids), ids.shape[1], shape.hidden, memory, device, spill_dir)
+    held.append(buffers)
+    layer_kwargs = first_hidden_states(parent, layout, shape.layers, ids, buffers, batch)
+    buffers["converted"].copy_(buffers["parent"])
+    return buffers, layer_kwargs
 
 
 def _opening_batch(openings: Openings, budget: RefineBudget, options: RefineOptions) -> int:
@@ -172,77 +175,75 @@ class _Run:
     openings: _OpeningRun | None = None
 
 
+@dataclass
+class _Sequences:
+    """One set of sequences as one layer's refit carries it (the blocks, or the openings): its buffers, its
+    fit / held-out split, how many go through the layer at once, the layer's keyword arguments at their length,
+    and the parent's target power per sequence (set by targets)."""
+
+    buffers: ActivationBuffers
+    split: dict
+    batch: int
+    kwargs: dict
+    power: torch.Tensor | None = None
+
+    def targets(self, parent_layer, layer, layout: Layout) -> tuple[dict, float, float]:
+        """The parent's attention outputs and the converted attention's inputs into the buffers (hooks.layer_targets);
+        returns the attention's keyword arguments and the merged layer's fit and held-out errors."""
+        attn_kwargs, errors, self.power = layer_targets(
+            parent_layer, layer, layout, self.kwargs, self.buffers, self.batch
+        )
+        return attn_kwargs, *self._errors(errors)
+
+    def advance(self, layer, layout: Layout) -> tuple[float, float]:
+        """The converted states through the layer as it now is (hooks.advance); its fit and held-out errors."""
+        return self._errors(advance(layer, layout, self.kwargs, self.buffers, self.batch))
+
+    def _errors(self, errors: torch.Tensor) -> tuple[float, float]:
+        return relative(errors, self.power, self.split["fit"]), relative(errors, self.power, self.split["heldout"])
+
+
 def _refine_layer(run: _Run, index: int) -> tuple[dict, dict[str, torch.Tensor], bool]:
     """Refit layer `index` and move both models' hidden states past it. Returns the layer's report (its
     relative errors before and after, on fit and held-out blocks and on the openings), its tensors by
     checkpoint name, and whether the refit was kept."""
-    layout, buffers, split, options, opened = run.layout, run.buffers, run.split, run.options, run.openings
-    kwargs, batch = run.layer_kwargs[index], options.batch_blocks
-    opening_kwargs, opening_split = opened.layer_kwargs[index], opened.openings.split
+    layout, options, opened = run.layout, run.options, run.openings
+    blocks = _Sequences(run.buffers, run.split, options.batch_blocks, run.layer_kwargs[index])
+    openings = _Sequences(opened.buffers, opened.openings.split, opened.batch, opened.layer_kwargs[index])
     parent_layer, layer = (m.get_submodule(layer_path(layout, index)) for m in (run.parent, run.model))
-    attn_kwargs, before, power = layer_targets(parent_layer, layer, layout, kwargs, buffers, batch)
-    side_kwargs, side_before, side_power = layer_targets(
-        parent_layer, layer, layout, opening_kwargs, opened.buffers, opened.batch
-    )
     attn = layer.get_submodule(attention_path(layout))
-    fit_before, held_before = (relative(before, power, split[part]) for part in ("fit", "heldout"))
-    side_fit_before, side_held_before = (
-        relative(side_before, side_power, opening_split[p]) for p in ("fit", "heldout")
-    )
+    attn_kwargs, *block_before = blocks.targets(parent_layer, layer, layout)
+    side_kwargs, *side_before = openings.targets(parent_layer, layer, layout)
     kept = {name: p.detach().clone() for name, p in attn.named_parameters()}
     # below EXACT the merge is exact up to rounding (at every position): Adam would only add noise
-    fitted = fit_before + side_fit_before > EXACT
+    fitted = block_before[0] + side_before[0] > EXACT
     if fitted:
-        side = Side(
-            side_kwargs,
-            opened.buffers["inputs"],
-            opened.buffers["targets"],
-            opening_split["fit"],
-            opened.openings.per_step,
-        )
-        inputs, targets = buffers["inputs"], buffers["targets"]
-        fit_attention(
-            attn, layout, attn_kwargs, inputs, targets, split["fit"], options, run.generator, index, run.bar, side
-        )
+        side_data = opened.buffers["inputs"], opened.buffers["targets"], openings.split["fit"]
+        side = Side(side_kwargs, *side_data, opened.openings.per_step)
+        inputs, targets, fit = run.buffers["inputs"], run.buffers["targets"], run.split["fit"]
+        fit_attention(attn, layout, attn_kwargs, inputs, targets, fit, options, run.generator, index, run.bar, side)
     run.bar.update(max(options.steps, 1) if not fitted or options.steps == 0 else 0)
-
-    def move_on() -> tuple[float, float, float, float]:
-        # The next converted states go into the inputs buffers (free once the fit is done), measuring the
-        # layer's errors on the way; the buffers then swap roles.
-        after = advance(layer, layout, kwargs, buffers, batch)
-        side_after = advance(layer, layout, opening_kwargs, opened.buffers, opened.batch)
-        return (
-            *(relative(after, power, split[part]) for part in ("fit", "heldout")),
-            *(relative(side_after, side_power, opening_split[part]) for part in ("fit", "heldout")),
-        )
-
-    fit_after, held_after, side_fit_after, side_held_after = move_on()
+    # The next converted states go into the inputs buffers (free once the fit is done), measuring the layer's
+    # errors on the way; the buffers then swap roles.
+    block_after, side_after = blocks.advance(layer, layout), openings.advance(layer, layout)
     # Kept only if better on the fit sequences (an exact merge stays exact) and on the held-out ones (a layer
-    # that overfits too few calibration tokens is left as merged), blocks and openings counted alike.
+    # that overfits too few calibration tokens is left as merged), blocks and openings together: the sum of
+    # their relative errors is what the fit lowers.
     outcome = "exact" if not fitted else "refined"
-    better_fit = fit_after + side_fit_after < fit_before + side_fit_before
-    better_held = held_after + side_held_after < held_before + side_held_before
-    if fitted and not (better_fit and better_held):
-        outcome = _lost(index, fit_after + side_fit_after, held_after + side_held_after, options)
+    total_before, total_after = (
+        tuple(map(sum, zip(b, s))) for b, s in ((block_before, side_before), (block_after, side_after))
+    )
+    if fitted and not (total_after[0] < total_before[0] and total_after[1] < total_before[1]):
+        outcome = _lost(index, *total_after, options)
         _restore(attn, kept)
-        move_on()
-        fit_after, held_after, side_fit_after, side_held_after = (
-            fit_before,
-            held_before,
-            side_fit_before,
-            side_held_before,
-        )
-    buffers.swap("converted", "inputs")
-    opened.buffers.swap("converted", "inputs")
-    report = {
-        "layer": index,
-        "fit_error_before": fit_before,
-        "fit_error_after": fit_after,
-        "heldout_error_before": held_before,
-        "heldout_error_after": held_after,
-        "opening_heldout_error_before": side_held_before,
-        "opening_heldout_error_after": side_held_after,
-    }
+        for sequences in (blocks, openings):
+            sequences.advance(layer, layout)
+        block_after, side_after = block_before, side_before
+    for sequences in (blocks, openings):
+        sequences.buffers.swap("converted", "inputs")
+    report = {"layer": index, "fit_error_before": block_before[0], "fit_error_after": block_after[0]}
+    report.update(heldout_error_before=block_before[1], heldout_error_after=block_after[1])
+    report.update(opening_heldout_error_before=side_before[1], opening_heldout_error_after=side_after[1])
     if outcome in ("worse", "non-finite"):
         report["kept_merged"] = outcome
     return report, _tensor_names(layout, index, attn), outcome == "refined"
