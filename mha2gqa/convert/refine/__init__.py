@@ -172,7 +172,7 @@ class _Run:
     generator: torch.Generator
     bar: object  # a progress bar (mha2gqa.progress)
     layer_kwargs: dict[int, dict]
-    openings: _OpeningRun | None = None
+    openings: _OpeningRun
 
 
 @dataclass
@@ -268,7 +268,7 @@ def _global_stage(run: _Run, refined: dict, blocks: torch.Tensor, progress: bool
     by_data = {p.data_ptr(): p for p in run.model.parameters()}
     params = [by_data[t.data_ptr()] for t in refined.values()]
     fit = GlobalFit.of(run.options)
-    openings = run.openings.openings if run.openings is not None else None
+    openings = run.openings.openings
     return fit_global(
         run.parent, run.model, params, blocks, run.split, fit, run.generator, progress=progress, openings=openings
     )
@@ -282,7 +282,7 @@ def _record(run: _Run, seq_len: int, timing: dict, layers: list[dict], global_re
         "sequence_length": seq_len,
         "fit_tokens": tokens["fit"],
         "heldout_tokens": tokens["heldout"],
-        "openings": None if run.openings is None else _openings_record(run.openings.openings),
+        "openings": _openings_record(run.openings.openings),
         "device": str(next(run.model.parameters()).device),
         "spilled_to_disk": run.buffers.spill_dir is not None,
         "buffer_bytes": run.buffers.bytes,
