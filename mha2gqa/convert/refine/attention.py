@@ -63,9 +63,12 @@ def fit_attention(
     bar: the overall progress bar, advanced one step per Adam step."""
     dtype = next(attn.parameters()).dtype
     attn.float()
-    _adam(attn, kwargs, inputs, targets, fit, options, generator, bar, side)
+    # each set's mean power, read once: Adam's loss and the o_proj solve weigh the sets by the same numbers
+    side_power = None if side is None else _power(side.targets, side.fit, side.per_step)
+    powers = (_power(targets, fit, options.batch_blocks), side_power)
+    _adam(attn, kwargs, inputs, targets, fit, options, generator, bar, side, powers)
     if options.solve_output:
-        _solve_output(attn, layout, kwargs, inputs, targets, fit, options.batch_blocks, side)
+        _solve_output(attn, layout, kwargs, inputs, targets, fit, options.batch_blocks, side, powers)
     attn.to(dtype)
 
 
@@ -75,16 +78,15 @@ def _power(targets: torch.Tensor, fit: torch.Tensor, batch: int) -> float:
     return float(total / (len(fit) * targets.shape[1]))
 
 
-def _adam(attn, kwargs, inputs, targets, fit, options: RefineOptions, generator, bar=None, side=None) -> None:
+def _adam(attn, kwargs, inputs, targets, fit, options: RefineOptions, generator, bar, side, powers) -> None:
     if options.steps == 0:
         return
     device = next(attn.parameters()).device
     params = [p for p in attn.parameters()]
     for p in params:
         p.requires_grad_(True)
-    power = _power(targets, fit, options.batch_blocks)
+    power, side_power = powers
     if side is not None:
-        side_power = _power(side.targets, side.fit, side.per_step)
         side_batches = mini_batches(side.fit, side.per_step, generator)
     optimizer = torch.optim.Adam(params, lr=options.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / options.steps)))
@@ -111,7 +113,7 @@ def _adam(attn, kwargs, inputs, targets, fit, options: RefineOptions, generator,
             p.requires_grad_(False)
 
 
-def _solve_output(attn, layout: Layout, kwargs, inputs, targets, fit, batch_blocks: int, side=None) -> None:
+def _solve_output(attn, layout: Layout, kwargs, inputs, targets, fit, batch_blocks: int, side, powers) -> None:
     """o_proj (and its bias, when it has one) by least squares given everything before it: accumulate
     A^T A and A^T T over the fit blocks (A: o_proj's input Z, with a ones column for the bias), and over the
     side's sequences weighted as the Adam loss weighs them (each set by its tokens and mean power), solve
@@ -138,8 +140,8 @@ def _solve_output(attn, layout: Layout, kwargs, inputs, targets, fit, batch_bloc
             for chunk in fit.split(batch_blocks):
                 accumulate(inputs[chunk], targets[chunk], kwargs, 1.0)
             if side is not None:  # rows weighted (tokens x power of the blocks) / (tokens x power of the side)
-                block_mass = len(fit) * targets.shape[1] * _power(targets, fit, batch_blocks)
-                side_mass = len(side.fit) * side.targets.shape[1] * _power(side.targets, side.fit, side.per_step)
+                block_mass = len(fit) * targets.shape[1] * powers[0]
+                side_mass = len(side.fit) * side.targets.shape[1] * powers[1]
                 weight = block_mass / side_mass if side_mass > 0 else 0.0
                 for rows in side.fit.split(side.per_step):
                     accumulate(side.inputs[rows], side.targets[rows], side.kwargs, weight)
