@@ -4,6 +4,9 @@ keeps the parent's first-position state (the attention sink) whatever token a wi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -12,6 +15,7 @@ from mha2gqa.convert.refine import RefineOptions
 from mha2gqa.convert.refine.buffers import opening_sequences
 from mha2gqa.convert.refine.global_stage import heldout_kl
 from mha2gqa.convert.run import convert
+from mha2gqa.errors import InputError
 
 TEXT = torch.arange(1000, 1400)  # ids a vocabulary of 50,000 mostly lacks: a drawn first token stands out
 
@@ -53,6 +57,9 @@ def test_the_global_stages_heldout_measure_counts_the_openings(tiny_src):
     counted = heldout_kl(parent, child, blocks, heldout, openings)
     assert alone > 0 and counted > alone
     assert heldout_kl(parent, parent, blocks, heldout, openings) < 1e-6
+    quarter = heldout_kl(parent, child, blocks, heldout, replace(openings, weight=0.25))
+    assert quarter == pytest.approx(alone + 0.25 * (counted - alone), rel=1e-6)
+    assert heldout_kl(parent, child, blocks, heldout, replace(openings, weight=0.0)) == pytest.approx(alone)
 
 
 def test_refine_fits_the_openings_and_records_them(tmp_path, tiny_src, calibration_file):
@@ -69,8 +76,40 @@ def test_refine_fits_the_openings_and_records_them(tmp_path, tiny_src, calibrati
     ).refine
     opened = record["openings"]
     blocks = (record["fit_tokens"] + record["heldout_tokens"]) // record["sequence_length"]
-    assert opened == {"sequences": opening_count(blocks * 64), "length": 8, "heldout": 2, "per_step": 14}
+    assert opened == {"sequences": opening_count(blocks * 64), "length": 8, "heldout": 2, "per_step": 14, "weight": 1.0}
     layers = [layer for layer in record["layers"] if "kept_merged" not in layer]
     assert layers  # the mean-pooled start is far from exact: every layer has something to fit
     for layer in layers:
         assert layer["opening_heldout_error_after"] < layer["opening_heldout_error_before"], layer
+
+
+def _layer_errors(tmp_path, tiny_src, calibration_file, weight: float) -> tuple[float, float]:
+    """The sums over layers of the held-out error after the layer-wise fit: (blocks, openings)."""
+    record = convert(
+        tiny_src,
+        tmp_path / f"w{weight}",
+        1,
+        method="mean",
+        calibration=calibration_file,
+        calibration_tokens=1024,
+        refine=RefineOptions(steps=30, lr=3e-3, batch_blocks=4, global_steps=0, opening_weight=weight),
+        check=False,
+        progress=False,
+    ).refine
+    assert record["openings"]["weight"] == weight
+    layers = record["layers"]
+    return sum(r["heldout_error_after"] for r in layers), sum(r["opening_heldout_error_after"] for r in layers)
+
+
+def test_the_opening_weight_trades_the_openings_against_the_blocks(tmp_path, tiny_src, calibration_file):
+    """Weight 0: the openings are measured, not fitted; weighted, they are fitted closer (on held-out openings: 14
+    fit openings on this tiny model are overfitted from a weight of about 4) and the blocks less."""
+    unweighted, weighted, heavy = (_layer_errors(tmp_path, tiny_src, calibration_file, w) for w in (0.0, 1.0, 8.0))
+    assert weighted[1] < 0.8 * unweighted[1]
+    assert unweighted[0] < heavy[0]
+
+
+@pytest.mark.parametrize("weight", [-0.5, float("nan"), float("inf"), "1", True])
+def test_a_bad_opening_weight_is_refused_naming_the_flag(weight):
+    with pytest.raises(InputError, match=r"--refine-opening-weight .* must be a finite number, 0 or more"):
+        RefineOptions(opening_weight=weight).check()

@@ -29,6 +29,7 @@ DEFAULT_REFINE_LR = 1e-3
 DEFAULT_REFINE_MEMORY = 4 << 30
 DEFAULT_REFINE_GLOBAL_STEPS = 24  # 1.5 passes over the default fit blocks of a hidden-576 model (docs/refine.md)
 DEFAULT_REFINE_GLOBAL_LR = 2e-4
+DEFAULT_REFINE_OPENING_WEIGHT = 1.0  # the openings' loss beside the blocks' (docs/calibration.md "The fix")
 REFINE_TOKENS_PER_HIDDEN = 64  # default --refine-tokens per unit of hidden size (docs/refine.md)
 
 
@@ -101,6 +102,11 @@ class RefineOptions:
     """Learning rate of the global stage (after a warmup over the first tenth of the steps)."""
     batch_blocks: int = 4
     """Calibration sequences per Adam step."""
+    opening_weight: float = DEFAULT_REFINE_OPENING_WEIGHT
+    """Weight of the openings (short sequences whose first tokens cover the vocabulary, which keep the parent's
+    first-position state, the attention sink, for every token a text may open with) beside the blocks, in both
+    stages' losses and in the checks that keep a layer's refit and pick the global stage's best step (0: measured,
+    not fitted)."""
     solve_output: bool = True
     """Finish each layer's attention with the closed-form least-squares o_proj."""
     seed: int = 0
@@ -126,6 +132,11 @@ class RefineOptions:
             )
         if self.tokens is not None and (not _is_int(self.tokens) or self.tokens < 1):
             raise InputError(f"--refine-tokens {self.tokens} must be positive (e.g. 32768)")
+        weight = self.opening_weight
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight) or weight < 0:
+            raise InputError(
+                f"--refine-opening-weight {weight} must be a finite number, 0 or more (e.g. {DEFAULT_REFINE_OPENING_WEIGHT})"
+            )
         if not _is_int(self.batch_blocks) or self.batch_blocks < 1:
             raise InputError(f"--refine-batch-blocks {self.batch_blocks} must be at least 1 (e.g. 4)")
 

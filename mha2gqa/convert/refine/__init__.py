@@ -97,7 +97,8 @@ def refine_attention(
     model = converted_model(parent, layout, shape, config, merged, out_dtype)
     blocks, split = calibration_blocks(ids, budget)
     count = opening_count(blocks.numel())
-    openings = opening_sequences(ids, parent.get_input_embeddings().num_embeddings, options.seed, count)
+    vocab = parent.get_input_embeddings().num_embeddings
+    openings = opening_sequences(ids, vocab, options.seed, count, options.opening_weight)
     device = next(model.parameters()).device
     held: list[ActivationBuffers] = []  # every set's buffers, closed at the end whatever happens
     layers, refined, changed, global_record = [], {}, {}, None
@@ -219,7 +220,7 @@ def _refine_layer(run: _Run, index: int) -> tuple[dict, dict[str, torch.Tensor],
     fitted = block_before[0] + side_before[0] > EXACT
     if fitted:
         side_data = opened.buffers["inputs"], opened.buffers["targets"], openings.split["fit"]
-        side = Side(side_kwargs, *side_data, opened.openings.per_step)
+        side = Side(side_kwargs, *side_data, opened.openings.per_step, opened.openings.weight)
         inputs, targets, fit = run.buffers["inputs"], run.buffers["targets"], run.split["fit"]
         fit_attention(attn, layout, attn_kwargs, inputs, targets, fit, options, run.generator, index, run.bar, side)
     run.bar.update(max(options.steps, 1) if not fitted or options.steps == 0 else 0)
@@ -227,11 +228,13 @@ def _refine_layer(run: _Run, index: int) -> tuple[dict, dict[str, torch.Tensor],
     # errors on the way; the buffers then swap roles.
     block_after, side_after = blocks.advance(layer, layout), openings.advance(layer, layout)
     # Kept only if better on the fit sequences (an exact merge stays exact) and on the held-out ones (a layer
-    # that overfits too few calibration tokens is left as merged), blocks and openings together: the sum of
-    # their relative errors is what the fit lowers.
+    # that overfits too few calibration tokens is left as merged), blocks and openings together: the blocks'
+    # relative error plus the openings' times their weight is what the fit lowers.
     outcome = "exact" if not fitted else "refined"
+    weight = opened.openings.weight
     total_before, total_after = (
-        tuple(map(sum, zip(b, s))) for b, s in ((block_before, side_before), (block_after, side_after))
+        tuple(b + weight * s for b, s in zip(block, side))
+        for block, side in ((block_before, side_before), (block_after, side_after))
     )
     if fitted and not (total_after[0] < total_before[0] and total_after[1] < total_before[1]):
         outcome = _lost(index, *total_after, options)
@@ -298,6 +301,7 @@ def _openings_record(openings: Openings) -> dict:
         "length": openings.ids.shape[1],
         "heldout": len(openings.split["heldout"]),
         "per_step": openings.per_step,
+        "weight": openings.weight,
     }
 
 

@@ -36,13 +36,15 @@ def _ridge_solve(gram: torch.Tensor, cross: torch.Tensor) -> torch.Tensor:
 class Side:
     """A second set of sequences fitted beside the blocks (the openings, buffers.Openings): its attention keyword
     arguments (its own length), the converted inputs and the parent's targets, the fit indices, and how many
-    join each Adam step. Each set's loss is normalised by its own mean power and the two are added."""
+    join each Adam step. Each set's loss is normalised by its own mean power, and the side's is added to the
+    blocks' times `weight`."""
 
     kwargs: dict
     inputs: torch.Tensor
     targets: torch.Tensor
     fit: torch.Tensor
     per_step: int
+    weight: float = 1.0
 
 
 def fit_attention(
@@ -98,7 +100,8 @@ def _adam(attn, kwargs, inputs, targets, fit, options: RefineOptions, generator,
             if side is not None:
                 rows = next(side_batches)
                 x, t = side.inputs[rows].to(device), side.targets[rows].to(device)
-                loss = loss + (attention_output(attn, x, side.kwargs) - t).pow(2).sum(-1).mean() / side_power
+                side_loss = (attention_output(attn, x, side.kwargs) - t).pow(2).sum(-1).mean() / side_power
+                loss = loss + side.weight * side_loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -139,10 +142,11 @@ def _solve_output(attn, layout: Layout, kwargs, inputs, targets, fit, batch_bloc
         with torch.no_grad():
             for chunk in fit.split(batch_blocks):
                 accumulate(inputs[chunk], targets[chunk], kwargs, 1.0)
-            if side is not None:  # rows weighted (tokens x power of the blocks) / (tokens x power of the side)
+            if side is not None and side.weight > 0:
+                # rows weighted side.weight x (tokens x power of the blocks) / (tokens x power of the side)
                 block_mass = len(fit) * targets.shape[1] * powers[0]
                 side_mass = len(side.fit) * side.targets.shape[1] * powers[1]
-                weight = block_mass / side_mass if side_mass > 0 else 0.0
+                weight = side.weight * block_mass / side_mass if side_mass > 0 else 0.0
                 for rows in side.fit.split(side.per_step):
                     accumulate(side.inputs[rows], side.targets[rows], side.kwargs, weight)
     finally:

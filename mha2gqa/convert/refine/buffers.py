@@ -104,19 +104,22 @@ class Openings:
     with the draw of the samples). Half the openings start on a token drawn uniformly from the vocabulary
     (every token, special ones too), half on a token of the calibration text at a random place (the tokens
     windows most often open with); the rest of each is the text that follows such a place. The last 1/8
-    are held out, as the blocks' are."""
+    are held out, as the blocks' are. Their loss, normalised as the blocks', is added to the blocks' times
+    `weight` (--refine-opening-weight) wherever the two are fitted or checked together."""
 
     ids: torch.Tensor  # (n, OPENING_LENGTH)
     split: dict  # {"fit": indices, "heldout": indices}
     per_step: int = OPENINGS_PER_STEP
+    weight: float = 1.0
 
     @property
     def tokens(self) -> int:
         return self.ids.numel()
 
 
-def opening_sequences(ids: torch.Tensor, vocab_size: int, seed: int, count: int) -> Openings:
-    """`count` openings of OPENING_LENGTH tokens (Openings) from the calibration `ids`, drawn with `seed`."""
+def opening_sequences(ids: torch.Tensor, vocab_size: int, seed: int, count: int, weight: float = 1.0) -> Openings:
+    """`count` openings of OPENING_LENGTH tokens (Openings) from the calibration `ids`, drawn with `seed`, their
+    loss weighted `weight` beside the blocks'."""
     generator = torch.Generator().manual_seed(seed)
     length = min(OPENING_LENGTH, len(ids))
     starts = torch.randint(len(ids) - length + 1, (count,), generator=generator)
@@ -125,7 +128,7 @@ def opening_sequences(ids: torch.Tensor, vocab_size: int, seed: int, count: int)
     rows[uniform, 0] = torch.randint(vocab_size, (int(uniform.sum()),), generator=generator)
     held = max(1, round(count * HOLDOUT_FRACTION))
     split = {"fit": torch.arange(count - held), "heldout": torch.arange(count - held, count)}
-    return Openings(rows, split, min(OPENINGS_PER_STEP, count - held))
+    return Openings(rows, split, min(OPENINGS_PER_STEP, count - held), weight)
 
 
 def mini_batches(fit: torch.Tensor, size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:

@@ -54,8 +54,9 @@ class GlobalFit:
 
 
 def heldout_kl(parent, model, blocks: torch.Tensor, heldout: torch.Tensor, openings: Openings | None = None) -> float:
-    """The mean KL over the held-out blocks, plus the mean over the held-out openings when given: the measure
-    that picks the best step sees the first positions the blocks alone would not (buffers.Openings)."""
+    """The mean KL over the held-out blocks, plus the mean over the held-out openings times their weight when
+    given: the measure that picks the best step sees the first positions the blocks alone would not
+    (buffers.Openings)."""
     device = next(model.parameters()).device
     total = 0.0
     with torch.no_grad():
@@ -66,7 +67,7 @@ def heldout_kl(parent, model, blocks: torch.Tensor, heldout: torch.Tensor, openi
         if openings is not None:
             rows = openings.ids[openings.split["heldout"]].to(device)
             opening_kl = float(kl_divergence(parent(rows, use_cache=False).logits, model(rows, use_cache=False).logits))
-    return total / len(heldout) + opening_kl
+    return total / len(heldout) + (0.0 if openings is None else openings.weight * opening_kl)
 
 
 def fit_global(
@@ -104,7 +105,8 @@ def fit_global(
             optimizer.zero_grad(set_to_none=True)
             fit_kl = _kl_gradients(parent, model, blocks, next(batches))
             if opening_batches is not None:
-                fit_kl += _kl_gradients(parent, model, openings.ids, next(opening_batches), together=True)
+                rows = next(opening_batches)
+                fit_kl += _kl_gradients(parent, model, openings.ids, rows, together=True, scale=openings.weight)
             if fit.clip:
                 torch.nn.utils.clip_grad_norm_(params, fit.clip)
             _step(optimizer, params, masters)
@@ -126,16 +128,19 @@ def fit_global(
     return _record(fit, checks, best[0])
 
 
-def _kl_gradients(parent, model, blocks: torch.Tensor, chunk: torch.Tensor, together: bool = False) -> float:
-    """Accumulate the gradients of the mean KL over the sequences `chunk` of `blocks`, one at a time so that only
-    one block's activations are held (`together`: all in one forward, for short sequences); returns that mean KL."""
+def _kl_gradients(
+    parent, model, blocks: torch.Tensor, chunk: torch.Tensor, together: bool = False, scale: float = 1.0
+) -> float:
+    """Accumulate the gradients of `scale` x the mean KL over the sequences `chunk` of `blocks`, one at a time so
+    that only one block's activations are held (`together`: all in one forward, for short sequences); returns that
+    scaled mean KL."""
     device = next(model.parameters()).device
     fit_kl = 0.0
     for rows in [chunk] if together else chunk.split(1):
         ids = blocks[rows].to(device)
         with torch.no_grad():
             target = parent(ids, use_cache=False).logits
-        loss = kl_divergence(target, model(ids, use_cache=False).logits) * len(rows) / len(chunk)
+        loss = kl_divergence(target, model(ids, use_cache=False).logits) * (scale * len(rows)) / len(chunk)
         loss.backward()
         fit_kl += loss.item()
     return fit_kl
