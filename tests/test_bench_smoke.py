@@ -166,6 +166,8 @@ def test_calibration_domains_scores_given_folders_by_the_rows_measure(tmp_path):
     openings = row["openings"]
     assert openings["window_ratio"] == dict.fromkeys(row["ratio"], 1.0)
     assert openings["collapsed"] == dict.fromkeys(row["ratio"], 0) and min(openings["windows"].values()) >= 1
+    assert {name: len(gaps) for name, gaps in openings["gaps"].items()} == openings["windows"]
+    assert all(gap == 0 for gaps in openings["gaps"].values() for gap in gaps)
 
 
 def test_limits_smoke_times_every_ceiling():
@@ -248,3 +250,17 @@ def test_recovery_real_smoke_scores_every_point_of_both_starts(tmp_path, monkeyp
     assert len(table_rows(out, "mean|calibrated")) == 6
     again = run_smoke("recovery_real.py", *args)
     assert "uptrain" not in again and json.loads((tmp_path / "r.json").read_text())["starts"] == result["starts"]
+
+
+def test_the_openings_summary_counts_collapsed_windows_and_keeps_each_gap():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("calibration_domains", ROOT / "bench" / "calibration_domains.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    parent = {"code": [2.0, 2.5, 3.0], "json": [1.0, 1.0]}
+    child = {"code": [2.5, 18.0, 3.0], "json": [1.0, 5.5]}
+    summary = bench.openings_summary(child, parent)
+    assert summary["gaps"] == {"code": [0.5, 15.5, 0.0], "json": [0.0, 4.5]}
+    assert summary["collapsed"] == {"code": 1, "json": 1} and summary["windows"] == {"code": 3, "json": 2}
+    assert summary["window_ratio"]["code"] == pytest.approx(math.exp(16.0 / 3), rel=1e-4)
