@@ -357,3 +357,26 @@ def test_resume_reads_a_sweep_json_written_while_refine_had_mlp_output(tiny, tmp
             folder.earlier_sweep(out, record)
     else:
         assert folder.earlier_sweep(out, record)["settings"]["refine"]["mlp_output"] is False
+
+
+@pytest.mark.parametrize("recorded_weight", [None, 1.0, 0.25])
+def test_resume_reads_a_sweep_json_written_before_the_opening_weight(tiny, tmp_path, recorded_weight):
+    """sweep.json files from before --refine-opening-weight lack it: they ran at weight 1 (the same bytes as now),
+    so --resume continues them at the default and refuses them at another weight."""
+    from mha2gqa.errors import InputError
+    from mha2gqa.layouts import read_config
+
+    src, out = tiny / "src", tmp_path / "out"
+    options = SweepOptions(out=str(out), refine=RefineOptions(), calibration=str(tiny / "cal.txt"), progress=False)
+    record = folder.new_record(src, src, read_config(src), options, [])
+    earlier = json.loads(json.dumps(record))
+    del earlier["settings"]["refine"]["opening_weight"]
+    if recorded_weight is not None:
+        earlier["settings"]["refine"]["opening_weight"] = recorded_weight
+    out.mkdir()
+    (out / "sweep.json").write_text(json.dumps(earlier))
+    if recorded_weight == 0.25:
+        with pytest.raises(InputError, match="--resume: --refine differs from the sweep"):
+            folder.earlier_sweep(out, record)
+    else:
+        assert folder.earlier_sweep(out, record)["schema"] == earlier["schema"]

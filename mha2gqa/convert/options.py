@@ -147,10 +147,16 @@ class RefineOptions:
 RETIRED_REFINE_FIELDS = {"mlp_output": False}
 
 
+# Fields RefineOptions gained, each with the value that does what a record of before, which lacks it, ran with.
+ADDED_REFINE_FIELDS = {"opening_weight": 1.0}
+
+
 def current_refine_fields(recorded: dict) -> dict:
-    """A recorded RefineOptions dict less each retired field at its no-op value; one at another value is
-    kept, so that the record still reads as other settings than any RefineOptions of now."""
-    return {k: v for k, v in recorded.items() if k not in RETIRED_REFINE_FIELDS or v != RETIRED_REFINE_FIELDS[k]}
+    """A recorded RefineOptions dict less each retired field at its no-op value (one at another value is kept, so
+    that the record still reads as other settings than any RefineOptions of now), and with each added field it
+    lacks at the value it ran with."""
+    kept = {k: v for k, v in recorded.items() if k not in RETIRED_REFINE_FIELDS or v != RETIRED_REFINE_FIELDS[k]}
+    return {**{k: v for k, v in ADDED_REFINE_FIELDS.items() if k not in kept}, **kept}
 
 
 def _is_int(value) -> bool:
