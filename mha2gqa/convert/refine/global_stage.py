@@ -66,8 +66,9 @@ def heldout_kl(parent, model, blocks: torch.Tensor, heldout: torch.Tensor, openi
         opening_kl = 0.0
         if openings is not None:
             rows = openings.ids[openings.split["heldout"]].to(device)
-            opening_kl = float(kl_divergence(parent(rows, use_cache=False).logits, model(rows, use_cache=False).logits))
-    return total / len(heldout) + (0.0 if openings is None else openings.weight * opening_kl)
+            kl = float(kl_divergence(parent(rows, use_cache=False).logits, model(rows, use_cache=False).logits))
+            opening_kl = openings.weight * kl
+    return total / len(heldout) + opening_kl
 
 
 def fit_global(
