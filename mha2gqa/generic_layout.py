@@ -12,6 +12,7 @@ names what did not fit. Known special cases stay explicit entries in LAYOUTS, wh
 
 from __future__ import annotations
 
+import ast
 import inspect
 import json
 import re
@@ -229,18 +230,31 @@ def _key_path_refusal(attention, extras: list[str]) -> str | None:
     from transformers.models.llama import modeling_llama as reference
 
     for function in ("rotate_half", "apply_rotary_pos_emb"):
-        ours = getattr(module, function, None)
-        if ours is None or _code(ours) != _code(getattr(reference, function)):
+        ours, standard = getattr(module, function, None), getattr(reference, function)
+        if ours is None or (ours is not standard and not _same_body(module.__name__, reference.__name__, function)):
             return f"its {function} differs from transformers' standard (llama) one, so its RoPE convention is unknown"
     return None
 
 
-def _code(function) -> str:
-    """A function's source without its name line, docstring or comments: two copies compare equal."""
-    source = inspect.getsource(function)
-    body = source.split(":\n", 1)[1]
-    body = re.sub(r'""".*?"""', "", body, flags=re.S)
-    return "\n".join(line.split("#")[0].rstrip() for line in body.splitlines() if line.split("#")[0].strip())
+def _same_body(module_name: str, reference_name: str, function: str) -> bool:
+    ours = _body(module_name, function)
+    return ours is not None and ours == _body(reference_name, function)
+
+
+@lru_cache(maxsize=None)
+def _body(module_name: str, function: str) -> str | None:
+    """The statements of the module's own top-level `def function`, as an AST dump without the docstring:
+    two copies that differ only in name, signature, comments or layout compare equal. Read from the
+    source file, not the object, because a decorator may replace the function by another object
+    (transformers >= 5.25 wraps apply_rotary_pos_emb in a kernels `Func` module when kernels is installed)."""
+    import importlib
+
+    tree = ast.parse(inspect.getsource(importlib.import_module(module_name)))
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            return "\n".join(ast.dump(statement) for statement in body)
+    return None
 
 
 def _build(config: dict, model_type, kv_heads: int | None, fail: str | None = None):
