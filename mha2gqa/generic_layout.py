@@ -18,7 +18,7 @@ import json
 import re
 import tempfile
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from mha2gqa import jsontext
@@ -241,7 +241,7 @@ def _same_body(module_name: str, reference_name: str, function: str) -> bool:
     return ours is not None and ours == _body(reference_name, function)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _body(module_name: str, function: str) -> str | None:
     """The statements of the module's own top-level `def function`, as an AST dump without the docstring:
     two copies that differ only in name, signature, comments or layout compare equal. Read from the
