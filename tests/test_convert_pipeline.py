@@ -161,7 +161,7 @@ NON_DEFAULT = {  # flag: (convert keywords, RefineOptions keywords or None)
     "--refine-global-steps": (REFINE, dict(global_steps=3)),
     "--refine-global-lr": (REFINE, dict(global_steps=3, global_lr=1e-3)),
     "--refine-batch-blocks": (REFINE, dict(batch_blocks=3)),
-    "--refine-opening-weight": (REFINE, dict(opening_weight=0.25)),
+    "--refine-opening-weight": (REFINE, dict(opening_weight=1.0)),
     "--refine-solve-output": (REFINE, dict(solve_output=False)),
     "--refine-seed": (REFINE, dict(seed=7)),
 }

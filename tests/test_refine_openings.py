@@ -76,7 +76,13 @@ def test_refine_fits_the_openings_and_records_them(tmp_path, tiny_src, calibrati
     ).refine
     opened = record["openings"]
     blocks = (record["fit_tokens"] + record["heldout_tokens"]) // record["sequence_length"]
-    assert opened == {"sequences": opening_count(blocks * 64), "length": 8, "heldout": 2, "per_step": 14, "weight": 1.0}
+    assert opened == {
+        "sequences": opening_count(blocks * 64),
+        "length": 8,
+        "heldout": 2,
+        "per_step": 14,
+        "weight": 0.25,
+    }
     layers = [layer for layer in record["layers"] if "kept_merged" not in layer]
     assert layers  # the mean-pooled start is far from exact: every layer has something to fit
     for layer in layers:

@@ -359,15 +359,22 @@ def test_resume_reads_a_sweep_json_written_while_refine_had_mlp_output(tiny, tmp
         assert folder.earlier_sweep(out, record)["settings"]["refine"]["mlp_output"] is False
 
 
-@pytest.mark.parametrize("recorded_weight", [None, 1.0, 0.25])
-def test_resume_reads_a_sweep_json_written_before_the_opening_weight(tiny, tmp_path, recorded_weight):
-    """sweep.json files from before --refine-opening-weight lack it: they ran at weight 1 (the same bytes as now),
-    so --resume continues them at the default and refuses them at another weight."""
+@pytest.mark.parametrize(
+    "recorded_weight, weight_now, continues",
+    [(None, 1.0, True), (None, 0.25, False), (0.25, 0.25, True), (1.0, 0.25, False)],
+)
+def test_resume_reads_a_sweep_json_written_before_the_opening_weight(
+    tiny, tmp_path, recorded_weight, weight_now, continues
+):
+    """sweep.json files from before --refine-opening-weight lack it: they ran at weight 1 (the default until
+    2026-12-04), so --resume continues them at weight 1 and refuses them at another weight, the default 0.25 too."""
     from mha2gqa.errors import InputError
     from mha2gqa.layouts import read_config
 
     src, out = tiny / "src", tmp_path / "out"
-    options = SweepOptions(out=str(out), refine=RefineOptions(), calibration=str(tiny / "cal.txt"), progress=False)
+    options = SweepOptions(
+        out=str(out), refine=RefineOptions(opening_weight=weight_now), calibration=str(tiny / "cal.txt"), progress=False
+    )
     record = folder.new_record(src, src, read_config(src), options, [])
     earlier = json.loads(json.dumps(record))
     del earlier["settings"]["refine"]["opening_weight"]
@@ -375,8 +382,8 @@ def test_resume_reads_a_sweep_json_written_before_the_opening_weight(tiny, tmp_p
         earlier["settings"]["refine"]["opening_weight"] = recorded_weight
     out.mkdir()
     (out / "sweep.json").write_text(json.dumps(earlier))
-    if recorded_weight == 0.25:
+    if continues:
+        assert folder.earlier_sweep(out, record)["schema"] == earlier["schema"]
+    else:
         with pytest.raises(InputError, match="--resume: --refine differs from the sweep"):
             folder.earlier_sweep(out, record)
-    else:
-        assert folder.earlier_sweep(out, record)["schema"] == earlier["schema"]

@@ -29,7 +29,7 @@ DEFAULT_REFINE_LR = 1e-3
 DEFAULT_REFINE_MEMORY = 4 << 30
 DEFAULT_REFINE_GLOBAL_STEPS = 24  # 1.5 passes over the default fit blocks of a hidden-576 model (docs/refine.md)
 DEFAULT_REFINE_GLOBAL_LR = 2e-4
-DEFAULT_REFINE_OPENING_WEIGHT = 1.0  # the openings' loss beside the blocks' (docs/calibration.md "The fix")
+DEFAULT_REFINE_OPENING_WEIGHT = 0.25  # an opening token weighs as a block token (docs/calibration.md)
 REFINE_TOKENS_PER_HIDDEN = 64  # default --refine-tokens per unit of hidden size (docs/refine.md)
 
 
