@@ -13,6 +13,7 @@ names what did not fit. Known special cases stay explicit entries in LAYOUTS, wh
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import json
 import re
@@ -247,8 +248,6 @@ def _body(module_name: str, function: str) -> str | None:
     two copies that differ only in name, signature, comments or layout compare equal. Read from the
     source file, not the object, because a decorator may replace the function by another object
     (transformers >= 5.25 wraps apply_rotary_pos_emb in a kernels `Func` module when kernels is installed)."""
-    import importlib
-
     tree = ast.parse(inspect.getsource(importlib.import_module(module_name)))
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name == function:
