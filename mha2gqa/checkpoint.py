@@ -347,7 +347,8 @@ class ShardedWriter:
         self._file.write(_header_bytes(self.shards[index], self._page_phase(self.shards[index])))
 
     def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        self.write_array(name, tensor.contiguous().reshape(-1).view(torch_dtypes()["U8"]).numpy())
+        """A tensor's bytes, from any device (refine on a GPU hands over CUDA tensors)."""
+        self.write_array(name, tensor.detach().cpu().contiguous().reshape(-1).view(torch_dtypes()["U8"]).numpy())
 
     def write_array(self, name: str, array) -> None:
         """A numpy array's bytes, in C order (the torch-free executor writes these directly)."""

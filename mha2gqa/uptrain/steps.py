@@ -260,9 +260,17 @@ def weight_scale(run: Run) -> float:
     """The largest |value| of any weight, over every rank's parameters (the same number on each)."""
     acc = run.accelerator
     with torch.no_grad():  # torch's max, not Python's: a NaN anywhere must come out as NaN
-        peaks = [p.detach().abs().max().float() for p in run.model.parameters() if p.numel()]
+        shards = [_own_shard(p.detach()) for p in run.model.parameters()]
+        peaks = [shard.abs().max().float() for shard in shards if shard.numel()]
         local = torch.stack(peaks).max().reshape(1) if peaks else torch.zeros(1)
     return float(acc.gather(local.to(acc.device)).max())
+
+
+def _own_shard(parameter: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter this rank holds, as a plain tensor. FSDP2 keeps each parameter as a DTensor:
+    a reduction over it is a DTensor too, and accelerate's gather of one fails (no sharding strategy for
+    all_gather); the gather below already takes the max over the ranks' shards."""
+    return parameter.to_local() if hasattr(parameter, "to_local") else parameter
 
 
 def _save_checkpoint(run: Run, step: int, tps: int, eval_loss: float) -> Path:
