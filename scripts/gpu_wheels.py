@@ -1,7 +1,7 @@
 """The wheels the GPU machine lacks, for bench/gpu_check.py: it reaches no package registry, so they are
 downloaded here and travel with the repo (name the folder in the device tool's carry).
 
-    python scripts/gpu_wheels.py bench/wheels | sh    # download datasets, dill, multiprocess, fsspec, bitsandbytes
+    python scripts/gpu_wheels.py bench/wheels | sh    # download datasets, dill, multiprocess, fsspec, transformers, peft, bitsandbytes
     python scripts/gpu_wheels.py --slim bench/wheels  # (the last command of those) cut bitsandbytes to CUDA 13
 
 bench/gpu_check.py installs what is in bench/wheels (git-ignored) into a temporary folder before its parts run.
@@ -20,9 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # What the GPU machine lacks of what the parts import (the device docs' package list of its image, 2026-11-17),
 # at the versions CI runs (constraints.txt). fsspec is there, at a version nobody has read: it travels too,
-# since datasets 5.2 wants fsspec<=2026.9.0. bitsandbytes 0.50.2 ships a CUDA 13.0 build (the GPU machine's
+# since datasets 5.2 wants fsspec<=2026.9.0. transformers and peft are there at older versions (5.17, 0.21.0 on
+# 2026-12-04): CI's travel too, so the GPU runs the code CI tests (its tokenizers and hub satisfy transformers'). bitsandbytes 0.50.2 ships a CUDA 13.0 build (the GPU machine's
 # torch is 2.11.0+cu130).
-CARRIED = ("datasets", "dill", "multiprocess", "fsspec")
+CARRIED = ("datasets", "dill", "multiprocess", "fsspec", "transformers", "peft")
 BITSANDBYTES = "0.50.2"
 # bitsandbytes' wheel holds a library for every CUDA, ROCm and XPU version (43 MB): with the repo (about 29 MB)
 # it would not fit the device tool's 64 MiB. Only these stay (--slim).

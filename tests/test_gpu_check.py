@@ -158,14 +158,17 @@ def test_a_part_past_its_limit_is_ended(tmp_path):
 
 
 def test_limits_leave_room_for_the_later_parts():
-    eval_part, *later = gpu_check.PARTS
+    eval_part, *later = gpu_check.select_parts(gpu_check.CALLS[0])
     reserve = sum(p.estimate_s for p in later)
     budget = gpu_check.BUDGET_S
     assert gpu_check.part_limit(eval_part, False, budget, reserve) == min(eval_part.limit_s, budget - reserve)
     assert gpu_check.part_limit(eval_part, False, 100, reserve) == eval_part.estimate_s  # not below its estimate
     assert gpu_check.part_limit(eval_part, False, 30, reserve) == 30  # nor past the budget's end
     assert gpu_check.part_limit(eval_part, True, None, reserve) == 300
-    assert sum(p.estimate_s for p in gpu_check.PARTS) < gpu_check.BUDGET_S  # the whole check fits one device call
+    # the two device calls a lent session makes hold every part once, in order, and each fits one call's budget
+    calls = [gpu_check.select_parts(call) for call in gpu_check.CALLS]
+    assert [p for call in calls for p in call] == list(gpu_check.PARTS)
+    assert all(sum(p.estimate_s for p in call) < gpu_check.BUDGET_S for call in calls)
 
 
 def test_bad_parts_are_one_error_line(capsys):
