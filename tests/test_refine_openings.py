@@ -10,12 +10,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mha2gqa.convert.inputs import OPENING_LENGTH, RefineBudget, opening_count
+from mha2gqa.convert.inputs import OPENING_LENGTH, OPENINGS_PER_STEP, RefineBudget, opening_count
 from mha2gqa.convert.refine import RefineOptions
 from mha2gqa.convert.refine.buffers import opening_sequences
 from mha2gqa.convert.refine.global_stage import heldout_kl
 from mha2gqa.convert.run import convert
 from mha2gqa.errors import InputError
+from mha2gqa.kl import kl_divergence
 
 TEXT = torch.arange(1000, 1400)  # ids a vocabulary of 50,000 mostly lacks: a drawn first token stands out
 
@@ -119,3 +120,37 @@ def test_the_opening_weight_trades_the_openings_against_the_blocks(tmp_path, tin
 def test_a_bad_opening_weight_is_refused_naming_the_flag(weight):
     with pytest.raises(InputError, match=r"--refine-opening-weight .* must be a finite number, 0 or more"):
         RefineOptions(opening_weight=weight).check()
+
+
+def test_the_heldout_openings_are_measured_a_step_of_rows_at_a_time(tiny_src):
+    """Many held-out openings (a large --refine-tokens) are run OPENINGS_PER_STEP rows at a time, so the logits
+    held at once do not grow with the tokens, and the mean KL over their positions is the one of all at once."""
+    parent = AutoModelForCausalLM.from_pretrained(tiny_src, dtype=torch.float32).eval()
+    child = AutoModelForCausalLM.from_pretrained(tiny_src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        child.model.layers[0].self_attn.v_proj.weight.mul_(0.5)
+    vocab = parent.config.vocab_size
+    blocks = torch.randint(vocab, (4, 32), generator=torch.Generator().manual_seed(0))
+    openings = replace(opening_sequences(blocks.reshape(-1), vocab, seed=0, count=1200), weight=1.0)
+    held = openings.split["heldout"]
+    assert len(held) == 150  # three batches: 64, 64, 22
+    rows_seen = []
+    measured = heldout_kl(Counting(parent, rows_seen), Counting(child, rows_seen), blocks, torch.tensor([3]), openings)
+    block_kl = heldout_kl(parent, child, blocks, torch.tensor([3]))
+    with torch.no_grad():
+        rows = openings.ids[held]
+        at_once = float(kl_divergence(parent(rows, use_cache=False).logits, child(rows, use_cache=False).logits))
+    assert measured - block_kl == pytest.approx(at_once, rel=1e-5)
+    assert sorted(rows_seen[2:]) == sorted([OPENINGS_PER_STEP, OPENINGS_PER_STEP, 22] * 2)  # after the block's 1+1
+
+
+class Counting(torch.nn.Module):
+    """A model that notes how many rows each forward was given."""
+
+    def __init__(self, model, seen: list):
+        super().__init__()
+        self.model, self.seen = model, seen
+
+    def forward(self, ids, **kwargs):
+        self.seen.append(len(ids))
+        return self.model(ids, **kwargs)

@@ -403,12 +403,13 @@ def _refine_peak(plan: ConversionPlan, model_bytes: int, seq_len: int) -> int:
 def _global_bytes(config: dict, shape: AttentionShape, seq_len: int, trained: int) -> int:
     """The global stage beyond the two models, float32: for the `trained` attention values their gradients,
     two Adam moments, the best check's copy and float32 masters (when the weights are not float32), one
-    block's activations through every layer kept for the backward, and a few vocabulary-wide rows per
-    token (both models' logits and their log-softmaxes). Roughly: 32 hidden-wide values a token per layer
-    is what SmolLM2's run needed (3.18 GiB peak RSS measured, 2.86 GiB estimated; docs/refine.md)."""
+    block's activations through every layer kept for the backward, and 7 vocabulary-wide rows per token: the
+    KL's (both models' logits, their log-softmaxes, the exp, the difference and the product; the held-out
+    openings go through it a block's worth at a time). Roughly: 32 hidden-wide values a token per layer is what
+    SmolLM2's run needed (3.25 and 3.32 GiB peak RSS measured on two seeds, 3.28 GiB estimated; docs/refine.md)."""
     vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else 0
     activations = shape.layers * seq_len * (32 * shape.hidden + shape.heads * seq_len) * 4
-    return 5 * trained * 4 + activations + 4 * seq_len * vocab * 4
+    return 5 * trained * 4 + activations + 7 * seq_len * vocab * 4
 
 
 def _forward_bytes(shape: AttentionShape, seq_len: int) -> int:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mha2gqa.convert.inputs import OPENINGS_PER_STEP
 from mha2gqa.convert.options import RefineOptions
 from mha2gqa.convert.refine.buffers import Openings, mini_batches
 from mha2gqa.kl import kl_divergence
@@ -65,9 +66,16 @@ def heldout_kl(parent, model, blocks: torch.Tensor, heldout: torch.Tensor, openi
             total += float(kl_divergence(parent(block, use_cache=False).logits, model(block, use_cache=False).logits))
         opening_kl = 0.0
         if openings is not None:
-            rows = openings.ids[openings.split["heldout"]].to(device)
-            kl = float(kl_divergence(parent(rows, use_cache=False).logits, model(rows, use_cache=False).logits))
-            opening_kl = openings.weight * kl
+            # OPENINGS_PER_STEP rows at a time, as a fit step takes them: the logits of all the held-out openings
+            # at once, and the KL's vocabulary-wide terms, grew with --refine-tokens (7 x 226 MB at SmolLM2's
+            # 144 held-out openings of 73,728 tokens) past the peak the plan estimates.
+            kl_sum, positions = 0.0, 0
+            for chunk in openings.split["heldout"].split(OPENINGS_PER_STEP):
+                rows = openings.ids[chunk].to(device)
+                parent_logits, logits = parent(rows, use_cache=False).logits, model(rows, use_cache=False).logits
+                per_position = kl_divergence(parent_logits, logits, reduction="none")
+                kl_sum, positions = kl_sum + float(per_position.sum()), positions + per_position.numel()
+            opening_kl = openings.weight * kl_sum / positions
     return total / len(heldout) + opening_kl
 
 
