@@ -18,8 +18,9 @@ run. Without CUDA the tests skip, unless --smoke asks for their toy sizes on CPU
   5 qlora           trainable: lora with load_in_4bit, 5 steps, merged into a plain checkpoint that loads
   6 recovery        the real model's recovery: bench/recovery_real.py --recipe distill-parent-gpu from the mean and
                     the calibrated + --refine start, ratio to the parent per probe domain at 131k, 262k and 1.05M
-                    distillation tokens (the parent: RECOVERY_PARENT, else the embedded model); how many tokens
-                    close the gap. Last, it gets what is left of the budget, and keeps the starts it finished
+                    distillation tokens (the parent: RECOVERY_PARENT, else the embedded model;
+                    scripts/gpu_smollm2.py brings SmolLM2 there); how many tokens close the gap. Last, it gets
+                    what is left of the budget, and keeps the starts it finished
 Writes gpu_check.json (every number), gpu_check.md (the same as one table) and gpu_check.log (every part's output)
 to $OUT, or --out, or .bench/gpu-check.
 
@@ -78,7 +79,7 @@ PARTS = (  # estimates: the first H200 run, 2026-12-04 (bench/results/gpu/), rou
     Part("qlora", "trainable: lora + load_in_4bit, 5 steps, merged into a plain checkpoint", 20, 60, 8),
     # measured: the embedded parent's mean start in 180 s, most of it drawing 1.05M tokens of the parent's samples
     Part(
-        "recovery", "distill-parent-gpu from two starts: ratio to the parent per domain up to 1M tokens", 270, 420, 90
+        "recovery", "distill-parent-gpu from two starts: ratio to the parent per domain up to 1M tokens", 270, 540, 90
     ),
 )
 # The parts do not fit one device call (600 s): a lent session runs them as these two calls, back to back (the

@@ -4,7 +4,7 @@ checkpoint at each stop is what a shorter run reaches), from the mean-pooled and
 each point's perplexity ratio to the parent on the four probe domains: how many distillation tokens close the gap.
 
 The parent is RECOVERY_PARENT, a model folder on the GPU machine (SmolLM2-135M-Instruct is the one measured on CPU:
-docs/uptrain.md, "Recovery of a real model", says how to bring it); where it is unset, the embedded model (8 -> 1 kv
+scripts/gpu_smollm2.py brings it there in pieces and builds it); where it is unset, the embedded model (8 -> 1 kv
 heads), and the skipped list says so. The bench runs in a process of its own, ended before the part's time limit
 (GPU_CHECK_LIMIT_S): the starts it finished by then are kept. Smoke: bench's --smoke sizes on CPU."""
 
