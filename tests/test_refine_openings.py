@@ -46,12 +46,8 @@ def test_the_opening_count_follows_the_blocks_and_the_plan_costs_them():
 
 
 def test_the_global_stages_heldout_measure_counts_the_openings(tiny_src):
-    parent = AutoModelForCausalLM.from_pretrained(tiny_src, dtype=torch.float32).eval()
-    child = AutoModelForCausalLM.from_pretrained(tiny_src, dtype=torch.float32).eval()
-    with torch.no_grad():
-        child.model.layers[0].self_attn.v_proj.weight.mul_(0.5)
+    parent, child, blocks = parent_child_and_blocks(tiny_src)
     vocab = parent.config.vocab_size
-    blocks = torch.randint(vocab, (4, 32), generator=torch.Generator().manual_seed(0))
     openings = opening_sequences(blocks.reshape(-1), vocab, seed=0, count=16)
     heldout = torch.tensor([3])
     alone = heldout_kl(parent, child, blocks, heldout)
@@ -125,12 +121,8 @@ def test_a_bad_opening_weight_is_refused_naming_the_flag(weight):
 def test_the_heldout_openings_are_measured_a_step_of_rows_at_a_time(tiny_src):
     """Many held-out openings (a large --refine-tokens) are run OPENINGS_PER_STEP rows at a time, so the logits
     held at once do not grow with the tokens, and the mean KL over their positions is the one of all at once."""
-    parent = AutoModelForCausalLM.from_pretrained(tiny_src, dtype=torch.float32).eval()
-    child = AutoModelForCausalLM.from_pretrained(tiny_src, dtype=torch.float32).eval()
-    with torch.no_grad():
-        child.model.layers[0].self_attn.v_proj.weight.mul_(0.5)
+    parent, child, blocks = parent_child_and_blocks(tiny_src)
     vocab = parent.config.vocab_size
-    blocks = torch.randint(vocab, (4, 32), generator=torch.Generator().manual_seed(0))
     openings = replace(opening_sequences(blocks.reshape(-1), vocab, seed=0, count=1200), weight=1.0)
     held = openings.split["heldout"]
     assert len(held) == 150  # three batches: 64, 64, 22
@@ -142,6 +134,16 @@ def test_the_heldout_openings_are_measured_a_step_of_rows_at_a_time(tiny_src):
         at_once = float(kl_divergence(parent(rows, use_cache=False).logits, child(rows, use_cache=False).logits))
     assert measured - block_kl == pytest.approx(at_once, rel=1e-5)
     assert sorted(rows_seen[2:]) == sorted([OPENINGS_PER_STEP, OPENINGS_PER_STEP, 22] * 2)  # after the block's 1+1
+
+
+def parent_child_and_blocks(src):
+    """The tiny model, a copy with one layer's v_proj halved, and 4 blocks of 32 random tokens."""
+    parent = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    child = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        child.model.layers[0].self_attn.v_proj.weight.mul_(0.5)
+    blocks = torch.randint(parent.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    return parent, child, blocks
 
 
 class Counting(torch.nn.Module):
