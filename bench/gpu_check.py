@@ -25,10 +25,10 @@ Writes gpu_check.json (every number), gpu_check.md (the same as one table) and g
 to $OUT, or --out, or .bench/gpu-check.
 
 The GPU machine has its own python3 with torch, transformers, accelerate, peft and pytest (2026-12-04: torch 2.11,
-transformers 5.17, peft 0.21.0), but no datasets and no bitsandbytes, and reaches no package registry. Wheels put in bench/wheels (`python scripts/gpu_wheels.py
-bench/wheels` prints the commands that fill it, run here; the folder is git-ignored: name it in the device tool's
-carry) are installed into a temporary folder before the parts run. The package itself needs no install: this
-script puts the repo root on every part's PYTHONPATH.
+transformers 5.17, peft 0.21.0), but no datasets and no bitsandbytes, and reaches no package registry. Wheels put
+in bench/wheels (`python scripts/gpu_wheels.py bench/wheels` prints the commands that fill it, run here; the folder
+is git-ignored: name it in the device tool's carry) are installed into a temporary folder before the parts run.
+The package itself needs no install: this script puts the repo root on every part's PYTHONPATH.
 """
 
 from __future__ import annotations

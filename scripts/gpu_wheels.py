@@ -1,7 +1,8 @@
 """The wheels the GPU machine lacks, for bench/gpu_check.py: it reaches no package registry, so they are
 downloaded here and travel with the repo (name the folder in the device tool's carry).
 
-    python scripts/gpu_wheels.py bench/wheels | sh    # download datasets, dill, multiprocess, fsspec, transformers, peft, bitsandbytes
+    python scripts/gpu_wheels.py bench/wheels | sh    # download datasets, dill, multiprocess, fsspec, transformers,
+                                                      # peft and bitsandbytes
     python scripts/gpu_wheels.py --slim bench/wheels  # (the last command of those) cut bitsandbytes to CUDA 13
 
 bench/gpu_check.py installs what is in bench/wheels (git-ignored) into a temporary folder before its parts run.
@@ -20,12 +21,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # What the GPU machine lacks of what the parts import (the device docs' package list of its image, 2026-11-17),
 # at the versions CI runs (constraints.txt). fsspec is there, at a version nobody has read: it travels too,
-# since datasets 5.2 wants fsspec<=2026.9.0. transformers and peft are there at older versions (5.17, 0.21.0 on
-# 2026-12-04): CI's travel too, so the GPU runs the code CI tests (its tokenizers and hub satisfy transformers'). bitsandbytes 0.50.2 ships a CUDA 13.0 build (the GPU machine's
-# torch is 2.11.0+cu130).
+# since datasets 5.2 wants fsspec<=2026.9.0. transformers and peft are there at older versions (5.17 and 0.21.0 on
+# 2026-12-04): CI's travel too, so the GPU runs what CI tests (the image's tokenizers and hub satisfy them).
+# bitsandbytes 0.50.2 ships a CUDA 13.0 build (the GPU machine's torch is 2.11.0+cu130).
 CARRIED = ("datasets", "dill", "multiprocess", "fsspec", "transformers", "peft")
 BITSANDBYTES = "0.50.2"
-# bitsandbytes' wheel holds a library for every CUDA, ROCm and XPU version (43 MB): with the repo (about 29 MB)
+# bitsandbytes' wheel holds a library for every CUDA, ROCm and XPU version (43 MB): with the repo (about 31 MB)
 # it would not fit the device tool's 64 MiB. Only these stay (--slim).
 BNB_KEPT = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so", "libbitsandbytes_cuda132.so")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
