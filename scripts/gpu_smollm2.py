@@ -37,9 +37,14 @@ class SplitError(Exception):
 
 
 def repo_bytes() -> int:
-    """What every device call carries before the pieces: the files git tracks (the untracked ones are few)."""
-    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    return sum((ROOT / n).stat().st_size for n in names.decode().split("\0") if n and (ROOT / n).is_file())
+    """What every device call carries before the pieces: the files git tracks (the untracked ones are few), or
+    every file outside .git where this is no git checkout (an exported tree)."""
+    done = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True)
+    if done.returncode == 0 and done.stdout:
+        files = [ROOT / name for name in done.stdout.decode().split("\0") if name]
+    else:
+        files = [path for path in ROOT.rglob("*") if ".git" not in path.relative_to(ROOT).parts]
+    return sum(path.stat().st_size for path in files if path.is_file())
 
 
 def package_gguf() -> Path:
