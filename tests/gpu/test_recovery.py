@@ -11,8 +11,10 @@ heads), and the skipped list says so. The bench runs in a process of its own, en
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from gpu_common import MARKS, ROOT, embedded, needs
 
@@ -51,6 +53,10 @@ def test_recovery(part):
     except subprocess.TimeoutExpired:
         finished = False
     found = json.loads(out.read_text()) if out.is_file() else {"starts": {}}
+    if os.environ.get("OUT") and not part.smoke:  # the device tool brings $OUT back: the whole record and its plot
+        for made in (out, part.work / "recovery.png"):
+            if made.is_file():
+                shutil.copy(made, Path(os.environ["OUT"]) / made.name)
     part.result = result = {
         "parent": parent,
         "finished": finished,
