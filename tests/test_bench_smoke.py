@@ -151,6 +151,14 @@ def test_sampling_speed_smoke_times_both_draws():
     assert all(finite(t) and t > 0 for t in rows[0]["ms_per_token"].values()) and finite(rows[0]["speedup"])
 
 
+def test_sampling_gpu_smoke_times_three_ways_on_both_paths_of_the_draw():
+    rows = [json.loads(line) for line in run_smoke("sampling_gpu.py").splitlines() if line.startswith("{")]
+    assert [(row["temperature"], row["wide_rows"]) for row in rows] == [(1.0, 1.0), (0.05, 0.0)]
+    for row in rows:
+        assert set(row["ms_per_step"]) == {"forward", "cpu_draw", "shipped"}
+        assert all(finite(t) and t > 0 for t in row["ms_per_step"].values())
+
+
 def test_calibration_domains_scores_given_folders_by_the_rows_measure(tmp_path):
     """--score: a folder that is the parent itself scores 1x on every domain, an --extra text beside them (outside
     the probe set's geometric mean), and --openings finds no window collapsed."""

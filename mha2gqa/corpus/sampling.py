@@ -204,10 +204,12 @@ def nucleus_draw(logits, recipe: SamplingRecipe, generator):
     drawing over the whole vocabulary for every row of a batch that holds one such row was half the cost
     of a sampled token on SmolLM2 (docs/calibration.md). The narrow rows draw first, then the wide ones.
 
-    The softmax, top-k and sort run where the logits are (a GPU, when the model is there); only the candidates
-    come to the CPU, where `generator` (a CPU generator) draws: the draw consumes the generator the same way
-    on every device. Moving the (B, V) logits and ranking them on the CPU took ~0.26 s a step at batch 512 on
-    SmolLM2 (2 cores), most of a GPU sampling step; returns the chosen ids on the CPU."""
+    Everything runs where the logits are (a GPU, when the model is there) except the narrow rows' draw: their
+    candidates come to the CPU, where `generator` (a CPU generator) draws them. A wide row's nucleus spans up
+    to the whole vocabulary, too much to move and draw on the CPU each step (on one H200, SmolLM2 sampled 1k
+    tokens/s at batch 256 that way: gpu_check part 6, 2026-12-04), so on an accelerator it is drawn there by a
+    generator seeded from `generator`: the same draws on each run, a device's own. On the CPU nothing
+    changes. Returns the chosen ids on the CPU."""
     import torch
 
     probs = torch.softmax(logits.float() / recipe.temperature, dim=-1)  # (B, V) float32
@@ -221,8 +223,18 @@ def nucleus_draw(logits, recipe: SamplingRecipe, generator):
         chosen[narrow] = nucleus_pick(ordered[rows].cpu(), order[rows].cpu(), recipe.top_p, generator)
     if bool(wide.any()):
         ranked, ids = probs[wide.to(probs.device)].sort(dim=-1, descending=True)
-        chosen[wide] = nucleus_pick(ranked.cpu(), ids.cpu(), recipe.top_p, generator)
+        chosen[wide] = nucleus_pick(ranked, ids, recipe.top_p, device_generator(generator, probs.device)).cpu()
     return chosen
+
+
+def device_generator(generator, device):
+    """`generator` itself on the CPU; elsewhere a generator on `device` seeded by one draw of `generator`."""
+    import torch
+
+    if device.type == "cpu":
+        return generator
+    seed = int(torch.randint(2**62, (1,), generator=generator))
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def nucleus_pick(ordered, order, top_p: float, generator):
