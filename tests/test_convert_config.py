@@ -184,4 +184,4 @@ def test_the_docs_example_reads_as_written(tmp_path):
         "calibrated",
         ["parent:0.5", "austen:0.5"],
     )
-    assert (options.refine.steps, options.refine.global_steps, options.calibration_tokens) == (40, 0, 36864)
+    assert (options.refine.steps, options.refine.global_steps, options.calibration_tokens) == (40, 0, 73728)

@@ -223,7 +223,8 @@ def test_cli_refine_prints_errors(tmp_path, tiny_src, calibration_file):
 
 
 def test_default_refine_tokens_scale_with_hidden_size(tmp_path, tiny_src, calibration_file):
-    """Unset, --refine uses 64 x hidden tokens (a tiny model with hidden 8 -> 512: 8 blocks of 64)."""
+    """Unset, --refine uses 128 x hidden tokens (a tiny model with hidden 8 -> 1,024: 16 blocks of 64, of the 2,048
+    calibration tokens)."""
     src = tmp_path / "src"
     save_tiny_model(src, "llama", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, **SMALL)
     make_tiny_tokenizer(src)
@@ -232,12 +233,12 @@ def test_default_refine_tokens_scale_with_hidden_size(tmp_path, tiny_src, calibr
         tmp_path / "dst",
         2,
         calibration=calibration_file,
-        calibration_tokens=1024,
+        calibration_tokens=2048,
         refine=RefineOptions(steps=2),
         progress=False,
     ).refine
     assert record["options"]["tokens"] is None
-    assert record["fit_tokens"] + record["heldout_tokens"] == 64 * 8
+    assert record["fit_tokens"] + record["heldout_tokens"] == 128 * 8
 
 
 @pytest.mark.slow  # ~2 minutes on 2 busy cores: four CLI conversions of the embedded model

@@ -15,7 +15,7 @@ from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 import mha2gqa.convert.calibration as calibration_module
 import mha2gqa.eval.run as eval_run
-from mha2gqa.convert.options import RefineOptions
+from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN, RefineOptions
 from mha2gqa.corpus import textdata
 from mha2gqa.eval.report import write_report
 from mha2gqa.eval.schema import load_results
@@ -386,4 +386,44 @@ def test_resume_reads_a_sweep_json_written_before_the_opening_weight(
         assert folder.earlier_sweep(out, record)["schema"] == earlier["schema"]
     else:
         with pytest.raises(InputError, match="--resume: --refine differs from the sweep"):
+            folder.earlier_sweep(out, record)
+
+
+@pytest.mark.parametrize(
+    "recorded, calibration_tokens, refine, continues",
+    [
+        (None, None, True, False),  # before the key: 64 x hidden, unset counts mean 128 x hidden now
+        (None, 4096, True, False),  # --refine's tokens are still unset
+        (None, 4096, False, True),  # every count given: the default does not matter
+        (REFINE_TOKENS_PER_HIDDEN, None, True, True),
+    ],
+)
+def test_resume_refuses_a_sweep_run_under_another_default_token_count(
+    tiny, tmp_path, recorded, calibration_tokens, refine, continues
+):
+    """A sweep.json records what unset token counts meant (tokens_per_hidden); one from before the default
+    doubled (2026-12-04) lacks it and ran at 64 x hidden: --resume continues it only where no count is unset."""
+    from mha2gqa.errors import InputError
+    from mha2gqa.layouts import read_config
+
+    src, out = tiny / "src", tmp_path / "out"
+    options = SweepOptions(
+        out=str(out),
+        refine=RefineOptions() if refine else None,
+        calibration=str(tiny / "cal.txt"),
+        calibration_tokens=calibration_tokens,
+        progress=False,
+    )
+    record = folder.new_record(src, src, read_config(src), options, [])
+    assert record["settings"]["tokens_per_hidden"] == REFINE_TOKENS_PER_HIDDEN == 128
+    earlier = json.loads(json.dumps(record))
+    del earlier["settings"]["tokens_per_hidden"]
+    if recorded is not None:
+        earlier["settings"]["tokens_per_hidden"] = recorded
+    out.mkdir()
+    (out / "sweep.json").write_text(json.dumps(earlier))
+    if continues:
+        assert folder.earlier_sweep(out, record)["schema"] == earlier["schema"]
+    else:
+        with pytest.raises(InputError, match=r"meant 64 x hidden; they mean 128 x hidden now: start a new sweep"):
             folder.earlier_sweep(out, record)

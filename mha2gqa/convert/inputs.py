@@ -26,7 +26,7 @@ OPENINGS_PER_STEP = 64
 
 
 def opening_count(block_tokens: int) -> int:
-    """How many openings refine fits beside `block_tokens` tokens of blocks (576 beside SmolLM2's 36,864)."""
+    """How many openings refine fits beside `block_tokens` tokens of blocks (1,152 beside SmolLM2's 73,728)."""
     return max(16, round(block_tokens * OPENING_SHARE / OPENING_LENGTH))
 
 
@@ -96,7 +96,7 @@ class RefineBudget:
     (the real counts follow the data, which may be shorter than --calibration-tokens)."""
 
     seq_len: int
-    wanted_tokens: int  # --refine-tokens, or 64 x hidden
+    wanted_tokens: int  # --refine-tokens, or 128 x hidden
     blocks: int = 0  # planned, from --calibration-tokens
     fit_blocks: int = 0
     heldout_blocks: int = 0
@@ -130,7 +130,7 @@ class RefineBudget:
 
 
 def default_tokens(pairs: list[tuple[str, float | None]], hidden: int) -> int:
-    """--calibration-tokens when unset: 131,072 of a text; 64 x hidden when the parent's samples are part of
+    """--calibration-tokens when unset: 131,072 of a text; 128 x hidden when the parent's samples are part of
     it (a sampled token costs a forward of its own: the tokens refine fits on, not more)."""
     if any(name == PARENT for name, _ in pairs):
         return REFINE_TOKENS_PER_HIDDEN * hidden

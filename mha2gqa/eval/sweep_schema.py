@@ -4,7 +4,7 @@ below both, so that the reader of results does not import the sweep.
 Top-level keys:
   schema          "mha2gqa.sweep/1"
   source          path, resolved, config_sha256, model_type, kv_heads, lineage
-  settings        the SweepOptions (asdict), as run
+  settings        the SweepOptions (asdict), as run, and tokens_per_hidden: what unset token counts meant
   context         the model's max_position_embeddings (KV bytes per sequence are given at it)
   planned         candidate names, in the order they run
   parent          {perplexity, kv_bytes_per_token, kv_bytes_per_sequence, result}: `result` is an eval result

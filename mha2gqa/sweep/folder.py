@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mha2gqa import jsontext, provenance
 from mha2gqa.convert.inputs import stats_bytes
-from mha2gqa.convert.options import current_refine_fields
+from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN, REFINE_TOKENS_PER_HIDDEN_BEFORE, current_refine_fields
 from mha2gqa.errors import InputError
 from mha2gqa.eval import schema
 from mha2gqa.eval.sweep_schema import SWEEP_SCHEMA
@@ -65,6 +65,7 @@ def new_record(src, source: Path, config: dict, options: SweepOptions, candidate
 
     settings = asdict(options)
     settings["refine"] = asdict(options.refine) if options.refine else None
+    settings["tokens_per_hidden"] = REFINE_TOKENS_PER_HIDDEN  # what unset token counts meant (earlier_sweep)
     return {
         "schema": SWEEP_SCHEMA,
         "source": {
@@ -111,7 +112,21 @@ def earlier_sweep(out: Path, record: dict) -> dict:
                 f"--resume: {flag} differs from the sweep in {out} (it ran with {found['settings'].get(key)!r}): "
                 f"pass the same {flag}, or start a new sweep with --force"
             )
+    check_default_tokens(out, found["settings"], record["settings"])
     return found
+
+
+def check_default_tokens(out: Path, recorded: dict, now: dict) -> None:
+    """Unset token counts (--calibration-tokens; --refine's tokens, which a sweep does not set) meant
+    tokens_per_hidden x hidden when the earlier sweep ran: a sweep.json without the key ran at the default
+    before it was recorded. Continuing it under another default would mix candidates fitted on other counts."""
+    before = recorded.get("tokens_per_hidden", REFINE_TOKENS_PER_HIDDEN_BEFORE)
+    unset = now["calibration_tokens"] is None or (now["refine"] is not None and now["refine"]["tokens"] is None)
+    if unset and before != now["tokens_per_hidden"]:
+        raise InputError(
+            f"--resume: the sweep in {out} ran when unset calibration and --refine token counts meant {before} x "
+            f"hidden; they mean {now['tokens_per_hidden']} x hidden now: start a new sweep with --force"
+        )
 
 
 def keep_finished(record: dict, earlier: dict) -> None:

@@ -45,7 +45,7 @@ class SweepOptions:
     every token; None in Python)."""
     calibration_tokens: int | None = None
     """Calibration tokens run through the source, once for the whole sweep (unset: convert's default, 131,072
-    of a text, 64 x hidden of the parent's samples)."""
+    of a text, 128 x hidden of the parent's samples)."""
     tolerance: float = DEFAULT_TOLERANCE
     """How much worse than the parent's perplexity a recommended candidate may be, as a fraction (0.05 =
     5%), in the geometric mean over the --data domains; any one domain may be at most twice as much worse;

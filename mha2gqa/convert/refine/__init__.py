@@ -11,7 +11,7 @@ every layout the merge supports is refined exactly as it runs and the checkpoint
 
 Cost is linear in depth: the parent's embeddings give the first layer's input (forwards stopped at
 layer 0); after that both models' hidden states are carried forward one layer at a time (never
-re-running the prefix). The fit uses `tokens` of the calibration tokens (default 64 x hidden).
+re-running the prefix). The fit uses `tokens` of the calibration tokens (default 128 x hidden).
 Nothing is read back from disk: the converted model is the parent's modules with the merged attention
 (every other tensor shared with the loaded parent, or its --dtype cast), and the refined tensors go to
 run.py's one writer pass. Memory: the parent, the converted attention, and four (tokens, hidden)
