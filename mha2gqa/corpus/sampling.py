@@ -206,8 +206,8 @@ def nucleus_draw(logits, recipe: SamplingRecipe, generator):
 
     Everything runs where the logits are (a GPU, when the model is there) except the narrow rows' draw: their
     candidates come to the CPU, where `generator` (a CPU generator) draws them. A wide row's nucleus spans up
-    to the whole vocabulary, too much to move and draw on the CPU each step (on one H200, SmolLM2 sampled 1k
-    tokens/s at batch 256 that way: gpu_check part 6, 2026-12-04), so on an accelerator it is drawn there by a
+    to the whole vocabulary, too much to move and draw on the CPU each step (on one H200, SmolLM2 sampled about
+    1,400 tokens/s at batch 256 that way: gpu_check part 6, 2026-12-04), so on an accelerator it is drawn there by a
     generator seeded from `generator`: the same draws on each run, a device's own. On the CPU nothing
     changes. Returns the chosen ids on the CPU."""
     import torch

@@ -21,8 +21,9 @@ from gpu_common import MARKS, ROOT, embedded, needs
 pytestmark = MARKS
 
 STEPS = "2,4,16"  # of 65,536 tokens: 131,072, 262,144 and 1,048,576 tokens (the CPU run's last point is 102,400)
-# 512 sequences of 2,048 at once (the KV cache of SmolLM2 in bf16: 24 GiB): one forward a token through the cache,
-# so a wide batch is what keeps it cheap (corpus/sampling.py ranks on the GPU, draws the seeded token on the CPU).
+# 512 sequences of 2,048, 256 at once of each kind (random starts, then chat turns): one forward a token through the
+# KV cache, so a wide batch is what keeps it cheap; corpus/sampling.py ranks and draws on the GPU (2026-12-04: before,
+# the CPU drew every token and SmolLM2's 1.05M took over 8 min, docs/benchmarks.md#gpu-check-benchgpu_checkpy).
 SAMPLING = '{"batch": 512}'
 MARGIN_S = 30  # of the part's limit, left to pytest to write what the bench finished
 
