@@ -5,6 +5,10 @@
     python3 bench/gpu_check.py --parts 3,5     # rerun only some parts (numbers or names)
     python3 bench/gpu_check.py --smoke         # the same code at toy sizes on CPU (run by a test)
 
+Until part 6 has measured the real model (issue 36, item 4), a lent session spends its device time on that first:
+`python scripts/gpu_smollm2.py split bench/real` prints its four calls (about 700 s with the start; the last is
+`RECOVERY_PARENT=/tmp/smollm2 python3 bench/gpu_check.py --parts recovery`), then part 3 if time is left.
+
 Parts, in order, each a pytest module of tests/gpu (marker `gpu`) run in a process of its own under its own time
 limit (the estimate printed before it starts); a failure is recorded with its traceback and the later parts still
 run. Without CUDA the tests skip, unless --smoke asks for their toy sizes on CPU:
