@@ -88,21 +88,25 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = LlamaForCausalLM(config).to(device, dtype).eval()
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "batch": args.batch}
-    result |= {"steps": args.steps, "torch": torch.__version__, "rows": []}
-    for temperature in (1.0, 0.05):
-        step_ms(model, args.batch, 4, temperature, "shipped", device)  # warm-up: kernels, allocator
-        times = {way: [] for way in ("forward", "cpu_draw", "shipped")}
-        for _ in range(args.repeats):
-            for way in times:
-                times[way].append(step_ms(model, args.batch, args.steps, temperature, way, device))
-        row = {"temperature": temperature, "wide_rows": wide_share(model, args.batch, temperature, device)}
-        row |= {"ms_per_step": {way: round(statistics.median(t), 2) for way, t in times.items()}, "runs": times}
-        result["rows"].append(row)
-        print(json.dumps(row), flush=True)
+    result |= {"steps": args.steps, "torch": torch.__version__}
+    result["rows"] = [temperature_row(model, args, temperature, device) for temperature in (1.0, 0.05)]
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def temperature_row(model, args, temperature: float, device) -> dict:
+    """The three ways at one temperature, alternating, --repeats times: medians and every run."""
+    step_ms(model, args.batch, 4, temperature, "shipped", device)  # warm-up: kernels, allocator
+    times = {way: [] for way in ("forward", "cpu_draw", "shipped")}
+    for _ in range(args.repeats):
+        for way in times:
+            times[way].append(step_ms(model, args.batch, args.steps, temperature, way, device))
+    row = {"temperature": temperature, "wide_rows": wide_share(model, args.batch, temperature, device)}
+    row |= {"ms_per_step": {way: round(statistics.median(t), 2) for way, t in times.items()}, "runs": times}
+    print(json.dumps(row), flush=True)
+    return row
 
 
 if __name__ == "__main__":
