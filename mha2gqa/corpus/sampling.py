@@ -215,14 +215,15 @@ def nucleus_draw(logits, recipe: SamplingRecipe, generator):
     probs = torch.softmax(logits.float() / recipe.temperature, dim=-1)  # (B, V) float32
     k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
     ordered, order = probs.topk(k, dim=-1)  # descending
-    wide = (ordered.sum(-1) < recipe.top_p).cpu()
+    wide_there = ordered.sum(-1) < recipe.top_p  # indexes the rows where they are; its CPU copy, `chosen`
+    wide = wide_there.cpu()
     narrow = ~wide
     chosen = torch.empty(len(probs), dtype=torch.long)
     if bool(narrow.any()):
-        rows = narrow.to(probs.device)
+        rows = ~wide_there
         chosen[narrow] = nucleus_pick(ordered[rows].cpu(), order[rows].cpu(), recipe.top_p, generator)
     if bool(wide.any()):
-        ranked, ids = probs[wide.to(probs.device)].sort(dim=-1, descending=True)
+        ranked, ids = probs[wide_there].sort(dim=-1, descending=True)
         chosen[wide] = nucleus_pick(ranked, ids, recipe.top_p, device_generator(generator, probs.device)).cpu()
     return chosen
 
