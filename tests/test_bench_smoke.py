@@ -272,3 +272,20 @@ def test_the_openings_summary_counts_collapsed_windows_and_keeps_each_gap():
     assert summary["gaps"] == {"code": [0.5, 15.5, 0.0], "json": [0.0, 4.5]}
     assert summary["collapsed"] == {"code": 1, "json": 1} and summary["windows"] == {"code": 3, "json": 2}
     assert summary["window_ratio"]["code"] == pytest.approx(math.exp(16.0 / 3), rel=1e-4)
+
+
+def test_sdpa_gqa_path_finds_the_grouped_cache_read_as_it_is_under_the_pinned_transformers(tmp_path):
+    """docs/benchmarks.md's reading of the H200 decode numbers rests on these routes: without a mask SDPA gets
+    enable_gqa, and a one-token step over a StaticCache's mask folds the query heads (pack_gqa), never repeat_kv.
+    A transformers release that routes otherwise fails here, and the docs' explanation with it."""
+    out = tmp_path / "routes.json"
+    done = subprocess.run(
+        [sys.executable, "bench/sdpa_gqa_path.py", "--out", str(out)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    layers, caches = result["layers"], result["caches"]
+    assert caches["dynamic"]["decode"] == {"enable_gqa": layers}
+    assert caches["static"]["decode"] == {"pack_gqa": layers}
+    assert all(phase.get("repeat_kv", 0) == 0 for cache in caches.values() for phase in cache.values())
+    assert "static   decode   pack_gqa 2" in done.stdout
