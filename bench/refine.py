@@ -44,9 +44,9 @@ EXPLORE = {
     "steps200": dict(steps=200),
     "steps200-no-ls": dict(steps=200, solve_output=False),
     "steps200-lr3e-3": dict(steps=200, lr=3e-3),
-    "layerwise": dict(global_steps=0),
+    "layerwise": dict(global_steps=0),  # the layer-wise stage alone (the default before the global stage)
     "global-lr4e-4": dict(global_lr=4e-4),  # the global stage at twice the lr (its held-out KL still falls at step 24)
-    "global48": dict(global_steps=48),  # the layer-wise stage alone (the default before the global stage)
+    "global48": dict(global_steps=48),  # twice the global steps
 }
 
 
