@@ -280,7 +280,11 @@ def test_sdpa_gqa_path_finds_the_grouped_cache_read_as_it_is_under_the_pinned_tr
     A transformers release that routes otherwise fails here, and the docs' explanation with it."""
     out = tmp_path / "routes.json"
     done = subprocess.run(
-        [sys.executable, "bench/sdpa_gqa_path.py", "--out", str(out)], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "bench/sdpa_gqa_path.py", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())

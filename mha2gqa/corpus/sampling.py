@@ -215,7 +215,8 @@ def nucleus_draw(logits, recipe: SamplingRecipe, generator):
     probs = torch.softmax(logits.float() / recipe.temperature, dim=-1)  # (B, V) float32
     k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
     ordered, order = probs.topk(k, dim=-1)  # descending
-    wide_there = ordered.sum(-1) < recipe.top_p  # indexes the rows where they are; its CPU copy, `chosen`
+    # The wide-row mask on the logits' device indexes probs and ordered; its CPU copy indexes `chosen`.
+    wide_there = ordered.sum(-1) < recipe.top_p
     wide = wide_there.cpu()
     narrow = ~wide
     chosen = torch.empty(len(probs), dtype=torch.long)
