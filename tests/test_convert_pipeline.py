@@ -88,7 +88,13 @@ def test_dry_run_prints_every_stage_and_writes_nothing(tmp_path, tiny_src, calib
     assert stages == ["calibrate", "merge", "refine", "refine (global)", "write", "check", "metadata"], lines
     refine = next(line for line in lines if line.startswith("stage 3: refine"))
     assert "up to 448 fit and 64 held-out tokens" in refine  # 512 tokens: 8 blocks of 64, 1 held out
-    assert "up to 24 Adam steps (lr 0.0002" in next(line for line in lines if line.startswith("stage 4: refine"))
+    global_stage = next(line for line in lines if line.startswith("stage 4: refine"))
+    assert "up to 48 Adam steps (lr 0.0002" in global_stage and "checked every 10 steps" in global_stage
+    # 64 held-out block tokens + 2 held-out openings of 8, x a vocabulary of 128 x 4 B
+    assert "the parent's logits on the 80 held-out tokens kept between checks: 40.00 KiB" in global_stage
+    small = ["--refine-memory", "1KiB", "--dry-run"]
+    tight = next(line for line in CliRunner().invoke(main, [*args, *small]).output.splitlines() if "stage 4" in line)
+    assert "are over --refine-memory, so they are computed again at each check" in tight
     off = CliRunner().invoke(main, [*args, "--refine-global-steps", "0", "--dry-run"]).output.splitlines()
     assert [line.split(":")[1].strip() for line in off if line.startswith("stage ")] == [
         "calibrate", "merge", "refine", "write", "check", "metadata"

@@ -310,6 +310,7 @@ def test_sampling_is_costed_by_its_batched_forwards_and_the_tokens_they_draw(tmp
     assert forward_work(18_432, 512, chat=True) == (4 * 512, 36 * 512)  # 18 + 18 sequences: 16 + 2, twice
     assert forward_work(18_432, 512, chat=False) == (3 * 512, 36 * 512)  # 36: 16 + 16 + 4
     assert forward_work(256, 512, chat=True) == (512, 512)  # one sequence, whole
+    assert forward_work(36_864, 512, chat=True, batch=64) == (2 * 512, 72 * 512)  # each kind in one batch
     part = sample_part(1000, 18_432, 512, chat=True)
     assert part.kind == "sample" and part.work == {"steps": 2048 * 1000, "tokens": 18_432 * 1000}
     assert not has_chat_template(tmp_path)
@@ -319,3 +320,22 @@ def test_sampling_is_costed_by_its_batched_forwards_and_the_tokens_they_draw(tmp
     assert not has_chat_template(tmp_path)
     (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
     assert has_chat_template(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "layers, kv_heads, head_dim, batch",
+    [(30, 3, 64, 64), (32, 32, 128, 16), (24, 8, 128, 21), (2, 2, 16, 64)],  # SmolLM2, Llama-2-7B, between, tiny
+)
+def test_convert_samples_as_many_sequences_at_once_as_their_kv_cache_allows(layers, kv_heads, head_dim, batch):
+    """Up to 64 sequences at once while their float32 KV cache at 512 tokens stays within 2 GiB, never fewer than
+    the recipe's 16: SmolLM2 (23.6 MB a sequence) draws its 36 of each kind in one batch, a 7B model (268 MB) in 16s;
+    the plan's memory counts the batch it draws."""
+    from mha2gqa.corpus.sampling import batch_for, cache_bytes
+    from mha2gqa.layouts import attention_shape
+
+    heads = kv_heads * 3
+    config = {"model_type": "llama", "num_hidden_layers": layers, "num_attention_heads": heads, "vocab_size": 1000}
+    config |= {"num_key_value_heads": kv_heads, "hidden_size": heads * head_dim, "max_position_embeddings": 2048}
+    assert batch_for(config, 512) == batch
+    per_sequence = 2 * layers * kv_heads * head_dim * 512 * 4
+    assert cache_bytes(config, attention_shape(config), 512, batch) == batch * (per_sequence + 4 * 1000 * 4)

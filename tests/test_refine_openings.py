@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from mha2gqa.convert.inputs import OPENING_LENGTH, OPENINGS_PER_STEP, RefineBudget, opening_count
 from mha2gqa.convert.refine import RefineOptions
 from mha2gqa.convert.refine.buffers import opening_sequences
-from mha2gqa.convert.refine.global_stage import heldout_kl
+from mha2gqa.convert.refine.global_stage import ParentTargets, heldout_kl
 from mha2gqa.convert.run import convert
 from mha2gqa.errors import InputError
 from mha2gqa.kl import kl_divergence
@@ -40,9 +40,21 @@ def test_openings_open_on_any_token_and_continue_with_text():
 
 def test_the_opening_count_follows_the_blocks_and_the_plan_costs_them():
     assert opening_count(36_864) == 576 and opening_count(64) == 16
-    budget = RefineBudget(512, 36_864, blocks=72)
+    budget = RefineBudget(512, 36_864, blocks=72, heldout_blocks=9)
     assert budget.openings == 576 and budget.opening_tokens == 576 * OPENING_LENGTH
     assert budget.opening_tokens_per_step == 64 * OPENING_LENGTH
+    assert budget.heldout_tokens == 9 * 512 + 72 * OPENING_LENGTH  # the last 1/8 of the openings held out too
+
+
+@pytest.mark.parametrize("steps, checks", [(48, 6), (40, 5), (9, 2), (1, 2), (0, 0)])
+def test_the_plan_counts_the_global_stages_checks_and_their_forwards(steps, checks):
+    """The start's check, one every 10 steps and the last step's; both models at the first, the converted model alone
+    at the rest while the parent's logits fit the memory (9,216 + 1,152 held-out tokens x 49,152 x 4 B = 1.90 GiB)."""
+    budget = RefineBudget(512, 73_728, blocks=144, heldout_blocks=18)
+    assert budget.heldout_tokens == 10_368 and budget.global_checks(steps) == checks
+    if steps:
+        assert budget.global_check_forwards(steps, 49_152, 2 << 30) == 10_368 * (2 + (checks - 1))
+        assert budget.global_check_forwards(steps, 49_152, 1 << 30) == 10_368 * 2 * checks
 
 
 def test_the_global_stages_heldout_measure_counts_the_openings(tiny_src):
@@ -134,6 +146,24 @@ def test_the_heldout_openings_are_measured_a_step_of_rows_at_a_time(tiny_src):
         at_once = float(kl_divergence(parent(rows, use_cache=False).logits, child(rows, use_cache=False).logits))
     assert measured - block_kl == pytest.approx(at_once, rel=1e-5)
     assert sorted(rows_seen[2:]) == sorted([OPENINGS_PER_STEP, OPENINGS_PER_STEP, 22] * 2)  # after the block's 1+1
+
+
+@pytest.mark.parametrize("memory, parent_forwards", [(1 << 30, 1 + 3), (1000, 2 * (1 + 3))])
+def test_the_parents_heldout_logits_are_kept_between_checks_when_they_fit(tiny_src, memory, parent_forwards):
+    """Two checks: within --refine-memory the parent runs at the first only (its held-out block, its three batches of
+    openings), over it at both; the KL is the same to the bit either way, and the same as without ParentTargets."""
+    parent, child, blocks = parent_child_and_blocks(tiny_src)
+    openings = replace(opening_sequences(blocks.reshape(-1), parent.config.vocab_size, seed=0, count=1200), weight=1.0)
+    parent_rows, child_rows = [], []
+    counted_parent, counted_child = Counting(parent, parent_rows), Counting(child, child_rows)
+    targets = ParentTargets(counted_parent, memory)
+    first, second = (heldout_kl(counted_parent, counted_child, blocks, torch.tensor([3]), openings, targets) for _ in "ab")
+    assert len(parent_rows) == parent_forwards and len(child_rows) == 2 * (1 + 3)
+    assert targets.keep == (memory == 1 << 30)
+    assert first == second == heldout_kl(parent, child, blocks, torch.tensor([3]), openings)
+    held_positions = 32 + 150 * OPENING_LENGTH
+    assert targets.positions == held_positions
+    assert sum(t.numel() for t in targets.kept.values()) == (held_positions * parent.config.vocab_size if targets.keep else 0)
 
 
 def parent_child_and_blocks(src):

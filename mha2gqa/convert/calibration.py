@@ -197,12 +197,16 @@ def read_ids(source: Path, calibration: CalibrationInput, parent, seed: int, pro
     from transformers import AutoTokenizer
 
     from mha2gqa.corpus import sampling
+    from mha2gqa.layouts import read_config
 
     tokenizer = AutoTokenizer.from_pretrained(source)
+    batch = sampling.batch_for(read_config(source), calibration.seq_len)
     per_part, parts = [], []
     for part in calibration.parts:
         if part.sampled:
-            ids = sampling.sample_ids(parent, tokenizer, part.tokens, calibration.seq_len, seed, progress=progress)
+            ids = sampling.sample_ids(
+                parent, tokenizer, part.tokens, calibration.seq_len, seed, progress=progress, batch=batch
+            )
         else:
             texts = textdata.iter_texts(part.text, piece_chars=CALIBRATION_PIECE_CHARS, end_with_blank_line=True)
             ids = calibration_ids(tokenizer, texts, part.tokens, part.name)
@@ -213,7 +217,7 @@ def read_ids(source: Path, calibration: CalibrationInput, parent, seed: int, pro
     ids = per_part[0] if len(per_part) == 1 else interleave_blocks(per_part, calibration.seq_len)
     record = {"data": calibration.spec, "tokens_requested": calibration.tokens, "parts": parts}
     if any(part.sampled for part in calibration.parts):
-        record["sampling"] = sampling.sampling_record(parent, tokenizer, calibration.seq_len, seed)
+        record["sampling"] = sampling.sampling_record(parent, tokenizer, calibration.seq_len, seed, batch=batch)
     return ids, record
 
 

@@ -17,6 +17,9 @@ from mha2gqa.errors import InputError
 CALIBRATION_SEQ_LEN = 512  # tokens per calibration block, or the model's context when shorter
 CALIBRATION_BATCH = 8  # blocks per calibration forward (calibration.collect_statistics)
 HOLDOUT_FRACTION = 1 / 8  # of the refine blocks, held out to check each layer's fit
+# The global stage checks the held-out KL every 10 steps, not 5: a check costs about two plain steps on a CPU
+# (SmolLM2, 2 cores), and the best step was the last one on 14 of 15 SmolLM2 conversions checked every 5.
+GLOBAL_CHECK_EVERY = 10
 # refine's openings (refine/buffers.py opening_sequences): short sequences whose first tokens cover the vocabulary,
 # fitted beside the blocks so that the child keeps the parent's first-position state (the attention sink) for
 # whatever token a window opens with; OPENINGS_PER_STEP of them join every Adam step of both stages.
@@ -127,6 +130,33 @@ class RefineBudget:
     def opening_tokens_per_step(self) -> int:
         """The openings' tokens in each Adam step of either stage."""
         return min(OPENINGS_PER_STEP, self.openings - self.heldout_of(self.openings)) * OPENING_LENGTH
+
+    @property
+    def heldout_tokens(self) -> int:
+        """The positions a held-out check of the global stage scores: the held-out blocks' and openings'."""
+        return self.heldout_blocks * self.seq_len + self.heldout_of(self.openings) * OPENING_LENGTH
+
+    def keeps_parent_targets(self, vocab: int, memory: int) -> bool:
+        """Whether the global stage keeps the parent's held-out logits between checks (global_stage.ParentTargets):
+        when they fit --refine-memory."""
+        return heldout_targets_bytes(self.heldout_tokens, vocab) <= memory
+
+    def global_check_forwards(self, steps: int, vocab: int, memory: int) -> int:
+        """The token forwards of the held-out checks of a global stage of `steps` steps that runs to its end: both
+        models at the first check, then the converted model alone where the parent's logits are kept."""
+        later = self.global_checks(steps) - 1
+        return self.heldout_tokens * (2 + later * (1 if self.keeps_parent_targets(vocab, memory) else 2))
+
+    def global_checks(self, steps: int) -> int:
+        """The held-out checks of a global stage of `steps` steps that runs to its end: the start's, one every
+        GLOBAL_CHECK_EVERY steps and the last step's."""
+        return 1 + steps // GLOBAL_CHECK_EVERY + (steps % GLOBAL_CHECK_EVERY > 0) if steps else 0
+
+
+def heldout_targets_bytes(heldout_tokens: int, vocab: int) -> int:
+    """What the global stage keeps of the parent between checks (refine/global_stage.ParentTargets): its
+    float32 logits at every held-out position."""
+    return heldout_tokens * vocab * 4
 
 
 def default_tokens(pairs: list[tuple[str, float | None]], hidden: int) -> int:

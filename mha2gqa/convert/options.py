@@ -27,7 +27,7 @@ DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held a
 DEFAULT_REFINE_STEPS = 50
 DEFAULT_REFINE_LR = 1e-3
 DEFAULT_REFINE_MEMORY = 4 << 30
-DEFAULT_REFINE_GLOBAL_STEPS = 24  # 0.75 of a pass over the default fit blocks of a hidden-576 model (docs/refine.md)
+DEFAULT_REFINE_GLOBAL_STEPS = 48  # 1.5 passes over the default fit blocks of a hidden-576 model (docs/calibration.md)
 DEFAULT_REFINE_GLOBAL_LR = 2e-4
 DEFAULT_REFINE_OPENING_WEIGHT = 0.25  # an opening token weighs as a block token (docs/calibration.md)
 # Default --refine-tokens per unit of hidden size, and the parent's samples' default --calibration-tokens: 128 x
@@ -92,7 +92,9 @@ class RefineOptions:
     memory: int = DEFAULT_REFINE_MEMORY
     """Most memory for one layer's activations during --refine (4 x tokens x hidden float32), a size such as
     4GiB (in Python: bytes); beyond it they are memory-mapped files inside DST's partial folder (their room
-    is checked and reserved before the run, and a killed run's are removed with its other debris)."""
+    is checked and reserved before the run, and a killed run's are removed with its other debris). The
+    global stage keeps the parent's logits on the held-out tokens within the same budget (they spare the
+    parent's forwards at every check); beyond it they are computed again at each check."""
     tokens: int | None = None
     """Calibration tokens --refine fits and checks on, in whole sequences spread evenly over the calibration
     tokens (all of them when fewer). Unset: 128 x the model's hidden size (twice the o_proj solve's unknowns

@@ -23,11 +23,13 @@ from mha2gqa.convert import config_file, fast
 from mha2gqa.convert.check import CHECK_TOKENS, CheckPlan, check_logits_bytes, parent_cached, plan_check
 from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
+    GLOBAL_CHECK_EVERY,
     OPENING_LENGTH,
     CalibrationInput,
     RefineBudget,
     block_length,
     calibration_input,
+    heldout_targets_bytes,
     layers_per_pass,
     stats_bytes,
 )
@@ -273,8 +275,9 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int) -> None:
     )
     stages, peak = [], 3 * layer_bytes  # the merge: one layer's tensors, their float32 copies, its output
     if plan.calibration is not None and plan.calibration.sampled_tokens:
-        stages.append(_sample_stage(plan.calibration, params))
-        peak = max(peak, model_bytes + sampling.cache_bytes(plan.config, shape, seq_len))
+        stages.append(_sample_stage(plan.calibration, params, sampling.batch_for(plan.config, seq_len)))
+        batch = sampling.batch_for(plan.config, seq_len)
+        peak = max(peak, model_bytes + sampling.cache_bytes(plan.config, shape, seq_len, batch))
     if plan.gathers_statistics:
         stages.append(_calibrate_stage(plan, calibration_tokens))
         layers_bytes = shape.layers * stats_bytes(shape.hidden)
@@ -324,14 +327,14 @@ def _cuda_visible() -> bool:
     return Path("/proc/driver/nvidia/version").exists()
 
 
-def _sample_stage(calibration: CalibrationInput, params: int) -> Stage:
+def _sample_stage(calibration: CalibrationInput, params: int, batch: int) -> Stage:
     tokens = calibration.sampled_tokens
     recipe = sampling.DEFAULT_RECIPE
     return Stage(
         "sample",
         f"{tokens:,} tokens sampled from SRC ({-(-tokens // calibration.seq_len):,} sequences of "
-        f"{calibration.seq_len}, {recipe.describe()}, seeded by --seed; about {sampling.flops(params, tokens):.2g} "
-        "FLOPs, a forward per token with the KV cache)",
+        f"{calibration.seq_len}, up to {batch} at once, {recipe.describe()}, seeded by --seed; about "
+        f"{sampling.flops(params, tokens):.2g} FLOPs, a forward per token with the KV cache)",
     )
 
 
@@ -376,13 +379,29 @@ def _refine_stages(plan: ConversionPlan, calibration_tokens: int, seq_len: int) 
                 "refine (global)",
                 f"then up to {refine.global_steps} Adam steps (lr {refine.global_lr:g}, {refine.batch_blocks} blocks "
                 f"a step) of every refined attention parameter, all layers together, against the parent's "
-                f"next-token distribution; the held-out KL checked every 5 steps, the best kept",
+                f"next-token distribution; the held-out KL checked every {GLOBAL_CHECK_EVERY} steps, the best kept "
+                f"({_targets_words(plan)})",
             )
         )
     stages.append(
         Stage("write", f"{len(tensors.output_tensors())} tensors streamed into DST, refined attention included")
     )
     return stages
+
+
+def _targets_words(plan: ConversionPlan) -> str:
+    budget, memory = plan.refine_budget, plan.options.refine.memory
+    held = heldout_targets_bytes(budget.heldout_tokens, _vocab(plan.config))
+    if budget.keeps_parent_targets(_vocab(plan.config), memory):
+        return f"the parent's logits on the {budget.heldout_tokens:,} held-out tokens kept between checks: {format_bytes(held)}"
+    return (
+        f"the parent's logits on the held-out tokens ({format_bytes(held)}) are over --refine-memory, so they are "
+        "computed again at each check"
+    )
+
+
+def _vocab(config: dict) -> int:
+    return config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else 0
 
 
 def _refine_peak(plan: ConversionPlan, model_bytes: int, seq_len: int) -> int:
@@ -396,7 +415,13 @@ def _refine_peak(plan: ConversionPlan, model_bytes: int, seq_len: int) -> int:
     peak = model_bytes + converted + 3 * attention + buffers + _forward_bytes(shape, seq_len)
     if options.refine.global_steps:  # the layer buffers are freed by then
         trained = sum(math.prod(out.shape) for out in merged)
-        peak = max(peak, model_bytes + converted + _global_bytes(plan.config, shape, seq_len, trained))
+        vocab = _vocab(plan.config)
+        kept = (
+            heldout_targets_bytes(budget.heldout_tokens, vocab)
+            if budget.keeps_parent_targets(vocab, options.refine.memory)
+            else 0
+        )
+        peak = max(peak, model_bytes + converted + kept + _global_bytes(plan.config, shape, seq_len, trained))
     return peak
 
 
@@ -407,7 +432,7 @@ def _global_bytes(config: dict, shape: AttentionShape, seq_len: int, trained: in
     KL's (both models' logits, their log-softmaxes, the exp, the difference and the product; the held-out
     openings go through it a block's worth at a time). Roughly: 32 hidden-wide values a token per layer is what
     SmolLM2's run needed (3.25 and 3.32 GiB peak RSS measured on two seeds, 3.28 GiB estimated; docs/refine.md)."""
-    vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else 0
+    vocab = _vocab(config)
     activations = shape.layers * seq_len * (32 * shape.hidden + shape.heads * seq_len) * 4
     return 5 * trained * 4 + activations + 7 * seq_len * vocab * 4
 

@@ -36,7 +36,7 @@ class SamplingRecipe:
     top_p: float = 0.95
     """Nucleus sampling: draw from the smallest set of tokens holding this much probability."""
     batch: int = 16
-    """Sequences generated at once."""
+    """Sequences generated at once (convert draws more at once where their KV cache is small: batch_for)."""
     chat_share: float = 0.5
     """Share of the sequences that open with the chat template's user-turn header (the model writes the
     request and the answer); 0, or a tokenizer without a chat template: every sequence starts at random."""
@@ -53,6 +53,9 @@ class SamplingRecipe:
 
 
 DEFAULT_RECIPE = SamplingRecipe()  # read at each call (recipe=None), so a bench may swap it
+# convert's batches (batch_for): up to MOST_SEQUENCES at once while their float32 KV cache fits BATCH_CACHE_BYTES
+MOST_SEQUENCES = 64
+BATCH_CACHE_BYTES = 2 << 30
 NUCLEUS_CANDIDATES = 1024  # tokens the top-p nucleus is looked for among first (nucleus_draw)
 
 
@@ -61,16 +64,36 @@ def flops(params: int, tokens: int) -> float:
     return 2.0 * params * tokens
 
 
-def forward_work(tokens: int, seq_len: int, chat: bool, recipe: SamplingRecipe | None = None) -> tuple[int, int]:
+def forward_work(
+    tokens: int, seq_len: int, chat: bool, recipe: SamplingRecipe | None = None, batch: int | None = None
+) -> tuple[int, int]:
     """(batched forwards, tokens drawn) of sample_ids for `tokens`, as the estimates cost it: every batch of up to
-    recipe.batch sequences takes seq_len forwards, and the random starts and the chat turns (`chat`: the tokenizer
-    has a template) are batched apart. A forward's cost hardly grows with its batch on a CPU (one SmolLM2 step:
-    44 ms, each sequence in it 6 ms more), so the forwards, not the tokens, set the time of a small batch."""
+    `batch` (default recipe.batch) sequences takes seq_len forwards, and the random starts and the chat turns
+    (`chat`: the tokenizer has a template) are batched apart. A forward's cost hardly grows with its batch on a CPU
+    (one SmolLM2 step: 44 ms, each sequence in it 6 ms more), so the forwards, not the tokens, set the time of a
+    small batch."""
     recipe = recipe or DEFAULT_RECIPE
+    batch = batch or recipe.batch
     sequences = -(-tokens // seq_len)
     chats = round(sequences * recipe.chat_share) if chat else 0
-    batches = -(-(sequences - chats) // recipe.batch) + -(-chats // recipe.batch)
+    batches = -(-(sequences - chats) // batch) + -(-chats // batch)
     return batches * seq_len, sequences * seq_len
+
+
+def batch_for(config: dict, seq_len: int, recipe: SamplingRecipe | None = None) -> int:
+    """Sequences convert draws at once: recipe.batch, or more, up to MOST_SEQUENCES, while their float32 KV cache
+    stays within BATCH_CACHE_BYTES. Why: a CPU forward's fixed part (44 ms of SmolLM2's, beside 6 ms a sequence)
+    is paid once a batch, so SmolLM2's default 36 sequences of each kind (23.6 MB of cache each) go in one batch
+    instead of 16 + 16 + 4; a 7B model's (268 MB each) stay at 16."""
+    from mha2gqa.layouts import attention_shape
+
+    recipe = recipe or DEFAULT_RECIPE
+    per_sequence = _kv_bytes(attention_shape(config), seq_len, 1)
+    return max(recipe.batch, min(MOST_SEQUENCES, BATCH_CACHE_BYTES // max(1, per_sequence)))
+
+
+def _kv_bytes(shape, seq_len: int, batch: int) -> int:
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * seq_len * batch * 4
 
 
 def has_chat_template(folder) -> bool:
@@ -91,13 +114,11 @@ def has_chat_template(folder) -> bool:
     return bool(isinstance(config, dict) and config.get("chat_template"))
 
 
-def cache_bytes(config: dict, shape, seq_len: int, recipe: SamplingRecipe | None = None) -> int:
-    """Memory beyond the model while sampling, float32: the KV cache of a batch of full sequences and a few
-    vocabulary-wide rows per sequence."""
-    recipe = recipe or DEFAULT_RECIPE
+def cache_bytes(config: dict, shape, seq_len: int, batch: int) -> int:
+    """Memory beyond the model while sampling `batch` sequences at once, float32: their KV cache at full length and
+    a few vocabulary-wide rows per sequence."""
     vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else 0
-    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * seq_len * recipe.batch * 4
-    return kv + 4 * recipe.batch * vocab * 4
+    return _kv_bytes(shape, seq_len, batch) + 4 * batch * vocab * 4
 
 
 def first_token_pool(tokenizer, vocab_size: int):
@@ -129,13 +150,17 @@ def chat_turn_header(tokenizer, seq_len: int):
     return torch.tensor(ids, dtype=torch.long) if 0 < len(ids) <= seq_len // 4 else None
 
 
-def sampling_record(model, tokenizer, seq_len: int, seed: int, recipe: SamplingRecipe | None = None) -> dict:
-    """What a record says of samples drawn by sample_ids: the recipe, the chat header as text (or None),
-    the seed and the device that drew them (convert's calibration and uptrain's data record the same)."""
+def sampling_record(
+    model, tokenizer, seq_len: int, seed: int, recipe: SamplingRecipe | None = None, batch: int | None = None
+) -> dict:
+    """What a record says of samples drawn by sample_ids: the recipe (its batch the one used), the chat header as
+    text (or None), the seed and the device that drew them (convert's calibration and uptrain's data record the
+    same)."""
     recipe = recipe or DEFAULT_RECIPE
     header = chat_turn_header(tokenizer, seq_len) if recipe.chat_share > 0 else None
     return {
         **recipe.record(),
+        "batch": batch or recipe.batch,
         "chat_turn_header": None if header is None else tokenizer.decode(header),
         "seed": seed,
         "device": str(next(model.parameters()).device),
@@ -143,11 +168,20 @@ def sampling_record(model, tokenizer, seq_len: int, seed: int, recipe: SamplingR
 
 
 def sample_ids(
-    model, tokenizer, tokens: int, seq_len: int, seed: int, recipe: SamplingRecipe | None = None, progress=True
+    model,
+    tokenizer,
+    tokens: int,
+    seq_len: int,
+    seed: int,
+    recipe: SamplingRecipe | None = None,
+    progress=True,
+    batch: int | None = None,
 ):
-    """`tokens` ids (N,) sampled from `model` (a loaded causal LM), in sequences of `seq_len`: random starts
-    first, then chat turns, all from one generator, their sequences interleaved in proportion."""
+    """`tokens` ids (N,) sampled from `model` (a loaded causal LM), in sequences of `seq_len`, up to `batch`
+    (default recipe.batch) at once: random starts first, then chat turns, all from one generator, their sequences
+    interleaved in proportion. The batch changes which ids a seed draws, not how they are drawn."""
     recipe = recipe or DEFAULT_RECIPE
+    batch_size = batch or recipe.batch
     import torch
     from tqdm.auto import tqdm
 
@@ -161,14 +195,14 @@ def sample_ids(
     device = next(model.parameters()).device
     random_starts, chat_turns = [], []
     with tqdm(total=sequences * seq_len, desc="sample", unit="tok", unit_scale=True, disable=not progress) as bar:
-        for start in range(0, sequences - chat, recipe.batch):
-            batch = min(recipe.batch, sequences - chat - start)
-            first = pool[torch.randint(len(pool), (batch, 1), generator=generator)]
+        for start in range(0, sequences - chat, batch_size):
+            count = min(batch_size, sequences - chat - start)
+            first = pool[torch.randint(len(pool), (count, 1), generator=generator)]
             random_starts.append(
                 sample_batch(model, first, seq_len, recipe.greedy_tokens, recipe, generator, device, bar)
             )
-        for start in range(0, chat, recipe.batch):
-            opening = header.expand(min(recipe.batch, chat - start), -1)
+        for start in range(0, chat, batch_size):
+            opening = header.expand(min(batch_size, chat - start), -1)
             chat_turns.append(sample_batch(model, opening, seq_len, 0, recipe, generator, device, bar))
     rows = [torch.cat(kind) for kind in (random_starts, chat_turns) if kind]  # (n, seq_len) of each kind
     return torch.stack([rows[p][i] for p, i in interleaved([len(r) for r in rows])]).reshape(-1)[:tokens]

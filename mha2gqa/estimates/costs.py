@@ -128,9 +128,7 @@ def convert_stages(plan, start: bool = True, calibration: bool = True) -> list[S
         stages.append(StageCost("load", (Part("convert_load", p, {"bytes": _parent_bytes(plan)}),)))
     if calibration and plan.calibration is not None and plan.calibration.sampled_tokens:
         chat = has_chat_template(plan.source)
-        stages.append(
-            StageCost("sample", (sample_part(p, plan.calibration.sampled_tokens, plan.calibration.seq_len, chat),))
-        )
+        stages.append(StageCost("sample", (_convert_sample_part(plan, p, chat),)))
     if calibration and plan.gathers_statistics:
         tokens = plan.calibration.tokens * plan.calibration_passes
         stages.append(StageCost("calibrate", (Part("calibrate", p, {"tokens": tokens * p}),)))
@@ -143,13 +141,24 @@ def convert_stages(plan, start: bool = True, calibration: bool = True) -> list[S
         work = {"steps": steps, "tokens": (budget.blocks * budget.seq_len + budget.opening_tokens) * p}
         stages.append(StageCost("refine", (Part("refine", p, work),)))
         if refine.global_steps:
-            global_work = {"steps": refine.global_steps * batch * p}
+            vocab = plan.config.get("vocab_size") if isinstance(plan.config.get("vocab_size"), int) else 0
+            checks = budget.global_check_forwards(refine.global_steps, vocab, refine.memory)
+            global_work = {"steps": refine.global_steps * batch * p, "checks": checks * p}
             stages.append(StageCost("refine (global)", (Part("refine_global", p, global_work),)))
         stages.append(StageCost("write", (Part(write, p, {"bytes": plan.bytes_written}),)))
     # a stage costed by its planner (the quality check: check_parts) runs after the write, before the metadata
     stages += [StageCost(s.name, s.parts) for s in plan.stages if s.parts]
     stages.append(StageCost("metadata", (Part("metadata", p, {}),)))
     return stages
+
+
+def _convert_sample_part(plan, parameters: int, chat: bool) -> Part:
+    from mha2gqa.corpus.sampling import batch_for
+
+    seq_len = plan.calibration.seq_len
+    return sample_part(
+        parameters, plan.calibration.sampled_tokens, seq_len, chat, batch=batch_for(plan.config, seq_len)
+    )
 
 
 def check_parts(
@@ -280,10 +289,13 @@ def uptrain_stages(work: UptrainWork, start: bool = True, warm: bool = False) ->
     ]
 
 
-def sample_part(parameters: int, tokens: int, seq_len: int, chat: bool, warm: bool = False) -> Part:
-    """Drawing `tokens` from a model: its batched forwards and the tokens they draw, each times its parameters
-    (a small batch costs about what a full one does: corpus.sampling.forward_work)."""
-    steps, drawn = forward_work(tokens, seq_len, chat)
+def sample_part(
+    parameters: int, tokens: int, seq_len: int, chat: bool, warm: bool = False, batch: int | None = None
+) -> Part:
+    """Drawing `tokens` from a model, up to `batch` sequences at once (default the recipe's): its batched forwards
+    and the tokens they draw, each times its parameters (a small batch costs about what a full one does:
+    corpus.sampling.forward_work)."""
+    steps, drawn = forward_work(tokens, seq_len, chat, batch=batch)
     return Part("sample", parameters, {"steps": steps * parameters, "tokens": drawn * parameters}, warm)
 
 

@@ -273,7 +273,16 @@ def _global_stage(run: _Run, refined: dict, blocks: torch.Tensor, progress: bool
     fit = GlobalFit.of(run.options)
     openings = run.openings.openings
     return fit_global(
-        run.parent, run.model, params, blocks, run.split, fit, run.generator, progress=progress, openings=openings
+        run.parent,
+        run.model,
+        params,
+        blocks,
+        run.split,
+        fit,
+        run.generator,
+        progress=progress,
+        openings=openings,
+        memory=run.options.memory,  # the layer buffers are freed by now: their budget keeps the parent's logits
     )
 
 

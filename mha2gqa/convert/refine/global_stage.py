@@ -1,4 +1,4 @@
-"""The global stage of `--refine` (`--refine-global-steps`, 24 by default; 0: off): after the layer-wise
+"""The global stage of `--refine` (`--refine-global-steps`, 48 by default; 0: off): after the layer-wise
 stages, the parameters they refined, in every layer together, are fitted to the parent's next-token
 distribution (KL(parent || converted), mean over tokens) on the fit blocks.
 
@@ -15,7 +15,10 @@ steps of lr 3e-4 raised the held-out KL from 0.37 to 0.43 by step 5.
 
 Cost: per step one parent forward and one converted forward + backward of `batch_blocks` blocks, one
 block at a time (memory: both models, the gradients and Adam state of the trained parameters, and one
-block's activations through the whole model; the parent's logits are computed per step, not stored).
+block's activations through the whole model; the parent's logits on the fit blocks are computed per step,
+not stored). A check runs the converted model over the held-out blocks and openings; the parent's logits
+there never change, so they are computed at the first check and kept (ParentTargets) when they fit the
+--refine-memory budget: on SmolLM2 the parent's forwards were ~45% of a check.
 Parameters held in bfloat16 or float16 (a --dtype cast, a GPU run) are trained through float32 master
 copies: an update of lr 1e-4 is below bfloat16's resolution for most weights and would round away.
 """
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mha2gqa.convert.inputs import OPENINGS_PER_STEP
+from mha2gqa.convert.inputs import GLOBAL_CHECK_EVERY, OPENINGS_PER_STEP, heldout_targets_bytes
 from mha2gqa.convert.options import RefineOptions
 from mha2gqa.convert.refine.buffers import Openings, mini_batches
 from mha2gqa.kl import kl_divergence
@@ -43,7 +46,7 @@ class GlobalFit:
     steps: int
     lr: float
     batch_blocks: int = 4
-    check_every: int = 5
+    check_every: int = GLOBAL_CHECK_EVERY
     patience: int = 2
     betas: tuple[float, float] = (0.9, 0.95)
     clip: float = 1.0
@@ -54,29 +57,61 @@ class GlobalFit:
         return cls(options.global_steps, options.global_lr, options.batch_blocks)
 
 
-def heldout_kl(parent, model, blocks: torch.Tensor, heldout: torch.Tensor, openings: Openings | None = None) -> float:
+class ParentTargets:
+    """The parent's logits on the held-out blocks and openings, for heldout_kl: computed by the first check and
+    kept on the CPU when all of them fit `memory` bytes (else computed again at each check, as before). The same
+    float32 logits either way, so a check's KL does not depend on whether they were kept."""
+
+    def __init__(self, parent, memory: int):
+        self.parent, self.memory = parent, memory
+        self.positions = 0  # the held-out positions a check scores (heldout_kl sets it)
+        self.kept: dict[tuple[str, int], torch.Tensor] = {}
+        self.keep: bool | None = None  # decided by the first logits, from their vocabulary
+
+    def logits(self, key: tuple[str, int], ids: torch.Tensor) -> torch.Tensor:
+        if key in self.kept:
+            return self.kept[key].to(ids.device)
+        found = self.parent(ids, use_cache=False).logits
+        if self.keep is None:
+            self.keep = heldout_targets_bytes(self.positions, found.shape[-1]) <= self.memory
+        if self.keep:
+            self.kept[key] = found.float().cpu()
+        return found
+
+
+def heldout_kl(
+    parent, model, blocks: torch.Tensor, heldout: torch.Tensor, openings: Openings | None = None, targets=None
+) -> float:
     """The mean KL over the held-out blocks, plus the mean over the held-out openings times their weight when
     given: the measure that picks the best step sees the first positions the blocks alone would not
-    (buffers.Openings)."""
+    (buffers.Openings). `targets`: a ParentTargets of `parent`, which keeps the parent's logits between checks."""
     device = next(model.parameters()).device
+    targets = targets or ParentTargets(parent, memory=0)
+    opening_rows = [] if openings is None else list(openings.split["heldout"].split(OPENINGS_PER_STEP))
+    targets.positions = len(heldout) * blocks.shape[1] + sum(len(rows) for rows in opening_rows) * _width(openings)
     total = 0.0
     with torch.no_grad():
         for index in heldout.tolist():
             block = blocks[index : index + 1].to(device)
-            total += float(kl_divergence(parent(block, use_cache=False).logits, model(block, use_cache=False).logits))
+            parent_logits = targets.logits(("block", index), block)
+            total += float(kl_divergence(parent_logits, model(block, use_cache=False).logits))
         opening_kl = 0.0
         if openings is not None:
             # OPENINGS_PER_STEP rows at a time, as a fit step takes them: the logits of all the held-out openings
             # at once, and the KL's vocabulary-wide terms, grew with --refine-tokens (7 x 226 MB at SmolLM2's
             # 144 held-out openings of 73,728 tokens) past the peak the plan estimates.
             kl_sum, positions = 0.0, 0
-            for chunk in openings.split["heldout"].split(OPENINGS_PER_STEP):
+            for number, chunk in enumerate(opening_rows):
                 rows = openings.ids[chunk].to(device)
-                parent_logits, logits = parent(rows, use_cache=False).logits, model(rows, use_cache=False).logits
-                per_position = kl_divergence(parent_logits, logits, reduction="none")
+                parent_logits = targets.logits(("openings", number), rows)
+                per_position = kl_divergence(parent_logits, model(rows, use_cache=False).logits, reduction="none")
                 kl_sum, positions = kl_sum + float(per_position.sum()), positions + per_position.numel()
             opening_kl = openings.weight * kl_sum / positions
     return total / len(heldout) + opening_kl
+
+
+def _width(openings: Openings | None) -> int:
+    return 0 if openings is None else openings.ids.shape[1]
 
 
 def fit_global(
@@ -89,10 +124,12 @@ def fit_global(
     generator: torch.Generator,
     progress: bool = True,
     openings: Openings | None = None,
+    memory: int = 0,
 ) -> dict:
     """Adam on `params` (of `model`) against the parent's distribution on blocks[split['fit']] (and on a batch
     of the fit openings each step, when given); the best held-out parameters are left in place. Returns the
-    record: per check the step, fit and held-out KL."""
+    record: per check the step, fit and held-out KL. `memory`: the most bytes the parent's held-out logits may take
+    to be kept between checks (ParentTargets)."""
     for p in params:
         p.requires_grad_(True)
     # What Adam updates: the parameters themselves when float32, else float32 copies written back each step.
@@ -103,8 +140,8 @@ def fit_global(
         optimizer,
         lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * s / fit.steps)) if fit.decay else 1),
     )
-    heldout = split["heldout"]
-    checks = [{"step": 0, "heldout_kl": heldout_kl(parent, model, blocks, heldout, openings)}]
+    heldout, targets = split["heldout"], ParentTargets(parent, memory)
+    checks = [{"step": 0, "heldout_kl": heldout_kl(parent, model, blocks, heldout, openings, targets)}]
     best, stale = (checks[0]["heldout_kl"], [m.detach().clone() for m in masters]), 0
     batches = mini_batches(split["fit"], fit.batch_blocks, generator)
     opening_batches = None if openings is None else mini_batches(openings.split["fit"], openings.per_step, generator)
@@ -122,9 +159,8 @@ def fit_global(
             schedule.step()
             bar.set_postfix(kl=f"{fit_kl:.4f}", refresh=False)
             if step % fit.check_every == 0 or step == fit.steps:
-                checks.append(
-                    {"step": step, "fit_kl": fit_kl, "heldout_kl": heldout_kl(parent, model, blocks, heldout, openings)}
-                )
+                held = heldout_kl(parent, model, blocks, heldout, openings, targets)
+                checks.append({"step": step, "fit_kl": fit_kl, "heldout_kl": held})
                 if checks[-1]["heldout_kl"] < best[0]:
                     best, stale = (checks[-1]["heldout_kl"], [m.detach().clone() for m in masters]), 0
                 else:
@@ -134,7 +170,7 @@ def fit_global(
     finally:
         bar.close()
         _keep(params, best[1])
-    return _record(fit, checks, best[0])
+    return _record(fit, checks, best[0]) | {"parent_logits_kept": bool(targets.keep)}
 
 
 def _kl_gradients(
@@ -170,6 +206,7 @@ def _record(fit: GlobalFit, checks: list[dict], best: float) -> dict:
         "betas": list(fit.betas),
         "clip": fit.clip,
         "decay": fit.decay,
+        "check_every": fit.check_every,
         "checks": checks,
         "best_step": next(c["step"] for c in checks if c["heldout_kl"] == best),
     }
