@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 
@@ -158,19 +159,59 @@ def import_torch():
     return torch
 
 
+REDELIVER_AFTER_S = 0.05
+
+
 @contextmanager
 def signals_as_interrupts():
     """While active (main thread only), SIGINT, SIGTERM and SIGHUP raise Interrupted, so `except
     KeyboardInterrupt` / `finally` cleanups run for all three. A second signal of the same kind gets the
-    default action (kills at once); later runs remove what that leaves (see checkpoint.py)."""
+    default action (kills at once); later runs remove what that leaves (see checkpoint.py).
+
+    Python runs a handler between any two bytecodes of the main thread, finalizers included (a __del__, a
+    weakref callback), and an exception leaving a finalizer is printed as 'Exception ignored in ...' and
+    dropped: the Interrupted would be lost and the run go on (found in serve-bench: a SIGINT while
+    transformers imported its modules landed in the regex module's Group.__del__; the run then waited on
+    its servers until the test gave up). Such a one is sent again, once the finalizer has returned. And an
+    error that leaves the block after a signal was raised is the signal's doing (an import it cut short
+    fails later as ModuleNotFoundError, say): it leaves as the Interrupted, the error as its cause."""
     owner = os.getpid()
+    received: list[int] = []
+    active = threading.Event()
+    active.set()
 
     def raise_interrupted(signum, _frame):
         signal.signal(signum, signal.SIG_DFL)
         if os.getpid() != owner:  # a forked worker (e.g. a multiprocessing pool) inherits the handler:
             os.kill(os.getpid(), signum)  # it dies as it would have, with no cleanup of the parent's
             return
+        received.append(signum)
         raise Interrupted(signum)
 
-    with _handling(_HELD_SIGNALS, raise_interrupted):
-        yield
+    def send_again(signum: int) -> None:
+        if active.is_set():
+            os.kill(owner, signum)
+
+    earlier_hook = sys.unraisablehook
+
+    def dropped(unraisable) -> None:
+        err = unraisable.exc_value
+        if not isinstance(err, Interrupted) or os.getpid() != owner:
+            earlier_hook(unraisable)
+            return
+        signal.signal(err.signum, raise_interrupted)
+        # from another thread, a moment later: a signal raised here would run its handler here, still
+        # inside the finalizer's unwinding
+        threading.Timer(REDELIVER_AFTER_S, send_again, (err.signum,)).start()
+
+    sys.unraisablehook = dropped
+    try:
+        with _handling(_HELD_SIGNALS, raise_interrupted):
+            yield
+    except Exception as err:
+        if received:
+            raise Interrupted(received[-1]) from err
+        raise
+    finally:
+        active.clear()
+        sys.unraisablehook = earlier_hook

@@ -115,6 +115,12 @@ def head_counts(config: dict) -> tuple:
     return heads, kv_heads, head_dim
 
 
+def config_vocab(config: dict) -> int:
+    """The config's vocab_size, or 0 where it has none (a size estimate then leaves the vocabulary out)."""
+    vocab = config.get("vocab_size")
+    return vocab if isinstance(vocab, int) else 0
+
+
 def config_dtype(config: dict) -> str:
     """The weights' dtype a config.json names (`dtype`, formerly `torch_dtype`), float32 when it names none."""
     return str(config.get("dtype") or config.get("torch_dtype") or "float32").replace("torch.", "")

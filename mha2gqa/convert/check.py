@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mha2gqa.cache import cache_dir, model_key
 from mha2gqa.corpus.probe import DOMAINS
+from mha2gqa.layouts import config_vocab
 
 CHECK_TOKENS = 512  # scored per domain: a few hundred tokens keep a 135M model's check well under a minute on CPU
 CHECK_WINDOW = 512  # tokens per forward, or the model's context when shorter
@@ -78,8 +79,7 @@ def plan_check(config: dict, params: int, wanted: bool, seconds: float, on_gpu: 
 
 def check_logits_bytes(config: dict) -> int:
     """One window's float32 logits and log-probabilities, the most the check holds besides a model."""
-    vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else 0
-    return 3 * CHECK_WINDOW * vocab * 4
+    return 3 * CHECK_WINDOW * config_vocab(config) * 4
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ from mha2gqa.layouts import (
     attention_shape,
     check_groups,
     check_target,
+    config_vocab,
     layout_for,
     read_config,
 )
@@ -275,8 +276,8 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int) -> None:
     )
     stages, peak = [], 3 * layer_bytes  # the merge: one layer's tensors, their float32 copies, its output
     if plan.calibration is not None and plan.calibration.sampled_tokens:
-        stages.append(_sample_stage(plan.calibration, params, sampling.batch_for(plan.config, seq_len)))
         batch = sampling.batch_for(plan.config, seq_len)
+        stages.append(_sample_stage(plan.calibration, params, batch))
         peak = max(peak, model_bytes + sampling.cache_bytes(plan.config, shape, seq_len, batch))
     if plan.gathers_statistics:
         stages.append(_calibrate_stage(plan, calibration_tokens))
@@ -391,17 +392,13 @@ def _refine_stages(plan: ConversionPlan, calibration_tokens: int, seq_len: int) 
 
 def _targets_words(plan: ConversionPlan) -> str:
     budget, memory = plan.refine_budget, plan.options.refine.memory
-    held = heldout_targets_bytes(budget.heldout_tokens, _vocab(plan.config))
-    if budget.keeps_parent_targets(_vocab(plan.config), memory):
+    held = heldout_targets_bytes(budget.heldout_tokens, config_vocab(plan.config))
+    if budget.keeps_parent_targets(config_vocab(plan.config), memory):
         return f"the parent's logits on the {budget.heldout_tokens:,} held-out tokens kept between checks: {format_bytes(held)}"
     return (
         f"the parent's logits on the held-out tokens ({format_bytes(held)}) are over --refine-memory, so they are "
         "computed again at each check"
     )
-
-
-def _vocab(config: dict) -> int:
-    return config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else 0
 
 
 def _refine_peak(plan: ConversionPlan, model_bytes: int, seq_len: int) -> int:
@@ -415,7 +412,7 @@ def _refine_peak(plan: ConversionPlan, model_bytes: int, seq_len: int) -> int:
     peak = model_bytes + converted + 3 * attention + buffers + _forward_bytes(shape, seq_len)
     if options.refine.global_steps:  # the layer buffers are freed by then
         trained = sum(math.prod(out.shape) for out in merged)
-        vocab = _vocab(plan.config)
+        vocab = config_vocab(plan.config)
         kept = (
             heldout_targets_bytes(budget.heldout_tokens, vocab)
             if budget.keeps_parent_targets(vocab, options.refine.memory)
@@ -432,7 +429,7 @@ def _global_bytes(config: dict, shape: AttentionShape, seq_len: int, trained: in
     KL's (both models' logits, their log-softmaxes, the exp, the difference and the product; the held-out
     openings go through it a block's worth at a time). Roughly: 32 hidden-wide values a token per layer is what
     SmolLM2's run needed (3.25 and 3.32 GiB peak RSS measured on two seeds, 3.28 GiB estimated; docs/refine.md)."""
-    vocab = _vocab(config)
+    vocab = config_vocab(config)
     activations = shape.layers * seq_len * (32 * shape.hidden + shape.heads * seq_len) * 4
     return 5 * trained * 4 + activations + 7 * seq_len * vocab * 4
 

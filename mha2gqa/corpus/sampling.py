@@ -117,8 +117,9 @@ def has_chat_template(folder) -> bool:
 def cache_bytes(config: dict, shape, seq_len: int, batch: int) -> int:
     """Memory beyond the model while sampling `batch` sequences at once, float32: their KV cache at full length and
     a few vocabulary-wide rows per sequence."""
-    vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else 0
-    return _kv_bytes(shape, seq_len, batch) + 4 * batch * vocab * 4
+    from mha2gqa.layouts import config_vocab
+
+    return _kv_bytes(shape, seq_len, batch) + 4 * batch * config_vocab(config) * 4
 
 
 def first_token_pool(tokenizer, vocab_size: int):

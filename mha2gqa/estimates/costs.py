@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mha2gqa.corpus.sampling import forward_work, has_chat_template
+from mha2gqa.corpus.sampling import batch_for, forward_work, has_chat_template
 from mha2gqa.estimates import rates
 from mha2gqa.estimates.rates import LARGE, SMALL, Machine  # noqa: F401 (re-exported)
+from mha2gqa.layouts import config_vocab
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,7 @@ def convert_stages(plan, start: bool = True, calibration: bool = True) -> list[S
         work = {"steps": steps, "tokens": (budget.blocks * budget.seq_len + budget.opening_tokens) * p}
         stages.append(StageCost("refine", (Part("refine", p, work),)))
         if refine.global_steps:
-            vocab = plan.config.get("vocab_size") if isinstance(plan.config.get("vocab_size"), int) else 0
-            checks = budget.global_check_forwards(refine.global_steps, vocab, refine.memory)
+            checks = budget.global_check_forwards(refine.global_steps, config_vocab(plan.config), refine.memory)
             global_work = {"steps": refine.global_steps * batch * p, "checks": checks * p}
             stages.append(StageCost("refine (global)", (Part("refine_global", p, global_work),)))
         stages.append(StageCost("write", (Part(write, p, {"bytes": plan.bytes_written}),)))
@@ -153,8 +153,6 @@ def convert_stages(plan, start: bool = True, calibration: bool = True) -> list[S
 
 
 def _convert_sample_part(plan, parameters: int, chat: bool) -> Part:
-    from mha2gqa.corpus.sampling import batch_for
-
     seq_len = plan.calibration.seq_len
     return sample_part(
         parameters, plan.calibration.sampled_tokens, seq_len, chat, batch=batch_for(plan.config, seq_len)

@@ -88,7 +88,8 @@ def heldout_kl(
     device = next(model.parameters()).device
     targets = targets or ParentTargets(parent, memory=0)
     opening_rows = [] if openings is None else list(openings.split["heldout"].split(OPENINGS_PER_STEP))
-    targets.positions = len(heldout) * blocks.shape[1] + sum(len(rows) for rows in opening_rows) * _width(openings)
+    held_openings = 0 if openings is None else len(openings.split["heldout"]) * openings.ids.shape[1]
+    targets.positions = len(heldout) * blocks.shape[1] + held_openings
     total = 0.0
     with torch.no_grad():
         for index in heldout.tolist():
@@ -108,10 +109,6 @@ def heldout_kl(
                 kl_sum, positions = kl_sum + float(per_position.sum()), positions + per_position.numel()
             opening_kl = openings.weight * kl_sum / positions
     return total / len(heldout) + opening_kl
-
-
-def _width(openings: Openings | None) -> int:
-    return 0 if openings is None else openings.ids.shape[1]
 
 
 def fit_global(
