@@ -157,13 +157,17 @@ def test_the_parents_heldout_logits_are_kept_between_checks_when_they_fit(tiny_s
     parent_rows, child_rows = [], []
     counted_parent, counted_child = Counting(parent, parent_rows), Counting(child, child_rows)
     targets = ParentTargets(counted_parent, memory)
-    first, second = (heldout_kl(counted_parent, counted_child, blocks, torch.tensor([3]), openings, targets) for _ in "ab")
+    first, second = (
+        heldout_kl(counted_parent, counted_child, blocks, torch.tensor([3]), openings, targets) for _ in "ab"
+    )
     assert len(parent_rows) == parent_forwards and len(child_rows) == 2 * (1 + 3)
     assert targets.keep == (memory == 1 << 30)
     assert first == second == heldout_kl(parent, child, blocks, torch.tensor([3]), openings)
     held_positions = 32 + 150 * OPENING_LENGTH
     assert targets.positions == held_positions
-    assert sum(t.numel() for t in targets.kept.values()) == (held_positions * parent.config.vocab_size if targets.keep else 0)
+    assert sum(t.numel() for t in targets.kept.values()) == (
+        held_positions * parent.config.vocab_size if targets.keep else 0
+    )
 
 
 def parent_child_and_blocks(src):
