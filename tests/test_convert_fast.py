@@ -155,7 +155,8 @@ def test_the_cli_converts_plainly_without_torch_and_otherwise_with_it(tmp_path):
     first = heavy_after_cli(
         "convert", str(src), str(tmp_path / "first"), "--groups", "2", "--method", "first", "--dtype", "float32", "-q"
     )[0]
-    assert plain == first == []
+    dry = heavy_after_cli("convert", str(src), str(tmp_path / "dry"), "--groups", "2", "--dry-run")[0]
+    assert plain == first == dry == []  # a torch-free plan's dry run does not probe the machine with torch
     assert (
         "torch"
         in heavy_after_cli("convert", str(src), str(tmp_path / "random"), "--groups", "2", "--method", "random", "-q")[

@@ -117,6 +117,7 @@ def convert(src, dst, plan_tensors, **flags):
     from mha2gqa import threads
     from mha2gqa.convert.config_file import paths
     from mha2gqa.convert.run import convert as run_convert
+    from mha2gqa.convert.run import dry_run_time_line
     from mha2gqa.estimates.clock import command_clock
 
     src, dst = paths(src, dst, click.get_current_context().meta.get(_CONFIG))
@@ -127,7 +128,8 @@ def convert(src, dst, plan_tensors, **flags):
     clock = command_clock(quiet=not options.progress)  # the estimate before the work starts; -q: quiet
     result = run_convert(src, dst, options=options, clock=clock)
     if options.dry_run:  # the answer first: what would be written, the stages, memory and time; the tensors on request
-        lines = [_written_line("would write", dst, result.tensors), result.checked, *result.plan.describe()]
+        time_line = dry_run_time_line(result.plan)
+        lines = [_written_line("would write", dst, result.tensors), result.checked, *result.plan.describe(time_line)]
         if plan_tensors:
             lines += result.tensors.describe(result.plan.checkpoint.tensors)
         else:

@@ -143,8 +143,9 @@ class ConversionPlan:
             o = replace(o, calibration=None, calibration_tokens=None)
         return o
 
-    def describe(self) -> list[str]:
-        """The stages and estimates, one line each, for --dry-run."""
+    def describe(self, time_line: str | None = None) -> list[str]:
+        """The stages and estimates, one line each, for --dry-run; `time_line` in place of the unscaled one
+        (convert_line) when the caller probed the machine (run.dry_run_time_line)."""
         lines = [f"stage {i}: {s.name}: {s.detail}" for i, s in enumerate(self.stages, 1)]
         lines.append(
             f"estimates: {format_bytes(self.bytes_written)} written to DST"
@@ -155,7 +156,7 @@ class ConversionPlan:
             )
             + f"; peak memory about {format_bytes(self.peak_memory)}"
         )
-        lines.append(convert_line(self))
+        lines.append(time_line or convert_line(self))
         return lines
 
 
