@@ -101,9 +101,9 @@ class RefineOptions:
     per output), e.g. 32,768 for hidden 256 and 524,288 for hidden 4096."""
     global_steps: int = DEFAULT_REFINE_GLOBAL_STEPS
     """After the layer-wise stages, Adam steps on every refined parameter together against the parent's
-    next-token distribution (KL) on the fit blocks, the best held-out check kept and an early stop after 2
-    checks without a gain (0: off). Each step costs a forward of the parent and a forward and backward of
-    the converted model on --refine's batch of blocks."""
+    next-token distribution (KL) on the fit blocks, the held-out KL checked every 10 steps, the best check
+    kept and an early stop after 2 checks without a gain (0: off). Each step costs a forward of the parent
+    and a forward and backward of the converted model on --refine's batch of blocks."""
     global_lr: float = DEFAULT_REFINE_GLOBAL_LR
     """Learning rate of the global stage (after a warmup over the first tenth of the steps)."""
     batch_blocks: int = 4
