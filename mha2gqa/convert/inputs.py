@@ -141,6 +141,10 @@ class RefineBudget:
         when they fit --refine-memory."""
         return heldout_targets_bytes(self.heldout_tokens, vocab) <= memory
 
+    def kept_targets_bytes(self, vocab: int, memory: int) -> int:
+        """The bytes the kept held-out logits take while the global stage runs: 0 when they are not kept."""
+        return heldout_targets_bytes(self.heldout_tokens, vocab) if self.keeps_parent_targets(vocab, memory) else 0
+
     def global_check_forwards(self, steps: int, vocab: int, memory: int) -> int:
         """The token forwards of the held-out checks of a global stage of `steps` steps that runs to its end: both
         models at the first check, then the converted model alone where the parent's logits are kept."""

@@ -413,12 +413,7 @@ def _refine_peak(plan: ConversionPlan, model_bytes: int, seq_len: int) -> int:
     peak = model_bytes + converted + 3 * attention + buffers + _forward_bytes(shape, seq_len)
     if options.refine.global_steps:  # the layer buffers are freed by then
         trained = sum(math.prod(out.shape) for out in merged)
-        vocab = config_vocab(plan.config)
-        kept = (
-            heldout_targets_bytes(budget.heldout_tokens, vocab)
-            if budget.keeps_parent_targets(vocab, options.refine.memory)
-            else 0
-        )
+        kept = budget.kept_targets_bytes(config_vocab(plan.config), options.refine.memory)
         peak = max(peak, model_bytes + converted + kept + _global_bytes(plan.config, shape, seq_len, trained))
     return peak
 

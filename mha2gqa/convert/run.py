@@ -117,13 +117,10 @@ def dry_run_time_line(plan: ConversionPlan) -> str | None:
     refine conversion said about 55 min where it took 37 min 51 s alone and its own scaled estimate said 36."""
     if plan.torch_reason is None:
         return None
-    from mha2gqa.estimates import duration
+    from mha2gqa.estimates import convert_line
 
     import_torch()  # with the interrupt signals held, as the run starts it
-    scaled = estimate(plan)
-    return (
-        f"time: {duration(scaled.seconds())} ({scaled.machine.words()}; a busier machine takes longer, a GPU far less)"
-    )
+    return convert_line(plan, estimate(plan))
 
 
 def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult:

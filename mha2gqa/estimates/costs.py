@@ -192,9 +192,14 @@ def convert_estimate(plan, machine: Machine) -> Estimate:
     return Estimate(tuple(convert_stages(plan)), machine, plan.peak_memory)
 
 
-def convert_line(plan) -> str:
-    """The one line `convert --dry-run` prints about time."""
-    return f"time: {duration(convert_seconds(plan))} ({CAVEAT}; a busier machine takes longer, a GPU far less)"
+def convert_line(plan, scaled: Estimate | None = None) -> str:
+    """The one line `convert --dry-run` prints about time: the rates' machine's, or `scaled` (the run's estimate,
+    probed on this machine) when given."""
+    if scaled is None:
+        seconds, words = convert_seconds(plan), CAVEAT
+    else:
+        seconds, words = scaled.seconds(), scaled.machine.words()
+    return f"time: {duration(seconds)} ({words}; a busier machine takes longer, a GPU far less)"
 
 
 # ---- eval ----
