@@ -188,8 +188,8 @@ def test_pre_rope_norms_are_refused_in_one_line(tmp_path, calibration_file, mode
 
 
 def test_calibrated_without_calibration_samples_the_parent(tmp_path):
-    """No data of the user's: the default calibration is half the parent's own samples, half the embedded
-    novels, 128 x hidden tokens in all, and the dry run lists the sampling stage; they need the source's
+    """No data of the user's: the default calibration is three quarters the parent's own samples, a quarter
+    the embedded novels, 128 x hidden tokens in all, and the dry run lists the sampling stage; they need the source's
     tokenizer."""
     save_tiny_model(tmp_path / "src", "llama")
     with pytest.raises(InputError, match="--calibration needs the source's tokenizer"):
@@ -197,10 +197,10 @@ def test_calibrated_without_calibration_samples_the_parent(tmp_path):
     make_tiny_tokenizer(tmp_path / "src")
     plan = convert(tmp_path / "src", tmp_path / "dst", groups=2, method="calibrated", dry_run=True).plan
     hidden = AutoConfig.from_pretrained(tmp_path / "src").hidden_size
-    assert plan.calibration.spec == ["parent:0.5", "austen:0.5"] and plan.calibration.tokens == 128 * hidden
-    assert [part.tokens for part in plan.calibration.parts] == [64 * hidden, 64 * hidden]
+    assert plan.calibration.spec == ["parent:0.75", "austen:0.25"] and plan.calibration.tokens == 128 * hidden
+    assert [part.tokens for part in plan.calibration.parts] == [96 * hidden, 32 * hidden]
     assert [stage.name for stage in plan.stages][:2] == ["sample", "calibrate"]
-    assert "--calibration parent:0.5 --calibration austen:0.5 --calibration-tokens" in plan.command()
+    assert "--calibration parent:0.75 --calibration austen:0.25 --calibration-tokens" in plan.command()
     assert not (tmp_path / "dst").exists()
 
 

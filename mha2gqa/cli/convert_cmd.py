@@ -93,7 +93,7 @@ class _ConvertCommand(click.Command):
     expose_value=False,
     callback=_read_config,
     help="A YAML file of these options, keyed by the flags' names with underscores (groups: 8, refine_steps: 40, "
-    "calibration: [parent:0.5, austen:0.5]), plus source: and destination: for SRC and DST. A flag, SRC or DST "
+    "calibration: [parent:0.5, corpus.txt:0.5]), plus source: and destination: for SRC and DST. A flag, SRC or DST "
     "given on the command line overrides the file's; one path alone is DST when the file names the source. "
     "Every conversion writes one, DST/convert.yaml, that makes it again.",
 )

@@ -18,10 +18,11 @@ from mha2gqa.typed import StrEnum, check_keywords
 from mha2gqa.units import parse_size
 
 OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
-# Half the parent's samples, half the embedded novels: the best of the calibrations measured on SmolLM2's four
-# probe domains (geometric mean 2.96x with the samples' chat turns, 3.56x before them, against 6.91x for the
-# samples alone and 5.90x for Austen alone, docs/calibration.md), and still no data of the user's.
-DEFAULT_CALIBRATION = (f"{PARENT}:0.5", "austen:0.5")
+# Three quarters the parent's samples, a quarter the embedded novels: the best of the calibrations measured on
+# SmolLM2's four probe domains and two others (docs/calibration.md "Three quarters samples, 48 global steps"; half
+# and half before it), and still no data of the user's. The novels keep
+# the prose the samples hold little of; the samples' chat turns hold the code the novels lack.
+DEFAULT_CALIBRATION = (f"{PARENT}:0.75", "austen:0.25")
 DEFAULT_CALIBRATION_TOKENS = 131072  # of a text; the parent's samples default to 128 x hidden (inputs.default_tokens)
 DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held at once
 DEFAULT_REFINE_STEPS = 50
@@ -194,8 +195,8 @@ class ConvertOptions:
     'austen' (the embedded novels), a hub dataset with a 'text' column (online), or 'parent': text sampled
     from SRC itself, which needs no data of yours (per-domain measurements: docs/calibration.md); repeat the flag for several files (in Python: a list), or give each entry a share
     to mix sources, e.g. --calibration parent:0.5 --calibration corpus.txt:0.5 (in Python: a dict). Unset
-    where a stage needs it: parent:0.5 and austen:0.5, half the parent's samples, half the embedded novels (the best mix
-    measured, docs/calibration.md). Sampling costs about one forward of SRC per token (on 2 CPU cores, tens
+    where a stage needs it: parent:0.75 and austen:0.25, three quarters the parent's samples, a quarter the embedded
+    novels (the best mix measured, docs/calibration.md). Sampling costs about one forward of SRC per token (on 2 CPU cores, tens
     of tokens a second for a 135M model; --dry-run shows the stage). In Python a sweep passes the statistics
     it gathered once as convert(..., stats=...) instead."""
     calibration_tokens: int | None = None
