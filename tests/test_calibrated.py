@@ -189,8 +189,8 @@ def test_pre_rope_norms_are_refused_in_one_line(tmp_path, calibration_file, mode
 
 def test_calibrated_without_calibration_samples_the_parent(tmp_path):
     """No data of the user's: the default calibration is three quarters the parent's own samples, a quarter
-    the embedded novels, 128 x hidden tokens in all, and the dry run lists the sampling stage; they need the source's
-    tokenizer."""
+    the embedded novels, 128 x hidden tokens in all, and the dry run lists the sampling stage; they need the
+    source's tokenizer."""
     save_tiny_model(tmp_path / "src", "llama")
     with pytest.raises(InputError, match="--calibration needs the source's tokenizer"):
         convert(tmp_path / "src", tmp_path / "dst", groups=2, method="calibrated")

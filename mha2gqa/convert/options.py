@@ -20,8 +20,8 @@ from mha2gqa.units import parse_size
 OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
 # Three quarters the parent's samples, a quarter the embedded novels: the best of the calibrations measured on
 # SmolLM2's four probe domains and two others (docs/calibration.md "Three quarters samples, 48 global steps"; half
-# and half before it), and still no data of the user's. The novels keep
-# the prose the samples hold little of; the samples' chat turns hold the code the novels lack.
+# and half before it), and still no data of the user's. The novels keep the prose the samples hold little of; the
+# samples' chat turns hold the code the novels lack.
 DEFAULT_CALIBRATION = (f"{PARENT}:0.75", "austen:0.25")
 DEFAULT_CALIBRATION_TOKENS = 131072  # of a text; the parent's samples default to 128 x hidden (inputs.default_tokens)
 DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held at once
