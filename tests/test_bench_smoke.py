@@ -151,6 +151,15 @@ def test_sampling_speed_smoke_times_both_draws():
     assert all(finite(t) and t > 0 for t in rows[0]["ms_per_token"].values()) and finite(rows[0]["speedup"])
 
 
+def test_kl_speed_smoke_times_both_gradients_and_compares_them(tmp_path):
+    run_smoke("kl_speed.py", "--out", str(tmp_path / "k.json"))
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert (result["positions"], result["vocab"]) == (8, 300)
+    assert set(result["seconds"]) == {"hand_written", "autograd"} and all(len(t) == 2 for t in result["runs"].values())
+    assert all(finite(t) and t > 0 for t in result["seconds"].values()) and finite(result["speedup"])
+    assert 0 < result["largest_gradient"] and result["largest_gradient_difference"] <= 1e-5 * result["largest_gradient"]
+
+
 def test_sampling_gpu_smoke_times_three_ways_on_both_paths_of_the_draw():
     rows = [json.loads(line) for line in run_smoke("sampling_gpu.py").splitlines() if line.startswith("{")]
     assert [(row["temperature"], row["wide_rows"]) for row in rows] == [(1.0, 1.0), (0.05, 0.0)]

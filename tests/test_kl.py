@@ -60,3 +60,39 @@ def test_the_three_users_call_the_one_kl_and_no_module_writes_its_own():
         if "kl_div(" in text or ("log_softmax" in text and ".exp() *" in text):
             own.append(path.relative_to(PACKAGE).as_posix())
     assert own == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_hand_written_gradient_is_autograds(dtype):
+    """The model's logits get the gradient autograd takes through the log-softmaxes, for each reduction and
+    temperature, in the logits' dtype; the value is the same; the parent's logits, a fixed target, get none."""
+    from mha2gqa.kl import _per_position
+
+    torch.manual_seed(0)
+    for temperature in (1.0, 2.0):
+        for reduction in ("mean", "sum", "none"):
+            parent = torch.randn(2, 5, 300).to(dtype)
+            fused = torch.randn(2, 5, 300).to(dtype).requires_grad_(True)
+            plain = fused.detach().clone().requires_grad_(True)
+            value = kl_divergence(parent, fused, temperature, reduction)
+            functions = [value.grad_fn, *(f for f, _ in value.grad_fn.next_functions)]
+            assert any("_TargetKL" in type(f).__name__ for f in functions if f is not None)  # the hand-written one
+            reference = _per_position(parent, plain, temperature)
+            reference = {"mean": reference.mean(), "sum": reference.sum(), "none": reference}[reduction]
+            assert torch.equal(value.detach(), reference.detach())
+            weights = torch.rand(value.shape) + 0.5
+            (value * weights).sum().backward()
+            (reference * weights).sum().backward()
+            assert fused.grad.dtype == dtype and fused.grad.shape == fused.shape
+            scale = float(plain.grad.float().abs().max())
+            assert scale > 0
+            assert float((fused.grad.float() - plain.grad.float()).abs().max()) <= 1e-5 * scale
+
+
+def test_a_fixed_target_with_a_gradient_of_its_own_takes_autograds_path():
+    """When the parent's logits need a gradient too (not a fit of ours, but a caller's), both get autograd's."""
+    parent = torch.randn(3, 40, requires_grad=True)
+    model = torch.randn(3, 40, requires_grad=True)
+    kl_divergence(parent, model).backward()
+    assert parent.grad is not None and model.grad is not None
+    assert float(parent.grad.abs().max()) > 0
