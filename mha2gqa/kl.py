@@ -25,7 +25,7 @@ def kl_divergence(
     dtype (a log-softmax over a large vocabulary loses too much in bfloat16), both softened by `temperature`.
     reduction: "mean" over positions, "sum" of every term, "none" one value per position (...)."""
     if parent_logits.requires_grad or not torch.is_grad_enabled() or not logits.requires_grad:
-        per_position = _per_position(parent_logits, logits, temperature)
+        per_position = kl_through_autograd(parent_logits, logits, temperature)
     else:
         per_position = _TargetKL.apply(parent_logits, logits, temperature)
     if reduction == "sum":
@@ -33,7 +33,10 @@ def kl_divergence(
     return per_position.mean() if reduction == "mean" else per_position
 
 
-def _per_position(parent_logits: torch.Tensor, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def kl_through_autograd(parent_logits: torch.Tensor, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The per-position KL as plain tensor operations, whose gradient autograd takes: kl_divergence's path when
+    the parent's logits need a gradient or none is taken, and the reference its hand-written gradient is
+    tested (tests/test_kl.py) and timed (bench/kl_speed.py) against."""
     log_p, log_q = _log_probs(parent_logits, temperature), _log_probs(logits, temperature)
     return (log_p.exp() * (log_p - log_q)).sum(-1)  # torch's kl_div(log_q, log_p, log_target=True), per position
 
