@@ -53,14 +53,10 @@ class _TargetKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, parent_logits, logits, temperature):
         with torch.autocast(logits.device.type, enabled=False):  # float32 throughout, inside a mixed-precision loop
-            return _TargetKL._forward(ctx, parent_logits, logits, temperature)
-
-    @staticmethod
-    def _forward(ctx, parent_logits, logits, temperature):
-        log_p, log_q = _log_probs(parent_logits, temperature), _log_probs(logits, temperature)
-        p = log_p.exp()
-        per_position = torch.linalg.vecdot(p, log_p.sub_(log_q))
-        ctx.save_for_backward(log_q.exp_().sub_(p).div_(temperature))  # in place: no third V-wide tensor
+            log_p, log_q = _log_probs(parent_logits, temperature), _log_probs(logits, temperature)
+            p = log_p.exp()
+            per_position = torch.linalg.vecdot(p, log_p.sub_(log_q))
+            ctx.save_for_backward(log_q.exp_().sub_(p).div_(temperature))  # in place: no third V-wide tensor
         ctx.logits_dtype = logits.dtype
         return per_position
 
