@@ -92,7 +92,7 @@ def test_dry_run_prints_every_stage_and_writes_nothing(tmp_path, tiny_src, calib
     # a run that starts torch is probed as the run would be: the time is this machine's now, not the rates' machine's
     assert re.fullmatch(r"time: about .* for this machine now \(a torch probe: \d+ ms here\); .*", lines[-2]), lines[-2]
     global_stage = next(line for line in lines if line.startswith("stage 4: refine"))
-    assert "up to 48 Adam steps (lr 0.0002" in global_stage and "checked every 10 steps" in global_stage
+    assert "up to 64 Adam steps (lr 0.0002" in global_stage and "checked every 10 steps" in global_stage
     # 64 held-out block tokens + 2 held-out openings of 8, x a vocabulary of 128 x 4 B
     assert "the parent's logits on the 80 held-out tokens kept between checks: 40.00 KiB" in global_stage
     small = ["--refine-memory", "1KiB", "--dry-run"]
@@ -169,6 +169,7 @@ NON_DEFAULT = {  # flag: (convert keywords, RefineOptions keywords or None)
     "--refine-tokens": (REFINE, dict(tokens=384)),
     "--refine-global-steps": (REFINE, dict(global_steps=3)),
     "--refine-global-lr": (REFINE, dict(global_steps=3, global_lr=1e-3)),
+    "--refine-global-precision": (REFINE, dict(global_steps=3, global_precision="bfloat16")),
     "--refine-batch-blocks": (REFINE, dict(batch_blocks=3)),
     "--refine-opening-weight": (REFINE, dict(opening_weight=1.0)),
     "--refine-solve-output": (REFINE, dict(solve_output=False)),

@@ -300,11 +300,33 @@ def test_mini_batches_are_seeded_epochs_of_the_fit_blocks_and_never_short():
 def test_the_global_stage_takes_its_settings_from_the_refine_options():
     from mha2gqa.convert.refine import GlobalFit
 
-    options = RefineOptions(global_steps=3, global_lr=5e-4, batch_blocks=2)
+    options = RefineOptions(global_steps=3, global_lr=5e-4, batch_blocks=2, global_precision="float32")
     parent, model, blocks, split = two_random_models()
     params = [p for name, p in model.named_parameters() if ".self_attn." in name]
-    fit = GlobalFit.of(options)
+    fit = GlobalFit.of(options, torch.device("cpu"))
     record = fit_global(parent, model, params, blocks, split, fit, torch.Generator().manual_seed(0), progress=False)
     assert (record["steps"], record["lr"], record["batch_blocks"]) == (3, 5e-4, 2)
     assert (record["betas"], record["clip"], record["decay"]) == ([0.9, 0.95], 1.0, False)
     assert [c["step"] for c in record["checks"]] == [0, 3]  # the last step is always checked
+    assert record["precision"] == "float32"
+
+
+def test_global_stage_fits_in_bfloat16_autocast_and_checks_in_float32():
+    """--refine-global-precision bfloat16: the fit steps' linear layers compute in bfloat16 while the held-out checks
+    (which pick the step kept) and the parameters stay float32, and the fit still lowers the held-out KL."""
+    parent, model, blocks, split = two_random_models()
+    params = [p for name, p in model.named_parameters() if ".self_attn." in name]
+    seen = []  # (grad enabled: a fit step, else a check; the q projection's output dtype)
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(
+        lambda module, args, out: seen.append((torch.is_grad_enabled(), out.dtype))
+    )
+    fit = GlobalFit.of(
+        RefineOptions(global_steps=6, global_lr=1e-2, batch_blocks=2, global_precision="bfloat16"), "cpu"
+    )
+    assert fit.autocast == torch.bfloat16
+    record = fit_global(parent, model, params, blocks, split, fit, torch.Generator().manual_seed(0), progress=False)
+    assert record["precision"] == "bfloat16 autocast"
+    assert {dtype for fitting, dtype in seen if fitting} == {torch.bfloat16}
+    assert {dtype for fitting, dtype in seen if not fitting} == {torch.float32}
+    assert all(p.dtype == torch.float32 for p in params)
+    assert record["checks"][-1]["heldout_kl"] < record["checks"][0]["heldout_kl"]

@@ -28,7 +28,7 @@ DEFAULT_CALIBRATION_MEMORY = 4 << 30  # bytes of calibration accumulators held a
 DEFAULT_REFINE_STEPS = 50
 DEFAULT_REFINE_LR = 1e-3
 DEFAULT_REFINE_MEMORY = 4 << 30
-DEFAULT_REFINE_GLOBAL_STEPS = 48  # 1.5 passes over the default fit blocks of a hidden-576 model (docs/calibration.md)
+DEFAULT_REFINE_GLOBAL_STEPS = 64  # 2 passes over the default fit blocks of a hidden-576 model (docs/calibration.md)
 DEFAULT_REFINE_GLOBAL_LR = 2e-4
 DEFAULT_REFINE_OPENING_WEIGHT = 0.25  # an opening token weighs as a block token (docs/calibration.md)
 # Default --refine-tokens per unit of hidden size, and the parent's samples' default --calibration-tokens: 128 x
@@ -81,6 +81,19 @@ class Grouping(StrEnum):
     (reads --calibration; unset: its default)."""
 
 
+class GlobalPrecision(StrEnum):
+    """What the global refine stage's fit steps compute in (convert/refine/precision.py). The parameters, Adam's
+    state, the KL and the held-out checks that pick the step kept are float32 whichever is chosen."""
+
+    AUTO = "auto"
+    """bfloat16 where this machine's bfloat16 products run at least twice as fast as float32's (a CPU with AMX:
+    SmolLM2's global stage 1.6x faster a step), else float32 (a GPU: float32)."""
+    FLOAT32 = "float32"
+    """float32 throughout: the same result on every CPU at the same threads."""
+    BFLOAT16 = "bfloat16"
+    """bfloat16 autocast wherever the device has it."""
+
+
 @dataclass(frozen=True)
 class RefineOptions:
     """How `--refine` fits each layer (convert/refine/; the defaults were chosen by measurement,
@@ -107,6 +120,9 @@ class RefineOptions:
     and a forward and backward of the converted model on --refine's batch of blocks."""
     global_lr: float = DEFAULT_REFINE_GLOBAL_LR
     """Learning rate of the global stage (after a warmup over the first tenth of the steps)."""
+    global_precision: GlobalPrecision = GlobalPrecision.AUTO
+    """What the global stage's forwards and backward compute in: bfloat16 autocast or float32 (auto: bfloat16 where
+    it pays, a CPU with AMX). The parameters, Adam's state, the KL and the held-out checks stay float32."""
     batch_blocks: int = 4
     """Calibration sequences per Adam step."""
     opening_weight: float = DEFAULT_REFINE_OPENING_WEIGHT
@@ -119,6 +135,11 @@ class RefineOptions:
     seed: int = 0
     """Seeds the mini-batch order, the held-out split and the openings' draw (on the command line: --seed, unless
     --refine-seed is given)."""
+
+    def __post_init__(self):  # frozen: the text a config file or a call gives becomes the member, once
+        object.__setattr__(
+            self, "global_precision", GlobalPrecision.parse(self.global_precision, "--refine-global-precision")
+        )
 
     def check(self) -> None:
         """Refuse settings no fit can run with; a NaN or infinite learning rate would run every Adam step
@@ -155,7 +176,7 @@ RETIRED_REFINE_FIELDS = {"mlp_output": False}
 
 
 # Fields RefineOptions gained, each with the value that does what a record of before, which lacks it, ran with.
-ADDED_REFINE_FIELDS = {"opening_weight": 1.0}
+ADDED_REFINE_FIELDS = {"opening_weight": 1.0, "global_precision": "float32"}
 
 
 def current_refine_fields(recorded: dict) -> dict:

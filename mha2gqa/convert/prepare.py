@@ -38,6 +38,7 @@ from mha2gqa.convert.options import (
     OUT_DTYPES,
     REFINE_TOKENS_PER_HIDDEN,
     ConvertOptions,
+    GlobalPrecision,
     Grouping,
     RefineOptions,
     flag_words,
@@ -381,14 +382,20 @@ def _refine_stages(plan: ConversionPlan, calibration_tokens: int, seq_len: int) 
                 "refine (global)",
                 f"then up to {refine.global_steps} Adam steps (lr {refine.global_lr:g}, {refine.batch_blocks} blocks "
                 f"a step) of every refined attention parameter, all layers together, against the parent's "
-                f"next-token distribution; the held-out KL checked every {GLOBAL_CHECK_EVERY} steps, the best kept "
-                f"({_targets_words(plan)})",
+                f"next-token distribution{_precision_words(refine.global_precision)}; the held-out KL checked every "
+                f"{GLOBAL_CHECK_EVERY} steps in float32, the best kept ({_targets_words(plan)})",
             )
         )
     stages.append(
         Stage("write", f"{len(tensors.output_tensors())} tensors streamed into DST, refined attention included")
     )
     return stages
+
+
+def _precision_words(precision: GlobalPrecision) -> str:
+    if precision == GlobalPrecision.AUTO:
+        return ", in bfloat16 autocast where this machine's bfloat16 products are 2x float32's (else float32)"
+    return f", in {precision}{' autocast' if precision == GlobalPrecision.BFLOAT16 else ''}"
 
 
 def _targets_words(plan: ConversionPlan) -> str:

@@ -107,7 +107,21 @@ def estimate(plan: ConversionPlan):
 
     checked = plan.check is not None and plan.check.skip is None
     probe = "torch" if plan.torch_reason is not None or checked else "numpy"
-    return convert_estimate(plan, this_machine(probe, fine=plan.options.refine is not None))
+    machine = this_machine(probe, fine=plan.options.refine is not None)
+    return convert_estimate(plan, machine, bf16_global=_global_stage_in_bf16(plan.options.refine))
+
+
+def _global_stage_in_bf16(refine) -> bool:
+    """Whether the run's global refine stage will fit in bfloat16 autocast (refine/precision.py), asked of torch
+    on the device the run will use."""
+    if refine is None or not refine.global_steps:
+        return False
+    import torch
+
+    from mha2gqa.convert.refine.precision import fit_autocast_dtype
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return fit_autocast_dtype(refine.global_precision, device) is not None
 
 
 def dry_run_time_line(plan: ConversionPlan) -> str | None:

@@ -1,4 +1,4 @@
-"""The global stage of `--refine` (`--refine-global-steps`, 48 by default; 0: off): after the layer-wise
+"""The global stage of `--refine` (`--refine-global-steps`, 64 by default; 0: off): after the layer-wise
 stages, the parameters they refined, in every layer together, are fitted to the parent's next-token
 distribution (KL(parent || converted), mean over tokens) on the fit blocks.
 
@@ -21,6 +21,8 @@ there never change, so they are computed at the first check and kept (ParentTarg
 --refine-memory budget: on SmolLM2 the parent's forwards were ~45% of a check.
 Parameters held in bfloat16 or float16 (a --dtype cast, a GPU run) are trained through float32 master
 copies: an update of lr 1e-4 is below bfloat16's resolution for most weights and would round away.
+The fit steps' forwards and backward run in bfloat16 autocast where it pays (precision.py,
+--refine-global-precision); the checks stay float32, so the step kept is chosen by the same measure anywhere.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from mha2gqa.convert.inputs import GLOBAL_CHECK_EVERY, OPENINGS_PER_STEP, heldout_targets_bytes
 from mha2gqa.convert.options import RefineOptions
 from mha2gqa.convert.refine.buffers import Openings, mini_batches
+from mha2gqa.convert.refine.precision import fit_autocast_dtype
 from mha2gqa.kl import kl_divergence
 from mha2gqa.progress import progress_bar
 
@@ -51,10 +54,12 @@ class GlobalFit:
     betas: tuple[float, float] = (0.9, 0.95)
     clip: float = 1.0
     decay: bool = False
+    autocast: torch.dtype | None = None  # the fit steps' autocast dtype; None: float32
 
     @classmethod
-    def of(cls, options: RefineOptions) -> GlobalFit:
-        return cls(options.global_steps, options.global_lr, options.batch_blocks)
+    def of(cls, options: RefineOptions, device: torch.device) -> GlobalFit:
+        autocast = fit_autocast_dtype(options.global_precision, device)
+        return cls(options.global_steps, options.global_lr, options.batch_blocks, autocast=autocast)
 
 
 class ParentTargets:
@@ -146,10 +151,10 @@ def fit_global(
     try:
         for step in bar:
             optimizer.zero_grad(set_to_none=True)
-            fit_kl = _kl_gradients(parent, model, blocks, next(batches))
+            fit_kl = _kl_gradients(parent, model, blocks, next(batches), autocast=fit.autocast)
             if opening_batches is not None:
-                rows = next(opening_batches)
-                fit_kl += _kl_gradients(parent, model, openings.ids, rows, together=True, scale=openings.weight)
+                rows, weight = next(opening_batches), openings.weight
+                fit_kl += _kl_gradients(parent, model, openings.ids, rows, True, weight, fit.autocast)
             if fit.clip:
                 torch.nn.utils.clip_grad_norm_(params, fit.clip)
             _step(optimizer, params, masters)
@@ -171,18 +176,25 @@ def fit_global(
 
 
 def _kl_gradients(
-    parent, model, blocks: torch.Tensor, chunk: torch.Tensor, together: bool = False, scale: float = 1.0
+    parent,
+    model,
+    blocks: torch.Tensor,
+    chunk: torch.Tensor,
+    together: bool = False,
+    scale: float = 1.0,
+    autocast: torch.dtype | None = None,
 ) -> float:
     """Accumulate the gradients of `scale` x the mean KL over the sequences `chunk` of `blocks`, one at a time so
     that only one block's activations are held (`together`: all in one forward, for short sequences); returns that
-    scaled mean KL."""
+    scaled mean KL. `autocast`: the dtype both models' forwards run in (the KL itself is float32, kl.py)."""
     device = next(model.parameters()).device
     fit_kl = 0.0
     for rows in [chunk] if together else chunk.split(1):
         ids = blocks[rows].to(device)
-        with torch.no_grad():
-            target = parent(ids, use_cache=False).logits
-        loss = kl_divergence(target, model(ids, use_cache=False).logits) * (scale * len(rows)) / len(chunk)
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            with torch.no_grad():
+                target = parent(ids, use_cache=False).logits
+            loss = kl_divergence(target, model(ids, use_cache=False).logits) * (scale * len(rows)) / len(chunk)
         loss.backward()
         fit_kl += loss.item()
     return fit_kl
@@ -204,6 +216,7 @@ def _record(fit: GlobalFit, checks: list[dict], best: float) -> dict:
         "clip": fit.clip,
         "decay": fit.decay,
         "check_every": fit.check_every,
+        "precision": "float32" if fit.autocast is None else f"{str(fit.autocast).removeprefix('torch.')} autocast",
         "checks": checks,
         "best_step": next(c["step"] for c in checks if c["heldout_kl"] == best),
     }
