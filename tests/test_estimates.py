@@ -32,6 +32,7 @@ RATES = {
         "calibrate": {"fixed": [1.0, 1.0], "per": {"tokens": [4e-10, 4e-11]}},
         "only_small": {"fixed": [3.0, None], "per": {}},
         "refine": {"fixed": [0.0, 0.0], "per": {"steps": [1e-9, 1e-9]}},
+        "refine_global": {"fixed": [0.0, 0.0], "per": {"steps": [1e-9, 1e-9], "checks": [1e-9, 1e-9]}},
     },
     "probe_s": {"torch": 0.25, "numpy": 0.5, "torch_fine": 0.1},
     "measured": {"cores": 2, "load": 0.4, "date": "2026-12-03"},
@@ -172,6 +173,34 @@ def test_every_stage_of_a_refining_conversion_is_costed_and_a_stage_may_cost_its
     assert [s for s in estimates.convert_stages(plan) if s.name == "later"][0].seconds() == 0.5
     mean = prepare(embedded.model_dir(), ConvertOptions(2))  # numpy: no torch until the check imports it
     assert [s.name for s in estimates.convert_stages(mean)] == ["start", "merge", "check", "metadata"]
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "auto"])
+def test_a_global_stage_in_bfloat16_is_priced_at_its_measured_speedup_and_its_checks_are_not(
+    fixed_rates, monkeypatch, precision
+):
+    from mha2gqa.convert import run as convert_run
+    from mha2gqa.convert.refine import precision as precision_module
+
+    monkeypatch.setattr(precision_module, "bf16_speedup", lambda: 1.5)  # a CPU whose bfloat16 does not pay
+    monkeypatch.setattr(estimates, "this_machine", lambda kind, fine=False: rates.Machine(1.0, None, kind))
+    options = dict(calibration="austen", calibration_tokens=4096)
+    refine = RefineOptions(steps=2, global_precision=precision)
+    plan = prepare(embedded.model_dir(), ConvertOptions(2, **options, refine=refine))
+    (stage,) = [s for s in convert_run.estimate(plan).stages if s.name == "refine (global)"]
+    (float32,) = [s for s in estimates.convert_stages(plan) if s.name == "refine (global)"]
+    speedup = 1.3  # the embedded model is SMALL: (1.3, 1.6)'s first
+    assert stage.parts[0].work["checks"] == float32.parts[0].work["checks"] > 0
+    expected = float32.parts[0].work["steps"] / (speedup if precision == "bfloat16" else 1)
+    assert stage.parts[0].work["steps"] == pytest.approx(expected)
+
+
+def test_the_bf16_speedup_is_interpolated_between_the_two_measured_models():
+    from mha2gqa.estimates.costs import BF16_GLOBAL_STEP_SPEEDUP
+
+    assert rates.between(BF16_GLOBAL_STEP_SPEEDUP, SMALL) == pytest.approx(1.3)
+    assert rates.between(BF16_GLOBAL_STEP_SPEEDUP, LARGE) == pytest.approx(1.6)
+    assert 1.3 < rates.between(BF16_GLOBAL_STEP_SPEEDUP, 30_000_000) < 1.6
 
 
 def _bench():

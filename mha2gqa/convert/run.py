@@ -108,12 +108,12 @@ def estimate(plan: ConversionPlan):
     checked = plan.check is not None and plan.check.skip is None
     probe = "torch" if plan.torch_reason is not None or checked else "numpy"
     machine = this_machine(probe, fine=plan.options.refine is not None)
-    return convert_estimate(plan, machine, bf16_global=_global_stage_in_bf16(plan.options.refine))
+    return convert_estimate(plan, machine, bf16_global=global_stage_in_bf16(plan.options.refine))
 
 
-def _global_stage_in_bf16(refine) -> bool:
-    """Whether the run's global refine stage will fit in bfloat16 autocast (refine/precision.py), asked of torch
-    on the device the run will use."""
+def global_stage_in_bf16(refine) -> bool:
+    """Whether a run's global refine stage (`refine`: its RefineOptions or None) will fit in bfloat16 autocast
+    (refine/precision.py), asked of torch on the device the run will use: what its estimate prices."""
     if refine is None or not refine.global_steps:
         return False
     import torch

@@ -52,13 +52,13 @@ class Rates:
         paid it already) plus each term's work times its rate. A kind or term the bench did not measure (lm-eval
         where it was not installed) counts nothing."""
         entry = self.kinds.get(kind, {})
-        total = _between(entry.get("fixed") or (0.0, 0.0), parameters) if fixed else 0.0
+        total = between(entry.get("fixed") or (0.0, 0.0), parameters) if fixed else 0.0
         for term, amount in work.items():
-            total += amount * _between(entry.get("per", {}).get(term) or (0.0, 0.0), parameters)
+            total += amount * between(entry.get("per", {}).get(term) or (0.0, 0.0), parameters)
         return max(0.0, total)
 
 
-def _between(pair, parameters: int) -> float:
+def between(pair, parameters: int) -> float:
     """A (SMALL, LARGE) pair at `parameters`, interpolated on log(parameters) (geometrically where both are
     positive), the nearer one's outside; a pair with one value (None for the other) is that value."""
     small, large = pair
