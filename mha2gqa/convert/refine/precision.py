@@ -5,7 +5,7 @@ Why: on a CPU with bfloat16 matrix units (Intel AMX, Sapphire Rapids and later) 
 global stage's shapes ran 6x its float32 twin (2,039 against 327 GFLOP/s, 512 x 576 x 1536, 2 threads), and
 one step of SmolLM2's global stage (the parent's forward, the converted model's forward and backward of one
 block) took 1.56 s against 2.49 s. The stage does the same work in less time, which the default spends on more
-steps (docs/refine.md "The global stage in bfloat16"). On a CPU without such units bfloat16 is emulated and
+steps (docs/refine.md "The fit steps in bfloat16 where it pays"). On a CPU without such units bfloat16 is emulated and
 slower, so `auto` asks this machine (bf16_speedup) rather than trusting a flag of torch's.
 
 What stays float32 either way: the parameters and Adam's state (the masters, global_stage._step), the KL and
@@ -21,7 +21,6 @@ import time
 
 import torch
 
-PRECISIONS = ("auto", "float32", "bfloat16")
 AUTO_MIN_SPEEDUP = 2.0  # bfloat16 products at least this much faster than float32 ones: `auto` picks bfloat16
 PROBE_SHAPE = (256, 576, 1536)  # rows x hidden x MLP width: SmolLM2's, the model the choice was measured on
 PROBE_ROUNDS = 5
