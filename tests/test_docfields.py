@@ -11,7 +11,15 @@ from mha2gqa.cli.convert_cmd import convert
 from mha2gqa.cli.eval_cmd import eval_command
 from mha2gqa.cli.fields import field_default
 from mha2gqa.cli.sweep_cmd import sweep
-from mha2gqa.convert.options import CONVERT_FLAGS, METHOD_SUMMARIES, ConvertOptions, Grouping, Method, RefineOptions
+from mha2gqa.convert.options import (
+    CONVERT_FLAGS,
+    METHOD_SUMMARIES,
+    ConvertOptions,
+    GlobalPrecision,
+    Grouping,
+    Method,
+    RefineOptions,
+)
 from mha2gqa.docfields import choice_docs, field_docs
 from mha2gqa.eval.options import EvalOptions, SpeedPreset
 from mha2gqa.sweep.options import SweepOptions
@@ -25,6 +33,15 @@ FOLLOWS = {flag.key: flag.default_from for flag in CONVERT_FLAGS if flag.default
 NOT_FIELDS = {"convert": {"quiet", "config", "plan_tensors", *REFINE_FIELDS}, "eval": {"quiet", "force"}}
 # options that pick one of several: their help lists each choice after the field's docstring
 CHOICES = {"method": METHOD_SUMMARIES, "grouping": choice_docs(Grouping), "speed_preset": choice_docs(SpeedPreset)}
+REFINE_CHOICES = {"global_precision": choice_docs(GlobalPrecision)}
+
+
+def _with_choices(text: str, choices: dict | None) -> str:
+    """A field's docstring as its option's help says it: on one line, then each choice and its doc."""
+    text = " ".join(text.split())
+    if choices:
+        text += " " + "; ".join(f"{value}: {doc.rstrip('.')}" for value, doc in choices.items()) + "."
+    return text
 
 
 @pytest.mark.parametrize("command, cls", [(convert, ConvertOptions), (eval_command, EvalOptions)])
@@ -34,11 +51,7 @@ def test_each_options_help_is_its_fields_docstring(command, cls):
     assert {p.name for p in options} - names == NOT_FIELDS[command.name]
     for option in options:
         if option.name in names:
-            expected = " ".join(docs[option.name].split())
-            if option.name in CHOICES:
-                listed = (f"{value}: {doc.rstrip('.')}" for value, doc in CHOICES[option.name].items())
-                expected += " " + "; ".join(listed) + "."
-            assert option.help == expected, option.opts[0]
+            assert option.help == _with_choices(docs[option.name], CHOICES.get(option.name)), option.opts[0]
 
 
 def test_every_convert_and_refine_field_has_one_flag_in_the_table():
@@ -53,7 +66,10 @@ def test_every_convert_and_refine_field_has_one_flag_in_the_table():
 def test_refine_options_help_is_the_refine_fields_docstring():
     docs = field_docs(RefineOptions)
     helps = {p.name: p.help for p in convert.params if p.name in REFINE_FIELDS}
-    assert helps == {option: docs[field] for option, field in REFINE_FIELDS.items()}
+    expected = {
+        option: _with_choices(docs[field], REFINE_CHOICES.get(field)) for option, field in REFINE_FIELDS.items()
+    }
+    assert {option: " ".join(text.split()) for option, text in helps.items()} == expected
 
 
 @pytest.mark.parametrize("cls", [ConvertOptions, EvalOptions, RefineOptions])
@@ -65,7 +81,12 @@ def test_every_field_has_a_docstring(cls):
 
 @pytest.mark.parametrize(
     "enum, summaries",
-    [(Method, METHOD_SUMMARIES), (Grouping, choice_docs(Grouping)), (SpeedPreset, choice_docs(SpeedPreset))],
+    [
+        (Method, METHOD_SUMMARIES),
+        (Grouping, choice_docs(Grouping)),
+        (SpeedPreset, choice_docs(SpeedPreset)),
+        (GlobalPrecision, choice_docs(GlobalPrecision)),
+    ],
 )
 def test_every_choice_is_documented(enum, summaries):
     assert list(summaries) == [member.value for member in enum]
