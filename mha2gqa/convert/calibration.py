@@ -283,12 +283,17 @@ def calibration_ids(tokenizer, texts: Iterator[str], tokens: int, name: str = ""
     return torch.tensor(ids[:tokens], dtype=torch.long)
 
 
+def source_device() -> str:
+    """Where convert runs the parent, and so calibrates and refines: the GPU when there is one, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_source_model(model_dir: Path, device: str | None = None, progress: bool = True):
     """The source causal LM for calibration: the GPU in the checkpoint's dtype when there is one, else
     CPU in float32 (fast and exact enough for statistics accumulated in float64)."""
     from mha2gqa.loading import load_causal_lm
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or source_device()
     dtype = "auto" if device != "cpu" else torch.float32
     # Refuses missing/unexpected/wrong-shape tensors: random ones would poison the statistics.
     return load_causal_lm(model_dir, "SRC", progress=progress, dtype=dtype).to(device).eval()

@@ -116,12 +116,10 @@ def global_stage_in_bf16(refine) -> bool:
     (refine/precision.py), asked of torch on the device the run will use: what its estimate prices."""
     if refine is None or not refine.global_steps:
         return False
-    import torch
-
+    from mha2gqa.convert.calibration import source_device
     from mha2gqa.convert.refine.precision import fit_autocast_dtype
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return fit_autocast_dtype(refine.global_precision, device) is not None
+    return fit_autocast_dtype(refine.global_precision, source_device()) is not None
 
 
 def dry_run_time_line(plan: ConversionPlan) -> str | None:
