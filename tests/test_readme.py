@@ -54,3 +54,9 @@ def test_the_readme_and_help_agree_on_the_default_method_and_calibration():
         parts == {"parent", "austen"}
         and "its default calibration is the no-data mix, the parent's own samples and the embedded novels" in text
     )
+
+
+def test_the_readme_is_a_front_door_of_at_most_900_words():
+    """Issue 54: the README had grown to 1,315 words of histories; those live in docs/results.md now."""
+    words = len(README.read_text().split())
+    assert words <= 900, f"README.md has {words} words; move history to docs/results.md"

@@ -1,4 +1,4 @@
-"""Fault injection, fourth round (issue 38): a bad value is named as what it is (a share, a domain name), a
+"""Faults in shares, names, replays and --resume (issue 38): a bad value is named as what it is (a share, a domain name), a
 conversion replays from anywhere, `--resume` trusts only what it checks, a dry run answers as the run
 would, a reserved name never hides a user's file, and an empty part of a mix is refused before torch.
 
