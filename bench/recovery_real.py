@@ -134,7 +134,7 @@ def point_folder(start: Path, out: Path, step: int) -> Path:
 
 def score_points(args, name: str, start: Path, out: Path, sets: dict, parent: dict, known: list) -> list[dict]:
     """Each point of one start scored per domain (a point in `known`, the JSON of an earlier run, is kept)."""
-    from mha2gqa.uptrain.steps import tokens_per_step
+    from mha2gqa.uptrain.plan import tokens_per_step
 
     kept = {p["step"]: p for p in known}
     per_step = tokens_per_step(recipe_of(args, start, out), 1)

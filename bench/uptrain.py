@@ -132,7 +132,8 @@ def run_paired(args, work: Path) -> dict:
     from mha2gqa.uptrain import load_recipe
     from mha2gqa.uptrain.data import build_data
     from mha2gqa.uptrain.models import load_student, make_optimizer
-    from mha2gqa.uptrain.steps import Metrics, Run, loss_function, optimizer_step
+    from mha2gqa.uptrain.reporting import Metrics
+    from mha2gqa.uptrain.steps import Run, loss_function, optimizer_step
 
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe_dict(args, work / "paired", budget={"max_steps": args.pairs})))

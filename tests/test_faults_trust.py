@@ -718,7 +718,7 @@ def test_the_guard_sees_guessing_through_noise():
     """lr=1e30 for one step left an eval loss 2e-6 below log(4096): 'better than guessing' passed it."""
     import math
 
-    from mha2gqa.uptrain.steps import Guard
+    from mha2gqa.uptrain.guard import Guard
 
     guard = Guard(4096, best_eval=5.0, weight_scale=1.0)
     assert "no better than guessing" in guard.eval_problem(math.log(4096) - 2e-6, 1.0)
@@ -726,7 +726,7 @@ def test_the_guard_sees_guessing_through_noise():
 
 
 def test_the_guard_sees_weights_grown_by_orders_of_magnitude():
-    from mha2gqa.uptrain.steps import Guard
+    from mha2gqa.uptrain.guard import Guard
 
     guard = Guard(4096, best_eval=5.0, weight_scale=1.0)
     assert "grew from 1 to 1e+30" in guard.eval_problem(4.0, 1e30)

@@ -18,7 +18,7 @@ from mha2gqa.provenance import latest, lineage
 from mha2gqa.uptrain import load_recipe, train
 from mha2gqa.uptrain.data import MemoryBatches, build_data
 from mha2gqa.uptrain.distill import kl_teacher_student
-from mha2gqa.uptrain.steps import TrainingDiverged
+from mha2gqa.uptrain.guard import TrainingDiverged
 
 ROOT = Path(__file__).resolve().parents[1]
 

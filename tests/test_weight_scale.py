@@ -2,15 +2,13 @@
 must be gathered from the plain local shards (a gather of a DTensor fails on a GPU: no sharding strategy for
 all_gather). One process, gloo, a one-rank mesh: the same DTensor parameters FSDP2 makes."""
 
-import types
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from mha2gqa.uptrain.steps import weight_scale
+from mha2gqa.uptrain.guard import weight_scale
 
 
 @pytest.fixture
@@ -46,7 +44,7 @@ def test_weight_scale_of_dtensor_parameters_is_their_largest_value(one_rank_mesh
         setattr(layer, name, torch.nn.Parameter(sharded))
     assert type(layer.weight.data).__name__ == "DTensor"
     accelerator = PlainGather()
-    scale = weight_scale(types.SimpleNamespace(model=layer, accelerator=accelerator))
+    scale = weight_scale(layer, accelerator)
     assert scale == 7.25
     assert [t.tolist() for t in accelerator.gathered] == [[7.25]]
 
@@ -55,5 +53,5 @@ def test_weight_scale_keeps_a_nan_of_a_plain_model():
     layer = torch.nn.Linear(2, 2)
     with torch.no_grad():
         layer.weight[0, 1] = float("nan")
-    scale = weight_scale(types.SimpleNamespace(model=layer, accelerator=PlainGather()))
+    scale = weight_scale(layer, PlainGather())
     assert scale != scale  # NaN: the guard must see a broken weight

@@ -75,7 +75,7 @@ def uptrain(recipe, resume, dry_run, overrides):
     clock = Clock()  # the estimate before the models are loaded, and the time taken at the end
     import_torch()  # with interrupts held: a signal during torch's start-up would abort
     clock.stage("load")
-    from mha2gqa.uptrain.steps import TrainingDiverged
+    from mha2gqa.uptrain.guard import TrainingDiverged
 
     threads.apply(threads.for_model(loaded.model or loaded.init_from_config))
     try:

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     from mha2gqa.errors import exit_report, signals_as_interrupts
     from mha2gqa.progress import close_open_bars
     from mha2gqa.uptrain import load_recipe, train
-    from mha2gqa.uptrain.steps import TrainingDiverged
+    from mha2gqa.uptrain.guard import TrainingDiverged
 
     # The same rules as the mha2gqa CLI: a user mistake is one line and exit 2, nothing written; SIGTERM and
     # SIGHUP (what a launcher or a scheduler sends) unwind like Ctrl-C, so the same cleanups run.

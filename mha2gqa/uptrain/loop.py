@@ -20,6 +20,7 @@ from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.quiet import without_transformers_bars
 from mha2gqa.uptrain import allocator, checkpoints, lora, mixed_data
 from mha2gqa.uptrain.data import TrainData
+from mha2gqa.uptrain.guard import TrainingDiverged
 from mha2gqa.uptrain.models import (
     Student,
     check_positions,
@@ -35,7 +36,8 @@ from mha2gqa.uptrain.models import (
 from mha2gqa.uptrain.plan import tokens_per_step, total_steps, uptrain_estimate
 from mha2gqa.uptrain.recipe import Recipe
 from mha2gqa.uptrain.recipe_load import recorded
-from mha2gqa.uptrain.steps import Metrics, Run, Trace, TrainingDiverged, run_steps
+from mha2gqa.uptrain.reporting import Metrics, Trace
+from mha2gqa.uptrain.steps import Run, run_steps
 from mha2gqa.writing import check_room, swap_in, write_atomic
 
 __all__ = ["TrainingDiverged", "train"]
