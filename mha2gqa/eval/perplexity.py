@@ -92,7 +92,8 @@ class NllTally:
 
     def result(self) -> dict:
         mean = self.nll / self.tokens if self.tokens else float("nan")
-        return {"perplexity": math.exp(mean), "nll_per_token": mean, "tokens_scored": self.tokens}
+        perplexity = math.exp(mean) if mean < 700 else float("inf")  # math.exp raises past 709
+        return {"perplexity": perplexity, "nll_per_token": mean, "tokens_scored": self.tokens}
 
 
 def perplexity(
