@@ -20,16 +20,21 @@ HEADER_LIMIT = 100 << 20  # a safetensors header this long or longer is read onl
 # A weight file's bytes are hashed whole up to WHOLE_BYTES, else SAMPLES evenly spaced chunks of SAMPLE_BYTES: a
 # file replaced by another of the same size and modification time (a copy with `cp -p`, `touch -r`) changes
 # the key. Cost measured in docs/convert.md (the check section): a few ms a model, against seconds for its check.
-WHOLE_BYTES = 64 << 20
-SAMPLES, SAMPLE_BYTES = 32, 1 << 20
+WHOLE_BYTES = 8 << 20
+SAMPLES, SAMPLE_BYTES = 32, 256 << 10
 
 
 def model_key(folder: Path) -> str:
     """A short key of a model folder alone (update_with_model): the prefix of every cache file made from it, so
     that a plan that cannot tokenize (convert's torch-free prepare) can ask whether the cache holds its numbers."""
+    return model_digest(folder)[:16]
+
+
+def model_digest(folder: Path) -> str:
+    """The sha256 hex digest of update_with_model(folder): one pass over its files for a key that needs it whole."""
     digest = hashlib.sha256()
     update_with_model(digest, folder)
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
 
 
 def cache_dir() -> Path:

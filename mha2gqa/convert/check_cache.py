@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from mha2gqa import jsontext
-from mha2gqa.cache import cache_dir, model_key, update_with_model
+from mha2gqa.cache import cache_dir, model_digest
 from mha2gqa.errors import InputError
 from mha2gqa.eval.agreement import TopTokens
 from mha2gqa.writing import write_atomic
@@ -50,11 +50,11 @@ class Expected:
 def fingerprint(src: Path, settings: str, ids: dict[str, torch.Tensor]) -> str:
     """The cache key of a parent's numbers on `ids` under `settings` (the check's version, window, device,
     dtype): the parent's model key first, then a digest of everything the numbers depend on."""
-    digest = hashlib.sha256(f"v{CACHE_VERSION} {settings}".encode())
-    update_with_model(digest, src)
+    model = model_digest(src)  # read once: the key's prefix is its first 16 digits, check.parent_cached's model_key
+    digest = hashlib.sha256(f"v{CACHE_VERSION} {settings} {model}".encode())
     for name, domain_ids in ids.items():
         digest.update(name.encode() + domain_ids.numpy().tobytes())
-    return f"{model_key(src)}-{digest.hexdigest()}"
+    return f"{model[:16]}-{digest.hexdigest()}"
 
 
 def path_of(key: str) -> Path:
