@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -152,6 +153,22 @@ def _set_field(field, value):
     return change
 
 
+def _scaled_loss(tensors, meta):
+    meta[_first(meta)]["nll"] *= 1.5
+    return tensors, meta
+
+
+def _ids_of_another_type(tensors, meta):
+    key = f"{_first(meta)}.ids"
+    tensors[key] = tensors[key].to(torch.int32)
+    return tensors, meta
+
+
+def _least_likely_first(tensors, meta):
+    """Each row's top tokens and their log-probabilities reversed: still a distribution, no longer in order."""
+    return {k: v.flip(-1) if v.dim() == 2 else v for k, v in tensors.items()}, meta
+
+
 def _not_finite_log_probs(tensors, meta):
     for key, value in tensors.items():
         if value.is_floating_point():
@@ -168,6 +185,10 @@ CACHE_FAULTS = {
     "a loss that is text": _set_field("nll", "12.5"),
     "a loss that is NaN": _set_field("nll", float("nan")),
     "a loss that is infinite": _set_field("nll", float("inf")),
+    "a loss that is zero": _set_field("nll", 0.0),
+    "a loss that is another number": _scaled_loss,
+    "ids of another integer type": _ids_of_another_type,
+    "top tokens least likely first": _least_likely_first,
     "a token count that is a boolean": _set_field("tokens", True),
     "a domain's numbers that are a string": lambda tensors, meta: (tensors, {**meta, _first(meta): "x"}),
     "metadata that is a list": lambda tensors, meta: (tensors, list(meta)),

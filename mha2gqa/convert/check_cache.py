@@ -40,9 +40,9 @@ class ParentScores:
 
 @dataclass(frozen=True)
 class Expected:
-    """What a valid entry holds: per domain its scored positions, and the vocabulary its ids index."""
+    """What a valid entry holds: per domain the targets of its scored positions, and the vocabulary its ids index."""
 
-    tokens: dict[str, int]
+    targets: dict[str, torch.Tensor]  # (tokens,) int64 per domain: the ids the scored positions predict
     vocab: int
     top_k: int
 
@@ -71,7 +71,7 @@ def load(key: str, expected: Expected) -> dict[str, ParentScores] | None:
     try:
         with safe_open(str(path), "pt") as f:
             meta = json.loads((f.metadata() or {}).get("domains", "null"))
-            if not isinstance(meta, dict) or set(meta) != set(expected.tokens):
+            if not isinstance(meta, dict) or set(meta) != set(expected.targets):
                 return None
             scores = {
                 name: _entry(row, f.get_tensor(f"{name}.ids"), f.get_tensor(f"{name}.coarse"))
@@ -90,8 +90,12 @@ def _entry(row, ids: torch.Tensor, coarse: torch.Tensor) -> ParentScores:
 
 def problem(name: str, scores: ParentScores, expected: Expected) -> str | None:
     """What is wrong with one domain's numbers, or None: the same rules for a cache entry and for a fresh one."""
+    return _form_problem(name, scores, expected) or _value_problem(name, scores, expected.targets[name])
+
+
+def _form_problem(name: str, scores: ParentScores, expected: Expected) -> str | None:
     nll, tokens, ids, coarse = scores.nll, scores.tokens, scores.top.ids, scores.top.coarse
-    rows = expected.tokens[name]
+    rows = expected.targets[name].numel()
     if not _finite_number(nll) or nll < 0:
         return f"its summed loss on {name} is {nll!r}, not a finite number"
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens != rows:
@@ -103,8 +107,24 @@ def problem(name: str, scores: ParentScores, expected: Expected) -> str | None:
         return f"its top tokens on {name} are not ids of a {expected.vocab}-token vocabulary"
     if coarse.dtype != torch.float32 or not torch.isfinite(coarse).all():
         return f"its log-probabilities on {name} are not finite float32"
-    if rows and coarse.logsumexp(-1).abs().max() > SUM_TOLERANCE:
-        return f"its probabilities on {name} do not sum to 1"
+    return None
+
+
+def _value_problem(name: str, scores: ParentScores, targets: torch.Tensor) -> str | None:
+    """The numbers agree with each other: each row's probabilities sum to 1, most likely first, and the summed loss
+    is what the top tokens give the targets (exactly where every target is among them, at least otherwise: a
+    target outside them is no likelier than the last of them or the rest)."""
+    ids, coarse, k = scores.top.ids, scores.top.coarse.double(), scores.top.ids.shape[-1]
+    if not targets.numel():
+        return None
+    if coarse.logsumexp(-1).abs().max() > SUM_TOLERANCE or (coarse[:, 1:k] > coarse[:, : k - 1]).any():
+        return f"its probabilities on {name} do not sum to 1 in order, most likely first"
+    hit = ids == targets[:, None]  # (tokens, k)
+    bound = coarse[:, k - 1] if coarse.shape[-1] == k else coarse[:, k - 1].minimum(coarse[:, k])
+    loss = torch.where(hit.any(-1), -(coarse[:, :k] * hit).sum(-1), -bound).sum().item()
+    tolerance = SUM_TOLERANCE * max(1.0, loss)
+    if scores.nll < loss - tolerance or (hit.any(-1).all() and scores.nll > loss + tolerance):
+        return f"its summed loss on {name} ({scores.nll:.6g}) does not match its log-probabilities ({loss:.6g})"
     return None
 
 

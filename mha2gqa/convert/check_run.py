@@ -129,8 +129,12 @@ def _expected(ids: dict[str, torch.Tensor], window: int, vocab: int) -> check_ca
                 f"SRC's tokenizer gives id {high if high >= vocab else low} on the {name} text, outside its "
                 f"vocabulary of {vocab} tokens (config.json vocab_size): the tokenizer does not belong to the model"
             )
-    tokens = {name: sum(w.scored for w in windows(t.numel(), window, window)) for name, t in ids.items()}
-    return check_cache.Expected(tokens, vocab, min(TOP_K, vocab))
+    return check_cache.Expected({name: _targets(t, window) for name, t in ids.items()}, vocab, min(TOP_K, vocab))
+
+
+def _targets(ids: torch.Tensor, window: int) -> torch.Tensor:
+    """The ids eval's windows of `window` tokens score, in order (the rows of the parent's numbers)."""
+    return torch.cat([ids[w.end - w.scored : w.end] for w in windows(ids.numel(), window, window)])
 
 
 def _require_valid(parent: dict[str, check_cache.ParentScores], expected: check_cache.Expected) -> None:
