@@ -78,14 +78,16 @@ def run_check(src: Path, dst: Path, plan: CheckPlan, progress: bool = True, pare
     parent = check_cache.load(key, expected)
     cached = parent is not None
     bar = progress_bar(len(ids) * (1 if cached else 2), "check", progress, unit="domain")
-    if parent is None:
-        with _step("scoring SRC"):
-            parent = _score_parent(src, ids, plan.window, dtype, device, parent_model, bar)
-        _require_valid(parent, expected)
-        check_cache.save(key, parent)
-    with _step("scoring the converted model"):
-        domains = _score_child(dst, ids, plan.window, dtype, device, parent, bar)
-    bar.close()
+    try:
+        if parent is None:
+            with _step("scoring SRC"):
+                parent = _score_parent(src, ids, plan.window, dtype, device, parent_model, bar)
+            _require_valid(parent, expected)
+            check_cache.save(key, parent)
+        with _step("scoring the converted model"):
+            domains = _score_child(dst, ids, plan.window, dtype, device, parent, bar)
+    finally:
+        bar.close()  # before a skip's warning line, not under it
     found = verdict({name: row["ratio"] for name, row in domains.items()})
     return {
         "tokens_per_domain": plan.tokens,
