@@ -188,4 +188,4 @@ def _row(perplexity: dict, agreement: dict, parent: check_cache.ParentScores) ->
 
 
 def _exp(x: float) -> float:
-    return math.exp(x) if x < 700 else float("inf")
+    return float("inf") if x > 709 else math.exp(x)  # math.exp raises past 709.78; NaN stays NaN

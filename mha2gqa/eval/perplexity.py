@@ -92,7 +92,7 @@ class NllTally:
 
     def result(self) -> dict:
         mean = self.nll / self.tokens if self.tokens else float("nan")
-        perplexity = math.exp(mean) if mean < 700 else float("inf")  # math.exp raises past 709
+        perplexity = float("inf") if mean > 709 else math.exp(mean)  # math.exp raises past 709.78; NaN stays NaN
         return {"perplexity": perplexity, "nll_per_token": mean, "tokens_scored": self.tokens}
 
 
