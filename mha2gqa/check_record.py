@@ -14,8 +14,8 @@ def table_rows(record: dict) -> list[list[str]]:
             _number(row["parent_perplexity"], ".2f"),
             _number(row["perplexity"], ".2f"),
             _number(row["ratio"], ".3g", "x"),
-            _number(row["kl"], ".3f"),
-            _number(row["top1"], ".3f"),
+            _number(row.get("kl_mean", row.get("kl")), ".3f"),  # kl, top1: the names before eval's (2026-12-06)
+            _number(row.get("top1_agreement", row.get("top1")), ".3f"),
         ]
         for name, row in record["domains"].items()
     ]

@@ -1,4 +1,4 @@
-"""convert's quality check (convert/check.py, check_scores.py): the verdicts on models made to be close, lossy
+"""convert's quality check (convert/check.py, check_run.py, check_cache.py): the verdicts on models made to be close, lossy
 and broken, the table in the terminal, mha2gqa.json and the card, the parent's cache, and the skips."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from mha2gqa import convert, embedded
 from mha2gqa.cli import main
-from mha2gqa.convert import check_scores
+from mha2gqa.convert import check_run
 from mha2gqa.convert.check import (
     CLOSE,
     CPU_CHECK_BUDGET_S,
@@ -58,20 +58,24 @@ def test_the_recipes_the_check_names_ship_in_the_package_and_load_by_name(name, 
     assert name in shipped_recipes()
     recipe = load_recipe(name, ["model=m", "distill.teacher=t", f"output_dir={tmp_path}"], check_files=False)
     assert recipe.data.train == ["parent"] and recipe.distill.kl_weight == 1.0
-    first = (Path(check_scores.__file__).parents[1] / "uptrain" / "recipes" / f"{name}.yaml").read_text()
+    first = (Path(check_run.__file__).parents[1] / "uptrain" / "recipes" / f"{name}.yaml").read_text()
     assert first.startswith(f"# mha2gqa uptrain --recipe {name} ")
 
 
-def test_coarse_kl_is_the_full_kl_with_every_token_and_a_lower_bound_with_fewer():
+def test_the_kl_against_top_tokens_is_kls_full_kl_with_every_token_and_a_lower_bound_with_fewer():
+    from mha2gqa.eval.agreement import AgreementTally, top_tokens
+
     torch.manual_seed(0)
     parent, child = torch.randn(5, 40) * 3, torch.randn(5, 40) * 3
-    exact = kl_divergence(parent, child, reduction="none").double()
-    logp, logq = parent.double().log_softmax(-1), child.double().log_softmax(-1)
-    full = check_scores.coarse_kl(logp, logq)
-    torch.testing.assert_close(full, exact, rtol=1e-6, atol=1e-6)
-    top, ids = logp.topk(8, -1)
-    coarse = check_scores.coarse_kl(top, logq.gather(1, ids))
-    assert (coarse <= exact + 1e-9).all() and (coarse > 0).all()
+    exact = kl_divergence(parent, child, reduction="none")
+    full, every = AgreementTally(), AgreementTally()
+    full.add(parent, child)
+    every.add_top(top_tokens(parent, 40), child)
+    assert every.result() == pytest.approx(full.result(), rel=1e-5)
+    fewer = AgreementTally()
+    fewer.add_top(top_tokens(parent, 8), child)
+    assert 0 < fewer.result()["kl_mean"] <= exact.mean().item() + 1e-6
+    assert fewer.result()["top1_agreement"] == full.result()["top1_agreement"]
 
 
 def test_a_large_model_on_cpu_is_skipped_with_one_line_and_a_gpu_runs_it():
@@ -117,7 +121,7 @@ def test_a_broken_conversion_is_not_usable_and_says_what_to_run(tmp_path, monkey
     assert "## What it kept" in card and "**Verdict: not usable without uptraining" in card
     assert "mha2gqa uptrain --recipe distill-parent-cpu" in card
     for row in record["domains"].values():  # KL and top-1 are numbers of the right kind
-        assert row["kl"] > 0 and 0 <= row["top1"] < 1 and row["tokens"] == 511
+        assert row["kl_mean"] > 0 and 0 <= row["top1_agreement"] < 1 and row["tokens"] == 511
 
 
 def test_a_lossy_conversion_is_usable_with_its_losses_named(tmp_path, monkeypatch):
@@ -143,7 +147,7 @@ def test_a_conversion_that_changes_nothing_is_close_and_the_parent_comes_from_th
     first = convert(src, tmp_path / "a", 2, progress=False)
     assert first.check["verdict"] == CLOSE and first.check["parent_cached"] is False and first.check["next"] == []
     for row in first.check["domains"].values():
-        assert math.isclose(row["ratio"], 1.0, rel_tol=1e-4) and row["kl"] < 1e-6 and row["top1"] == 1.0
+        assert math.isclose(row["ratio"], 1.0, rel_tol=1e-4) and row["kl_mean"] < 1e-6 and row["top1_agreement"] == 1.0
     assert first.check["top_k"] == 128  # the whole vocabulary of the tiny model: the KL is the full one
     again = convert(src, tmp_path / "b", 2, progress=False)
     assert again.check["parent_cached"] is True and _ratios(again.check) == _ratios(first.check)

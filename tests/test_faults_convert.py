@@ -349,7 +349,9 @@ def test_non_finite_kv_weights_convert_with_a_warning_naming_the_tensor(src, tmp
     result = cli("convert", src, tmp_path / "dst", "--groups", "2", "-q")
     assert result.exit_code == 0, result.output
     warnings = [line for line in result.stderr.splitlines() if line.startswith("Warning:")]
-    assert len(warnings) == 1 and name in warnings[0] and "1 non-finite" in warnings[0], result.stderr
+    assert len(warnings) == 2 and name in warnings[0] and "1 non-finite" in warnings[0], result.stderr
+    # SRC's own scores are NaN too: nothing to compare DST with, so the check is skipped, not DST blamed
+    assert warnings[1].startswith("Warning: the check could not run: SRC's own numbers"), result.stderr
     assert (tmp_path / "dst" / "model.safetensors").is_file() and digests(src) == before
 
 

@@ -1,6 +1,6 @@
 """What a conversion kept, said at its end: the parent and the converted model scored on the first tokens of
 every probe-set domain, one verdict, and the next command to run. Torch-free (prepare plans it, `--dry-run`
-lists it with its cost); check_scores.py does the scoring.
+lists it with its cost); check_run.py runs it with eval's scorer, check_cache.py keeps the parent's numbers.
 
 Mean-pooling a real model (the GQA paper's recipe, a start for uptraining) gives 1,141x its parent's perplexity
 on SmolLM2 3 -> 1 kv heads, and finishes in a second with "KV cache 3x smaller". A user learns what that model
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mha2gqa.cache import cache_dir, model_key
 from mha2gqa.corpus.probe import DOMAINS
+from mha2gqa.errors import InputError
 from mha2gqa.layouts import config_vocab
 
 CHECK_TOKENS = 512  # scored per domain: a few hundred tokens keep a 135M model's check well under a minute on CPU
@@ -53,11 +54,11 @@ class CheckPlan:
 
 
 def parent_cached(src: Path) -> bool:
-    """Whether the cache holds a check of this parent (check_scores names each file by the parent's model key
+    """Whether the cache holds a check of this parent (check_cache names each file by the parent's model key
     first): the estimate's guess, without torch or the tokenizer, that its forward will not run again."""
     try:
         return any((cache_dir() / "check").glob(f"{model_key(src)}-*.safetensors"))
-    except OSError:
+    except (OSError, InputError):  # an unusable cache: the check says so when it runs
         return False
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.plan import Plan
 from mha2gqa.convert.prepare import ConversionPlan, prepare
 from mha2gqa.convert.roles import pack, unpack
-from mha2gqa.errors import InputError, InputWarning, import_torch
+from mha2gqa.errors import InputError, import_torch
 from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.layouts import converted_config
 from mha2gqa.progress import progress_bar
@@ -194,13 +193,11 @@ def _check(plan: ConversionPlan, written: Path, dst: Path, parent=None, clock=NO
     clock.stage("check")
     import_torch()
     from mha2gqa.convert.check import next_steps
-    from mha2gqa.convert.check_scores import run_check
+    from mha2gqa.convert.check_run import run_check_or_skip
 
-    try:
-        record = run_check(plan.source, written, check, options.progress, parent)
-    except InputError as err:  # a model transformers cannot load as it stands: the conversion stands, unchecked
-        warnings.warn(f"the check could not run: {err}", InputWarning, stacklevel=2)
-        return {"skipped": f"it could not run: {err}"}
+    record = run_check_or_skip(plan.source, written, check, options.progress, parent)  # never raises: a skip
+    if "skipped" in record:
+        return record
     full = options.method.needs_calibration and options.refine is not None
     record["next"] = next_steps(record["verdict"], plan.source_spec, str(dst), options.groups, full, record["device"])
     return record

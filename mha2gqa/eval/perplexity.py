@@ -92,7 +92,8 @@ class NllTally:
 
     def result(self) -> dict:
         mean = self.nll / self.tokens if self.tokens else float("nan")
-        return {"perplexity": math.exp(mean), "nll_per_token": mean, "tokens_scored": self.tokens}
+        perplexity = float("inf") if mean > 709 else math.exp(mean)  # math.exp raises past 709.78; NaN stays NaN
+        return {"perplexity": perplexity, "nll_per_token": mean, "tokens_scored": self.tokens}
 
 
 def perplexity(

@@ -4,8 +4,8 @@ Sampling is one forward of the teacher a token, on CPU most of a short run's cos
 two runs that distil different students from one parent with the same seed draw the same ids (a sweep of
 starts, a longer run after a shorter one). So the blocks are kept in the cache (mha2gqa.cache.cache_dir()
 / samples, one safetensors file a draw) and read back instead of drawn again. The key is everything the
-ids depend on: the teacher folder's fingerprint (config, tokenizer, weight files' headers, sizes and
-modification times), the sampling record (recipe, chat header, seed, device), the teacher's dtype, the
+ids depend on: the teacher folder's fingerprint (config, tokenizer, weight files' headers, sizes,
+modification times and bytes), the sampling record (recipe, chat header, seed, device), the teacher's dtype, the
 count and length of the blocks, and torch's version. A teacher given as a hub id is not cached (its
 files live in the hub's cache, whose snapshots the fingerprint does not follow). Best effort: a file that
 cannot be read is drawn again, one that cannot be written costs the next run the sampling, nothing else.
@@ -62,7 +62,10 @@ def load(key: str) -> torch.Tensor | None:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = path_of(key)
+    try:
+        path = path_of(key)
+    except InputError:  # a MHA2GQA_CACHE that names no folder: drawn again, as when a file cannot be read
+        return None
     if not path.is_file():
         return None
     try:

@@ -1,0 +1,68 @@
+"""convert's check is an eval of the child against the parent: one scorer (eval/agreement.py), one KL formula
+(kl.py's), one set of names. A second formula in the package, or a check whose numbers are not eval's on the same
+models and tokens, fails here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import mha2gqa
+from mha2gqa import convert
+
+PACKAGE = Path(mha2gqa.__file__).parent
+# The shapes a KL between two distributions is written in: sum p * (log p - log q) (with p an .exp() or a name),
+# its dot-product form, or torch's own kl_div.
+KL_FORMULA = re.compile(
+    r"\.exp\(\)\s*\*\s*\(|\*\s*\(\s*[\w.]+\s*-\s*[\w.\[\]():, ]+\)\s*\)\s*\.sum\(|vecdot\(|\bkl_div\(|F\.kl_div"
+)
+
+
+def _formulas(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text().splitlines() if KL_FORMULA.search(line)]
+
+
+def test_the_package_writes_the_kl_once_in_kl_py():
+    assert _formulas(PACKAGE / "kl.py")  # the pattern finds the one formula where it is
+    elsewhere = {
+        str(path.relative_to(PACKAGE)): found
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "kl.py" and (found := _formulas(path))
+    }
+    assert elsewhere == {}, "a KL formula outside mha2gqa/kl.py: call kl.kl_divergence instead"
+
+
+def test_the_old_coarse_formula_would_be_found():
+    """The shape check_scores.py's second KL had before it was removed (2026-12-06)."""
+    old = "    head = (p * (p_logp - q_logp)).sum(-1)\n"
+    assert KL_FORMULA.search(old)
+
+
+def test_the_checks_numbers_are_evals_on_the_same_models_and_tokens(tmp_path, monkeypatch):
+    """A tiny parent whose whole vocabulary (128) is within the check's top tokens: the check's KL, top-1 and
+    perplexities are eval's agreement() on the same windows of the same probe ids."""
+    from tiny_models import make_tiny_tokenizer, save_tiny_model
+
+    from mha2gqa.convert.check_run import probe_ids
+    from mha2gqa.eval.agreement import agreement
+    from mha2gqa.loading import load_causal_lm
+
+    monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path / "cache"))
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    save_tiny_model(src, "llama", max_position_embeddings=64)
+    make_tiny_tokenizer(src)
+    result = convert(src, dst, 1, method="random", progress=False)  # far from its parent: KL well above 0
+    plan, record = result.plan.check, result.check
+    assert record["top_k"] == 128 and set(record["domains"]) == set(plan.domains)
+    parent, child = load_causal_lm(src, progress=False), load_causal_lm(dst, progress=False)
+    for name, ids in probe_ids(src, plan).items():
+        agreed, ppl, parent_ppl = agreement(child, parent, ids, plan.window, plan.window)
+        row = record["domains"][name]
+        assert row["kl_mean"] > 1e-4  # a random tiny model's logits are near uniform: small, not zero
+        # the same formula on the same float32 log-probabilities, summed in another order: within rounding
+        assert row["kl_mean"] == pytest.approx(agreed["kl_mean"], rel=1e-4)
+        assert row["top1_agreement"] == agreed["top1_agreement"] and row["tokens"] == agreed["tokens"]
+        assert row["perplexity"] == pytest.approx(ppl["perplexity"], rel=1e-6)
+        assert row["parent_perplexity"] == pytest.approx(parent_ppl["perplexity"], rel=1e-6)
