@@ -64,7 +64,7 @@ def load_float32(model_dir: Path):
 
 def loaded_perplexity(model, ids: torch.Tensor, context: int) -> float:
     """Perplexity of a loaded model over non-overlapping windows of `context` tokens: every bench's measure."""
-    from mha2gqa.eval.perplexity import perplexity
+    from mha2gqa.scoring.perplexity import perplexity
 
     return perplexity(model, ids, context=context, stride=context, batch_size=8)["perplexity"]
 

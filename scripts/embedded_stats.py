@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from mha2gqa import embedded  # noqa: E402
 from mha2gqa.convert.methods import group_heads, group_mean  # noqa: E402
-from mha2gqa.eval.perplexity import perplexity  # noqa: E402
+from mha2gqa.scoring.perplexity import perplexity  # noqa: E402
 
 
 def novel_ids(tokenizer, name: str) -> torch.Tensor:

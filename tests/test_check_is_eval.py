@@ -1,4 +1,4 @@
-"""convert's check is an eval of the child against the parent: one scorer (eval/agreement.py), one KL formula
+"""convert's check is an eval of the child against the parent: one scorer (scoring/agreement.py), one KL formula
 (kl.py's), one set of names. A second formula in the package, or a check whose numbers are not eval's on the same
 models and tokens, fails here."""
 
@@ -46,8 +46,8 @@ def test_the_checks_numbers_are_evals_on_the_same_models_and_tokens(tmp_path, mo
     from tiny_models import make_tiny_tokenizer, save_tiny_model
 
     from mha2gqa.convert.check_run import probe_ids
-    from mha2gqa.eval.agreement import agreement
     from mha2gqa.loading import load_causal_lm
+    from mha2gqa.scoring.agreement import agreement
 
     monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path / "cache"))
     src, dst = tmp_path / "src", tmp_path / "dst"

@@ -63,7 +63,7 @@ def test_the_recipes_the_check_names_ship_in_the_package_and_load_by_name(name, 
 
 
 def test_the_kl_against_top_tokens_is_kls_full_kl_with_every_token_and_a_lower_bound_with_fewer():
-    from mha2gqa.eval.agreement import AgreementTally, top_tokens
+    from mha2gqa.scoring.agreement import AgreementTally, top_tokens
 
     torch.manual_seed(0)
     parent, child = torch.randn(5, 40) * 3, torch.randn(5, 40) * 3

@@ -135,7 +135,7 @@ def test_embedded_model_loads_completely_and_is_mha(model_and_info, tokenizer):
 def test_embedded_model_beats_the_unigram_baseline_by_3x(model_and_info, tokenizer):
     """Perplexity (the package's, as `mha2gqa eval` measures it) on a slice of held-out Persuasion vs an
     add-one unigram model computed here."""
-    from mha2gqa.eval.perplexity import perplexity
+    from mha2gqa.scoring.perplexity import perplexity
 
     model, _ = model_and_info
     vocab = len(tokenizer)

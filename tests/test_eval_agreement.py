@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from tiny_models import VOCAB, make_tiny_model
 
 from mha2gqa.errors import InputError
-from mha2gqa.eval.agreement import agreement
-from mha2gqa.eval.perplexity import perplexity
+from mha2gqa.scoring.agreement import agreement
+from mha2gqa.scoring.perplexity import perplexity
 
 IDS = torch.randint(4, VOCAB, (40,), generator=torch.Generator().manual_seed(0))
 

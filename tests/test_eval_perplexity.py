@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from tiny_models import VOCAB, make_tiny_model
 
 from mha2gqa.errors import InputError
-from mha2gqa.eval.perplexity import Window, perplexity, windows
+from mha2gqa.scoring.perplexity import Window, perplexity, windows
 
 
 def test_windows_overlapping_score_each_token_once():

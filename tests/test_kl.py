@@ -45,7 +45,7 @@ def test_kl_of_bfloat16_logits_is_computed_in_float32():
 def test_the_three_users_call_the_one_kl_and_no_module_writes_its_own():
     """refine's global stage, uptrain's distillation loss and eval's agreement import mha2gqa.kl, and no
     module but kl.py calls a kl_div or builds a KL from log-softmaxes."""
-    users = ["convert/refine/global_stage.py", "uptrain/distill.py", "eval/agreement.py"]
+    users = ["convert/refine/global_stage.py", "uptrain/distill.py", "scoring/agreement.py"]
     for user in users:
         tree = ast.parse((PACKAGE / user).read_text())
         imported = {

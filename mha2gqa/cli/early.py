@@ -15,7 +15,7 @@ from mha2gqa.eval.schema import check_writable
 from mha2gqa.reading import did_you_mean
 from mha2gqa.sources import looks_local, model_ref_problem, require_safetensors
 
-# eval flags with a least value; the messages are eval/run.py's and eval/perplexity.py's
+# eval flags with a least value; the messages are eval/run.py's and scoring/perplexity.py's
 _EVAL_LEAST = (
     ("--batch-size", "batch_size", 1),
     ("--max-tokens", "max_tokens", 2),

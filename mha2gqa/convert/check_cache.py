@@ -1,5 +1,5 @@
 """The parent's numbers of convert's check (check_run.py), kept per parent so that a second conversion of it scores
-only the converted model: its perplexity result and top tokens (eval/agreement.py's TopTokens) per probe domain.
+only the converted model: its perplexity result and top tokens (scoring/agreement.py's TopTokens) per probe domain.
 
 One safetensors file per parent and settings in mha2gqa.cache.cache_dir() / "check", named by the parent's model
 key first (check.parent_cached finds it) and keyed by the parent's fingerprint (config, tokenizer, weight files'
@@ -22,7 +22,7 @@ import torch
 from mha2gqa import jsontext
 from mha2gqa.cache import cache_dir, model_digest
 from mha2gqa.errors import InputError
-from mha2gqa.eval.agreement import TopTokens
+from mha2gqa.scoring.agreement import TopTokens
 from mha2gqa.writing import write_atomic
 
 CACHE_VERSION = 2  # bump when what the cache holds or how it is computed changes (2: eval's scorer, sampled bytes)

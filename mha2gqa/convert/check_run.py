@@ -1,5 +1,5 @@
 """convert's check, run (convert/check.py plans it): the parent and the converted model scored on the first
-tokens of every probe domain by eval's scorer (eval/agreement.py: its windows, perplexity, top-1 agreement and
+tokens of every probe domain by eval's scorer (scoring/agreement.py: its windows, perplexity, top-1 agreement and
 kl.py's KL, under eval's names), the parent's numbers read from check_cache.py when they are there and valid.
 
 The check only ever adds to a conversion: run_check_or_skip is the one boundary around it, so whatever fails
@@ -24,9 +24,9 @@ from mha2gqa.convert.check import CheckPlan, verdict
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.probe import probe_paths
 from mha2gqa.errors import InputError, InputWarning, first_line
-from mha2gqa.eval.agreement import agreement_with_top, reference_top
-from mha2gqa.eval.perplexity import windows
 from mha2gqa.layouts import config_vocab, read_config
+from mha2gqa.scoring.agreement import agreement_with_top, reference_top
+from mha2gqa.scoring.perplexity import windows
 
 TOP_K = 512  # the parent's tokens kept per position in the cache: the KL is exact up to this vocabulary size
 CHARS_PER_TOKEN = 16  # read this many characters a token of a domain's text at most (no tokenizer does worse)

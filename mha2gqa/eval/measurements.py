@@ -59,7 +59,7 @@ def at_least(flag: str, value, low: int, hint: str = "") -> None:
 
 
 def _check_quality(o: EvalOptions) -> None:
-    from mha2gqa.eval import perplexity as P
+    from mha2gqa.scoring import perplexity as P
 
     if o.reference and not o.domains:
         raise InputError("--reference needs --data: agreement is measured on the same text")
@@ -84,8 +84,8 @@ def bar_label(run: Loaded, *stage: str) -> str:
 
 def _one_domain(run: Loaded, name: str, text) -> dict:
     """Perplexity on one text, and agreement with the reference in the same pass when there is one."""
-    from mha2gqa.eval import perplexity as P
-    from mha2gqa.eval.agreement import agreement
+    from mha2gqa.scoring import perplexity as P
+    from mha2gqa.scoring.agreement import agreement
 
     o, ids, batch = run.options, text.ids, window_batch(run)
     found = {"data": text.identity, "perplexity": None, "agreement": None}

@@ -19,11 +19,11 @@ from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.eval import environment, measurements, speed
 from mha2gqa.eval import model as M
-from mha2gqa.eval import perplexity as P
 from mha2gqa.eval.data import load_eval_text
 from mha2gqa.eval.measurements import Loaded, check_all, check_tokenizer, speed_grid
 from mha2gqa.eval.options import EvalOptions
 from mha2gqa.eval.schema import SCHEMA, write_result
+from mha2gqa.scoring import perplexity as P
 from mha2gqa.sources import require_safetensors, resolve_model_dir
 
 DEFAULT_CONTEXT = 1024
