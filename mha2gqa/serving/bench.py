@@ -18,6 +18,7 @@ from mha2gqa import provenance
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import AttentionShape, attention_shape, config_dtype, read_config
 from mha2gqa.serving import client, engine, kvlog, prompts, result
+from mha2gqa.serving.children import check_children
 from mha2gqa.serving.options import GREEDY_PROMPT_TOKENS, ServeOptions
 from mha2gqa.serving.server import Server, free_port
 from mha2gqa.sources import require_safetensors
@@ -65,6 +66,7 @@ def prepare(parent: str, children: list[str], out: str | None, options: ServeOpt
         raise InputError("serve-bench needs a parent and at least one conversion of it: PARENT CHILD...")
     labels: set[str] = set()
     models = [_served(parent, "parent", labels)] + [_served(c, None, labels) for c in children]
+    check_children(models[0].path, [m.path for m in models[1:]], [parent, *children])
     for child in models[1:]:
         if child.vocab != models[0].vocab:
             raise InputError(
@@ -100,6 +102,11 @@ def guarded(server: Server, call: Callable, *args):
             f"the server for {server.label} refused a request ({err}): check --context, --prompt-tokens "
             f"and --output-tokens; its log: {server.log}"
         ) from None
+    except client.ServerGarbled as err:
+        raise InputError(
+            f"the server for {server.label} answered with something that is no OpenAI-compatible completion ({err}): "
+            f"is --vllm-python vLLM's, and its port its own? its log: {server.log}"
+        ) from None
 
 
 def start_servers(plan: Plan, stack: ExitStack, timeout_s: float) -> None:
@@ -130,7 +137,13 @@ def engine_kv(plan: Plan) -> dict[str, dict]:
     """The KV numbers each server reported, beside our formula's at the same budget and block size."""
     found = {}
     for m in plan.models:
-        reported = kvlog.engine_kv(m.server.log_text(), client.get_text(m.server.url, "/metrics"))
+        try:
+            reported = kvlog.engine_kv(m.server.log_text(), client.get_text(m.server.url, "/metrics"))
+        except kvlog.Unreadable as err:
+            raise InputError(
+                f"the server for {m.label} wrote a KV number serve-bench cannot read ({err}): it reads them as vLLM "
+                f"writes them (docs/serving.md); is --vllm-python vLLM's? its log: {m.server.log}"
+            ) from None
         per_token = m.shape.kv_bytes_per_token(dtype_bytes=_DTYPE_BYTES[plan.args.dtype])
         formula = kvlog.formula_kv(per_token, plan.args.kv_budget_bytes, plan.args.context, reported["block_size"])
         found[m.label] = {"engine": reported, "formula": formula, "match": reported["tokens"] == formula["tokens"]}
