@@ -201,3 +201,13 @@ def test_a_child_whose_tokenizer_is_the_parents_saved_again_is_accepted(tmp_path
 
     plan = prepare(str(EMBEDDED), [str(child)], None, ServeOptions(vllm_python=str(python), context=256))
     assert [m.label for m in plan.models] == ["austen-mha", "other-tokenizer"] and plan.engine.version == "9.9"
+
+
+@pytest.mark.parametrize("value", [None, "4096", 0, True])
+def test_a_child_config_without_a_whole_vocab_size_is_refused(tmp_path, converted, value):
+    child = tmp_path / "child"
+    shutil.copytree(converted, child)
+    config = json.loads((child / "config.json").read_text())
+    config.pop("vocab_size") if value is None else config.update(vocab_size=value)
+    (child / "config.json").write_text(json.dumps(config))
+    assert_refused(cli("serve-bench", EMBEDDED, child), f"config.json has vocab_size={value!r}: a served model needs")

@@ -50,13 +50,17 @@ def _served(path: str, role: str | None, labels: set[str]) -> Served:
         raise InputError(f"{path}: no such model directory (serve-bench serves local checkpoints)")
     require_safetensors(folder, "model")
     config = read_config(folder)
+    vocab = config.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise InputError(
+            f"{path}/config.json has vocab_size={vocab!r}: a served model needs a positive whole vocab_size "
+            "(its tokenizer's size)"
+        )
     label = folder.resolve().name or "model"
     while label in labels:  # two folders of one name: number the repeats
         label += "'"
     labels.add(label)
-    return Served(
-        label, role or provenance.role(folder), folder.resolve(), attention_shape(config), config["vocab_size"]
-    )
+    return Served(label, role or provenance.role(folder), folder.resolve(), attention_shape(config), vocab)
 
 
 def prepare(parent: str, children: list[str], out: str | None, options: ServeOptions) -> Plan:
