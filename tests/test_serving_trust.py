@@ -211,3 +211,14 @@ def test_a_child_config_without_a_whole_vocab_size_is_refused(tmp_path, converte
     config.pop("vocab_size") if value is None else config.update(vocab_size=value)
     (child / "config.json").write_text(json.dumps(config))
     assert_refused(cli("serve-bench", EMBEDDED, child), f"config.json has vocab_size={value!r}: a served model needs")
+
+
+def test_vllm_on_path_whose_script_runs_env_python_is_found(tmp_path):
+    """pip's `#!/usr/bin/env python` line names `env`, not a Python: the Python env would find is the one."""
+    python = fake_python(tmp_path)
+    (tmp_path / "bin").mkdir()
+    script = tmp_path / "bin" / "vllm"
+    script.write_text("#!/usr/bin/env python\nimport sys\n")
+    script.chmod(0o755)
+    found = engine.find_engine(None, {"PATH": f"{tmp_path / 'bin'}:{tmp_path}"})
+    assert (found.python, found.found_by, found.version) == (str(python), "vllm on PATH", "0.0.0+fake")

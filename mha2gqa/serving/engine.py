@@ -63,7 +63,7 @@ def find_engine(flag: str | None, environ=os.environ) -> Engine:
     script = shutil.which("vllm", path=environ.get("PATH"))
     if script is None:
         raise InputError(f"vLLM not found: no --vllm-python, no {ENV}, no vllm on PATH: {INSTALL_HINT}")
-    python = script_interpreter(Path(script))
+    python = script_interpreter(Path(script), environ.get("PATH"))
     if python is None:
         raise InputError(
             f"vllm on PATH ({script}) does not name the Python it runs with: pass --vllm-python PATH or set {ENV}"
@@ -71,8 +71,9 @@ def find_engine(flag: str | None, environ=os.environ) -> Engine:
     return _checked(python, "vllm on PATH")
 
 
-def script_interpreter(script: Path) -> str | None:
-    """The absolute interpreter path of a console script's `#!` line (pip writes one), else None."""
+def script_interpreter(script: Path, search: str | None = None) -> str | None:
+    """The absolute interpreter path of a console script's `#!` line (pip writes one), else None; a line that
+    runs `env python...` names the Python found on `search` (a PATH)."""
     try:
         with open(script, "rb") as f:
             first = f.readline(4096).decode("utf-8", "replace").strip()
@@ -80,7 +81,11 @@ def script_interpreter(script: Path) -> str | None:
         return None
     if not first.startswith("#!"):
         return None
-    interpreter = first[2:].strip().split(" ")[0]
+    words = first[2:].split()
+    if len(words) > 1 and os.path.basename(words[0]) == "env":  # `#!/usr/bin/env python3`: the Python env finds
+        named = [w for w in words[1:] if not w.startswith("-") and "=" not in w]
+        words = [shutil.which(named[0], path=search) or ""] if named else []
+    interpreter = words[0] if words else ""
     return interpreter if os.path.isabs(interpreter) and os.access(interpreter, os.X_OK) else None
 
 
