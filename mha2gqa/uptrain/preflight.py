@@ -50,8 +50,8 @@ def check_as_the_run_does(recipe: Recipe, resume: bool, student, teacher) -> Non
     write, in its order, from the sizes plan.py reads without loading (`student`, `teacher`: ModelSize, None
     for a hub model not in the cache, which the run judges once it is downloaded)."""
     checkpoints.check_start(Path(recipe.output_dir).expanduser(), recipe, resume, world_size=1)
-    if student is not None and teacher is not None:
-        check_same_vocabulary(student.vocab, teacher.vocab)
+    if student is not None and teacher is not None and student.vocab and teacher.vocab:  # 0: no vocab_size in
+        check_same_vocabulary(student.vocab, teacher.vocab)  # a config, whose class default the run reads
     if student is not None:
         saves = saves_checkpoints(recipe)
         check_output_dir(recipe, disk_needed(student.parameters, student.trained, student.stored_bytes, saves))
