@@ -8,7 +8,9 @@ record the final paths in what they write (results name their model, the card it
   overwritten, moved or deleted, with or without --force; an earlier run of the command is replaced
   only with --force. An earlier run is known by the MARKER file every run writes first into OUT, naming
   its command: files that only carry the names a run writes (a user's own ablations.md) are not one,
-  and --force is never offered for them.
+  and --force is never offered for them. A folder marked by another command is called that command's run
+  (a demo's folder is never "an earlier sweep run") and is not replaced by this one, --force or not; a
+  MARKER that no run wrote (a folder, a long file) is a user's file.
 - run_folder: under the output's lock (writing.claim, with the PID), an earlier run is moved aside to
   `.OUT.replaced-PID` (or, where OUT held nothing, an empty `.OUT.created-PID` marks it as new) before
   anything is written. `commit()` makes the new run the one that stays (the earlier one is deleted);
