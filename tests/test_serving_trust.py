@@ -222,3 +222,16 @@ def test_vllm_on_path_whose_script_runs_env_python_is_found(tmp_path):
     script.chmod(0o755)
     found = engine.find_engine(None, {"PATH": f"{tmp_path / 'bin'}:{tmp_path}"})
     assert (found.python, found.found_by, found.version) == (str(python), "vllm on PATH", "0.0.0+fake")
+
+
+@pytest.mark.parametrize("named", ["float64", "int8", ["bfloat16"]])
+def test_a_parent_dtype_the_servers_do_not_take_is_refused_under_dtype_auto(tmp_path, converted, named):
+    parent = tmp_path / "parent"
+    shutil.copytree(EMBEDDED, parent)
+    config = json.loads((parent / "config.json").read_text())
+    config.update(dtype=named)
+    (parent / "config.json").write_text(json.dumps(config))
+    found = cli("serve-bench", parent, converted, "--vllm-python", fake_python(tmp_path))
+    assert_refused(
+        found, f"--dtype auto: {parent}/config.json names dtype", "pass --dtype (float32, bfloat16, float16)"
+    )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mha2gqa import provenance
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, one_line
 from mha2gqa.layouts import AttentionShape, attention_shape, config_dtype, read_config
 from mha2gqa.serving import client, engine, kvlog, prompts, result
 from mha2gqa.serving.children import check_children
@@ -77,7 +77,7 @@ def prepare(parent: str, children: list[str], out: str | None, options: ServeOpt
                 f"{child.path} has vocab_size={child.vocab}, its parent {models[0].vocab}: serve-bench compares "
                 "conversions of one parent, which keep its tokenizer"
             )
-    dtype = options.dtype if options.dtype != "auto" else config_dtype(read_config(models[0].path))
+    dtype = options.dtype if options.dtype != "auto" else _parent_dtype(parent, models[0].path)
     budget = options.budget_bytes()
     for m in models:
         holds = budget // m.shape.kv_bytes_per_token(dtype_bytes=_DTYPE_BYTES[dtype])
@@ -92,6 +92,17 @@ def prepare(parent: str, children: list[str], out: str | None, options: ServeOpt
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _parent_dtype(typed: str, folder: Path) -> str:
+    """--dtype auto: the dtype PARENT's config.json names, when it is one the servers and the formula take."""
+    named = config_dtype(read_config(folder))
+    if named not in _DTYPE_BYTES:
+        raise InputError(
+            f"--dtype auto: {typed}/config.json names dtype {one_line(named)[:40]!r}, which serve-bench does not "
+            f"serve: pass --dtype ({', '.join(_DTYPE_BYTES)})"
+        )
+    return named
 
 
 def guarded(server: Server, call: Callable, *args):
