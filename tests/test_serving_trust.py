@@ -117,6 +117,7 @@ def test_a_streamed_chunk_that_is_none_is_refused_by_the_one_reader(line, fragme
     [
         ("html", ["answered with something that is no OpenAI-compatible completion", "an HTML page"]),
         ("bad_log", ["wrote a KV number serve-bench cannot read", "'1,2,,3' is not a whole number"]),
+        ("not_found", ["refused a request (HTTP 404: an HTML page", "is --vllm-python vLLM's"]),
     ],
 )
 def test_a_server_answering_garbage_is_refused_and_every_server_stops(

@@ -113,9 +113,13 @@ def guarded(server: Server, call: Callable, *args):
         server.check_alive(grace_s=5.0)  # it died: its exit code and last log line
         raise InputError(f"the server for {server.label} stopped answering ({err}); its log: {server.log}") from None
     except client.ServerRefused as err:
+        fix = (  # 400: vLLM's answer to a request it cannot take; another code: not vLLM's completions API
+            "check --context, --prompt-tokens and --output-tokens"
+            if err.status == 400
+            else "is --vllm-python vLLM's (an OpenAI-compatible /v1/completions)?"
+        )
         raise InputError(
-            f"the server for {server.label} refused a request ({err}): check --context, --prompt-tokens "
-            f"and --output-tokens; its log: {server.log}"
+            f"the server for {server.label} refused a request ({err}): {fix}; its log: {server.log}"
         ) from None
     except client.ServerGarbled as err:
         raise InputError(

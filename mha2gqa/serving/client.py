@@ -27,7 +27,11 @@ class ServerGone(ConnectionError):
 
 
 class ServerRefused(RuntimeError):
-    """The server answered a request with an HTTP error: its message, first line."""
+    """The server answered a request with an HTTP error: its message, first line; `status` the HTTP code."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 class ServerGarbled(RuntimeError):
@@ -133,7 +137,7 @@ def _post(url: str, body: dict, timeout: float) -> http.client.HTTPResponse:
     if response.status != 200:
         text = response.read().decode("utf-8", "replace")
         conn.close()
-        raise ServerRefused(f"HTTP {response.status}: {_message(text)}")
+        raise ServerRefused(f"HTTP {response.status}: {_message(text)}", response.status)
     return response
 
 

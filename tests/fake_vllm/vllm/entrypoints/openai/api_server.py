@@ -9,6 +9,7 @@ its engine core, so that a test can see whether the whole process group ended. F
   die_after=N       exit (code 1) on the N-th completion request, its child left to the caller to end
   bad_log           log the KV line with a number that is none ("1,2,,3 tokens"), then serve
   html              answer every completion with 200 and an HTML page (a proxy's or another server's)
+  not_found         answer every completion with 404 and an HTML page (a server without the completions API)
 Greedy "decoding": token i+1 = (token i * 7 + 3) mod vocab_size, the same rule for every model.
 """
 
@@ -76,6 +77,8 @@ def handler(args, vocab: int, tokens: int):
             served["count"] += 1
             if mode == "html":
                 return self._send("<!DOCTYPE html><html><body>Welcome to nginx!</body></html>", "text/html")
+            if mode == "not_found":
+                return self.send_error(404)
             if die_after is not None and served["count"] >= die_after:
                 print("RuntimeError: the fake engine died", flush=True)
                 os._exit(1)
