@@ -8,7 +8,9 @@ record the final paths in what they write (results name their model, the card it
   overwritten, moved or deleted, with or without --force; an earlier run of the command is replaced
   only with --force. An earlier run is known by the MARKER file every run writes first into OUT, naming
   its command: files that only carry the names a run writes (a user's own ablations.md) are not one,
-  and --force is never offered for them.
+  and --force is never offered for them. A folder marked by another command is called that command's run
+  (a demo's folder is never "an earlier sweep run") and is not replaced by this one, --force or not; a
+  MARKER that no run wrote (a folder, a long file) is a user's file.
 - run_folder: under the output's lock (writing.claim, with the PID), an earlier run is moved aside to
   `.OUT.replaced-PID` (or, where OUT held nothing, an empty `.OUT.created-PID` marks it as new) before
   anything is written. `commit()` makes the new run the one that stays (the earlier one is deleted);
@@ -24,7 +26,7 @@ import shutil
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from mha2gqa.errors import InputError, is_user_fault, user_file_error
+from mha2gqa.errors import InputError, is_user_fault, one_line, user_file_error
 from mha2gqa.reading import resolve
 from mha2gqa.writing import beside, check_room, claim, dead_entries, make_parents, remove_dead
 
@@ -48,17 +50,25 @@ def check_folder(out: Path, flag: str, command: str, entries, force: bool) -> Pa
         raise InputError(f"{flag} {out} is a file: pass a directory for the {command} run")
     held = sorted(p.name for p in out.iterdir() if p.name != MARKER) if out.is_dir() else []
     foreign = [name for name in held if not _ours(name, entries)]
+    if os.path.lexists(out / MARKER) and _marked(out) is None:  # a marker no run wrote: a file of the user's
+        foreign.insert(0, MARKER)
     if foreign:
         raise InputError(
             f"{flag} {out} holds files that are not a {command} run ({', '.join(foreign[:3])}): mha2gqa never "
             f"overwrites them; choose another {flag}"
         )
-    if held and _marked(out) != command:
+    marked = _marked(out)
+    if marked not in (None, command):  # the run of another command: named as what it is, never replaced
+        raise InputError(
+            f"{flag} {out} holds an earlier {one_line(marked)} run (its {MARKER} says so), not a {command} run: "
+            f"mha2gqa replaces a run only with a run of the same command; choose another {flag}"
+        )
+    if held and marked != command:
         raise InputError(
             f"{flag} {out} holds {', '.join(held[:3])}, which no {command} run wrote (a run marks its folder with "
             f"{MARKER}): mha2gqa never overwrites a file it did not write; move them or choose another {flag}"
         )
-    if (held or _marked(out)) and not force:
+    if (held or marked) and not force:
         raise InputError(
             f"{flag} {out} holds an earlier {command} run: pass --force to replace it, or choose another {flag}"
         )

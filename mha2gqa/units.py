@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from mha2gqa.errors import InputError
@@ -49,6 +50,8 @@ def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
     )
     if number * scale < 1:
         raise InputError(f"{flag} {text!r} must be positive")
+    if not math.isfinite(number * scale):  # 400 digits read as a float are inf: no size at all
+        raise InputError(f"{flag} {text!r} is beyond any size: use e.g. 5GB, 500MB or 2GiB")
     return int(number * scale)
 
 

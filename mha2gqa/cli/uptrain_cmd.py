@@ -70,7 +70,7 @@ def uptrain(recipe, resume, dry_run, overrides):
 
     loaded = load_recipe(recipe, list(overrides))  # torch-free: a bad recipe is refused in a second, not after torch
     if dry_run:
-        _dry_run(recipe, loaded)
+        _dry_run(recipe, loaded, resume)
         return
     clock = Clock()  # the estimate before the models are loaded, and the time taken at the end
     import_torch()  # with interrupts held: a signal during torch's start-up would abort
@@ -85,17 +85,22 @@ def uptrain(recipe, resume, dry_run, overrides):
     click.echo(f"output: {out}")
 
 
-def _dry_run(path, recipe) -> None:
-    """What the run would do, torch-free, nothing written (mha2gqa.uptrain.plan)."""
+def _dry_run(path, recipe, resume: bool) -> None:
+    """What the run would do, torch-free, nothing written (mha2gqa.uptrain.plan); refused where the run would
+    refuse before its first write (mha2gqa.uptrain.preflight: the same functions)."""
     import yaml
 
     from mha2gqa.uptrain.plan import plan_run
+    from mha2gqa.uptrain.preflight import check_as_the_run_does
     from mha2gqa.uptrain.recipe_load import recorded
+
+    plan = plan_run(recipe)
+    check_as_the_run_does(recipe, resume, plan.student, plan.teacher)
 
     resolved = yaml.safe_dump(recorded(recipe), sort_keys=False).rstrip().splitlines()
     click.echo(f"recipe {path}, as resolved (local paths absolute):")
     click.echo("\n".join(f"  {line}" for line in resolved))
-    for line in plan_run(recipe).describe():
+    for line in plan.describe():
         click.echo(line)
     click.echo(
         f"would write {recipe.output_dir}: checkpoints, metrics.jsonl, the final model (--dry-run: nothing written)"

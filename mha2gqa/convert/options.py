@@ -215,7 +215,8 @@ class ConvertOptions:
     reconstruction errors: a .txt/.md/.jsonl/.json/.parquet file (.gz/.bz2/.xz/.zst too), a folder of them,
     'austen' (the embedded novels), a hub dataset with a 'text' column (online), or 'parent': text sampled
     from SRC itself, which needs no data of yours (per-domain measurements: docs/calibration.md); repeat the flag for several files (in Python: a list), or give each entry a share
-    to mix sources, e.g. --calibration parent:0.5 --calibration corpus.txt:0.5 (in Python: a dict). Unset
+    to mix sources, e.g. --calibration parent:0.5 --calibration corpus.txt:0.5 (in Python: a dict); commas
+    say the same as repeating the flag: --calibration parent:0.5,corpus.txt:0.5. Unset
     where a stage needs it: parent:0.75 and austen:0.25, three quarters the parent's samples, a quarter the embedded
     novels (the best mix measured, docs/calibration.md). Sampling costs about one forward of SRC per token (on 2 CPU cores, tens
     of tokens a second for a 135M model; --dry-run shows the stage). In Python a sweep passes the statistics

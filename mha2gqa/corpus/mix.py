@@ -39,7 +39,7 @@ def parse_spec(spec, flag: str = "--calibration") -> list[tuple[str, float | Non
     if isinstance(spec, dict):
         pairs = [(str(name), read_share(share, str(name), flag)) for name, share in spec.items()]
     else:
-        pairs = [_split_share(str(entry), flag) for entry in ([spec] if isinstance(spec, (str, Path)) else spec)]
+        pairs = [_split_share(entry, flag) for entry in _entries(spec, flag)]
     if not pairs:
         raise InputError(f"{flag} is empty: give a file, a folder, 'austen', 'parent' or a hub dataset name")
     shared = [share is not None for _, share in pairs]
@@ -58,6 +58,27 @@ def parse_spec(spec, flag: str = "--calibration") -> list[tuple[str, float | Non
         repeated = next(name for name in names if names.count(name) > 1)
         raise InputError(f"{flag} {repeated} is given twice in a mix: give it once, with the sum of its shares")
     return pairs
+
+
+def _entries(spec, flag: str) -> list[str]:
+    """The entries of a str or list spec. An entry with commas that is no existing path is several entries, as
+    if the flag were repeated: `parent:0.75,austen:0.25` is `parent:0.75 austen:0.25`. A piece that is a bare
+    number (`parent:0,75`, a decimal comma) or empty is refused: it names no text."""
+    found = []
+    for entry in [spec] if isinstance(spec, (str, Path)) else spec:
+        text = str(entry)
+        if "," not in text or Path(text).expanduser().exists():
+            found.append(text)
+            continue
+        pieces = [piece.strip() for piece in text.split(",")]
+        for piece in pieces:
+            if not piece or _SHARE_LIKE.fullmatch(piece):
+                raise InputError(
+                    f"{flag} {text}: a comma separates texts, as repeating {flag} does, and {piece!r} names no text: "
+                    f"give each text its share with a dot, e.g. {flag} parent:0.75,austen:0.25"
+                )
+        found += pieces
+    return found
 
 
 def as_words(value, flag: str):

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mha2gqa import provenance
-from mha2gqa.errors import InputError
+from mha2gqa.errors import InputError, one_line
 from mha2gqa.layouts import AttentionShape, attention_shape, config_dtype, read_config
 from mha2gqa.serving import client, engine, kvlog, prompts, result
+from mha2gqa.serving.children import check_children
 from mha2gqa.serving.options import GREEDY_PROMPT_TOKENS, ServeOptions
 from mha2gqa.serving.server import Server, free_port
 from mha2gqa.sources import require_safetensors
@@ -49,13 +50,17 @@ def _served(path: str, role: str | None, labels: set[str]) -> Served:
         raise InputError(f"{path}: no such model directory (serve-bench serves local checkpoints)")
     require_safetensors(folder, "model")
     config = read_config(folder)
+    vocab = config.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise InputError(
+            f"{path}/config.json has vocab_size={vocab!r}: a served model needs a positive whole vocab_size "
+            "(its tokenizer's size)"
+        )
     label = folder.resolve().name or "model"
     while label in labels:  # two folders of one name: number the repeats
         label += "'"
     labels.add(label)
-    return Served(
-        label, role or provenance.role(folder), folder.resolve(), attention_shape(config), config["vocab_size"]
-    )
+    return Served(label, role or provenance.role(folder), folder.resolve(), attention_shape(config), vocab)
 
 
 def prepare(parent: str, children: list[str], out: str | None, options: ServeOptions) -> Plan:
@@ -65,13 +70,14 @@ def prepare(parent: str, children: list[str], out: str | None, options: ServeOpt
         raise InputError("serve-bench needs a parent and at least one conversion of it: PARENT CHILD...")
     labels: set[str] = set()
     models = [_served(parent, "parent", labels)] + [_served(c, None, labels) for c in children]
+    check_children(models[0].path, [m.path for m in models[1:]], [parent, *children])
     for child in models[1:]:
         if child.vocab != models[0].vocab:
             raise InputError(
                 f"{child.path} has vocab_size={child.vocab}, its parent {models[0].vocab}: serve-bench compares "
                 "conversions of one parent, which keep its tokenizer"
             )
-    dtype = options.dtype if options.dtype != "auto" else config_dtype(read_config(models[0].path))
+    dtype = options.dtype if options.dtype != "auto" else _parent_dtype(parent, models[0].path)
     budget = options.budget_bytes()
     for m in models:
         holds = budget // m.shape.kv_bytes_per_token(dtype_bytes=_DTYPE_BYTES[dtype])
@@ -88,6 +94,17 @@ def prepare(parent: str, children: list[str], out: str | None, options: ServeOpt
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def _parent_dtype(typed: str, folder: Path) -> str:
+    """--dtype auto: the dtype PARENT's config.json names, when it is one the servers and the formula take."""
+    named = config_dtype(read_config(folder))
+    if named not in _DTYPE_BYTES:
+        raise InputError(
+            f"--dtype auto: {typed}/config.json names dtype {one_line(named)[:40]!r}, which serve-bench does not "
+            f"serve: pass --dtype ({', '.join(_DTYPE_BYTES)})"
+        )
+    return named
+
+
 def guarded(server: Server, call: Callable, *args):
     """call(*args), with a server that stopped answering or refused a request turned into one line (InputError)."""
     try:
@@ -96,9 +113,18 @@ def guarded(server: Server, call: Callable, *args):
         server.check_alive(grace_s=5.0)  # it died: its exit code and last log line
         raise InputError(f"the server for {server.label} stopped answering ({err}); its log: {server.log}") from None
     except client.ServerRefused as err:
+        fix = (  # 400: vLLM's answer to a request it cannot take; another code: not vLLM's completions API
+            "check --context, --prompt-tokens and --output-tokens"
+            if err.status == 400
+            else "is --vllm-python vLLM's (an OpenAI-compatible /v1/completions)?"
+        )
         raise InputError(
-            f"the server for {server.label} refused a request ({err}): check --context, --prompt-tokens "
-            f"and --output-tokens; its log: {server.log}"
+            f"the server for {server.label} refused a request ({err}): {fix}; its log: {server.log}"
+        ) from None
+    except client.ServerGarbled as err:
+        raise InputError(
+            f"the server for {server.label} answered with something that is no OpenAI-compatible completion ({err}): "
+            f"is --vllm-python vLLM's, and its port its own? its log: {server.log}"
         ) from None
 
 
@@ -130,7 +156,13 @@ def engine_kv(plan: Plan) -> dict[str, dict]:
     """The KV numbers each server reported, beside our formula's at the same budget and block size."""
     found = {}
     for m in plan.models:
-        reported = kvlog.engine_kv(m.server.log_text(), client.get_text(m.server.url, "/metrics"))
+        try:
+            reported = kvlog.engine_kv(m.server.log_text(), client.get_text(m.server.url, "/metrics"))
+        except kvlog.Unreadable as err:
+            raise InputError(
+                f"the server for {m.label} wrote a KV number serve-bench cannot read ({err}): it reads them as vLLM "
+                f"writes them (docs/serving.md); is --vllm-python vLLM's? its log: {m.server.log}"
+            ) from None
         per_token = m.shape.kv_bytes_per_token(dtype_bytes=_DTYPE_BYTES[plan.args.dtype])
         formula = kvlog.formula_kv(per_token, plan.args.kv_budget_bytes, plan.args.context, reported["block_size"])
         found[m.label] = {"engine": reported, "formula": formula, "match": reported["tokens"] == formula["tokens"]}

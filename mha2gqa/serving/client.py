@@ -9,7 +9,6 @@ time to the first token and the time per output token after it are measured per 
 from __future__ import annotations
 
 import http.client
-import json
 import statistics
 import threading
 import time
@@ -17,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 from mha2gqa import jsontext
+from mha2gqa.errors import InputError, one_line
+from mha2gqa.reading import parse_json
 
 REQUEST_TIMEOUT_S = 1800.0  # one request at a high concurrency on a CPU can take many minutes
 
@@ -26,7 +27,73 @@ class ServerGone(ConnectionError):
 
 
 class ServerRefused(RuntimeError):
-    """The server answered a request with an HTTP error: its message, first line."""
+    """The server answered a request with an HTTP error: its message, first line; `status` the HTTP code."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class ServerGarbled(RuntimeError):
+    """The server answered 200 with something an OpenAI-compatible completion is not (an HTML page, text that is
+    no JSON, JSON of another shape): args[0] says what it was."""
+
+
+def _shown(raw: bytes | str) -> str:
+    """What a body that is not the answer looks like, in a few words for the one line that refuses it."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    text = text.strip()
+    if not text:
+        return "an empty body"
+    if text[:1] == "<":
+        return f"an HTML page ({one_line(text)[:60]!r})"
+    return repr(one_line(text)[:80])
+
+
+def _json(raw: bytes | str, what: str):
+    """A JSON body of the server's, or ServerGarbled naming what it was instead."""
+    try:
+        return parse_json(raw, what, "")
+    except InputError:
+        raise ServerGarbled(f"{what} was {_shown(raw)}, not JSON") from None
+
+
+def _token_ids(value, what: str, most: int) -> list[int]:
+    """Token ids as a completion returns them: a list of at most `most` non-negative integers."""
+    if not isinstance(value, list) or len(value) > most:
+        raise ServerGarbled(f"{what} held {one_line(repr(value))[:80]}, not a list of at most {most} token ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ServerGarbled(f"{what} held {one_line(repr(value))[:80]}, not token ids (non-negative integers)")
+    return value
+
+
+def read_completion(raw: bytes, tokens: int) -> list[int]:
+    """The one reader of a non-streamed completion: {"choices": [{"token_ids": [...]}, ...]}."""
+    found = _json(raw, "a completion")
+    choices = found.get("choices") if isinstance(found, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ServerGarbled(f"a completion was {_shown(raw)}, without choices")
+    return _token_ids(choices[0].get("token_ids"), "a completion's token_ids", tokens)
+
+
+def read_chunk(line: str, tokens: int) -> tuple[bool, int | None]:
+    """The one reader of a streamed chunk (`data: {...}`): whether it carries output, and its usage's
+    completion_tokens (None when it has no usage)."""
+    chunk = _json(line[5:], "a streamed chunk")
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise ServerGarbled(f"a streamed chunk was {_shown(line[5:])}, without choices")
+    carries = False
+    for c in choices:
+        ids = _token_ids(c.get("token_ids") or [], "a streamed chunk's token_ids", tokens)
+        carries = carries or bool(ids) or bool(c.get("text"))
+    usage = chunk.get("usage")
+    if not usage:
+        return carries, None
+    counted = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if not isinstance(counted, int) or isinstance(counted, bool) or not 0 <= counted <= tokens:
+        raise ServerGarbled(f"a streamed chunk's usage was {one_line(repr(usage))[:80]}, not 0 to {tokens} tokens")
+    return carries, counted
 
 
 def _connection(url: str, timeout: float) -> http.client.HTTPConnection:
@@ -70,16 +137,23 @@ def _post(url: str, body: dict, timeout: float) -> http.client.HTTPResponse:
     if response.status != 200:
         text = response.read().decode("utf-8", "replace")
         conn.close()
-        raise ServerRefused(f"HTTP {response.status}: {_message(text)}")
+        raise ServerRefused(f"HTTP {response.status}: {_message(text)}", response.status)
     return response
 
 
 def _message(text: str) -> str:
+    """An HTTP error's message: vLLM's {"error": {"message": ...}} (or {"message": ...}), else its text."""
     try:
-        found = json.loads(text)
-        return str(found.get("error", {}).get("message") or found.get("message") or text).splitlines()[0][:300]
-    except (ValueError, AttributeError):
-        return text.strip().splitlines()[0][:300] if text.strip() else "(no message)"
+        found = parse_json(text, "an error", "")
+    except InputError:
+        found = None
+    error = found.get("error") if isinstance(found, dict) else None
+    said = (error.get("message") if isinstance(error, dict) else None) or (
+        found.get("message") if isinstance(found, dict) else None
+    )
+    if isinstance(said, str) and said.strip():
+        return one_line(said.strip().splitlines()[0])[:300]
+    return _shown(text) if text.strip() else "(no message)"
 
 
 def _request(model: str, prompt: list[int], tokens: int, stream: bool) -> dict:
@@ -96,10 +170,10 @@ def greedy(url: str, model: str, prompt: list[int], tokens: int) -> list[int]:
     """The server's greedy continuation of `prompt`, as token ids."""
     response = _post(url, _request(model, prompt, tokens, stream=False), REQUEST_TIMEOUT_S)
     try:
-        choice = json.loads(response.read())["choices"][0]
+        raw = response.read()
     except (OSError, http.client.IncompleteRead) as err:
         raise ServerGone(str(err)) from err
-    return [int(t) for t in choice["token_ids"]]
+    return read_completion(raw, tokens)
 
 
 def timed(url: str, model: str, prompt: list[int], tokens: int) -> dict:
@@ -108,19 +182,22 @@ def timed(url: str, model: str, prompt: list[int], tokens: int) -> dict:
     response = _post(url, _request(model, prompt, tokens, stream=True), REQUEST_TIMEOUT_S)
     first = last = None
     counted = 0
+    other = ""  # the first line that is no event: what the server sent if it sent no event at all
     try:
         for raw in response:
             line = raw.decode("utf-8", "replace").strip()
             if not line.startswith("data:") or line == "data: [DONE]":
+                other = other or line
                 continue
-            chunk = json.loads(line[5:])
-            if chunk.get("usage"):
-                counted = int(chunk["usage"]["completion_tokens"])
-            if any(c.get("text") or c.get("token_ids") for c in chunk.get("choices") or []):
+            carries, usage = read_chunk(line, tokens)
+            counted = counted if usage is None else usage
+            if carries:
                 last = time.perf_counter()
                 first = first or last
     except (OSError, http.client.IncompleteRead) as err:
         raise ServerGone(str(err)) from err
+    if first is None and other and not other.startswith(":"):  # ':' opens an SSE comment
+        raise ServerGarbled(f"a streamed completion was {_shown(other)}, not events (data: ...)")
     if first is None or counted == 0:
         raise ServerGone("the stream ended without a token")
     return {"ttft_s": first - start, "end_s": last - start, "tokens": counted, "started_s": start}

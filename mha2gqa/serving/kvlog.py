@@ -12,26 +12,44 @@ from __future__ import annotations
 
 import re
 
-_SIZE = re.compile(r"\b(?P<device>[A-Z]+) KV cache size: (?P<tokens>[\d,]+) tokens")
-_CONCURRENCY = re.compile(r"Maximum concurrency for (?P<context>[\d,]+) tokens per request: (?P<times>[\d.]+)x")
+# The numbers are caught loosely (anything up to the next space) and read by _count/_times alone, so a number
+# the engine wrote in a form we do not know is refused by name, never read as something else or skipped.
+_SIZE = re.compile(r"\b(?P<device>[A-Z]+) KV cache size: (?P<tokens>\S+) tokens")
+_CONCURRENCY = re.compile(r"Maximum concurrency for (?P<context>\S+) tokens per request: (?P<times>[^\sx]*)x")
 _INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_COUNT = re.compile(r"\d{1,3}(?:,\d{3})+|\d{1,20}")  # 87,296 or 87296: at most 20 digits, as u64
+_TIMES = re.compile(r"\d{1,20}(?:\.\d{1,20})?")  # 170.50
 
 
-def _number(text: str) -> int:
+class Unreadable(ValueError):
+    """A number the engine reported (its log, its /metrics) that is not one: args[0] says which and what it held."""
+
+
+def _count(text: str, what: str) -> int:
+    """The one reader of a whole number the engine reports (tokens, context, block size, bytes)."""
+    if not _COUNT.fullmatch(text):
+        raise Unreadable(f"{what} {text[:40]!r} is not a whole number")
     return int(text.replace(",", ""))
+
+
+def _times(text: str, what: str) -> float:
+    """The one reader of a decimal the engine reports (the maximum concurrency, e.g. 170.50)."""
+    if not _TIMES.fullmatch(text):
+        raise Unreadable(f"{what} {text[:40]!r} is not a decimal number")
+    return float(text)
 
 
 def from_log(text: str) -> dict:
     """{device, tokens, context, max_concurrency} from the server's log, each None when the log lacks it
-    (the last report wins: a restarted engine reports again)."""
+    (the last report wins: a restarted engine reports again). Unreadable for a report whose number is none."""
     sizes, concurrencies = list(_SIZE.finditer(text)), list(_CONCURRENCY.finditer(text))
     size, concurrency = (sizes or [None])[-1], (concurrencies or [None])[-1]
     return {
         "device": size["device"] if size else None,
-        "tokens": _number(size["tokens"]) if size else None,
-        "context": _number(concurrency["context"]) if concurrency else None,
-        "max_concurrency": float(concurrency["times"]) if concurrency else None,
+        "tokens": _count(size["tokens"], "the KV cache size in its log") if size else None,
+        "context": _count(concurrency["context"], "the context in its log's concurrency line") if concurrency else None,
+        "max_concurrency": _times(concurrency["times"], "the maximum concurrency in its log") if concurrency else None,
     }
 
 
@@ -42,18 +60,22 @@ def cache_info(metrics: str | None) -> dict:
     return dict(_LABEL.findall(found["labels"])) if found else {}
 
 
-def _int_or_none(value) -> int | None:
-    return int(value) if isinstance(value, str) and value.isdigit() else None
+def _label_count(info: dict, label: str) -> int | None:
+    """A count label of /metrics, None when absent or "None" (a release that leaves it unset); Unreadable else."""
+    value = info.get(label)
+    return None if value in (None, "", "None") else _count(value, f"/metrics' {label}")
 
 
 def engine_kv(log_text: str, metrics: str | None) -> dict:
     """What the engine reports: the log's numbers, with the block size and KV budget from /metrics."""
     info = cache_info(metrics)
     found = from_log(log_text)
-    found["block_size"] = _int_or_none(info.get("block_size"))
-    found["budget_bytes"] = _int_or_none(info.get("kv_cache_memory_bytes"))
+    found["block_size"] = _label_count(info, "block_size")
+    found["budget_bytes"] = _label_count(info, "kv_cache_memory_bytes")
     if found["tokens"] is None:  # a release that logs differently: the metrics' count, if it has one
-        found["tokens"] = _int_or_none(info.get("kv_cache_size_tokens"))
+        found["tokens"] = _label_count(info, "kv_cache_size_tokens")
+    if found["block_size"] == 0:
+        raise Unreadable("/metrics' block_size '0' is not a block size")
     return found
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mha2gqa.errors import InputError
-from mha2gqa.units import parse_size
+from mha2gqa.units import format_bytes, parse_size
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GREEDY_PROMPT_TOKENS = 32  # each greedy check's prompt: long enough to set a topic, short to decode
@@ -24,7 +25,7 @@ class ServeOptions:
     """Every server's --max-model-len, the context length the maximum concurrency is stated at."""
     kv_budget: str | int = "1GiB"
     """KV-cache memory of every server (vLLM's --kv-cache-memory-bytes), e.g. 1GiB: the KV tokens the engine
-    reports are read at this one budget, so their ratio is the saving."""
+    reports are read at this one budget, so their ratio is the saving. At most this machine's RAM."""
     greedy_tokens: int = 32
     """Tokens of each greedy continuation compared with transformers' (and with the parent's)."""
     prompts_per_domain: int = 2
@@ -43,7 +44,8 @@ class ServeOptions:
     """Start vLLM with --enforce-eager: no torch.compile, a start in seconds rather than minutes; slower decoding,
     so for the checks, not for the speeds users see."""
     startup_timeout: float = 900.0
-    """Seconds each server may take to answer /health (vLLM compiles the model on its first start)."""
+    """Seconds each server may take to answer /health (vLLM compiles the model on its first start); a positive
+    finite number."""
     logs: str | None = None
     """Folder for the servers' logs (default: beside --out, OUT.logs/)."""
 
@@ -62,8 +64,10 @@ class ServeOptions:
         ):
             if value < least:
                 raise InputError(f"{flag} {value} must be at least {least}")
-        if self.startup_timeout <= 0:
-            raise InputError(f"--startup-timeout {self.startup_timeout:g} must be positive")
+        if not (math.isfinite(self.startup_timeout) and self.startup_timeout > 0):
+            raise InputError(
+                f"--startup-timeout {self.startup_timeout:g} must be a positive finite number of seconds (e.g. 900)"
+            )
         if any(c < 1 for c in self.concurrency or ()):
             raise InputError(f"--concurrency {','.join(map(str, self.concurrency))}: each value must be at least 1")
         lengths = [
@@ -77,4 +81,15 @@ class ServeOptions:
         self.budget_bytes()
 
     def budget_bytes(self) -> int:
-        return parse_size(self.kv_budget, "--kv-budget")
+        """--kv-budget in bytes: a size (units.parse_size) that this machine's memory can hold. The KV cache
+        lives in RAM on a CPU and in the GPU's memory, smaller than the host's RAM on the machines vLLM runs on."""
+        import psutil
+
+        budget = parse_size(self.kv_budget, "--kv-budget")
+        ram = psutil.virtual_memory().total
+        if budget > ram:
+            raise InputError(
+                f"--kv-budget {self.kv_budget} ({format_bytes(budget)}) is more than this machine's memory "
+                f"({format_bytes(ram)} of RAM): no server can allocate it; give a budget that fits, e.g. 1GiB"
+            )
+        return budget

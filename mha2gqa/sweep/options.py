@@ -30,7 +30,8 @@ class SweepOptions:
     no domain is broken (its ratio above 1 + 2 x --tolerance)."""
     calibration: str | tuple[str, ...] | list[str] | dict = DEFAULT_CALIBRATION
     """Calibration text, read once for every candidate: what convert --calibration takes (a file, a folder,
-    'austen', 'parent', a hub dataset, a NAME:SHARE mix), by default convert's: parent:0.75 and austen:0.25."""
+    'austen', 'parent', a hub dataset, a NAME:SHARE mix, repeated or comma-separated: parent:0.75,austen:0.25),
+    by default convert's: parent:0.75 and austen:0.25."""
     groups: tuple[int, ...] | None = None
     """kv-head counts to try, e.g. 8,4,2,1; each must divide the source's kv heads and be below it (values
     that do not are skipped, and said so). Default: every divisor of the source's kv heads below it."""

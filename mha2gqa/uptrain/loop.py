@@ -34,11 +34,12 @@ from mha2gqa.uptrain.models import (
     select_trainable,
 )
 from mha2gqa.uptrain.plan import tokens_per_step, total_steps, uptrain_estimate
+from mha2gqa.uptrain.preflight import check_output_dir, saves_checkpoints
 from mha2gqa.uptrain.recipe import Recipe
 from mha2gqa.uptrain.recipe_load import recorded
 from mha2gqa.uptrain.reporting import Metrics, Trace
 from mha2gqa.uptrain.steps import Run, run_steps
-from mha2gqa.writing import check_room, swap_in, write_atomic
+from mha2gqa.writing import swap_in, write_atomic
 
 __all__ = ["TrainingDiverged", "train"]
 
@@ -218,9 +219,7 @@ def _prepare(recipe: Recipe, accelerator, student: Student):
 def _check_output_room(recipe: Recipe, out: Path, student: Student) -> None:
     """output_dir holds a checkpoint and the final model (every rank checks, read-only: a refusal on rank 0 alone
     would leave the others waiting)."""
-    saves = bool(recipe.save_every or recipe.exit_after_steps)
-    room = save_bytes(student.model, student.saved_dtype, saves)
-    check_room(out, room, f"output_dir {out}", "a checkpoint and the final model")
+    check_output_dir(recipe, save_bytes(student.model, student.saved_dtype, saves_checkpoints(recipe)))
 
 
 def _open_output(recipe: Recipe, resume: bool, out: Path, accelerator, student: Student) -> None:

@@ -13,6 +13,7 @@ from mha2gqa.layouts import read_config
 from mha2gqa.loading import load_causal_lm
 from mha2gqa.sources import resolve_model_dir
 from mha2gqa.uptrain import lora
+from mha2gqa.uptrain.preflight import check_same_vocabulary, disk_needed
 from mha2gqa.uptrain.recipe import Recipe
 from mha2gqa.uptrain.trainable import patterns as trainable_patterns
 
@@ -82,12 +83,9 @@ def load_teacher(recipe: Recipe, device: torch.device) -> torch.nn.Module:
 
 
 def check_teacher(student: torch.nn.Module, teacher: torch.nn.Module) -> None:
-    """KL compares whole next-token distributions: both models need the same vocabulary."""
-    if student.config.vocab_size != teacher.config.vocab_size:
-        raise InputError(
-            f"distill.teacher has vocab_size={teacher.config.vocab_size}, the model {student.config.vocab_size}: "
-            "distil from the model's own parent (same tokenizer)"
-        )
+    """KL compares whole next-token distributions: both models need the same vocabulary (preflight's rule, which
+    `uptrain --dry-run` applies to the configs)."""
+    check_same_vocabulary(student.config.vocab_size, teacher.config.vocab_size)
 
 
 def check_vocab(model: torch.nn.Module, blocks: torch.Tensor, what: str = "model") -> None:
@@ -140,5 +138,4 @@ def save_bytes(model: torch.nn.Module, saved_dtype: torch.dtype, checkpoints: bo
     the trainable ones) when it saves any, and the final model in its saved dtype."""
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    checkpoint = 4 * params + 8 * trainable if checkpoints else 0
-    return checkpoint + params * saved_dtype.itemsize
+    return disk_needed(params, trainable, saved_dtype.itemsize, checkpoints)

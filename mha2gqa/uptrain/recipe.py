@@ -33,8 +33,8 @@ class DataConfig:
     train: list[str] = field(default_factory=list)
     """Training text: files (.txt/.md, .jsonl/.json, .parquet; .gz/.bz2/.xz/.zst too), folders of them, one
     hub dataset name, or `austen` (the embedded novels); one format per run (docs/data.md). `parent`: sequences
-    sampled from distill.teacher, no data needed. A mix gives each entry a share: [parent:0.5, corpus.txt:0.5]
-    (docs/uptrain.md: training on the parent's samples)."""
+    sampled from distill.teacher, no data needed. A mix gives each entry a share: [parent:0.5, corpus.txt:0.5],
+    or one string with commas, parent:0.5,corpus.txt:0.5 (docs/uptrain.md: training on the parent's samples)."""
     eval: list[str] | None = None
     """Separate eval text, one text as `train` names it (no parent, no shares); when unset, `eval_blocks`
     blocks are held out of train (of a mix: in its shares, the parent's drawn with a seed of their own)."""

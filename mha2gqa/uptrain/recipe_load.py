@@ -26,7 +26,7 @@ from mha2gqa.corpus.mix import PARENT, as_words
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import read_config
-from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, did_you_mean, parse_yaml, read_yaml_mapping
+from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, did_you_mean, near_miss, parse_yaml, read_yaml_mapping
 from mha2gqa.sources import hub_offline, is_hub_id, looks_local, model_ref_problem
 from mha2gqa.units import counted
 from mha2gqa.uptrain.data_spec import check_rules, data_parts
@@ -60,11 +60,25 @@ def shipped_recipes() -> list[str]:
 
 
 def recipe_path(recipe) -> Path:
-    """`--recipe`'s file: the path given, or a shipped recipe's name (distill-parent-cpu); an existing path wins."""
+    """`--recipe`'s file: the path given, or a shipped recipe's name (distill-parent-cpu, or with .yaml); an
+    existing path wins. A bare name that is neither is refused here: with the shipped name it is one typo from
+    (did you mean ...?), else with the shipped names; a local file one typo away is left to the reader's own
+    did-you-mean."""
     path = Path(recipe).expanduser()
-    if not path.exists() and path.name == str(recipe) and (SHIPPED / f"{recipe}.yaml").is_file():
-        return SHIPPED / f"{recipe}.yaml"
-    return path
+    if os.path.lexists(path) or path.name != str(recipe):
+        return path
+    stem = path.name.removesuffix(".yaml")
+    if (SHIPPED / f"{stem}.yaml").is_file():
+        return SHIPPED / f"{stem}.yaml"
+    if near_miss(path) is not None:
+        return path
+    shipped = shipped_recipes()
+    close = difflib.get_close_matches(stem.lower(), shipped, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else f"shipped: {', '.join(shipped)}"
+    raise InputError(
+        f"recipe {recipe}: no such file, nor a recipe shipped in the package ({hint}); a recipe of your own is a "
+        "path to its YAML (see recipes/*.yaml)"
+    )
 
 
 def _read_yaml(path) -> dict:

@@ -7,6 +7,9 @@ its engine core, so that a test can see whether the whole process group ended. F
   exit              print an error and exit 1 before serving
   hang              never answer /health
   die_after=N       exit (code 1) on the N-th completion request, its child left to the caller to end
+  bad_log           log the KV line with a number that is none ("1,2,,3 tokens"), then serve
+  html              answer every completion with 200 and an HTML page (a proxy's or another server's)
+  not_found         answer every completion with 404 and an HTML page (a server without the completions API)
 Greedy "decoding": token i+1 = (token i * 7 + 3) mod vocab_size, the same rule for every model.
 """
 
@@ -72,6 +75,10 @@ def handler(args, vocab: int, tokens: int):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             served["count"] += 1
+            if mode == "html":
+                return self._send("<!DOCTYPE html><html><body>Welcome to nginx!</body></html>", "text/html")
+            if mode == "not_found":
+                return self.send_error(404)
             if die_after is not None and served["count"] >= die_after:
                 print("RuntimeError: the fake engine died", flush=True)
                 os._exit(1)
@@ -107,8 +114,9 @@ def main():
         time.sleep(3600)
     config = json.loads((Path(args.model) / "config.json").read_text())
     tokens = kv_tokens(args)
+    shown = "1,2,,3" if mode == "bad_log" else f"{tokens:,}"
     print(
-        f"CPU KV cache size: {tokens:,} tokens, Maximum concurrency for {args.max_model_len:,} tokens per "
+        f"CPU KV cache size: {shown} tokens, Maximum concurrency for {args.max_model_len:,} tokens per "
         f"request: {tokens / args.max_model_len:.2f}x",
         flush=True,
     )

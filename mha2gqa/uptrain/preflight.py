@@ -1,0 +1,57 @@
+"""The refusals `uptrain` gives about its models and output_dir, as one torch-free set of functions that the run
+(loop.py, models.py) and `uptrain --dry-run` both call, so that a dry run refuses what the run would refuse
+(issue 55: a teacher of another vocabulary and an unwritable output_dir passed the dry run and failed the run).
+The run calls them with what it loaded (config.vocab_size, the parameters it counts); the dry run with what the
+configs and weight headers say (uptrain/plan.py), the same numbers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mha2gqa.errors import InputError
+from mha2gqa.uptrain import checkpoints
+from mha2gqa.uptrain.recipe import Recipe
+from mha2gqa.writing import check_room
+
+ADAM_MOMENT_BYTES = 8  # AdamW's two fp32 moments per trained parameter
+CHECKPOINT_WEIGHT_BYTES = 4  # a resumable checkpoint holds the weights in fp32
+
+
+def check_same_vocabulary(model_vocab: int, teacher_vocab: int) -> None:
+    """KL compares whole next-token distributions: the model and distill.teacher need the same vocabulary."""
+    if model_vocab != teacher_vocab:
+        raise InputError(
+            f"distill.teacher has vocab_size={teacher_vocab}, the model {model_vocab}: "
+            "distil from the model's own parent (same tokenizer)"
+        )
+
+
+def disk_needed(parameters: int, trained: int, saved_bytes_per_parameter: float, saves: bool) -> int:
+    """Disk a run needs at least: one resumable checkpoint (fp32 weights + AdamW's two fp32 moments of the
+    trained ones) when it saves any, and the final model in its saved dtype."""
+    checkpoint = CHECKPOINT_WEIGHT_BYTES * parameters + ADAM_MOMENT_BYTES * trained if saves else 0
+    return int(checkpoint + parameters * saved_bytes_per_parameter)
+
+
+def saves_checkpoints(recipe: Recipe) -> bool:
+    return bool(recipe.save_every or recipe.exit_after_steps)
+
+
+def check_output_dir(recipe: Recipe, needed: int) -> None:
+    """output_dir can take the run: its nearest existing folder is a writable folder with `needed` bytes free
+    (read-only: every rank checks; a refusal on rank 0 alone would leave the others waiting)."""
+    out = Path(recipe.output_dir).expanduser()
+    check_room(out, needed, f"output_dir {out}", "a checkpoint and the final model")
+
+
+def check_as_the_run_does(recipe: Recipe, resume: bool, student, teacher) -> None:
+    """For `uptrain --dry-run` (one process, as `mha2gqa uptrain` runs): the run's refusals before its first
+    write, in its order, from the sizes plan.py reads without loading (`student`, `teacher`: ModelSize, None
+    for a hub model not in the cache, which the run judges once it is downloaded)."""
+    checkpoints.check_start(Path(recipe.output_dir).expanduser(), recipe, resume, world_size=1)
+    if student is not None and teacher is not None and student.vocab and teacher.vocab:  # 0: no vocab_size in
+        check_same_vocabulary(student.vocab, teacher.vocab)  # a config, whose class default the run reads
+    if student is not None:
+        saves = saves_checkpoints(recipe)
+        check_output_dir(recipe, disk_needed(student.parameters, student.trained, student.stored_bytes, saves))
