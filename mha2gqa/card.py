@@ -432,6 +432,7 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
             lines.append(
                 f"# the same bytes need the same torch threads: this ran with {count} (mha2gqa --threads {count} convert ...)"
             )
+            lines += _device_line(conversion.get("device"))
         if _convert_yaml(conversion):  # the same options as a file: an alternative, so a comment (not run twice)
             words = ["mha2gqa", "convert", "--config", "convert.yaml", str(conversion["config"]["source"]), "OUT"]
             lines.append(f"# or, with convert.yaml (below, and beside the converted model): {shlex.join(words)}")
@@ -449,6 +450,16 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
         lines += _yaml_details("convert.yaml", conversion["config"])
     lines += [f"Everything above is read from [{provenance.FILE_NAME}]({provenance.FILE_NAME}), the full record.", ""]
     return lines
+
+
+def _device_line(device) -> list[str]:
+    """The device the parent ran on (convert/decide.py), where the weights depend on it: a GPU's float sums are not
+    a CPU's."""
+    if device == "cpu":
+        return ["# and the CPU: this ran on it (on a machine with a GPU: CUDA_VISIBLE_DEVICES= mha2gqa convert ...)"]
+    if isinstance(device, str) and device.startswith("cuda"):
+        return ["# and a CUDA GPU: this ran on one (a CPU makes other bytes)"]
+    return []
 
 
 def _paths_note(recipes: list[dict]) -> str:

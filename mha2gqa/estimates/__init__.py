@@ -28,9 +28,10 @@ from mha2gqa.estimates.costs import (  # noqa: F401 (the package's API)
     duration,
     eval_peak_bytes,
     eval_stages,
+    for_this_machine,
     parameters_of,
     text_tokens,
     took,
     uptrain_stages,
 )
-from mha2gqa.estimates.rates import LARGE, SMALL, Machine, this_machine  # noqa: F401
+from mha2gqa.estimates.rates import LARGE, SMALL, STORED, Machine  # noqa: F401
