@@ -112,15 +112,17 @@ def estimate(plan: ConversionPlan):
 
 
 def dry_run_time_line(plan: ConversionPlan) -> str | None:
-    """--dry-run's time, scaled to this machine by the probe the run would take (estimate), when the run would
-    start torch anyway (calibration, refine, a torch merge: the long runs); None for a torch-free plan, whose
-    dry run stays torch-free and prints the rates unscaled. Why: unscaled, SmolLM2's default calibrated +
-    refine conversion said about 55 min where it took 37 min 51 s alone and its own scaled estimate said 36."""
+    """--dry-run's time, scaled to this machine by the probe the run would take (estimate: none for a short run),
+    when the run would start torch anyway (calibration, refine, a torch merge: the long runs); None for a
+    torch-free plan, whose dry run stays torch-free and prints the rates unscaled. Why: unscaled, SmolLM2's
+    default calibrated + refine conversion said about 55 min where it took 37 min 51 s alone and its own scaled
+    estimate said 36."""
     if plan.torch_reason is None:
         return None
-    from mha2gqa.estimates import convert_line
+    from mha2gqa.estimates import convert_estimate, convert_line, rates
 
-    import_torch()  # with the interrupt signals held, as the run starts it
+    if rates.probe_rounds(convert_estimate(plan).seconds(), ["torch"]):  # torch only for a probe it will take
+        import_torch()  # with the interrupt signals held, as the run starts it
     return convert_line(plan, estimate(plan))
 
 
