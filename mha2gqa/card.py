@@ -116,7 +116,13 @@ def about_the_source(path: Path) -> bool:
         return True
     if path.suffix != ".json" or path.name == "config.json":
         return False
-    with open(path, "rb") as f:  # the schema sits near the top of a result; a tokenizer is never read whole
+    return _names_eval_schema(path)
+
+
+def _names_eval_schema(path: Path) -> bool:
+    """Whether a JSON file's first 4 KiB name the eval schema, as every result's do (its first key): a tokenizer
+    (9 MB for Llama 3, about 0.4 s to parse with read_json's checks) is never read whole to find out."""
+    with open(path, "rb") as f:
         return f'"schema": "{EVAL_SCHEMA}"'.encode() in f.read(4096)
 
 
@@ -375,11 +381,13 @@ def eval_results(model_dir: Path) -> list[tuple[str, dict]]:
     """(file name, result) of every `mha2gqa eval` result saved in MODEL_DIR."""
     found = []
     for path in sorted(model_dir.glob("*.json")):
-        if path.name in ("config.json", provenance.FILE_NAME):
+        if path.name in ("config.json", provenance.FILE_NAME) or not path.is_file():
             continue
         try:
+            if not _names_eval_schema(path):  # a tokenizer, a generation config: not read whole
+                continue
             data = read_json(path, "it is not listed", limit=10_000_000)
-        except InputError:  # not JSON, too large or deep, not a regular file: not an eval result
+        except (InputError, OSError):  # not JSON, too large or deep, unreadable: not an eval result
             continue
         if isinstance(data, dict) and data.get("schema") == EVAL_SCHEMA:
             found.append((path.name, data))

@@ -435,3 +435,20 @@ def test_one_place_decides_whether_a_command_probes():
         if "estimates" not in path.parts and re.search(r"\b(this_machine|probe_seconds)\(", path.read_text())
     ]
     assert callers == []
+
+
+def test_a_commands_start_is_read_to_a_tick_not_a_second_early(monkeypatch):
+    """The "start" stage is timed from the process's start. psutil's create_time adds the start to /proc/stat's boot
+    time in whole seconds, so it read up to a second early (0.47 s here), which every "start" carried; the start
+    from /proc/self/stat and the time since boot is exact to a tick, never before psutil's, and in the past."""
+    import sys
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    started = clock_module._linux_start()
+    if started is None:
+        pytest.skip("not Linux: psutil's create_time stands")
+    assert -0.02 <= started - psutil.Process().create_time() < 1.02
+    assert started <= time.time()
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/mha2gqa", "convert"])  # run as the command: its start is the run's
+    assert clock_module.process_started() == pytest.approx(started, abs=0.02)
