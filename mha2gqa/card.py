@@ -449,6 +449,7 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
         lines += [
             f"# the resolved recipe is below ({_paths_note(recipes)}); save it as recipe.yaml (set model: and output_dir:)",
             "mha2gqa uptrain --recipe recipe.yaml",
+            *_uptrain_machine_line(after),
         ]
     lines += [f"mha2gqa eval {name} --data HELD_OUT_TEXT --out {name}/eval.json  # the card then lists it", "```", ""]
     for s in after:
@@ -458,6 +459,18 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
         lines += _yaml_details("convert.yaml", conversion["config"])
     lines += [f"Everything above is read from [{provenance.FILE_NAME}]({provenance.FILE_NAME}), the full record.", ""]
     return lines
+
+
+def _uptrain_machine_line(after: list[dict]) -> list[str]:
+    """The torch threads and device the last uptraining ran with, where its record says (uptrain/loop.py)."""
+    last = [s for s in after if s["stage"] == "uptrain"][-1]
+    count, device = last.get("torch_threads"), last.get("device")
+    if not isinstance(count, int) or not isinstance(device, str):
+        return []
+    return [
+        f"# the same weights need the same torch threads and device: this ran with {count} on {device} "
+        f"(mha2gqa --threads {count} uptrain ...)"
+    ]
 
 
 def _device_line(device) -> list[str]:

@@ -91,6 +91,13 @@ def test_uptrain_card_records_the_training_and_carries_the_source_card(hub_sourc
     )
     assert "| steps, tokens | 2 steps, 256 tokens (1 process) |" in text
     assert "| key/value heads | 8 → 2 (query heads: 8) |" in text  # the conversion is still described
+    import torch  # what the machine chose is named where the weights depend on it (issue 55)
+
+    threads = torch.get_num_threads()
+    assert (
+        f"# the same weights need the same torch threads and device: this ran with {threads} on cpu "
+        f"(mha2gqa --threads {threads} uptrain ...)" in text
+    )
     recipe_block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
     assert yaml.safe_load(recipe_block) == recipe.to_dict()
     assert (out / SOURCE_CARD).read_text() == SOURCE_CARD_TEXT  # carried through the converted model

@@ -153,6 +153,9 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator, clock=NO_CLOCK,
     if trace is not None:
         trace.finish(accelerator.unwrap_model(model))
     record = _run_record(recipe, loaded, total, world, start if start_ckpt else None, final_evals)
+    # What the weights depend on beside the recipe, chosen from the machine (a busy machine gives a small model one
+    # thread: threads.py): float sums differ with torch's thread count and between a GPU and the CPU (card: Reproduce).
+    record |= {"torch_threads": torch.get_num_threads(), "device": str(accelerator.device)}
     clock.stage("save")
     _save(recipe, accelerator, model, loaded, out, record)
     clock.finish()
