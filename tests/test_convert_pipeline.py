@@ -91,7 +91,7 @@ def test_dry_run_prints_every_stage_and_writes_nothing(tmp_path, tiny_src, calib
     assert "up to 448 fit and 64 held-out tokens" in refine  # 512 tokens: 8 blocks of 64, 1 held out
     # priced as the run would be: a run this short is not worth a probe, and says so (a long one: test_estimates.py)
     assert re.fullmatch(
-        r"time: about .*not scaled to this one: a run priced under 30 s is not worth a probe; .*", lines[-2]
+        r"time: about .*not scaled to this one: a probe would cost more than 2% of a run this short; .*", lines[-2]
     )
     global_stage = next(line for line in lines if line.startswith("stage 4: refine"))
     assert "up to 64 Adam steps (lr 0.0002" in global_stage and "checked every 10 steps" in global_stage

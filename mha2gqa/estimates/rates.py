@@ -11,7 +11,7 @@ A rate measured on a quiet machine is wrong on a busy one (issue 39: a sweep sai
 55 at load 4), and a table of "rates at load 3-7" is wrong on both. So a long run times a probe when it starts,
 with the torch threads it will use (up to 11 rounds of matrix products, the kind of work most stages do: about
 0.6 s on a quiet machine): the probe's seconds here over its seconds on the measuring machine scale every rate.
-A run is priced at the stored rates first and probes only when that price is 30 s or more, with rounds sized to
+A run is priced at the stored rates first and probes only when that price is 10 s or more, with rounds sized to
 2% of it (this_machine, probe_rounds): a probe must not cost more than the work it prices (issue 59). A quiet twin
 of the measuring machine gets about 1; two cores shared with two spinning processes, about 2.3. Which round stands
 for the machine (probe_seconds): on several threads the fastest, since the machine's speed moves by 2x from one
@@ -41,8 +41,10 @@ PROBE_ROUNDS, PROBE_WARMUP = 11, 2
 # When a run probes (issue 59: a 1-second probe said that a 2-second plain conversion takes about 5): only when its
 # work, priced at the stored rates, is PROBE_AFTER_S or more, and then with as many rounds (up to PROBE_ROUNDS) as
 # keep every probe it takes, warmup included, within PROBE_SHARE of that price on the measuring machine; fewer than
-# MIN_PROBE_ROUNDS rounds would say nothing steady, so none are taken. Shorter runs say the stored rates' estimate.
-PROBE_AFTER_S = 30.0
+# MIN_PROBE_ROUNDS rounds would say nothing steady, so none are taken (the torch probe needs 11 s of priced work,
+# numpy's 15 s, torch's with the small products' 23 s). Shorter runs say the stored rates' estimate. Why 10 s and not
+# more: SmolLM2's mean conversion, 15 s quiet, took 46 s beside two busy processes, and its probed estimate said 33.
+PROBE_AFTER_S = 10.0
 PROBE_SHARE = 0.02
 MIN_PROBE_ROUNDS = 3
 
@@ -213,7 +215,8 @@ class Machine:
         )
 
 
-STORED = Machine(1.0, None, "none")  # the stored rates as measured: what a run is priced at before any probe
+STORED = Machine(1.0, None, "none")
+SHORT_RUN = f"a probe would cost more than {PROBE_SHARE:.0%} of a run this short"  # the stored rates as measured: what a run is priced at before any probe
 
 
 def this_machine(kind: str | None, fine: bool, priced_s: float) -> Machine:
@@ -227,7 +230,7 @@ def this_machine(kind: str | None, fine: bool, priced_s: float) -> Machine:
     kinds = [kind] + (["torch_fine"] if fine and "torch_fine" in measured else [])
     rounds = probe_rounds(priced_s, kinds)
     if not rounds:
-        return Machine(1.0, None, "none", why=f"a run priced under {PROBE_AFTER_S:.0f} s is not worth a probe")
+        return Machine(1.0, None, "none", why=SHORT_RUN)
     here = probe_seconds(kind, rounds)
     fine_factor = probe_seconds("torch_fine", rounds) / measured["torch_fine"] if len(kinds) > 1 else None
     return Machine(here / measured[kind], here, kind, fine_factor)
