@@ -101,3 +101,20 @@ def test_execution_carries_the_decision_out_asking_the_machine_nothing(monkeypat
     on_cpu(monkeypatch, NO_BF16)
     replay = refine_options(global_precision=record["refine"]["options"]["global_precision"])
     assert prepare(embedded.model_dir(), replay).command() == plan.command()
+
+
+def test_a_sweeps_estimate_prices_the_precision_its_plans_decided_and_asks_the_machine_nothing(monkeypatch):
+    from mha2gqa.sweep.timing import sweep_stages
+
+    on_cpu(monkeypatch, EPYC)
+    in_bf16 = prepare(embedded.model_dir(), refine_options())
+    on_cpu(monkeypatch, NO_BF16)
+    in_float32 = prepare(embedded.model_dir(), refine_options())
+    for name in ("cpu_flags", "bf16_speedup", "torch_device"):
+        monkeypatch.setattr(machine, name, lambda: pytest.fail("the sweep's estimate asked the machine"))
+
+    def global_seconds(plan) -> float:
+        (candidate,) = [s for s in sweep_stages({"c": plan}, [], None, 4096) if s.name == "candidate c"]
+        return sum(part.seconds() for part in candidate.parts if part.kind == "refine_global")
+
+    assert 0 < global_seconds(in_bf16) < global_seconds(in_float32)
