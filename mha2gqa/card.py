@@ -116,7 +116,13 @@ def about_the_source(path: Path) -> bool:
         return True
     if path.suffix != ".json" or path.name == "config.json":
         return False
-    with open(path, "rb") as f:  # the schema sits near the top of a result; a tokenizer is never read whole
+    return _names_eval_schema(path)
+
+
+def _names_eval_schema(path: Path) -> bool:
+    """Whether a JSON file's first 4 KiB name the eval schema, as every result's do (its first key): a tokenizer
+    (9 MB for Llama 3, about 0.4 s to parse with read_json's checks) is never read whole to find out."""
+    with open(path, "rb") as f:
         return f'"schema": "{EVAL_SCHEMA}"'.encode() in f.read(4096)
 
 
@@ -375,11 +381,13 @@ def eval_results(model_dir: Path) -> list[tuple[str, dict]]:
     """(file name, result) of every `mha2gqa eval` result saved in MODEL_DIR."""
     found = []
     for path in sorted(model_dir.glob("*.json")):
-        if path.name in ("config.json", provenance.FILE_NAME):
+        if path.name in ("config.json", provenance.FILE_NAME) or not path.is_file():
             continue
         try:
+            if not _names_eval_schema(path):  # a tokenizer, a generation config: not read whole
+                continue
             data = read_json(path, "it is not listed", limit=10_000_000)
-        except InputError:  # not JSON, too large or deep, not a regular file: not an eval result
+        except (InputError, OSError):  # not JSON, too large or deep, unreadable: not an eval result
             continue
         if isinstance(data, dict) and data.get("schema") == EVAL_SCHEMA:
             found.append((path.name, data))
@@ -432,6 +440,7 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
             lines.append(
                 f"# the same bytes need the same torch threads: this ran with {count} (mha2gqa --threads {count} convert ...)"
             )
+            lines += _device_line(conversion.get("device"))
         if _convert_yaml(conversion):  # the same options as a file: an alternative, so a comment (not run twice)
             words = ["mha2gqa", "convert", "--config", "convert.yaml", str(conversion["config"]["source"]), "OUT"]
             lines.append(f"# or, with convert.yaml (below, and beside the converted model): {shlex.join(words)}")
@@ -440,6 +449,7 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
         lines += [
             f"# the resolved recipe is below ({_paths_note(recipes)}); save it as recipe.yaml (set model: and output_dir:)",
             "mha2gqa uptrain --recipe recipe.yaml",
+            *_uptrain_machine_line(after),
         ]
     lines += [f"mha2gqa eval {name} --data HELD_OUT_TEXT --out {name}/eval.json  # the card then lists it", "```", ""]
     for s in after:
@@ -449,6 +459,28 @@ def _reproduce_section(conversion, after, name: str) -> list[str]:
         lines += _yaml_details("convert.yaml", conversion["config"])
     lines += [f"Everything above is read from [{provenance.FILE_NAME}]({provenance.FILE_NAME}), the full record.", ""]
     return lines
+
+
+def _uptrain_machine_line(after: list[dict]) -> list[str]:
+    """The torch threads and device the last uptraining ran with, where its record says (uptrain/loop.py)."""
+    last = [s for s in after if s["stage"] == "uptrain"][-1]
+    count, device = last.get("torch_threads"), last.get("device")
+    if not isinstance(count, int) or not isinstance(device, str):
+        return []
+    return [
+        f"# the same weights need the same torch threads and device: this ran with {count} on {device} "
+        f"(mha2gqa --threads {count} uptrain ...)"
+    ]
+
+
+def _device_line(device) -> list[str]:
+    """The device the parent ran on (convert/decide.py), where the weights depend on it: a GPU's float sums are not
+    a CPU's."""
+    if device == "cpu":
+        return ["# and the CPU: this ran on it (on a machine with a GPU: CUDA_VISIBLE_DEVICES= mha2gqa convert ...)"]
+    if isinstance(device, str) and device.startswith("cuda"):
+        return ["# and a CUDA GPU: this ran on one (a CPU makes other bytes)"]
+    return []
 
 
 def _paths_note(recipes: list[dict]) -> str:

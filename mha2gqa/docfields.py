@@ -25,6 +25,7 @@ def _classes(path: str) -> dict[str, ast.ClassDef]:
     return found
 
 
+@cache  # the CLI asks once per option of a class: 86 times at start-up
 def field_docs(cls: type) -> dict[str, str]:
     """{field: docstring, whitespace-normalised} of one class: the string literal right after each
     annotated field (`name: type = ...`) or enum member (`NAME = value`), in source order."""

@@ -91,6 +91,13 @@ def test_uptrain_card_records_the_training_and_carries_the_source_card(hub_sourc
     )
     assert "| steps, tokens | 2 steps, 256 tokens (1 process) |" in text
     assert "| key/value heads | 8 → 2 (query heads: 8) |" in text  # the conversion is still described
+    import torch  # what the machine chose is named where the weights depend on it (issue 55)
+
+    threads = torch.get_num_threads()
+    assert (
+        f"# the same weights need the same torch threads and device: this ran with {threads} on cpu "
+        f"(mha2gqa --threads {threads} uptrain ...)" in text
+    )
     recipe_block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
     assert yaml.safe_load(recipe_block) == recipe.to_dict()
     assert (out / SOURCE_CARD).read_text() == SOURCE_CARD_TEXT  # carried through the converted model
@@ -174,3 +181,21 @@ def test_a_converted_card_points_to_an_evaluation_only_when_it_has_one(hub_sourc
     evaluate(dst, data=str(held_out), context=64, speed_preset=None, out=dst / "eval.json", progress=False)
     text = _card(dst)[1]
     assert "see the evaluation below" in text and "## Evaluation" in text
+
+
+def test_the_card_finds_eval_results_without_parsing_a_tokenizer(tmp_path, monkeypatch):
+    """Issue 59: the card looked for eval results by parsing every *.json beside the weights, a 9 MB tokenizer.json
+    included (about 0.4 s with read_json's checks, on every conversion); a file whose top does not name the eval
+    schema is not read whole."""
+    import json
+
+    from mha2gqa import card
+
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(1000)}}}))
+    (tmp_path / "generation_config.json").write_text("{}")
+    (tmp_path / "eval.json").write_text(json.dumps({"schema": card.EVAL_SCHEMA, "label": "x"}, indent=2))
+    (tmp_path / "broken.json").write_text('{"schema": "' + card.EVAL_SCHEMA + '", ')  # names it, is not JSON
+    parsed, read_json = [], card.read_json
+    monkeypatch.setattr(card, "read_json", lambda path, *a, **k: parsed.append(path.name) or read_json(path, *a, **k))
+    assert card.eval_results(tmp_path) == [("eval.json", {"schema": card.EVAL_SCHEMA, "label": "x"})]
+    assert sorted(parsed) == ["broken.json", "eval.json"]

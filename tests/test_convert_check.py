@@ -80,12 +80,12 @@ def test_the_kl_against_top_tokens_is_kls_full_kl_with_every_token_and_a_lower_b
 
 def test_a_large_model_on_cpu_is_skipped_with_one_line_and_a_gpu_runs_it():
     config = {"max_position_embeddings": 4096}
-    slow = plan_check(config, 7_000_000_000, True, CPU_CHECK_BUDGET_S + 1, on_gpu=False)
+    slow = plan_check(config, 7_000_000_000, True, CPU_CHECK_BUDGET_S + 1, device="cpu")
     assert slow.skip.startswith("a 7.0B-parameter model's check would take about 3 min on this CPU")
     assert "mha2gqa eval DST --reference SRC" in slow.skip
-    assert plan_check(config, 7_000_000_000, True, CPU_CHECK_BUDGET_S + 1, on_gpu=True).skip is None
-    assert plan_check(config, 1, False, 1, on_gpu=False).skip == "--no-check"
-    assert plan_check({"max_position_embeddings": 64}, 1, True, 1, on_gpu=False).window == 64
+    assert plan_check(config, 7_000_000_000, True, CPU_CHECK_BUDGET_S + 1, device="cuda").skip is None
+    assert plan_check(config, 1, False, 1, device="cpu").skip == "--no-check"
+    assert plan_check({"max_position_embeddings": 64}, 1, True, 1, device="cpu").window == 64
 
 
 def _convert_cli(tmp_path, name, *args):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from mha2gqa.estimates.clock import Clock
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL, LARGE = rates.SMALL, rates.LARGE
+LONG = 1000.0  # seconds of priced work: a run long enough for every probe's full rounds
 
 RATES = {
     "kinds": {
@@ -63,16 +65,16 @@ def test_a_part_costs_its_fixed_seconds_plus_its_work_at_the_rate_of_its_model_s
 
 def test_the_probe_scales_every_rate_to_this_machine(fixed_rates, monkeypatch):
     monkeypatch.setitem(rates.PROBES, "numpy", lambda: 1.5)
-    machine = rates.this_machine("numpy")
+    machine = rates.this_machine("numpy", False, LONG)
     assert machine.factor == pytest.approx(3.0) and machine.probe_s == 1.5
     assert "x3 for this machine now (a numpy probe: 1500 ms here)" in machine.words()
-    assert rates.this_machine(None).factor == 1.0
+    assert rates.this_machine(None, False, LONG).factor == 1.0
 
 
 def test_refine_is_scaled_by_the_probe_of_small_products_the_rest_by_the_torch_probe(fixed_rates, monkeypatch):
     monkeypatch.setitem(rates.PROBES, "torch", lambda: 0.5)  # x2 of the rates file's 0.25
     monkeypatch.setitem(rates.PROBES, "torch_fine", lambda: 0.4)  # x4 of its 0.1
-    machine = rates.this_machine("torch", fine=True)
+    machine = rates.this_machine("torch", True, LONG)
     assert (machine.factor, machine.fine_factor) == pytest.approx((2.0, 4.0))
     assert "x2, x4 for small products for this machine now" in machine.words()
     stage = estimates.StageCost(
@@ -81,8 +83,8 @@ def test_refine_is_scaled_by_the_probe_of_small_products_the_rest_by_the_torch_p
     )
     assert estimates.Estimate((stage,), machine).seconds() == pytest.approx(1.0 * 4 + 1.0 * 2)
     monkeypatch.setitem(rates.PROBES, "torch_fine", lambda: pytest.fail("a run without refine probed small products"))
-    assert rates.this_machine("torch").fine_factor is None
-    assert estimates.Estimate((stage,), rates.this_machine("torch")).seconds() == pytest.approx(4.0)
+    assert rates.this_machine("torch", False, LONG).fine_factor is None
+    assert estimates.Estimate((stage,), rates.this_machine("torch", False, LONG)).seconds() == pytest.approx(4.0)
 
 
 def test_the_probe_sums_its_rounds_by_whether_a_round_can_dodge_a_busy_machine(fixed_rates, monkeypatch):
@@ -179,16 +181,21 @@ def test_every_stage_of_a_refining_conversion_is_costed_and_a_stage_may_cost_its
 def test_a_global_stage_in_bfloat16_is_priced_at_its_measured_speedup_and_its_checks_are_not(
     fixed_rates, monkeypatch, precision
 ):
+    from mha2gqa import machine
     from mha2gqa.convert import run as convert_run
-    from mha2gqa.convert.refine import precision as precision_module
 
-    monkeypatch.setattr(precision_module, "bf16_speedup", lambda: 1.5)  # a CPU whose bfloat16 does not pay
-    monkeypatch.setattr(estimates, "this_machine", lambda kind, fine=False: rates.Machine(1.0, None, kind))
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx2"}))  # bfloat16 emulated: auto is float32
+    monkeypatch.setattr(machine, "torch_device", lambda: "cpu")
+    monkeypatch.setattr(rates, "this_machine", lambda kind, fine, priced_s: rates.STORED)
     options = dict(calibration="austen", calibration_tokens=4096)
-    refine = RefineOptions(steps=2, global_precision=precision)
-    plan = prepare(embedded.model_dir(), ConvertOptions(2, **options, refine=refine))
+    plan = prepare(
+        embedded.model_dir(), ConvertOptions(2, **options, refine=RefineOptions(steps=2, global_precision=precision))
+    )
+    baseline = prepare(
+        embedded.model_dir(), ConvertOptions(2, **options, refine=RefineOptions(steps=2, global_precision="float32"))
+    )
     (stage,) = [s for s in convert_run.estimate(plan).stages if s.name == "refine (global)"]
-    (float32,) = [s for s in estimates.convert_stages(plan) if s.name == "refine (global)"]
+    (float32,) = [s for s in estimates.convert_stages(baseline) if s.name == "refine (global)"]
     speedup = 1.3  # the embedded model is SMALL: (1.3, 1.6)'s first
     assert stage.parts[0].work["checks"] == float32.parts[0].work["checks"] > 0
     expected = float32.parts[0].work["steps"] / (speedup if precision == "bfloat16" else 1)
@@ -322,9 +329,7 @@ def test_a_checked_conversion_probes_torch_which_its_check_runs_on(fixed_rates, 
     from mha2gqa.convert import run as convert_run
 
     probed = []
-    monkeypatch.setattr(
-        estimates, "this_machine", lambda kind, fine=False: probed.append(kind) or rates.Machine(1.0, None, kind)
-    )
+    monkeypatch.setattr(rates, "this_machine", lambda kind, fine, priced_s: probed.append(kind) or rates.STORED)
     for check in (True, False):
         convert_run.estimate(prepare(embedded.model_dir(), ConvertOptions(groups=2, check=check)))
     assert probed == ["torch", "numpy"]  # mean merges with numpy: only the unchecked run is torch-free
@@ -368,3 +373,82 @@ def test_convert_samples_as_many_sequences_at_once_as_their_kv_cache_allows(laye
     assert batch_for(config, 512) == batch
     per_sequence = 2 * layers * kv_heads * head_dim * 512 * 4
     assert cache_bytes(config, attention_shape(config), 512, batch) == batch * (per_sequence + 4 * 1000 * 4)
+
+
+# ---- when a run probes (issue 59: a 1-second probe said that a 2-second conversion takes about 5 s) ----
+
+
+def test_a_short_plain_conversion_starts_no_probe(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from mha2gqa.cli import main
+
+    for kind in list(rates.PROBES):
+        monkeypatch.setitem(rates.PROBES, kind, lambda: pytest.fail("a short conversion probed the machine"))
+    args = ["convert", str(embedded.model_dir()), str(tmp_path / "out"), "-g", "2", "--no-check"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "not scaled to this one: a probe would cost more than 2% of a run this short)" in result.output
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_long_refine_still_gets_its_machine_scaled_estimate_from_a_probe_of_a_small_share(monkeypatch):
+    from mha2gqa.convert import run as convert_run
+
+    stored, calls = rates.load().probe_s, []
+
+    def probe(kind: str, factor: float):
+        return lambda: calls.append(kind) or stored[kind] * factor
+
+    monkeypatch.setitem(rates.PROBES, "torch", probe("torch", 2.0))
+    monkeypatch.setitem(rates.PROBES, "torch_fine", probe("torch_fine", 3.0))
+    monkeypatch.setattr(rates, "_torch_threads", lambda: 2)
+    plan = prepare(embedded.model_dir(), ConvertOptions(2, refine=RefineOptions()))
+    priced = estimates.convert_estimate(plan).seconds()
+    assert priced > rates.PROBE_AFTER_S  # the default refine of the embedded model: minutes
+    scaled = convert_run.estimate(plan)
+    assert (scaled.machine.factor, scaled.machine.fine_factor) == pytest.approx((2.0, 3.0))
+    assert "x2, x3 for small products for this machine now" in scaled.line()
+    assert scaled.seconds() > 2 * priced * 0.99
+    probe_cost = sum(stored[kind] for kind in calls)  # on the measuring machine: the share is of its price
+    assert 0 < probe_cost <= rates.PROBE_SHARE * priced
+
+
+@pytest.mark.parametrize("kinds", [["numpy"], ["torch"], ["torch", "torch_fine"]])
+def test_the_probe_costs_at_most_a_fixed_small_share_of_the_priced_work(kinds):
+    per_round = sum(rates.load().probe_s[kind] for kind in kinds)
+    assert rates.probe_rounds(rates.PROBE_AFTER_S - 0.1, kinds) == 0
+    assert rates.probe_rounds(3600.0, kinds) == rates.PROBE_ROUNDS
+    for priced in (10.0, 12.0, 15.0, 20.0, 23.0, 30.0, 45.0, 60.0, 120.0, 600.0):
+        rounds = rates.probe_rounds(priced, kinds)
+        assert rounds == 0 or rounds >= rates.MIN_PROBE_ROUNDS
+        assert (rounds + rates.PROBE_WARMUP) * per_round <= rates.PROBE_SHARE * priced or rounds == 0
+
+
+def test_one_place_decides_whether_a_command_probes():
+    """Every command's estimate meets the machine through estimates.for_this_machine: no module outside
+    mha2gqa/estimates/ calls the probe or builds a machine factor itself."""
+    package = ROOT / "mha2gqa"
+    callers = [
+        path.relative_to(package).as_posix()
+        for path in package.rglob("*.py")
+        if "estimates" not in path.parts and re.search(r"\b(this_machine|probe_seconds)\(", path.read_text())
+    ]
+    assert callers == []
+
+
+def test_a_commands_start_is_read_to_a_tick_not_a_second_early(monkeypatch):
+    """The "start" stage is timed from the process's start. psutil's create_time adds the start to /proc/stat's boot
+    time in whole seconds, so it read up to a second early (0.47 s here), which every "start" carried; the start
+    from /proc/self/stat and the time since boot is exact to a tick, never before psutil's, and in the past."""
+    import sys
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    started = clock_module._linux_start()
+    if started is None:
+        pytest.skip("not Linux: psutil's create_time stands")
+    assert -0.02 <= started - psutil.Process().create_time() < 1.02
+    assert started <= time.time()
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/mha2gqa", "convert"])  # run as the command: its start is the run's
+    assert clock_module.process_started() == pytest.approx(started, abs=0.02)

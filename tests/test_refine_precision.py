@@ -1,33 +1,24 @@
-"""--refine-global-precision: what `auto` picks from this machine's bfloat16 speed (convert/refine/precision.py)."""
+"""--refine-global-precision: the global stage carries out the plan's explicit choice (convert/refine/precision.py);
+what `auto` means on a machine is decided by the plan (tests/test_convert_decisions.py)."""
 
 import pytest
 import torch
 
 from mha2gqa.convert.options import GlobalPrecision, RefineOptions
-from mha2gqa.convert.refine import precision
+from mha2gqa.convert.refine import GlobalFit
+from mha2gqa.convert.refine.precision import fit_autocast_dtype
 from mha2gqa.errors import InputError
 
 
-@pytest.mark.parametrize(
-    ("speedup", "expected"), [(6.8, torch.bfloat16), (2.0, torch.bfloat16), (1.9, None), (0.3, None)]
-)
-def test_auto_picks_bfloat16_on_a_cpu_only_where_its_products_are_twice_as_fast(monkeypatch, speedup, expected):
-    monkeypatch.setattr(precision, "bf16_speedup", lambda: speedup)
-    assert precision.fit_autocast_dtype(GlobalPrecision.AUTO, torch.device("cpu")) is expected
+def test_an_explicit_precision_is_carried_out_as_it_is():
+    assert fit_autocast_dtype("float32") is None
+    assert fit_autocast_dtype(GlobalPrecision.BFLOAT16) is torch.bfloat16
+    assert GlobalFit.of(RefineOptions(global_precision="bfloat16")).autocast is torch.bfloat16
 
 
-def test_an_explicit_precision_is_kept_and_auto_leaves_a_gpu_in_float32(monkeypatch):
-    monkeypatch.setattr(precision, "bf16_speedup", lambda: pytest.fail("an explicit choice or a GPU needs no probe"))
-    assert precision.fit_autocast_dtype("float32", "cpu") is None
-    assert precision.fit_autocast_dtype("bfloat16", "cpu") is torch.bfloat16
-    assert precision.fit_autocast_dtype("auto", torch.device("cuda")) is None
-
-
-def test_the_probe_measures_a_positive_speedup_once_a_process():
-    precision.bf16_speedup.cache_clear()
-    first = precision.bf16_speedup()
-    assert 0 < first < 100
-    assert precision.bf16_speedup() == first  # cached: the global stage asks once
+def test_the_global_stage_refuses_an_undecided_auto_instead_of_asking_the_machine():
+    with pytest.raises(ValueError, match=r"'auto' reached the global stage undecided.*mha2gqa.convert.decide"):
+        GlobalFit.of(RefineOptions())  # the default is auto: only a plan turns it into a value
 
 
 def test_an_unknown_precision_is_refused_with_the_choices():

@@ -303,7 +303,7 @@ def test_the_global_stage_takes_its_settings_from_the_refine_options():
     options = RefineOptions(global_steps=3, global_lr=5e-4, batch_blocks=2, global_precision="float32")
     parent, model, blocks, split = two_random_models()
     params = [p for name, p in model.named_parameters() if ".self_attn." in name]
-    fit = GlobalFit.of(options, torch.device("cpu"))
+    fit = GlobalFit.of(options)
     record = fit_global(parent, model, params, blocks, split, fit, torch.Generator().manual_seed(0), progress=False)
     assert (record["steps"], record["lr"], record["batch_blocks"]) == (3, 5e-4, 2)
     assert (record["betas"], record["clip"], record["decay"]) == ([0.9, 0.95], 1.0, False)
@@ -320,9 +320,7 @@ def test_global_stage_fits_in_bfloat16_autocast_and_checks_in_float32():
     model.model.layers[0].self_attn.q_proj.register_forward_hook(
         lambda module, args, out: seen.append((torch.is_grad_enabled(), out.dtype))
     )
-    fit = GlobalFit.of(
-        RefineOptions(global_steps=6, global_lr=1e-2, batch_blocks=2, global_precision="bfloat16"), "cpu"
-    )
+    fit = GlobalFit.of(RefineOptions(global_steps=6, global_lr=1e-2, batch_blocks=2, global_precision="bfloat16"))
     assert fit.autocast == torch.bfloat16
     record = fit_global(parent, model, params, blocks, split, fit, torch.Generator().manual_seed(0), progress=False)
     assert record["precision"] == "bfloat16 autocast"

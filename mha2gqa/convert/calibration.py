@@ -284,8 +284,11 @@ def calibration_ids(tokenizer, texts: Iterator[str], tokens: int, name: str = ""
 
 
 def source_device() -> str:
-    """Where convert runs the parent, and so calibrates and refines: the GPU when there is one, else the CPU."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """Where the parent runs when the caller has not decided (calibrate(), a library call): the GPU when there is
+    one, else the CPU; convert and sweep pass the device their plan decided (convert/decide.py), by the same rule."""
+    from mha2gqa.machine import torch_device
+
+    return torch_device()
 
 
 def load_source_model(model_dir: Path, device: str | None = None, progress: bool = True):

@@ -43,6 +43,7 @@ class CheckPlan:
     seconds: float  # estimated on the rates' machine (a cached parent costs less)
     skip: str | None = None  # why it will not run; None: it runs
     parts: tuple = ()  # its work (estimates.check_parts), which the estimate adds
+    device: str = "cpu"  # where both models are scored: the plan's decision, never asked again at run time
 
     def describe(self) -> str:
         if self.skip:
@@ -62,7 +63,7 @@ def parent_cached(src: Path) -> bool:
         return False
 
 
-def plan_check(config: dict, params: int, wanted: bool, seconds: float, on_gpu: bool, parts: tuple = ()) -> CheckPlan:
+def plan_check(config: dict, params: int, wanted: bool, seconds: float, device: str, parts: tuple = ()) -> CheckPlan:
     """The check of a conversion of a model of `params` parameters whose check would take `seconds` (the sum of
     its `parts` of work)."""
     context = config.get("max_position_embeddings")
@@ -70,12 +71,12 @@ def plan_check(config: dict, params: int, wanted: bool, seconds: float, on_gpu: 
     skip = None
     if not wanted:
         skip = "--no-check"
-    elif not on_gpu and seconds > CPU_CHECK_BUDGET_S:
+    elif device == "cpu" and seconds > CPU_CHECK_BUDGET_S:
         skip = (
             f"a {params / 1e9:.1f}B-parameter model's check would take about {math.ceil(seconds / 60)} min on this "
             "CPU; run `mha2gqa eval DST --reference SRC --max-tokens 512` on a GPU instead"
         )
-    return CheckPlan(CHECK_TOKENS, window, DOMAINS, seconds, skip, parts)
+    return CheckPlan(CHECK_TOKENS, window, DOMAINS, seconds, skip, parts, device)
 
 
 def check_logits_bytes(config: dict) -> int:

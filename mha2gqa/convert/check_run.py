@@ -68,7 +68,7 @@ def run_check(src: Path, dst: Path, plan: CheckPlan, progress: bool = True, pare
     from mha2gqa.progress import progress_bar
 
     started = time.perf_counter()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = plan.device  # prepare decided it (CheckPlan.device)
     dtype = torch.float32 if device == "cpu" else "auto"  # CPU matmuls in half precision are slow and inexact
     vocab = config_vocab(read_config(src))
     with _step("reading the probe texts with SRC's tokenizer"):

@@ -86,8 +86,9 @@ class GlobalPrecision(StrEnum):
     state, the KL and the held-out checks that pick the step kept are float32 whichever is chosen."""
 
     AUTO = "auto"
-    """bfloat16 where this machine's bfloat16 products run at least twice as fast as float32's (a CPU with AMX:
-    SmolLM2's global stage 1.6x faster a step), else float32 (a GPU: float32)."""
+    """bfloat16 on a CPU with native bfloat16 products (flags amx_bf16, avx512_bf16 or arm64 bf16: at least twice
+    float32's speed; with AMX SmolLM2's global stage ran 1.6x faster a step), else float32 (a GPU: float32); decided
+    once by the plan and recorded as the value chosen."""
     FLOAT32 = "float32"
     """float32 throughout: the same result on every CPU at the same threads."""
     BFLOAT16 = "bfloat16"
@@ -121,8 +122,9 @@ class RefineOptions:
     global_lr: float = DEFAULT_REFINE_GLOBAL_LR
     """Learning rate of the global stage (after a warmup over the first tenth of the steps)."""
     global_precision: GlobalPrecision = GlobalPrecision.AUTO
-    """What the global stage's forwards and backward compute in: bfloat16 autocast or float32 (auto: bfloat16 where
-    it pays, a CPU with AMX). The parameters, Adam's state, the KL and the held-out checks stay float32."""
+    """What the global stage's forwards and backward compute in: bfloat16 autocast or float32 (auto: bfloat16 on a
+    CPU with native bfloat16 products, recorded as the value it chose). The parameters, Adam's state, the KL and the
+    held-out checks stay float32."""
     batch_blocks: int = 4
     """Calibration sequences per Adam step."""
     opening_weight: float = DEFAULT_REFINE_OPENING_WEIGHT

@@ -11,16 +11,16 @@ here, before DST, its lock or any statistics exist.
 from __future__ import annotations
 
 import math
-import os
 import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from mha2gqa import provenance
+from mha2gqa import machine, provenance
 from mha2gqa.card import about_the_source
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
 from mha2gqa.convert import config_file, fast
 from mha2gqa.convert.check import CHECK_TOKENS, CheckPlan, check_logits_bytes, parent_cached, plan_check
+from mha2gqa.convert.decide import Decided, decide
 from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
     GLOBAL_CHECK_EVERY,
@@ -107,6 +107,7 @@ class ConversionPlan:
     scratch_bytes: int = 0  # statistics and refine spill files inside DST's partial folder, removed at the end
     peak_memory: int = 0  # estimated peak resident memory, bytes
     check: CheckPlan | None = None  # the quality check after the write (convert/check.py)
+    decided: Decided = field(default_factory=Decided)  # what was chosen from the machine (decide.py), once
 
     @property
     def gathers_statistics(self) -> bool:
@@ -184,6 +185,7 @@ def prepare(src, options: ConvertOptions, stats=None, resolved: CalibrationInput
     check_target(config, options.groups)
     _check_calibration_needs(options, config)
     calibration = _calibration_input(options, stats, config, source, resolved)
+    options, decided = decide(options, calibration is not None)  # the machine's part, once (decide.py)
     calibrated = calibration is not None or stats is not None
     memory_bytes = parse_size(options.calibration_memory, "--calibration-memory")
     require_safetensors(source, "SRC")
@@ -214,6 +216,7 @@ def prepare(src, options: ConvertOptions, stats=None, resolved: CalibrationInput
         shard_bytes=shard_bytes,
         calibration_memory=memory_bytes,
         copied=files_to_copy(source),
+        decided=decided,
     )
     _estimate(plan, calibration.tokens if calibration is not None else stats.tokens if stats is not None else 0)
     return plan
@@ -319,15 +322,10 @@ def _plan_check(plan: ConversionPlan, params: int) -> CheckPlan:
     cached = parent_cached(plan.source)
     parts = check_parts(CHECK_TOKENS * len(DOMAINS), params, vocab, plan.torch_reason is None, cached)
     seconds = sum(part.seconds() for part in parts)
-    return plan_check(plan.config, params, plan.options.check, seconds, _cuda_visible(), parts)
-
-
-def _cuda_visible() -> bool:
-    """Whether the check will run on a GPU, asked without importing torch: an NVIDIA driver is present and
-    CUDA_VISIBLE_DEVICES does not hide every device (a wrong guess only misjudges the check's skip)."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    return Path("/proc/driver/nvidia/version").exists()
+    # The device a stage already decided for the parent (decide.py), else the driver's word without torch: a plain
+    # conversion's start stays torch-free, and a wrong guess only makes the check a recorded skip.
+    device = plan.decided.device or ("cuda" if machine.cuda_visible() else "cpu")
+    return plan_check(plan.config, params, plan.options.check, seconds, device, parts)
 
 
 def _sample_stage(calibration: CalibrationInput, params: int, batch: int) -> Stage:
@@ -382,7 +380,7 @@ def _refine_stages(plan: ConversionPlan, calibration_tokens: int, seq_len: int) 
                 "refine (global)",
                 f"then up to {refine.global_steps} Adam steps (lr {refine.global_lr:g}, {refine.batch_blocks} blocks "
                 f"a step) of every refined attention parameter, all layers together, against the parent's "
-                f"next-token distribution{_precision_words(refine.global_precision)}; the held-out KL checked every "
+                f"next-token distribution{_precision_words(refine.global_precision, plan.decided.why.get('--refine-global-precision'))}; the held-out KL checked every "
                 f"{GLOBAL_CHECK_EVERY} steps in float32, the best kept ({_targets_words(plan)})",
             )
         )
@@ -392,10 +390,11 @@ def _refine_stages(plan: ConversionPlan, calibration_tokens: int, seq_len: int) 
     return stages
 
 
-def _precision_words(precision: GlobalPrecision) -> str:
-    if precision == GlobalPrecision.AUTO:
-        return ", in bfloat16 autocast where this machine's bfloat16 products are 2x float32's (else float32)"
-    return f", in {precision}{' autocast' if precision == GlobalPrecision.BFLOAT16 else ''}"
+def _precision_words(precision: GlobalPrecision, why: str | None) -> str:
+    """The fit steps' precision, explicit by now (decide.py), with why where `auto` chose it."""
+    return f", in {precision}{' autocast' if precision == GlobalPrecision.BFLOAT16 else ''}" + (
+        f" ({why})" if why else ""
+    )
 
 
 def _targets_words(plan: ConversionPlan) -> str:

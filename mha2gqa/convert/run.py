@@ -98,39 +98,30 @@ def check_output(plan: ConversionPlan, dst: Path) -> str:
 
 
 def estimate(plan: ConversionPlan):
-    """The run's estimate, scaled to this machine by a probe of the library that does most of its work: torch
-    (with the threads it was given) for a torch executor or when the quality check runs (it imports torch anyway,
-    and on a busy machine torch's one thread and numpy's two slow down apart: a numpy probe made a busy SmolLM2
-    mean conversion's estimate 1.65x its time), numpy for a torch-free conversion left unchecked."""
-    from mha2gqa.estimates import convert_estimate, this_machine
+    """The run's estimate, scaled to this machine (when the run is long enough to be worth a probe:
+    estimates.for_this_machine) by a probe of the library that does most of its work: torch (with the threads it
+    was given) for a torch executor or when the quality check runs (it imports torch anyway, and on a busy machine
+    torch's one thread and numpy's two slow down apart: a numpy probe made a busy SmolLM2 mean conversion's
+    estimate 1.65x its time), numpy for a torch-free conversion left unchecked."""
+    from mha2gqa.estimates import convert_estimate, for_this_machine
 
     checked = plan.check is not None and plan.check.skip is None
     probe = "torch" if plan.torch_reason is not None or checked else "numpy"
-    machine = this_machine(probe, fine=plan.options.refine is not None)
-    return convert_estimate(plan, machine, bf16_global=global_stage_in_bf16(plan.options.refine))
-
-
-def global_stage_in_bf16(refine) -> bool:
-    """Whether a run's global refine stage (`refine`: its RefineOptions or None) will fit in bfloat16 autocast
-    (refine/precision.py), asked of torch on the device the run will use: what its estimate prices."""
-    if refine is None or not refine.global_steps:
-        return False
-    from mha2gqa.convert.calibration import source_device
-    from mha2gqa.convert.refine.precision import fit_autocast_dtype
-
-    return fit_autocast_dtype(refine.global_precision, source_device()) is not None
+    return for_this_machine(convert_estimate(plan), probe, fine=plan.options.refine is not None)
 
 
 def dry_run_time_line(plan: ConversionPlan) -> str | None:
-    """--dry-run's time, scaled to this machine by the probe the run would take (estimate), when the run would
-    start torch anyway (calibration, refine, a torch merge: the long runs); None for a torch-free plan, whose
-    dry run stays torch-free and prints the rates unscaled. Why: unscaled, SmolLM2's default calibrated +
-    refine conversion said about 55 min where it took 37 min 51 s alone and its own scaled estimate said 36."""
+    """--dry-run's time, scaled to this machine by the probe the run would take (estimate: none for a short run),
+    when the run would start torch anyway (calibration, refine, a torch merge: the long runs); None for a
+    torch-free plan, whose dry run stays torch-free and prints the rates unscaled. Why: unscaled, SmolLM2's
+    default calibrated + refine conversion said about 55 min where it took 37 min 51 s alone and its own scaled
+    estimate said 36."""
     if plan.torch_reason is None:
         return None
-    from mha2gqa.estimates import convert_line
+    from mha2gqa.estimates import convert_estimate, convert_line, rates
 
-    import_torch()  # with the interrupt signals held, as the run starts it
+    if rates.probe_rounds(convert_estimate(plan).seconds(), ["torch"]):  # torch only for a probe it will take
+        import_torch()  # with the interrupt signals held, as the run starts it
     return convert_line(plan, estimate(plan))
 
 
@@ -169,6 +160,8 @@ def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult
             "refine": refined,
             "command": plan.command(),
             "torch_threads": _torch_threads(plan),  # the same bytes again need the same count (card: Reproduce)
+            "device": plan.decided.device,  # where the parent ran (None: no stage ran it): GPU and CPU sums differ
+            "decided": plan.decided.why or None,  # what the plan chose from the machine, and why (decide.py)
             "config": plan.config_values(),  # DST/convert.yaml's mapping; the card shows it
             "check": {k: v for k, v in checked.items() if k not in RUN_FACTS},
         }
@@ -226,7 +219,7 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
     options, stats = plan.options, plan.stats
     ids = parent = None
     if plan.calibration is not None:  # statistics to gather, or refine's blocks (a sweep's statistics' data)
-        parent = calibration.load_source_model(plan.source, progress=options.progress)
+        parent = calibration.load_source_model(plan.source, plan.decided.device, progress=options.progress)
         if stats is not None and stats.ids is not None and options.calibration is None:  # a sweep's: read once
             ids = stats.ids
         else:

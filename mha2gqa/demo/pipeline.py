@@ -118,14 +118,14 @@ def run_demo(
     `out` is refused unless `force`, and then replaced as a whole (see replacing_run). `plan`: one made
     by plan_demo (the other arguments are then ignored). clock: the estimates Clock that says the estimate,
     times the stages and says the time taken (default: one started now, speaking through `echo`)."""
-    from mha2gqa.estimates import this_machine
+    from mha2gqa.estimates import for_this_machine
     from mha2gqa.estimates.clock import Clock
 
     plan = plan or plan_demo(out, groups, quick, alpha, force, progress)
     clock = clock or Clock(echo=echo, started=time.time())
     with replacing_run(plan.out, plan.force) as out:
         import_torch()  # the probe runs on torch's threads (threads.apply: the CLI's)
-        clock.begin(lambda: demo_estimate(plan, this_machine("torch")))  # once --out is accepted
+        clock.begin(lambda: for_this_machine(demo_estimate(plan), "torch"))  # once --out is accepted
         written = _run_stages(plan.conversion.source, out, plan.conversion, plan.settings, echo, progress, clock)
     clock.finish()
     return written

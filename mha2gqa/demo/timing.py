@@ -31,8 +31,9 @@ def _evaluation(name: str, params: int, reference: int | None, settings, speed_p
     return combined(name, estimates.eval_stages(work, start=False, warm=reference is not None))
 
 
-def demo_estimate(plan, machine) -> estimates.Estimate:
-    """The stages of a checked DemoPlan (pipeline.plan_demo) on `machine`."""
+def demo_estimate(plan) -> estimates.Estimate:
+    """The stages of a checked DemoPlan (pipeline.plan_demo) at the stored rates (estimates.for_this_machine
+    scales them)."""
     settings, conversion = plan.settings, plan.conversion
     parent = estimates.parameters_of(conversion)
     child = sum(math.prod(out.shape) for out in conversion.tensors.output_tensors())
@@ -58,4 +59,4 @@ def demo_estimate(plan, machine) -> estimates.Estimate:
     peak = peak_memory(
         recipe, config_size(converted_config(conversion.config, conversion.options.groups), recipe), None
     )
-    return estimates.Estimate(stages, machine, peak.total)
+    return estimates.Estimate(stages, estimates.STORED, peak.total)

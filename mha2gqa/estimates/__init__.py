@@ -3,7 +3,8 @@ what it took at the end: every command that can run past a minute (convert, eval
 
 - rates.py: the measured rates (mha2gqa/data/estimate_rates.json, re-made by bench/estimate_rates.py) and the
   probe that scales them to this machine now;
-- costs.py: each command's stages as work, and the estimate line;
+- costs.py: each command's stages as work, the estimate line, and for_this_machine: the one way a command's
+  estimate meets the machine (a probe only for a run long enough to be worth one, rates.this_machine);
 - clock.py: the run's clock: the estimate said, the remaining time corrected, the time taken.
 """
 
@@ -28,9 +29,10 @@ from mha2gqa.estimates.costs import (  # noqa: F401 (the package's API)
     duration,
     eval_peak_bytes,
     eval_stages,
+    for_this_machine,
     parameters_of,
     text_tokens,
     took,
     uptrain_stages,
 )
-from mha2gqa.estimates.rates import LARGE, SMALL, Machine, this_machine  # noqa: F401
+from mha2gqa.estimates.rates import LARGE, SMALL, STORED, Machine  # noqa: F401

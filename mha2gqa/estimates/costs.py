@@ -84,6 +84,14 @@ class Estimate:
         return f"estimate: {duration(total)}{memory} ({shares + '; ' if shares else ''}{self.machine.words()})"
 
 
+def for_this_machine(priced: Estimate, kind: str | None, fine: bool = False) -> Estimate:
+    """`priced` (an estimate at the stored rates) on this machine: the one place every command's estimate meets
+    the machine (convert, sweep, eval, uptrain, demo). rates.this_machine probes only when the priced work is long
+    enough, with a probe sized to a small share of it; a short run keeps the stored rates and says so (issue 59).
+    `kind`: the library the run's work is mostly in (torch, numpy); `fine`: it has FINE_KINDS stages."""
+    return Estimate(priced.stages, rates.this_machine(kind, fine, priced.seconds()), priced.peak_bytes)
+
+
 def duration(seconds: float) -> str:
     """'about 40 s', 'about 3 min', 'about 1 h 50 min': rounded as far as an estimate deserves."""
     if seconds < 60:
@@ -125,10 +133,10 @@ def parameters_of(plan) -> int:
 BF16_GLOBAL_STEP_SPEEDUP = (1.3, 1.6)
 
 
-def convert_stages(plan, start: bool = True, calibration: bool = True, bf16_global: bool = False) -> list[StageCost]:
+def convert_stages(plan, start: bool = True, calibration: bool = True) -> list[StageCost]:
     """A ConversionPlan's stages (convert/prepare.py), each costed: with the process' start (the parent loaded
-    when a stage reads it), and with its sampling and statistics pass unless a sweep ran them once for all.
-    `bf16_global`: the global refine stage's steps run in bfloat16 autocast (the run decides, from torch)."""
+    when a stage reads it), and with its sampling and statistics pass unless a sweep ran them once for all. The
+    global refine stage's steps are priced in the precision the plan decided (convert/decide.py)."""
     p, shape, refine, budget = parameters_of(plan), plan.shape, plan.options.refine, plan.refine_budget
     stages = []
     if start:
@@ -151,7 +159,8 @@ def convert_stages(plan, start: bool = True, calibration: bool = True, bf16_glob
         stages.append(StageCost("refine", (Part("refine", p, work),)))
         if refine.global_steps:
             checks = budget.global_check_forwards(refine.global_steps, config_vocab(plan.config), refine.memory)
-            speedup = rates.between(BF16_GLOBAL_STEP_SPEEDUP, p) if bf16_global else 1
+            in_bf16 = refine.global_precision == "bfloat16"  # explicit in a plan: prepare decided `auto`
+            speedup = rates.between(BF16_GLOBAL_STEP_SPEEDUP, p) if in_bf16 else 1
             step_work = refine.global_steps * batch * p / speedup
             global_work = {"steps": step_work, "checks": checks * p}
             stages.append(StageCost("refine (global)", (Part("refine_global", p, global_work),)))
@@ -198,8 +207,9 @@ def convert_seconds(plan, start: bool = True, calibration: bool = True) -> float
     return sum(stage.seconds() for stage in convert_stages(plan, start, calibration))
 
 
-def convert_estimate(plan, machine: Machine, bf16_global: bool = False) -> Estimate:
-    return Estimate(tuple(convert_stages(plan, bf16_global=bf16_global)), machine, plan.peak_memory)
+def convert_estimate(plan) -> Estimate:
+    """The conversion's estimate at the stored rates (for_this_machine scales it)."""
+    return Estimate(tuple(convert_stages(plan)), rates.STORED, plan.peak_memory)
 
 
 def convert_line(plan, scaled: Estimate | None = None) -> str:

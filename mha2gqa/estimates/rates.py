@@ -8,9 +8,11 @@ unit of work, and writes mha2gqa/data/estimate_rates.json with the probe's time 
 Between and beyond the two models a rate is interpolated on log(parameters) (the nearer one's outside them).
 
 A rate measured on a quiet machine is wrong on a busy one (issue 39: a sweep said 15 min and was on course for
-55 at load 4), and a table of "rates at load 3-7" is wrong on both. So a run times a probe when it starts, with
-the torch threads it will use (11 rounds of matrix products, the kind of work most stages do: about 0.6 s on a
-quiet machine): the probe's seconds here over its seconds on the measuring machine scale every rate. A quiet twin
+55 at load 4), and a table of "rates at load 3-7" is wrong on both. So a long run times a probe when it starts,
+with the torch threads it will use (up to 11 rounds of matrix products, the kind of work most stages do: about
+0.6 s on a quiet machine): the probe's seconds here over its seconds on the measuring machine scale every rate.
+A run is priced at the stored rates first and probes only when that price is 10 s or more, with rounds sized to
+2% of it (this_machine, probe_rounds): a probe must not cost more than the work it prices (issue 59). A quiet twin
 of the measuring machine gets about 1; two cores shared with two spinning processes, about 2.3. Which round stands
 for the machine (probe_seconds): on several threads the fastest, since the machine's speed moves by 2x from one
 second to the next even when it is quiet (the host's other guests) and a round on several threads cannot dodge a
@@ -36,6 +38,15 @@ RATES_FILE = Path(__file__).resolve().parent.parent / "data" / "estimate_rates.j
 RATES_ENV = "MHA2GQA_ESTIMATE_RATES"  # another rates file (the bench's, a test's)
 SMALL, LARGE = 6_163_712, 134_515_008  # the embedded model's parameters and SmolLM2-135M's: the two measured
 PROBE_ROUNDS, PROBE_WARMUP = 11, 2
+# When a run probes (issue 59: a 1-second probe said that a 2-second plain conversion takes about 5): only when its
+# work, priced at the stored rates, is PROBE_AFTER_S or more, and then with as many rounds (up to PROBE_ROUNDS) as
+# keep every probe it takes, warmup included, within PROBE_SHARE of that price on the measuring machine; fewer than
+# MIN_PROBE_ROUNDS rounds would say nothing steady, so none are taken (the torch probe needs 11 s of priced work,
+# numpy's 15 s, torch's with the small products' 23 s). Shorter runs say the stored rates' estimate. Why 10 s and not
+# more: SmolLM2's mean conversion, 15 s quiet, took 46 s beside two busy processes, and its probed estimate said 33.
+PROBE_AFTER_S = 10.0
+PROBE_SHARE = 0.02
+MIN_PROBE_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -150,8 +161,8 @@ PROBES = {"torch": _torch_probe, "numpy": _numpy_probe, "torch_fine": _fine_prob
 FINE_KINDS = frozenset({"refine", "refine_global"})  # stages of many small products: scaled by the torch_fine probe
 
 
-def probe_seconds(kind: str = "torch") -> float:
-    """The probe's time here, from PROBE_ROUNDS rounds after PROBE_WARMUP that start its threads. Which summary
+def probe_seconds(kind: str = "torch", rounds: int = PROBE_ROUNDS) -> float:
+    """The probe's time here, from `rounds` rounds after PROBE_WARMUP that start its threads. Which summary
     stands for the machine depends on whether a round can dodge a busy machine (measured beside two spinning
     processes, docs/benchmarks.md "Estimate against wall time"):
     - large products on several threads cannot (each waits for all its threads): the fastest round, the one least
@@ -164,7 +175,7 @@ def probe_seconds(kind: str = "torch") -> float:
     probe = PROBES[kind]
     for _ in range(PROBE_WARMUP):
         probe()
-    rounds = [probe() for _ in range(PROBE_ROUNDS)]
+    rounds = [probe() for _ in range(rounds)]
     if kind == "torch_fine":
         return statistics.median(rounds)
     if kind == "torch" and _torch_threads() == 1:
@@ -187,13 +198,16 @@ class Machine:
     probe_s: float | None
     kind: str
     fine_factor: float | None = None
+    why: str = ""  # unprobed: why not (a short run)
 
     def factor_for(self, kind: str) -> float:
         return self.fine_factor if self.fine_factor is not None and kind in FINE_KINDS else self.factor
 
     def words(self) -> str:
         if self.probe_s is None:
-            return f"rates of a machine with {measured_on()}, not scaled to this one"
+            return f"rates of a machine with {measured_on()}, not scaled to this one" + (
+                f": {self.why}" if self.why else ""
+            )
         fine = f", x{self.fine_factor:.2g} for small products" if self.fine_factor is not None else ""
         return (
             f"rates measured on {measured_on()}, x{self.factor:.2g}{fine} for this machine now "
@@ -201,12 +215,35 @@ class Machine:
         )
 
 
-def this_machine(kind: str | None = "torch", fine: bool = False) -> Machine:
-    """The factor of a probe run now (`kind` torch, with the threads the command set; numpy; None: no probe, 1);
-    with `fine`, also the torch_fine probe's, for a run with FINE_KINDS stages (when the rates file has it)."""
+STORED = Machine(1.0, None, "none")
+SHORT_RUN = f"a probe would cost more than {PROBE_SHARE:.0%} of a run this short"  # the stored rates as measured: what a run is priced at before any probe
+
+
+def this_machine(kind: str | None, fine: bool, priced_s: float) -> Machine:
+    """This machine now for a run whose work the stored rates price at `priced_s`: the factor of a probe (`kind`
+    torch, with the threads the command set; numpy; None: no probe) and, with `fine`, the torch_fine probe's, for a
+    run with FINE_KINDS stages (when the rates file has it), each probe sized by probe_rounds; the stored rates,
+    unscaled, where the run is too short to be worth a probe. Commands reach it through costs.for_this_machine."""
     if kind is None:
-        return Machine(1.0, None, "none")
+        return STORED
     measured = load().probe_s
-    here = probe_seconds(kind)
-    fine_factor = probe_seconds("torch_fine") / measured["torch_fine"] if fine and "torch_fine" in measured else None
+    kinds = [kind] + (["torch_fine"] if fine and "torch_fine" in measured else [])
+    rounds = probe_rounds(priced_s, kinds)
+    if not rounds:
+        return Machine(1.0, None, "none", why=SHORT_RUN)
+    here = probe_seconds(kind, rounds)
+    fine_factor = probe_seconds("torch_fine", rounds) / measured["torch_fine"] if len(kinds) > 1 else None
     return Machine(here / measured[kind], here, kind, fine_factor)
+
+
+def probe_rounds(priced_s: float, kinds: list[str]) -> int:
+    """Timed rounds each probe of `kinds` takes for a run priced at `priced_s`: none under PROBE_AFTER_S; else as
+    many as keep them all, warmup included, within PROBE_SHARE of the price (at the probes' stored seconds a round),
+    at most PROBE_ROUNDS; none where that is under MIN_PROBE_ROUNDS."""
+    if not priced_s >= PROBE_AFTER_S:
+        return 0
+    measured = load().probe_s
+    per_round = sum(measured.get(kind, 0.0) for kind in kinds)
+    affordable = int(PROBE_SHARE * priced_s / per_round) - PROBE_WARMUP if per_round > 0 else PROBE_ROUNDS
+    rounds = min(PROBE_ROUNDS, affordable)
+    return rounds if rounds >= MIN_PROBE_ROUNDS else 0

@@ -122,9 +122,9 @@ def _inputs(model_path, o: EvalOptions) -> _Inputs:
 
 def eval_estimate(found: _Inputs, o: EvalOptions):
     """The run's estimate: each stage's work from the weights' headers, the texts' windows and the speed grid,
-    scaled to this machine by a probe; its peak memory from the weights and a batch of windows."""
+    scaled to this machine by a probe when it is long enough (for_this_machine); its peak memory from the weights and a batch of windows."""
     from mha2gqa.checkpoint import SafetensorsCheckpoint
-    from mha2gqa.estimates import Estimate, EvalWork, eval_peak_bytes, eval_stages, this_machine
+    from mha2gqa.estimates import STORED, Estimate, EvalWork, eval_peak_bytes, eval_stages, for_this_machine
     from mha2gqa.eval.batching import window_bytes
 
     def size(folder):
@@ -147,7 +147,7 @@ def eval_estimate(found: _Inputs, o: EvalOptions):
     element = max(1, weights // max(params, 1))
     batch = 1 if o.batch_size == "auto" else o.batch_size
     peak = eval_peak_bytes(work, window_bytes(found.config, found.context, element), batch)
-    return Estimate(tuple(eval_stages(work)), this_machine("torch"), peak)
+    return for_this_machine(Estimate(tuple(eval_stages(work)), STORED, peak), "torch")
 
 
 def _text(o: EvalOptions, path: str, tok):

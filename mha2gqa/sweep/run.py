@@ -136,7 +136,7 @@ def _gather_statistics(plan, options: SweepOptions, out_dir: Path):
     from mha2gqa.convert import calibration
 
     out_dir.mkdir()
-    model = calibration.load_source_model(plan.source, progress=options.progress)
+    model = calibration.load_source_model(plan.source, plan.decided.device, progress=options.progress)
     ids, record = calibration.read_ids(plan.source, plan.calibration, model, options.seed, options.progress)
     layout, shape, memory = plan.layout, plan.shape, plan.calibration_memory
     return calibration.gather(

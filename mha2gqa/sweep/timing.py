@@ -20,12 +20,9 @@ def _texts(domains: list, max_tokens: int | None, context: int) -> dict:
     return found
 
 
-def sweep_stages(
-    plans: dict, domains: list, max_tokens: int | None, calibration_tokens: int, bf16_global: bool = False
-) -> list[StageCost]:
+def sweep_stages(plans: dict, domains: list, max_tokens: int | None, calibration_tokens: int) -> list[StageCost]:
     """The sweep's stages: start, the parent's evaluation, the one calibration pass, then a stage per candidate
-    (`plans`: {candidate name: its dry-run ConversionPlan}; `bf16_global`: their global refine stages fit in
-    bfloat16, which a real run asks of torch and a torch-free dry run does not know)."""
+    (`plans`: {candidate name: its dry-run ConversionPlan}, each with the precision its plan decided)."""
     parent, context, config = _parent_facts(plans)
     texts = _texts(domains, max_tokens, context)
     vocab = config.get("vocab_size") or 0
@@ -38,7 +35,7 @@ def sweep_stages(
         StageCost("calibrate", (Part("calibrate", parent, {"tokens": calibration_tokens * parent}),)),
     ]
     for name, plan in plans.items():
-        candidate = estimates.convert_stages(plan, start=False, calibration=False, bf16_global=bf16_global)
+        candidate = estimates.convert_stages(plan, start=False, calibration=False)
         candidate += estimates.eval_stages(child, start=False, warm=True)  # after the parent's, in its process
         stages.append(combined(candidate_stage(name), candidate))
     return stages
@@ -75,21 +72,19 @@ def candidate_stage(name: str) -> str:
 
 def sweep_clock(plans: dict, domains: list, options, echo):
     """Says the sweep's estimate and returns the clock that times it: a real run probes with torch (its threads);
-    a dry run with numpy, and gets no clock (NO_CLOCK)."""
+    a dry run with numpy, and gets no clock (NO_CLOCK). Either probes only when the sweep is long enough
+    (estimates.for_this_machine)."""
     from mha2gqa.errors import import_torch
     from mha2gqa.estimates.clock import NO_CLOCK, Clock
 
+    stages = tuple(sweep_stages(plans, domains, options.max_tokens, options.calibration_tokens))
+    priced = estimates.Estimate(stages, estimates.STORED, sweep_peak_bytes(plans))
     if options.dry_run:
-        stages = tuple(sweep_stages(plans, domains, options.max_tokens, options.calibration_tokens))
-        echo(estimates.Estimate(stages, estimates.this_machine("numpy"), sweep_peak_bytes(plans)).line())
+        echo(estimates.for_this_machine(priced, "numpy").line())
         return NO_CLOCK
     import_torch()
-    from mha2gqa.convert.run import global_stage_in_bf16
-
-    in_bf16 = global_stage_in_bf16(options.refine)
-    stages = tuple(sweep_stages(plans, domains, options.max_tokens, options.calibration_tokens, in_bf16))
     clock = Clock(echo=echo)
     clock.stage("load")
     fine = options.refine is not None  # refine's small products get their own probe
-    clock.begin(lambda: estimates.Estimate(stages, estimates.this_machine("torch", fine), sweep_peak_bytes(plans)))
+    clock.begin(lambda: estimates.for_this_machine(priced, "torch", fine))
     return clock

@@ -15,7 +15,7 @@ import torch
 from mha2gqa import jsontext, provenance
 from mha2gqa.card import write_card
 from mha2gqa.errors import InputError
-from mha2gqa.estimates import this_machine
+from mha2gqa.estimates import STORED, for_this_machine
 from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.quiet import without_transformers_bars
 from mha2gqa.uptrain import allocator, checkpoints, lora, mixed_data
@@ -57,10 +57,10 @@ def train(recipe: Recipe, resume: bool = False, clock=NO_CLOCK) -> Path:
     # of 1 MiB or more mapped afresh, the probe's products read 1.2-1.4x slower than the machine is (the rates'
     # training stages ran with the change).
     says = clock is not NO_CLOCK and accelerator.is_main_process
-    machine = this_machine("torch") if says else None
-    allocator.return_freed_memory()  # else the heap keeps every step's freed activations (allocator.py)
     try:
-        return _train(recipe, resume, out, accelerator, clock, machine)
+        estimate = _estimate_here(recipe, accelerator.num_processes) if says else None
+        allocator.return_freed_memory()  # else the heap keeps every step's freed activations (allocator.py)
+        return _train(recipe, resume, out, accelerator, clock, estimate)
     finally:
         _release(accelerator)
 
@@ -108,7 +108,14 @@ class _Loaded:
     trainable: int  # parameters the run trains
 
 
-def _train(recipe: Recipe, resume: bool, out: Path, accelerator, clock=NO_CLOCK, machine=None) -> Path:
+def _estimate_here(recipe: Recipe, world: int):
+    """The run's estimate at the stored rates, scaled to this machine when it is long enough to be worth a probe
+    (estimates.for_this_machine); None where the sizes are unknown."""
+    priced = uptrain_estimate(recipe, world, STORED)
+    return None if priced is None else for_this_machine(priced, "torch")
+
+
+def _train(recipe: Recipe, resume: bool, out: Path, accelerator, clock=NO_CLOCK, estimate=None) -> Path:
     from accelerate.utils import set_seed
 
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -119,7 +126,7 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator, clock=NO_CLOCK,
 
     def ready(student: Student) -> None:  # every refusal the models and output_dir can give is behind
         _check_output_room(recipe, out, student)
-        clock.begin(lambda: uptrain_estimate(recipe, world, machine))
+        clock.begin(lambda: estimate)
 
     set_seed(recipe.seed)
     loaded = _load(recipe, accelerator, ready)
@@ -149,6 +156,9 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator, clock=NO_CLOCK,
     if trace is not None:
         trace.finish(accelerator.unwrap_model(model))
     record = _run_record(recipe, loaded, total, world, start if start_ckpt else None, final_evals)
+    # What the weights depend on beside the recipe, chosen from the machine (a busy machine gives a small model one
+    # thread: threads.py): float sums differ with torch's thread count and between a GPU and the CPU (card: Reproduce).
+    record |= {"torch_threads": torch.get_num_threads(), "device": str(accelerator.device)}
     clock.stage("save")
     _save(recipe, accelerator, model, loaded, out, record)
     clock.finish()

@@ -270,7 +270,7 @@ def _global_stage(run: _Run, refined: dict, blocks: torch.Tensor, progress: bool
     next-token distribution (global_stage.py). `refined`: checkpoint name -> the live parameter data."""
     by_data = {p.data_ptr(): p for p in run.model.parameters()}
     params = [by_data[t.data_ptr()] for t in refined.values()]
-    fit = GlobalFit.of(run.options, next(run.model.parameters()).device)
+    fit = GlobalFit.of(run.options)
     openings = run.openings.openings
     return fit_global(
         run.parent,

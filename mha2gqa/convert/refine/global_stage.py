@@ -22,7 +22,8 @@ there never change, so they are computed at the first check and kept (ParentTarg
 Parameters held in bfloat16 or float16 (a --dtype cast, a GPU run) are trained through float32 master
 copies: an update of lr 1e-4 is below bfloat16's resolution for most weights and would round away.
 The fit steps' forwards and backward run in bfloat16 autocast where it pays (precision.py,
---refine-global-precision); the checks stay float32, so the step kept is chosen by the same measure anywhere.
+--refine-global-precision, decided by convert's plan); the checks stay float32, so the step kept is chosen
+by the same measure anywhere.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class GlobalFit:
     autocast: torch.dtype | None = None  # the fit steps' autocast dtype; None: float32
 
     @classmethod
-    def of(cls, options: RefineOptions, device: torch.device) -> GlobalFit:
-        autocast = fit_autocast_dtype(options.global_precision, device)
+    def of(cls, options: RefineOptions) -> GlobalFit:
+        autocast = fit_autocast_dtype(options.global_precision)  # the plan's explicit choice (convert/decide.py)
         return cls(options.global_steps, options.global_lr, options.batch_blocks, autocast=autocast)
 
 
