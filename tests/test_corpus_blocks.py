@@ -1,0 +1,206 @@
+"""Text -> token ids -> blocks is done once, in corpus/tokens.py and corpus/blocks.py, for calibration (and
+--refine), uptrain, eval and convert's check. Moving it there changed no id: the hashes below are of what each
+caller produced before the move (computed with the code at d24cd12 on these fixed inputs and the embedded
+Austen tokenizer, a shipped file), and every caller must still produce exactly those bytes."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import random
+
+import pytest
+import torch
+from uptrain_helpers import recipe_file
+
+from mha2gqa import embedded
+
+WORDS = (
+    "the a of and to in is was her it that he she had not be with as for his on but at my all which this by "
+    "Elizabeth Darcy Emma Anne were could would been have so no there said very what they them when more "
+    "def return import class ( ) [ ] { } : ; = + - * / # 0 1 2 3 4 5 6 7 8 9 \n \n\n"
+).split(" ")
+
+
+def _text(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def _corpus(root):
+    """A folder of every kind of local text: plain (one long enough to be read in several 64 KiB pieces),
+    compressed, JSON lines (a document a record), with an empty document among them."""
+    folder = root / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text(_text(1, 30000))  # ~150,000 characters: three calibration pieces
+    with gzip.open(folder / "b.txt.gz", "wt", encoding="utf-8") as f:
+        f.write(_text(2, 3000) + "\n")
+    records = [{"text": _text(10 + i, 50 + 37 * i)} for i in range(40)] + [{"text": ""}]
+    (folder / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    docs = root / "docs.jsonl"  # uptrain reads one format at a time
+    docs.write_text("".join(json.dumps({"text": _text(100 + i, 30 + 11 * i)}) + "\n" for i in range(120)))
+    other = root / "other.jsonl"
+    other.write_text("".join(json.dumps({"text": _text(500 + i, 40 + 7 * i)}) + "\n" for i in range(60)))
+    return folder, docs, other
+
+
+def _sha(*tensors) -> str:
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(f"{tuple(t.shape)} {t.dtype};".encode())
+        digest.update(t.to(torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded.tokenizer_dir())
+
+
+def _calibration(folder) -> dict[str, str]:
+    from mha2gqa.convert.calibration import read_ids
+    from mha2gqa.convert.inputs import RefineBudget, calibration_input
+    from mha2gqa.convert.refine.buffers import calibration_blocks
+
+    src, found = embedded.model_dir(), {}
+    specs = {
+        "folder": ([str(folder)], 80000),  # a.txt in two pieces, b.txt.gz, most of c.jsonl
+        "mix": ([f"{folder}:0.25", "austen:0.75"], 9000),
+        "three": ([f"{folder / 'a.txt'}:1", f"{folder / 'c.jsonl'}:1", f"{folder / 'b.txt.gz'}:2"], 5000),
+    }
+    for name, (spec, tokens) in specs.items():
+        ids, record = read_ids(src, calibration_input(spec, tokens, 64), None, 0, progress=False)
+        found[f"calibration {name}"] = _sha(ids)
+        found[f"calibration {name} parts"] = json.dumps([part["tokens"] for part in record["parts"]])
+        for wanted in (10**9, 1500):
+            blocks, split = calibration_blocks(ids, RefineBudget(seq_len=64, wanted_tokens=wanted))
+            found[f"refine {name} {wanted}"] = _sha(blocks, split["fit"], split["heldout"])
+    return found
+
+
+def _uptrain(tmp_path, folder, docs, other) -> dict[str, str]:
+    from mha2gqa.uptrain import load_recipe
+    from mha2gqa.uptrain.mixed_data import build
+
+    tokenizer, found = _tokenizer(), {}
+    recipes = {
+        "memory": {"train": str(docs)},
+        "streaming": {"train": str(docs), "streaming": True, "shuffle_buffer": 16},
+        "eval text": {"train": str(docs), "eval": str(other)},
+        "mix": {"train": [f"{docs}:0.7", f"{other}:0.3"]},
+        "mix eval": {"train": [f"{docs}:0.5", f"{other}:0.5"], "eval": str(folder / "a.txt")},
+    }
+    for name, data in recipes.items():
+        path = recipe_file(tmp_path / f"{name}.yaml", model=str(tmp_path), output_dir="o", data=data, seed=3)
+        recipe = load_recipe(path, check_files=False)
+        for rank in range(2):
+            built = build(recipe, tokenizer, rank, 2, False)
+            batches = built.train.batches(0)
+            first = torch.stack([next(batches) for _ in range(3)])
+            found[f"uptrain {name} rank {rank}"] = _sha(built.eval, first)
+            if name not in ("streaming",):
+                found[f"uptrain {name} rank {rank} pool"] = _sha(built.train.blocks)
+    return found
+
+
+def _eval(folder) -> dict[str, str]:
+    from mha2gqa.eval.data import load_eval_text
+
+    tokenizer, found = _tokenizer(), {}
+    for name, data, limit in (("folder", folder, None), ("file cut", folder / "c.jsonl", 700)):
+        text = load_eval_text(str(data), tokenizer, max_tokens=limit)
+        found[f"eval {name}"] = _sha(text.ids)
+        found[f"eval {name} identity"] = text.identity["text_sha256"][:16] + f" {text.identity['documents']}"
+    return found
+
+
+def _check() -> dict[str, str]:
+    from mha2gqa.convert.check import CheckPlan
+    from mha2gqa.convert.check_run import probe_ids
+    from mha2gqa.corpus.probe import DOMAINS
+
+    found = {}
+    for tokens in (300, 4096):
+        ids = probe_ids(embedded.model_dir(), CheckPlan(tokens, 128, DOMAINS, 0.0))
+        found.update({f"check {name} {tokens}": _sha(t) for name, t in ids.items()})
+    return found
+
+
+def produced(tmp_path) -> dict[str, str]:
+    folder, docs, other = _corpus(tmp_path)
+    return {**_calibration(folder), **_uptrain(tmp_path, folder, docs, other), **_eval(folder), **_check()}
+
+
+BEFORE = {  # python tests/test_corpus_blocks.py with the code at d24cd12
+    "calibration folder": "f3ed44aa6c0b1dc6",
+    "calibration folder parts": "[80000]",
+    "refine folder 1000000000": "21199295613b6a98",
+    "refine folder 1500": "30b3b97c9aa820ec",
+    "calibration mix": "e79b93f56a4e4d36",
+    "calibration mix parts": "[2240, 6784]",
+    "refine mix 1000000000": "220975d5db0e85f5",
+    "refine mix 1500": "085b81c62ecfceff",
+    "calibration three": "d099724d2067af54",
+    "calibration three parts": "[1280, 1280, 2432]",
+    "refine three 1000000000": "416c4fff568aef12",
+    "refine three 1500": "ad44e124e68cae2a",
+    "uptrain memory rank 0": "f6a202f272b6849e",
+    "uptrain memory rank 0 pool": "d670489b295fca0e",
+    "uptrain memory rank 1": "d5d09102aa19c128",
+    "uptrain memory rank 1 pool": "d670489b295fca0e",
+    "uptrain streaming rank 0": "9c472efacbd41fb0",
+    "uptrain streaming rank 1": "a76206a1bf41dcfd",
+    "uptrain eval text rank 0": "059c569d49563de5",
+    "uptrain eval text rank 0 pool": "d645bf9c3dfef529",
+    "uptrain eval text rank 1": "4c996f34c1d114cc",
+    "uptrain eval text rank 1 pool": "d645bf9c3dfef529",
+    "uptrain mix rank 0": "27949da8e9ced454",
+    "uptrain mix rank 0 pool": "8a268890110a9dbe",
+    "uptrain mix rank 1": "118c7ea153c3a45c",
+    "uptrain mix rank 1 pool": "513905f243b7bdf6",
+    "uptrain mix eval rank 0": "38c96c5e079adfbd",
+    "uptrain mix eval rank 0 pool": "3f61992c4e2f72b9",
+    "uptrain mix eval rank 1": "219a3c92353a7512",
+    "uptrain mix eval rank 1 pool": "f4a42d35cc3af9d0",
+    "eval folder": "eea627ca68e0f129",
+    "eval folder identity": "994903bc7f6ee013 43",
+    "eval file cut": "e70fc6fafd0d5639",
+    "eval file cut identity": "90e10a2c08d2865f 41",
+    "check prose 300": "19c65f1d0a55e71b",
+    "check code 300": "680a02566c46a021",
+    "check python_docs 300": "2cd524156c78651a",
+    "check licences 300": "c25351e2ff52fe11",
+    "check prose 4096": "008c509ae9e57a12",
+    "check code 4096": "210fa1ce01ea33fc",
+    "check python_docs 4096": "f22affb06486d06d",
+    "check licences 4096": "f20971311acd21c1",
+}
+
+
+@pytest.mark.parametrize("caller", ["calibration", "refine", "uptrain", "eval", "check"])
+def test_every_caller_produces_the_ids_it_produced_before_corpus_owned_them(tmp_path_factory, caller):
+    found = _produced_once(tmp_path_factory)
+    mine = {key: value for key, value in found.items() if key.startswith(caller)}
+    assert mine and mine == {key: value for key, value in BEFORE.items() if key.startswith(caller)}
+
+
+_CACHE: dict[str, str] = {}
+
+
+def _produced_once(tmp_path_factory) -> dict[str, str]:
+    if not _CACHE:
+        _CACHE.update(produced(tmp_path_factory.mktemp("pins")))
+    return _CACHE
+
+
+if __name__ == "__main__":  # print the pins (run with the code before a change to them)
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, value in produced(Path(tmp)).items():
+            print(f"    {key!r}: {value!r},")
