@@ -1,7 +1,7 @@
 """Text -> token ids -> blocks is done once, in corpus/tokens.py and corpus/blocks.py, for calibration (and
 --refine), uptrain, eval and convert's check. Moving it there changed no id: the hashes below are of what each
 caller produced before the move (computed with the code at d24cd12 on these fixed inputs and the embedded
-Austen tokenizer, a shipped file), and every caller must still produce exactly those bytes."""
+Austen tokenizer, a shipped file, made to add a BOS), and every caller must still produce exactly those bytes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import gzip
 import hashlib
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -53,20 +54,38 @@ def _sha(*tensors) -> str:
     return digest.hexdigest()[:16]
 
 
-def _tokenizer():
+def _source(root):
+    """The embedded model's config and tokenizer, the tokenizer made to put a BOS first (most do; the Austen one
+    adds none), so that the pins tell the ids read with special tokens from those read without."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    src = root / "src"
+    src.mkdir()
+    shutil.copy(embedded.model_dir() / "config.json", src)
+    tok = Tokenizer.from_file(str(embedded.tokenizer_dir() / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>").save_pretrained(
+        src
+    )
+    return src
+
+
+def _tokenizer(src):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(embedded.tokenizer_dir())
+    return AutoTokenizer.from_pretrained(src)
 
 
-def _calibration(folder) -> dict[str, str]:
+def _calibration(src, folder) -> dict[str, str]:
     from mha2gqa.convert.calibration import read_ids
     from mha2gqa.convert.inputs import RefineBudget, calibration_input
     from mha2gqa.convert.refine.buffers import calibration_blocks
 
-    src, found = embedded.model_dir(), {}
+    found = {}
     specs = {
-        "folder": ([str(folder)], 80000),  # a.txt in two pieces, b.txt.gz, most of c.jsonl
+        "folder": ([str(folder)], 80037),  # a.txt in two pieces, b.txt.gz, most of c.jsonl; no whole block
+        "short": ([f"{folder / 'c.jsonl'}:0.5", "austen:0.5"], 100000),  # c.jsonl holds fewer than its share
         "mix": ([f"{folder}:0.25", "austen:0.75"], 9000),
         "three": ([f"{folder / 'a.txt'}:1", f"{folder / 'c.jsonl'}:1", f"{folder / 'b.txt.gz'}:2"], 5000),
     }
@@ -80,11 +99,11 @@ def _calibration(folder) -> dict[str, str]:
     return found
 
 
-def _uptrain(tmp_path, folder, docs, other) -> dict[str, str]:
+def _uptrain(tmp_path, src, folder, docs, other) -> dict[str, str]:
     from mha2gqa.uptrain import load_recipe
     from mha2gqa.uptrain.mixed_data import build
 
-    tokenizer, found = _tokenizer(), {}
+    tokenizer, found = _tokenizer(src), {}
     recipes = {
         "memory": {"train": str(docs)},
         "streaming": {"train": str(docs), "streaming": True, "shuffle_buffer": 16},
@@ -105,10 +124,10 @@ def _uptrain(tmp_path, folder, docs, other) -> dict[str, str]:
     return found
 
 
-def _eval(folder) -> dict[str, str]:
+def _eval(src, folder) -> dict[str, str]:
     from mha2gqa.eval.data import load_eval_text
 
-    tokenizer, found = _tokenizer(), {}
+    tokenizer, found = _tokenizer(src), {}
     for name, data, limit in (("folder", folder, None), ("file cut", folder / "c.jsonl", 700)):
         text = load_eval_text(str(data), tokenizer, max_tokens=limit)
         found[f"eval {name}"] = _sha(text.ids)
@@ -116,28 +135,38 @@ def _eval(folder) -> dict[str, str]:
     return found
 
 
-def _check() -> dict[str, str]:
+def _check(src) -> dict[str, str]:
     from mha2gqa.convert.check import CheckPlan
     from mha2gqa.convert.check_run import probe_ids
     from mha2gqa.corpus.probe import DOMAINS
 
     found = {}
     for tokens in (300, 4096):
-        ids = probe_ids(embedded.model_dir(), CheckPlan(tokens, 128, DOMAINS, 0.0))
+        ids = probe_ids(src, CheckPlan(tokens, 128, DOMAINS, 0.0))
         found.update({f"check {name} {tokens}": _sha(t) for name, t in ids.items()})
     return found
 
 
 def produced(tmp_path) -> dict[str, str]:
     folder, docs, other = _corpus(tmp_path)
-    return {**_calibration(folder), **_uptrain(tmp_path, folder, docs, other), **_eval(folder), **_check()}
+    src = _source(tmp_path)
+    return {
+        **_calibration(src, folder),
+        **_uptrain(tmp_path, src, folder, docs, other),
+        **_eval(src, folder),
+        **_check(src),
+    }
 
 
 BEFORE = {  # python tests/test_corpus_blocks.py with the code at d24cd12
-    "calibration folder": "f3ed44aa6c0b1dc6",
-    "calibration folder parts": "[80000]",
+    "calibration folder": "8a2210b57ed8fb25",
+    "calibration folder parts": "[80037]",
     "refine folder 1000000000": "21199295613b6a98",
     "refine folder 1500": "30b3b97c9aa820ec",
+    "calibration short": "966c2eac96d47f87",
+    "calibration short parts": "[41198, 49984]",
+    "refine short 1000000000": "6c3d4ed49e2f372f",
+    "refine short 1500": "f44d3be5fe8a90e3",
     "calibration mix": "e79b93f56a4e4d36",
     "calibration mix parts": "[2240, 6784]",
     "refine mix 1000000000": "220975d5db0e85f5",
@@ -164,18 +193,18 @@ BEFORE = {  # python tests/test_corpus_blocks.py with the code at d24cd12
     "uptrain mix eval rank 0 pool": "3f61992c4e2f72b9",
     "uptrain mix eval rank 1": "219a3c92353a7512",
     "uptrain mix eval rank 1 pool": "f4a42d35cc3af9d0",
-    "eval folder": "eea627ca68e0f129",
+    "eval folder": "87f60d6f16907b1d",
     "eval folder identity": "994903bc7f6ee013 43",
-    "eval file cut": "e70fc6fafd0d5639",
+    "eval file cut": "f3c030586223635a",
     "eval file cut identity": "90e10a2c08d2865f 41",
-    "check prose 300": "19c65f1d0a55e71b",
-    "check code 300": "680a02566c46a021",
-    "check python_docs 300": "2cd524156c78651a",
-    "check licences 300": "c25351e2ff52fe11",
-    "check prose 4096": "008c509ae9e57a12",
-    "check code 4096": "210fa1ce01ea33fc",
-    "check python_docs 4096": "f22affb06486d06d",
-    "check licences 4096": "f20971311acd21c1",
+    "check prose 300": "d90a2af7cce2cdb4",
+    "check code 300": "072e6a3af6d2641b",
+    "check python_docs 300": "1cf3471ac8a4555b",
+    "check licences 300": "de7489796bce10a2",
+    "check prose 4096": "aeb4e6172f2c7c34",
+    "check code 4096": "cf3186096bd39797",
+    "check python_docs 4096": "3580b725c554ef57",
+    "check licences 4096": "6e01a86c8dcacb63",
 }
 
 
