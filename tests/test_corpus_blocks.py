@@ -9,12 +9,15 @@ import gzip
 import hashlib
 import json
 import random
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from uptrain_helpers import recipe_file
 
+import mha2gqa
 from mha2gqa import embedded
 
 WORDS = (
@@ -99,6 +102,14 @@ def _calibration(src, folder) -> dict[str, str]:
     return found
 
 
+def _statistics_batches() -> dict[str, str]:
+    """The batches the calibration statistics are gathered in: whole blocks, a shorter last block alone."""
+    from mha2gqa.convert.calibration import _batches
+
+    ids = torch.arange(5000, 6000)
+    return {f"calibration batches {n}": _sha(*_batches(ids[:n], 64, 4)) for n in (1000, 640, 63)}
+
+
 def _uptrain(tmp_path, src, folder, docs, other) -> dict[str, str]:
     from mha2gqa.uptrain import load_recipe
     from mha2gqa.uptrain.mixed_data import build
@@ -135,6 +146,16 @@ def _eval(src, folder) -> dict[str, str]:
     return found
 
 
+def _attention_maps(src) -> dict[str, str]:
+    """eval --attention-maps's text, as the ids of the tokens it labels the maps with."""
+    from mha2gqa.eval.attention_maps import attention_maps
+    from mha2gqa.loading import load_causal_lm
+
+    tokenizer, model = _tokenizer(src), load_causal_lm(embedded.model_dir(), progress=False)
+    found = attention_maps(model, tokenizer, "It is a truth universally acknowledged,\n\nthat a single man", 0)
+    return {"eval attention maps": _sha(torch.tensor(tokenizer.convert_tokens_to_ids(found["tokens"])))}
+
+
 def _check(src) -> dict[str, str]:
     from mha2gqa.convert.check import CheckPlan
     from mha2gqa.convert.check_run import probe_ids
@@ -152,13 +173,18 @@ def produced(tmp_path) -> dict[str, str]:
     src = _source(tmp_path)
     return {
         **_calibration(src, folder),
+        **_statistics_batches(),
         **_uptrain(tmp_path, src, folder, docs, other),
         **_eval(src, folder),
+        **_attention_maps(src),
         **_check(src),
     }
 
 
 BEFORE = {  # python tests/test_corpus_blocks.py with the code at d24cd12
+    "calibration batches 1000": "5171ce0bbd9383d2",
+    "calibration batches 640": "32d3c1a9033df737",
+    "calibration batches 63": "3bb6d2d1e77b088c",
     "calibration folder": "8a2210b57ed8fb25",
     "calibration folder parts": "[80037]",
     "refine folder 1000000000": "21199295613b6a98",
@@ -197,6 +223,7 @@ BEFORE = {  # python tests/test_corpus_blocks.py with the code at d24cd12
     "eval folder identity": "994903bc7f6ee013 43",
     "eval file cut": "f3c030586223635a",
     "eval file cut identity": "90e10a2c08d2865f 41",
+    "eval attention maps": "a73d46812d082b15",
     "check prose 300": "d90a2af7cce2cdb4",
     "check code 300": "072e6a3af6d2641b",
     "check python_docs 300": "1cf3471ac8a4555b",
@@ -213,6 +240,27 @@ def test_every_caller_produces_the_ids_it_produced_before_corpus_owned_them(tmp_
     found = _produced_once(tmp_path_factory)
     mine = {key: value for key, value in found.items() if key.startswith(caller)}
     assert mine and mine == {key: value for key, value in BEFORE.items() if key.startswith(caller)}
+
+
+# A tokenizer called on text, or ids cut into whole blocks: what corpus/tokens.py and corpus/blocks.py own.
+SECOND_WAY = re.compile(r"\btokenizer(\.encode)?\(|// seq_len \* seq_len|\.view\(-1, seq_len\)|\.split\(seq_len\)")
+OWNERS = {"corpus/tokens.py", "corpus/blocks.py"}
+LEFT = {  # the calls that stay where they are, and why
+    "corpus/sampling.py": "the turn header of the parent's chat template, cut at a marker (no text is read)",
+    "serving/prompts.py": "serve-bench's prompts: the probe texts' ids without special tokens (document_ids's rule)",
+}
+
+
+def test_no_module_outside_corpus_tokenizes_text_or_cuts_blocks():
+    package = Path(mha2gqa.__file__).parent
+    found = {
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if any(SECOND_WAY.search(line) for line in path.read_text().splitlines())
+    }
+    assert found - OWNERS == set(LEFT), "tokenize text with corpus.tokens and cut blocks with corpus.blocks"
+    assert SECOND_WAY.search('    ids = tokenizer(text, return_tensors="pt")["input_ids"]')  # the shapes it finds
+    assert SECOND_WAY.search("    blocks = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)")
 
 
 _CACHE: dict[str, str] = {}
