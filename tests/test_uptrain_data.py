@@ -10,9 +10,10 @@ from tiny_models import make_tiny_tokenizer
 from uptrain_helpers import corpus, recipe_file
 
 from mha2gqa.corpus import textdata
+from mha2gqa.corpus.blocks import pack, pack_all
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain import load_recipe
-from mha2gqa.uptrain.data import MemoryBatches, StreamBatches, block_hash, build_data, pack, pack_all, rank_slice
+from mha2gqa.uptrain.data import MemoryBatches, StreamBatches, block_hash, build_data, rank_slice
 from mha2gqa.uptrain.plan import total_steps
 from mha2gqa.uptrain.recipe import OptimConfig
 from mha2gqa.uptrain.steps import lr_at

@@ -34,7 +34,8 @@ from mha2gqa.convert.inputs import (
 )
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_MEMORY
 from mha2gqa.corpus import textdata
-from mha2gqa.corpus.mix import interleaved
+from mha2gqa.corpus.blocks import full_blocks, interleave
+from mha2gqa.corpus.tokens import first_ids
 from mha2gqa.errors import InputError, InputWarning
 from mha2gqa.layouts import AttentionShape, Layout
 from mha2gqa.progress import progress_bar
@@ -159,11 +160,10 @@ def collect_statistics(
 
 def _batches(ids: torch.Tensor, seq_len: int, batch_size: int) -> list[torch.Tensor]:
     """(N,) -> batches (B, seq_len) of consecutive blocks; a shorter last block is a batch of its own."""
-    blocks = list(ids.split(seq_len))
-    full = [block for block in blocks if len(block) == seq_len]
-    batches = [torch.stack(full[i : i + batch_size]) for i in range(0, len(full), batch_size)]
-    if len(blocks[-1]) < seq_len:
-        batches.append(blocks[-1][None])
+    full = full_blocks(ids, seq_len)
+    batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
+    if len(ids) % seq_len:
+        batches.append(ids[len(full) * seq_len :][None])
     return batches
 
 
@@ -214,18 +214,12 @@ def read_ids(source: Path, calibration: CalibrationInput, parent, seed: int, pro
         parts.append({"name": part.name, "share": part.share, "tokens": len(ids), "asked": part.tokens})
         if not part.sampled:  # the files read ('austen' is the embedded novels), for the record
             parts[-1]["files"] = list(part.entries)
-    ids = per_part[0] if len(per_part) == 1 else interleave_blocks(per_part, calibration.seq_len)
+    seq_len = calibration.seq_len  # a mix: the parts' whole blocks, each part spread evenly over the text
+    ids = per_part[0] if len(per_part) == 1 else interleave([full_blocks(p, seq_len) for p in per_part]).reshape(-1)
     record = {"data": calibration.spec, "tokens_requested": calibration.tokens, "parts": parts}
     if any(part.sampled for part in calibration.parts):
         record["sampling"] = sampling.sampling_record(parent, tokenizer, calibration.seq_len, seed, batch=batch)
     return ids, record
-
-
-def interleave_blocks(parts: list[torch.Tensor], seq_len: int) -> torch.Tensor:
-    """The full blocks of every part, spread evenly in one order (corpus.mix.interleaved)."""
-    blocks = [ids[: len(ids) // seq_len * seq_len].view(-1, seq_len) for ids in parts]
-    order = interleaved([len(b) for b in blocks])
-    return torch.cat([blocks[p][i] for p, i in order]) if order else torch.zeros(0, dtype=torch.long)
 
 
 def gather(
@@ -265,12 +259,7 @@ def gather(
 def calibration_ids(tokenizer, texts: Iterator[str], tokens: int, name: str = "") -> torch.Tensor:
     """The first `tokens` ids of the concatenated texts, (N,) int64; fewer, with one warning line naming
     both counts, when the text runs out first."""
-    ids: list[int] = []
-    for text in texts:
-        # verbose=False: no "longer than the model's maximum" warning, the ids are cut into blocks later
-        ids.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-        if len(ids) >= tokens:
-            break
+    ids = first_ids(texts, tokenizer, tokens)
     if not ids:
         raise InputError(f"--calibration {name}: the calibration data holds no text")
     if len(ids) < tokens:
@@ -280,7 +269,7 @@ def calibration_ids(tokenizer, texts: Iterator[str], tokens: int, name: str = ""
             InputWarning,
             stacklevel=2,
         )
-    return torch.tensor(ids[:tokens], dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def source_device() -> str:

@@ -23,6 +23,7 @@ from mha2gqa.convert import check_cache
 from mha2gqa.convert.check import CheckPlan, verdict
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.probe import probe_paths
+from mha2gqa.corpus.tokens import joined, stream_ids
 from mha2gqa.errors import InputError, InputWarning, first_line
 from mha2gqa.layouts import config_vocab, read_config
 from mha2gqa.scoring.agreement import agreement_with_top, reference_top
@@ -104,7 +105,7 @@ def run_check(src: Path, dst: Path, plan: CheckPlan, progress: bool = True, pare
 
 
 def probe_ids(src: Path, plan: CheckPlan) -> dict[str, torch.Tensor]:
-    """The first plan.tokens ids of each probe domain, tokenized as eval tokenizes a text."""
+    """The first plan.tokens ids of each probe domain, tokenized as eval tokenizes a text (corpus/tokens.py)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
@@ -112,9 +113,8 @@ def probe_ids(src: Path, plan: CheckPlan) -> dict[str, torch.Tensor]:
     for name, path in probe_paths().items():
         if name not in plan.domains:
             continue
-        text = "".join(textdata.iter_texts(textdata.resolve("--data", [path])))[: CHARS_PER_TOKEN * plan.tokens]
-        tokens = tokenizer(text, add_special_tokens=True, return_attention_mask=False, verbose=False)["input_ids"]
-        ids[name] = torch.tensor(tokens[: plan.tokens], dtype=torch.long)
+        text = joined(textdata.iter_texts(textdata.resolve("--data", [path])))[: CHARS_PER_TOKEN * plan.tokens]
+        ids[name] = stream_ids(text, tokenizer, plan.tokens)
     return ids
 
 

@@ -2,6 +2,8 @@
 and eval's measurement text. It imports none of them (tests/test_layers.py).
 
 - textdata.py: the one reader of text corpora (files, folders, compressed, jsonl/parquet fields, hub datasets);
+- tokens.py: text -> token ids, with the rule for where a document ends (every reader tokenizes here);
+- blocks.py: token ids -> fixed-length blocks (whole blocks, packed with EOS, several parts interleaved);
 - mix.py: the notation that names several texts with shares (`parent:0.5 austen:0.5`) and splits a token
   budget between them;
 - sampling.py: text sampled from the parent itself (`parent`), the data a user always has;

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from mha2gqa.corpus.tokens import stream_ids
 from mha2gqa.errors import InputError
 
 PAIRS_PER_ROW = 4  # head i of the reference beside head i of the model: 8 panels a row (short texts)
@@ -34,7 +35,7 @@ def attention_maps(model, tokenizer, text: str, layer: int, reference=None) -> d
         raise InputError(
             f"--attention-layer {layer} is out of range: the model has {n_layers} layers (0..{n_layers - 1})"
         )
-    ids = tokenizer(text, return_tensors="pt")["input_ids"]  # (1, T)
+    ids = stream_ids(text, tokenizer)[None]  # (1, T)
     if not 2 <= ids.shape[1] <= 256:
         raise InputError(f"--attention-maps text is {ids.shape[1]} tokens: use a short text of 2..256 tokens")
     maps = {"model": layer_attention(model, ids, layer)}

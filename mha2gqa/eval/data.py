@@ -1,6 +1,6 @@
 """Held-out text for perplexity: the documents of files, a folder or a hub dataset (read by
 mha2gqa.corpus.textdata), joined with a blank line and tokenized once, as one stream, the usual way
-sliding-window perplexity is reported (e.g. wikitext)."""
+sliding-window perplexity is reported (e.g. wikitext): corpus/tokens.py's stream_ids."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from pathlib import Path
 import torch
 
 from mha2gqa.corpus import textdata
+from mha2gqa.corpus.tokens import SEPARATOR, joined, stream_ids
 from mha2gqa.errors import InputError
 from mha2gqa.units import counted
-
-SEPARATOR = "\n\n"
 
 
 @dataclass
@@ -47,13 +46,10 @@ def read_documents(
 
 def tokenize_documents(docs: list[str], tokenizer, max_tokens: int | None = None) -> torch.Tensor:
     """One stream of token ids, cut to `max_tokens` when given."""
-    text = SEPARATOR.join(d for d in docs if d.strip())
+    text = joined(docs)
     if not text:
         raise InputError("--data has no text (every document is empty): pass files with text in them")
-    # verbose=False: the stream is longer than model_max_length on purpose; it is cut into windows.
-    ids = tokenizer(text, add_special_tokens=True, return_attention_mask=False, verbose=False)["input_ids"]
-    ids = torch.tensor(ids, dtype=torch.long)
-    return ids[:max_tokens] if max_tokens else ids
+    return stream_ids(text, tokenizer, max_tokens or None)
 
 
 def load_eval_text(

@@ -1,5 +1,6 @@
 """A recipe's data, ready for the loop: text -> tokens -> packed seq_len blocks (EOS between
-documents, no padding) -> per-rank training batches and the held-out eval blocks.
+documents, no padding: corpus/tokens.py and corpus/blocks.py) -> per-rank training batches and the held-out
+eval blocks.
 
 Documents come from mha2gqa.corpus.textdata (a `datasets` Dataset of local files or a hub dataset). Training
 batches are a pure function of (seed, micro-step, rank): a resumed run asks for the batches from its
@@ -11,52 +12,21 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from mha2gqa.corpus import textdata
+from mha2gqa.corpus.blocks import pack, pack_all
+from mha2gqa.corpus.tokens import document_ids
 from mha2gqa.errors import InputError
 from mha2gqa.progress import progress_bar
 from mha2gqa.uptrain.data_spec import DataPart, data_parts, is_plain
 from mha2gqa.uptrain.recipe import DataConfig, Recipe
 
-# ---- packing ----
-
-
-def token_docs(texts: Iterable[str], tokenizer, batch: int = 64) -> Iterator[list[int]]:
-    """Token ids per document, without BOS/EOS (packing adds the separators)."""
-    it = iter(texts)
-    while chunk := list(itertools.islice(it, batch)):
-        # verbose=False: whole documents exceed model_max_length by design (packing cuts them)
-        yield from tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]
-
-
-def pack(docs: Iterable[list[int]], eos_id: int, seq_len: int) -> Iterator[np.ndarray]:
-    """Concatenate documents with EOS after each and cut into full blocks; yields (n, seq_len) arrays.
-    The tail that does not fill a block is dropped (at most seq_len - 1 tokens per stream)."""
-    rest = np.zeros(0, dtype=np.int32)
-    for ids in docs:
-        stream = np.concatenate([rest, np.asarray(ids, dtype=np.int32), np.array([eos_id], dtype=np.int32)])
-        n = len(stream) // seq_len
-        if n:
-            yield stream[: n * seq_len].reshape(n, seq_len)
-        rest = stream[n * seq_len :]
-
-
-def pack_all(docs: Iterable[list[int]], eos_id: int, seq_len: int, limit: int | None = None) -> torch.Tensor:
-    """Every block of `docs` as one (n_blocks, seq_len) int32 tensor (at most `limit` blocks)."""
-    chunks, count = [], 0
-    for chunk in pack(docs, eos_id, seq_len):
-        chunks.append(chunk)
-        count += len(chunk)
-        if limit is not None and count >= limit:
-            break
-    if not chunks:
-        return torch.zeros(0, seq_len, dtype=torch.int32)
-    return torch.from_numpy(np.concatenate(chunks)[:limit])
+# ---- blocks ----
 
 
 def block_hash(block: torch.Tensor) -> str:
@@ -131,7 +101,7 @@ class StreamBatches:
         ds.set_epoch(epoch)
         ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.ws)
         texts = textdata.dataset_texts(ds, self.field, "data.train", "data.text_field")
-        for chunk in pack(token_docs(texts, self.tokenizer), self.eos_id, self.seq_len):
+        for chunk in pack(document_ids(texts, self.tokenizer), self.eos_id, self.seq_len):
             yield from chunk
 
     def batches(self, start: int) -> Iterator[torch.Tensor]:
@@ -226,7 +196,7 @@ def tokenized(source: textdata.TextSource, cfg: DataConfig, tokenizer, streaming
     total = None if streaming else len(ds)
     texts = textdata.dataset_texts(ds, cfg.text_field, source.key, "data.text_field")
     bar = progress_bar(total, "tokenizing", not streaming and show_progress, texts, unit="doc")
-    return ds, token_docs(bar, tokenizer)
+    return ds, document_ids(bar, tokenizer)
 
 
 def text_blocks(source: textdata.TextSource, cfg: DataConfig, tokenizer, seq_len: int, show_progress: bool):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from mha2gqa.convert.inputs import HOLDOUT_FRACTION, OPENING_LENGTH, OPENINGS_PER_STEP, RefineBudget
+from mha2gqa.corpus.blocks import full_blocks
 from mha2gqa.errors import InputError
 
 BUFFERS = ("parent", "converted", "inputs", "targets")
@@ -78,7 +79,7 @@ def calibration_blocks(ids: torch.Tensor, budget: RefineBudget) -> tuple[torch.T
     """The (n, seq_len) blocks of the calibration `ids` that --refine uses (the budget's tokens, spread evenly
     over the text) and their split: {"fit": indices, "heldout": the last 1/8}."""
     seq_len = budget.seq_len
-    blocks = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)  # full blocks only
+    blocks = full_blocks(ids, seq_len)
     count = budget.blocks_of(len(blocks))
     if count < len(blocks):  # a subset spread over the whole text
         blocks = blocks[torch.linspace(0, len(blocks) - 1, count).round().long()]
