@@ -29,6 +29,7 @@ from mha2gqa import jsontext
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "mha2gqa" / "data" / "austen-mha"
+TIMED = Path(__file__).resolve().parent / "_timed.py"  # runs a command with an observer on its clock
 SPIN = "while True: pass"
 
 
@@ -85,11 +86,11 @@ def measure(name: str, command: list[str], cwd: Path) -> dict:
     load = os.getloadavg()[0]
     timings = cwd / f".timings-{os.getpid()}.jsonl"
     timings.unlink(missing_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "MHA2GQA_TIMINGS": str(timings)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     rss = cwd / f".peak-{os.getpid()}"
     timed = ["/usr/bin/time", "-o", str(rss), "-f", "%M"] if Path("/usr/bin/time").exists() else []
     started = time.perf_counter()
-    done = subprocess.run([*timed, sys.executable, "-m", "mha2gqa", *command], cwd=cwd, env=env, capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run([*timed, sys.executable, str(TIMED), str(timings), *command], cwd=cwd, env=env, capture_output=True, text=True)  # fmt: skip
     wall = time.perf_counter() - started
     peak = int(rss.read_text().split()[-1]) * 1024 if timed and rss.exists() else None
     rss.unlink(missing_ok=True)

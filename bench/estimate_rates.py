@@ -1,7 +1,7 @@
 """Re-make the rates of mha2gqa's estimates (mha2gqa/data/estimate_rates.json).
 
 The real commands run at two sizes or more, on the embedded model and on SmolLM2-135M (--large), each as its own
-process with MHA2GQA_TIMINGS set: every command's clock appends each stage's measured seconds and its work
+process run through bench/_timed.py: every command's clock appends each stage's measured seconds and its work
 (tokens x parameters, bytes, ...). Each kind of stage is then fitted as fixed seconds plus a rate per unit of each
 work term that varies in its samples (least squares): the compute kinds per model (the rate of a 6M-parameter
 model is not a 135M one's; estimates interpolate between the two), the start, load and write kinds jointly over
@@ -35,6 +35,7 @@ from mha2gqa import jsontext
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "mha2gqa" / "data" / "austen-mha"
 OUT = ROOT / "mha2gqa" / "data" / "estimate_rates.json"
+TIMED = Path(__file__).resolve().parent / "_timed.py"  # runs a command with an observer on its clock
 RUNS = ROOT / "bench" / "results" / "estimates" / "rates-runs.jsonl"
 # Kinds fitted over both models at once (their work is bytes or nothing: a rate per byte does not depend on the
 # model's shape); every other kind is fitted per model.
@@ -117,11 +118,11 @@ def _installed(name: str) -> bool:
 def run(command: list[str], timings: Path) -> float:
     """One command as its own process, timed; its clock appends to `timings` (whatever rates its estimate used:
     the records hold the measured seconds and the work, not the estimate)."""
-    env = {**os.environ, "MHA2GQA_TIMINGS": str(timings), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     env["MHA2GQA_CACHE"] = str(timings.parent / "cache")  # empty at first: the first check of each model is cold
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "mha2gqa", *command], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, str(TIMED), str(timings), *command], cwd=ROOT, env=env, capture_output=True, text=True
     )
     if done.returncode != 0:
         raise SystemExit(f"failed: mha2gqa {' '.join(command)}\n{done.stderr[-3000:]}")

@@ -45,7 +45,7 @@ RATES = {
 def fixed_rates(tmp_path, monkeypatch):
     path = tmp_path / "rates.json"
     path.write_text(json.dumps(RATES))
-    monkeypatch.setenv(rates.RATES_ENV, str(path))
+    monkeypatch.setattr(rates, "RATES_FILE", path)
     return rates.load()
 
 
@@ -128,7 +128,8 @@ class FakeTime:
 def test_the_clock_says_the_estimate_corrects_the_rest_and_says_what_it_took(fixed_rates, monkeypatch, tmp_path):
     fake = FakeTime()
     monkeypatch.setattr(clock_module, "time", fake)
-    monkeypatch.setenv(clock_module.TIMINGS_ENV, str(tmp_path / "t.jsonl"))
+    records = []
+    monkeypatch.setattr(clock_module, "_OBSERVERS", [records.append])
     lines = []
     clock = Clock(echo=lines.append, started=1000.0)
     clock.begin(lambda: _estimate())  # 20 s: start 2, load 2, quality 16
@@ -147,7 +148,7 @@ def test_the_clock_says_the_estimate_corrects_the_rest_and_says_what_it_took(fix
     fake.now += 18.0
     assert clock.finish() == pytest.approx(36.0)
     assert lines[0].startswith("estimate: about 20 s") and lines[-1] == "took 36 s (estimated about 20 s)"
-    (record,) = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    (record,) = records
     assert [(s["name"], s["seconds"]) for s in record["stages"]] == [("start", 4), ("load", 8), ("quality: prose", 24)]
     assert record["stages"][2]["parts"] == [{"kind": "eval_quality", "parameters": SMALL, "work": {"forward": 16e9}}]
     assert record["estimate_s"] == pytest.approx(20.0) and record["took_s"] == pytest.approx(36.0)

@@ -6,9 +6,9 @@ The command makes a Clock, `begin`s it with its Estimate (costs.py) once it know
 as it starts (`stage`), may report progress inside a long stage (`partial`), and `finish`es it. After the
 first stage that carries a fair share of the estimate, the rest is scaled by how the finished stages ran
 against their estimates, and said once; it is said again only when it moves by more than a third. Lines go
-above any progress bar (progress.write_line). With MHA2GQA_TIMINGS=FILE each finished run appends one JSON
-line to FILE: every stage's estimate, its measured seconds and its work, from which bench/estimate_rates.py
-re-makes the rates and bench/estimate_check.py the table of estimates against wall times.
+above any progress bar (progress.write_line). A finished run's record (every stage's estimate, its measured
+seconds and its work) goes to the callbacks `observe` registered: the one seam for instruments (the benchmarks
+that re-make the rates and check estimates against wall times build their timing files on it).
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mha2gqa import jsontext
 from mha2gqa.estimates.costs import Estimate, duration, took
 from mha2gqa.progress import write_line
 
-TIMINGS_ENV = "MHA2GQA_TIMINGS"
 FIRST_SHARE = 0.05  # finished stages worth this share of the estimate (or FIRST_SECONDS) make the first correction
 FIRST_SECONDS = 10.0
 PARTIAL_FRACTION = 0.1  # inside a long stage, the share done before its one progress correction
@@ -116,7 +114,9 @@ class Clock:
         total = now - self.started
         if self.estimate is not None:
             self.echo(f"took {took(total)} (estimated {duration(self.estimate.seconds())})")
-            self._write_timings(total)
+            record = self.record(total)
+            for callback in _OBSERVERS:
+                callback(record)
         return total
 
     # ---- the correction ----
@@ -152,10 +152,8 @@ class Clock:
         self.said_remaining = (remaining, now)
         self.echo(f"{what}: about {duration(remaining)[6:]} left (corrected from how the run went so far)")
 
-    def _write_timings(self, total: float) -> None:
-        path = os.environ.get(TIMINGS_ENV)
-        if not path:
-            return
+    def record(self, total: float) -> dict:
+        """What the finished run took, stage by stage, beside its estimate and its work (what observers get)."""
         estimated = dict(zip((s.name for s in self.estimate.stages), self.estimate.stage_seconds()))
         costs = {s.name: s for s in self.estimate.stages}
         stages = [  # peak_rss_bytes: the stage whose end raised it first is where the run's memory peaked
@@ -176,8 +174,17 @@ class Clock:
             "peak_bytes": self.estimate.peak_bytes,
             "stages": stages,
         }
-        with open(path, "a") as f:
-            f.write(jsontext.dumps(record) + "\n")
+        return record
+
+
+_OBSERVERS: list[Callable[[dict], None]] = []
+
+
+def observe(callback: Callable[[dict], None]) -> Callable[[], None]:
+    """Call `callback(record)` (Clock.record) as each command's run in this process finishes, quiet runs too;
+    returns the function that removes it."""
+    _OBSERVERS.append(callback)
+    return lambda: _OBSERVERS.remove(callback)
 
 
 def _load() -> float | None:
@@ -223,7 +230,7 @@ NO_CLOCK = _NoClock()
 
 def command_clock(quiet: bool = False, echo=write_line):
     """A command's clock: one that speaks; with --quiet, one that keeps its lines to itself but still records the
-    run when MHA2GQA_TIMINGS asks (the bench's runs are quiet), else none."""
+    run where an observer listens (a benchmark's runs are quiet), else none."""
     if not quiet:
         return Clock(echo=echo)
-    return Clock(echo=lambda line: None) if os.environ.get(TIMINGS_ENV) else NO_CLOCK
+    return Clock(echo=lambda line: None) if _OBSERVERS else NO_CLOCK

@@ -49,7 +49,7 @@ class StageCost:
         return sum(part.seconds() * machine.factor_for(part.kind) for part in self.parts)
 
     def record(self) -> dict:
-        """What the clock writes beside the measured seconds (MHA2GQA_TIMINGS), for the bench to fit."""
+        """What the clock's record holds beside the measured seconds (clock.observe), for the rates' fit."""
         return {"parts": [_part_record(p) for p in self.parts]}
 
 
@@ -115,7 +115,7 @@ def took(seconds: float) -> str:
     return f"{hours} h {minutes} min"
 
 
-CAVEAT = "rates measured by bench/estimate_rates.py on a quiet machine, not scaled to this one"
+CAVEAT = "rates measured on a quiet reference machine, not scaled to this one"
 
 
 # ---- convert ----

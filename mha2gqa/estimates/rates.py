@@ -3,7 +3,7 @@ measured on.
 
 `python bench/estimate_rates.py` re-makes the rates: it runs the real commands (eval, convert, uptrain) at two
 sizes on the embedded model and on SmolLM2-135M, on a quiet machine, reads the seconds of each stage from the
-commands' own clocks (clock.py, MHA2GQA_TIMINGS), fits each kind of stage as fixed seconds plus seconds per
+commands' own clocks (clock.py's observers), fits each kind of stage as fixed seconds plus seconds per
 unit of work, and writes mha2gqa/data/estimate_rates.json with the probe's time on that machine beside them.
 Between and beyond the two models a rate is interpolated on log(parameters) (the nearer one's outside them).
 
@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RATES_FILE = Path(__file__).resolve().parent.parent / "data" / "estimate_rates.json"
-RATES_ENV = "MHA2GQA_ESTIMATE_RATES"  # another rates file (the bench's, a test's)
 SMALL, LARGE = 6_163_712, 134_515_008  # the embedded model's parameters and SmolLM2-135M's: the two measured
 PROBE_ROUNDS, PROBE_WARMUP = 11, 2
 # When a run probes (issue 59: a 1-second probe said that a 2-second plain conversion takes about 5): only when its
@@ -82,8 +81,9 @@ def between(pair, parameters: int) -> float:
 
 
 def load() -> Rates:
-    """The rates file shipped in the package (bench/estimate_rates.py writes it), or MHA2GQA_ESTIMATE_RATES's."""
-    return _read(os.environ.get(RATES_ENV) or str(RATES_FILE))
+    """The rates file shipped in the package (re-made by the estimate-rates benchmark; a test points RATES_FILE at
+    its own)."""
+    return _read(str(RATES_FILE))
 
 
 @functools.cache
