@@ -8,7 +8,7 @@ from mha2gqa import jsontext
 from mha2gqa.cli.fields import TokenCount, field_option
 from mha2gqa.cli.paths import file_option, folder_option
 from mha2gqa.docfields import choice_docs
-from mha2gqa.eval.options import EvalOptions, SpeedPreset
+from mha2gqa.eval.options import DecodePath, EvalOptions, SpeedPreset
 from mha2gqa.units import format_bytes
 
 
@@ -75,6 +75,7 @@ def _str_list(ctx, param, value):
 @_option("--speed-contexts", callback=_int_list)
 @_option("--new-tokens", type=int)
 @_option("--repeats", type=int)
+@_option("--decode-path", type=click.Choice([p.value for p in DecodePath]), choices=choice_docs(DecodePath))
 @_option("--speed-side-by-side", is_flag=True)
 @_option("--kv-batch")
 @_option("--kv-tokens")
