@@ -142,6 +142,9 @@ def summary(result: dict) -> str:
         f"  KV cache {format_bytes(kv['measured_bytes_per_token'])}/token measured, "
         f"{format_bytes(kv['formula_bytes_per_token'])} by formula: {'match' if kv['match'] else 'MISMATCH'}"
     )
+    path = (result["speed"] or {}).get("decode_path")
+    if path:
+        lines.append(f"  decode path {path['name']}: {path['cache']} cache, {path['attention']} attention")
     for p in (result["speed"] or {}).get("points", []):
         low, high = p.get("tokens_per_s_iqr") or (None, None)
         spread = f" (IQR {low:,.1f}-{high:,.1f}, {p['repeats']} runs)" if low is not None and "repeats" in p else ""
