@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,6 +36,9 @@ from mha2gqa.hfcache import cache_kwargs, cache_of
 FULL = dict(hidden=2048, intermediate=5632, layers=6, heads=32, vocab=32000, batch=4, context=20480, rounds=6)
 SMOKE = dict(hidden=256, intermediate=512, layers=2, heads=32, vocab=256, batch=2, context=64, rounds=2)
 KV_HEADS = {"MHA": 32, "GQA-8": 8, "MQA": 1}
+# A path of no eval option, what generate() does with a static cache on CUDA: the model's SDPA under
+# torch.compile, where transformers copies K/V out to every query head (repeat_kv). Its first step compiles.
+COMPILED = "static-compiled"
 
 
 def build(size: dict, kv_heads: int, dtype: torch.dtype):
@@ -49,10 +53,11 @@ def build(size: dict, kv_heads: int, dtype: torch.dtype):
 
 def filled_cache(model, path: str, size: dict, room: int):
     """A cache holding `context` tokens of random K/V for each layer: static (room for `room` more) on the
-    grouped path, else dynamic, as eval's decode on that path has after its prefill."""
+    grouped and compiled paths, else dynamic, as a decode on that path has after its prefill."""
     c = model.config
     head_dim = c.hidden_size // c.num_attention_heads
-    cache = StaticCache(config=c, max_cache_len=size["context"] + room) if path == "grouped" else DynamicCache(config=c)
+    static = path in ("grouped", COMPILED)
+    cache = StaticCache(config=c, max_cache_len=size["context"] + room) if static else DynamicCache(config=c)
     gen = torch.Generator().manual_seed(1)
     for layer in range(c.num_hidden_layers):
         shape = (size["batch"], c.num_key_value_heads, size["context"], head_dim)
@@ -93,6 +98,21 @@ def bandwidth(threads: int, gib: float = 1.0) -> dict:
     return found
 
 
+@contextmanager
+def attention_for(models: list, path: str):
+    """decode_attention for eval's paths; for COMPILED the models' own SDPA, and a description as eval's."""
+    if path != COMPILED:
+        with decode_attention(models, path) as used:
+            yield used
+        return
+    yield {"name": COMPILED, "cache": "static", "attention": "sdpa under torch.compile", "copied_per_step": "repeat_kv"}
+
+
+def runnable(model, path: str):
+    """The model, or its forward compiled (one graph per shape, no recompiles: the cache is static)."""
+    return torch.compile(model, dynamic=False) if path == COMPILED else model
+
+
 @torch.no_grad()
 def one_step(model, state: dict) -> float:
     """Seconds of one greedy step from state's cache and token; the state moves on."""
@@ -110,10 +130,11 @@ def time_path(models: dict, path: str, size: dict, steps: int) -> dict:
     for state in states.values():
         state["token"] = torch.zeros(size["batch"], 1, dtype=torch.long)
     seconds = {name: [] for name in models}
-    with decode_attention(list(models.values()), path) as used:
+    run = {name: runnable(m, path) for name, m in models.items()}
+    with attention_for(list(models.values()), path) as used:
         for round_ in range(size["rounds"] + 1):
-            for name, model in models.items():
-                taken = [one_step(model, states[name]) for _ in range(steps)]
+            for name in models:
+                taken = [one_step(run[name], states[name]) for _ in range(steps)]
                 if round_:
                     seconds[name] += taken
     del states
@@ -127,10 +148,11 @@ def profile_step(models: dict, path: str, size: dict, rows: int) -> dict:
     tables = {}
     for name, model in models.items():
         state = {"cache": filled_cache(model, path, size, 4), "token": torch.zeros(size["batch"], 1, dtype=torch.long)}
-        with decode_attention([model], path):
-            one_step(model, state)
+        run = runnable(model, path)
+        with attention_for([model], path):
+            one_step(run, state)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                one_step(model, state)
+                one_step(run, state)
         tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
         del state
     return tables
@@ -171,7 +193,7 @@ def parse_args():
         parser.add_argument(f"--{key}", type=int, default=None, help=f"default {FULL[key]} ({SMOKE[key]} with --smoke)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps of each model per round")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--paths", default="grouped", help="comma-separated paths of eval/decode_path.py")
+    parser.add_argument("--paths", default="grouped", help=f"comma-separated: eval/decode_path.py's, or {COMPILED}")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--profile", action="store_true", help="a torch.profiler table of one step of each model")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
