@@ -189,8 +189,15 @@ def print_table(path: str, rows: list[dict]) -> None:
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="toy sizes, seconds: the script still runs")
-    for key in FULL:
-        parser.add_argument(f"--{key}", type=int, default=None, help=f"default {FULL[key]} ({SMOKE[key]} with --smoke)")
+    sized = dict(type=int, default=None, help="default: FULL's (SMOKE's with --smoke)")
+    parser.add_argument("--hidden", **sized)
+    parser.add_argument("--intermediate", **sized)
+    parser.add_argument("--layers", **sized)
+    parser.add_argument("--heads", **sized)
+    parser.add_argument("--vocab", **sized)
+    parser.add_argument("--batch", **sized)
+    parser.add_argument("--context", **sized)
+    parser.add_argument("--rounds", **sized, metavar="N")  # timed rounds after the warm-up round
     parser.add_argument("--steps", type=int, default=2, help="timed steps of each model per round")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--paths", default="grouped", help=f"comma-separated: eval/decode_path.py's, or {COMPILED}")

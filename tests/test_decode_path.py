@@ -130,3 +130,28 @@ def test_the_default_path_and_speed_off_warn_of_nothing():
 def test_an_unknown_path_is_refused_naming_the_paths():
     with pytest.raises(InputError, match=r"--decode-path 'fast' is not a path \(use grouped, dynamic, repeat\)"):
         check_all(EvalOptions(decode_path="fast"))
+
+
+def test_a_report_and_a_card_name_the_path_each_speed_was_timed_on(tmp_path):
+    import json
+
+    from test_report import fake_result, write_results
+
+    from mha2gqa.eval import write_report
+    from mha2gqa.eval.card_table import measured_cells
+
+    results = [
+        fake_result("parent", "parent", 8, 10.0, 1024, {4: 80.0}),
+        fake_result("gqa", "converted", 2, 11.0, 256, {4: 90.0}),
+    ]
+    results[0]["speed"]["decode_path"] = {"name": "dynamic"}
+    results[1]["speed"]["decode_path"] = {"name": "grouped"}
+    written = write_report(write_results(tmp_path, results), tmp_path / "rep")
+    rows = json.loads(written["json"].read_text())["rows"]
+    assert [r["decode_path"] for r in rows] == ["dynamic", "grouped"]
+    header = next(line for line in written["markdown"].read_text().splitlines() if line.startswith("| model"))
+    assert "| decode path |" in header
+    card_dir = tmp_path / "model"
+    card_dir.mkdir()
+    (card_dir / "eval.json").write_text(json.dumps(results[1]))
+    assert ("decode path", "grouped") in measured_cells(card_dir)["eval.json"]
