@@ -82,22 +82,38 @@ def test_the_same_count_catches_the_paths_that_copy(gqa, path):
         assert seen.bytes >= whole_cache + 2 * layers * layer_k_bytes(HEADS)
 
 
-@pytest.mark.parametrize(("model_type", "kv_heads"), [("llama", 2), ("llama", 1), ("llama", 8), ("qwen3", 4)])
-def test_greedy_tokens_on_the_grouped_path_are_the_old_paths(model_type, kv_heads):
-    model = make_tiny_model(model_type, num_key_value_heads=kv_heads)
+@pytest.mark.parametrize(
+    ("model_type", "kv_heads", "extra"),
+    [("llama", 2, {}), ("llama", 1, {}), ("llama", 8, {}), ("qwen3", 4, {}), ("mistral", 2, {"sliding_window": 16})],
+)
+def test_greedy_tokens_on_the_grouped_path_are_the_old_paths(model_type, kv_heads, extra):
+    model = make_tiny_model(model_type, num_key_value_heads=kv_heads, **extra)
+    tokens = greedy_on_every_path(model)
+    assert torch.equal(tokens[DecodePath.GROUPED][0], tokens[DecodePath.DYNAMIC][0])
+    assert torch.equal(tokens[DecodePath.REPEAT][0], tokens[DecodePath.DYNAMIC][0])
+    routed = "folded" if kv_heads < HEADS else "as_is"
+    assert tokens[DecodePath.GROUPED][1]["steps"] == {routed: 12 * model.config.num_hidden_layers}
+    assert model.config._attn_implementation == "sdpa"  # the model's own attention is back
+
+
+def test_a_model_loaded_without_sdpa_keeps_its_attention_and_the_result_says_so():
+    """gemma2's logit softcap loads it with eager attention, which GROUPED does not hand on to."""
+    model = make_tiny_model("gemma2", num_key_value_heads=2)
+    tokens = greedy_on_every_path(model)
+    assert torch.equal(tokens[DecodePath.GROUPED][0], tokens[DecodePath.DYNAMIC][0])
+    assert tokens[DecodePath.GROUPED][1]["attention"] == "eager" and tokens[DecodePath.GROUPED][1]["steps"] == {}
+
+
+def greedy_on_every_path(model) -> dict:
+    """{path: (12 greedy tokens of 3 prompts, the path's description)}."""
     ids = torch.randint(0, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(1))
-    tokens = {}
+    found = {}
     for path in DecodePath:
         steps = []
         with decode_attention([model], path) as used:
             speed.greedy_decode(model, ids, 12, path, steps)
-        tokens[path] = torch.cat(steps, dim=1)
-        if path == DecodePath.GROUPED:
-            routed = "folded" if kv_heads < HEADS else "as_is"
-            assert used["steps"] == {routed: 12 * model.config.num_hidden_layers}
-    assert torch.equal(tokens[DecodePath.GROUPED], tokens[DecodePath.DYNAMIC])
-    assert torch.equal(tokens[DecodePath.REPEAT], tokens[DecodePath.DYNAMIC])
-    assert model.config._attn_implementation == "sdpa"  # the model's own attention is back
+        found[path] = (torch.cat(steps, dim=1), used)
+    return found
 
 
 def test_the_speed_section_names_its_path(gqa):
