@@ -177,7 +177,7 @@ def _check_decode_path(o: EvalOptions) -> None:
 
         warnings.warn(
             f"--decode-path {o.decode_path} {SLOW_FOR_GQA[DecodePath(o.decode_path)]}: a grouped model's decode "
-            "speed-up over its parent shrinks or vanishes (docs/eval.md, 'Decode path'); drop it for grouped",
+            "speed-up over its parent shrinks or vanishes (docs/eval.md, 'Decode path'); leave the flag out to time 'grouped'",
             WeightWarning,
             stacklevel=2,
         )
