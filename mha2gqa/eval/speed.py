@@ -90,7 +90,7 @@ def greedy_decode(
     model, ids: torch.Tensor, new_tokens: int, path: DecodePath | str = DecodePath.GROUPED, tokens: list | None = None
 ) -> tuple[float, float]:
     """(prefill seconds, decode seconds) for `new_tokens` greedy steps after prefilling ids (B, T), with the
-    cache of `path` (its attention is set by decode_attention); `tokens` gets each step's (B, 1) ids."""
+    cache of `path` (its attention is set by decode_attention); `tokens` gets the (B, 1) ids each step is fed."""
     device = ids.device
     cache = new_cache(model, path, ids.shape[1] + new_tokens)
     _sync(device)
