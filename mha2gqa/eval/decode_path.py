@@ -101,6 +101,15 @@ def _attention_for(path: DecodePath) -> str | None:
     return {DecodePath.GROUPED: GROUPED, DecodePath.REPEAT: "eager"}.get(path)
 
 
+def _set_attention(model, name: str) -> None:
+    """`name` as the model's attention; a model class that cannot switch keeps its own (the result's `attention`
+    says which ran, and GROUPED's `steps` stay empty)."""
+    try:
+        model.set_attn_implementation(name)
+    except (ValueError, KeyError, AttributeError, NotImplementedError):
+        pass
+
+
 @contextmanager
 def decode_attention(models: list, path: DecodePath | str):
     """The models' attention set for `path` while the block runs, each model's own restored after; yields
@@ -114,11 +123,9 @@ def decode_attention(models: list, path: DecodePath | str):
         register()
     ROUTES.clear()
     try:
-        for model in models:
+        for model in models:  # GROUPED hands on to SDPA: a model loaded without SDPA keeps its own attention
             if wanted is not None and (wanted != GROUPED or model.config._attn_implementation == "sdpa"):
-                model.set_attn_implementation(
-                    wanted
-                )  # GROUPED hands on to SDPA: a model loaded without it keeps its own
+                _set_attention(model, wanted)
         found["attention"] = ",".join(sorted({m.config._attn_implementation for m in models}))  # as set
         found["copied_per_step"] = COPIED[path]
         yield found
