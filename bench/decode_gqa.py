@@ -172,8 +172,9 @@ def summarise(timed: dict, bytes_of: dict, limit_gb_s: float, batch: int) -> lis
     return rows
 
 
-def print_table(path: str, rows: list[dict]) -> None:
-    print(f"\npath {path}")
+def print_table(path: dict, rows: list[dict]) -> None:
+    """The rows under the path's description: its cache, its attention, what a step copies, the routes taken."""
+    print(f"\npath {path['name']}: " + ", ".join(f"{k} {v}" for k, v in path.items() if k != "name"))
     print(
         "| model | kv heads | step ms (median) | tok/s | vs MHA | weights GB | cache GB | at the limit, ms | of the limit |"
     )
@@ -228,7 +229,7 @@ def main() -> None:
         timed = time_path(models, path, size, args.steps)
         rows = summarise(timed, bytes_of, limit["limit_gb_s"], size["batch"])
         result["paths"][path] = {"decode_path": timed["decode_path"], "rows": rows, "seconds": timed["seconds"]}
-        print_table(path, rows)
+        print_table(timed["decode_path"], rows)
         if args.profile:
             tables = profile_step(models, path, size, 8)
             result["paths"][path]["profile"] = tables
