@@ -49,7 +49,7 @@ COPIED = {
 }
 
 ROUTES: Counter = Counter()
-"""One-token steps GROUPED took, by route: folded (query heads onto kv heads), as_is (one query head per kv
+"""One-token attention calls (one a layer a step) GROUPED took, by route: folded (query heads onto kv heads), as_is (one query head per kv
 head: nothing to fold), handed_on (to transformers' SDPA). Reset by `decode_attention`."""
 
 
