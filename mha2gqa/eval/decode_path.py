@@ -49,8 +49,9 @@ COPIED = {
 }
 
 ROUTES: Counter = Counter()
-"""One-token attention calls (one a layer a step) GROUPED took, by route: folded (query heads onto kv heads), as_is (one query head per kv
-head: nothing to fold), handed_on (to transformers' SDPA). Reset by `decode_attention`."""
+"""One-token attention calls (one a layer a step) GROUPED took, by route: folded (query heads onto kv heads),
+as_is (one query head per kv head: nothing to fold), handed_on (to transformers' SDPA). Reset by
+`decode_attention`."""
 
 
 def _handled_here(query: torch.Tensor, kwargs: dict) -> bool:
