@@ -5,7 +5,7 @@ hidden 2048, 32 query heads of 64 dims, vocab 32000; with 32 kv heads (MHA), 8 (
 bf16, context 2048, batch 1..64. Target: GQA-8 decodes >= 3x the MHA tokens/s at the largest batch.
 
 Two decode paths are timed for each point:
-- eager: exactly what `mha2gqa eval` measures (transformers DynamicCache, one Python forward a token);
+- eager: what `mha2gqa eval` measured until 2026-12 (`--decode-path dynamic`: transformers DynamicCache, one Python forward a token);
 - graph: a StaticCache and one CUDA-graph-captured decode step, replayed: Python launch overhead
   removed, so what remains is the GPU's work (weights + KV reads). If capture fails on this
   transformers version the row says why and the eager numbers still stand.
@@ -174,7 +174,8 @@ def run_variant(preset, kv_heads: int) -> dict:
         "points": [],
     }
     for batch in batches:
-        point = {"batch": batch, "eager": measure_point(model, batch, context, grid)}
+        # eval's path until 2026-12 (DynamicCache), kept so the H200 rows compare; eval now times `grouped`
+        point = {"batch": batch, "eager": measure_point(model, batch, context, grid, path="dynamic")}
         try:
             point["graph"] = graph_point(model, batch, context, new_tokens, repeats)
         except Exception as err:  # a benchmark row, not control flow: the eager number still stands

@@ -302,3 +302,34 @@ def test_sdpa_gqa_path_finds_the_grouped_cache_read_as_it_is_under_the_pinned_tr
     assert caches["static"]["decode"] == {"pack_gqa": layers}
     assert all(phase.get("repeat_kv", 0) == 0 for cache in caches.values() for phase in cache.values())
     assert "static   decode   pack_gqa 2" in done.stdout
+
+
+def test_decode_gqa_smoke_times_mha_gqa8_and_mqa_beside_the_bandwidth_limit(tmp_path):
+    """bench/decode_gqa.py at toy sizes: every path times the three models in turn, each row's bytes and fraction of
+    the measured bandwidth limit are finite, and the grouped path's steps were folded, never handed on."""
+    out = tmp_path / "decode.json"
+    stdout = run_smoke("decode_gqa.py", "--paths", "grouped,dynamic", "--profile", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["bandwidth"]["limit_gb_s"] > 0 and set(result["paths"]) == {"grouped", "dynamic"}
+    for found in result["paths"].values():
+        assert [r["model"] for r in found["rows"]] == ["MHA", "GQA-8", "MQA"]
+        assert [r["kv_heads"] for r in found["rows"]] == [32, 8, 1]
+        for row in found["rows"]:
+            assert row["steps"] == 2 * result["size"]["rounds"]  # --steps 2 per round, the warm-up round left out
+            assert all(
+                finite(row[k]) and row[k] > 0 for k in ("step_s_median", "floor_s", "fraction_of_bandwidth_limit")
+            )
+        assert found["rows"][0]["speedup_vs_mha"] == 1.0
+        assert (
+            found["rows"][0]["cache_bytes"]
+            == 32 * found["rows"][2]["cache_bytes"]
+            == 4 * found["rows"][1]["cache_bytes"]
+        )
+        assert "aten::mm" in found["profile"]["GQA-8"]
+    grouped = result["paths"]["grouped"]["decode_path"]
+    layers, steps = result["size"]["layers"], 3 * 2 * (result["size"]["rounds"] + 1)
+    assert grouped["cache"] == "static" and grouped["steps"] == {
+        "folded": 2 * layers * steps // 3,
+        "as_is": layers * steps // 3,
+    }
+    assert len(table_rows(stdout, r"MHA|GQA-8|MQA")) == 6 and "load average before" in stdout

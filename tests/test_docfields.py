@@ -21,7 +21,7 @@ from mha2gqa.convert.options import (
     RefineOptions,
 )
 from mha2gqa.docfields import choice_docs, field_docs
-from mha2gqa.eval.options import EvalOptions, SpeedPreset
+from mha2gqa.eval.options import DecodePath, EvalOptions, SpeedPreset
 from mha2gqa.sweep.options import SweepOptions
 from mha2gqa.units import parse_size
 
@@ -32,7 +32,12 @@ FOLLOWS = {flag.key: flag.default_from for flag in CONVERT_FLAGS if flag.default
 # --config: the flags' file; --plan-tensors: how --dry-run prints the plan, no option of the conversion
 NOT_FIELDS = {"convert": {"quiet", "config", "plan_tensors", *REFINE_FIELDS}, "eval": {"quiet", "force"}}
 # options that pick one of several: their help lists each choice after the field's docstring
-CHOICES = {"method": METHOD_SUMMARIES, "grouping": choice_docs(Grouping), "speed_preset": choice_docs(SpeedPreset)}
+CHOICES = {
+    "method": METHOD_SUMMARIES,
+    "grouping": choice_docs(Grouping),
+    "speed_preset": choice_docs(SpeedPreset),
+    "decode_path": choice_docs(DecodePath),
+}
 REFINE_CHOICES = {"global_precision": choice_docs(GlobalPrecision)}
 
 

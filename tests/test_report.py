@@ -344,7 +344,7 @@ def test_columns_nobody_measured_are_left_out_and_lm_eval_gets_its_own_table(thr
     assert lm_eval == "| model | persuasion_cloze perplexity ↓ | Δ perplexity ↓ | persuasion_cloze acc ↑ | Δ acc ↑ |"
     assert "| parent | 8,081 (585–111,559) | +0.0% | 7.5% ± 4.2 | +0.0 pt |" in md  # an interval, not ± 57,586
     assert "| gqa2 | 21,702 | +168.6% | — | — |" in md  # written before intervals were kept: the value alone
-    assert "- Left out, no result has a value: decode tok/s, median (IQR), speed-up." in md
+    assert "- Left out, no result has a value: decode tok/s, median (IQR), decode path, speed-up." in md
     page = written["html"].read_text()
     assert page.count("<table>") == 2 and "<h2>lm-evaluation-harness tasks</h2>" in page
 

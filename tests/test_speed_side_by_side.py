@@ -86,9 +86,9 @@ def test_side_by_side_alternates_the_models_repeat_by_repeat(tiny, monkeypatch):
     order = []
     real = speed.greedy_decode
 
-    def recorded(model, ids, new_tokens):
+    def recorded(model, ids, new_tokens, *path):
         order.append(models.index(model))
-        return real(model, ids, new_tokens)
+        return real(model, ids, new_tokens, *path)
 
     monkeypatch.setattr(speed, "greedy_decode", recorded)
     grid = speed.SpeedGrid(batches=(1,), contexts=(8,), new_tokens=2, repeats=3, seconds=0.0)

@@ -8,7 +8,7 @@ from mha2gqa import jsontext
 from mha2gqa.cli.fields import TokenCount, field_option
 from mha2gqa.cli.paths import file_option, folder_option
 from mha2gqa.docfields import choice_docs
-from mha2gqa.eval.options import EvalOptions, SpeedPreset
+from mha2gqa.eval.options import DecodePath, EvalOptions, SpeedPreset
 from mha2gqa.units import format_bytes
 
 
@@ -75,6 +75,7 @@ def _str_list(ctx, param, value):
 @_option("--speed-contexts", callback=_int_list)
 @_option("--new-tokens", type=int)
 @_option("--repeats", type=int)
+@_option("--decode-path", type=click.Choice([p.value for p in DecodePath]), choices=choice_docs(DecodePath))
 @_option("--speed-side-by-side", is_flag=True)
 @_option("--kv-batch")
 @_option("--kv-tokens")
@@ -141,6 +142,9 @@ def summary(result: dict) -> str:
         f"  KV cache {format_bytes(kv['measured_bytes_per_token'])}/token measured, "
         f"{format_bytes(kv['formula_bytes_per_token'])} by formula: {'match' if kv['match'] else 'MISMATCH'}"
     )
+    path = (result["speed"] or {}).get("decode_path")
+    if path:
+        lines.append(f"  decode path {path['name']}: {path['cache']} cache, {path['attention']} attention")
     for p in (result["speed"] or {}).get("points", []):
         low, high = p.get("tokens_per_s_iqr") or (None, None)
         spread = f" (IQR {low:,.1f}-{high:,.1f}, {p['repeats']} runs)" if low is not None and "repeats" in p else ""

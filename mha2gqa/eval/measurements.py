@@ -14,7 +14,7 @@ from typing import Any
 
 from mha2gqa.errors import InputError
 from mha2gqa.eval.batching import AUTO, auto_batch_size, check_batch_size
-from mha2gqa.eval.options import EvalOptions, SpeedPreset
+from mha2gqa.eval.options import DecodePath, EvalOptions, SpeedPreset
 
 
 @dataclass
@@ -159,6 +159,28 @@ def _check_speed(o: EvalOptions) -> None:
         raise InputError("--speed-side-by-side needs --reference: it times the reference's decode beside the model's")
     if o.speed_side_by_side and o.speed is None:
         raise InputError("--speed-side-by-side times decode speed: drop --speed off, or drop --speed-side-by-side")
+    _check_decode_path(o)
+
+
+def _check_decode_path(o: EvalOptions) -> None:
+    """--decode-path is a path; one that gives GQA's decode saving away is warned about now, in one line."""
+    import warnings
+
+    from mha2gqa.errors import WeightWarning
+
+    if o.decode_path not in {p.value for p in DecodePath}:
+        raise InputError(
+            f"--decode-path {o.decode_path!r} is not a path (use {', '.join(p.value for p in DecodePath)})"
+        )
+    if o.speed is not None and o.decode_path != DecodePath.GROUPED:
+        from mha2gqa.eval.decode_path import SLOW_FOR_GQA
+
+        warnings.warn(
+            f"--decode-path {o.decode_path} {SLOW_FOR_GQA[DecodePath(o.decode_path)]}: a grouped model's decode "
+            "speed-up over its parent shrinks or vanishes (docs/eval.md, 'Decode path'); leave the flag out to time 'grouped'",
+            WeightWarning,
+            stacklevel=2,
+        )
 
 
 def _speed(run: Loaded) -> dict:
@@ -170,7 +192,7 @@ def _speed(run: Loaded) -> dict:
     bar = o.progress and bar_label(run, "decode speed") + (
         f" beside {run.result['reference']['label']}" if beside else ""
     )
-    found = speed.decode_speed(run.model, grid, o.seed, bar, beside=beside)
+    found = speed.decode_speed(run.model, grid, o.seed, bar, beside=beside, path=o.decode_path)
     if beside is not None:  # what the reference's points are: the report pairs them with its own result
         reference = run.result["reference"]
         found["side_by_side"].update(reference_label=reference["label"], reference_resolved=reference["resolved"])

@@ -371,6 +371,13 @@ METRICS: list[Metric] = [
         cell=_tps_cell,
     ),
     Metric(
+        "decode_path",
+        "decode path",
+        "how eval's timed decode read the KV cache (eval --decode-path): grouped (each kv head read once for its "
+        "group, nothing copied), dynamic (transformers' default, the cache copied every step) or repeat",
+        "speed.decode_path.name",
+    ),
+    Metric(
         "speed_load",
         None,
         "[1-minute load average, CPU count] of the machine when the speed point was timed (eval records both)",

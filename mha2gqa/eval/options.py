@@ -31,6 +31,20 @@ class SpeedPreset(StrEnum):
     """no decode-speed measurement (in Python None and False mean the same)."""
 
 
+class DecodePath(StrEnum):
+    """The attention path of the timed decode (eval/decode_path.py); str() and format() are the value."""
+
+    GROUPED = "grouped"
+    """a static cache written in place, the query heads folded onto the kv heads: each cached kv head read once
+    per step for its whole group, nothing copied (the default)."""
+    DYNAMIC = "dynamic"
+    """transformers' default, eval's path before 2026-12: a DynamicCache (the whole cache copied every step) and
+    the model's attention as loaded."""
+    REPEAT = "repeat"
+    """a DynamicCache and eager attention: K/V copied out to every query head each step, as a compiled static
+    cache does; GQA's speed-up is lost (for comparison only)."""
+
+
 @dataclass
 class EvalOptions:
     data: str | Sequence[str] | Mapping[str, str] | None = (PROBE,)
@@ -79,6 +93,8 @@ class EvalOptions:
     repeats: int | None = None
     """Least timed repeats per speed grid point (default 3; more while a point took under the preset's 1 s cpu,
     2 s gpu, at most 30), after 1 warm-up; the median and its interquartile range are reported."""
+    decode_path: DecodePath | str = DecodePath.GROUPED
+    """How the timed decode reads the KV cache (docs/eval.md, "Decode path"); the result names it."""
     speed_side_by_side: bool = False
     """Time --reference's decode side by side with the model's (repeat by repeat in turn, one process, the same
     prompts) and keep its numbers in the result: a speed-up is computed only from speeds measured together,

@@ -18,7 +18,8 @@ Top-level keys (sections that were not measured are null):
                   perplexity_ratios {name: ratio}, worst_domain, worst_ratio, domains; null without
                   --reference (eval/domains.py)
   kv_cache        formula_bytes_per_token, measured_bytes_per_token, match, cached_heads, ...
-  speed           grid, points: [{batch, context, new_tokens, tokens_per_s, peak_memory_bytes, ...}]
+  speed           grid, points: [{batch, context, new_tokens, tokens_per_s, peak_memory_bytes, ...}];
+                  since 2026-12 decode_path: {name, cache, attention, copied_per_step, steps} (eval/decode_path.py)
   attention_maps  png, layer
   lm_eval         harness ("lm-eval 0.4.x"), limit, bootstrap_iters, tasks: {task: {samples,
                   metrics: {metric: {value, stderr, higher_is_better}}}} (see eval/lmeval.py)

@@ -6,6 +6,8 @@ more while the point has taken less than `seconds` (at most `max_repeats`): a bu
 shows as spread, which the point records (interquartile range and min-max of tokens/s) beside the
 median, and the report marks a speed-up whose spread is larger than its effect.
 tokens/s counts every sequence in the batch: batch * new_tokens / decode seconds.
+The steps run on a decode path (eval/decode_path.py: by default a static cache and the query heads folded onto
+the kv heads, so each cached kv head is read once for its group); the result names it (`decode_path`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mha2gqa.errors import InputError
+from mha2gqa.eval.decode_path import DecodePath, decode_attention, new_cache
 from mha2gqa.eval.memory import PeakMemory
 from mha2gqa.eval.metrics import quartiles
 from mha2gqa.hfcache import cache_kwargs, cache_of
@@ -83,18 +86,24 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def greedy_decode(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, decode seconds) for `new_tokens` greedy steps after prefilling ids (B, T)."""
+def greedy_decode(
+    model, ids: torch.Tensor, new_tokens: int, path: DecodePath | str = DecodePath.GROUPED, tokens: list | None = None
+) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) for `new_tokens` greedy steps after prefilling ids (B, T), with the
+    cache of `path` (its attention is set by decode_attention); `tokens` gets the (B, 1) ids each step is fed."""
     device = ids.device
+    cache = new_cache(model, path, ids.shape[1] + new_tokens)
     _sync(device)
     t0 = time.perf_counter()
     # Only the last position's logits: a (B, T, vocab) tensor would dominate peak memory at large B*T.
-    out = model(ids, use_cache=True, logits_to_keep=1)
+    out = model(ids, use_cache=True, logits_to_keep=1, **({} if cache is None else cache_kwargs(model, cache)))
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
     _sync(device)
     t1 = time.perf_counter()
     cache = cache_of(out)
     for _ in range(new_tokens):
+        if tokens is not None:
+            tokens.append(nxt)
         out = model(nxt, use_cache=True, **cache_kwargs(model, cache))
         cache = cache_of(out)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -139,22 +148,24 @@ def _more(done: int, grid: SpeedGrid, started: float) -> bool:
     return done < grid.repeats or (done < grid.max_repeats and time.perf_counter() - started < grid.seconds)
 
 
-def measure_point(model, batch: int, context: int, grid: SpeedGrid, seed: int = 0) -> dict:
+def measure_point(model, batch: int, context: int, grid: SpeedGrid, seed: int = 0, path=DecodePath.GROUPED) -> dict:
     ids = _prompt(model, batch, context, seed)
     load = machine_load()
     for _ in range(grid.warmup):
-        greedy_decode(model, ids, grid.new_tokens)
+        greedy_decode(model, ids, grid.new_tokens, path)
     prefill, decode = [], []
     started = time.perf_counter()
     with PeakMemory(ids.device) as mem:
         while _more(len(decode), grid, started):
-            p, d = greedy_decode(model, ids, grid.new_tokens)
+            p, d = greedy_decode(model, ids, grid.new_tokens, path)
             prefill.append(p)
             decode.append(d)
     return _point(batch, context, grid, prefill, decode, mem, load)
 
 
-def measure_side_by_side(models: list, batch: int, context: int, grid: SpeedGrid, seed: int = 0) -> list[dict]:
+def measure_side_by_side(
+    models: list, batch: int, context: int, grid: SpeedGrid, seed: int = 0, path=DecodePath.GROUPED
+) -> list[dict]:
     """One grid point of every model, timed side by side: repeat by repeat in turn (A, B, A, B, ...), in one
     process, on the same prompt, so that whatever load the machine has falls on each alike. The peak memory
     is the process's with all the models loaded (its kind says so)."""
@@ -163,33 +174,37 @@ def measure_side_by_side(models: list, batch: int, context: int, grid: SpeedGrid
     load = machine_load()
     for model, ids in zip(models, prompts):
         for _ in range(grid.warmup):
-            greedy_decode(model, ids, grid.new_tokens)
+            greedy_decode(model, ids, grid.new_tokens, path)
     prefill, decode = [[] for _ in models], [[] for _ in models]
     started = time.perf_counter()
     with PeakMemory(prompts[0].device) as mem:
         while _more(len(decode[0]), grid, started):
             for k, (model, ids) in enumerate(zip(models, prompts)):
-                p, d = greedy_decode(model, ids, grid.new_tokens)
+                p, d = greedy_decode(model, ids, grid.new_tokens, path)
                 prefill[k].append(p)
                 decode[k].append(d)
     mem.kind += f", {len(models)} models side by side"
     return [_point(batch, context, grid, prefill[k], decode[k], mem, load) for k in range(len(models))]
 
 
-def decode_speed(model, grid: SpeedGrid, seed: int = 0, progress: bool | str = False, beside=None) -> dict:
-    """The grid's points; with `beside` (the reference model) each point is timed side by side with it, and
-    its points go in `side_by_side` under a fresh id: the only speeds a report turns into a speed-up."""
+def decode_speed(
+    model, grid: SpeedGrid, seed: int = 0, progress: bool | str = False, beside=None, path=DecodePath.GROUPED
+) -> dict:
+    """The grid's points on the decode `path` (its description in `decode_path`); with `beside` (the reference
+    model) each point is timed side by side with it, and its points go in `side_by_side` under a fresh id: the
+    only speeds a report turns into a speed-up."""
     points = [(b, c) for c in grid.contexts for b in grid.batches]
     results, theirs = [], []
     label = progress if isinstance(progress, str) else "decode speed"  # the bar's label: model and stage
-    for batch, context in progress_bar(len(points), label, bool(progress), points, leave=False):
-        if beside is None:
-            results.append(measure_point(model, batch, context, grid, seed))
-        else:
-            mine, other = measure_side_by_side([model, beside], batch, context, grid, seed)
-            results.append(mine)
-            theirs.append(other)
-    found = {"grid": asdict(grid), "points": results, **machine_load()}
+    with decode_attention([model] if beside is None else [model, beside], path) as used:
+        for batch, context in progress_bar(len(points), label, bool(progress), points, leave=False):
+            if beside is None:
+                results.append(measure_point(model, batch, context, grid, seed, path))
+            else:
+                mine, other = measure_side_by_side([model, beside], batch, context, grid, seed, path)
+                results.append(mine)
+                theirs.append(other)
+    found = {"grid": asdict(grid), "decode_path": used, "points": results, **machine_load()}
     if beside is not None:
         found["side_by_side"] = {"id": uuid.uuid4().hex, "points": theirs}
     return found
