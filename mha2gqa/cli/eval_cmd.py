@@ -27,6 +27,16 @@ def _int_list(ctx, param, value):
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers (e.g. 1,4,16)") from None
 
 
+def _float_list(ctx, param, value):
+    """'0.1,0.5' -> (0.1, 0.5); None stays None (the default applies)."""
+    if value is None:
+        return None
+    try:
+        return tuple(float(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers (e.g. 0.1,0.5,0.9)") from None
+
+
 class _BatchSize(click.ParamType):
     """A whole number, or auto."""
 
@@ -85,6 +95,10 @@ def _str_list(ctx, param, value):
 @_option("--lm-eval-limit", type=int)
 @_option("--chat-template", is_flag=True)
 @_option("--log-samples", type=click.Path(dir_okay=False))
+@_option("--retrieval", is_flag=True)
+@_option("--retrieval-lengths", callback=_int_list)
+@_option("--retrieval-depths", callback=_float_list)
+@_option("--retrieval-samples", type=int)
 @_option("--role", type=click.Choice(["parent", "converted", "uptrained"]))
 @_option("--label")
 @_option("--seed")
@@ -136,6 +150,10 @@ def summary(result: dict) -> str:
         from mha2gqa.brief import domain_lines
 
         lines += domain_lines(result)
+    if result.get("retrieval"):
+        from mha2gqa.eval.retrieval import brief_lines
+
+        lines += brief_lines(result["retrieval"])
     kv = result["kv_cache"]
     lines.append(
         f"  KV cache {format_bytes(kv['measured_bytes_per_token'])}/token measured, "

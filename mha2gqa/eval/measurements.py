@@ -120,6 +120,39 @@ def _quality(run: Loaded) -> dict:
     return found
 
 
+# ---- long-context retrieval: a fact far back in the context, asked for at its end ----
+
+
+def _check_retrieval(o: EvalOptions) -> None:
+    from mha2gqa.eval.retrieval_items import check_values
+
+    check_values(o.retrieval_lengths, o.retrieval_depths, o.retrieval_samples)
+
+
+def retrieval_grid(o: EvalOptions, config):
+    """The probe's grid for a model of this config (its lengths checked against its max positions)."""
+    from mha2gqa.eval.retrieval_items import probe_grid
+
+    max_positions = getattr(config, "max_position_embeddings", None)
+    return probe_grid(o.retrieval_lengths, o.retrieval_depths, o.retrieval_samples, o.seed, max_positions)
+
+
+def _retrieval(run: Loaded) -> dict:
+    from mha2gqa.eval.retrieval import answer_scores, summarize
+    from mha2gqa.eval.retrieval_items import build_items
+
+    grid = retrieval_grid(run.options, run.model.config)
+    items = build_items(run.tokenizer, grid)
+    bar = run.options.progress and bar_label(run, "retrieval")
+    mine = answer_scores(run.model, items, run.device, bar)
+    reference = None
+    if run.ref_model is not None:
+        reference = answer_scores(
+            run.ref_model, items, run.device, bar and f"{bar}, {run.result['reference']['label']}"
+        )
+    return {"retrieval": summarize(grid, items, mine, reference)}
+
+
 # ---- the KV cache: bytes per token, the formula against the live cache ----
 
 
@@ -250,6 +283,7 @@ def check_tokenizer(o: EvalOptions, tokenizer) -> None:
 
 MEASUREMENTS: list[Measurement] = [
     Measurement("quality", _check_quality, _quality, wanted=lambda o: bool(o.domains)),
+    Measurement("retrieval", _check_retrieval, _retrieval, wanted=lambda o: o.retrieval, stage="retrieval"),
     Measurement("kv_cache", _check_kv, _kv_cache, stage="kv cache"),
     Measurement("speed", _check_speed, _speed, wanted=lambda o: o.speed is not None, stage="decode speed"),
     Measurement(
