@@ -3,13 +3,13 @@
 Two tasks, each at every (length, depth) of the grid and `samples` times, all drawn from one seed:
 
 - needle: prose of the probe set (Persuasion, mha2gqa/data/probe/prose.txt.gz) with one sentence
-  " The secret number of KEY is VALUE." inserted at a sentence boundary at `depth` (0: the start, 1: just
-  before the question);
+  " The secret word of KEY is VALUE." inserted at `depth` (0: the start, 1: just before the question), after
+  the nearest clause when one is near;
 - kv: a list of such sentences, each with its own KEY and VALUE, the asked one at `depth`: the model must
   find the one key among many that look alike.
 
-The prompt ends with the sentence's own start, " The secret number of KEY is", and the answer is VALUE (a
-four-digit number: nothing in the context but the needle predicts it). The pieces are tokenized apart and
+The prompt ends with the sentence's own start, " The secret word of KEY is", and the answer is VALUE: KEY and
+VALUE are words of the prose drawn at random, so nothing in the context but the needle predicts the answer. The pieces are tokenized apart and
 joined as ids, so the needle holds the question's ids followed by the answer's: the answer is a copy, for
 any tokenizer. `length` is the tokens forwarded: prompt and answer together, at most the model's positions.
 
@@ -32,7 +32,7 @@ DEFAULT_LENGTHS = (128, 512, 2048)  # capped at the model's max_position_embeddi
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 DEFAULT_SAMPLES = 2  # 12 questions a length; SmolLM2-135M and its parent: about 4 min on 2 cores (docs/eval.md)
 MIN_LENGTH = 64  # room for a question, its needle and some haystack
-_SENTENCE_ENDS = (".", "!", "?")
+_CLAUSE_ENDS = (".", "!", "?", ";", ",")  # a needle goes after one of these when one is near its depth
 _WORD = re.compile(r"\b[a-z]{4,10}\b")
 
 
@@ -105,7 +105,7 @@ def build_items(tokenizer, grid: ProbeGrid, text: str | None = None) -> list[Ite
     """Every question of the grid, the same ids for the same tokenizer, grid and text."""
     text = filler_text() if text is None else text
     prose = _encode(tokenizer, text)
-    ends = _sentence_ends(tokenizer, prose)
+    ends = _clause_ends(tokenizer, prose)
     words = sorted(set(_WORD.findall(text)))
     rng = random.Random(grid.seed)
     items = []
@@ -120,10 +120,18 @@ def build_items(tokenizer, grid: ProbeGrid, text: str | None = None) -> list[Ite
                         hay, starts = _prose_window(prose, ends, room, rng)
                     else:
                         hay, starts = _fact_list(tokenizer, keys[1:], words, room, rng)
-                    at = min(starts, key=lambda s: abs(s - depth * len(hay)))
+                    at = _place(starts, depth, len(hay))
                     prompt = hay[:at] + fact.sentence + hay[at:] + fact.question
                     items.append(Item(task, length, depth, tuple(prompt), tuple(fact.answer)))
     return items
+
+
+def _place(starts: list[int], depth: float, size: int) -> int:
+    """Where the needle goes in `size` tokens of haystack: the clause start nearest to `depth`, when one is within
+    a 32nd of the haystack (at least 8 tokens); else exactly there (Austen's sentences run long)."""
+    target = round(depth * size)
+    nearest = min(starts, key=lambda s: abs(s - target))
+    return nearest if abs(nearest - target) <= max(8, size // 32) else target
 
 
 def _room(length: int, fact) -> int:
@@ -142,7 +150,7 @@ def _value(rng, words: list[str]) -> str:
 
 
 class _Fact:
-    """A key's sentence as ids: question (" The secret number of KEY is"), answer (" VALUE"), then "."."""
+    """A key's sentence as ids: question (" The secret word of KEY is"), answer (" VALUE"), then "."."""
 
     def __init__(self, tokenizer, key: str, value: str):
         self.question = _encode(tokenizer, " The secret word of") + _encode(tokenizer, f" {key}")
@@ -155,15 +163,15 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
-def _sentence_ends(tokenizer, ids: list[int]) -> list[bool]:
-    """Whether each token ends a sentence (its text ends with . ! or ?)."""
-    found = {i: tokenizer.decode([i]).rstrip().endswith(_SENTENCE_ENDS) for i in set(ids)}
+def _clause_ends(tokenizer, ids: list[int]) -> list[bool]:
+    """Whether each token ends a clause (its text ends with . ! ? ; or ,)."""
+    found = {i: tokenizer.decode([i]).rstrip().endswith(_CLAUSE_ENDS) for i in set(ids)}
     return [found[i] for i in ids]
 
 
 def _prose_window(prose: list[int], ends: list[bool], size: int, rng) -> tuple[list[int], list[int]]:
     """`size` tokens of prose from a random start (the text repeated when shorter), and the positions in it
-    where a sentence starts (0 and the end as well: a needle can go first or last)."""
+    where a clause starts (0 and the end as well: a needle can go first or last)."""
     while len(prose) < size + 1:
         prose, ends = prose + prose, ends + ends
     start = rng.randrange(len(prose) - size + 1)

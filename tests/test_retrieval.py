@@ -1,0 +1,148 @@
+"""eval --retrieval: the probe's questions (eval/retrieval_items.py), their scoring (eval/retrieval.py), and the
+command that writes recall per length and depth beside the reference's."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from retrieval_models import CopyModel
+from tiny_models import make_tiny_model, make_tiny_tokenizer, save_tiny_model
+from transformers import AutoTokenizer
+
+from mha2gqa.cli import main as cli
+from mha2gqa.embedded import model_dir
+from mha2gqa.errors import InputError
+from mha2gqa.eval.retrieval import answer_scores, summarize
+from mha2gqa.eval.retrieval_items import TASKS, build_items, probe_grid
+
+GRID = dict(lengths=(128, 384), depths=(0.0, 0.5, 1.0), samples=2)
+
+
+@pytest.fixture(scope="module")
+def austen_tokenizer():
+    return AutoTokenizer.from_pretrained(model_dir())  # a real byte-level BPE, shipped in the package
+
+
+def _probe(model, tokenizer, reference=None, seed=0, **grid):
+    grid = probe_grid(**{**GRID, **grid}, seed=seed, max_positions=512)
+    items = build_items(tokenizer, grid)
+    mine = answer_scores(model, items, "cpu")
+    theirs = answer_scores(reference, items, "cpu") if reference is not None else None
+    return summarize(grid, items, mine, theirs)
+
+
+def test_a_model_that_copies_recalls_every_fact_and_ones_that_cannot_recall_none(austen_tokenizer):
+    vocab = len(austen_tokenizer)
+    copier = _probe(CopyModel(vocab), austen_tokenizer)
+    assert copier["recall"] == 1.0 and all(c["recall"] == 1.0 for c in copier["cells"])
+    broken = _probe(CopyModel(vocab, uniform=True), austen_tokenizer)  # sees the context, cannot pick the fact
+    assert broken["recall"] < 0.1
+    random_llama = make_tiny_model(vocab_size=vocab, max_position_embeddings=512)
+    assert _probe(random_llama, austen_tokenizer)["recall"] < 0.1
+    # beside the copier as its reference, the broken model keeps almost none of its answers' probability
+    beside = _probe(CopyModel(vocab, uniform=True), austen_tokenizer, reference=CopyModel(vocab))
+    assert beside["reference_recall"] == 1.0 and beside["answer_probability_kept"] < 0.01
+    same = _probe(CopyModel(vocab), austen_tokenizer, reference=CopyModel(vocab))
+    assert same["answer_probability_kept"] == pytest.approx(1.0)
+
+
+def test_recall_per_length_and_depth_shows_where_a_short_reach_loses_the_fact(austen_tokenizer):
+    """A model that sees only its last 64 tokens answers when the fact sits just before the question (depth 1)
+    and not when it sits at the start of a long context: the cells resolve it."""
+    found = _probe(CopyModel(len(austen_tokenizer), window=64), austen_tokenizer)
+    cell = {(c["task"], c["length"], c["depth"]): c["recall"] for c in found["cells"]}
+    assert set(cell) == {(t, n, d) for t in TASKS for n in GRID["lengths"] for d in GRID["depths"]}
+    for task in TASKS:
+        assert cell[(task, 128, 1.0)] == 1.0 and cell[(task, 384, 1.0)] == 1.0
+        assert cell[(task, 128, 0.0)] == 0.0 and cell[(task, 384, 0.0)] == 0.0 and cell[(task, 384, 0.5)] == 0.0
+    by_length = {x["length"]: x for x in found["lengths"]}
+    assert by_length[384]["recall"] == pytest.approx(1 / 3) and by_length[384]["items"] == 12
+
+
+def test_questions_are_the_lengths_asked_their_fact_once_at_its_depth(austen_tokenizer):
+    grid = probe_grid(**GRID, seed=3, max_positions=512)
+    items = build_items(austen_tokenizer, grid)
+    assert len(items) == len(TASKS) * 2 * 3 * 2
+    for item in items:
+        assert len(item.prompt) + len(item.answer) == item.length
+        text = austen_tokenizer.decode(list(item.prompt))
+        question = text[text.rindex(" The secret word of") :]
+        assert text.count(question) == 2  # stated once in the context, asked once at its end
+    needles = [i for i in items if i.task == "needle" and i.length == 384]
+    where = {}
+    for item in needles:
+        text = austen_tokenizer.decode(list(item.prompt))
+        where.setdefault(item.depth, []).append(text.index(" The secret word of") / len(text))
+    assert max(where[0.0]) < 0.05 and 0.35 < min(where[0.5]) and max(where[0.5]) < 0.65 and min(where[1.0]) > 0.85
+
+
+def test_the_same_seed_asks_the_same_questions_and_another_seed_others(austen_tokenizer):
+    grid = probe_grid(**GRID, seed=7, max_positions=512)
+    assert build_items(austen_tokenizer, grid) == build_items(austen_tokenizer, grid)
+    other = probe_grid(**GRID, seed=8, max_positions=512)
+    assert build_items(austen_tokenizer, grid) != build_items(austen_tokenizer, other)
+    model = make_tiny_model(vocab_size=len(austen_tokenizer), max_position_embeddings=512)
+    assert _probe(model, austen_tokenizer, seed=7) == _probe(model, austen_tokenizer, seed=7)
+
+
+def test_default_lengths_fit_the_model_and_values_that_cannot_be_probed_are_refused():
+    assert probe_grid(None, None, None, 0, 512).lengths == (128, 512)
+    assert probe_grid(None, None, None, 0, 300).lengths == (128, 300)
+    assert probe_grid(None, None, None, 0, 8192).lengths == (128, 512, 2048)
+    for args, words in (
+        (((1024,), None, None, 0, 512), "--retrieval-lengths 1024 exceeds the model's max_position_embeddings=512"),
+        (((32,), None, None, 0, 512), "--retrieval-lengths 32 must be at least 64"),
+        ((None, (1.5,), None, 0, 512), "--retrieval-depths 1.5 must be between 0 and 1"),
+        ((None, None, 0, 0, 512), "--retrieval-samples 0 must be at least 1"),
+    ):
+        with pytest.raises(InputError, match=words):
+            probe_grid(*args)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("retrieval")
+    for name, kv in (("parent", 4), ("child", 1)):
+        save_tiny_model(root / name, "llama", num_key_value_heads=kv, seed=kv)
+        make_tiny_tokenizer().save_pretrained(root / name)
+    return root
+
+
+def test_eval_retrieval_writes_recall_per_length_and_depth_beside_the_reference(tiny_pair, tmp_path):
+    out = tmp_path / "child.json"
+    args = ["eval", str(tiny_pair / "child"), "--reference", str(tiny_pair / "parent"), "--retrieval"]
+    args += ["--retrieval-lengths", "160,256", "--retrieval-depths", "0,1", "--retrieval-samples", "1"]
+    run = CliRunner().invoke(cli, [*args, "--speed", "off", "--max-tokens", "64", "--out", str(out), "-q"])
+    assert run.exit_code == 0, run.output
+    found = json.loads(out.read_text())["retrieval"]
+    assert [x["length"] for x in found["lengths"]] == [160, 256]
+    assert {(c["task"], c["length"], c["depth"]) for c in found["cells"]} == {
+        (t, n, d) for t in TASKS for n in (160, 256) for d in (0.0, 1.0)
+    }
+    for part in [found, *found["lengths"], *found["cells"], *found["tasks"].values()]:
+        assert 0.0 <= part["recall"] <= 1.0 and 0.0 <= part["reference_recall"] <= 1.0
+        assert part["answer_probability_kept"] > 0 and part["answer_logprob"] < 0
+    assert found["items"] == 8 and found["grid"] == {"lengths": [160, 256], "depths": [0.0, 1.0], "samples": 1}
+    assert "retrieval recall" in run.output and "at 256 tokens:" in run.output
+    from mha2gqa.eval import write_report
+
+    report = write_report([out], tmp_path / "report")["markdown"].read_text()
+    assert "## Retrieval recall per context length" in report and "recall @ 256 tokens (by depth)" in report
+    assert "retrieval recall" in report and "answer prob. kept" in report
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--retrieval-lengths", "512"], "--retrieval-lengths 512 exceeds the model's max_position_embeddings=256"),
+        (["--retrieval-depths", "0.5,2"], "--retrieval-depths 2.0 must be between 0 and 1"),
+        (["--retrieval-lengths", "64"], "--retrieval-lengths 64 is too short for this tokenizer"),
+        (["--retrieval-depths", "deep"], "'deep' is not a comma-separated list of numbers"),
+    ],
+)
+def test_bad_retrieval_flags_are_one_line_and_exit_2_with_nothing_written(tiny_pair, tmp_path, flags, words):
+    out = tmp_path / "r.json"
+    args = ["eval", str(tiny_pair / "child"), "--retrieval", *flags, "--speed", "off", "--out", str(out), "-q"]
+    run = CliRunner().invoke(cli, args)
+    assert run.exit_code == 2 and words in run.output, run.output
+    assert "Traceback" not in run.output and not out.exists()
