@@ -9,9 +9,9 @@ Two tasks, each at every (length, depth) of the grid and `samples` times, all dr
   find the one key among many that look alike.
 
 The prompt ends with the sentence's own start, " The secret word of KEY is", and the answer is VALUE: KEY and
-VALUE are words of the prose drawn at random, so nothing in the context but the needle predicts the answer. The pieces are tokenized apart and
-joined as ids, so the needle holds the question's ids followed by the answer's: the answer is a copy, for
-any tokenizer. `length` is the tokens forwarded: prompt and answer together, at most the model's positions.
+VALUE are words of the prose drawn at random, so nothing in the context but the needle predicts the answer.
+The pieces are tokenized apart and joined as ids, so the needle holds the question's ids followed by the
+answer's: the answer is a copy, for any tokenizer. `length` is the tokens forwarded: prompt and answer together, at most the model's positions.
 
 Torch-free: the options' checks and the estimate read this module before torch is imported.
 """
