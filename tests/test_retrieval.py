@@ -129,6 +129,29 @@ def test_eval_retrieval_writes_recall_per_length_and_depth_beside_the_reference(
     report = write_report([out], tmp_path / "report")["markdown"].read_text()
     assert "## Retrieval recall per context length" in report and "recall @ 256 tokens (by depth)" in report
     assert "retrieval recall" in report and "answer prob. kept" in report
+    from mha2gqa.eval.card_table import measured_cells
+
+    card = dict(measured_cells(tmp_path)["child.json"])  # a card beside the result shows it too
+    assert card["retrieval recall ↑"] == f"{100 * found['recall']:.0f}%"
+    assert card["answer prob. kept ↑"] == f"{100 * found['answer_probability_kept']:.0f}%"
+
+
+def test_the_estimate_prices_the_probe_by_the_tokens_it_forwards():
+    from mha2gqa.estimates import EvalWork, eval_stages
+
+    grid = probe_grid(None, None, None, 0, 8192)
+    assert grid.forward_tokens() == len(TASKS) * 3 * 2 * (128 + 512 + 2048)
+    params = 134_515_008
+
+    def retrieval_seconds(tokens, reference):
+        work = EvalWork(params, reference, 49_152, 0, {}, 0, None, tokens)
+        return [s.seconds() for s in eval_stages(work) if s.name == "retrieval"]
+
+    assert retrieval_seconds(0, params) == []  # not asked: no stage
+    (alone,) = retrieval_seconds(grid.forward_tokens(), None)
+    (beside,) = retrieval_seconds(grid.forward_tokens(), params)
+    (half,) = retrieval_seconds(grid.forward_tokens() // 2, params)
+    assert 0 < half < beside and beside == pytest.approx(2 * alone, rel=0.05)  # two models forward every question
 
 
 @pytest.mark.parametrize(

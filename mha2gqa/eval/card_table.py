@@ -15,13 +15,12 @@ NAMED_BY_THE_CARD = ("label", "role")  # the card's row names the result file in
 
 def measured_cells(model_dir: Path) -> dict[str, list[tuple[str, str]]]:
     """{result file name: [(column header, cell text)]}, the same columns for every result."""
-    found = {
-        name: {m.name: schema.field(result, m.field) for m in metrics.METRICS if m.field}
-        for name, result in eval_results(Path(model_dir))
-    }
+    results = dict(eval_results(Path(model_dir)))
+    listed = [m for m in metrics.entries(list(results.values())) if m.field]  # the retrieval probe's, where run
+    found = {name: {m.name: schema.field(result, m.field) for m in listed} for name, result in results.items()}
     shown = [
         m
-        for m in metrics.METRICS
+        for m in listed
         if m.column
         and m.field
         and m.name not in NAMED_BY_THE_CARD

@@ -352,24 +352,6 @@ METRICS: list[Metric] = [
         fmt_bytes,
         cell=_kv_cell,
     ),
-    Metric(
-        "retrieval_recall",
-        "retrieval recall",
-        "share of the retrieval probe's questions (eval --retrieval: a fact far back in a long context) whose "
-        "greedy answer is exact, over every length, depth and task",
-        "retrieval.recall",
-        "higher",
-        lambda x: f"{100 * x:.0f}%",
-    ),
-    Metric(
-        "retrieval_kept",
-        "answer prob. kept",
-        "exp(mean(answer log-probability - the reference's)) on the retrieval probe: the share of the "
-        "reference's probability of the right answers the model keeps",
-        "retrieval.answer_probability_kept",
-        "higher",
-        lambda x: f"{100 * x:.0f}%",
-    ),
     Metric("kv_match", None, "whether the live cache matches 2*layers*kv_heads*head_dim*bytes", "kv_cache.match"),
     Metric(
         "kv_saving",
@@ -563,10 +545,33 @@ def _retrieval_text(cell: dict | None) -> str:
     return f"{100 * cell['recall']:.0f}% ({depths})"
 
 
+RETRIEVAL = [  # main-table columns, where some result ran the probe
+    Metric(
+        "retrieval_recall",
+        "retrieval recall",
+        "share of the retrieval probe's questions (eval --retrieval: a fact far back in a long context) whose "
+        "greedy answer is exact, over every length, depth and task",
+        "retrieval.recall",
+        "higher",
+        lambda x: f"{100 * x:.0f}%",
+    ),
+    Metric(
+        "retrieval_kept",
+        "answer prob. kept",
+        "exp(mean(answer log-probability - the reference's)) on the retrieval probe: the share of the "
+        "reference's probability of the right answers the model keeps",
+        "retrieval.answer_probability_kept",
+        "higher",
+        lambda x: f"{100 * x:.0f}%",
+    ),
+]
+
+
 def retrieval_metrics(results: list[dict]) -> list[Metric]:
-    """One column per context length any result probed: recall there, then by depth in brackets."""
+    """Where some result ran the retrieval probe: its recall and answer probability kept in the main table, and
+    one column per context length any result probed: recall there, then by depth in brackets."""
     lengths = sorted({x["length"] for r in results for x in (r.get("retrieval") or {}).get("lengths") or []})
-    return [
+    return (RETRIEVAL if lengths else []) + [
         Metric(
             f"retrieval:{n}",
             f"recall @ {n} tokens (by depth)",
