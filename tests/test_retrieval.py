@@ -133,7 +133,8 @@ def test_eval_retrieval_writes_recall_per_length_and_depth_beside_the_reference(
 
     card = dict(measured_cells(tmp_path)["child.json"])  # a card beside the result shows it too
     assert card["retrieval recall ↑"] == f"{100 * found['recall']:.0f}%"
-    assert card["answer prob. kept ↑"] == f"{100 * found['answer_probability_kept']:.0f}%"
+    kept = found["answer_probability_kept"]
+    assert card["answer prob. kept ↑"] == (f"{100 * kept:.0f}%" if kept >= 0.1 else f"{100 * kept:.2g}%")
 
 
 def test_the_estimate_prices_the_probe_by_the_tokens_it_forwards():

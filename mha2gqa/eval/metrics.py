@@ -86,6 +86,11 @@ def fmt_ppl(x: float) -> str:
     return f"{x:,.0f}" if x >= 1000 else f"{x:.2f}"
 
 
+def share(x: float) -> str:
+    """A share as a percentage, with two significant digits below 10% (a lost answer keeps 0.18%, not 0%)."""
+    return f"{100 * x:.0f}%" if x >= 0.1 else f"{100 * x:.2g}%"
+
+
 def fmt_tps(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
@@ -562,7 +567,7 @@ RETRIEVAL = [  # main-table columns, where some result ran the probe
         "reference's probability of the right answers the model keeps",
         "retrieval.answer_probability_kept",
         "higher",
-        lambda x: f"{100 * x:.0f}%",
+        share,
     ),
 ]
 

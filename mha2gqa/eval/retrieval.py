@@ -88,9 +88,11 @@ def brief_lines(section: dict) -> list[str]:
         theirs = f" (reference {100 * x['reference_recall']:.0f}%)" if "reference_recall" in x else ""
         return f"{100 * x['recall']:.0f}%{theirs}"
 
+    from mha2gqa.eval.metrics import share
+
     kept = section.get("answer_probability_kept")
     lines = [
         f"  retrieval recall {pair(section)} over {section['items']} questions"
-        + (f", answer probability kept {100 * kept:.0f}%" if kept is not None else "")
+        + (f", answer probability kept {share(kept)}" if kept is not None else "")
     ]
     return lines + [f"    at {x['length']:,} tokens: {pair(x)}" for x in section["lengths"]]
