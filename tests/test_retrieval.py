@@ -122,6 +122,8 @@ def test_eval_retrieval_writes_recall_per_length_and_depth_beside_the_reference(
     for part in [found, *found["lengths"], *found["cells"], *found["tasks"].values()]:
         assert 0.0 <= part["recall"] <= 1.0 and 0.0 <= part["reference_recall"] <= 1.0
         assert part["answer_probability_kept"] > 0 and part["answer_logprob"] < 0
+    assert len(found["heads"]["scores"]) == 2 and len(found["heads"]["scores"][0]) == 8  # the tiny llama's heads
+    assert found["heads"]["questions"] == 8 and len(found["heads"]["top"]) == 10
     assert found["items"] == 8 and found["grid"] == {"lengths": [160, 256], "depths": [0.0, 1.0], "samples": 1}
     assert "retrieval recall" in run.output and "at 256 tokens:" in run.output
     from mha2gqa.eval import write_report
@@ -153,6 +155,11 @@ def test_the_estimate_prices_the_probe_by_the_tokens_it_forwards():
     (beside,) = retrieval_seconds(grid.forward_tokens(), params)
     (half,) = retrieval_seconds(grid.forward_tokens() // 2, params)
     assert 0 < half < beside and beside == pytest.approx(2 * alone, rel=0.05)  # two models forward every question
+    heads = grid.tokens_up_to(512)
+    assert heads == len(TASKS) * 3 * 2 * (128 + 512)
+    work = EvalWork(params, params, 49_152, 0, {}, 0, None, grid.forward_tokens(), heads)
+    (scored,) = [s.seconds() for s in eval_stages(work) if s.name == "retrieval"]
+    assert scored > beside  # the heads' scores forward the short questions once more
 
 
 @pytest.mark.parametrize(
@@ -170,3 +177,41 @@ def test_bad_retrieval_flags_are_one_line_and_exit_2_with_nothing_written(tiny_p
     run = CliRunner().invoke(cli, args)
     assert run.exit_code == 2 and words in run.output, run.output
     assert "Traceback" not in run.output and not out.exists()
+
+
+def test_a_head_scores_where_its_strongest_attention_lands_on_the_copied_token():
+    import torch
+
+    from mha2gqa.eval.retrieval_heads import copy_hits, heads_section
+
+    layers, heads, length = 2, 4, 12
+    maps = torch.full((layers, heads, length, length), 1.0 / length)
+    rows, targets = torch.tensor([9, 10, 11]), torch.tensor([3, 4, 5])
+    maps[1, 2, rows, targets] = 0.9  # layer 1, head 2 copies every answer token
+    maps[0, 1, rows[0], targets[0]] = 0.9  # layer 0, head 1 only the first
+    maps[0, 3, rows, 0] = 0.9  # layer 0, head 3 looks at the first token: no copy
+    hits = copy_hits(maps, rows, targets)
+    assert hits.tolist() == [[0, 1, 0, 0], [0, 0, 3, 0]]
+    section = heads_section(hits.float() / 3, kv_heads=2, questions=1)
+    assert section["retrieving"] == 2 and section["heads"] == 8
+    assert section["top"][0] == {"layer": 1, "head": 2, "kv_head": 1, "score": 1.0}
+    assert section["top"][1] == {"layer": 0, "head": 1, "kv_head": 0, "score": round(1 / 3, 4)}
+
+
+def test_each_question_names_where_its_fact_answers(austen_tokenizer):
+    for item in build_items(austen_tokenizer, probe_grid(**GRID, seed=1, max_positions=512)):
+        assert item.prompt[item.source : item.source + len(item.answer)] == item.answer
+        # the fact's own question precedes it: " The secret word of KEY is", 6 tokens at least
+        assert item.source >= 6 and item.prompt[item.source - 6 : item.source] == item.prompt[-6:]
+
+
+def test_head_scores_run_under_eager_attention_and_switch_back(austen_tokenizer):
+    from mha2gqa.eval.retrieval_heads import head_scores
+
+    model = make_tiny_model(vocab_size=len(austen_tokenizer), max_position_embeddings=1024)
+    model.set_attn_implementation("sdpa")
+    items = build_items(austen_tokenizer, probe_grid((128, 640), (0.5,), 1, 0, 1024))
+    scores = head_scores(model, items, "cpu")
+    assert scores.shape == (2, 8) and 0.0 <= scores.min() and scores.max() <= 1.0
+    assert model.config._attn_implementation == "sdpa"
+    assert head_scores(model, [i for i in items if i.length > 512], "cpu") is None  # every map too large to hold

@@ -150,7 +150,18 @@ def _retrieval(run: Loaded) -> dict:
         reference = answer_scores(
             run.ref_model, items, run.device, bar and f"{bar}, {run.result['reference']['label']}"
         )
-    return {"retrieval": summarize(grid, items, mine, reference)}
+    found = summarize(grid, items, mine, reference)
+    found["heads"] = _retrieval_heads(run, items)
+    return {"retrieval": found}
+
+
+def _retrieval_heads(run: Loaded, items) -> dict | None:
+    """The model's retrieval heads on the questions short enough to hold every attention map (eval/retrieval_heads.py)."""
+    from mha2gqa.eval.retrieval_heads import MAX_LENGTH, head_scores, heads_section
+
+    scores = head_scores(run.model, items, run.device)
+    questions = sum(i.length <= MAX_LENGTH for i in items)
+    return None if scores is None else heads_section(scores, run.shape.kv_heads, questions)
 
 
 # ---- the KV cache: bytes per token, the formula against the live cache ----

@@ -49,6 +49,10 @@ class ProbeGrid:
         """Tokens one model forwards over the whole probe (the estimate's work)."""
         return len(TASKS) * len(self.depths) * self.samples * sum(self.lengths)
 
+    def tokens_up_to(self, longest: int) -> int:
+        """Tokens of the questions of at most `longest` tokens (those whose heads are scored)."""
+        return len(TASKS) * len(self.depths) * self.samples * sum(n for n in self.lengths if n <= longest)
+
 
 @dataclass(frozen=True)
 class Item:
@@ -59,6 +63,8 @@ class Item:
     depth: float
     prompt: tuple[int, ...]
     answer: tuple[int, ...]
+    source: int = -1
+    """Index in the prompt of the fact's own first answer token: where a head that copies it looks."""
 
 
 def check_values(lengths: Sequence[int] | None, depths: Sequence[float] | None, samples: int | None) -> None:
@@ -122,7 +128,8 @@ def build_items(tokenizer, grid: ProbeGrid, text: str | None = None) -> list[Ite
                         hay, starts = _fact_list(tokenizer, keys[1:], words, room, rng)
                     at = _place(starts, depth, len(hay))
                     prompt = hay[:at] + fact.sentence + hay[at:] + fact.question
-                    items.append(Item(task, length, depth, tuple(prompt), tuple(fact.answer)))
+                    source = at + len(fact.question)
+                    items.append(Item(task, length, depth, tuple(prompt), tuple(fact.answer), source))
     return items
 
 

@@ -23,6 +23,7 @@ from mha2gqa.eval import perplexity as P
 from mha2gqa.eval.data import load_eval_text
 from mha2gqa.eval.measurements import Loaded, check_all, check_tokenizer, retrieval_grid, speed_grid
 from mha2gqa.eval.options import EvalOptions
+from mha2gqa.eval.retrieval_heads import MAX_LENGTH as HEADS_MAX_LENGTH
 from mha2gqa.eval.schema import SCHEMA, write_result
 from mha2gqa.sources import require_safetensors, resolve_model_dir
 
@@ -147,9 +148,10 @@ def eval_estimate(found: _Inputs, o: EvalOptions):
         len(found.grid.batches) * len(found.grid.contexts) * (2 if o.speed_side_by_side else 1) if found.grid else 0
     )
     examples = o.lm_eval_limit * len(o.lm_eval_tasks) if o.lm_eval_tasks and o.lm_eval_limit else None
-    retrieval = retrieval_grid(o, found.config).forward_tokens() if o.retrieval else 0
+    probe = retrieval_grid(o, found.config) if o.retrieval else None
+    retrieval = (probe.forward_tokens(), probe.tokens_up_to(HEADS_MAX_LENGTH)) if probe else (0, 0)
     work = EvalWork(
-        params, ref_params, found.config.vocab_size, weights + ref_weights, texts, points, examples, retrieval
+        params, ref_params, found.config.vocab_size, weights + ref_weights, texts, points, examples, *retrieval
     )
     element = max(1, weights // max(params, 1))
     batch = 1 if o.batch_size == "auto" else o.batch_size
