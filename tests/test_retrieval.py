@@ -89,11 +89,14 @@ def test_default_lengths_fit_the_model_and_values_that_cannot_be_probed_are_refu
     assert probe_grid(None, None, None, 0, 512).lengths == (128, 512)
     assert probe_grid(None, None, None, 0, 300).lengths == (128, 300)
     assert probe_grid(None, None, None, 0, 8192).lengths == (128, 512, 2048)
+    assert probe_grid((512, 128, 512), (0.9, 0.1, 0.9), None, 0, 512) == probe_grid((128, 512), (0.1, 0.9), 2, 0, 512)
     for args, words in (
         (((1024,), None, None, 0, 512), "--retrieval-lengths 1024 exceeds the model's max_position_embeddings=512"),
         (((32,), None, None, 0, 512), "--retrieval-lengths 32 must be at least 64"),
         ((None, (1.5,), None, 0, 512), "--retrieval-depths 1.5 must be between 0 and 1"),
         ((None, None, 0, 0, 512), "--retrieval-samples 0 must be at least 1"),
+        ((None, None, None, 0, 48), "max_position_embeddings=48 is below the probe's shortest context, 64 tokens"),
+        (((), None, None, 0, 512), "--retrieval-lengths names no value"),
     ):
         with pytest.raises(InputError, match=words):
             probe_grid(*args)
@@ -169,9 +172,11 @@ def test_the_estimate_prices_the_probe_by_the_tokens_it_forwards():
         (["--retrieval-depths", "0.5,2"], "--retrieval-depths 2.0 must be between 0 and 1"),
         (["--retrieval-lengths", "64"], "--retrieval-lengths 64 is too short for this tokenizer"),
         (["--retrieval-depths", "deep"], "'deep' is not a comma-separated list of numbers"),
+        (["--retrieval-depths", ","], "--retrieval-depths names no value"),
     ],
 )
 def test_bad_retrieval_flags_are_one_line_and_exit_2_with_nothing_written(tiny_pair, tmp_path, flags, words):
+    """Each refused before any weights are loaded (the length against the config's max positions)."""
     out = tmp_path / "r.json"
     args = ["eval", str(tiny_pair / "child"), "--retrieval", *flags, "--speed", "off", "--out", str(out), "-q"]
     run = CliRunner().invoke(cli, args)
@@ -215,3 +220,11 @@ def test_head_scores_run_under_eager_attention_and_switch_back(austen_tokenizer)
     assert scores.shape == (2, 8) and 0.0 <= scores.min() and scores.max() <= 1.0
     assert model.config._attn_implementation == "sdpa"
     assert head_scores(model, [i for i in items if i.length > 512], "cpu") is None  # every map too large to hold
+
+
+@pytest.mark.parametrize("flag, value", [("--retrieval-lengths", "128"), ("--retrieval-samples", "3")])
+def test_a_probe_flag_without_retrieval_is_refused_not_ignored(tiny_pair, tmp_path, flag, value):
+    out = tmp_path / "r.json"
+    run = CliRunner().invoke(cli, ["eval", str(tiny_pair / "child"), flag, value, "--speed", "off", "--out", str(out)])
+    assert run.exit_code == 2 and f"{flag} shapes the retrieval probe: add --retrieval, or drop {flag}" in run.output
+    assert not out.exists()

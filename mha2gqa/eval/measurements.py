@@ -127,6 +127,10 @@ def _check_retrieval(o: EvalOptions) -> None:
     from mha2gqa.eval.retrieval_items import check_values
 
     check_values(o.retrieval_lengths, o.retrieval_depths, o.retrieval_samples)
+    given = (("--retrieval-lengths", o.retrieval_lengths), ("--retrieval-depths", o.retrieval_depths))
+    for flag, value in (*given, ("--retrieval-samples", o.retrieval_samples)):
+        if value is not None and not o.retrieval:
+            raise InputError(f"{flag} shapes the retrieval probe: add --retrieval, or drop {flag}")
 
 
 def retrieval_grid(o: EvalOptions, config):

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from mha2gqa.corpus.probe import PROBE, parse_domains
 from mha2gqa.errors import InputError
-from mha2gqa.eval.retrieval_items import DEFAULT_SAMPLES
 from mha2gqa.typed import StrEnum, check_keywords
 
 DEFAULT_MAX_TOKENS = 4096  # a domain's tokens scored by default (docs/eval.md, "Cost")
@@ -117,8 +116,8 @@ class EvalOptions:
     retrieval_depths: Sequence[float] | None = None
     """Where the fact sits in the context, 0 (the start) to 1 (just before the question), e.g. 0.1,0.5,0.9
     (the default)."""
-    retrieval_samples: int = DEFAULT_SAMPLES
-    """Questions per task, length and depth (two tasks: needle and kv)."""
+    retrieval_samples: int | None = None
+    """Questions per task, length and depth (two tasks: needle and kv; default 2)."""
     role: str | None = None
     """Role in the report: parent, converted or uptrained (default: from the model's mha2gqa.json: uptrain ->
     uptrained, conversion -> converted, none -> parent)."""

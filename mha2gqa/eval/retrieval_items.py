@@ -30,7 +30,7 @@ from mha2gqa.errors import InputError
 TASKS = ("needle", "kv")
 DEFAULT_LENGTHS = (128, 512, 2048)  # capped at the model's max_position_embeddings (which is added when smaller)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
-DEFAULT_SAMPLES = 2  # 12 questions a length; SmolLM2-135M and its parent: about 4 min on 2 cores (docs/eval.md)
+DEFAULT_SAMPLES = 2  # 12 questions a length (eval/options.py says so in --retrieval-samples' help)
 MIN_LENGTH = 64  # room for a question, its needle and some haystack
 _CLAUSE_ENDS = (".", "!", "?", ";", ",")  # a needle goes after one of these when one is near its depth
 _WORD = re.compile(r"\b[a-z]{4,10}\b")
@@ -69,6 +69,9 @@ class Item:
 
 def check_values(lengths: Sequence[int] | None, depths: Sequence[float] | None, samples: int | None) -> None:
     """The flags' values on their own, before the model's config is read."""
+    for flag, value in (("--retrieval-lengths", lengths), ("--retrieval-depths", depths)):
+        if value is not None and not len(value):
+            raise InputError(f"{flag} names no value: give a comma-separated list (e.g. {flag} 128,512), or drop it")
     for n in lengths or ():
         if n < MIN_LENGTH:
             raise InputError(f"--retrieval-lengths {n} must be at least {MIN_LENGTH} tokens (e.g. 128,512)")
@@ -95,10 +98,14 @@ def probe_grid(lengths, depths, samples, seed: int, max_positions: int | None) -
         found = tuple(sorted(set(lengths)))
     else:
         cap = max_positions or max(DEFAULT_LENGTHS)
+        if cap < MIN_LENGTH:
+            raise InputError(
+                f"--retrieval: the model's max_position_embeddings={cap} is below the probe's shortest context, "
+                f"{MIN_LENGTH} tokens: drop --retrieval"
+            )
         found = tuple(n for n in DEFAULT_LENGTHS if n <= cap)
-        if cap < max(DEFAULT_LENGTHS) and cap not in found and cap >= MIN_LENGTH:
-            found += (cap,)
-    return ProbeGrid(found, tuple(depths or DEFAULT_DEPTHS), samples or DEFAULT_SAMPLES, seed)
+        found += (cap,) if cap < max(DEFAULT_LENGTHS) and cap not in found else ()
+    return ProbeGrid(found, tuple(sorted(set(depths or DEFAULT_DEPTHS))), samples or DEFAULT_SAMPLES, seed)
 
 
 def filler_text() -> str:
@@ -113,6 +120,8 @@ def build_items(tokenizer, grid: ProbeGrid, text: str | None = None) -> list[Ite
     prose = _encode(tokenizer, text)
     ends = _clause_ends(tokenizer, prose)
     words = sorted(set(_WORD.findall(text)))
+    if len(words) < 2:  # a key and its value, at least
+        raise InputError("the retrieval probe's haystack holds fewer than 2 distinct words: give it a longer text")
     rng = random.Random(grid.seed)
     items = []
     for task in TASKS:
