@@ -139,6 +139,8 @@ def test_eval_retrieval_writes_recall_per_length_and_depth_beside_the_reference(
     card = dict(measured_cells(tmp_path)["child.json"])  # a card beside the result shows it too
     assert card["retrieval recall ↑"] == f"{100 * found['recall']:.0f}%"
     kept = found["answer_probability_kept"]
+    at_256 = next(x for x in found["lengths"] if x["length"] == 256)
+    assert card["recall @ 256 tokens (by depth) ↑"].startswith(f"{100 * at_256['recall']:.0f}% (0: ")
     assert card["answer prob. kept ↑"] == (f"{100 * kept:.0f}%" if kept >= 0.1 else f"{100 * kept:.2g}%")
 
 
