@@ -115,7 +115,9 @@ def test_eval_retrieval_writes_recall_per_length_and_depth_beside_the_reference(
     out = tmp_path / "child.json"
     args = ["eval", str(tiny_pair / "child"), "--reference", str(tiny_pair / "parent"), "--retrieval"]
     args += ["--retrieval-lengths", "160,256", "--retrieval-depths", "0,1", "--retrieval-samples", "1"]
-    run = CliRunner().invoke(cli, [*args, "--speed", "off", "--max-tokens", "64", "--out", str(out), "-q"])
+    run = CliRunner().invoke(
+        cli, [*args, "--speed", "off", "--max-tokens", "64", "--out", str(out)]
+    )  # with its estimate
     assert run.exit_code == 0, run.output
     found = json.loads(out.read_text())["retrieval"]
     assert [x["length"] for x in found["lengths"]] == [160, 256]

@@ -156,7 +156,14 @@ def eval_estimate(found: _Inputs, o: EvalOptions):
     element = max(1, weights // max(params, 1))
     batch = 1 if o.batch_size == "auto" else o.batch_size
     peak = eval_peak_bytes(work, window_bytes(found.config, found.context, element), batch)
+    peak += _heads_maps_bytes(found.config, probe, element) if probe else 0
     return Estimate(tuple(eval_stages(work)), this_machine("torch"), peak)
+
+
+def _heads_maps_bytes(config, probe, element: int) -> int:
+    """The attention maps of every layer that the retrieval heads' scores hold at once (eval/retrieval_heads.py)."""
+    held = max([n for n in probe.lengths if n <= HEADS_MAX_LENGTH], default=0)
+    return config.num_hidden_layers * config.num_attention_heads * held * held * element
 
 
 def _text(o: EvalOptions, path: str, tok):
