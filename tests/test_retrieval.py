@@ -232,3 +232,14 @@ def test_a_probe_flag_without_retrieval_is_refused_not_ignored(tiny_pair, tmp_pa
     run = CliRunner().invoke(cli, ["eval", str(tiny_pair / "child"), flag, value, "--speed", "off", "--out", str(out)])
     assert run.exit_code == 2 and f"{flag} shapes the retrieval probe: add --retrieval, or drop {flag}" in run.output
     assert not out.exists()
+
+
+def test_in_python_the_probe_runs_beside_a_reference_without_any_text(tiny_pair):
+    from mha2gqa.eval import evaluate
+
+    found = evaluate(
+        tiny_pair / "child", None, reference=tiny_pair / "parent", retrieval=True, retrieval_lengths=(160,),
+        retrieval_depths=(0.5,), retrieval_samples=1, speed_preset="off", progress=False,
+    )  # fmt: skip
+    assert found["perplexity"] is None and found["retrieval"]["items"] == 2
+    assert "reference_recall" in found["retrieval"] and found["retrieval"]["answer_probability_kept"] > 0

@@ -61,7 +61,7 @@ def at_least(flag: str, value, low: int, hint: str = "") -> None:
 def _check_quality(o: EvalOptions) -> None:
     from mha2gqa.eval import perplexity as P
 
-    if o.reference and not o.domains:
+    if o.reference and not o.domains and not o.retrieval:  # the retrieval probe answers beside it without text
         raise InputError("--reference needs --data: agreement is measured on the same text")
     if o.context is not None:
         P.check_window(o.context, o.stride or max(1, o.context // 2))
