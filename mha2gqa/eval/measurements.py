@@ -155,15 +155,15 @@ def _retrieval(run: Loaded) -> dict:
             run.ref_model, items, run.device, bar and f"{bar}, {run.result['reference']['label']}"
         )
     found = summarize(grid, items, mine, reference)
-    found["heads"] = _retrieval_heads(run, items)
+    found["heads"] = _retrieval_heads(run, items, bar and f"{bar}, heads")
     return {"retrieval": found}
 
 
-def _retrieval_heads(run: Loaded, items) -> dict | None:
+def _retrieval_heads(run: Loaded, items, bar) -> dict | None:
     """The model's retrieval heads on the questions short enough to hold every attention map (eval/retrieval_heads.py)."""
     from mha2gqa.eval.retrieval_heads import MAX_LENGTH, head_scores, heads_section
 
-    scores = head_scores(run.model, items, run.device)
+    scores = head_scores(run.model, items, run.device, bar)
     questions = sum(i.length <= MAX_LENGTH for i in items)
     return None if scores is None else heads_section(scores, run.shape.kv_heads, questions)
 

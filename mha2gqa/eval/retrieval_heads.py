@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from mha2gqa.eval.retrieval_items import Item
+from mha2gqa.progress import progress_bar
 
 MAX_LENGTH = 512  # SmolLM2-135M: 30 layers x 9 heads x 512^2 x 4 bytes = 283 MiB of maps a question
 RETRIEVING = 0.1  # a head whose score is above this counts as a retrieval head (Wu et al.'s threshold)
@@ -27,7 +28,7 @@ def copy_hits(attentions: torch.Tensor, rows: torch.Tensor, targets: torch.Tenso
 
 
 @torch.no_grad()
-def head_scores(model, items: list[Item], device) -> torch.Tensor | None:
+def head_scores(model, items: list[Item], device, bar: str | bool = False) -> torch.Tensor | None:
     """(layers, heads) retrieval scores over the items of at most MAX_LENGTH tokens; None without any. The model
     runs under eager attention (sdpa returns no maps) and is switched back afterwards."""
     asked = [i for i in items if i.length <= MAX_LENGTH and i.source >= 0]
@@ -36,6 +37,7 @@ def head_scores(model, items: list[Item], device) -> torch.Tensor | None:
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")
     hits, tokens = 0, 0
+    shown = progress_bar(len(asked), bar or "", bool(bar), unit="question", leave=False)
     try:
         for item in asked:
             ids = torch.tensor([item.prompt + item.answer], device=device)
@@ -44,8 +46,10 @@ def head_scores(model, items: list[Item], device) -> torch.Tensor | None:
             rows = torch.arange(len(item.prompt) - 1, len(item.prompt) - 1 + k)  # each predicts answer[j]
             hits = hits + copy_hits(torch.stack(out.attentions)[:, 0], rows, item.source + torch.arange(k)).cpu()
             tokens += k
+            shown.update()
     finally:
         model.set_attn_implementation(before)
+        shown.close()
     return hits.float() / tokens
 
 
