@@ -108,8 +108,8 @@ def _str_list(ctx, param, value):
 def eval_command(model, quiet, out, force, **options):
     """Measure MODEL (a local directory or a hub id when online): sliding-window perplexity on --data,
     agreement with --reference, KV-cache bytes per token (formula vs the live cache), greedy decode
-    speed and peak memory; optionally attention maps and lm-eval tasks. Writes one result JSON that
-    `mha2gqa report` compares.
+    speed and peak memory; optionally attention maps, the long-context retrieval probe (--retrieval) and
+    lm-eval tasks. Writes one result JSON that `mha2gqa report` compares.
 
     Example: mha2gqa eval ./llama-gqa8 --data prose=held_out.txt --data code=src/ --reference ./llama --out gqa8.json
     """
