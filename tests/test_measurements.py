@@ -80,4 +80,11 @@ def test_each_measurement_checks_its_own_flags_before_loading(tiny):
     for fields, message in cases:
         with pytest.raises(InputError, match=message.replace("(", r"\(")):
             measurements.check_all(EvalOptions(**fields))
-    assert [m.key for m in measurements.MEASUREMENTS] == ["quality", "kv_cache", "speed", "attention_maps", "lm_eval"]
+    assert [m.key for m in measurements.MEASUREMENTS] == [
+        "quality",
+        "retrieval",
+        "kv_cache",
+        "speed",
+        "attention_maps",
+        "lm_eval",
+    ]

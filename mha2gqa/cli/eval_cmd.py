@@ -27,6 +27,16 @@ def _int_list(ctx, param, value):
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers (e.g. 1,4,16)") from None
 
 
+def _float_list(ctx, param, value):
+    """'0.1,0.5' -> (0.1, 0.5); None stays None (the default applies)."""
+    if value is None:
+        return None
+    try:
+        return tuple(float(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers (e.g. 0.1,0.5,0.9)") from None
+
+
 class _BatchSize(click.ParamType):
     """A whole number, or auto."""
 
@@ -86,6 +96,10 @@ def _str_list(ctx, param, value):
 @_option("--lm-eval-limit", type=int)
 @_option("--chat-template", is_flag=True)
 @_option("--log-samples", type=click.Path(dir_okay=False))
+@_option("--retrieval", is_flag=True)
+@_option("--retrieval-lengths", callback=_int_list)
+@_option("--retrieval-depths", callback=_float_list)
+@_option("--retrieval-samples", type=int)
 @_option("--role", type=click.Choice(["parent", "converted", "uptrained"]))
 @_option("--label")
 @_option("--seed")
@@ -95,8 +109,8 @@ def _str_list(ctx, param, value):
 def eval_command(model, quiet, out, force, **options):
     """Measure MODEL (a local directory or a hub id when online): sliding-window perplexity on --data,
     agreement with --reference, KV-cache bytes per token (formula vs the live cache), greedy decode
-    speed and peak memory; optionally attention maps and lm-eval tasks. Writes one result JSON that
-    `mha2gqa report` compares.
+    speed and peak memory; optionally attention maps, the long-context retrieval probe (--retrieval) and
+    lm-eval tasks. Writes one result JSON that `mha2gqa report` compares.
 
     Example: mha2gqa eval ./llama-gqa8 --data prose=held_out.txt --data code=src/ --reference ./llama --out gqa8.json
     """
@@ -137,6 +151,10 @@ def summary(result: dict) -> str:
         from mha2gqa.brief import domain_lines
 
         lines += domain_lines(result)
+    if result.get("retrieval"):
+        from mha2gqa.eval.retrieval import brief_lines
+
+        lines += brief_lines(result["retrieval"])
     kv = result["kv_cache"]
     lines.append(
         f"  KV cache {format_bytes(kv['measured_bytes_per_token'])}/token measured, "

@@ -236,6 +236,8 @@ class EvalWork:
     texts: dict  # {domain: (forward tokens, scored tokens)} from the windows
     speed_points: int  # decode-speed grid points (x2 timed side by side)
     lm_eval_examples: int | None = None
+    retrieval_tokens: int = 0  # tokens one model forwards over the retrieval probe (eval/retrieval_items.py)
+    retrieval_head_tokens: int = 0  # of those, the ones forwarded again for the heads' scores (the model alone)
 
 
 def eval_stages(work: EvalWork, start: bool = True, warm: bool = False) -> list[StageCost]:
@@ -249,6 +251,9 @@ def eval_stages(work: EvalWork, start: bool = True, warm: bool = False) -> list[
         if ref:  # the KL, top-1 and agreement against the reference: work over the vocabulary, any model size
             parts.append(Part("eval_tally", p, {"tally": scored * work.vocab}, warm))
         stages.append(StageCost(f"quality: {name}", tuple(parts)))
+    if work.retrieval_tokens:  # forwards like the perplexity windows': priced at their rate
+        forward = work.retrieval_tokens * (p + (ref or 0)) + work.retrieval_head_tokens * p
+        stages.append(StageCost("retrieval", (Part("eval_quality", p, {"forward": forward}, warm),)))
     stages.append(StageCost("kv cache", (Part("eval_kv", p, {}, warm),)))
     if work.speed_points:
         stages.append(StageCost("decode speed", (Part("eval_speed", p, {"points": work.speed_points}, warm),)))

@@ -61,7 +61,7 @@ def at_least(flag: str, value, low: int, hint: str = "") -> None:
 def _check_quality(o: EvalOptions) -> None:
     from mha2gqa.scoring import perplexity as P
 
-    if o.reference and not o.domains:
+    if o.reference and not o.domains and not o.retrieval:  # the retrieval probe answers beside it without text
         raise InputError("--reference needs --data: agreement is measured on the same text")
     if o.context is not None:
         P.check_window(o.context, o.stride or max(1, o.context // 2))
@@ -118,6 +118,54 @@ def _quality(run: Loaded) -> dict:
     if run.options.batch_size == AUTO:  # what auto chose, beside the numbers it does not change
         found["batch_size"] = {"asked": AUTO, "windows": window_batch(run)}
     return found
+
+
+# ---- long-context retrieval: a fact far back in the context, asked for at its end ----
+
+
+def _check_retrieval(o: EvalOptions) -> None:
+    from mha2gqa.eval.retrieval_items import check_values
+
+    check_values(o.retrieval_lengths, o.retrieval_depths, o.retrieval_samples)
+    given = (("--retrieval-lengths", o.retrieval_lengths), ("--retrieval-depths", o.retrieval_depths))
+    for flag, value in (*given, ("--retrieval-samples", o.retrieval_samples)):
+        if value is not None and not o.retrieval:
+            raise InputError(f"{flag} shapes the retrieval probe: add --retrieval, or drop {flag}")
+
+
+def retrieval_grid(o: EvalOptions, config):
+    """The probe's grid for a model of this config (its lengths checked against its max positions)."""
+    from mha2gqa.eval.retrieval_items import probe_grid
+
+    max_positions = getattr(config, "max_position_embeddings", None)
+    return probe_grid(o.retrieval_lengths, o.retrieval_depths, o.retrieval_samples, o.seed, max_positions)
+
+
+def _retrieval(run: Loaded) -> dict:
+    from mha2gqa.eval.retrieval import answer_scores, summarize
+    from mha2gqa.eval.retrieval_items import build_items
+
+    grid = retrieval_grid(run.options, run.model.config)
+    items = build_items(run.tokenizer, grid)
+    bar = run.options.progress and bar_label(run, "retrieval")
+    mine = answer_scores(run.model, items, run.device, bar)
+    reference = None
+    if run.ref_model is not None:
+        reference = answer_scores(
+            run.ref_model, items, run.device, bar and f"{bar}, {run.result['reference']['label']}"
+        )
+    found = summarize(grid, items, mine, reference)
+    found["heads"] = _retrieval_heads(run, items, bar and f"{bar}, heads")
+    return {"retrieval": found}
+
+
+def _retrieval_heads(run: Loaded, items, bar) -> dict | None:
+    """The model's retrieval heads on the questions short enough to hold every attention map (eval/retrieval_heads.py)."""
+    from mha2gqa.eval.retrieval_heads import MAX_LENGTH, head_scores, heads_section
+
+    scores = head_scores(run.model, items, run.device, bar)
+    questions = sum(i.length <= MAX_LENGTH for i in items)
+    return None if scores is None else heads_section(scores, run.shape.kv_heads, questions)
 
 
 # ---- the KV cache: bytes per token, the formula against the live cache ----
@@ -272,6 +320,7 @@ def check_tokenizer(o: EvalOptions, tokenizer) -> None:
 
 MEASUREMENTS: list[Measurement] = [
     Measurement("quality", _check_quality, _quality, wanted=lambda o: bool(o.domains)),
+    Measurement("retrieval", _check_retrieval, _retrieval, wanted=lambda o: o.retrieval, stage="retrieval"),
     Measurement("kv_cache", _check_kv, _kv_cache, stage="kv cache"),
     Measurement("speed", _check_speed, _speed, wanted=lambda o: o.speed is not None, stage="decode speed"),
     Measurement(

@@ -59,8 +59,8 @@ class Metric:
     """The rows it is meant for, when not all: its column stays while one of them is in the table,
     even with no value (the notes say why), instead of being left out as unmeasured."""
     group: str = "main"
-    """The report table it is a column of: "main", "domains" (per domain of --data) or "lm_eval" (one column
-    per task metric)."""
+    """The report table it is a column of: "main", "domains" (per domain of --data), "retrieval" (per length of
+    eval --retrieval) or "lm_eval" (one column per task metric)."""
 
     def value(self, table: Table, rows: list[dict], i: int):
         if self.derive is not None:
@@ -84,6 +84,11 @@ def ratio(a, b):
 
 def fmt_ppl(x: float) -> str:
     return f"{x:,.0f}" if x >= 1000 else f"{x:.2f}"
+
+
+def share(x: float) -> str:
+    """A share as a percentage, with two significant digits below 10% (a lost answer keeps 0.18%, not 0%)."""
+    return f"{100 * x:.0f}%" if x >= 0.1 else f"{100 * x:.2g}%"
 
 
 def fmt_tps(x: float) -> str:
@@ -429,7 +434,7 @@ BY_NAME = {m.name: m for m in METRICS}
 
 def entries(results: list[dict]) -> list[Metric]:
     """Every metric of a report on these results: the fixed ones, then the per-domain ones, then lm-eval's."""
-    return METRICS + domain_metrics(results) + lm_eval_metrics(results)
+    return METRICS + domain_metrics(results) + retrieval_metrics(results) + lm_eval_metrics(results)
 
 
 def shown(metric: Metric, rows: list[dict]) -> bool:
@@ -526,6 +531,70 @@ def domain_metrics(results: list[dict]) -> list[Metric]:
             ),
         ]
     return found
+
+
+# ---- retrieval: recall per context length, with the recall at each depth ----
+
+
+def _retrieval_at(result: dict, length: int) -> dict | None:
+    """{recall, depths: {depth: recall}} of one length, pooled over the tasks; None where not measured."""
+    section = result.get("retrieval") or {}
+    pooled = next((x for x in section.get("lengths") or [] if x.get("length") == length), None)
+    if pooled is None:
+        return None
+    cells = [c for c in section.get("cells") or [] if c.get("length") == length]
+    depths = {}
+    for c in cells:
+        depths.setdefault(c["depth"], []).append((c["recall"], c["items"]))
+    by_depth = {d: sum(r * n for r, n in v) / sum(n for _, n in v) for d, v in depths.items()}
+    return {"recall": pooled["recall"], "depths": dict(sorted(by_depth.items()))}
+
+
+def _retrieval_text(cell: dict | None) -> str:
+    if cell is None:
+        return DASH
+    depths = ", ".join(f"{d:g}: {100 * r:.0f}" for d, r in cell["depths"].items())
+    return f"{100 * cell['recall']:.0f}% ({depths})"
+
+
+RETRIEVAL = [  # main-table columns, where some result ran the probe
+    Metric(
+        "retrieval_recall",
+        "retrieval recall",
+        "share of the retrieval probe's questions (eval --retrieval: a fact far back in a long context) whose "
+        "greedy answer is exact, over every length, depth and task",
+        "retrieval.recall",
+        "higher",
+        lambda x: f"{100 * x:.0f}%",
+    ),
+    Metric(
+        "retrieval_kept",
+        "answer prob. kept",
+        "exp(mean(answer log-probability - the reference's)) on the retrieval probe: the share of the "
+        "reference's probability of the right answers the model keeps",
+        "retrieval.answer_probability_kept",
+        "higher",
+        share,
+    ),
+]
+
+
+def retrieval_metrics(results: list[dict]) -> list[Metric]:
+    """Where some result ran the retrieval probe: its recall and answer probability kept in the main table, and
+    one column per context length any result probed: recall there, then by depth in brackets."""
+    lengths = sorted({x["length"] for r in results for x in (r.get("retrieval") or {}).get("lengths") or []})
+    return (RETRIEVAL if lengths else []) + [
+        Metric(
+            f"retrieval:{n}",
+            f"recall @ {n} tokens (by depth)",
+            f"retrieval probe recall at {n} tokens of context, pooled over tasks, then per depth of the fact",
+            direction="higher",
+            derive=lambda t, rows, i, n=n: _retrieval_at(t.results[i], n),
+            cell=lambda row, n=n: _retrieval_text(row[f"retrieval:{n}"]),
+            group="retrieval",
+        )
+        for n in lengths
+    ]
 
 
 # ---- lm-eval: one value column and one Δ column per task metric any result has ----

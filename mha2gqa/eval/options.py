@@ -122,6 +122,18 @@ class EvalOptions:
     log_samples: str | None = None
     """Write every lm-eval example (task, doc id, prompt arguments, responses, per-example metrics) to this
     JSON-lines file, as lm-eval's --log_samples does."""
+    retrieval: bool = False
+    """Run the long-context retrieval probe: a fact stated once in a long context (a sentence in prose, or one
+    key among many), asked for at the end; exact-match recall and the answer's log-probability per length and
+    depth, beside --reference's (docs/eval.md, "Retrieval")."""
+    retrieval_lengths: Sequence[int] | None = None
+    """The probe's context lengths in tokens, e.g. 256,1024 (default: 128, 512, 2048, those within the model's
+    max_position_embeddings, and that maximum when it is below 2048)."""
+    retrieval_depths: Sequence[float] | None = None
+    """Where the fact sits in the context, 0 (the start) to 1 (just before the question), e.g. 0.1,0.5,0.9
+    (the default)."""
+    retrieval_samples: int | None = None
+    """Questions per task, length and depth (two tasks: needle and kv; default 2)."""
     role: str | None = None
     """Role in the report: parent, converted or uptrained (default: from the model's mha2gqa.json: uptrain ->
     uptrained, conversion -> converted, none -> parent)."""

@@ -17,10 +17,12 @@ def tables(rows: list[dict], results: list[dict]) -> list[tuple[str | None, list
     label = metrics.BY_NAME["label"]
     lm_eval = [m for m in shown if m.group == "lm_eval"]
     per_domain = [m for m in shown if m.group == "domains"]
+    retrieval = [m for m in shown if m.group == "retrieval"]
     main = [m for m in shown if m.group == "main"]
     return (
         [(None, main)]
         + ([("Quality per domain", [label, *per_domain])] if per_domain else [])
+        + ([("Retrieval recall per context length", [label, *retrieval])] if retrieval else [])
         + ([("lm-evaluation-harness tasks", [label, *lm_eval])] if lm_eval else [])
     )
 

@@ -20,8 +20,9 @@ from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.eval import environment, measurements, speed
 from mha2gqa.eval import model as M
 from mha2gqa.eval.data import load_eval_text
-from mha2gqa.eval.measurements import Loaded, check_all, check_tokenizer, speed_grid
+from mha2gqa.eval.measurements import Loaded, check_all, check_tokenizer, retrieval_grid, speed_grid
 from mha2gqa.eval.options import EvalOptions
+from mha2gqa.eval.retrieval_heads import MAX_LENGTH as HEADS_MAX_LENGTH
 from mha2gqa.eval.schema import SCHEMA, write_result
 from mha2gqa.scoring import perplexity as P
 from mha2gqa.sources import require_safetensors, resolve_model_dir
@@ -114,6 +115,10 @@ def _inputs(model_path, o: EvalOptions) -> _Inputs:
     context, stride = _window(config, o.context, o.stride)
     if grid:
         speed.check_grid_fits(grid, getattr(config, "max_position_embeddings", None))
+    if o.retrieval:  # its lengths within the model's positions, and its questions within its lengths
+        from mha2gqa.eval.retrieval_items import build_items
+
+        build_items(tok, retrieval_grid(o, config))
     texts = {name: _text(o, path, tok) for name, path in (o.domains or {}).items()}
     return _Inputs(
         model_dir, ref_dir, prov, role, config, tok, context, stride, grid, texts, dev, torch_dtype, prepared
@@ -143,11 +148,22 @@ def eval_estimate(found: _Inputs, o: EvalOptions):
         len(found.grid.batches) * len(found.grid.contexts) * (2 if o.speed_side_by_side else 1) if found.grid else 0
     )
     examples = o.lm_eval_limit * len(o.lm_eval_tasks) if o.lm_eval_tasks and o.lm_eval_limit else None
-    work = EvalWork(params, ref_params, found.config.vocab_size, weights + ref_weights, texts, points, examples)
+    probe = retrieval_grid(o, found.config) if o.retrieval else None
+    retrieval = (probe.forward_tokens(), probe.tokens_up_to(HEADS_MAX_LENGTH)) if probe else (0, 0)
+    work = EvalWork(
+        params, ref_params, found.config.vocab_size, weights + ref_weights, texts, points, examples, *retrieval
+    )
     element = max(1, weights // max(params, 1))
     batch = 1 if o.batch_size == "auto" else o.batch_size
     peak = eval_peak_bytes(work, window_bytes(found.config, found.context, element), batch)
+    peak += _heads_maps_bytes(found.config, probe, element) if probe else 0
     return for_this_machine(Estimate(tuple(eval_stages(work)), STORED, peak), "torch")
+
+
+def _heads_maps_bytes(config, probe, element: int) -> int:
+    """The attention maps of every layer that the retrieval heads' scores hold at once (eval/retrieval_heads.py)."""
+    held = max([n for n in probe.lengths if n <= HEADS_MAX_LENGTH], default=0)
+    return config.num_hidden_layers * config.num_attention_heads * held * held * element
 
 
 def _text(o: EvalOptions, path: str, tok):
@@ -222,6 +238,7 @@ def _skeleton(model_path, model_dir, model, shape, prov, role, label, dev, seed)
         "agreement": None,
         "domains": None,
         "quality": None,
+        "retrieval": None,
         "kv_cache": None,
         "speed": None,
         "attention_maps": None,

@@ -17,6 +17,11 @@ Top-level keys (sections that were not measured are null):
   quality         geomean_perplexity_ratio (over the domains, of perplexity / the reference's),
                   perplexity_ratios {name: ratio}, worst_domain, worst_ratio, domains; null without
                   --reference (eval/domains.py)
+  retrieval       (eval --retrieval; added 2026-12 without a schema bump) recall, answer_logprob, items,
+                  and beside --reference reference_recall, reference_answer_logprob, answer_probability_kept;
+                  the same numbers per task (tasks: {needle, kv}), per length (lengths: [{length, ...}]) and per
+                  cell (cells: [{task, length, depth, ...}]); grid {lengths, depths, samples}, seed, haystack
+                  (eval/retrieval.py)
   kv_cache        formula_bytes_per_token, measured_bytes_per_token, match, cached_heads, ...
   speed           grid, points: [{batch, context, new_tokens, tokens_per_s, peak_memory_bytes, ...}];
                   since 2026-12 decode_path: {name, cache, attention, copied_per_step, steps} (eval/decode_path.py)
@@ -258,6 +263,30 @@ _TYPES = {
         "{name: {data: {...}, perplexity: {perplexity: number}, agreement: null or {kl_mean: number}}}",
     ),
     "quality": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
+    "retrieval": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
+    "retrieval.recall": (_maybe(_number), "a number"),
+    "retrieval.answer_probability_kept": (_maybe(_number), "a number"),
+    "retrieval.lengths": (
+        lambda v: (
+            isinstance(v, list)
+            and all(isinstance(x, dict) and _count(x.get("length")) and _number(x.get("recall")) for x in v)
+        ),
+        "[{length: whole number, recall: number}, ...]",
+    ),
+    "retrieval.cells": (
+        lambda v: (
+            isinstance(v, list)
+            and all(
+                isinstance(c, dict)
+                and _count(c.get("length"))
+                and _number(c.get("depth"))
+                and _number(c.get("recall"))
+                and _count(c.get("items"))
+                for c in v
+            )
+        ),
+        "[{length, depth, recall, items}, ...] with numbers",
+    ),
     "kv_cache": (lambda v: isinstance(v, dict), "an object"),
     "kv_cache.measured_bytes_per_token": (_maybe(_number), "a number"),
     "speed": (
