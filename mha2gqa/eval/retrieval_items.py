@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mha2gqa.corpus.probe import probe_paths
+from mha2gqa.corpus.tokens import document_ids
 from mha2gqa.errors import InputError
 
 TASKS = ("needle", "kv")
@@ -176,7 +177,7 @@ class _Fact:
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+    return list(next(document_ids([text], tokenizer, batch=1)))  # no special tokens: pieces are joined as ids
 
 
 def _clause_ends(tokenizer, ids: list[int]) -> list[bool]:
