@@ -20,6 +20,7 @@ from pathlib import Path
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.probe import PROBE, parse_domains
 from mha2gqa.estimates.clock import NO_CLOCK
+from mha2gqa.estimates.stages import SWEEP
 from mha2gqa.eval.schema import write_result
 from mha2gqa.layouts import attention_shape, read_config
 from mha2gqa.progress import progress_bar
@@ -150,7 +151,7 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
     echo, commit, the estimates clock)."""
     work, started, echo, commit, clock = run
     if record["parent"] is None:
-        clock.stage("evaluate parent")
+        clock.stage(SWEEP.evaluate_parent.name)
         _measure_parent(source, options, record, len(candidates), echo)
     done = {row["name"] for row in record["candidates"]}
     todo = [c for c in candidates if c.name not in done]
@@ -159,7 +160,7 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
     plans = {**plans, **plan_candidates(source, [c for c in todo if c not in plans], options, out / "models")}
     plan = plans[todo[0]]
     echo(f"sweep: gathering calibration statistics once ({options.calibration_tokens:,} tokens)")
-    clock.stage("calibrate")
+    clock.stage(SWEEP.calibrate.name)
     stats = _gather_statistics(plan, options, work / "calibration")
     record["calibration"] = stats.record
     models_dir = out / "models" if options.keep else work
