@@ -69,7 +69,7 @@ class UptrainStages:
 
 @dataclass(frozen=True)
 class SweepStages:
-    start: Declared = Declared("start", ("torch_start",))
+    start: Declared = START
     load: Declared = Declared("load")  # torch imported: its seconds are the start's, priced there
     evaluate_parent: Declared = Declared("evaluate parent", runs=("eval",))
     calibrate: Declared = Declared("calibrate", ("calibrate",))
@@ -78,7 +78,7 @@ class SweepStages:
 
 @dataclass(frozen=True)
 class DemoStages:
-    start: Declared = Declared("start", ("torch_start",))
+    start: Declared = START
     convert: Declared = Declared("convert", runs=("convert",))
     evaluate_parent: Declared = Declared("evaluate parent", runs=("eval",))
     evaluate_converted: Declared = Declared("evaluate converted", runs=("eval",))

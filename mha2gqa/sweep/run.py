@@ -38,7 +38,7 @@ from mha2gqa.sweep.candidates import (
 from mha2gqa.sweep.next_step import pretrain_tokens
 from mha2gqa.sweep.options import SweepOptions
 from mha2gqa.sweep.recommend import recommend
-from mha2gqa.sweep.timing import candidate_stage, sweep_clock
+from mha2gqa.sweep.timing import sweep_clock
 from mha2gqa.sweep.trust import trusted
 
 
@@ -170,7 +170,7 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
     with progress_bar(len(todo), "sweep", options.progress, todo, unit="candidate") as bar:
         for candidate in bar:
             bar.set_postfix_str(candidate.name)
-            clock.stage(candidate_stage(candidate.name))
+            clock.stage(SWEEP.candidate.member(candidate.name))
             row = measure_candidate(source, candidate, options, stats, plan.calibration, models_dir, parent, context)
             if not options.keep:
                 shutil.rmtree(models_dir / candidate.name)

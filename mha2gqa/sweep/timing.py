@@ -38,7 +38,7 @@ def sweep_stages(plans: dict, domains: list, max_tokens: int | None, calibration
     for name, plan in plans.items():
         candidate = estimates.convert_stages(plan, start=False, calibration=False)
         candidate += estimates.eval_stages(child, start=False, warm=True)  # after the parent's, in its process
-        stages.append(combined(candidate_stage(name), candidate))
+        stages.append(combined(SWEEP.candidate.member(name), candidate))
     return stages
 
 
@@ -65,10 +65,6 @@ def _parent_facts(plans: dict) -> tuple[int, int, dict]:
 def _candidate_evaluation(parent: int, vocab: int, texts: dict) -> EvalWork:
     """A candidate evaluated against the parent, both held in float32 in the sweep's process."""
     return EvalWork(parent, parent, vocab, 8 * parent, texts, 0)
-
-
-def candidate_stage(name: str) -> str:
-    return SWEEP.candidate.member(name)
 
 
 def sweep_clock(plans: dict, domains: list, options, echo):
