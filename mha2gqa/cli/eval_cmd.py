@@ -8,6 +8,7 @@ from mha2gqa import jsontext
 from mha2gqa.cli.fields import TokenCount, field_option
 from mha2gqa.cli.paths import file_option, folder_option
 from mha2gqa.docfields import choice_docs
+from mha2gqa.estimates.stages import EVAL
 from mha2gqa.eval.options import DecodePath, EvalOptions, SpeedPreset
 from mha2gqa.units import format_bytes
 
@@ -122,7 +123,7 @@ def eval_command(model, quiet, out, force, **options):
     options = check_eval(model, options, out, force)  # paths and values, before torch's start-up
     clock = command_clock(quiet)  # the estimate, and the time taken at the end; -q: quiet
     import_torch()  # with interrupts held: a signal during torch's start-up would abort
-    clock.stage("load")
+    clock.stage(EVAL.load.name)
     from mha2gqa.eval.run import evaluate
 
     threads.apply(threads.for_model(model))

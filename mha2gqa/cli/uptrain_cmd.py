@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from mha2gqa.cli.paths import file_option
+from mha2gqa.estimates.stages import UPTRAIN
 
 
 def _print_keys(ctx, _param, value):
@@ -74,7 +75,7 @@ def uptrain(recipe, resume, dry_run, overrides):
         return
     clock = Clock()  # the estimate before the models are loaded, and the time taken at the end
     import_torch()  # with interrupts held: a signal during torch's start-up would abort
-    clock.stage("load")
+    clock.stage(UPTRAIN.load.name)
     from mha2gqa.uptrain.guard import TrainingDiverged
 
     threads.apply(threads.for_model(loaded.model or loaded.init_from_config))

@@ -51,6 +51,7 @@ from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
 from mha2gqa.estimates import check_parts, convert_line
 from mha2gqa.estimates.costs import RUNTIME_BYTES as EVAL_RUNTIME_BYTES
+from mha2gqa.estimates.stages import CONVERT
 from mha2gqa.layouts import (
     AttentionShape,
     Layout,
@@ -290,24 +291,26 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int) -> None:
         plan.scratch_bytes += layers_bytes
         peak = max(peak, model_bytes + min(layers_bytes, plan.calibration_memory) + _forward_bytes(shape, seq_len))
     elif plan.stats is not None:
-        stages.append(Stage("calibrate", f"skipped: statistics passed in ({plan.stats.tokens:,} tokens)"))
+        stages.append(Stage(CONVERT.calibrate.name, f"skipped: statistics passed in ({plan.stats.tokens:,} tokens)"))
     executor = "numpy, no torch" if plan.torch_reason is None else f"torch: {plan.torch_reason}"
     r = shape.kv_heads // options.groups
     merge = (
         f"{options.method} over groups of {r} kv heads, {options.grouping} grouping, {shape.layers} layers ({executor})"
     )
     if options.refine is None:
-        stages.append(Stage("merge", merge + f"; {len(tensors.output_tensors())} tensors streamed into DST"))
+        stages.append(Stage(CONVERT.merge.name, merge + f"; {len(tensors.output_tensors())} tensors streamed into DST"))
     else:
-        stages.append(Stage("merge", merge + "; the merged attention kept in memory for refine"))
+        stages.append(Stage(CONVERT.merge.name, merge + "; the merged attention kept in memory for refine"))
         stages += _refine_stages(plan, calibration_tokens, seq_len)
         peak = max(peak, _refine_peak(plan, model_bytes, seq_len))
     plan.check = _plan_check(plan, params)
     runs = plan.check.skip is None  # the check's work (check_parts) counts in the estimate when it runs
-    stages.append(Stage("check", plan.check.describe().removeprefix("check: "), plan.check.parts if runs else ()))
+    stages.append(
+        Stage(CONVERT.check.name, plan.check.describe().removeprefix("check: "), plan.check.parts if runs else ())
+    )
     if plan.check.skip is None:
         peak = max(peak, model_bytes + check_logits_bytes(plan.config))
-    stages.append(Stage("metadata", "config.json, tokenizer and other files, mha2gqa.json, README.md card"))
+    stages.append(Stage(CONVERT.metadata.name, "config.json, tokenizer and other files, mha2gqa.json, README.md card"))
     plan.stages = stages
     runtime = RUNTIME_BYTES["numpy" if plan.torch_reason is None else "torch"]
     if plan.check.skip is None:  # the check runs the models in transformers, with a tokenizer: eval's runtime
@@ -332,7 +335,7 @@ def _sample_stage(calibration: CalibrationInput, params: int, batch: int) -> Sta
     tokens = calibration.sampled_tokens
     recipe = sampling.DEFAULT_RECIPE
     return Stage(
-        "sample",
+        CONVERT.sample.name,
         f"{tokens:,} tokens sampled from SRC ({-(-tokens // calibration.seq_len):,} sequences of "
         f"{calibration.seq_len}, up to {batch} at once, {recipe.describe()}, seeded by --seed; about "
         f"{sampling.flops(params, tokens):.2g} FLOPs, a forward per token with the KV cache)",
@@ -343,7 +346,7 @@ def _calibrate_stage(plan: ConversionPlan, calibration_tokens: int) -> Stage:
     shape, passes = plan.shape, plan.calibration_passes
     words = _data_words(plan.calibration) if plan.calibration is not None else "the statistics' data"
     return Stage(
-        "calibrate",
+        CONVERT.calibrate.name,
         f"up to {calibration_tokens:,} tokens of {words} through SRC "
         f"({passes} pass{'es' if passes > 1 else ''}), statistics of {shape.layers} layers "
         f"({format_bytes(shape.layers * stats_bytes(shape.hidden))} on disk)",
@@ -366,7 +369,7 @@ def _refine_stages(plan: ConversionPlan, calibration_tokens: int, seq_len: int) 
     where = "memory-mapped files inside DST's partial folder" if plan.refine_budget.spills else "in memory"
     stages = [
         Stage(
-            "refine",
+            CONVERT.refine.name,
             f"{shape.layers} layers x {refine.steps} Adam steps (lr {refine.lr:g}, {refine.batch_blocks} blocks "
             f"a step){', then the o_proj solve' if refine.solve_output else ''}; up to {(blocks - held) * seq_len:,} "
             f"fit and {held * seq_len:,} held-out tokens in blocks of {seq_len}, beside {opened.openings:,} openings of "
@@ -377,7 +380,7 @@ def _refine_stages(plan: ConversionPlan, calibration_tokens: int, seq_len: int) 
     if refine.global_steps:
         stages.append(
             Stage(
-                "refine (global)",
+                CONVERT.refine_global.name,
                 f"then up to {refine.global_steps} Adam steps (lr {refine.global_lr:g}, {refine.batch_blocks} blocks "
                 f"a step) of every refined attention parameter, all layers together, against the parent's "
                 f"next-token distribution{_precision_words(refine.global_precision, plan.decided.why.get('--refine-global-precision'))}; the held-out KL checked every "
@@ -385,7 +388,9 @@ def _refine_stages(plan: ConversionPlan, calibration_tokens: int, seq_len: int) 
             )
         )
     stages.append(
-        Stage("write", f"{len(tensors.output_tensors())} tensors streamed into DST, refined attention included")
+        Stage(
+            CONVERT.write.name, f"{len(tensors.output_tensors())} tensors streamed into DST, refined attention included"
+        )
     )
     return stages
 

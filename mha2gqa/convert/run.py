@@ -25,6 +25,7 @@ from mha2gqa.convert.prepare import ConversionPlan, prepare
 from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.errors import InputError, import_torch
 from mha2gqa.estimates.clock import NO_CLOCK
+from mha2gqa.estimates.stages import CONVERT
 from mha2gqa.layouts import converted_config
 from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, resolve, short_read
@@ -140,11 +141,11 @@ def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult
     ):
         if plan.torch_reason is not None:  # started first: the probe runs on torch's threads, and "start" ends here
             import_torch()
-            clock.stage("load")
+            clock.stage(CONVERT.load.name)
         clock.begin(lambda: estimate(plan))  # once DST is claimed: a refusal of it stays one line
         layers, refined, stats, parent = [], None, plan.stats, None
         if plan.torch_reason is None:
-            clock.stage("merge")
+            clock.stage(CONVERT.merge.name)
             fast.write_tensors(plan.checkpoint, plan.tensors, tmp, plan.shard_bytes, options.progress)
         else:
             layers, refined, stats, parent = _run_torch(plan, tmp, Path(scratch), clock)
@@ -152,7 +153,7 @@ def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult
         _write_config(plan.config, options.groups, options.dtype, tmp)
         checked = _check(plan, tmp, dst, parent, clock)
         del parent
-        clock.stage("metadata")
+        clock.stage(CONVERT.metadata.name)
         extra = {
             "grouping": options.grouping.value,
             "calibration": stats.record if stats else None,
@@ -183,7 +184,7 @@ def _check(plan: ConversionPlan, written: Path, dst: Path, parent=None, clock=NO
     check, options = plan.check, plan.options
     if check is None or check.skip is not None:
         return {"skipped": check.skip if check else "not planned"}
-    clock.stage("check")
+    clock.stage(CONVERT.check.name)
     import_torch()
     from mha2gqa.convert.check import next_steps
     from mha2gqa.convert.check_run import run_check_or_skip
@@ -224,10 +225,10 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
             ids = stats.ids
         else:
             if plan.calibration.sampled_tokens:
-                clock.stage("sample")
+                clock.stage(CONVERT.sample.name)
             ids, record = calibration.read_ids(plan.source, plan.calibration, parent, options.seed, options.progress)
     if plan.gathers_statistics:
-        clock.stage("calibrate")
+        clock.stage(CONVERT.calibrate.name)
         stats = calibration.gather(
             parent,
             plan.calibration,
@@ -242,11 +243,11 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
         )
     if plan.refine is None:
         parent = _kept_for_check(plan, parent)  # the merge needs one layer at a time, not the model
-        clock.stage("merge")
+        clock.stage(CONVERT.merge.name)
         return _write_tensors(plan, out_dir, stats), None, stats, parent
     from mha2gqa.convert.refine import refine_attention
 
-    clock.stage("refine")
+    clock.stage(CONVERT.refine.name)
     merged, layers = _merge(plan, stats)
     refined, record = refine_attention(
         parent,
@@ -264,7 +265,7 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
     )
     del merged
     parent = _kept_for_check(plan, parent)
-    clock.stage("write")
+    clock.stage(CONVERT.write.name)
     _write_tensors(plan, out_dir, stats, computed=refined)
     return layers, record, stats, parent
 

@@ -20,6 +20,7 @@ from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.prepare import prepare
 from mha2gqa.demo.timing import demo_estimate
 from mha2gqa.errors import InputError, import_torch
+from mha2gqa.estimates.stages import DEMO
 from mha2gqa.run_folder import check_folder, run_folder
 
 DEMO_RECIPE = Path(__file__).parent / "demo-uptrain.yaml"
@@ -144,25 +145,25 @@ def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, ech
 
     converted = out / "converted"
     groups = conversion.options.groups
-    clock.stage("convert")
+    clock.stage(DEMO.convert.name)
     execute(conversion, converted)
     echo(f"[2/6] converted to {groups} kv heads by mean-pooling: {converted}")
 
     results = out / "results"
     eval_kwargs = _eval_kwargs(settings, echo, progress)
-    clock.stage("evaluate parent")
+    clock.stage(DEMO.evaluate_parent.name)
     evaluate(parent, role="parent", label="parent (MHA)", out=results / "parent.json", **eval_kwargs)
-    clock.stage("evaluate converted")
+    clock.stage(DEMO.evaluate_converted.name)
     _evaluate_child(converted, "converted", parent, groups, results, settings.speed, eval_kwargs)
     echo(f"[3/6] evaluated parent and converted on held-out Persuasion: {results}")
 
-    clock.stage("uptrain")
+    clock.stage(DEMO.uptrain.name)
     uptrained = _uptrain(converted, out / "uptrained", settings, echo)
-    clock.stage("evaluate uptrained")
+    clock.stage(DEMO.evaluate_uptrained.name)
     _evaluate_child(uptrained, "uptrained", parent, groups, results, settings.speed, eval_kwargs)
     echo("[5/6] evaluated the uptrained model")
 
-    clock.stage("report")
+    clock.stage(DEMO.report.name)
     names = ("parent", "converted", "uptrained")
     written = write_report([results / f"{n}.json" for n in names], out / "report", metrics=uptrained / "metrics.jsonl")
     echo(f"[6/6] report: {written.get('markdown') or out / 'report'}")

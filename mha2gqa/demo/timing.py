@@ -8,6 +8,7 @@ import math
 
 from mha2gqa import embedded, estimates
 from mha2gqa.estimates import EvalWork, Part, StageCost, UptrainWork, combined
+from mha2gqa.estimates.stages import DEMO
 from mha2gqa.layouts import converted_config
 from mha2gqa.uptrain.plan import config_size, peak_memory
 from mha2gqa.uptrain.recipe import Recipe
@@ -46,13 +47,13 @@ def demo_estimate(plan) -> estimates.Estimate:
         settings.eval_blocks * CONTEXT, data_tokens=data,
     )  # fmt: skip
     stages = (
-        StageCost("start", (Part("torch_start", parent),)),
-        combined("convert", estimates.convert_stages(conversion, start=False)),
-        _evaluation("evaluate parent", parent, None, settings, grid),
-        _evaluation("evaluate converted", child, parent, settings, 2 * grid),
-        combined("uptrain", estimates.uptrain_stages(uptrain, start=False, warm=True)),
-        _evaluation("evaluate uptrained", child, parent, settings, 2 * grid),
-        StageCost("report", (Part("report", parent),)),
+        StageCost(DEMO.start.name, (Part("torch_start", parent),)),
+        combined(DEMO.convert.name, estimates.convert_stages(conversion, start=False)),
+        _evaluation(DEMO.evaluate_parent.name, parent, None, settings, grid),
+        _evaluation(DEMO.evaluate_converted.name, child, parent, settings, 2 * grid),
+        combined(DEMO.uptrain.name, estimates.uptrain_stages(uptrain, start=False, warm=True)),
+        _evaluation(DEMO.evaluate_uptrained.name, child, parent, settings, 2 * grid),
+        StageCost(DEMO.report.name, (Part("report", parent),)),
     )
     # its largest stage: uptraining (uptrain/plan.py's formula, as `uptrain --dry-run` says it)
     recipe = Recipe(seq_len=CONTEXT, micro_batch_size=UPTRAIN_TOKENS_PER_STEP // CONTEXT)

@@ -3,6 +3,7 @@ what it took at the end: every command that can run past a minute (convert, eval
 
 - rates.py: the measured rates (mha2gqa/data/estimate_rates.json, re-made by bench/estimate_rates.py) and the
   probe that scales them to this machine now;
+- stages.py: each command's stages declared once (the names its plan, its estimate and its clock use);
 - costs.py: each command's stages as work, the estimate line, and for_this_machine: the one way a command's
   estimate meets the machine (a probe only for a run long enough to be worth one, rates.this_machine);
 - clock.py: the run's clock: the estimate said, the remaining time corrected, the time taken.

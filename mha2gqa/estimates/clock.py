@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mha2gqa.estimates.costs import Estimate, duration, took
+from mha2gqa.estimates.stages import START
 from mha2gqa.progress import write_line
 
 FIRST_SHARE = 0.05  # finished stages worth this share of the estimate (or FIRST_SECONDS) make the first correction
@@ -70,7 +71,7 @@ class Clock:
         self.estimate: Estimate | None = None
         self.finished: list[tuple[str, float]] = []  # (stage, seconds) in order
         self.peak_rss: list[int | None] = []  # the process's peak RSS so far as each finished stage ended
-        self.current, self.current_started = "start", self.started
+        self.current, self.current_started = START.name, self.started
         self.said_remaining: tuple[float, float] | None = None  # (remaining, when said)
         self.partial_said: set[str] = set()
         self.load_at_begin = _load()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from mha2gqa.corpus.sampling import batch_for, forward_work, has_chat_template
 from mha2gqa.estimates import rates
 from mha2gqa.estimates.rates import LARGE, SMALL, Machine  # noqa: F401 (re-exported)
+from mha2gqa.estimates.stages import CONVERT, EVAL, UPTRAIN
 from mha2gqa.layouts import config_vocab
 
 
@@ -140,34 +141,36 @@ def convert_stages(plan, start: bool = True, calibration: bool = True) -> list[S
     p, shape, refine, budget = parameters_of(plan), plan.shape, plan.options.refine, plan.refine_budget
     stages = []
     if start:
-        stages.append(StageCost("start", (Part("numpy_start" if plan.torch_reason is None else "torch_start", p),)))
+        stages.append(
+            StageCost(CONVERT.start.name, (Part("numpy_start" if plan.torch_reason is None else "torch_start", p),))
+        )
     if plan.torch_reason is not None:  # the parent loaded when a stage reads it, the calibration text read
-        stages.append(StageCost("load", (Part("convert_load", p, {"bytes": _parent_bytes(plan)}),)))
+        stages.append(StageCost(CONVERT.load.name, (Part("convert_load", p, {"bytes": _parent_bytes(plan)}),)))
     if calibration and plan.calibration is not None and plan.calibration.sampled_tokens:
         chat = has_chat_template(plan.source)
-        stages.append(StageCost("sample", (_convert_sample_part(plan, p, chat),)))
+        stages.append(StageCost(CONVERT.sample.name, (_convert_sample_part(plan, p, chat),)))
     if calibration and plan.gathers_statistics:
         tokens = plan.calibration.tokens * plan.calibration_passes
-        stages.append(StageCost("calibrate", (Part("calibrate", p, {"tokens": tokens * p}),)))
+        stages.append(StageCost(CONVERT.calibrate.name, (Part("calibrate", p, {"tokens": tokens * p}),)))
     write = "write_numpy" if plan.torch_reason is None else "write_torch"
     if refine is None or budget is None:
-        stages.append(StageCost("merge", (Part(write, p, {"bytes": plan.bytes_written}),)))
+        stages.append(StageCost(CONVERT.merge.name, (Part(write, p, {"bytes": plan.bytes_written}),)))
     else:
         batch = refine.batch_blocks * budget.seq_len + budget.opening_tokens_per_step
         steps = shape.layers * refine.steps * batch * attention_parameters(shape)
         work = {"steps": steps, "tokens": (budget.blocks * budget.seq_len + budget.opening_tokens) * p}
-        stages.append(StageCost("refine", (Part("refine", p, work),)))
+        stages.append(StageCost(CONVERT.refine.name, (Part("refine", p, work),)))
         if refine.global_steps:
             checks = budget.global_check_forwards(refine.global_steps, config_vocab(plan.config), refine.memory)
             in_bf16 = refine.global_precision == "bfloat16"  # explicit in a plan: prepare decided `auto`
             speedup = rates.between(BF16_GLOBAL_STEP_SPEEDUP, p) if in_bf16 else 1
             step_work = refine.global_steps * batch * p / speedup
             global_work = {"steps": step_work, "checks": checks * p}
-            stages.append(StageCost("refine (global)", (Part("refine_global", p, global_work),)))
-        stages.append(StageCost("write", (Part(write, p, {"bytes": plan.bytes_written}),)))
+            stages.append(StageCost(CONVERT.refine_global.name, (Part("refine_global", p, global_work),)))
+        stages.append(StageCost(CONVERT.write.name, (Part(write, p, {"bytes": plan.bytes_written}),)))
     # a stage costed by its planner (the quality check: check_parts) runs after the write, before the metadata
     stages += [StageCost(s.name, s.parts) for s in plan.stages if s.parts]
-    stages.append(StageCost("metadata", (Part("metadata", p, {}),)))
+    stages.append(StageCost(CONVERT.metadata.name, (Part("metadata", p, {}),)))
     return stages
 
 
@@ -238,27 +241,32 @@ class EvalWork:
     lm_eval_examples: int | None = None
     retrieval_tokens: int = 0  # tokens one model forwards over the retrieval probe (eval/retrieval_items.py)
     retrieval_head_tokens: int = 0  # of those, the ones forwarded again for the heads' scores (the model alone)
+    attention_tokens: int = 0  # of --attention-maps' text, forwarded through the model and the reference
 
 
 def eval_stages(work: EvalWork, start: bool = True, warm: bool = False) -> list[StageCost]:
     """start (the interpreter, torch: not in a demo's evaluations), load (tokenizer, texts, weights), each
-    domain's quality, the KV cache, decode speed, lm-eval; `warm`: a later evaluation of a demo or a sweep."""
+    domain's quality, the retrieval probe, the KV cache, decode speed, the attention maps, lm-eval; `warm`: a later evaluation of a demo or a sweep."""
     p, ref = work.parameters, work.reference_parameters
-    stages = [StageCost("start", (Part("torch_start", p),))] if start else []
-    stages.append(StageCost("load", (Part("eval_load", p, {"bytes": work.weight_bytes}, warm),)))
+    stages = [StageCost(EVAL.start.name, (Part("torch_start", p),))] if start else []
+    stages.append(StageCost(EVAL.load.name, (Part("eval_load", p, {"bytes": work.weight_bytes}, warm),)))
     for name, (forward, scored) in work.texts.items():
         parts = [Part("eval_quality", p, {"forward": forward * (p + (ref or 0))}, warm)]
         if ref:  # the KL, top-1 and agreement against the reference: work over the vocabulary, any model size
             parts.append(Part("eval_tally", p, {"tally": scored * work.vocab}, warm))
-        stages.append(StageCost(f"quality: {name}", tuple(parts)))
+        stages.append(StageCost(EVAL.quality.member(name), tuple(parts)))
     if work.retrieval_tokens:  # forwards like the perplexity windows': priced at their rate
         forward = work.retrieval_tokens * (p + (ref or 0)) + work.retrieval_head_tokens * p
-        stages.append(StageCost("retrieval", (Part("eval_quality", p, {"forward": forward}, warm),)))
-    stages.append(StageCost("kv cache", (Part("eval_kv", p, {}, warm),)))
+        stages.append(StageCost(EVAL.retrieval.name, (Part("eval_quality", p, {"forward": forward}, warm),)))
+    stages.append(StageCost(EVAL.kv_cache.name, (Part("eval_kv", p, {}, warm),)))
     if work.speed_points:
-        stages.append(StageCost("decode speed", (Part("eval_speed", p, {"points": work.speed_points}, warm),)))
+        stages.append(StageCost(EVAL.speed.name, (Part("eval_speed", p, {"points": work.speed_points}, warm),)))
+    if work.attention_tokens:  # a forward like a window's, then one figure drawn (matplotlib: the report's kind)
+        forward = {"forward": work.attention_tokens * (p + (ref or 0))}
+        parts = (Part("eval_quality", p, forward, warm), Part("report", p, {}, warm))
+        stages.append(StageCost(EVAL.attention_maps.name, parts))
     if work.lm_eval_examples is not None:
-        stages.append(StageCost("lm-eval", (Part("lm_eval", p, {"examples": work.lm_eval_examples}, warm),)))
+        stages.append(StageCost(EVAL.lm_eval.name, (Part("lm_eval", p, {"examples": work.lm_eval_examples}, warm),)))
     return stages
 
 
@@ -309,11 +317,11 @@ def uptrain_stages(work: UptrainWork, start: bool = True, warm: bool = False) ->
     train.append(Part("eval_quality", p, {"forward": work.evals * work.eval_tokens * p}, warm))
     if t:
         train.append(Part("eval_quality", t, {"forward": work.tokens * t}, warm))  # the teacher's forwards
-    stages = [StageCost("start", (Part("torch_start", p),))] if start else []
+    stages = [StageCost(UPTRAIN.start.name, (Part("torch_start", p),))] if start else []
     return stages + [
-        StageCost("load", tuple(load)),
-        StageCost("train", tuple(train)),
-        StageCost("save", (Part("uptrain_save", p, {"bytes": work.weight_bytes}),)),
+        StageCost(UPTRAIN.load.name, tuple(load)),
+        StageCost(UPTRAIN.train.name, tuple(train)),
+        StageCost(UPTRAIN.save.name, (Part("uptrain_save", p, {"bytes": work.weight_bytes}),)),
     ]
 
 

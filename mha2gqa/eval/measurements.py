@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mha2gqa.errors import InputError
+from mha2gqa.estimates.stages import EVAL
 from mha2gqa.eval.batching import AUTO, auto_batch_size, check_batch_size
 from mha2gqa.eval.options import DecodePath, EvalOptions, SpeedPreset
 
@@ -107,7 +108,7 @@ def _quality(run: Loaded) -> dict:
     per = {}
     for name, text in run.texts.items():
         if run.clock is not None:
-            run.clock.stage(f"quality: {name}")
+            run.clock.stage(EVAL.quality.member(name))
         per[name] = _one_domain(run, name, text)
     if len(per) == 1:
         (only,) = per.values()
@@ -320,13 +321,17 @@ def check_tokenizer(o: EvalOptions, tokenizer) -> None:
 
 MEASUREMENTS: list[Measurement] = [
     Measurement("quality", _check_quality, _quality, wanted=lambda o: bool(o.domains)),
-    Measurement("retrieval", _check_retrieval, _retrieval, wanted=lambda o: o.retrieval, stage="retrieval"),
-    Measurement("kv_cache", _check_kv, _kv_cache, stage="kv cache"),
-    Measurement("speed", _check_speed, _speed, wanted=lambda o: o.speed is not None, stage="decode speed"),
+    Measurement("retrieval", _check_retrieval, _retrieval, wanted=lambda o: o.retrieval, stage=EVAL.retrieval.name),
+    Measurement("kv_cache", _check_kv, _kv_cache, stage=EVAL.kv_cache.name),
+    Measurement("speed", _check_speed, _speed, wanted=lambda o: o.speed is not None, stage=EVAL.speed.name),
     Measurement(
-        "attention_maps", _check_attention, _attention, wanted=lambda o: bool(o.attention_text), stage="attention maps"
+        "attention_maps",
+        _check_attention,
+        _attention,
+        wanted=lambda o: bool(o.attention_text),
+        stage=EVAL.attention_maps.name,
     ),
-    Measurement("lm_eval", _check_lm_eval, _lm_eval, wanted=lambda o: bool(o.lm_eval_tasks), stage="lm-eval"),
+    Measurement("lm_eval", _check_lm_eval, _lm_eval, wanted=lambda o: bool(o.lm_eval_tasks), stage=EVAL.lm_eval.name),
 ]
 
 

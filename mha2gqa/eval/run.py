@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mha2gqa import provenance
+from mha2gqa.corpus.tokens import stream_ids
 from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.eval import environment, measurements, speed
@@ -150,9 +151,9 @@ def eval_estimate(found: _Inputs, o: EvalOptions):
     examples = o.lm_eval_limit * len(o.lm_eval_tasks) if o.lm_eval_tasks and o.lm_eval_limit else None
     probe = retrieval_grid(o, found.config) if o.retrieval else None
     retrieval = (probe.forward_tokens(), probe.tokens_up_to(HEADS_MAX_LENGTH)) if probe else (0, 0)
-    work = EvalWork(
-        params, ref_params, found.config.vocab_size, weights + ref_weights, texts, points, examples, *retrieval
-    )
+    attention = stream_ids(o.attention_text, found.tokenizer).numel() if o.attention_text else 0
+    sizes = (params, ref_params, found.config.vocab_size, weights + ref_weights)
+    work = EvalWork(*sizes, texts, points, examples, *retrieval, attention_tokens=attention)
     element = max(1, weights // max(params, 1))
     batch = 1 if o.batch_size == "auto" else o.batch_size
     peak = eval_peak_bytes(work, window_bytes(found.config, found.context, element), batch)

@@ -20,6 +20,7 @@ from pathlib import Path
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.probe import PROBE, parse_domains
 from mha2gqa.estimates.clock import NO_CLOCK
+from mha2gqa.estimates.stages import SWEEP
 from mha2gqa.eval.schema import write_result
 from mha2gqa.layouts import attention_shape, read_config
 from mha2gqa.progress import progress_bar
@@ -37,7 +38,7 @@ from mha2gqa.sweep.candidates import (
 from mha2gqa.sweep.next_step import pretrain_tokens
 from mha2gqa.sweep.options import SweepOptions
 from mha2gqa.sweep.recommend import recommend
-from mha2gqa.sweep.timing import candidate_stage, sweep_clock
+from mha2gqa.sweep.timing import sweep_clock
 from mha2gqa.sweep.trust import trusted
 
 
@@ -150,7 +151,7 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
     echo, commit, the estimates clock)."""
     work, started, echo, commit, clock = run
     if record["parent"] is None:
-        clock.stage("evaluate parent")
+        clock.stage(SWEEP.evaluate_parent.name)
         _measure_parent(source, options, record, len(candidates), echo)
     done = {row["name"] for row in record["candidates"]}
     todo = [c for c in candidates if c.name not in done]
@@ -159,7 +160,7 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
     plans = {**plans, **plan_candidates(source, [c for c in todo if c not in plans], options, out / "models")}
     plan = plans[todo[0]]
     echo(f"sweep: gathering calibration statistics once ({options.calibration_tokens:,} tokens)")
-    clock.stage("calibrate")
+    clock.stage(SWEEP.calibrate.name)
     stats = _gather_statistics(plan, options, work / "calibration")
     record["calibration"] = stats.record
     models_dir = out / "models" if options.keep else work
@@ -169,7 +170,7 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
     with progress_bar(len(todo), "sweep", options.progress, todo, unit="candidate") as bar:
         for candidate in bar:
             bar.set_postfix_str(candidate.name)
-            clock.stage(candidate_stage(candidate.name))
+            clock.stage(SWEEP.candidate.member(candidate.name))
             row = measure_candidate(source, candidate, options, stats, plan.calibration, models_dir, parent, context)
             if not options.keep:
                 shutil.rmtree(models_dir / candidate.name)

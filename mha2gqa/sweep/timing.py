@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from mha2gqa import estimates
 from mha2gqa.estimates import EvalWork, Part, StageCost, combined
+from mha2gqa.estimates.stages import SWEEP
 
 DEFAULT_CONTEXT = 1024  # eval's window when the sweep sets none (eval/run.py), each token scored once
 
@@ -29,15 +30,15 @@ def sweep_stages(plans: dict, domains: list, max_tokens: int | None, calibration
     parent_work = EvalWork(parent, None, vocab, 4 * parent, texts, 0)
     child = _candidate_evaluation(parent, vocab, texts)
     stages = [
-        StageCost("start", (Part("torch_start", parent),)),
-        StageCost("load", ()),
-        combined("evaluate parent", estimates.eval_stages(parent_work, start=False)),
-        StageCost("calibrate", (Part("calibrate", parent, {"tokens": calibration_tokens * parent}),)),
+        StageCost(SWEEP.start.name, (Part("torch_start", parent),)),
+        StageCost(SWEEP.load.name, ()),
+        combined(SWEEP.evaluate_parent.name, estimates.eval_stages(parent_work, start=False)),
+        StageCost(SWEEP.calibrate.name, (Part("calibrate", parent, {"tokens": calibration_tokens * parent}),)),
     ]
     for name, plan in plans.items():
         candidate = estimates.convert_stages(plan, start=False, calibration=False)
         candidate += estimates.eval_stages(child, start=False, warm=True)  # after the parent's, in its process
-        stages.append(combined(candidate_stage(name), candidate))
+        stages.append(combined(SWEEP.candidate.member(name), candidate))
     return stages
 
 
@@ -66,10 +67,6 @@ def _candidate_evaluation(parent: int, vocab: int, texts: dict) -> EvalWork:
     return EvalWork(parent, parent, vocab, 8 * parent, texts, 0)
 
 
-def candidate_stage(name: str) -> str:
-    return f"candidate {name}"
-
-
 def sweep_clock(plans: dict, domains: list, options, echo):
     """Says the sweep's estimate and returns the clock that times it: a real run probes with torch (its threads);
     a dry run with numpy, and gets no clock (NO_CLOCK). Either probes only when the sweep is long enough
@@ -84,7 +81,7 @@ def sweep_clock(plans: dict, domains: list, options, echo):
         return NO_CLOCK
     import_torch()
     clock = Clock(echo=echo)
-    clock.stage("load")
+    clock.stage(SWEEP.load.name)
     fine = options.refine is not None  # refine's small products get their own probe
     clock.begin(lambda: estimates.for_this_machine(priced, "torch", fine))
     return clock

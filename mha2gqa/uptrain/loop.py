@@ -17,6 +17,7 @@ from mha2gqa.card import write_card
 from mha2gqa.errors import InputError
 from mha2gqa.estimates import STORED, for_this_machine
 from mha2gqa.estimates.clock import NO_CLOCK
+from mha2gqa.estimates.stages import UPTRAIN
 from mha2gqa.quiet import without_transformers_bars
 from mha2gqa.uptrain import allocator, checkpoints, lora, mixed_data
 from mha2gqa.uptrain.data import TrainData
@@ -145,7 +146,7 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator, clock=NO_CLOCK,
     metrics = Metrics(out, accelerator, start if start_ckpt else -1, total, bool(accelerator.log_with))
     trace = Trace(out, rank, start * recipe.grad_accum) if recipe.trace_samples else None
     run = Run(recipe, accelerator, model, optimizer, loaded.teacher, loaded.data, out, total, metrics, trace, clock)
-    clock.stage("train")
+    clock.stage(UPTRAIN.train.name)
     try:
         final_evals = run_steps(run, start)
     finally:
@@ -159,7 +160,7 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator, clock=NO_CLOCK,
     # What the weights depend on beside the recipe, chosen from the machine (a busy machine gives a small model one
     # thread: threads.py): float sums differ with torch's thread count and between a GPU and the CPU (card: Reproduce).
     record |= {"torch_threads": torch.get_num_threads(), "device": str(accelerator.device)}
-    clock.stage("save")
+    clock.stage(UPTRAIN.save.name)
     _save(recipe, accelerator, model, loaded, out, record)
     clock.finish()
     return out

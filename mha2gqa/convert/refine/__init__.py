@@ -54,6 +54,7 @@ from mha2gqa.convert.refine.hooks import advance, first_hidden_states, layer_tar
 from mha2gqa.convert.refine.model import attention_path, converted_model, layer_path
 from mha2gqa.errors import WeightWarning
 from mha2gqa.estimates.clock import NO_CLOCK
+from mha2gqa.estimates.stages import CONVERT
 from mha2gqa.layouts import AttentionShape, Layout
 from mha2gqa.progress import progress_bar
 
@@ -122,7 +123,7 @@ def refine_attention(
                 changed.update(names)
             clock.partial((index + 1) / shape.layers)
         if options.global_steps and changed:
-            clock.stage("refine (global)")
+            clock.stage(CONVERT.refine_global.name)
             global_record = _global_stage(run, changed, blocks, progress)
     finally:
         bar.close()
