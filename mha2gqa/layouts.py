@@ -86,15 +86,22 @@ class AttentionShape:
     head_dim: int
     hidden: int
     dtype: str = "float32"
+    # Each layer's kv heads where they differ (a Nemotron-NAS model; kv_heads is then their largest); () when
+    # every layer has kv_heads.
+    layer_kv_heads: tuple[int, ...] = ()
 
     def valid_groups(self) -> list[int]:
         """Target kv-head counts reachable by pooling contiguous groups (divisors of kv_heads)."""
         return [g for g in range(1, self.kv_heads + 1) if self.kv_heads % g == 0]
 
     def kv_bytes_per_token(self, kv_heads: int | None = None, dtype_bytes: int | None = None) -> int:
-        """K and V for every layer: 2 * layers * kv_heads * head_dim * bytes."""
+        """K and V for every layer: 2 * layers * kv_heads * head_dim * bytes (with layer_kv_heads and no
+        `kv_heads` given, the sum of each layer's)."""
+        size = dtype_bytes or DTYPE_BYTES[self.dtype]
+        if kv_heads is None and self.layer_kv_heads:
+            return sum(kv_cache_bytes(1, n_kv, self.head_dim, size) for n_kv in self.layer_kv_heads)
         n_kv = self.kv_heads if kv_heads is None else kv_heads
-        return kv_cache_bytes(self.layers, n_kv, self.head_dim, dtype_bytes or DTYPE_BYTES[self.dtype])
+        return kv_cache_bytes(self.layers, n_kv, self.head_dim, size)
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1}
