@@ -27,6 +27,11 @@ def budget_heads(spec: str | float, shape: AttentionShape, dtype_bytes: int) -> 
     parent_heads = shape.layers * shape.kv_heads
     if re.fullmatch(r"0?\.\d+|1(\.0*)?", text):
         heads, asked = int(float(text) * parent_heads + 1e-9), f"{float(text):g} of the parent's KV bytes"
+    elif not re.fullmatch(r"\d+(\.\d+)?\s*([KMGT]i?B|B)?", text, re.IGNORECASE):
+        raise InputError(
+            f"{FLAG} {text!r}: give a fraction of the parent's KV bytes per token (0 < X < 1, e.g. 0.5) or bytes "
+            "per token (e.g. 12KiB, or 24576)"
+        )
     else:
         heads = parse_size(text, FLAG) // head_bytes
         asked = f"{parse_size(text, FLAG):,} bytes per token"
