@@ -71,7 +71,7 @@ def test_uniform_counts_equal_transformers_llama(parent, tmp_path):
     assert per_layer(parent, tmp_path / "nas", "2,2,2").exit_code == 0
     convert(parent, tmp_path / "gqa", 2, progress=False, check=False)
     nas, llama = load_causal_lm(tmp_path / "nas"), load_causal_lm(tmp_path / "gqa")
-    assert type(nas).__name__ == "NemotronNasForCausalLM" and type(llama).__name__ == "LlamaForCausalLM"
+    assert type(nas).__name__ == "DeciLMForCausalLM" and type(llama).__name__ == "LlamaForCausalLM"
     prompt = ids()
     with torch.no_grad():
         torch.testing.assert_close(nas(prompt).logits, llama(prompt).logits)
@@ -183,3 +183,25 @@ def test_block_configs_the_class_cannot_build_are_refused(parent, tmp_path):
         path.write_text(json.dumps(broken))
         with pytest.raises(InputError, match=re.escape(message)):
             load_causal_lm(tmp_path / "nas")
+
+
+def test_a_saved_child_stays_in_the_format(parent, tmp_path):
+    """save_pretrained of our class (uptrain's output) writes NVIDIA's architecture name and no uniform kv heads or
+    MLP width beside the blocks; the saved model loads back with the same logits."""
+    assert per_layer(parent, tmp_path / "nas", "4,2,1").exit_code == 0
+    nas = load_causal_lm(tmp_path / "nas")
+    nas.save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["architectures"] == ["DeciLMForCausalLM"] and config["model_type"] == "nemotron-nas"
+    assert "num_key_value_heads" not in config and "intermediate_size" not in config
+    assert config["block_configs"] == json.loads((tmp_path / "nas" / "config.json").read_text())["block_configs"]
+    prompt = ids(3)
+    with torch.no_grad():
+        torch.testing.assert_close(load_causal_lm(tmp_path / "saved")(prompt).logits, nas(prompt).logits)
+
+
+def test_convert_refuses_a_nemotron_nas_source(parent, tmp_path):
+    assert per_layer(parent, tmp_path / "nas", "4,2,4").exit_code == 0
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "nas"), str(tmp_path / "dst"), "--groups", "2"])
+    assert result.exit_code == 2 and "SRC is a Nemotron-NAS checkpoint (per-layer kv heads)" in result.output
+    assert not (tmp_path / "dst").exists()

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from mha2gqa.nemotron_nas.blocks import MODEL_TYPE, layer_intermediate_sizes, layer_kv_heads
+from mha2gqa.nemotron_nas.blocks import MODEL_TYPE, PER_BLOCK_KEYS, layer_intermediate_sizes, layer_kv_heads
 
 
 @strict
@@ -25,6 +25,14 @@ class NemotronNasConfig(LlamaConfig):
 
     model_type = MODEL_TYPE
     block_configs: list | None = None
+
+    def to_dict(self) -> dict:
+        """What save_pretrained writes: without the global num_key_value_heads and intermediate_size, which the
+        blocks state per layer (a uniform value would contradict them; NVIDIA's config class sets both to None)."""
+        values = super().to_dict()
+        for key in PER_BLOCK_KEYS:
+            values.pop(key, None)
+        return values
 
     def layer_config(self, layer: int) -> LlamaConfig:
         """The LlamaConfig layer `layer` is built from: this config's values with that block's kv heads and width."""
@@ -39,7 +47,7 @@ class NemotronNasConfig(LlamaConfig):
         return config
 
 
-class NemotronNasModel(LlamaModel):
+class DeciLMModel(LlamaModel):
     """LlamaModel whose layer i is a LlamaDecoderLayer of config.layer_config(i); forward is Llama's."""
 
     config_class = NemotronNasConfig
@@ -59,14 +67,15 @@ class NemotronNasModel(LlamaModel):
         self.post_init()
 
 
-class NemotronNasForCausalLM(LlamaForCausalLM):
-    """Llama's causal LM head on NemotronNasModel."""
+class DeciLMForCausalLM(LlamaForCausalLM):
+    """Llama's causal LM head on DeciLMModel. Named as NVIDIA's class: save_pretrained writes the class's name as
+    config.json's architectures, and vLLM picks its loader by that name."""
 
     config_class = NemotronNasConfig
 
     def __init__(self, config: NemotronNasConfig):
         super(LlamaForCausalLM, self).__init__(config)
-        self.model = NemotronNasModel(config)
+        self.model = DeciLMModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
@@ -85,4 +94,4 @@ def register() -> None:
     if MODEL_TYPE in CONFIG_MAPPING:
         return
     AutoConfig.register(MODEL_TYPE, NemotronNasConfig)
-    AutoModelForCausalLM.register(NemotronNasConfig, NemotronNasForCausalLM)
+    AutoModelForCausalLM.register(NemotronNasConfig, DeciLMForCausalLM)
