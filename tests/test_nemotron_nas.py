@@ -63,6 +63,8 @@ def test_written_config_is_nvidias_format(parent, tmp_path):
     assert record["kv_heads_per_layer"] == [4, 2, 1] and record["format"] == "nemotron-nas"
     assert record["kv_bytes_per_token"] == 2 * (4 + 2 + 1) * 8 * 4
     assert (tmp_path / "dst" / "tokenizer.json").is_file()
+    card = (tmp_path / "dst" / "README.md").read_text()
+    assert "OUT --kv-heads-per-layer 4,2,1" in card and "4 → 4,2,1 (per layer)" in card
 
 
 def test_uniform_counts_equal_transformers_llama(parent, tmp_path):

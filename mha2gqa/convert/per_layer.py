@@ -11,10 +11,12 @@ per layer.
 from __future__ import annotations
 
 import hashlib
+import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mha2gqa import jsontext, provenance
+from mha2gqa.card import write_card
 from mha2gqa.checkpoint import ShardedWriter, atomic_directory
 from mha2gqa.convert.options import OUT_DTYPES, ConvertOptions, Grouping, Method
 from mha2gqa.convert.plan import Step, make_plan
@@ -121,6 +123,7 @@ def execute_per_layer(plan: PerLayerPlan, dst) -> Path:
         _copy_files(base.copied, base.source, tmp)
         (Path(tmp) / "config.json").write_text(jsontext.model_config(plan.config, indent=2) + "\n")
         provenance.append(tmp, "conversion", _record(plan), source=base.source)
+        write_card(tmp, base.source, dst.name)
     return dst
 
 
@@ -156,6 +159,12 @@ def _write_tensors(plan: PerLayerPlan, outputs, out_dir: Path) -> None:
     bar.close()
 
 
+def _command_words(plan: PerLayerPlan) -> list[str]:
+    options = plan.base.options
+    words = ["mha2gqa", "convert", plan.base.source_spec, "OUT", FLAG, ",".join(map(str, plan.counts))]
+    return words + (["--dtype", options.dtype] if options.dtype else [])
+
+
 def _record(plan: PerLayerPlan) -> dict:
     """The conversion stage of mha2gqa.json. `groups` is the mean count (the KV bytes it prices are the sum over
     layers); `kv_heads_per_layer` the counts themselves."""
@@ -174,6 +183,7 @@ def _record(plan: PerLayerPlan) -> dict:
         "dtype": base.options.dtype or "unchanged",
         "grouping": Grouping.CONTIGUOUS.value,
         "kv_bytes_per_token": plan.kv_bytes_per_token(),
+        "command": shlex.join(_command_words(plan)),  # the card's Reproduce line: the counts, so the same bytes
         "source_kv_bytes_per_token": shape.kv_bytes_per_token(),
         **({"kv_budget": plan.chosen} if plan.chosen else {}),
     }
