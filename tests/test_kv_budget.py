@@ -14,7 +14,7 @@ from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 from mha2gqa.cli import main
 from mha2gqa.convert.kv_budget import budget_heads, choose_counts
-from mha2gqa.convert.sensitivity import layer_losses
+from mha2gqa.convert.sensitivity import layer_losses, pooled_in_place
 from mha2gqa.errors import InputError
 from mha2gqa.kl import kl_divergence
 from mha2gqa.layouts import AttentionShape
@@ -103,6 +103,21 @@ def test_measured_loss_is_the_converted_models_kl(parent, tmp_path):
             float(kl_divergence(model(b[None]).logits[0, :-1], converted(b[None]).logits[0, :-1])) for b in blocks
         ) / len(blocks)
     assert losses[1][2] == pytest.approx(expected, rel=1e-4)
+    with torch.no_grad():  # every (layer, count) against the whole model run with that layer pooled in place
+        for layer, count in itertools.product(range(3), (1, 2)):
+            pooled = load_causal_lm(parent)
+            attention = pooled.model.layers[layer].self_attn
+            for param in (
+                attention.k_proj.weight,
+                attention.k_proj.bias,
+                attention.v_proj.weight,
+                attention.v_proj.bias,
+            ):
+                param.copy_(pooled_in_place(param, 4, count))
+            full = sum(
+                float(kl_divergence(model(b[None]).logits[0, :-1], pooled(b[None]).logits[0, :-1])) for b in blocks
+            ) / len(blocks)
+            assert losses[layer][count] == pytest.approx(full, rel=1e-4, abs=1e-7)
     parent_weights = load_causal_lm(parent).state_dict()
     assert all(torch.equal(t, parent_weights[n]) for n, t in model.state_dict().items())  # restored after each
 

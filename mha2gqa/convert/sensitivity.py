@@ -29,21 +29,56 @@ def pooled_in_place(rows: torch.Tensor, kv_heads: int, count: int) -> torch.Tens
 def layer_losses(model, blocks: torch.Tensor, shape: AttentionShape, counts: list[int], progress=None) -> list[dict]:
     """losses[layer][count] for every count in `counts` (divisors of the source's kv heads; the source's own
     count costs 0 and is not run), averaged over the tokens of `blocks` (N, seq_len). `model`: the parent, a
-    Llama-family transformers model in eval mode; its weights are restored after each candidate."""
+    Llama-family transformers model in eval mode; its weights are restored after each candidate. The parent runs
+    once per block; a candidate at layer i runs layers i.. only, from the parent's input to layer i (the layers
+    below are the parent's), which halves the work on average."""
     pooled_counts = [c for c in counts if c != shape.kv_heads]
     losses = [{shape.kv_heads: 0.0, **{c: 0.0 for c in pooled_counts}} for _ in range(shape.layers)]
     device = next(model.parameters()).device
     for block in blocks:
         ids = block.unsqueeze(0).to(device)
-        parent_logits = model(ids).logits[0, :-1]
+        inputs, parent_logits = _parent_pass(model, ids)
         for layer in range(shape.layers):
             for count in pooled_counts:
                 with _pooled(model, layer, shape.kv_heads, count):
-                    logits = model(ids).logits[0, :-1]
+                    logits = _logits_from(model, layer, inputs[layer])
                 losses[layer][count] += float(kl_divergence(parent_logits, logits)) / len(blocks)
                 if progress is not None:
                     progress.update(1)
     return losses
+
+
+def _parent_pass(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The parent's forward: the hidden states entering each decoder layer (a pre-hook on each), and the logits
+    of every position but the last (what predicts a next token within the block)."""
+    inputs: list[torch.Tensor] = []
+
+    def keep(module, args, kwargs):
+        inputs.append(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+
+    handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in model.model.layers]
+    try:
+        logits = model(ids).logits[0, :-1]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs, logits
+
+
+def _logits_from(model, start: int, hidden: torch.Tensor) -> torch.Tensor:
+    """Layers start.. of a Llama-family model on `hidden` (1, T, d), its causal mask and rotary embedding as its
+    own forward makes them, then the final norm and the head: logits of every position but the last."""
+    from transformers.masking_utils import create_causal_mask
+
+    base = model.model
+    positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    mask = create_causal_mask(
+        config=base.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions
+    )
+    rotary = base.rotary_emb(hidden, position_ids=positions)
+    for layer in base.layers[start:]:
+        hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+    return model.lm_head(base.norm(hidden))[0, :-1]
 
 
 class _pooled:
