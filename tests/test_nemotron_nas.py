@@ -207,3 +207,15 @@ def test_convert_refuses_a_nemotron_nas_source(parent, tmp_path):
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "nas"), str(tmp_path / "dst"), "--groups", "2"])
     assert result.exit_code == 2 and "SRC is a Nemotron-NAS checkpoint (per-layer kv heads)" in result.output
     assert not (tmp_path / "dst").exists()
+
+
+def test_dtype_casts_every_tensor_and_the_config_says_so(parent, tmp_path):
+    result = per_layer(parent, tmp_path / "bf16", "2,1,4", "--dtype", "bfloat16")
+    assert result.exit_code == 0, result.output
+    with safe_open(tmp_path / "bf16" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["model_type"] == "nemotron-nas"
+    record = json.loads((tmp_path / "bf16" / "mha2gqa.json").read_text())["lineage"][-1]
+    assert record["kv_bytes_per_token"] == 2 * (2 + 1 + 4) * 8 * 2  # bfloat16: 2 bytes a value
+    assert load_causal_lm(tmp_path / "bf16").dtype == torch.bfloat16

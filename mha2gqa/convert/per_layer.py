@@ -24,7 +24,7 @@ from mha2gqa.convert.prepare import ConversionPlan, prepare
 from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.convert.run import _cast, _check_destination, _copy_files
 from mha2gqa.errors import InputError, import_torch
-from mha2gqa.layouts import AttentionShape, attention_shape, read_config
+from mha2gqa.layouts import DTYPE_BYTES, AttentionShape, attention_shape, read_config
 from mha2gqa.nemotron_nas.blocks import MODEL_TYPE, nemotron_nas_config
 from mha2gqa.progress import progress_bar
 from mha2gqa.sources import resolve_model_dir
@@ -47,9 +47,10 @@ class PerLayerPlan:
     def shape(self) -> AttentionShape:
         return self.base.shape
 
-    def kv_bytes_per_token(self, dtype_bytes: int | None = None) -> int:
-        """K and V of every layer for one token, at these counts."""
-        return sum(self.shape.kv_bytes_per_token(count, dtype_bytes) for count in self.counts) // self.shape.layers
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token, at these counts, in the dtype DST's weights are written in."""
+        size = DTYPE_BYTES[self.base.options.dtype or self.shape.dtype]
+        return sum(self.shape.kv_bytes_per_token(count, size) for count in self.counts) // self.shape.layers
 
 
 def parse_counts(text: str) -> tuple[int, ...]:
