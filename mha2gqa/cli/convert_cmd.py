@@ -42,7 +42,7 @@ def _flag_option(flag: Flag):
         field=flag.name,
         is_flag=flag.switch,
         multiple=flag.repeat,
-        required=False,  # checked in convert(): --kv-heads-per-layer or --kv-budget stands in for --groups
+        required=flag.required,
         metavar=flag.metavar,
         **kwargs,
     )
@@ -99,14 +99,12 @@ class _ConvertCommand(click.Command):
     "Every conversion writes one, DST/convert.yaml, that makes it again.",
 )
 @_convert_flags
-@click.option("--kv-heads-per-layer", metavar="COUNTS", help=per_layer_cmd.COUNTS_HELP)
-@click.option("--kv-budget", metavar="X", help=per_layer_cmd.BUDGET_HELP)
 @click.option(
     "--plan-tensors",
     is_flag=True,
     help="With --dry-run: after the summary, every output tensor and what it is made of, one line each.",
 )
-def convert(src, dst, plan_tensors, kv_heads_per_layer, kv_budget, **flags):
+def convert(src, dst, plan_tensors, **flags):
     """Convert the checkpoint SRC (a local directory with config.json and safetensors, or a hub id when
     online) into a grouped-query checkpoint DST with GROUPS kv heads.
 
@@ -124,12 +122,11 @@ def convert(src, dst, plan_tensors, kv_heads_per_layer, kv_budget, **flags):
     from mha2gqa.estimates.clock import command_clock
 
     src, dst = paths(src, dst, click.get_current_context().meta.get(_CONFIG))
-    if kv_heads_per_layer is not None or kv_budget is not None:
+    if flags["kv_heads_per_layer"] is not None or flags["kv_budget"] is not None:
         threads.apply()
-        return per_layer_cmd.convert_per_layer(src, dst, flags, kv_heads_per_layer, kv_budget)
-    for flag in CONVERT_FLAGS:
-        if flag.required and flags[flag.key] is None:
-            raise click.MissingParameter(param_hint=f"'{flag.flag}'", param_type="option")
+        return per_layer_cmd.convert_per_layer(src, dst, flags)
+    if flags["groups"] is None:  # --kv-heads-per-layer or --kv-budget stand in for it
+        raise click.MissingParameter(param_hint="'--groups' / '-g'", param_type="option")
     options = options_from_flags(flags)
     # The user's count, else torch's own, never one read from the load: float sums differ with the thread
     # count, and the card's Reproduce line promises the same bytes (mha2gqa.json records the count).

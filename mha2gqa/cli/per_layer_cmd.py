@@ -11,22 +11,14 @@ from mha2gqa.errors import InputError
 from mha2gqa.units import format_bytes
 
 COUNTS_FLAG, BUDGET_FLAG = "--kv-heads-per-layer", "--kv-budget"
-COUNTS_HELP = (
-    "One kv-head count per layer, comma-separated (e.g. 4,2,2,1), each a divisor of the source's kv heads: "
-    "mean-pooled per layer and written as a Nemotron-NAS (DeciLM) checkpoint (docs/convert.md). Instead of --groups."
-)
-BUDGET_HELP = (
-    "A KV-cache budget: a fraction of the parent's KV bytes per token (0.5) or bytes per token (12KiB). Each "
-    "layer's loss at each kv-head count is measured on 8 calibration blocks (--calibration, --calibration-tokens), "
-    "and the counts with the least summed loss under the budget are written as with --kv-heads-per-layer."
-)
 # The uniform pipeline's flags a per-layer conversion does not take: the merge is the mean, contiguous groups.
 _REFUSED = ("--groups", "--method", "--grouping", "--refine", "--dry-run")
 
 
-def convert_per_layer(src, dst, flags: dict, counts_text: str | None, budget: str | None) -> None:
+def convert_per_layer(src, dst, flags: dict) -> None:
     from mha2gqa.convert.per_layer import execute_per_layer, parse_counts, plan_per_layer
 
+    counts_text, budget = flags["kv_heads_per_layer"], flags["kv_budget"]
     if counts_text is not None and budget is not None:
         raise InputError(f"{COUNTS_FLAG} and {BUDGET_FLAG}: give one (the counts, or the budget that chooses them)")
     given = COUNTS_FLAG if counts_text is not None else BUDGET_FLAG
