@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 
 import pytest
 import torch
@@ -219,3 +220,16 @@ def test_dtype_casts_every_tensor_and_the_config_says_so(parent, tmp_path):
     record = json.loads((tmp_path / "bf16" / "mha2gqa.json").read_text())["lineage"][-1]
     assert record["kv_bytes_per_token"] == 2 * (2 + 1 + 4) * 8 * 2  # bfloat16: 2 bytes a value
     assert load_causal_lm(tmp_path / "bf16").dtype == torch.bfloat16
+
+
+def test_the_cards_reproduce_command_makes_the_same_checkpoint(parent, tmp_path):
+    """The per-layer card's Reproduce line (the counts, and --dtype) run again writes the same bytes."""
+    assert per_layer(parent, tmp_path / "made", "2,4,1", "--dtype", "bfloat16").exit_code == 0
+    card = (tmp_path / "made" / "README.md").read_text()
+    (line,) = [line for line in card.splitlines() if line.startswith("mha2gqa convert ")]
+    words = shlex.split(line, comments=True)
+    assert words[:4] == ["mha2gqa", "convert", str(parent), "OUT"] and "--kv-heads-per-layer" in words
+    result = CliRunner().invoke(main, [*words[1:3], str(tmp_path / "again"), *words[4:], "-q"])
+    assert result.exit_code == 0, result.output
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "again" / name).read_bytes() == (tmp_path / "made" / name).read_bytes(), name
