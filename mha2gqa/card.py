@@ -238,7 +238,7 @@ def _summary(conversion, after, config, evaluated: bool) -> list[str]:
             f"({counted(len(after), 'training stage')}, see below).",
             "",
         ]
-    src, dst = conversion["source_kv_heads"], conversion["groups"]
+    src, dst = conversion["source_kv_heads"], _target_heads(conversion)
     kind = "multi-query" if dst == 1 else "grouped-query"
     text = (
         f"{_source_name(conversion)} converted from {src} to {dst} key/value heads ({kind} attention, "
@@ -253,6 +253,12 @@ def _summary(conversion, after, config, evaluated: bool) -> list[str]:
     return [text, ""]
 
 
+def _target_heads(conversion: dict):
+    """The converted kv heads: the count, or each layer's (a Nemotron-NAS conversion's `kv_heads_per_layer`)."""
+    per_layer = conversion.get("kv_heads_per_layer")
+    return f"{','.join(map(str, per_layer))} (per layer)" if per_layer else conversion["groups"]
+
+
 def _source_name(conversion) -> str:
     return snapshot_hub_id(conversion["source"]) or f"The model in `{_text(Path(conversion['source']).name)}`"
 
@@ -261,7 +267,7 @@ def _conversion_section(c: dict, config: dict) -> list[str]:
     before, after = kv_bytes_per_token(config, c["source_kv_heads"]), kv_bytes_per_token(config, c["groups"])
     rows = [
         ("method", c["method"] + (f" (seed {c['seed']})" if c["method"] == "random" else "")),
-        ("key/value heads", f"{c['source_kv_heads']} → {c['groups']} (query heads: {c['heads']})"),
+        ("key/value heads", f"{c['source_kv_heads']} → {_target_heads(c)} (query heads: {c['heads']})"),
         ("grouping of heads", c.get("grouping", "contiguous")),
     ]
     if before and after:

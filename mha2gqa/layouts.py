@@ -17,6 +17,8 @@ from mha2gqa.errors import InputError
 from mha2gqa.generic_layout import check_target as check_generic_target
 from mha2gqa.generic_layout import config_counts, generic_architecture
 from mha2gqa.layout_spec import Layout
+from mha2gqa.nemotron_nas.blocks import MODEL_TYPE as NEMOTRON_NAS
+from mha2gqa.nemotron_nas.blocks import check_blocks, layer_kv_heads
 from mha2gqa.reading import read_json
 
 _STANDARD = Layout()
@@ -47,6 +49,8 @@ LAYOUTS: dict[str, Layout] = {
         o="self_attn.dense", norms_when="qk_layernorm", pre_rope_norm="its qk_layernorm sits between q/k_proj and RoPE"
     ),
     "phi3": Layout(qkv="self_attn.qkv_proj"),
+    # Llama's tensors with each layer's own kv heads (nemotron_nas/): eval and uptrain read it; convert refuses it
+    NEMOTRON_NAS: _STANDARD,
 }
 
 # Families whose grouped form is another model_type. gpt_bigcode is gpt2 with multi_query (one kv
@@ -86,15 +90,22 @@ class AttentionShape:
     head_dim: int
     hidden: int
     dtype: str = "float32"
+    # Each layer's kv heads where they differ (a Nemotron-NAS model; kv_heads is then their largest); () when
+    # every layer has kv_heads.
+    layer_kv_heads: tuple[int, ...] = ()
 
     def valid_groups(self) -> list[int]:
         """Target kv-head counts reachable by pooling contiguous groups (divisors of kv_heads)."""
         return [g for g in range(1, self.kv_heads + 1) if self.kv_heads % g == 0]
 
     def kv_bytes_per_token(self, kv_heads: int | None = None, dtype_bytes: int | None = None) -> int:
-        """K and V for every layer: 2 * layers * kv_heads * head_dim * bytes."""
+        """K and V for every layer: 2 * layers * kv_heads * head_dim * bytes (with layer_kv_heads and no
+        `kv_heads` given, the sum of each layer's)."""
+        size = dtype_bytes or DTYPE_BYTES[self.dtype]
+        if kv_heads is None and self.layer_kv_heads:
+            return sum(kv_cache_bytes(1, n_kv, self.head_dim, size) for n_kv in self.layer_kv_heads)
         n_kv = self.kv_heads if kv_heads is None else kv_heads
-        return kv_cache_bytes(self.layers, n_kv, self.head_dim, dtype_bytes or DTYPE_BYTES[self.dtype])
+        return kv_cache_bytes(self.layers, n_kv, self.head_dim, size)
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1}
@@ -220,7 +231,13 @@ def layout_for(config: dict) -> Layout:
 def attention_shape(config: dict) -> AttentionShape:
     """Heads, kv heads and head_dim of a config, checked: transformers itself does not check them."""
     layout_for(config)
-    if config.get("model_type") in LAYOUTS:
+    per_layer = ()
+    if config.get("model_type") == NEMOTRON_NAS and isinstance(config.get("block_configs"), list):
+        heads, _, head_dim = head_counts(config)
+        check_blocks(config, "config.json")
+        per_layer = tuple(layer_kv_heads(config))
+        kv_heads, hidden, layers = max(per_layer), config["hidden_size"], config["num_hidden_layers"]
+    elif config.get("model_type") in LAYOUTS:
         heads, kv_heads, head_dim = head_counts(config)
         hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     else:  # read through transformers' config class (defaults, aliases: gpt2's n_head), checked against the model
@@ -241,6 +258,7 @@ def attention_shape(config: dict) -> AttentionShape:
         head_dim=head_dim,
         hidden=hidden,
         dtype=dtype if dtype in DTYPE_BYTES else "float32",
+        layer_kv_heads=per_layer,
     )
 
 
@@ -270,6 +288,11 @@ def check_groups(shape: AttentionShape, groups: int) -> None:
 def check_target(config: dict, groups: int) -> None:
     """For a type on the generic layout: the model class must build with `groups` kv heads."""
     model_type = config.get("model_type")
+    if model_type == NEMOTRON_NAS:
+        raise InputError(
+            "SRC is a Nemotron-NAS checkpoint (per-layer kv heads): convert reads models whose layers share one "
+            "kv-head count; convert its parent with --kv-heads-per-layer or --kv-budget instead"
+        )
     if model_type not in LAYOUTS and model_type not in RETARGETED:
         check_generic_target(config, groups)
 

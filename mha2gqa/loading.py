@@ -14,6 +14,7 @@ from pathlib import Path
 from mha2gqa.checkpoint import SafetensorsCheckpoint
 from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import read_config
+from mha2gqa.nemotron_nas.blocks import MODEL_TYPE, check_blocks
 from mha2gqa.sources import require_safetensors
 
 SHOWN_KEYS = 4  # a config with 30 extra layers would otherwise print 300 names
@@ -29,7 +30,7 @@ def load_causal_lm(model_dir: Path, what: str = "model", progress: bool = True, 
     require_safetensors(model_dir, what)
     # a binary or list config.json, bad head counts, sizes its weights cannot hold: one line, not
     # transformers' error (or a model of 10^9 layers built before any weight is read)
-    read_config(model_dir, SafetensorsCheckpoint(model_dir).shapes)
+    prepare_classes(read_config(model_dir, SafetensorsCheckpoint(model_dir).shapes), model_dir)
     try:
         with _quiet_transformers(progress and _weight_bytes(model_dir) >= BAR_FROM_BYTES):
             # ignore_mismatched_sizes: report a wrong shape in the loading info instead of raising
@@ -54,6 +55,16 @@ def load_causal_lm(model_dir: Path, what: str = "model", progress: bool = True, 
             "those tensors with random values; use the checkpoint's own config.json, or re-save a complete checkpoint"
         )
     return model
+
+
+def prepare_classes(config: dict, model_dir: Path) -> None:
+    """The model classes mha2gqa itself provides, registered with transformers' Auto classes before a config of
+    their type is read: Nemotron-NAS (per-layer kv heads, nemotron_nas/), its block_configs checked first."""
+    if config.get("model_type") == MODEL_TYPE:
+        check_blocks(config, Path(model_dir) / "config.json")
+        from mha2gqa.nemotron_nas.modeling import register
+
+        register()
 
 
 def loading_problems(info: dict) -> list[str]:

@@ -79,7 +79,7 @@ def test_a_stale_table_is_found():
         [
             HEADER,
             "|---|---|---|",
-            "| `--groups` | required | kv heads |",
+            "| `--groups` | unset | kv heads |",
             "| `--seed` | 1 | the seed |",
             "| `--seed` | 0 | again |",
             "| `--gone` | off | retired |",

@@ -8,6 +8,7 @@ import click
 from click.core import ParameterSource
 
 from mha2gqa import jsontext
+from mha2gqa.cli import per_layer_cmd
 from mha2gqa.cli.fields import field_option
 from mha2gqa.cli.format import human_count, table
 from mha2gqa.convert.options import CONVERT_FLAGS, METHOD_SUMMARIES, ConvertOptions, Flag, Method, options_from_flags
@@ -121,6 +122,11 @@ def convert(src, dst, plan_tensors, **flags):
     from mha2gqa.estimates.clock import command_clock
 
     src, dst = paths(src, dst, click.get_current_context().meta.get(_CONFIG))
+    if flags["kv_heads_per_layer"] is not None or flags["kv_budget"] is not None:
+        threads.apply()
+        return per_layer_cmd.convert_per_layer(src, dst, flags)
+    if flags["groups"] is None:  # --kv-heads-per-layer or --kv-budget stand in for it
+        raise click.MissingParameter(param_hint="'--groups' / '-g'", param_type="option")
     options = options_from_flags(flags)
     # The user's count, else torch's own, never one read from the load: float sums differ with the thread
     # count, and the card's Reproduce line promises the same bytes (mha2gqa.json records the count).

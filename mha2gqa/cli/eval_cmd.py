@@ -136,7 +136,9 @@ def eval_command(model, quiet, out, force, **options):
 
 def summary(result: dict) -> str:
     """One line per measurement, for the terminal."""
-    lines = [f"{result['label']} ({result['role']}): {result['model']['kv_heads']}/{result['model']['heads']} kv heads"]
+    model = result["model"]
+    heads = ",".join(map(str, model["kv_heads_per_layer"])) if "kv_heads_per_layer" in model else model["kv_heads"]
+    lines = [f"{result['label']} ({result['role']}): {heads}/{model['heads']} kv heads"]
     if result["perplexity"]:
         p = result["perplexity"]
         lines.append(

@@ -195,8 +195,9 @@ def _is_int(value) -> bool:
 
 @dataclass
 class ConvertOptions:
-    groups: int
-    """Target number of kv heads (1 = multi-query). Must divide the source's kv heads."""
+    groups: int | None = None
+    """Target number of kv heads (1 = multi-query). Must divide the source's kv heads. Needed unless
+    --kv-heads-per-layer or --kv-budget gives each layer its own count."""
     method: Method | str = Method.MEAN
     """How each group's kv heads become one."""
     seed: int = 0
@@ -245,8 +246,19 @@ class ConvertOptions:
     not usable without uptraining) and the next command; kept in mha2gqa.json and on the card. SRC's numbers
     are cached per SRC (MHA2GQA_CACHE, else ~/.cache/mha2gqa). Skipped with one line where SRC has no
     tokenizer, or on a CPU where it would take over 2 minutes (a model over about 1B parameters)."""
+    kv_heads_per_layer: str | None = None
+    """One kv-head count per layer, comma-separated (e.g. 4,2,2,1), each a divisor of the source's kv heads,
+    instead of --groups: mean-pooled layer by layer and written as a Nemotron-NAS (DeciLM) checkpoint
+    (docs/convert.md; in Python, convert/per_layer.py)."""
+    kv_budget: str | None = None
+    """A KV-cache budget instead of --groups: a fraction of the parent's KV bytes per token (0.5) or bytes per
+    token (12KiB). Each layer's loss at each kv-head count is measured on 8 calibration blocks (--calibration,
+    --calibration-tokens); the counts with the least summed loss under the budget are written as with
+    --kv-heads-per-layer."""
 
     def __post_init__(self):
+        if self.groups is None and self.kv_heads_per_layer is None and self.kv_budget is None:
+            raise TypeError("ConvertOptions needs groups (or, per layer, kv_heads_per_layer or kv_budget)")
         self.method = Method.parse(self.method, "--method")
         self.grouping = Grouping.parse(self.grouping, "--grouping")
         self.dtype = dtype_name(self.dtype)  # bf16, fp16, torch.float32, ... -> the one name (mha2gqa/dtypes.py)
@@ -327,7 +339,7 @@ def _refine_flags(**extras: dict) -> tuple[Flag, ...]:
 
 
 CONVERT_FLAGS: tuple[Flag, ...] = (
-    Flag("--groups", short="-g", type=int, required=True),
+    Flag("--groups", short="-g", type=int),
     Flag("--method"),
     Flag("--seed"),
     Flag("--dtype", type=str),
@@ -347,6 +359,8 @@ CONVERT_FLAGS: tuple[Flag, ...] = (
     Flag("--calibration-memory", size=True),
     Flag("--grouping"),
     Flag("--check", changes_output=False),
+    Flag("--kv-heads-per-layer", type=str, metavar="COUNTS"),
+    Flag("--kv-budget", type=str, metavar="X"),
     Flag("--refine"),
     *_refine_flags(memory=dict(size=True), tokens=dict(type=int), seed=dict(type=int, default_from="seed")),
 )

@@ -70,6 +70,11 @@ def convert(
         options = ConvertOptions.from_kwargs(groups, kwargs)
     elif kwargs or groups is not None:
         raise TypeError("convert(): pass either options=ConvertOptions(...) or groups and keywords, not both")
+    if options.groups is None:  # per-layer counts: their own planner and writer (convert/per_layer.py)
+        raise TypeError(
+            "convert() converts every layer to `groups` kv heads; per-layer counts are written by "
+            "mha2gqa.convert.per_layer (plan_per_layer, execute_per_layer) and budget_run.plan_budget"
+        )
     plan = plan_conversion(src, dst, options, stats)
     if options.dry_run:
         checked = check_output(plan, Path(dst).expanduser())

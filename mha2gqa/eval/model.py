@@ -12,6 +12,8 @@ import torch
 
 from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import AttentionShape, read_config
+from mha2gqa.loading import prepare_classes
+from mha2gqa.nemotron_nas.blocks import MODEL_TYPE, layer_kv_heads
 from mha2gqa.sources import resolve_model_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,7 +50,8 @@ def load_config(model_dir: Path):
     """The model's transformers config (no weights), for checks before loading."""
     from transformers import AutoConfig
 
-    read_config(model_dir)  # checked first: transformers' errors on a malformed config are tracebacks
+    # checked first: transformers' errors on a malformed config are tracebacks
+    prepare_classes(read_config(model_dir), model_dir)
     try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError) as err:  # e.g. a model_type this transformers does not know
@@ -84,6 +87,7 @@ def shape_of(config) -> AttentionShape:
     if kv_heads is None and getattr(config, "multi_query", False):
         kv_heads = 1
     kv_heads = int(kv_heads or heads)
+    per_layer = tuple(layer_kv_heads(config.to_dict())) if config.model_type == MODEL_TYPE else ()
     hidden = int(config.hidden_size)
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
     dtype = str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
@@ -91,10 +95,11 @@ def shape_of(config) -> AttentionShape:
         model_type=config.model_type,
         layers=int(config.num_hidden_layers),
         heads=heads,
-        kv_heads=kv_heads,
+        kv_heads=max(per_layer) if per_layer else kv_heads,
         head_dim=head_dim,
         hidden=hidden,
         dtype=dtype,
+        layer_kv_heads=per_layer,
     )
 
 

@@ -216,6 +216,7 @@ def _model_facts(path, model_dir, model, shape) -> dict:
         "layers": shape.layers,
         "heads": shape.heads,
         "kv_heads": shape.kv_heads,
+        **({"kv_heads_per_layer": list(shape.layer_kv_heads)} if shape.layer_kv_heads else {}),
         "head_dim": shape.head_dim,
         "params": sum(p.numel() for p in model.parameters()),
         "dtype": str(model.dtype).replace("torch.", ""),

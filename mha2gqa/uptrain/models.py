@@ -10,7 +10,7 @@ import torch
 
 from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import read_config
-from mha2gqa.loading import load_causal_lm
+from mha2gqa.loading import load_causal_lm, prepare_classes
 from mha2gqa.sources import resolve_model_dir
 from mha2gqa.uptrain import lora
 from mha2gqa.uptrain.preflight import check_same_vocabulary, disk_needed
@@ -34,6 +34,8 @@ def load_tokenizer(source: str):
         # Fetched (or refused) through the one hub rule, so a mistyped local path or an unreachable hub
         # is answered by name and at once, not after transformers' own retries of every tokenizer file.
         source = resolve_model_dir(source)
+    if (Path(source) / "config.json").is_file():  # a model class of mha2gqa's own registered first: its config
+        prepare_classes(read_config(source), source)  # is read by the tokenizer too, and warned of unregistered
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:  # transformers' message runs to several lines: keep its first

@@ -1,0 +1,78 @@
+"""`convert --kv-budget X`, start to end: check the request (per_layer.plan_per_layer, before anything is read in
+earnest), measure each layer's loss at each kv-head count on a few calibration blocks (sensitivity.py), choose
+the counts under the budget (kv_budget.py), and plan the per-layer conversion at them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mha2gqa.convert.inputs import block_length, calibration_input
+from mha2gqa.convert.kv_budget import FLAG, budget_heads, choose_counts
+from mha2gqa.convert.options import DEFAULT_CALIBRATION, ConvertOptions
+from mha2gqa.convert.per_layer import PerLayerPlan, plan_per_layer
+from mha2gqa.errors import InputError, import_torch
+from mha2gqa.layouts import DTYPE_BYTES
+from mha2gqa.progress import progress_bar
+
+BUDGET_BLOCKS = 8  # calibration blocks the losses are averaged over, unless --calibration-tokens says otherwise
+
+
+def plan_budget(src, dst, budget, options: ConvertOptions) -> PerLayerPlan:
+    """The per-layer plan whose counts fit `budget` (kv_budget.budget_heads) with the least summed loss; its
+    `chosen` holds the budget, the measured losses and the calibration read, for mha2gqa.json."""
+    merge = budget_options(options)
+    ones = plan_per_layer(src, dst, (1,) * _layers(src), merge)  # every check, at a count any model takes
+    shape, config = ones.shape, ones.base.config
+    heads = budget_heads(budget, shape, DTYPE_BYTES[options.dtype or shape.dtype])
+    tokens = options.calibration_tokens or BUDGET_BLOCKS * block_length(config)
+    spec = options.calibration if options.calibration is not None else list(DEFAULT_CALIBRATION)
+    calibration = calibration_input(spec, tokens, block_length(config), shape.hidden)
+    losses, record = _measure(ones, calibration, options)
+    counts = choose_counts(losses, heads)
+    plan = plan_per_layer(src, dst, counts, merge)
+    plan.chosen = {
+        "budget": str(budget),
+        "budget_kv_heads": heads,
+        "kv_heads_used": sum(counts),
+        "parent_kv_heads": shape.layers * shape.kv_heads,
+        "loss": "KL(parent || model) per token, with only this layer's keys and values mean-pooled",
+        "losses": [{str(count): loss for count, loss in sorted(per.items())} for per in losses],
+        "predicted_loss": sum(losses[layer][count] for layer, count in enumerate(counts)),
+        "calibration": record,
+    }
+    return plan
+
+
+def _layers(src) -> int:
+    from mha2gqa.layouts import attention_shape, read_config
+    from mha2gqa.sources import resolve_model_dir
+
+    return attention_shape(read_config(resolve_model_dir(src))).layers
+
+
+def _measure(ones: PerLayerPlan, calibration, options: ConvertOptions) -> tuple[list[dict], dict]:
+    """Load the parent once, read the calibration blocks, and measure every (layer, count)'s loss."""
+    import_torch()
+    from mha2gqa.convert.calibration import load_source_model, read_ids
+    from mha2gqa.convert.sensitivity import layer_losses
+
+    source, shape = ones.base.source, ones.shape
+    parent = load_source_model(source, progress=options.progress)
+    ids, record = read_ids(source, calibration, parent, options.seed, options.progress)
+    count = len(ids) // calibration.seq_len
+    if count < 1:
+        raise InputError(
+            f"{FLAG}: the calibration gave {len(ids)} tokens, less than one block of {calibration.seq_len}: "
+            "give more text with --calibration, or raise --calibration-tokens"
+        )
+    blocks = ids[: count * calibration.seq_len].reshape(count, calibration.seq_len)
+    candidates = shape.valid_groups()
+    bar = progress_bar(count * shape.layers * (len(candidates) - 1), "sensitivity", options.progress)
+    losses = layer_losses(parent, blocks, shape, candidates, bar)
+    bar.close()
+    return losses, dict(record, blocks=count, seq_len=calibration.seq_len)
+
+
+def budget_options(options: ConvertOptions) -> ConvertOptions:
+    """The options the mean merge of a budget run reads: calibration is the sensitivities' only (not the merge's)."""
+    return replace(options, calibration=None, calibration_tokens=None)

@@ -1,0 +1,90 @@
+"""`convert --kv-budget X`: which kv-head count each layer keeps, so that the KV cache fits X and the measured
+loss is least. Pure: no torch (the losses come from sensitivity.py).
+
+X is a fraction of the parent's KV bytes per token (0.5) or bytes per token (12KiB, 24576). Every layer's K and V
+cost the same per kv head (head_dim values each), so the budget is a whole number of kv heads summed over the
+layers, and the choice is an exact knapsack: per layer one divisor of the source's kv heads, the summed losses
+least, the summed counts within the budget (dynamic programming over layers x heads: at most layers x kv heads
+states, 32 x 32 for a 7B).
+"""
+
+from __future__ import annotations
+
+import re
+
+from mha2gqa.errors import InputError
+from mha2gqa.layouts import AttentionShape
+from mha2gqa.units import parse_size
+
+FLAG = "--kv-budget"
+
+
+def budget_heads(spec: str | float, shape: AttentionShape, dtype_bytes: int) -> int:
+    """The budget as kv heads summed over layers: a fraction (0 < X <= 1) of the parent's, or bytes per token
+    (a size, or an integer over 1), rounded down to whole heads. InputError outside [layers, layers x kv_heads)."""
+    text = str(spec).strip()
+    head_bytes = 2 * shape.head_dim * dtype_bytes  # K and V of one kv head, one token
+    parent_heads = shape.layers * shape.kv_heads
+    if re.fullmatch(r"0?\.\d+|1(\.0*)?", text):
+        heads, asked = int(float(text) * parent_heads + 1e-9), f"{float(text):g} of the parent's KV bytes"
+    elif not re.fullmatch(r"\d+(\.\d+)?\s*([KMGT]i?B|B)?", text, re.IGNORECASE):
+        raise InputError(
+            f"{FLAG} {text!r}: give a fraction of the parent's KV bytes per token (0 < X < 1, e.g. 0.5) or bytes "
+            "per token (e.g. 12KiB, or 24576)"
+        )
+    else:
+        heads = parse_size(text, FLAG) // head_bytes
+        asked = f"{parse_size(text, FLAG):,} bytes per token"
+    least, whole = shape.layers * head_bytes, parent_heads * head_bytes
+    if heads < shape.layers:
+        raise InputError(
+            f"{FLAG} {text}: {asked} is less than one kv head per layer ({least:,} bytes per token, "
+            f"{shape.layers / parent_heads:.3g} of the parent's {whole:,}); give at least that"
+        )
+    if heads >= parent_heads:
+        raise InputError(
+            f"{FLAG} {text}: {asked} holds the parent's whole KV cache ({whole:,} bytes per token): nothing to "
+            "convert; give a fraction below 1 or fewer bytes"
+        )
+    return heads
+
+
+def choose_counts(losses: list[dict[int, float]], budget: int) -> tuple[int, ...]:
+    """losses[layer][count]: the loss of that layer at that many kv heads (every count on offer, the parent's
+    own at 0 loss). The counts, one per layer, whose losses sum least with counts summing to at most `budget`
+    (ties: the larger counts, then the earlier layers' larger)."""
+    # best[total] = (summed loss, counts) over the layers seen, using exactly `total` heads
+    best: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
+    for per_count in losses:
+        step: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for total, (loss, counts) in best.items():
+            for count in sorted(per_count, reverse=True):
+                new_total = total + count
+                if new_total > budget:
+                    continue
+                candidate = (loss + per_count[count], counts + (count,))
+                if new_total not in step or _better(candidate, step[new_total]):
+                    step[new_total] = candidate
+        best = step
+    if not best:
+        raise InputError(f"{FLAG}: no choice of kv heads per layer fits {budget} kv heads in all")
+    return min(best.values(), key=lambda found: (found[0], tuple(-c for c in found[1])))[1]
+
+
+def _better(candidate, incumbent) -> bool:
+    return (candidate[0], tuple(-c for c in candidate[1])) < (incumbent[0], tuple(-c for c in incumbent[1]))
+
+
+def choice_lines(
+    counts: tuple[int, ...], losses: list[dict[int, float]], shape: AttentionShape, budget: int
+) -> list[str]:
+    """What the command prints: the counts, their KV share, and each layer's measured loss at its count."""
+    used = sum(counts)
+    parent = shape.layers * shape.kv_heads
+    lines = [
+        f"kv heads per layer: {','.join(map(str, counts))} ({used} of {parent} kv heads, {used / parent:.3f} of the "
+        f"parent's KV bytes; budget {budget})",
+        "layer  kv heads  loss (KL per token, this layer alone)",
+    ]
+    lines += [f"{layer:>5}  {count:>8}  {losses[layer][count]:.4g}" for layer, count in enumerate(counts)]
+    return lines

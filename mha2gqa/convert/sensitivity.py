@@ -1,0 +1,104 @@
+"""How much each layer loses at each kv-head count, measured in one pass over a few calibration blocks: the loss
+of (layer i, count g) is KL(parent || model) per token, the model being the parent with only layer i's keys and
+values mean-pooled to g heads. --kv-budget (kv_budget.py) sums these per layer: the usual additive sensitivity
+of mixed-precision quantisation, here measured on the model's output rather than a layer's own error.
+
+The pooled layer keeps its tensors' shapes: each group's mean is repeated over the group's source heads, which
+is exactly what the grouped model computes (query head q reads kv head q // (H / g) either way), so the parent
+stays loaded once and each candidate is a swap of two (or four, with biases) tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mha2gqa.convert.methods import group_heads, group_mean
+from mha2gqa.kl import kl_divergence
+from mha2gqa.layouts import AttentionShape
+
+KV_MODULES = ("k_proj", "v_proj")
+
+
+def pooled_in_place(rows: torch.Tensor, kv_heads: int, count: int) -> torch.Tensor:
+    """(n_kv*hd, *rest) -> the same shape, each group of n_kv / count heads replaced by its mean."""
+    grouped = group_heads(rows, kv_heads, count)  # (G, r, hd, *rest)
+    return group_mean(grouped).unsqueeze(1).expand_as(grouped).reshape(rows.shape).to(rows.dtype)
+
+
+@torch.no_grad()
+def layer_losses(model, blocks: torch.Tensor, shape: AttentionShape, counts: list[int], progress=None) -> list[dict]:
+    """losses[layer][count] for every count in `counts` (divisors of the source's kv heads; the source's own
+    count costs 0 and is not run), averaged over the tokens of `blocks` (N, seq_len). `model`: the parent, a
+    Llama-family transformers model in eval mode; its weights are restored after each candidate. The parent runs
+    once per block; a candidate at layer i runs layers i.. only, from the parent's input to layer i (the layers
+    below are the parent's), which halves the work on average."""
+    pooled_counts = [c for c in counts if c != shape.kv_heads]
+    losses = [{shape.kv_heads: 0.0, **{c: 0.0 for c in pooled_counts}} for _ in range(shape.layers)]
+    device = next(model.parameters()).device
+    for block in blocks:
+        ids = block.unsqueeze(0).to(device)
+        inputs, parent_logits = _parent_pass(model, ids)
+        for layer in range(shape.layers):
+            for count in pooled_counts:
+                with _pooled(model, layer, shape.kv_heads, count):
+                    logits = _logits_from(model, layer, inputs[layer])
+                losses[layer][count] += float(kl_divergence(parent_logits, logits)) / len(blocks)
+                if progress is not None:
+                    progress.update(1)
+    return losses
+
+
+def _parent_pass(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The parent's forward: the hidden states entering each decoder layer (a pre-hook on each), and the logits
+    of every position but the last (what predicts a next token within the block)."""
+    inputs: list[torch.Tensor] = []
+
+    def keep(module, args, kwargs):
+        inputs.append(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+
+    handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in model.model.layers]
+    try:
+        logits = model(ids).logits[0, :-1]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs, logits
+
+
+def _logits_from(model, start: int, hidden: torch.Tensor) -> torch.Tensor:
+    """Layers start.. of a Llama-family model on `hidden` (1, T, d), its causal mask and rotary embedding as its
+    own forward makes them, then the final norm and the head: logits of every position but the last."""
+    from transformers.masking_utils import create_causal_mask
+
+    base = model.model
+    positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    mask = create_causal_mask(
+        config=base.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions
+    )
+    rotary = base.rotary_emb(hidden, position_ids=positions)
+    for layer in base.layers[start:]:
+        hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+    return model.lm_head(base.norm(hidden))[0, :-1]
+
+
+class _pooled:
+    """Context: layer `layer`'s k/v projections (weights and biases) pooled to `count` heads, restored on exit."""
+
+    def __init__(self, model, layer: int, kv_heads: int, count: int):
+        attention = model.model.layers[layer].self_attn
+        self.params = [
+            param
+            for name in KV_MODULES
+            for param in (getattr(attention, name).weight, getattr(attention, name).bias)
+            if param is not None
+        ]
+        self.kv_heads, self.count = kv_heads, count
+
+    def __enter__(self):
+        self.saved = [param.detach().clone() for param in self.params]
+        for param in self.params:
+            param.copy_(pooled_in_place(param.detach(), self.kv_heads, self.count))
+
+    def __exit__(self, *exc):
+        for param, saved in zip(self.params, self.saved):
+            param.copy_(saved)

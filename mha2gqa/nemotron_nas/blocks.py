@@ -1,0 +1,110 @@
+"""config.json of a Nemotron-NAS (DeciLM) checkpoint, as NVIDIA writes it and vLLM, SGLang, TensorRT-LLM,
+MLX-LM and llama.cpp's `deci` converter read it: a Llama config plus `block_configs`, one per layer, with
+`attention.n_heads_in_group` (that layer's kv heads = num_attention_heads / n_heads_in_group) and
+`ffn.ffn_mult`, from which every reader derives the MLP width as
+`find_multiple(int(2 * ffn_mult * hidden_size / 3), 256)`. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from mha2gqa.errors import InputError
+
+MODEL_TYPE = "nemotron-nas"
+ARCHITECTURE = "DeciLMForCausalLM"
+FFN_MULTIPLE = 256  # the readers round the MLP width up to a multiple of this
+# Keys of a Llama config.json that a Nemotron-NAS config states per block instead (NVIDIA's DeciLMConfig sets
+# both to None): a uniform value left in would contradict the blocks.
+PER_BLOCK_KEYS = ("num_key_value_heads", "intermediate_size")
+
+
+def ffn_mult_to_intermediate_size(ffn_mult: float, hidden_size: int) -> int:
+    """The MLP width every reader derives from ffn_mult (vLLM's and NVIDIA's _ffn_mult_to_intermediate_size)."""
+    width = int(2 * ffn_mult * hidden_size / 3)
+    return width if width % FFN_MULTIPLE == 0 else width + FFN_MULTIPLE - width % FFN_MULTIPLE
+
+
+def ffn_mult_for(intermediate_size: int, hidden_size: int) -> float:
+    """The ffn_mult that every reader turns back into exactly `intermediate_size`; InputError where none does
+    (the readers round up to a multiple of 256, so a width that is not one cannot be stated)."""
+    ffn_mult = 3 * intermediate_size / (2 * hidden_size)
+    if ffn_mult_to_intermediate_size(ffn_mult, hidden_size) != intermediate_size:
+        raise InputError(
+            f"intermediate_size={intermediate_size} is not a multiple of {FFN_MULTIPLE}: the Nemotron-NAS format "
+            f"states the MLP width as ffn_mult, which its readers round up to a multiple of {FFN_MULTIPLE}, so this "
+            "parent cannot be written in it; convert it with a uniform --groups instead"
+        )
+    return ffn_mult
+
+
+def block_configs(heads: int, kv_heads_per_layer: list[int], ffn_mult: float) -> list[dict]:
+    """One block per layer: attention with its own kv heads, the parent's MLP (no layer skipped or linearised)."""
+    return [
+        {
+            "attention": {"n_heads_in_group": heads // kv_heads, "no_op": False, "replace_with_linear": False},
+            "ffn": {"ffn_mult": ffn_mult, "no_op": False, "replace_with_linear": False},
+        }
+        for kv_heads in kv_heads_per_layer
+    ]
+
+
+def nemotron_nas_config(llama_config: dict, kv_heads_per_layer: list[int]) -> dict:
+    """A Llama config.json dict -> the Nemotron-NAS config.json of the same model with these kv heads per layer."""
+    heads, hidden = llama_config["num_attention_heads"], llama_config["hidden_size"]
+    ffn_mult = ffn_mult_for(llama_config["intermediate_size"], hidden)
+    kept = {key: value for key, value in llama_config.items() if key not in PER_BLOCK_KEYS}
+    return dict(
+        kept,
+        model_type=MODEL_TYPE,
+        architectures=[ARCHITECTURE],
+        block_configs=block_configs(heads, kv_heads_per_layer, ffn_mult),
+    )
+
+
+def layer_kv_heads(config: dict) -> list[int]:
+    """Each layer's kv heads, as the readers compute them."""
+    heads = config["num_attention_heads"]
+    return [heads // block["attention"]["n_heads_in_group"] for block in config["block_configs"]]
+
+
+def layer_intermediate_sizes(config: dict) -> list[int]:
+    """Each layer's MLP width: from ffn_mult, or (vLLM reads it where ffn_mult is absent) ffn.intermediate_size."""
+    hidden = config["hidden_size"]
+    return [
+        ffn_mult_to_intermediate_size(block["ffn"]["ffn_mult"], hidden)
+        if block["ffn"].get("ffn_mult") is not None
+        else block["ffn"]["intermediate_size"]
+        for block in config["block_configs"]
+    ]
+
+
+def check_blocks(config: dict, path) -> None:
+    """Refuse (one line) block_configs that mha2gqa's model class cannot build: one block per layer, each an
+    attention whose n_heads_in_group divides the heads and an MLP with a width; no skipped (no_op) or
+    linear-replaced parts, which NVIDIA's pruned models use and this class does not implement."""
+    blocks, layers, heads = config.get("block_configs"), config.get("num_hidden_layers"), config["num_attention_heads"]
+    if not isinstance(blocks, list) or len(blocks) != layers:
+        count = len(blocks) if isinstance(blocks, list) else "no list of"
+        raise InputError(
+            f"{path} has {count} block_configs for num_hidden_layers={layers}: a Nemotron-NAS config needs one "
+            "block per layer; use the checkpoint's own config.json"
+        )
+    for index, block in enumerate(blocks):
+        attention, ffn = (block.get(part) if isinstance(block, dict) else None for part in ("attention", "ffn"))
+        if not isinstance(attention, dict) or not isinstance(ffn, dict):
+            raise InputError(f"{path}: block_configs[{index}] needs an 'attention' and an 'ffn' object")
+        for part, settings in (("attention", attention), ("ffn", ffn)):
+            for key in ("no_op", "replace_with_linear"):
+                if settings.get(key):
+                    raise InputError(
+                        f"{path}: block_configs[{index}].{part}.{key} is true: mha2gqa's Nemotron-NAS class builds "
+                        "full attention and MLP blocks only; load this model with its own code (trust_remote_code)"
+                    )
+        group = attention.get("n_heads_in_group")
+        if not isinstance(group, int) or isinstance(group, bool) or group < 1 or heads % group:
+            raise InputError(
+                f"{path}: block_configs[{index}].attention.n_heads_in_group={group!r} must be a positive integer "
+                f"that divides num_attention_heads={heads}"
+            )
+        width = ffn.get("ffn_mult") if ffn.get("ffn_mult") is not None else ffn.get("intermediate_size")
+        if not isinstance(width, (int, float)) or isinstance(width, bool) or width <= 0:
+            raise InputError(f"{path}: block_configs[{index}].ffn needs a positive ffn_mult (or intermediate_size)")
