@@ -28,6 +28,7 @@ from mha2gqa.errors import InputError, InputWarning, first_line
 from mha2gqa.layouts import config_vocab, read_config
 from mha2gqa.scoring.agreement import agreement_with_top, reference_top
 from mha2gqa.scoring.perplexity import windows
+from mha2gqa.units import counted
 
 TOP_K = 512  # the parent's tokens kept per position in the cache: the KL is exact up to this vocabulary size
 CHARS_PER_TOKEN = 16  # read this many characters a token of a domain's text at most (no tokenizer does worse)
@@ -124,7 +125,9 @@ def _expected(ids: dict[str, torch.Tensor], window: int, vocab: int) -> check_ca
         raise CheckFailed("SRC's config.json gives no vocab_size to check the tokenizer's ids against")
     for name, domain_ids in ids.items():
         if domain_ids.numel() < 2:
-            raise CheckFailed(f"SRC's tokenizer gives {domain_ids.numel()} token(s) for the {name} text, fewer than 2")
+            raise CheckFailed(
+                f"SRC's tokenizer gives {counted(domain_ids.numel(), 'token')} for the {name} text, fewer than 2"
+            )
         low, high = int(domain_ids.min()), int(domain_ids.max())
         if low < 0 or high >= vocab:
             raise CheckFailed(
