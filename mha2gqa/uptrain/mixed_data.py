@@ -45,11 +45,6 @@ def local_blocks(recipe: Recipe, world_size: int) -> int:
     return total_steps(recipe, world_size) * recipe.grad_accum * recipe.micro_batch_size
 
 
-def needs_teacher(recipe: Recipe) -> bool:
-    """The teacher is needed before the data: data.train samples it."""
-    return any(part.sampled for part in sources(recipe.data)[0])
-
-
 def build(
     recipe: Recipe, tokenizer, rank: int, world_size: int, show_progress: bool, teacher=None, first=None
 ) -> TrainData:
