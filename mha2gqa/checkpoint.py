@@ -396,6 +396,17 @@ class ShardedWriter:
             position += tensor.nbytes
         return max(votes, key=votes.get) if votes else None
 
+    def __enter__(self) -> ShardedWriter:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        """The block's end closes the writer; any failure in it (a refused cast, a short read, Ctrl-C) discards
+        it instead, so no shard is left open, and the failure goes on."""
+        if kind is None:
+            self.close()
+        else:
+            self.discard()
+
     def discard(self) -> None:
         """After a failure: close the open shard, copy nothing more (the caller removes the partial directory)."""
         self._run = None

@@ -84,30 +84,26 @@ def write_tensors(
     this thread while a worker thread reads and pools the next layers (both release the GIL), so the
     pooling hides behind the copying. Only this thread writes, and warnings are raised here, in order."""
     copies = plan.copies(checkpoint.tensors)
-    writer = ShardedWriter(out_dir, plan.output_tensors(), shard_bytes, copies)
     bar = progress_bar(plan.bytes_out, "convert", progress, unit="B", unit_scale=True)
     to_compute = deque(step for step in plan.steps if step.outputs[0].name not in copies)
     worker, pending = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mha2gqa-pool"), deque()
     scratch = _Scratch()  # used by the one worker thread only
-    try:
-        for step in plan.steps:
-            while to_compute and len(pending) < AHEAD:
-                pending.append(worker.submit(_compute, checkpoint, to_compute.popleft(), plan, scratch))
-            if step.outputs[0].name in copies:
-                writer.copy_bytes(step.outputs[0].name, checkpoint.tensors[step.sources["tensor"]])
-            else:
-                arrays, non_finite = pending.popleft().result()
-                for role, count in non_finite:
-                    warn_non_finite(count, step.sources, role, step.layer)
-                for out, array in zip(step.outputs, arrays):
-                    writer.write_array(out.name, array)
-            bar.update(sum(out.nbytes for out in step.outputs))
-    except BaseException:
-        writer.discard()
-        raise
-    finally:
-        worker.shutdown(wait=True, cancel_futures=True)  # on Ctrl-C: the running step finishes (under a second)
-    writer.close()
+    with ShardedWriter(out_dir, plan.output_tensors(), shard_bytes, copies) as writer:
+        try:
+            for step in plan.steps:
+                while to_compute and len(pending) < AHEAD:
+                    pending.append(worker.submit(_compute, checkpoint, to_compute.popleft(), plan, scratch))
+                if step.outputs[0].name in copies:
+                    writer.copy_bytes(step.outputs[0].name, checkpoint.tensors[step.sources["tensor"]])
+                else:
+                    arrays, non_finite = pending.popleft().result()
+                    for role, count in non_finite:
+                        warn_non_finite(count, step.sources, role, step.layer)
+                    for out, array in zip(step.outputs, arrays):
+                        writer.write_array(out.name, array)
+                bar.update(sum(out.nbytes for out in step.outputs))
+        finally:  # the worker only reads and pools: it stops before the writer closes or is discarded
+            worker.shutdown(wait=True, cancel_futures=True)  # on Ctrl-C: the running step finishes (under a second)
     bar.close()
 
 

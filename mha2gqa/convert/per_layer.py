@@ -135,9 +135,8 @@ def _write_tensors(plan: PerLayerPlan, outputs, out_dir: Path) -> None:
     base = plan.base
     checkpoint, shape = base.checkpoint, base.shape
     copies = base.tensors.copies(checkpoint.tensors)
-    writer = ShardedWriter(out_dir, outputs, base.shard_bytes, copies)
     bar = progress_bar(sum(out.nbytes for out in outputs), "convert", base.options.progress, unit="B", unit_scale=True)
-    try:
+    with ShardedWriter(out_dir, outputs, base.shard_bytes, copies) as writer:
         for step in plan.steps:
             if step.is_transform:
                 count = plan.counts[step.layer]
@@ -153,10 +152,6 @@ def _write_tensors(plan: PerLayerPlan, outputs, out_dir: Path) -> None:
                 out = step.outputs[0]
                 writer.write_tensor(out.name, _cast(checkpoint.load(step.sources["tensor"]), out))
             bar.update(sum(out.nbytes for out in step.outputs))
-    except BaseException:  # a refused cast, a short read, Ctrl-C: no shard left open
-        writer.discard()
-        raise
-    writer.close()
     bar.close()
 
 

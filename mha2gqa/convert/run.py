@@ -282,10 +282,9 @@ def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: di
 
     checkpoint, tensors, computed = plan.checkpoint, plan.tensors, computed or {}
     copies = {name: source for name, source in tensors.copies(checkpoint.tensors).items() if name not in computed}
-    writer = ShardedWriter(out_dir, tensors.output_tensors(), plan.shard_bytes, copies)
     bar = progress_bar(tensors.bytes_out, "convert", plan.options.progress, unit="B", unit_scale=True)
     layers = []
-    try:
+    with ShardedWriter(out_dir, tensors.output_tensors(), plan.shard_bytes, copies) as writer:
         for step in tensors.steps:
             made = [out.name in computed for out in step.outputs]
             if all(made):
@@ -308,10 +307,6 @@ def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: di
                 if report:
                     layers.append({"layer": step.layer, **report})
             bar.update(sum(out.nbytes for out in step.outputs))
-    except BaseException:  # a refused cast, a short read, Ctrl-C: no shard left open
-        writer.discard()
-        raise
-    writer.close()
     bar.close()
     return _by_layer(layers)
 
