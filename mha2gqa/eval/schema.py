@@ -224,6 +224,14 @@ def _maybe(check):
     return lambda v: v is None or check(v)
 
 
+def _rows(**fields):
+    """A list of dicts, each holding every named field and each field passing its check."""
+    return lambda v: (
+        isinstance(v, list)
+        and all(isinstance(row, dict) and all(ok(row.get(k)) for k, ok in fields.items()) for row in v)
+    )
+
+
 def _section(fields: dict):
     """A dict whose listed keys, where present, pass their checks (None for a section: absent is fine)."""
     return lambda v: isinstance(v, dict) and all(k not in v or ok(v[k]) for k, (ok, _) in fields.items())
@@ -266,49 +274,15 @@ _TYPES = {
     "retrieval": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
     "retrieval.recall": (_maybe(_number), "a number"),
     "retrieval.answer_probability_kept": (_maybe(_number), "a number"),
-    "retrieval.lengths": (
-        lambda v: (
-            isinstance(v, list)
-            and all(isinstance(x, dict) and _count(x.get("length")) and _number(x.get("recall")) for x in v)
-        ),
-        "[{length: whole number, recall: number}, ...]",
-    ),
+    "retrieval.lengths": (_rows(length=_count, recall=_number), "[{length: whole number, recall: number}, ...]"),
     "retrieval.cells": (
-        lambda v: (
-            isinstance(v, list)
-            and all(
-                isinstance(c, dict)
-                and _count(c.get("length"))
-                and _number(c.get("depth"))
-                and _number(c.get("recall"))
-                and _count(c.get("items"))
-                for c in v
-            )
-        ),
+        _rows(length=_count, depth=_number, recall=_number, items=_count),
         "[{length, depth, recall, items}, ...] with numbers",
     ),
     "kv_cache": (lambda v: isinstance(v, dict), "an object"),
     "kv_cache.measured_bytes_per_token": (_maybe(_number), "a number"),
     "speed": (
-        _maybe(
-            _section(
-                {
-                    "points": (
-                        lambda v: (
-                            isinstance(v, list)
-                            and all(
-                                isinstance(p, dict)
-                                and _count(p.get("batch"))
-                                and _count(p.get("context"))
-                                and _number(p.get("tokens_per_s"))
-                                for p in v
-                            )
-                        ),
-                        "",
-                    )
-                }
-            )
-        ),
+        _maybe(_section({"points": (_rows(batch=_count, context=_count, tokens_per_s=_number), "")})),
         "null or {points: [{batch, context, tokens_per_s}, ...]}",
     ),
     "data": (_maybe(lambda v: isinstance(v, dict)), "an object or null"),
