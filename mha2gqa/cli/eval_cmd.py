@@ -18,24 +18,22 @@ def _option(flag: str, *decls: str, **kwargs):
     return field_option(EvalOptions, flag, *decls, **kwargs)
 
 
-def _int_list(ctx, param, value):
-    """'1,4,16' -> (1, 4, 16); None stays None (the preset decides)."""
-    if value is None:
-        return None
-    try:
-        return tuple(int(v) for v in value.split(",") if v.strip())
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers (e.g. 1,4,16)") from None
+def _list_of(kind, what: str, example: str):
+    """A click callback: '1,4,16' -> (1, 4, 16) read by `kind`; None stays None (the preset or default decides)."""
+
+    def parse(ctx, param, value):
+        if value is None:
+            return None
+        try:
+            return tuple(kind(v) for v in value.split(",") if v.strip())
+        except ValueError:
+            raise click.BadParameter(f"{value!r} is not a comma-separated list of {what} (e.g. {example})") from None
+
+    return parse
 
 
-def _float_list(ctx, param, value):
-    """'0.1,0.5' -> (0.1, 0.5); None stays None (the default applies)."""
-    if value is None:
-        return None
-    try:
-        return tuple(float(v) for v in value.split(",") if v.strip())
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers (e.g. 0.1,0.5,0.9)") from None
+_int_list = _list_of(int, "integers", "1,4,16")
+_float_list = _list_of(float, "numbers", "0.1,0.5,0.9")
 
 
 class _BatchSize(click.ParamType):
