@@ -22,7 +22,7 @@ from mha2gqa.convert.options import OUT_DTYPES, ConvertOptions, Grouping, Method
 from mha2gqa.convert.plan import Step, make_plan
 from mha2gqa.convert.prepare import ConversionPlan, prepare
 from mha2gqa.convert.roles import pack, unpack
-from mha2gqa.convert.run import _cast, _check_destination, _copy_files
+from mha2gqa.convert.run import cast_to_output, check_destination_outside, copy_checked_files
 from mha2gqa.errors import InputError, import_torch
 from mha2gqa.layouts import DTYPE_BYTES, AttentionShape, attention_shape, read_config
 from mha2gqa.nemotron_nas.blocks import MODEL_TYPE, nemotron_nas_config
@@ -98,7 +98,7 @@ def plan_per_layer(src, dst, counts: tuple[int, ...], options: ConvertOptions) -
     base = prepare(
         src, replace(options, groups=min(counts), method=Method.MEAN, grouping=Grouping.CONTIGUOUS, check=False)
     )
-    _check_destination(base.source, Path(dst).expanduser(), options.force)
+    check_destination_outside(base.source, Path(dst).expanduser(), options.force)
     steps = _layer_steps(base, counts)
     return PerLayerPlan(base, counts, steps, new_config)
 
@@ -121,7 +121,7 @@ def execute_per_layer(plan: PerLayerPlan, dst) -> Path:
     with atomic_directory(dst, replace=base.options.force, needed_bytes=needed) as tmp:
         import_torch()
         _write_tensors(plan, outputs, Path(tmp))
-        _copy_files(base.copied, base.source, tmp)
+        copy_checked_files(base.copied, base.source, tmp)
         (Path(tmp) / "config.json").write_text(jsontext.model_config(plan.config, indent=2) + "\n")
         provenance.append(tmp, "conversion", _record(plan), source=base.source)
         write_card(tmp, base.source, dst.name)
@@ -145,12 +145,12 @@ def _write_tensors(plan: PerLayerPlan, outputs, out_dir: Path) -> None:
                 roles, _ = transform_layer(METHODS[Method.MEAN], unpack(stored, shape), context)
                 packed = {step.sources[role]: t for role, t in pack(roles, list(step.sources), count).items()}
                 for out in step.outputs:
-                    writer.write_tensor(out.name, _cast(packed[out.name], out))
+                    writer.write_tensor(out.name, cast_to_output(packed[out.name], out))
             elif step.outputs[0].name in copies:
                 writer.copy_bytes(step.outputs[0].name, copies[step.outputs[0].name])
             else:
                 out = step.outputs[0]
-                writer.write_tensor(out.name, _cast(checkpoint.load(step.sources["tensor"]), out))
+                writer.write_tensor(out.name, cast_to_output(checkpoint.load(step.sources["tensor"]), out))
             bar.update(sum(out.nbytes for out in step.outputs))
     bar.close()
 

@@ -46,7 +46,8 @@ class ConversionResult:
     checked: str | None = None  # a dry run: what it checked at DST (the run's checks before its first byte)
 
 
-def _check_destination(src: Path, dst: Path, force: bool) -> None:
+def check_destination_outside(src: Path, dst: Path, force: bool) -> None:
+    """DST may be neither inside SRC nor hold it, then writing.check_destination's rule (per_layer.py too)."""
     src_r, dst_r = resolve(src), resolve(dst)  # a link loop is one ELOOP line, not a RuntimeError
     if dst_r == src_r or src_r in dst_r.parents:
         raise InputError(f"DST {dst} is inside SRC {src}: choose a directory outside the source model")
@@ -86,7 +87,7 @@ def plan_conversion(src, dst, options: ConvertOptions, stats=None, resolved=None
     """prepare, then the destination's checks: everything convert refuses before it writes. `resolved`: the
     calibration already resolved for an earlier plan (a sweep plans every candidate from one resolution)."""
     plan = prepare(src, options, stats, resolved)
-    _check_destination(plan.source, Path(dst).expanduser(), options.force)
+    check_destination_outside(plan.source, Path(dst).expanduser(), options.force)
     return plan
 
 
@@ -135,7 +136,7 @@ def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult
     """Run the stages of `plan` into a new `dst`: calibrate -> merge -> refine -> write -> metadata."""
     options, source = plan.options, plan.source
     dst = Path(dst).expanduser()
-    _check_destination(source, dst, options.force)
+    check_destination_outside(source, dst, options.force)
     # Claimed, checked for room and cleared of debris before calibration, the long part, starts. The
     # statistics ((d+1)^2 float64 per layer: GBs for a 7B) and refine's spill files live inside the partial
     # directory, so they count against DST's room, not a small /tmp, and a killed run's are removed with
@@ -154,7 +155,7 @@ def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult
             fast.write_tensors(plan.checkpoint, plan.tensors, tmp, plan.shard_bytes, options.progress)
         else:
             layers, refined, stats, parent = _run_torch(plan, tmp, Path(scratch), clock)
-        _copy_files(plan.copied, source, tmp)
+        copy_checked_files(plan.copied, source, tmp)
         _write_config(plan.config, options.groups, options.dtype, tmp)
         checked = _check(plan, tmp, dst, parent, clock)
         del parent
@@ -289,17 +290,17 @@ def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: di
             made = [out.name in computed for out in step.outputs]
             if all(made):
                 for out in step.outputs:
-                    writer.write_tensor(out.name, _cast(computed[out.name], out))
+                    writer.write_tensor(out.name, cast_to_output(computed[out.name], out))
             elif any(made):
                 raise RuntimeError(f"refine made only some of the tensors of {step.sources}")
             elif not step.is_transform:
                 out, info = step.outputs[0], checkpoint.tensors[step.sources["tensor"]]
                 if step.transpose:
-                    writer.write_tensor(out.name, _cast(checkpoint.load(info.name).t().contiguous(), out))
+                    writer.write_tensor(out.name, cast_to_output(checkpoint.load(info.name).t().contiguous(), out))
                 elif out.dtype == info.dtype:
                     writer.copy_bytes(out.name, info)
                 else:
-                    writer.write_tensor(out.name, _cast(checkpoint.load(info.name), out))
+                    writer.write_tensor(out.name, cast_to_output(checkpoint.load(info.name), out))
             else:
                 merged, report = _merge_layer(plan, step, stats)
                 for out in step.outputs:
@@ -343,10 +344,10 @@ def _merge_layer(plan: ConversionPlan, step, stats) -> tuple[dict, dict]:
     roles, report = transform_layer(METHODS[options.method], source_roles, context, options.grouping)
     packed = pack(roles, list(step.sources), options.groups)
     names = {step.sources[role]: tensor for role, tensor in packed.items()}
-    return {out.name: _cast(names[out.name], out) for out in step.outputs}, report
+    return {out.name: cast_to_output(names[out.name], out) for out in step.outputs}, report
 
 
-def _cast(tensor, out):
+def cast_to_output(tensor, out):
     """`tensor` in the output's dtype, under casts.check_cast's rule (no inf, no tensor flushed to zero)."""
     from mha2gqa.checkpoint import torch_dtypes
     from mha2gqa.convert.casts import check_cast, torch_range
@@ -368,7 +369,7 @@ def _warn_non_finite(roles: dict, sources: dict, layer: int) -> None:
             fast.warn_non_finite(int((~torch.isfinite(tensor)).sum()), sources, role, layer)
 
 
-def _copy_files(files: dict[Path, int], source: Path, out_dir: Path) -> None:
+def copy_checked_files(files: dict[Path, int], source: Path, out_dir: Path) -> None:
     """Copy the files prepare checked (prepare.files_to_copy), each read to its checked size: a file
     that changed since is a changing source, one line."""
     for path, size in files.items():
