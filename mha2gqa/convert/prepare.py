@@ -49,7 +49,7 @@ from mha2gqa.corpus import sampling
 from mha2gqa.corpus.probe import DOMAINS
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
-from mha2gqa.estimates import check_parts, convert_line
+from mha2gqa.estimates import ConvertWork, RefineWork, StageCost, check_parts, convert_line
 from mha2gqa.estimates.costs import RUNTIME_BYTES as EVAL_RUNTIME_BYTES
 from mha2gqa.estimates.stages import CONVERT
 from mha2gqa.layouts import (
@@ -111,6 +111,11 @@ class ConversionPlan:
     decided: Decided = field(default_factory=Decided)  # what was chosen from the machine (decide.py), once
 
     @property
+    def parameters(self) -> int:
+        """The source's parameters, from its safetensors headers."""
+        return sum(math.prod(info.shape) for info in self.checkpoint.tensors.values())
+
+    @property
     def gathers_statistics(self) -> bool:
         return self.calibration is not None and self.stats is None
 
@@ -122,6 +127,45 @@ class ConversionPlan:
     def calibration_passes(self) -> int:
         """Passes of the calibration tokens through SRC that gather the statistics within --calibration-memory."""
         return -(-self.shape.layers // layers_per_pass(self.calibration_memory, self.shape.hidden))
+
+    def work(self) -> ConvertWork:
+        """What the conversion will do, as the numbers its estimate is priced from (estimates.convert_stages)."""
+        p, calibration, sampled = (
+            self.parameters,
+            self.calibration,
+            self.calibration and self.calibration.sampled_tokens,
+        )
+        sample = {}
+        if sampled:
+            seq_len = calibration.seq_len
+            chat, batch = sampling.has_chat_template(self.source), sampling.batch_for(self.config, seq_len)
+            sample = dict(sampled_tokens=sampled, sample_seq_len=seq_len, sample_chat=chat, sample_batch=batch)
+        return ConvertWork(
+            parameters=p,
+            torch=self.torch_reason is not None,
+            bytes_written=self.bytes_written,
+            parent_bytes=4 * p if calibration is not None else 0,
+            calibrate_tokens=calibration.tokens * self.calibration_passes if self.gathers_statistics else 0,
+            refine=self._refine_work(p),
+            planned=tuple(StageCost(s.name, s.parts) for s in self.stages if s.parts),
+            peak_bytes=self.peak_memory,
+            **sample,
+        )
+
+    def _refine_work(self, parameters: int) -> RefineWork | None:
+        refine, budget = self.options.refine, self.refine_budget
+        if refine is None or budget is None:
+            return None
+        step_tokens = refine.batch_blocks * budget.seq_len + budget.opening_tokens_per_step
+        checks = budget.global_check_forwards(refine.global_steps, config_vocab(self.config), refine.memory)
+        return RefineWork(
+            layer_step_work=self.shape.layers * refine.steps * step_tokens * attention_parameters(self.shape),
+            fit_tokens=budget.blocks * budget.seq_len + budget.opening_tokens,
+            step_tokens=step_tokens,
+            global_steps=refine.global_steps,
+            global_check_forwards=checks,
+            global_bf16=refine.global_precision == GlobalPrecision.BFLOAT16,  # explicit here: prepare decided auto
+        )
 
     def command(self) -> str:
         """The `mha2gqa convert` command line that makes this conversion again (byte for byte), with OUT
@@ -159,7 +203,7 @@ class ConversionPlan:
             )
             + f"; peak memory about {format_bytes(self.peak_memory)}"
         )
-        lines.append(time_line or convert_line(self))
+        lines.append(time_line or convert_line(self.work()))
         return lines
 
 
@@ -274,7 +318,7 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int) -> None:
     shape, options, tensors = plan.shape, plan.options, plan.tensors
     seq_len = block_length(plan.config)
     plan.bytes_written = tensors.bytes_out + sum(plan.copied.values()) + (1 << 20)  # 1 MiB for headers and JSON
-    params = sum(math.prod(info.shape) for info in plan.checkpoint.tensors.values())
+    params = plan.parameters
     model_bytes = 4 * params  # the source loaded in float32 on CPU (calibration.load_source_model)
     layer_bytes = max(
         (sum(plan.checkpoint.tensors[n].nbytes for n in s.sources.values()) for s in tensors.steps if s.is_transform),
@@ -485,3 +529,9 @@ def files_to_copy(source: Path) -> dict[Path, int]:
         if about_the_source(path):  # the parent's own provenance, log or results: false beside the new model
             del found[path]
     return found
+
+
+def attention_parameters(shape: AttentionShape) -> int:
+    """q, k, v and o of one layer of the source."""
+    q = shape.hidden * shape.heads * shape.head_dim
+    return 2 * q + 2 * shape.hidden * shape.kv_heads * shape.head_dim

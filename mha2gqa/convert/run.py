@@ -114,7 +114,7 @@ def estimate(plan: ConversionPlan):
 
     checked = plan.check is not None and plan.check.skip is None
     probe = "torch" if plan.torch_reason is not None or checked else "numpy"
-    return for_this_machine(convert_estimate(plan), probe, fine=plan.options.refine is not None)
+    return for_this_machine(convert_estimate(plan.work()), probe, fine=plan.options.refine is not None)
 
 
 def dry_run_time_line(plan: ConversionPlan) -> str | None:
@@ -127,9 +127,9 @@ def dry_run_time_line(plan: ConversionPlan) -> str | None:
         return None
     from mha2gqa.estimates import convert_estimate, convert_line, rates
 
-    if rates.probe_rounds(convert_estimate(plan).seconds(), ["torch"]):  # torch only for a probe it will take
+    if rates.probe_rounds(convert_estimate(plan.work()).seconds(), ["torch"]):  # torch only for a probe it will take
         import_torch()  # with the interrupt signals held, as the run starts it
-    return convert_line(plan, estimate(plan))
+    return convert_line(plan.work(), estimate(plan))
 
 
 def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult:
