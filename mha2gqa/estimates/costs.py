@@ -135,7 +135,7 @@ class RefineWork:
     fit_tokens: int  # the calibration blocks (and openings) each layer's fit forwards through the parent
     step_tokens: int  # tokens one step reads (a global step forwards them through both models)
     global_steps: int = 0
-    global_check_forwards: int = 0  # token forwards of the global stage's held-out checks (RefineBudget)
+    global_heldout_forwards: int = 0  # token forwards of the global stage's held-out checks (RefineBudget)
     global_bf16: bool = False  # the global steps in bfloat16 autocast (decided in prepare: convert/decide.py)
 
 
@@ -182,7 +182,7 @@ def convert_stages(work: ConvertWork, start: bool = True, calibration: bool = Tr
         if refine.global_steps:
             speedup = rates.between(BF16_GLOBAL_STEP_SPEEDUP, p) if refine.global_bf16 else 1
             steps = refine.global_steps * refine.step_tokens * p / speedup
-            global_work = {"steps": steps, "checks": refine.global_check_forwards * p}
+            global_work = {"steps": steps, "checks": refine.global_heldout_forwards * p}
             stages.append(StageCost(CONVERT.refine_global.name, (Part("refine_global", p, global_work),)))
         stages.append(StageCost(CONVERT.write.name, (Part(write, p, {"bytes": work.bytes_written}),)))
     stages += work.planned  # costed by their planners (the quality check) : after the write, before the metadata

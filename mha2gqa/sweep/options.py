@@ -70,9 +70,9 @@ class SweepOptions:
     --tolerance may differ)."""
 
     def __post_init__(self):
-        self.check()
+        self.validate()
 
-    def check(self) -> None:
+    def validate(self) -> None:
         """Refuse values no sweep can run with, each naming its flag (the style of RefineOptions.check and
         EvalOptions.check)."""
         self.methods = tuple(Method.parse(m, "--methods").value for m in self.methods)
@@ -96,6 +96,6 @@ class SweepOptions:
         if self.calibration_tokens is not None and self.calibration_tokens < 1:
             raise InputError(f"--calibration-tokens {self.calibration_tokens} must be at least 1 (e.g. 131072)")
         if self.refine is not None:
-            self.refine.check()
+            self.refine.validate()
         if not parse_domains(self.data):
             raise InputError("--data names no text: give one or more, e.g. --data probe or --data prose=held.txt")
