@@ -73,8 +73,8 @@ class SweepOptions:
         self.validate()
 
     def validate(self) -> None:
-        """Refuse values no sweep can run with, each naming its flag (the style of RefineOptions.check and
-        EvalOptions.check)."""
+        """Refuse values no sweep can run with, each naming its flag (the style of RefineOptions.validate and
+        EvalOptions.validate)."""
         self.methods = tuple(Method.parse(m, "--methods").value for m in self.methods)
         if not self.methods:
             raise InputError("--methods names no method: give at least one, e.g. mean,calibrated")
