@@ -34,6 +34,7 @@ _COSTS = (
         lambda r, ctx: DASH if r.get("convert_peak_rss_bytes") is None else fmt_bytes(r["convert_peak_rss_bytes"]),
     ),
     ("Pareto", lambda r, ctx: "★" if r["name"] in ctx else ""),
+    ("check", lambda r, ctx: r.get("check") or ""),  # convert's verdict, from the sweep's evaluation
 )
 
 

@@ -18,6 +18,8 @@ from mha2gqa.sweep.candidates import Candidate, derived_columns, parent_row
 
 # A result too damaged to derive anything from: a missing key, a string where a number was, a zero divisor.
 _DAMAGED = (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError)
+# Derived columns a sweep.json written before them lacks: derived again when its row is kept, not doubted.
+ADDED_COLUMNS = ("check",)
 
 
 def trusted(earlier: dict, planned: list[str], source_kv_heads: int, context, echo=print) -> dict:
@@ -37,7 +39,7 @@ def trusted(earlier: dict, planned: list[str], source_kv_heads: int, context, ec
         if doubt:
             echo(f"sweep: candidate {name!r} in sweep.json does not hold ({doubt}): running it again")
         else:
-            kept.append(row)
+            kept.append(_with_added_columns(row, parent, context))
     return {**earlier, "candidates": kept}
 
 
@@ -54,6 +56,13 @@ def _row_doubt(row: dict, parent: dict, context) -> str | None:
     if not isinstance(row.get("result"), dict):
         return "it holds no eval result"
     return _entry_doubt(row, lambda: derived_columns(row["result"], parent["result"], context), groups, "not its")
+
+
+def _with_added_columns(row: dict, parent: dict, context) -> dict:
+    if all(key in row for key in ADDED_COLUMNS):
+        return row
+    again = derived_columns(row["result"], parent["result"], context)
+    return {**row, **{key: again[key] for key in ADDED_COLUMNS}}
 
 
 def _entry_doubt(entry: dict, derive, kv_heads: int, expected_words: str) -> str | None:
@@ -75,7 +84,9 @@ def _entry_doubt(entry: dict, derive, kv_heads: int, expected_words: str) -> str
 def _differs(recorded: dict, again: dict) -> str | None:
     """The first column whose recorded value is not what the result gives again."""
     for key, value in again.items():
-        if key != "result" and recorded.get(key) != value:
+        if key == "result" or (key in ADDED_COLUMNS and key not in recorded):
+            continue
+        if recorded.get(key) != value:
             return f"its {key} is not what its eval result gives"
     return None
 
