@@ -26,12 +26,15 @@ from mha2gqa.sweep.render import OWN_COLUMNS
 
 @dataclass(frozen=True)
 class Candidate:
-    groups: int
+    """A uniform candidate (kv-head count x method), or with `budget` a per-layer one (sweep/budgets.py)."""
+
+    groups: int | None
     method: str
+    budget: str | None = None
 
     @property
     def name(self) -> str:
-        return f"kv{self.groups}-{self.method}"
+        return f"budget{self.budget}" if self.budget is not None else f"kv{self.groups}-{self.method}"
 
 
 def kv_head_counts(shape: AttentionShape, wanted: tuple[int, ...] | None, echo=print) -> list[int]:

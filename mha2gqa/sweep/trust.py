@@ -50,12 +50,25 @@ def _parent_doubt(parent, source_kv_heads: int, context) -> str | None:
 
 
 def _row_doubt(row: dict, parent: dict, context) -> str | None:
-    groups, method = row.get("groups"), row.get("method")
-    if not isinstance(groups, int) or isinstance(groups, bool) or Candidate(groups, method).name != row.get("name"):
+    groups, method, budget = row.get("groups"), row.get("method"), row.get("budget")
+    if budget is not None:  # a --kv-budgets row: its largest layer count is what eval records as kv_heads
+        per_layer = row.get("kv_heads_per_layer")
+        if not isinstance(per_layer, list) or not per_layer or not all(_is_count(c) for c in per_layer):
+            return f"its kv_heads_per_layer {per_layer!r} is not a list of kv-head counts"
+        groups, expected = None, max(per_layer)
+    elif not _is_count(groups):
+        return f"its groups {groups!r} and method {method!r} do not give its name"
+    else:
+        expected = groups
+    if Candidate(groups, method, budget).name != row.get("name"):
         return f"its groups {groups!r} and method {method!r} do not give its name"
     if not isinstance(row.get("result"), dict):
         return "it holds no eval result"
-    return _entry_doubt(row, lambda: derived_columns(row["result"], parent["result"], context), groups, "not its")
+    return _entry_doubt(row, lambda: derived_columns(row["result"], parent["result"], context), expected, "not its")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _with_added_columns(row: dict, parent: dict, context) -> dict:
