@@ -34,6 +34,11 @@ def test_demo_runs_the_whole_job_and_uptraining_recovers(tmp_path, flags):
     ppl = {role: r["perplexity"]["perplexity"] for role, r in results.items()}
     # Pooling 8 distinct kv heads into 2 costs quality, and uptraining wins some of it back.
     assert ppl["parent"] < ppl["uptrained"] < ppl["converted"]
+    # convert's check, read off the demo's own evaluation: the verdict of the converted model's ratio
+    from mha2gqa.convert.check import verdict
+
+    ratio = ppl["converted"] / ppl["parent"]
+    assert f"check: {verdict({'held-out': ratio}).line} (held-out perplexity {ratio:.2f}x" in result.output
     kv = {role: r["kv_cache"]["measured_bytes_per_token"] for role, r in results.items()}
     assert kv["parent"] == 4 * kv["converted"] == 4 * kv["uptrained"]
     stages = lineage(out / "uptrained")  # the embedded model's pretraining, the conversion, the uptraining

@@ -18,7 +18,7 @@ EXPECTED = {  # the names the output and the estimates have always used: renamin
     ],
     "eval": ["start", "load", "quality: ", "retrieval", "kv cache", "decode speed", "attention maps", "lm-eval"],
     "uptrain": ["start", "load", "train", "save"],
-    "sweep": ["start", "load", "evaluate parent", "calibrate", "candidate "],
+    "sweep": ["start", "load", "evaluate parent", "calibrate", "layer losses", "candidate "],
     "demo": [
         "start", "convert", "evaluate parent", "evaluate converted", "uptrain", "evaluate uptrained", "report",
     ],

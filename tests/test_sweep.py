@@ -115,6 +115,32 @@ def test_sweep_runs_every_candidate_and_writes_its_pages(swept):
     assert not list(out.glob(".sweep-*")), "the work directory is removed"
 
 
+def test_each_row_holds_the_checks_verdict_from_the_sweeps_own_evaluation(swept):
+    """The check is not run again at each conversion: its verdict is read off the sweep's evaluation, the same
+    rule (convert/check.py verdict) on the same per-domain ratios; resume keeps an older row without it."""
+    from mha2gqa.convert.check import verdict
+    from mha2gqa.sweep.trust import trusted
+
+    out, record, _, _ = swept
+    for row in record["candidates"]:
+        ratios = {name: d["ratio"] for name, d in row["domains"].items()}
+        assert ratios and row["check"] == verdict(ratios).kind
+    assert "| Pareto | check |" in (out / "sweep.md").read_text()
+    planned = [r["name"] for r in record["candidates"]]
+    older = json.loads(json.dumps(record))
+    for row in older["candidates"]:
+        del row["check"]
+    kept = trusted(older, planned, 4, record["context"], echo=pytest.fail)["candidates"]
+    assert [r["check"] for r in kept] == [r["check"] for r in record["candidates"]]
+    tampered = json.loads(json.dumps(record))
+    tampered["candidates"][0]["check"] = "close" if record["candidates"][0]["check"] != "close" else "not usable"
+    said = []
+    assert len(trusted(tampered, planned, 4, record["context"], echo=said.append)["candidates"]) == len(planned) - 1
+    assert said == [
+        f"sweep: candidate {planned[0]!r} in sweep.json does not hold (its check is not what its eval result gives): running it again"
+    ]
+
+
 def test_each_candidates_convert_command_is_its_cards_reproduce_line(swept):
     """The sweep's next-step command is the candidate's own dry-run plan: a plain mean merge names no
     calibration text (it shapes no weight), the calibrated one names the sweep's."""

@@ -52,6 +52,7 @@ def _option(flag: str, *decls: str, **kwargs):
 @_option("--out", required=True, type=click.Path(file_okay=False))
 @_option("--groups", "-g")
 @_option("--methods", choices=METHOD_SUMMARIES)
+@_option("--kv-budgets", metavar="X,Y", default=None)
 @click.option("--refine", is_flag=True, help=option_help(SweepOptions, "refine"))
 @_option("--max-tokens", type=TokenCount())
 @_option("--calibration-tokens", type=int)
@@ -69,6 +70,7 @@ def sweep(
     out,
     groups,
     methods,
+    kv_budgets,
     refine,
     max_tokens,
     calibration_tokens,
@@ -99,6 +101,7 @@ def sweep(
         out=out,
         groups=_counts(groups),
         methods=tuple(_names(methods, "--methods", "mean,calibrated") or SweepOptions.methods),
+        kv_budgets=tuple(_names(kv_budgets, "--kv-budgets", "0.5,0.75") or ()),
         refine=RefineOptions(seed=seed) if refine else None,
         max_tokens=max_tokens,
         calibration_tokens=calibration_tokens,

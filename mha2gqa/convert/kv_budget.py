@@ -19,7 +19,7 @@ from mha2gqa.units import parse_size
 FLAG = "--kv-budget"
 
 
-def budget_heads(spec: str | float, shape: AttentionShape, dtype_bytes: int) -> int:
+def budget_heads(spec: str | float, shape: AttentionShape, dtype_bytes: int, flag: str = FLAG) -> int:
     """The budget as kv heads summed over layers: a fraction (0 < X <= 1) of the parent's, or bytes per token
     (a size, or an integer over 1), rounded down to whole heads. InputError outside [layers, layers x kv_heads)."""
     text = str(spec).strip()
@@ -29,21 +29,21 @@ def budget_heads(spec: str | float, shape: AttentionShape, dtype_bytes: int) -> 
         heads, asked = int(float(text) * parent_heads + 1e-9), f"{float(text):g} of the parent's KV bytes"
     elif not re.fullmatch(r"\d+(\.\d+)?\s*([KMGT]i?B|B)?", text, re.IGNORECASE):
         raise InputError(
-            f"{FLAG} {text!r}: give a fraction of the parent's KV bytes per token (0 < X < 1, e.g. 0.5) or bytes "
+            f"{flag} {text!r}: give a fraction of the parent's KV bytes per token (0 < X < 1, e.g. 0.5) or bytes "
             "per token (e.g. 12KiB, or 24576)"
         )
     else:
-        heads = parse_size(text, FLAG) // head_bytes
-        asked = f"{parse_size(text, FLAG):,} bytes per token"
+        heads = parse_size(text, flag) // head_bytes
+        asked = f"{parse_size(text, flag):,} bytes per token"
     least, whole = shape.layers * head_bytes, parent_heads * head_bytes
     if heads < shape.layers:
         raise InputError(
-            f"{FLAG} {text}: {asked} is less than one kv head per layer ({least:,} bytes per token, "
+            f"{flag} {text}: {asked} is less than one kv head per layer ({least:,} bytes per token, "
             f"{shape.layers / parent_heads:.3g} of the parent's {whole:,}); give at least that"
         )
     if heads >= parent_heads:
         raise InputError(
-            f"{FLAG} {text}: {asked} holds the parent's whole KV cache ({whole:,} bytes per token): nothing to "
+            f"{flag} {text}: {asked} holds the parent's whole KV cache ({whole:,} bytes per token): nothing to "
             "convert; give a fraction below 1 or fewer bytes"
         )
     return heads

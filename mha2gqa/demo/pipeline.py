@@ -98,7 +98,9 @@ def plan_demo(
     if not 0 < settings.alpha <= 1:
         raise InputError(f"--alpha {settings.alpha} must be in (0, 1]: e.g. 0.05 for 5% of the pretraining tokens")
     conversion = prepare(
-        embedded.model_dir(), ConvertOptions(groups=groups, method="mean", force=True, progress=progress, check=False)
+        # no check at the conversion: the demo's own evaluation gives its verdict (check_line)
+        embedded.model_dir(),
+        ConvertOptions(groups=groups, method="mean", force=True, progress=progress, check=False),
     )
     out = validate_folder(out, "--out", "demo", RUN_ENTRIES, force)
     return DemoPlan(out, settings, conversion, force)
@@ -156,6 +158,7 @@ def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, ech
     clock.stage(DEMO.evaluate_converted.name)
     _evaluate_child(converted, "converted", parent, groups, results, settings.speed, eval_kwargs)
     echo(f"[3/6] evaluated parent and converted on held-out Persuasion: {results}")
+    echo(f"      check: {check_line(results / 'parent.json', results / 'converted.json')}")
 
     clock.stage(DEMO.uptrain.name)
     uptrained = _uptrain(converted, out / "uptrained", settings, echo)
@@ -168,6 +171,16 @@ def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, ech
     written = write_report([results / f"{n}.json" for n in names], out / "report", metrics=uptrained / "metrics.jsonl")
     echo(f"[6/6] report: {written.get('markdown') or out / 'report'}")
     return {"out": out, "converted": converted, "uptrained": uptrained, "results": results, **written}
+
+
+def check_line(parent_json: Path, child_json: Path) -> str:
+    """convert's check, read off the demo's own evaluation instead of run again at its conversion: the verdict
+    (convert/check.py) from the child's perplexity ratio to the parent's on the same held-out text."""
+    from mha2gqa.convert.check import verdict
+    from mha2gqa.eval.schema import load_results, perplexity
+
+    ratio = perplexity(load_results(child_json)[0]) / perplexity(load_results(parent_json)[0])
+    return f"{verdict({'held-out': ratio}).line} (held-out perplexity {ratio:.2f}x the parent's)"
 
 
 def _eval_kwargs(settings: DemoSettings, echo, progress: bool) -> dict:

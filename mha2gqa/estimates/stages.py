@@ -73,6 +73,7 @@ class SweepStages:
     load: Declared = Declared("load")  # torch imported: its seconds are the start's, priced there
     evaluate_parent: Declared = Declared("evaluate parent", runs=("eval",))
     calibrate: Declared = Declared("calibrate", ("calibrate",))
+    layer_losses: Declared = Declared("layer losses", ("calibrate",))  # --kv-budgets: each layer at each count
     candidate: Declared = Declared("candidate ", runs=("convert", "eval"), family=True)
 
 

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mha2gqa.convert.check import verdict
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.errors import InputError
 from mha2gqa.eval import compare, metrics, schema
@@ -25,12 +26,15 @@ from mha2gqa.sweep.render import OWN_COLUMNS
 
 @dataclass(frozen=True)
 class Candidate:
-    groups: int
+    """A uniform candidate (kv-head count x method), or with `budget` a per-layer one (sweep/budgets.py)."""
+
+    groups: int | None
     method: str
+    budget: str | None = None
 
     @property
     def name(self) -> str:
-        return f"kv{self.groups}-{self.method}"
+        return f"budget{self.budget}" if self.budget is not None else f"kv{self.groups}-{self.method}"
 
 
 def kv_head_counts(shape: AttentionShape, wanted: tuple[int, ...] | None, echo=print) -> list[int]:
@@ -65,7 +69,7 @@ def _conversion_options(candidate: Candidate, options: SweepOptions, planned: bo
         refine=options.refine,
         dry_run=planned,
         progress=False,
-        check=False,  # the sweep evaluates every candidate on its own data
+        check=False,  # the sweep's own evaluation gives the check's verdict (check_verdict), not a second pass
     )
 
 
@@ -144,11 +148,19 @@ def measure_candidate(source, candidate, options, stats, calibration, models_dir
 def derived_columns(result: dict, parent: dict, context: int | None) -> dict:
     """The columns of a candidate's row that follow from its eval result and the parent's: per domain, the
     main metrics, the KV bytes of a sequence (--resume derives them again to check a recorded row)."""
+    domains = _domain_columns(result, parent)
     return {
-        **_domain_columns(result, parent),
+        **domains,
         **metric_values(result, parent),
         "kv_bytes_per_sequence": kv_columns(result, context)["kv_bytes_per_sequence"],
+        "check": check_verdict(domains["domains"]),
     }
+
+
+def check_verdict(domains: dict) -> str | None:
+    """convert's check, read off the sweep's own evaluation (the same scorer on the sweep's texts) instead of
+    run again at each conversion: its verdict from each domain's perplexity ratio (convert/check.py)."""
+    return verdict({name: d["ratio"] for name, d in domains.items()}).kind if domains else None
 
 
 def parent_row(result: dict, context: int | None) -> dict:

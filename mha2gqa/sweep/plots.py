@@ -12,6 +12,7 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 from mha2gqa.eval import measured_on, plots
 from mha2gqa.eval.plots import plt
 from mha2gqa.sweep.options import BROKEN_SLACK
+from mha2gqa.sweep.rows import methods_of
 from mha2gqa.units import byte_unit
 
 QUALITY_PNG = "sweep_quality_vs_kv.png"
@@ -68,7 +69,7 @@ def quality_plot(record: dict, out: Path) -> Path:
     ax = axes[0][0]
     if names:
         _domains_panel(axes[0][1], record, names, div, unit)
-    for method in record["settings"]["methods"]:
+    for method in methods_of(record):
         rows = sorted((r for r in record["candidates"] if r["method"] == method), key=lambda r: r["kv_bytes_per_token"])
         if rows:
             ax.plot(
@@ -76,7 +77,7 @@ def quality_plot(record: dict, out: Path) -> Path:
             )
             for r in rows:
                 ax.annotate(
-                    f"{r['groups']} kv",
+                    f"{r['groups']} kv" if r["groups"] else f"budget {r['budget']}",
                     (r["kv_bytes_per_token"] / div, r["perplexity"]),
                     xytext=(6, 4),
                     textcoords="offset points",
@@ -119,7 +120,7 @@ def _domains_panel(ax, record: dict, names: list[str], div: float, unit: str) ->
     """Each domain's perplexity ratio to the parent against KV bytes per token: a colour per domain, a line
     style per method, and the line above which recommend calls a candidate broken."""
     styles = ("-", "--", ":", "-.")
-    for m, method in enumerate(record["settings"]["methods"]):
+    for m, method in enumerate(methods_of(record)):
         rows = sorted((r for r in record["candidates"] if r["method"] == method), key=lambda r: r["kv_bytes_per_token"])
         for d, name in enumerate(names):
             found = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 from mha2gqa.eval.domains import geomean
 from mha2gqa.sweep.next_step import uptrain_command
 from mha2gqa.sweep.options import BROKEN_SLACK
+from mha2gqa.sweep.rows import heads_text, methods_of
 
 # A candidate good on average and broken on one domain (a conversion that fits its calibration text) is never
 # recommended: BROKEN_SLACK (sweep/options.py) says what broken is.
@@ -39,7 +40,7 @@ def recommend(record: dict) -> dict:
     several = any(len(r.get("domains") or {}) > 1 for r in rows)
     refused = {r["name"]: verdict(r, parent_ppl, tolerance) for r in rows}
     chosen = {}
-    for method in settings["methods"]:
+    for method in methods_of(record):
         fits = [r for r in rows if r["method"] == method and refused[r["name"]] is None]
         chosen[method] = min(fits, key=lambda r: (r["kv_bytes_per_token"], _score(r)))["name"] if fits else None
     head = (
@@ -80,8 +81,4 @@ def _change(row: dict, several: bool) -> str:
 
 def _chosen_text(rows: list[dict], name: str, several: bool) -> str:
     row = next(r for r in rows if r["name"] == name)
-    return f"{_heads(row['groups'])} ({row['kv_saving']:g}x smaller KV, {_change(row, several)})"
-
-
-def _heads(count: int) -> str:
-    return f"{count} kv head" + ("" if count == 1 else "s")
+    return f"{heads_text(row)} ({row['kv_saving']:g}x smaller KV, {_change(row, several)})"

@@ -20,11 +20,15 @@ from mha2gqa.sweep.plots import (
     quality_points,
     sensitivity_plot,
 )
+from mha2gqa.sweep.rows import heads_text
 
 OWN_COLUMNS = ("label", "role", "kv_heads")  # the sweep's candidate, method and kv heads columns say these
 _NAMED = (
     ("candidate", lambda r, ctx: r["name"]),
-    ("kv heads", lambda r, ctx: str(r["groups"])),
+    (
+        "kv heads",
+        lambda r, ctx: str(r["groups"]) if r["groups"] else heads_text(r).removesuffix(f" (budget {r['budget']})"),
+    ),
     ("method", lambda r, ctx: r["method"]),
 )
 _COSTS = (
@@ -34,6 +38,7 @@ _COSTS = (
         lambda r, ctx: DASH if r.get("convert_peak_rss_bytes") is None else fmt_bytes(r["convert_peak_rss_bytes"]),
     ),
     ("Pareto", lambda r, ctx: "★" if r["name"] in ctx else ""),
+    ("check", lambda r, ctx: r.get("check") or ""),  # convert's verdict, from the sweep's evaluation
 )
 
 

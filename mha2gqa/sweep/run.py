@@ -27,6 +27,7 @@ from mha2gqa.progress import progress_bar
 from mha2gqa.run_folder import scratch_folder
 from mha2gqa.sources import resolve_model_dir
 from mha2gqa.sweep import folder as out_folder
+from mha2gqa.sweep.budgets import SharedLosses, measure_budget_candidate, plan_parent, validate_budgets
 from mha2gqa.sweep.candidates import (
     Candidate,
     eval_options,
@@ -38,6 +39,7 @@ from mha2gqa.sweep.candidates import (
 from mha2gqa.sweep.next_step import pretrain_tokens
 from mha2gqa.sweep.options import SweepOptions
 from mha2gqa.sweep.recommend import recommend
+from mha2gqa.sweep.rows import BUDGET_METHOD
 from mha2gqa.sweep.timing import sweep_clock
 from mha2gqa.sweep.trust import trusted
 
@@ -51,6 +53,8 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     config = read_config(source)
     shape = attention_shape(config)
     candidates = [Candidate(g, m) for g in kv_head_counts(shape, options.groups, echo) for m in options.methods]
+    validate_budgets(options.kv_budgets, shape)
+    candidates += [Candidate(None, BUDGET_METHOD, b) for b in dict.fromkeys(options.kv_budgets)]
     out = Path(options.out).expanduser()
     for path in parse_domains(options.data).values():
         textdata.resolve("--data", path)
@@ -62,7 +66,11 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     done = {r.get("name") for r in (earlier or {}).get("candidates") or [] if isinstance(r, dict)}
     # What is left to convert (a resumed sweep's finished models are not planned again); the first plan
     # resolves the calibration and its token count (unset: the default of the calibration's kind).
-    plans = plan_candidates(source, [c for c in candidates if c.name not in done], options, out / "models")
+    todo = [c for c in candidates if c.name not in done]
+    plans = plan_candidates(source, [c for c in todo if c.budget is None], options, out / "models")
+    budgets = [c for c in todo if c.budget is not None]
+    # every refusal a budget candidate can get, before anything is written; its base plan prices each budget
+    per_layer = plan_parent(source, out / "models" / "per-layer", shape) if budgets else None
     if plans:
         first = next(iter(plans.values()))
         options = replace(options, calibration_tokens=first.calibration.tokens)
@@ -72,15 +80,16 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
         **(earlier or {}).get("convert_commands", {}),
         **{c.name: plan.command() for c, plan in plans.items()},
     }
-    needed = out_folder.bytes_needed(plans, shape, options.keep)
+    priced = {c.name: plan for c, plan in plans.items()} | {c.name: per_layer.base for c in budgets}
+    needed = out_folder.bytes_needed(priced, shape, options.keep)
     out_folder.require_room(out, needed)
     domains = list(parse_domains(options.data).values())
-    clock = sweep_clock({c.name: plan for c, plan in plans.items()}, domains, options, echo) if plans else NO_CLOCK
+    clock = sweep_clock(priced, domains, options, echo, per_layer, bool(plans)) if priced else NO_CLOCK
     if options.dry_run:
-        echo(f"would sweep {len(plans)} candidates into {out}: {', '.join(c.name for c in plans) or 'none left'}")
+        echo(f"would sweep {len(priced)} candidates into {out}: {', '.join(priced) or 'none left'}")
         echo(f"  {out} needs {needed / 2**20:,.1f} MiB at the worst moment (statistics and converted models)")
         return record
-    _run(source, options, candidates, plans, record, earlier, out, echo, clock)
+    _run(source, options, candidates, (plans, per_layer), record, earlier, out, echo, clock)
     return record
 
 
@@ -157,12 +166,16 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
     todo = [c for c in candidates if c.name not in done]
     if not todo:
         return
-    plans = {**plans, **plan_candidates(source, [c for c in todo if c not in plans], options, out / "models")}
-    plan = plans[todo[0]]
-    echo(f"sweep: gathering calibration statistics once ({options.calibration_tokens:,} tokens)")
-    clock.stage(SWEEP.calibrate.name)
-    stats = _gather_statistics(plan, options, work / "calibration")
-    record["calibration"] = stats.record
+    plans, per_layer = plans
+    uniform = [c for c in todo if c.budget is None]
+    plans = {**plans, **plan_candidates(source, [c for c in uniform if c not in plans], options, out / "models")}
+    if uniform:
+        plan = plans[uniform[0]]
+        echo(f"sweep: gathering calibration statistics once ({options.calibration_tokens:,} tokens)")
+        clock.stage(SWEEP.calibrate.name)
+        stats = _gather_statistics(plan, options, work / "calibration")
+        record["calibration"] = stats.record
+    losses = SharedLosses(per_layer, options) if per_layer is not None else None
     models_dir = out / "models" if options.keep else work
     if options.keep:
         models_dir.mkdir(exist_ok=True)
@@ -170,8 +183,18 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
     with progress_bar(len(todo), "sweep", options.progress, todo, unit="candidate") as bar:
         for candidate in bar:
             bar.set_postfix_str(candidate.name)
-            clock.stage(SWEEP.candidate.member(candidate.name))
-            row = measure_candidate(source, candidate, options, stats, plan.calibration, models_dir, parent, context)
+            if candidate.budget is None:
+                clock.stage(SWEEP.candidate.member(candidate.name))
+                row = measure_candidate(
+                    source, candidate, options, stats, plan.calibration, models_dir, parent, context
+                )
+            else:
+                if not losses.measured:
+                    echo("sweep: measuring each layer's loss at each kv-head count once, for every --kv-budgets value")
+                    clock.stage(SWEEP.layer_losses.name)
+                    losses.get()
+                clock.stage(SWEEP.candidate.member(candidate.name))
+                row = measure_budget_candidate(source, candidate.budget, options, losses, models_dir, parent, context)
             if not options.keep:
                 shutil.rmtree(models_dir / candidate.name)
             record["candidates"].append(row)

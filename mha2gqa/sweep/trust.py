@@ -18,6 +18,8 @@ from mha2gqa.sweep.candidates import Candidate, derived_columns, parent_row
 
 # A result too damaged to derive anything from: a missing key, a string where a number was, a zero divisor.
 _DAMAGED = (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError)
+# Derived columns a sweep.json written before them lacks: derived again when its row is kept, not doubted.
+ADDED_COLUMNS = ("check",)
 
 
 def trusted(earlier: dict, planned: list[str], source_kv_heads: int, context, echo=print) -> dict:
@@ -37,7 +39,7 @@ def trusted(earlier: dict, planned: list[str], source_kv_heads: int, context, ec
         if doubt:
             echo(f"sweep: candidate {name!r} in sweep.json does not hold ({doubt}): running it again")
         else:
-            kept.append(row)
+            kept.append(_with_added_columns(row, parent, context))
     return {**earlier, "candidates": kept}
 
 
@@ -48,12 +50,32 @@ def _parent_doubt(parent, source_kv_heads: int, context) -> str | None:
 
 
 def _row_doubt(row: dict, parent: dict, context) -> str | None:
-    groups, method = row.get("groups"), row.get("method")
-    if not isinstance(groups, int) or isinstance(groups, bool) or Candidate(groups, method).name != row.get("name"):
+    groups, method, budget = row.get("groups"), row.get("method"), row.get("budget")
+    if budget is not None:  # a --kv-budgets row: its largest layer count is what eval records as kv_heads
+        per_layer = row.get("kv_heads_per_layer")
+        if not isinstance(per_layer, list) or not per_layer or not all(_is_count(c) for c in per_layer):
+            return f"its kv_heads_per_layer {per_layer!r} is not a list of kv-head counts"
+        groups, expected = None, max(per_layer)
+    elif not _is_count(groups):
+        return f"its groups {groups!r} and method {method!r} do not give its name"
+    else:
+        expected = groups
+    if Candidate(groups, method, budget).name != row.get("name"):
         return f"its groups {groups!r} and method {method!r} do not give its name"
     if not isinstance(row.get("result"), dict):
         return "it holds no eval result"
-    return _entry_doubt(row, lambda: derived_columns(row["result"], parent["result"], context), groups, "not its")
+    return _entry_doubt(row, lambda: derived_columns(row["result"], parent["result"], context), expected, "not its")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _with_added_columns(row: dict, parent: dict, context) -> dict:
+    if all(key in row for key in ADDED_COLUMNS):
+        return row
+    again = derived_columns(row["result"], parent["result"], context)
+    return {**row, **{key: again[key] for key in ADDED_COLUMNS}}
 
 
 def _entry_doubt(entry: dict, derive, kv_heads: int, expected_words: str) -> str | None:
@@ -75,7 +97,9 @@ def _entry_doubt(entry: dict, derive, kv_heads: int, expected_words: str) -> str
 def _differs(recorded: dict, again: dict) -> str | None:
     """The first column whose recorded value is not what the result gives again."""
     for key, value in again.items():
-        if key != "result" and recorded.get(key) != value:
+        if key == "result" or (key in ADDED_COLUMNS and key not in recorded):
+            continue
+        if recorded.get(key) != value:
             return f"its {key} is not what its eval result gives"
     return None
 
