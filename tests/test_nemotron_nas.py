@@ -3,7 +3,9 @@ our model class (registered with the Auto classes, no remote code), and `convert
 
 from __future__ import annotations
 
+import copy as copy_module
 import json
+import pickle
 import re
 import shlex
 
@@ -201,6 +203,50 @@ def test_a_saved_child_stays_in_the_format(parent, tmp_path):
     prompt = ids(3)
     with torch.no_grad():
         torch.testing.assert_close(load_causal_lm(tmp_path / "saved")(prompt).logits, nas(prompt).logits)
+
+
+def test_the_config_class_answers_vllms_attribute_reads_and_writes_the_blocks_as_read(parent, tmp_path):
+    """vLLM's nemotron_nas.py reads `block.attention.n_heads_in_group`, `block.attention.no_op` and
+    `hasattr(block.ffn, "ffn_mult")` (else ffn.intermediate_size); NVIDIA's remote config class allows that, ours
+    must too, while its blocks stay plain JSON objects in config.json and survive vLLM's copies (deepcopy, pickle)."""
+    from transformers import AutoConfig
+
+    from mha2gqa.nemotron_nas.modeling import register
+
+    assert per_layer(parent, tmp_path / "nas", "4,2,1").exit_code == 0
+    register()
+    config = AutoConfig.from_pretrained(tmp_path / "nas")
+    for copied in (config, pickle.loads(pickle.dumps(config)), copy_module.deepcopy(config)):
+        blocks = copied.block_configs
+        assert [8 // b.attention.n_heads_in_group for b in blocks] == [4, 2, 1]
+        assert [b.attention.no_op or b.ffn.no_op for b in blocks] == [False] * 3
+        assert all(hasattr(b.ffn, "ffn_mult") and not hasattr(b.ffn, "intermediate_size") for b in blocks)
+        assert blocks[0]["ffn"]["ffn_mult"] == blocks[0].ffn.ffn_mult == 6.0  # still a dict
+    written = json.loads((tmp_path / "nas" / "config.json").read_text())["block_configs"]
+    assert json.loads(config.to_json_string())["block_configs"] == written
+    config.block_configs[0]["ffn"].update(ffn_mult=None, intermediate_size=512)  # null reads as absent, as ours do
+    assert not hasattr(config.block_configs[0].ffn, "ffn_mult") and config.block_configs[0].ffn.intermediate_size == 512
+    with pytest.raises(AttributeError, match="'sparsify'"):
+        config.block_configs[0].attention.sparsify  # noqa: B018 (an attribute read is the test)
+
+
+def test_modeling_register_is_vllms_general_plugin():
+    """vLLM runs each `vllm.general_plugins` entry point in every process it starts: ours names register(), which
+    makes "nemotron-nas" a config type transformers' AutoConfig knows."""
+    import configparser
+    from importlib import import_module
+    from pathlib import Path
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).resolve().parent.parent / "setup.cfg")
+    plugins = dict(
+        line.split(" = ") for line in setup["options.entry_points"]["vllm.general_plugins"].strip().splitlines()
+    )
+    module, function = plugins["mha2gqa_nemotron_nas"].split(":")
+    getattr(import_module(module), function)()
+    assert CONFIG_MAPPING["nemotron-nas"].__name__ == "NemotronNasConfig"
 
 
 def test_convert_refuses_a_nemotron_nas_source(parent, tmp_path):

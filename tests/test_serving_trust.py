@@ -37,9 +37,11 @@ def _python_printing(folder, text: str):
         ("Welcome to my shell", "is not valid JSON"),
         ("{}", "answered vLLM's probe with '{}', not an object of version, distribution"),
         ("[1, 2]", "answered vLLM's probe with '[1, 2]', not an object"),
-        ('{"version": 3, "distribution": "vllm"}', "a version of 3, not vLLM's"),
-        ('{"version": "0.3", "distribution": ["vllm"]}', "a distribution of ['vllm'], not vLLM's"),
-        ('"0.32.0"', "not an object of version, distribution"),
+        ('{"version": 3, "distribution": "vllm", "plugins": []}', "a version of 3, not vLLM's"),
+        ('{"version": "0.3", "distribution": ["vllm"], "plugins": []}', "a distribution of ['vllm'], not vLLM's"),
+        ('"0.32.0"', "not an object of version, distribution, plugins"),
+        ('{"version": "0.3", "distribution": "vllm"}', "not an object of version, distribution, plugins"),
+        ('{"version": "0.3", "distribution": "vllm", "plugins": [1]}', "a plugins of [1], not vLLM's"),
     ],
 )
 def test_a_vllm_python_that_prints_anything_but_the_probe_is_refused(tmp_path, printed, fragment):
@@ -197,7 +199,7 @@ def test_a_child_whose_tokenizer_is_the_parents_saved_again_is_accepted(tmp_path
     """The same tokenizer in other bytes (indented otherwise, padding set) is the same tokenizer."""
     child = _with_tokenizer(tmp_path, converted, lambda data: data.update(padding={"strategy": "BatchLongest"}))
     assert (child / "tokenizer.json").read_bytes() != (EMBEDDED / "tokenizer.json").read_bytes()
-    python = _python_printing(tmp_path, '{"version": "9.9", "distribution": "vllm"}')
+    python = _python_printing(tmp_path, '{"version": "9.9", "distribution": "vllm", "plugins": []}')
     from mha2gqa.serving.bench import prepare
 
     plan = prepare(str(EMBEDDED), [str(child)], None, ServeOptions(vllm_python=str(python), context=256))
@@ -236,3 +238,47 @@ def test_a_parent_dtype_the_servers_do_not_take_is_refused_under_dtype_auto(tmp_
     assert_refused(
         found, f"--dtype auto: {parent}/config.json names dtype", "pass --dtype (float32, bfloat16, float16)"
     )
+
+
+@pytest.fixture(scope="module")
+def per_layer_child(tmp_path_factory):
+    """The embedded parent with kv heads 8,1,4,1,2,8 (a Nemotron-NAS checkpoint), once for the module."""
+    dst = tmp_path_factory.mktemp("nas") / "per-layer"
+    assert cli("convert", EMBEDDED, dst, "--kv-heads-per-layer", "8,1,4,1,2,8", "-q").exit_code == 0
+    return dst
+
+
+@pytest.mark.parametrize(
+    "plugins, allowed, fragment",
+    [
+        ([], None, "which vLLM serves through mha2gqa's plugin (mha2gqa_nemotron_nas), and --vllm-python"),
+        (["other"], None, "has no such plugin: install mha2gqa into that environment"),
+        (["mha2gqa_nemotron_nas"], "other", "VLLM_PLUGINS='other' leaves mha2gqa_nemotron_nas out"),
+    ],
+)
+def test_a_per_layer_child_needs_mha2gqas_plugin_beside_vllm(
+    tmp_path, per_layer_child, monkeypatch, plugins, allowed, fragment
+):
+    """Without the plugin vLLM stops in its config check minutes later; serve-bench refuses before any start."""
+    from mha2gqa.serving.bench import prepare
+
+    probe = json.dumps({"version": "9.9", "distribution": "vllm", "plugins": plugins})
+    options = ServeOptions(vllm_python=str(_python_printing(tmp_path, probe)), context=256)
+    if allowed is not None:
+        monkeypatch.setenv("VLLM_PLUGINS", allowed)
+    else:
+        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    with pytest.raises(InputError, match=f"^CHILD {per_layer_child} has per-layer kv heads.*{re.escape(fragment)}"):
+        prepare(str(EMBEDDED), [str(per_layer_child)], None, options)
+
+
+def test_a_per_layer_child_with_the_plugin_is_planned_with_its_summed_kv(tmp_path, per_layer_child, monkeypatch):
+    from mha2gqa.serving.bench import prepare
+
+    monkeypatch.setenv("VLLM_PLUGINS", "mha2gqa_nemotron_nas,other")
+    probe = json.dumps({"version": "9.9", "distribution": "vllm", "plugins": ["mha2gqa_nemotron_nas"]})
+    options = ServeOptions(vllm_python=str(_python_printing(tmp_path, probe)), context=256)
+    plan = prepare(str(EMBEDDED), [str(per_layer_child)], None, options)
+    parent, child = (m.shape.kv_bytes_per_token(dtype_bytes=4) for m in plan.models)
+    assert (parent, child) == (2 * 6 * 8 * 32 * 4, 2 * 24 * 32 * 4)  # 24 kv heads over the layers, not 6 x 8
+    assert plan.engine.plugins == ("mha2gqa_nemotron_nas",)

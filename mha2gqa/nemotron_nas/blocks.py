@@ -60,6 +60,31 @@ def nemotron_nas_config(llama_config: dict, kv_heads_per_layer: list[int]) -> di
     )
 
 
+class Settings(dict):
+    """One part of a block (its attention, its ffn; the block itself) as a dict that also answers attribute
+    reads: vLLM's nemotron_nas.py reads `block.attention.n_heads_in_group` and `hasattr(block.ffn, "ffn_mult")`,
+    as NVIDIA's config class's dataclasses allow. Still a plain dict to everything else, so config.json is written
+    from it unchanged. A key whose value is null reads as absent, so vLLM takes `ffn.intermediate_size` where
+    `ffn_mult` is null, as layer_intermediate_sizes does."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or self.get(name) is None:  # dunders: copy and pickle probe for them
+            raise AttributeError(f"block_configs entry has no {name!r}")
+        return self[name]
+
+
+def readable_blocks(blocks: list | None) -> list | None:
+    """block_configs as Settings (attribute reads at both levels, blocks.py's readers unchanged)."""
+    if blocks is None:
+        return None
+    return [
+        Settings({key: Settings(part) if isinstance(part, dict) else part for key, part in block.items()})
+        if isinstance(block, dict)
+        else block
+        for block in blocks
+    ]
+
+
 def layer_kv_heads(config: dict) -> list[int]:
     """Each layer's kv heads, as the readers compute them."""
     heads = config["num_attention_heads"]

