@@ -4,7 +4,7 @@ Every JSON document (safetensors headers, config.json, the shard index, mha2gqa.
 and every YAML document (recipes, `key=value` overrides, a source card's front matter) goes through
 here, so a hostile file meets the same limits wherever it is read:
 - JSON: at most MAX_JSON_DEPTH levels of nesting (the decoder recurses; thousands of levels were a
-  RecursionError), a size cap per kind of file, UTF-8 only, integers within 64 bits.
+  RecursionError), a size cap per kind of file, UTF-8 only, integers of at most 64 digits.
 - YAML: at most MAX_YAML_DEPTH levels, and MAX_YAML_NODES nodes once aliases are expanded (a
   "billion laughs" document of a few hundred bytes expands to 10^9 nodes; its aliases share objects
   until something walks them).
@@ -31,7 +31,10 @@ MAX_JSON_BYTES = 64 << 20  # config.json, indexes, mha2gqa.json, results: real o
 MAX_YAML_DEPTH = 64
 MAX_YAML_BYTES = 1 << 20  # recipes and card front matter are a few KB
 MAX_YAML_NODES = 100_000  # after alias expansion
-_INT_DIGITS = 20  # 2**64 has 20 digits: safetensors offsets are u64, nothing we read is larger
+# Big enough for every integer real files hold: safetensors offsets are u64 (20 digits), and transformers writes
+# "no limit" as int(1e30) (31 digits: model_max_length in most hub tokenizer_config.json files). Small enough that
+# parsing stays linear (Python's int() is quadratic in thousands of digits).
+_INT_DIGITS = 64
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -151,7 +154,7 @@ def read_json(path: str | os.PathLike, fix: str, limit: int = MAX_JSON_BYTES, ro
 
 def parse_json(raw: bytes | str, where, fix: str):
     """JSON text (bytes must be UTF-8), refused in one line when it is not JSON, too deep, or holds
-    an integer beyond 64 bits."""
+    an integer of more than 64 digits."""
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
@@ -164,7 +167,7 @@ def parse_json(raw: bytes | str, where, fix: str):
     except json.JSONDecodeError as err:
         raise InputError(f"{where} is not valid JSON ({err.msg} at line {err.lineno}): {fix}") from None
     except _HugeInt as err:
-        raise InputError(f"{where} holds an integer of {err.args[0]} digits, beyond 64 bits: {fix}") from None
+        raise InputError(f"{where} holds an integer of {err.args[0]} digits, over {_INT_DIGITS}: {fix}") from None
 
 
 def parse_json_lines(raw: bytes, where, fix: str) -> list[tuple[int, object]]:
