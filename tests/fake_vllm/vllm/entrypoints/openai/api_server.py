@@ -63,7 +63,7 @@ def handler(args, vocab: int, tokens: int):
     def gauges() -> str:
         with lock:
             free, running = tokens // BLOCK, 0
-            for blocks in served["in_flight"]:  # first come, first run, while blocks are free
+            for (blocks,) in served["in_flight"]:  # first come, first run, while blocks are free
                 if blocks > free:
                     break
                 free, running = free - blocks, running + 1
