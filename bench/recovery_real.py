@@ -159,7 +159,7 @@ def score_points(args, name: str, start: Path, out: Path, sets: dict, parent: di
 def recipe_of(args, start: Path, out: Path):
     from mha2gqa.uptrain import load_recipe
 
-    return load_recipe(args.recipe, overrides(args, start, out), check_files=False)
+    return load_recipe(args.recipe, overrides(args, start, out), validate_files=False)
 
 
 def held_out(out: Path) -> list[dict]:

@@ -23,7 +23,7 @@ from mha2gqa import provenance
 from mha2gqa.brief import domains_brief, lm_eval_brief
 from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.layouts import DTYPE_BYTES, config_dtype, head_counts, kv_cache_bytes
-from mha2gqa.reading import check_regular, parse_yaml, read_bytes, read_json
+from mha2gqa.reading import parse_yaml, read_bytes, read_json, validate_regular
 from mha2gqa.sources import snapshot_hub_id
 from mha2gqa.units import counted, format_bytes
 from mha2gqa.version import __version__
@@ -82,7 +82,7 @@ def _keep_source_card(model_dir: Path, source_dir: Path | None) -> Path | None:
     for card, root in candidates:
         if not os.path.lexists(card):
             continue
-        size = check_regular(card, root)  # a link out of SRC (README.md -> /etc/passwd) or a FIFO is refused
+        size = validate_regular(card, root)  # a link out of SRC (README.md -> /etc/passwd) or a FIFO is refused
         if size > MAX_CARD_BYTES:  # the weights matter more than a card: keep it unread, say so
             return _keep_unread(card, kept, source_dir / card.name if source_dir and root == model_dir else card, size)
         text = _read_card(card, root)
@@ -198,7 +198,7 @@ def render(model_dir: Path, source_card: Path | None, name: str, measured: dict 
     lines += _summary(conversion, after, config, evaluated=bool(results))
     if conversion:
         lines += _conversion_section(conversion, config)
-        lines += _check_section(conversion.get("check"))
+        lines += _validate_section(conversion.get("check"))
     if after:
         lines += _uptrain_section(after, converted=conversion is not None)
     if results:
@@ -287,7 +287,7 @@ def _conversion_section(c: dict, config: dict) -> list[str]:
     return ["## What was done", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
 
 
-def _check_section(check: dict | None) -> list[str]:
+def _validate_section(check: dict | None) -> list[str]:
     """What the conversion kept, as `convert`'s check measured it (convert/check.py), before any training."""
     from mha2gqa.check_record import HEADERS, table_rows, title
 

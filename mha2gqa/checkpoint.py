@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from mha2gqa import jsontext
 from mha2gqa.errors import InputError, is_user_fault, user_file_error
 from mha2gqa.reading import open_regular, parse_json, read_exactly, read_json, short_read
-from mha2gqa.writing import beside, check_room, claim, make_parents, remove_dead, swap_in
+from mha2gqa.writing import beside, claim, make_parents, remove_dead, swap_in, validate_room
 
 if TYPE_CHECKING:  # annotations only: reading headers must not import torch
     import torch
@@ -454,7 +454,7 @@ def _copy_range(src, dst, offset: int, count: int) -> int:
     return len(chunk)
 
 
-def check_destination(dst: Path, replace: bool) -> None:
+def validate_destination(dst: Path, replace: bool) -> None:
     """Refuse a DST that cannot be replaced safely: no name of its own ('.', '..', '/'), a symbolic
     link (the swap would replace the link, not what it points to), a file, or a non-empty directory
     without `replace`."""
@@ -480,19 +480,19 @@ def atomic_directory(dst: Path, replace: bool = False, needed_bytes: int = 0):
     vanishes, with any parent directories this call created. Before yielding, checked in this order:
     - claim: an exclusive lock on `.DST.lock` (flock, released by the kernel if the process dies), so
       a second run writing the same `dst` is refused rather than silently replacing the first;
-    - `dst` itself (check_destination), now that no other run can change it;
+    - `dst` itself (validate_destination), now that no other run can change it;
     - debris: partial directories of killed runs (kill -9, power loss) whose PID is gone are removed;
     - room: the filesystem must be writable and hold `needed_bytes` more.
     With `replace`, an existing `dst` is swapped with renameat2(RENAME_EXCHANGE) where the platform has
     it, so at every instant `dst` is the old or the new directory, never missing."""
     dst = Path(dst)
-    check_destination(dst, replace)
+    validate_destination(dst, replace)
     created = make_parents(dst.parent, f"DST {dst}")
     try:
         with claim(dst, f"DST {dst}"):
-            check_destination(dst, replace)
+            validate_destination(dst, replace)
             remove_dead(dst.parent, f"{beside(dst)}.partial-")
-            check_room(dst.parent, needed_bytes, f"DST {dst}")
+            validate_room(dst.parent, needed_bytes, f"DST {dst}")
             tmp = dst.parent / f"{beside(dst)}.partial-{os.getpid()}"
             try:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -106,10 +106,10 @@ def _derive(config_json: str) -> GenericArchitecture:
         )
     probe = kv_heads // 2 if kv_heads % 2 == 0 else (1 if kv_heads > 1 else 2)
     target = _build(config, model_type, kv_heads=probe)
-    return _check_shapes(source, target, probe, prefix, relative, layer_count, heads, kv_heads, fail)
+    return _validate_shapes(source, target, probe, prefix, relative, layer_count, heads, kv_heads, fail)
 
 
-def check_target(config: dict, groups: int) -> None:
+def validate_target(config: dict, groups: int) -> None:
     """Refuse a kv-head count the model class cannot be built with (diffllama needs an even count)
     or builds with other k_proj shapes than the conversion writes."""
     derived = generic_architecture(config)
@@ -128,7 +128,7 @@ def check_target(config: dict, groups: int) -> None:
         )
 
 
-def _check_shapes(source, target, probe, prefix, relative, layer_count, heads, kv_heads, fail):
+def _validate_shapes(source, target, probe, prefix, relative, layer_count, heads, kv_heads, fail):
     """Only k/v (and a key norm over all kv heads) may follow num_key_value_heads, in every layer alike."""
     before = {name: tuple(p.shape) for name, p in source.named_parameters()}
     after = {name: tuple(p.shape) for name, p in target.named_parameters()}

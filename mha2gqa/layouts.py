@@ -14,11 +14,11 @@ from pathlib import Path
 
 from mha2gqa import jsontext
 from mha2gqa.errors import InputError
-from mha2gqa.generic_layout import check_target as check_generic_target
 from mha2gqa.generic_layout import config_counts, generic_architecture
+from mha2gqa.generic_layout import validate_target as validate_generic_target
 from mha2gqa.layout_spec import Layout
 from mha2gqa.nemotron_nas.blocks import MODEL_TYPE as NEMOTRON_NAS
-from mha2gqa.nemotron_nas.blocks import check_blocks, layer_kv_heads
+from mha2gqa.nemotron_nas.blocks import layer_kv_heads, validate_blocks
 from mha2gqa.reading import read_json
 
 _STANDARD = Layout()
@@ -160,7 +160,7 @@ _INDEXED = {
 }
 
 
-def check_sizes(config: dict, shapes: dict[str, tuple] | None, path) -> None:
+def validate_sizes(config: dict, shapes: dict[str, tuple] | None, path) -> None:
     """Refuse a config whose sizes its weights cannot hold (`shapes`: tensor name -> shape, from the
     safetensors headers; None when there are no weights: then the CEILINGS). The one check, made before
     anything loops or allocates by those sizes (10^9 layers hung convert and inspect)."""
@@ -190,7 +190,7 @@ def check_sizes(config: dict, shapes: dict[str, tuple] | None, path) -> None:
 
 def read_config(model_dir: str | Path, shapes: dict[str, tuple] | None = None) -> dict:
     """config.json as a dict, with the counts that attention shapes come from checked, and its sizes
-    against the weights (`shapes`, see check_sizes)."""
+    against the weights (`shapes`, see validate_sizes)."""
     path = Path(model_dir) / "config.json"
     config = read_json(path, "fix or re-save it", root=Path(model_dir))
     if not isinstance(config, dict):
@@ -210,7 +210,7 @@ def read_config(model_dir: str | Path, shapes: dict[str, tuple] | None = None) -
             raise InputError(
                 f"{path} has {key}={jsontext.shown(value)}: it must be a positive integer; fix config.json"
             )
-    check_sizes(config, shapes, path)
+    validate_sizes(config, shapes, path)
     return config
 
 
@@ -234,7 +234,7 @@ def attention_shape(config: dict) -> AttentionShape:
     per_layer = ()
     if config.get("model_type") == NEMOTRON_NAS and isinstance(config.get("block_configs"), list):
         heads, _, head_dim = head_counts(config)
-        check_blocks(config, "config.json")
+        validate_blocks(config, "config.json")
         per_layer = tuple(layer_kv_heads(config))
         kv_heads, hidden, layers = max(per_layer), config["hidden_size"], config["num_hidden_layers"]
     elif config.get("model_type") in LAYOUTS:
@@ -267,7 +267,7 @@ def target_groups(shape: AttentionShape) -> list[int]:
     return [g for g in shape.valid_groups() if g != shape.kv_heads]
 
 
-def check_groups(shape: AttentionShape, groups: int) -> None:
+def validate_groups(shape: AttentionShape, groups: int) -> None:
     """Refuse a target kv-head count that is not a proper divisor of the source's kv heads."""
     listed = ", ".join(map(str, target_groups(shape))) or "none: it already has a single kv head"
     target = RETARGETED[shape.model_type].target if shape.model_type in RETARGETED else None
@@ -285,7 +285,7 @@ def check_groups(shape: AttentionShape, groups: int) -> None:
         raise InputError(f"--groups {groups} must divide num_key_value_heads={shape.kv_heads} (valid: {listed})")
 
 
-def check_target(config: dict, groups: int) -> None:
+def validate_target(config: dict, groups: int) -> None:
     """For a type on the generic layout: the model class must build with `groups` kv heads."""
     model_type = config.get("model_type")
     if model_type == NEMOTRON_NAS:
@@ -294,7 +294,7 @@ def check_target(config: dict, groups: int) -> None:
             "kv-head count; convert its parent with --kv-heads-per-layer or --kv-budget instead"
         )
     if model_type not in LAYOUTS and model_type not in RETARGETED:
-        check_generic_target(config, groups)
+        validate_generic_target(config, groups)
 
 
 def converted_config(config: dict, groups: int) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 from mha2gqa.checkpoint import SafetensorsCheckpoint
 from mha2gqa.errors import InputError, first_line
 from mha2gqa.layouts import read_config
-from mha2gqa.nemotron_nas.blocks import MODEL_TYPE, check_blocks
+from mha2gqa.nemotron_nas.blocks import MODEL_TYPE, validate_blocks
 from mha2gqa.sources import require_safetensors
 
 SHOWN_KEYS = 4  # a config with 30 extra layers would otherwise print 300 names
@@ -61,7 +61,7 @@ def prepare_classes(config: dict, model_dir: Path) -> None:
     """The model classes mha2gqa itself provides, registered with transformers' Auto classes before a config of
     their type is read: Nemotron-NAS (per-layer kv heads, nemotron_nas/), its block_configs checked first."""
     if config.get("model_type") == MODEL_TYPE:
-        check_blocks(config, Path(model_dir) / "config.json")
+        validate_blocks(config, Path(model_dir) / "config.json")
         from mha2gqa.nemotron_nas.modeling import register
 
         register()

@@ -103,7 +103,7 @@ def _require_regular(path: Path, mode: int) -> None:
     )
 
 
-def check_regular(path: str | os.PathLike, root: Path | None = None) -> int:
+def validate_regular(path: str | os.PathLike, root: Path | None = None) -> int:
     """The rule of open_regular without keeping the file open; returns its size."""
     with open_regular(path, root) as f:
         return os.fstat(f.fileno()).st_size

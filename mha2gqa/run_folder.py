@@ -3,7 +3,7 @@
 These commands cannot build their folder aside and rename it at the end as convert does: their stages
 record the final paths in what they write (results name their model, the card its results). So:
 
-- check_folder (torch-free, part of every plan step): OUT is not `.`, `..` or the home folder, not a
+- validate_folder (torch-free, part of every plan step): OUT is not `.`, `..` or the home folder, not a
   link or a file, and holds nothing but what this command writes. A user's file there is never
   overwritten, moved or deleted, with or without --force; an earlier run of the command is replaced
   only with --force. An earlier run is known by the MARKER file every run writes first into OUT, naming
@@ -28,13 +28,13 @@ from pathlib import Path
 
 from mha2gqa.errors import InputError, is_user_fault, one_line, user_file_error
 from mha2gqa.reading import resolve
-from mha2gqa.writing import beside, check_room, claim, dead_entries, make_parents, remove_dead
+from mha2gqa.writing import beside, claim, dead_entries, make_parents, remove_dead, validate_room
 
 _REPLACED, _CREATED, _OLD = "replaced", "created", "old"
 MARKER = ".mha2gqa-run"  # written first into OUT by every run, holding the command's name
 
 
-def check_folder(out: Path, flag: str, command: str, entries, force: bool) -> Path:
+def validate_folder(out: Path, flag: str, command: str, entries, force: bool) -> Path:
     """Refuse an OUT that a run of `command` may not fill; `entries` are the names it writes there (a
     name ending in '*' is a prefix). What killed runs left beside OUT is undone first (recover), so that
     OUT is judged by what it held before them. Returns OUT with `~` expanded."""
@@ -84,7 +84,7 @@ def _marked(out: Path) -> str | None:
 
 
 def mark(out: Path, command: str) -> None:
-    """OUT holds a run of `command` (check_folder offers --force only for a marked folder)."""
+    """OUT holds a run of `command` (validate_folder offers --force only for a marked folder)."""
     (out / MARKER).write_text(f"{command}\n")
 
 
@@ -156,19 +156,19 @@ def recover(out: Path) -> None:
 
 @contextmanager
 def run_folder(out: Path, flag: str, command: str, entries, force: bool, scratch: str | None = None):
-    """Yield a RunFolder for OUT, checked (check_folder), claimed and cleared of dead runs' debris, then
+    """Yield a RunFolder for OUT, checked (validate_folder), claimed and cleared of dead runs' debris, then
     set up so that a failure before `commit()` restores what was there. On success it is committed.
     `scratch`: a prefix of hidden work folders inside OUT named with the PID (`.sweep-PID`): a dead
     PID's are removed too."""
-    out = check_folder(out, flag, command, entries, force)
+    out = validate_folder(out, flag, command, entries, force)
     created = make_parents(out.parent, f"{flag} {out}")
     try:
         with claim(out, f"{flag} {out}"):
             recover(out)
             if scratch:
                 remove_dead(out, scratch)
-            check_folder(out, flag, command, entries, force)  # again: the recovery may have restored a run
-            check_room(out.parent, 0, f"{flag} {out}")
+            validate_folder(out, flag, command, entries, force)  # again: the recovery may have restored a run
+            validate_room(out.parent, 0, f"{flag} {out}")
             folder = RunFolder(out, command)
             folder.begin()
             try:

@@ -24,7 +24,7 @@ class StrEnum(str, Enum):
             raise InputError(f"{flag} {value!r} is unknown (valid: {', '.join(m.value for m in cls)})") from None
 
 
-def check_keywords(cls: type, kwargs: dict, function: str) -> None:
+def validate_keywords(cls: type, kwargs: dict, function: str) -> None:
     """Refuse a keyword that is not a field of the dataclass `cls` with the TypeError Python gives
     `function(...)` for it, as it did when the fields were that function's own parameters."""
     unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})

@@ -6,7 +6,7 @@
 - swap_in: a finished staging folder becomes the destination: the whole folder (convert's DST, by
   renameat2(RENAME_EXCHANGE) where the platform has it) or its files moved into a folder that holds
   other things too (uptrain's output_dir: checkpoints and metrics stay).
-- check_room: the nearest existing folder must be a writable folder with `needed` bytes free.
+- validate_room: the nearest existing folder must be a writable folder with `needed` bytes free.
 - claim / remove_dead: the rule of every command that writes a folder: an flock on `.OUT.lock`
   holding the writer's PID (a second run is refused, naming it), and debris named `.OUT.*-PID` of
   PIDs that are gone removed (or restored) at the next start. convert's atomic_directory and the run
@@ -139,7 +139,7 @@ def nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_room(path: Path, needed: int, what: str, purpose: str = "") -> Path:
+def validate_room(path: Path, needed: int, what: str, purpose: str = "") -> Path:
     """Before a long write under `path` (`what`: how the user named it, e.g. "DST x"): its nearest
     existing folder must be a folder, writable (a read-only mount is refused even as root) and hold
     `needed` more bytes (`purpose`: what they are for, said in the message). Returns that folder."""
@@ -164,7 +164,7 @@ def make_parents(directory: Path, what: str) -> list[Path]:
     """mkdir -p, after checking that the nearest existing ancestor is writable; returns what it created
     (for the caller to remove after a failure)."""
     missing = []
-    existing = check_room(directory, 0, what)
+    existing = validate_room(directory, 0, what)
     while directory != existing:
         missing.append(directory)
         directory = directory.parent
@@ -223,7 +223,7 @@ def _refuse_held(fd: int, lock_path: Path, what: str):
     ) from None
 
 
-def check_unclaimed(path: Path, what: str) -> None:
+def validate_unclaimed(path: Path, what: str) -> None:
     """claim's refusal without claiming (a dry run writes nothing, not even the lock file): another run that
     holds `path`'s lock is named as claim would name it."""
     lock_path = path.parent / f"{beside(path)}.lock"

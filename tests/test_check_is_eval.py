@@ -66,3 +66,35 @@ def test_the_checks_numbers_are_evals_on_the_same_models_and_tokens(tmp_path, mo
         assert row["top1_agreement"] == agreed["top1_agreement"] and row["tokens"] == agreed["tokens"]
         assert row["perplexity"] == pytest.approx(ppl["perplexity"], rel=1e-6)
         assert row["parent_perplexity"] == pytest.approx(parent_ppl["perplexity"], rel=1e-6)
+
+
+# "check" names one thing: convert's quality check of the child against the parent. Input validation is
+# validate_*, a live condition ensure_*, refine's held-out measurements heldout_* (issue 54, item 6).
+QUALITY_CHECK_NAMES = {
+    "CheckPlan", "plan_check", "_plan_check", "check_logits_bytes", "CheckFailed", "run_check_or_skip", "run_check",
+    "_kept_for_check", "_check", "check_parts", "check_report",
+}  # fmt: skip
+DEFINED = re.compile(r"^\s*(?:def|class)\s+(\w+)", re.M)
+
+
+def _check_names(text: str) -> set[str]:
+    return {n for n in DEFINED.findall(text) if "check" in n.lower() and "checkpoint" not in n.lower()}
+
+
+def test_check_in_a_package_name_means_the_quality_check():
+    found = {
+        f"{path.relative_to(PACKAGE)}: {name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name in _check_names(path.read_text())
+        if name not in QUALITY_CHECK_NAMES
+    }
+    assert found == set(), "name input validation validate_* (the word check is the quality check's)"
+
+
+def test_an_input_validator_named_check_would_be_found():
+    assert _check_names(
+        "def check_groups(shape, groups):\n    def _check_kv(o): ...\nclass SafetensorsCheckpoint:"
+    ) == {
+        "check_groups",
+        "_check_kv",
+    }

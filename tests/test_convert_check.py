@@ -56,7 +56,7 @@ def test_next_steps_name_the_recipe_for_the_device_and_the_refined_conversion_wh
 @pytest.mark.parametrize("name", ["distill-parent-cpu", "distill-parent-gpu"])
 def test_the_recipes_the_check_names_ship_in_the_package_and_load_by_name(name, tmp_path):
     assert name in shipped_recipes()
-    recipe = load_recipe(name, ["model=m", "distill.teacher=t", f"output_dir={tmp_path}"], check_files=False)
+    recipe = load_recipe(name, ["model=m", "distill.teacher=t", f"output_dir={tmp_path}"], validate_files=False)
     assert recipe.data.train == ["parent"] and recipe.distill.kl_weight == 1.0
     first = (Path(check_run.__file__).parents[1] / "uptrain" / "recipes" / f"{name}.yaml").read_text()
     assert first.startswith(f"# mha2gqa uptrain --recipe {name} ")

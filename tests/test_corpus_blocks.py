@@ -124,7 +124,7 @@ def _uptrain(tmp_path, src, folder, docs, other) -> dict[str, str]:
     }
     for name, data in recipes.items():
         path = recipe_file(tmp_path / f"{name}.yaml", model=str(tmp_path), output_dir="o", data=data, seed=3)
-        recipe = load_recipe(path, check_files=False)
+        recipe = load_recipe(path, validate_files=False)
         for rank in range(2):
             built = build(recipe, tokenizer, rank, 2, False)
             batches = built.train.batches(0)

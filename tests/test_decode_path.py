@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.eval import speed
 from mha2gqa.eval.decode_path import decode_attention, new_cache
-from mha2gqa.eval.measurements import check_all
+from mha2gqa.eval.measurements import validate_all
 from mha2gqa.eval.options import DecodePath, EvalOptions
 from mha2gqa.hfcache import cache_kwargs, cache_of
 
@@ -130,7 +130,7 @@ def test_the_speed_section_names_its_path(gqa):
 def test_asking_for_a_path_that_gives_the_speed_up_away_warns_once(path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        check_all(EvalOptions(speed_preset="cpu", decode_path=path))
+        validate_all(EvalOptions(speed_preset="cpu", decode_path=path))
     (warned,) = [w for w in caught if issubclass(w.category, WeightWarning)]
     text = str(warned.message)
     assert (
@@ -144,12 +144,12 @@ def test_the_default_path_and_speed_off_warn_of_nothing():
     for options in (EvalOptions(speed_preset="cpu"), EvalOptions(speed_preset="off", decode_path="repeat")):
         with warnings.catch_warnings():
             warnings.simplefilter("error", WeightWarning)
-            check_all(options)
+            validate_all(options)
 
 
 def test_an_unknown_path_is_refused_naming_the_paths():
     with pytest.raises(InputError, match=r"--decode-path 'fast' is not a path \(use grouped, dynamic, repeat\)"):
-        check_all(EvalOptions(decode_path="fast"))
+        validate_all(EvalOptions(decode_path="fast"))
 
 
 def test_a_report_and_a_card_name_the_path_each_speed_was_timed_on(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 from fault_helpers import cli
 from tiny_models import save_tiny_model
 
-from mha2gqa.cli.early import check_eval
+from mha2gqa.cli.early import validate_eval
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.dtypes import dtype_name
 from mha2gqa.errors import InputError
@@ -47,7 +47,7 @@ def test_eval_keeps_auto_and_reads_aliases():
         dtype_name("auto")  # convert has no auto: leaving --dtype out keeps each tensor's
     from mha2gqa import embedded
 
-    assert check_eval(str(embedded.model_dir()), {"dtype": "bf16"}, None, False)["dtype"] == "bfloat16"
+    assert validate_eval(str(embedded.model_dir()), {"dtype": "bf16"}, None, False)["dtype"] == "bfloat16"
 
 
 def test_convert_dtype_bf16_writes_bfloat16(tmp_path):

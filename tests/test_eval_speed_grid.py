@@ -21,7 +21,7 @@ from mha2gqa.eval.options import EvalOptions
 )
 def test_a_zero_or_empty_speed_value_is_refused_before_loading(fields, message):
     with pytest.raises(InputError) as caught:
-        measurements.check_all(EvalOptions(speed_preset="cpu", **fields))
+        measurements.validate_all(EvalOptions(speed_preset="cpu", **fields))
     assert str(caught.value) == message
 
 

@@ -200,12 +200,12 @@ def test_hub_datasets_of_tasks_groups_and_tags(tmp_path):
 
 
 def test_uncached_task_data_offline_is_one_line_before_the_run(tmp_path, monkeypatch):
-    from mha2gqa.eval.lmeval import check_task_data
+    from mha2gqa.eval.lmeval import validate_task_data
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(InputError) as err:
-        check_task_data(_hub_task_index(tmp_path), ["both_hub"])
+        validate_task_data(_hub_task_index(tmp_path), ["both_hub"])
     assert str(err.value).startswith(
         "--lm-eval-tasks: the data of hub_a (someorg/data-a), hub_b (data-b) is not in the local cache"
     )
@@ -214,7 +214,7 @@ def test_uncached_task_data_offline_is_one_line_before_the_run(tmp_path, monkeyp
 def test_unreachable_hub_for_task_data_is_one_bounded_try(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from mha2gqa.eval.lmeval import check_task_data
+    from mha2gqa.eval.lmeval import validate_task_data
     from mha2gqa.sources import HUB_TIMEOUT_S
 
     asked = []
@@ -228,7 +228,7 @@ def test_unreachable_hub_for_task_data_is_one_bounded_try(tmp_path, monkeypatch)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     with pytest.raises(InputError, match=r"hub_a: its data someorg/data-a is not cached here and the hub did not"):
-        check_task_data(_hub_task_index(tmp_path), ["hub_group"])
+        validate_task_data(_hub_task_index(tmp_path), ["hub_group"])
     assert asked == [("someorg/data-a", HUB_TIMEOUT_S)]
 
 

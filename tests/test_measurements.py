@@ -26,7 +26,7 @@ def tiny(tmp_path_factory):
 def test_a_new_metric_is_one_measurement_and_one_metric(tiny, tmp_path, monkeypatch):
     """docs/eval.md's worked example, verbatim in spirit: the vocabulary size, measured and reported."""
 
-    def check_vocab(o):
+    def validate_vocab(o):
         if o.label == "no-vocab":
             raise InputError("--label no-vocab: refused by the vocab measurement's check")
 
@@ -36,7 +36,7 @@ def test_a_new_metric_is_one_measurement_and_one_metric(tiny, tmp_path, monkeypa
     monkeypatch.setattr(
         measurements,
         "MEASUREMENTS",
-        [*measurements.MEASUREMENTS, measurements.Measurement("vocab", check_vocab, measure_vocab)],
+        [*measurements.MEASUREMENTS, measurements.Measurement("vocab", validate_vocab, measure_vocab)],
     )
     entry = metrics.Metric("vocab_size", "vocab", "the model's vocabulary size", "vocab.size", fmt=lambda v: f"{v:,}")
     monkeypatch.setattr(metrics, "METRICS", [*metrics.METRICS, entry])
@@ -79,7 +79,7 @@ def test_each_measurement_checks_its_own_flags_before_loading(tiny):
     ]
     for fields, message in cases:
         with pytest.raises(InputError, match=message.replace("(", r"\(")):
-            measurements.check_all(EvalOptions(**fields))
+            measurements.validate_all(EvalOptions(**fields))
     assert [m.key for m in measurements.MEASUREMENTS] == [
         "quality",
         "retrieval",

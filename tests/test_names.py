@@ -11,7 +11,7 @@ from fault_helpers import assert_refused, cli
 
 from mha2gqa.corpus.mix import parse_spec
 from mha2gqa.errors import InputError
-from mha2gqa.run_folder import MARKER, check_folder
+from mha2gqa.run_folder import MARKER, validate_folder
 from mha2gqa.uptrain.recipe_load import recipe_path, shipped_recipes
 
 EMBEDDED_SRC = "mha2gqa/data/austen-mha"
@@ -94,7 +94,7 @@ def test_a_folder_marked_by_another_command_is_called_its_run(tmp_path, command,
     out.mkdir()
     (out / MARKER).write_text("demo\n")
     with pytest.raises(InputError, match=f"holds an earlier demo run \\(its {MARKER} says so\\), not a {command} run"):
-        check_folder(out, "--out", command, {"sweep.json"}, force)
+        validate_folder(out, "--out", command, {"sweep.json"}, force)
     assert (out / MARKER).read_text() == "demo\n"
 
 
@@ -103,4 +103,4 @@ def test_a_marker_that_no_run_wrote_is_a_users_file(tmp_path):
     (out / MARKER).mkdir(parents=True)
     (out / MARKER / "notes.txt").write_text("mine")
     with pytest.raises(InputError, match=f"holds files that are not a demo run \\({MARKER}\\)"):
-        check_folder(out, "--out", "demo", {"converted"}, True)
+        validate_folder(out, "--out", "demo", {"converted"}, True)

@@ -169,7 +169,7 @@ def test_shipped_recipe_is_valid_and_starts_with_its_command(path):
     assert command.group(2) == str(path.relative_to(ROOT))
     for config in re.findall(r"--config_file (\S+)", first):
         assert (ROOT / config).is_file(), f"{config} named in {path.name} does not exist"
-    recipe = load_recipe(path, [], check_files=False)  # its model/data live on the machine it is for
+    recipe = load_recipe(path, [], validate_files=False)  # its model/data live on the machine it is for
     assert recipe.output_dir
 
 
@@ -184,11 +184,11 @@ def test_overriding_the_budget_of_a_recipe_that_sets_alpha_names_alpha_null(vali
     """The demo's recipe sets budget.alpha; budget.max_steps=5 on it must say how to unset alpha."""
     demo = ROOT / "mha2gqa" / "demo" / "demo-uptrain.yaml"
     with pytest.raises(InputError) as err:
-        load_recipe(demo, ["budget.max_steps=5"], check_files=False)
+        load_recipe(demo, ["budget.max_steps=5"], validate_files=False)
     assert "(got budget.max_steps, budget.alpha): unset the one(s) you do not want with budget.alpha=null" in str(
         err.value
     )
-    load_recipe(demo, ["budget.max_steps=5", "budget.alpha=null"], check_files=False)  # and that works
+    load_recipe(demo, ["budget.max_steps=5", "budget.alpha=null"], validate_files=False)  # and that works
 
 
 def test_bench_recipes_are_valid_and_named_by_their_bench():
@@ -199,8 +199,8 @@ def test_bench_recipes_are_valid_and_named_by_their_bench():
         first = (folder / name).read_text().splitlines()[0]
         command = re.search(r"(?:mha2gqa uptrain --recipe|python) (\S+)", first)
         assert command and (ROOT / command.group(1)).is_file(), first
-        assert load_recipe(folder / name, overrides, check_files=False).output_dir
-    init = load_recipe(folder / "austen-small-pretrain.yaml", [], check_files=False).init_from_config
+        assert load_recipe(folder / name, overrides, validate_files=False).output_dir
+    init = load_recipe(folder / "austen-small-pretrain.yaml", [], validate_files=False).init_from_config
     assert (ROOT / init).is_file()
 
 

@@ -51,10 +51,10 @@ def test_the_plan_counts_the_global_stages_checks_and_their_forwards(steps, chec
     """The start's check, one every 10 steps and the last step's; both models at the first, the converted model alone
     at the rest while the parent's logits fit the memory (9,216 + 1,152 held-out tokens x 49,152 x 4 B = 1.90 GiB)."""
     budget = RefineBudget(512, 73_728, blocks=144, heldout_blocks=18)
-    assert budget.heldout_tokens == 10_368 and budget.global_checks(steps) == checks
+    assert budget.heldout_tokens == 10_368 and budget.global_heldout_evals(steps) == checks
     if steps:
-        assert budget.global_check_forwards(steps, 49_152, 2 << 30) == 10_368 * (2 + (checks - 1))
-        assert budget.global_check_forwards(steps, 49_152, 1 << 30) == 10_368 * 2 * checks
+        assert budget.global_heldout_forwards(steps, 49_152, 2 << 30) == 10_368 * (2 + (checks - 1))
+        assert budget.global_heldout_forwards(steps, 49_152, 1 << 30) == 10_368 * 2 * checks
 
 
 def test_the_global_stages_heldout_measure_counts_the_openings(tiny_src):
@@ -127,7 +127,7 @@ def test_the_opening_weight_trades_the_openings_against_the_blocks(tmp_path, tin
 @pytest.mark.parametrize("weight", [-0.5, float("nan"), float("inf"), "1", True])
 def test_a_bad_opening_weight_is_refused_naming_the_flag(weight):
     with pytest.raises(InputError, match=r"--refine-opening-weight .* must be a finite number, 0 or more"):
-        RefineOptions(opening_weight=weight).check()
+        RefineOptions(opening_weight=weight).validate()
 
 
 def test_the_heldout_openings_are_measured_a_step_of_rows_at_a_time(tiny_src):

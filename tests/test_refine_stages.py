@@ -242,7 +242,7 @@ def test_global_stage_trains_bfloat16_weights_through_float32_masters():
     for dtype in (torch.float32, torch.bfloat16):
         model = copy.deepcopy(start).to(dtype)
         params = [p for name, p in model.named_parameters() if ".self_attn." in name]
-        fit = GlobalFit(steps=12, lr=1e-4, batch_blocks=2, check_every=12)
+        fit = GlobalFit(steps=12, lr=1e-4, batch_blocks=2, heldout_every=12)
         record = fit_global(
             parent.to(dtype), model, params, blocks, split, fit, torch.Generator().manual_seed(0), False
         )
@@ -272,7 +272,7 @@ def test_global_stage_stops_after_patience_checks_without_a_gain_and_keeps_the_b
         return next(values)
 
     monkeypatch.setattr(global_stage, "heldout_kl", scripted_heldout_kl)
-    fit = GlobalFit(steps=40, lr=1e-3, batch_blocks=2, check_every=5)
+    fit = GlobalFit(steps=40, lr=1e-3, batch_blocks=2, heldout_every=5)
     record = fit_global(parent, model, params, blocks, split, fit, torch.Generator().manual_seed(0), progress=False)
     assert [c["step"] for c in record["checks"]] == [0, 5, 10, 15] and record["best_step"] == 5
     assert all(torch.equal(p, kept) for p, kept in zip(params, seen[1], strict=True))

@@ -89,7 +89,7 @@ def test_the_python_of_vllm_on_path_is_found_from_its_script(tmp_path):
 )
 def test_bad_options_are_refused_before_anything_starts(fields, fragment):
     with pytest.raises(InputError, match=fragment.replace("(", r"\(").replace("+", r"\+")):
-        ServeOptions(**fields).check()
+        ServeOptions(**fields).validate()
 
 
 def test_a_budget_too_small_for_one_context_is_refused(tmp_path, converted):
@@ -166,7 +166,7 @@ def test_a_port_taken_before_the_server_binds_it_is_refused(tmp_path):
             with _server(tmp_path, fake_python(tmp_path), "ok", port=port) as s:
                 s.wait_ready()
         with pytest.raises(InputError, match=rf"--port {port}: the port is in use"):
-            server.check_port_free(port)
+            server.ensure_port_free(port)
     assert all(gone(pid) for pid in core_pids(tmp_path / "logs"))
 
 

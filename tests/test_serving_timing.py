@@ -146,7 +146,7 @@ def test_points_that_measure_something_else_are_warned_about():
 )
 def test_bad_timing_options_are_refused_naming_the_flag(keys, message):
     with pytest.raises(InputError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
-        ServeOptions(**keys).check()
+        ServeOptions(**keys).validate()
 
 
 def test_the_capacity_option_reads_auto_none_and_counts():

@@ -135,13 +135,13 @@ def test_a_server_answering_garbage_is_refused_and_every_server_stops(
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 0.0])
 def test_a_startup_timeout_that_is_no_time_is_refused(value):
     with pytest.raises(InputError, match=r"--startup-timeout \S+ must be a positive finite number of seconds"):
-        ServeOptions(startup_timeout=value).check()
+        ServeOptions(startup_timeout=value).validate()
 
 
 @pytest.mark.parametrize("budget", ["5000TiB", "999999TiB", "9" * 400 + "GiB"])
 def test_a_kv_budget_beyond_the_machines_memory_is_refused(budget):
     with pytest.raises(InputError, match=r"--kv-budget .*(more than this machine's memory|beyond any size)"):
-        ServeOptions(kv_budget=budget).check()
+        ServeOptions(kv_budget=budget).validate()
 
 
 def test_the_cli_refuses_nan_and_an_absurd_budget_in_one_line(converted):

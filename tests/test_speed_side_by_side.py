@@ -10,7 +10,7 @@ from tiny_models import SAMPLE_TEXT, save_tiny_family
 
 from mha2gqa.errors import InputError
 from mha2gqa.eval import evaluate, plots, speed, write_report
-from mha2gqa.eval.measurements import check_all
+from mha2gqa.eval.measurements import validate_all
 from mha2gqa.eval.options import EvalOptions
 
 FAST = dict(speed_preset="cpu", speed_batches=(1,), speed_contexts=(8,), new_tokens=2, repeats=3, progress=False)
@@ -99,9 +99,9 @@ def test_side_by_side_alternates_the_models_repeat_by_repeat(tiny, monkeypatch):
 
 def test_side_by_side_needs_a_reference_and_speed():
     with pytest.raises(InputError, match="--speed-side-by-side needs --reference"):
-        check_all(EvalOptions(speed_side_by_side=True))
+        validate_all(EvalOptions(speed_side_by_side=True))
     with pytest.raises(InputError, match="drop --speed off"):
-        check_all(EvalOptions(speed_side_by_side=True, reference="p", speed_preset="off"))
+        validate_all(EvalOptions(speed_side_by_side=True, reference="p", speed_preset="off"))
 
 
 def test_a_median_outside_its_own_iqr_is_drawn_without_its_bar(tmp_path):

@@ -181,8 +181,8 @@ def test_missing_paths_hub_names_and_mixed_formats(tmp_path, monkeypatch):
         "data.train org/name: not a local path, and a hub dataset must be the only entry",
     ]
     # validating a recipe for another machine accepts missing local paths and hub names
-    assert textdata.resolve("data.train", ["./gone.jsonl"], check_files=False).files[0].name == "gone.jsonl"
-    assert textdata.resolve("data.train", "org/name", check_files=False).hub == "org/name"
+    assert textdata.resolve("data.train", ["./gone.jsonl"], validate_files=False).files[0].name == "gone.jsonl"
+    assert textdata.resolve("data.train", "org/name", validate_files=False).hub == "org/name"
 
 
 def test_zst_without_zstandard_says_what_to_install(tmp_path):

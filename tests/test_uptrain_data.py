@@ -78,7 +78,7 @@ def test_streaming_ranks_take_disjoint_documents_and_resume_exactly(tmp_path):
         recipe_file(
             tmp_path / "r.yaml", model=str(tmp_path), output_dir="o", data={"train": str(data), "streaming": True}
         ),
-        check_files=False,
+        validate_files=False,
     )
     ds = textdata.load_documents(source, recipe.data.text_field, streaming=True)
     streams = [StreamBatches(ds, "text", tokenizer, EOS, 16, 2, rank, 2, seed=3, buffer=16) for rank in range(2)]
@@ -101,7 +101,7 @@ def test_held_out_eval_blocks_never_train(tmp_path, streaming):
             seq_len=16,
             data={"train": str(data), "eval_blocks": 10, "streaming": streaming},
         ),
-        check_files=False,
+        validate_files=False,
     )
     data = build_data(recipe, tokenizer, rank=0, world_size=1, show_progress=False)
     assert data.eval.shape == (10, 16)
@@ -123,7 +123,7 @@ def test_separate_eval_file_and_missing_text_field(tmp_path):
             seq_len=16,
             data={"train": str(train), "eval": str(held), "eval_blocks": 5},
         ),
-        check_files=False,
+        validate_files=False,
     )
     data = build_data(recipe, tokenizer, 0, 1, show_progress=False)
     expected = pack_all(
@@ -149,7 +149,7 @@ def test_budget_and_learning_rate_schedule(tmp_path):
             data={"train": "x.txt"},
             budget={"max_steps": None, "alpha": 0.05, "pretrain_tokens": 1_000_000},
         ),
-        check_files=False,
+        validate_files=False,
     )
     # 0.05 * 1e6 tokens / (32 seq * 4 batch * 1 accum * 2 ranks) = 195.3 -> 196 steps
     assert total_steps(recipe, world_size=2) == math.ceil(50_000 / 256) == 196
@@ -187,7 +187,7 @@ def test_data_files_are_checked_once_when_loaded_and_when_read_otherwise(tmp_pat
     recipe.data.train = [str(gone)]
     with pytest.raises(InputError, match=f"data.train {gone}: no such file or folder"):
         build_data(recipe, tokenizer, 0, 1, show_progress=False)
-    unchecked = load_recipe(path, [f"data.train={gone}"], check_files=False)
+    unchecked = load_recipe(path, [f"data.train={gone}"], validate_files=False)
     with pytest.raises(InputError, match=f"data.train {gone}: no such file or folder"):
         build_data(unchecked, tokenizer, 0, 1, show_progress=False)
     # the changed recipe's read, load_recipe's own check of the override, the unchecked recipe's read

@@ -33,7 +33,7 @@ def _summary(report_json: Path) -> str:
 
 def _out_option(default: str, help: str):
     """--out of a command that writes a run folder of its own (demo, reproduce): where it goes by default.
-    Any path is taken here: the run folder's rule (run_folder.check_folder) words each refusal."""
+    Any path is taken here: the run folder's rule (run_folder.validate_folder) words each refusal."""
     return click.option("--out", default=default, show_default=True, type=click.Path(path_type=Path), help=help)
 
 

@@ -11,7 +11,7 @@ from mha2gqa.corpus import textdata
 from mha2gqa.corpus.probe import parse_domains
 from mha2gqa.dtypes import dtype_name
 from mha2gqa.errors import InputError
-from mha2gqa.eval.schema import check_writable
+from mha2gqa.eval.schema import validate_writable
 from mha2gqa.reading import did_you_mean
 from mha2gqa.sources import looks_local, model_ref_problem, require_safetensors
 
@@ -28,7 +28,7 @@ _EVAL_LEAST = (
 )
 
 
-def check_model(name: str, what: str = "") -> None:
+def validate_model(name: str, what: str = "") -> None:
     """A model directory with safetensors weights, or a hub id the hub may be asked for."""
     problem = model_ref_problem(str(name), what)
     if problem:
@@ -37,7 +37,7 @@ def check_model(name: str, what: str = "") -> None:
         require_safetensors(Path(name).expanduser(), what.strip() or "model")
 
 
-def check_out(out: str | None, force: bool, flag: str = "--out") -> None:
+def validate_out(out: str | None, force: bool, flag: str = "--out") -> None:
     """A result file may go to `out`: not a folder, not an existing file unless --force, writable."""
     if out is None:
         return
@@ -46,15 +46,15 @@ def check_out(out: str | None, force: bool, flag: str = "--out") -> None:
         raise InputError(f"{flag} {out} is a directory: pass a file path such as {path / 'results.json'}")
     if path.exists() and not force:
         raise InputError(f"{flag} {out} exists: pass --force to replace it, or choose a new path")
-    check_writable(path, flag)
+    validate_writable(path, flag)
 
 
-def check_eval(model: str, options: dict, out: str | None, force: bool) -> dict:
+def validate_eval(model: str, options: dict, out: str | None, force: bool) -> dict:
     """`eval`'s flags as far as they can be checked without torch; returns `options` with --dtype in its
     one name (bf16 -> bfloat16)."""
-    check_model(model)
+    validate_model(model)
     if options.get("reference"):
-        check_model(options["reference"], "--reference ")
+        validate_model(options["reference"], "--reference ")
     tokenizer = options.get("tokenizer")
     if tokenizer and not Path(tokenizer).expanduser().is_dir() and looks_local(tokenizer):
         raise InputError(
@@ -72,7 +72,7 @@ def check_eval(model: str, options: dict, out: str | None, force: bool) -> dict:
         values = options.get(key)
         if values is not None and (not values or min(values) < 1):
             raise InputError(f"{flag} {','.join(map(str, values))}: every value must be a positive integer")
-    check_out(out, force)
+    validate_out(out, force)
     if options.get("attention_png"):
-        check_writable(Path(options["attention_png"]), "--attention-png")
+        validate_writable(Path(options["attention_png"]), "--attention-png")
     return {**options, "dtype": dtype_name(options.get("dtype"), keep=("auto",))}

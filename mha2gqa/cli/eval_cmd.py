@@ -114,11 +114,11 @@ def eval_command(model, quiet, out, force, **options):
     Example: mha2gqa eval ./llama-gqa8 --data prose=held_out.txt --data code=src/ --reference ./llama --out gqa8.json
     """
     from mha2gqa import threads
-    from mha2gqa.cli.early import check_eval
+    from mha2gqa.cli.early import validate_eval
     from mha2gqa.errors import import_torch
     from mha2gqa.estimates.clock import command_clock
 
-    options = check_eval(model, options, out, force)  # paths and values, before torch's start-up
+    options = validate_eval(model, options, out, force)  # paths and values, before torch's start-up
     clock = command_clock(quiet)  # the estimate, and the time taken at the end; -q: quiet
     import_torch()  # with interrupts held: a signal during torch's start-up would abort
     clock.stage(EVAL.load.name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from mha2gqa.cli.early import check_out
+from mha2gqa.cli.early import validate_out
 from mha2gqa.cli.fields import field_option
 from mha2gqa.serving.options import DTYPES, ServeOptions
 
@@ -62,7 +62,7 @@ def serve_bench(parent, children, out, force, **options):
     from mha2gqa.errors import import_torch
 
     opts = ServeOptions(**options)
-    check_out(out, force)
+    validate_out(out, force)
     from mha2gqa.serving.bench import prepare
 
     plan = prepare(parent, list(children), out, opts)  # every refusal before torch's start-up and any server

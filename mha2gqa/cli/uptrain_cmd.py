@@ -92,11 +92,11 @@ def _dry_run(path, recipe, resume: bool) -> None:
     import yaml
 
     from mha2gqa.uptrain.plan import plan_run
-    from mha2gqa.uptrain.preflight import check_as_the_run_does
+    from mha2gqa.uptrain.preflight import validate_as_the_run_does
     from mha2gqa.uptrain.recipe_load import recorded
 
     plan = plan_run(recipe)
-    check_as_the_run_does(recipe, resume, plan.student, plan.teacher)
+    validate_as_the_run_does(recipe, resume, plan.student, plan.teacher)
 
     resolved = yaml.safe_dump(recorded(recipe), sort_keys=False).rstrip().splitlines()
     click.echo(f"recipe {path}, as resolved (local paths absolute):")

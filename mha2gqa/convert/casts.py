@@ -20,7 +20,7 @@ NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64
 FIX = {"F16": "use --dtype bfloat16 (float32's range) or leave --dtype out"}
 
 
-def check_cast(name: str, low: float, high: float, source: str, target: str) -> None:
+def validate_cast(name: str, low: float, high: float, source: str, target: str) -> None:
     """Refuse casting tensor `name` (finite values in [low, high], stored as `source`) to `target`."""
     if target not in LIMITS or source == target:
         return

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from mha2gqa.checkpoint import SafetensorsCheckpoint, ShardedWriter
-from mha2gqa.convert.casts import check_cast, numpy_range
+from mha2gqa.convert.casts import numpy_range, validate_cast
 from mha2gqa.convert.options import ConvertOptions, Grouping, Method
 from mha2gqa.convert.plan import Plan, Step
 from mha2gqa.convert.roles import KV_ROLES, pack, unpack
@@ -149,7 +149,7 @@ def _pool_layer(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, scrat
         if role in roles:
             source = roles[role]
             pooled = pool(source, shape.kv_heads, groups, plan.method, scratch)  # (G*hd, *rest) fp32
-            if role in CHECKED_ROLES and (plan.method == Method.FIRST or not np.isfinite(pooled).all()):
+            if role in FINITE_SCANNED_ROLES and (plan.method == Method.FIRST or not np.isfinite(pooled).all()):
                 non_finite.append((role, _non_finite(source)))
             roles[role] = cast(pooled, _CODE_OF[source.dtype])
             if scratch.holds(roles[role]):  # fp32 stays fp32: keep it past the next role's pooling
@@ -160,7 +160,7 @@ def _pool_layer(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, scrat
 
 
 # The kv roles whose non-finite values are warned about (both executors): projections, not norms.
-CHECKED_ROLES = ("k.weight", "k.bias", "v.weight", "v.bias")
+FINITE_SCANNED_ROLES = ("k.weight", "k.bias", "v.weight", "v.bias")
 
 
 def pool(rows: np.ndarray, kv_heads: int, groups: int, method: str, scratch: _Scratch | None = None) -> np.ndarray:
@@ -195,13 +195,13 @@ def to_float32(array: np.ndarray) -> np.ndarray:
 
 def cast(array: np.ndarray, code: str, name: str | None = None) -> np.ndarray:
     """A stored array (or an fp32 result) to `code`, as torch's .to() writes it: one rounding to nearest
-    even, through fp32 (exact on the way up). With `name` (a tensor of the output), casts.check_cast's
+    even, through fp32 (exact on the way up). With `name` (a tensor of the output), casts.validate_cast's
     rule applies: no overflow to inf, no whole tensor flushed to zero."""
     if _CODE_OF[array.dtype] == code:
         return array
     wide = array if array.dtype == _STORED["F32"] else to_float32(array)
     if name is not None:
-        check_cast(name, *numpy_range(wide), _CODE_OF[array.dtype], code)
+        validate_cast(name, *numpy_range(wide), _CODE_OF[array.dtype], code)
     if code == "F32":
         return wide
     if np.isnan(wide).any():

@@ -19,7 +19,7 @@ CALIBRATION_BATCH = 8  # blocks per calibration forward (calibration.collect_sta
 HOLDOUT_FRACTION = 1 / 8  # of the refine blocks, held out to check each layer's fit
 # The global stage checks the held-out KL every 10 steps, not 5: a check costs about two plain steps on a CPU
 # (SmolLM2, 2 cores), and the best step was the last one on 14 of 15 SmolLM2 conversions checked every 5.
-GLOBAL_CHECK_EVERY = 10
+GLOBAL_HELDOUT_EVERY = 10
 # refine's openings (refine/buffers.py opening_sequences): short sequences whose first tokens cover the vocabulary,
 # fitted beside the blocks so that the child keeps the parent's first-position state (the attention sink) for
 # whatever token a window opens with; OPENINGS_PER_STEP of them join every Adam step of both stages.
@@ -145,16 +145,16 @@ class RefineBudget:
         """The bytes the kept held-out logits take while the global stage runs: 0 when they are not kept."""
         return heldout_targets_bytes(self.heldout_tokens, vocab) if self.keeps_parent_targets(vocab, memory) else 0
 
-    def global_check_forwards(self, steps: int, vocab: int, memory: int) -> int:
+    def global_heldout_forwards(self, steps: int, vocab: int, memory: int) -> int:
         """The token forwards of the held-out checks of a global stage of `steps` steps that runs to its end: both
         models at the first check, then the converted model alone where the parent's logits are kept."""
-        later = self.global_checks(steps) - 1
+        later = self.global_heldout_evals(steps) - 1
         return self.heldout_tokens * (2 + later * (1 if self.keeps_parent_targets(vocab, memory) else 2))
 
-    def global_checks(self, steps: int) -> int:
+    def global_heldout_evals(self, steps: int) -> int:
         """The held-out checks of a global stage of `steps` steps that runs to its end: the start's, one every
-        GLOBAL_CHECK_EVERY steps and the last step's."""
-        return 1 + steps // GLOBAL_CHECK_EVERY + (steps % GLOBAL_CHECK_EVERY > 0) if steps else 0
+        GLOBAL_HELDOUT_EVERY steps and the last step's."""
+        return 1 + steps // GLOBAL_HELDOUT_EVERY + (steps % GLOBAL_HELDOUT_EVERY > 0) if steps else 0
 
 
 def heldout_targets_bytes(heldout_tokens: int, vocab: int) -> int:

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from mha2gqa.checkpoint import SafetensorsCheckpoint
-from mha2gqa.convert.roles import check_layer_count, layer_names
+from mha2gqa.convert.roles import layer_names, validate_layer_count
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, describe_layout, layout_for, read_config
 from mha2gqa.sources import resolve_model_dir
@@ -22,7 +22,7 @@ def _count_parameters(model_dir, layout, shape) -> tuple[int, int]:
         return _count_on_meta(model_dir, layout, shape)
     shapes = SafetensorsCheckpoint(model_dir).shapes
     available = set(shapes)  # once: a set per layer made 10,000 layers quadratic
-    check_layer_count(available, layout, shape)
+    validate_layer_count(available, layout, shape)
     kv_params = sum(_kv_params(layout, layer, shape, available, shapes) for layer in range(shape.layers))
     return sum(math.prod(s) for s in shapes.values()), kv_params
 

@@ -14,7 +14,7 @@ from enum import Enum
 from mha2gqa.corpus.mix import PARENT
 from mha2gqa.dtypes import dtype_name
 from mha2gqa.errors import InputError
-from mha2gqa.typed import StrEnum, check_keywords
+from mha2gqa.typed import StrEnum, validate_keywords
 from mha2gqa.units import parse_size
 
 OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
@@ -143,7 +143,7 @@ class RefineOptions:
             self, "global_precision", GlobalPrecision.parse(self.global_precision, "--refine-global-precision")
         )
 
-    def check(self) -> None:
+    def validate(self) -> None:
         """Refuse settings no fit can run with; a NaN or infinite learning rate would run every Adam step
         on NaN and leave each layer as merged, so it is refused here rather than after minutes."""
         if not _is_int(self.steps) or self.steps < 0:
@@ -273,7 +273,7 @@ class ConvertOptions:
     def from_kwargs(cls, groups: int | None, kwargs: dict) -> ConvertOptions:
         """The options of `convert(src, dst, groups, **kwargs)`; an unknown keyword is a TypeError, as it was
         when these were convert's own parameters."""
-        check_keywords(cls, kwargs, "convert")
+        validate_keywords(cls, kwargs, "convert")
         if groups is None and "groups" not in kwargs:
             raise TypeError("convert() missing 1 required argument: 'groups'")
         return cls(**({"groups": groups} if groups is not None else {}), **kwargs)

@@ -22,7 +22,7 @@ from mha2gqa.convert.options import OUT_DTYPES, ConvertOptions, Grouping, Method
 from mha2gqa.convert.plan import Step, make_plan
 from mha2gqa.convert.prepare import ConversionPlan, prepare
 from mha2gqa.convert.roles import pack, unpack
-from mha2gqa.convert.run import cast_to_output, check_destination_outside, copy_checked_files
+from mha2gqa.convert.run import cast_to_output, copy_validated_files, validate_destination_outside
 from mha2gqa.errors import InputError, import_torch
 from mha2gqa.layouts import DTYPE_BYTES, AttentionShape, attention_shape, read_config
 from mha2gqa.nemotron_nas.blocks import MODEL_TYPE, nemotron_nas_config
@@ -63,7 +63,7 @@ def parse_counts(text: str) -> tuple[int, ...]:
     return tuple(int(word) for word in words)
 
 
-def check_counts(counts: tuple[int, ...], shape: AttentionShape) -> None:
+def validate_counts(counts: tuple[int, ...], shape: AttentionShape) -> None:
     """One count per layer, each a divisor of the source's kv heads, at least one below it."""
     listed = ", ".join(str(g) for g in shape.valid_groups())
     if len(counts) != shape.layers:
@@ -92,13 +92,13 @@ def plan_per_layer(src, dst, counts: tuple[int, ...], options: ConvertOptions) -
             f"Nemotron-NAS format, whose readers build Llama blocks (supported: {', '.join(PARENT_TYPES)})"
         )
     shape = attention_shape(config)
-    check_counts(counts, shape)
+    validate_counts(counts, shape)
     written = dict(config, dtype=options.dtype) if options.dtype else config
     new_config = nemotron_nas_config(written, list(counts))  # refuses an MLP width the format cannot state
     base = prepare(
         src, replace(options, groups=min(counts), method=Method.MEAN, grouping=Grouping.CONTIGUOUS, check=False)
     )
-    check_destination_outside(base.source, Path(dst).expanduser(), options.force)
+    validate_destination_outside(base.source, Path(dst).expanduser(), options.force)
     steps = _layer_steps(base, counts)
     return PerLayerPlan(base, counts, steps, new_config)
 
@@ -121,7 +121,7 @@ def execute_per_layer(plan: PerLayerPlan, dst) -> Path:
     with atomic_directory(dst, replace=base.options.force, needed_bytes=needed) as tmp:
         import_torch()
         _write_tensors(plan, outputs, Path(tmp))
-        copy_checked_files(base.copied, base.source, tmp)
+        copy_validated_files(base.copied, base.source, tmp)
         (Path(tmp) / "config.json").write_text(jsontext.model_config(plan.config, indent=2) + "\n")
         provenance.append(tmp, "conversion", _record(plan), source=base.source)
         write_card(tmp, base.source, dst.name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mha2gqa.checkpoint import FLOAT_CODES, OutputTensor, TensorInfo
-from mha2gqa.convert.roles import KV_ROLES, check_layer_count, layer_names
+from mha2gqa.convert.roles import KV_ROLES, layer_names, validate_layer_count
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import AttentionShape, Layout
 
@@ -87,11 +87,11 @@ def make_plan(
     route_query_output: q/o pass through the layer step (a method that rewrites them, or a head
     permutation)."""
     available = set(tensors)
-    check_layer_count(available, layout, shape)
+    validate_layer_count(available, layout, shape)
     layer_steps: dict[str, Step] = {}  # every source name of a layer step -> that step
     for layer in range(shape.layers):
         stored = layer_names(layout, layer, shape.kv_heads, available)
-        _check_attention_shapes(stored, tensors, shape)
+        _validate_attention_shapes(stored, tensors, shape)
         if not route_query_output and not layout.qkv:
             stored = {role: name for role, name in stored.items() if role.split(".")[0] not in ("q", "o")}
         step = _layer_step(layer, stored, tensors, shape, groups, out_dtype)
@@ -128,7 +128,7 @@ def make_plan(
 _FLOAT_CODES = ("F16", "BF16", "F32", "F64")
 
 
-def _check_attention_shapes(stored: dict[str, str], tensors: dict[str, TensorInfo], shape: AttentionShape) -> None:
+def _validate_attention_shapes(stored: dict[str, str], tensors: dict[str, TensorInfo], shape: AttentionShape) -> None:
     """Every attention tensor of a layer against config.json's heads, kv heads and head_dim: a k_proj of
     a wrong but divisible shape would otherwise convert into a DST that transformers refuses."""
     q_rows, kv_rows = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim

@@ -23,7 +23,7 @@ from mha2gqa.convert.check import CHECK_TOKENS, CheckPlan, check_logits_bytes, p
 from mha2gqa.convert.decide import Decided, decide
 from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
-    GLOBAL_CHECK_EVERY,
+    GLOBAL_HELDOUT_EVERY,
     OPENING_LENGTH,
     CalibrationInput,
     RefineBudget,
@@ -44,25 +44,25 @@ from mha2gqa.convert.options import (
     flag_words,
 )
 from mha2gqa.convert.plan import Plan, make_plan
-from mha2gqa.convert.rope import check_calibrated, check_grouping, check_refine_layout, check_rotary_dims
+from mha2gqa.convert.rope import validate_calibrated, validate_grouping, validate_refine_layout, validate_rotary_dims
 from mha2gqa.corpus import sampling
 from mha2gqa.corpus.probe import DOMAINS
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
-from mha2gqa.estimates import check_parts, convert_line
+from mha2gqa.estimates import ConvertWork, RefineWork, StageCost, check_parts, convert_line
 from mha2gqa.estimates.costs import RUNTIME_BYTES as EVAL_RUNTIME_BYTES
 from mha2gqa.estimates.stages import CONVERT
 from mha2gqa.layouts import (
     AttentionShape,
     Layout,
     attention_shape,
-    check_groups,
-    check_target,
     config_vocab,
     layout_for,
     read_config,
+    validate_groups,
+    validate_target,
 )
-from mha2gqa.reading import check_regular, inside
+from mha2gqa.reading import inside, validate_regular
 from mha2gqa.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir, snapshot_hub_id
 from mha2gqa.units import format_bytes, parse_size
 
@@ -111,6 +111,11 @@ class ConversionPlan:
     decided: Decided = field(default_factory=Decided)  # what was chosen from the machine (decide.py), once
 
     @property
+    def parameters(self) -> int:
+        """The source's parameters, from its safetensors headers."""
+        return sum(math.prod(info.shape) for info in self.checkpoint.tensors.values())
+
+    @property
     def gathers_statistics(self) -> bool:
         return self.calibration is not None and self.stats is None
 
@@ -122,6 +127,45 @@ class ConversionPlan:
     def calibration_passes(self) -> int:
         """Passes of the calibration tokens through SRC that gather the statistics within --calibration-memory."""
         return -(-self.shape.layers // layers_per_pass(self.calibration_memory, self.shape.hidden))
+
+    def work(self) -> ConvertWork:
+        """What the conversion will do, as the numbers its estimate is priced from (estimates.convert_stages)."""
+        p, calibration, sampled = (
+            self.parameters,
+            self.calibration,
+            self.calibration and self.calibration.sampled_tokens,
+        )
+        sample = {}
+        if sampled:
+            seq_len = calibration.seq_len
+            chat, batch = sampling.has_chat_template(self.source), sampling.batch_for(self.config, seq_len)
+            sample = dict(sampled_tokens=sampled, sample_seq_len=seq_len, sample_chat=chat, sample_batch=batch)
+        return ConvertWork(
+            parameters=p,
+            torch=self.torch_reason is not None,
+            bytes_written=self.bytes_written,
+            parent_bytes=4 * p if calibration is not None else 0,
+            calibrate_tokens=calibration.tokens * self.calibration_passes if self.gathers_statistics else 0,
+            refine=self._refine_work(p),
+            planned=tuple(StageCost(s.name, s.parts) for s in self.stages if s.parts),
+            peak_bytes=self.peak_memory,
+            **sample,
+        )
+
+    def _refine_work(self, parameters: int) -> RefineWork | None:
+        refine, budget = self.options.refine, self.refine_budget
+        if refine is None or budget is None:
+            return None
+        step_tokens = refine.batch_blocks * budget.seq_len + budget.opening_tokens_per_step
+        checks = budget.global_heldout_forwards(refine.global_steps, config_vocab(self.config), refine.memory)
+        return RefineWork(
+            layer_step_work=self.shape.layers * refine.steps * step_tokens * attention_parameters(self.shape),
+            fit_tokens=budget.blocks * budget.seq_len + budget.opening_tokens,
+            step_tokens=step_tokens,
+            global_steps=refine.global_steps,
+            global_heldout_forwards=checks,
+            global_bf16=refine.global_precision == GlobalPrecision.BFLOAT16,  # explicit here: prepare decided auto
+        )
 
     def command(self) -> str:
         """The `mha2gqa convert` command line that makes this conversion again (byte for byte), with OUT
@@ -159,7 +203,7 @@ class ConversionPlan:
             )
             + f"; peak memory about {format_bytes(self.peak_memory)}"
         )
-        lines.append(time_line or convert_line(self))
+        lines.append(time_line or convert_line(self.work()))
         return lines
 
 
@@ -182,15 +226,15 @@ def prepare(src, options: ConvertOptions, stats=None, resolved: CalibrationInput
     checkpoint = SafetensorsCheckpoint(source) if any(source.glob("*.safetensors")) else None
     config = read_config(source, checkpoint and checkpoint.shapes)
     layout, shape = layout_for(config), attention_shape(config)
-    check_groups(shape, options.groups)
-    check_target(config, options.groups)
-    _check_calibration_needs(options, config)
+    validate_groups(shape, options.groups)
+    validate_target(config, options.groups)
+    _validate_calibration_needs(options, config)
     calibration = _calibration_input(options, stats, config, source, resolved)
     options, decided = decide(options, calibration is not None)  # the machine's part, once (decide.py)
     calibrated = calibration is not None or stats is not None
     memory_bytes = parse_size(options.calibration_memory, "--calibration-memory")
     require_safetensors(source, "SRC")
-    _check_not_quantized(source, config)
+    _validate_not_quantized(source, config)
     provenance.lineage(source)  # a broken SRC/mha2gqa.json fails now, not after every tensor is written
     tensors = make_plan(
         checkpoint.tensors,
@@ -223,19 +267,19 @@ def prepare(src, options: ConvertOptions, stats=None, resolved: CalibrationInput
     return plan
 
 
-def _check_calibration_needs(options: ConvertOptions, config: dict) -> None:
+def _validate_calibration_needs(options: ConvertOptions, config: dict) -> None:
     """What the method, grouping and refine need of the model (calibration text they always get: by default
     the parent's samples)."""
     method, grouping, refine = options.method, options.grouping, options.refine
     if method.needs_calibration:
-        check_calibrated(config, method.value)
+        validate_calibrated(config, method.value)
     if grouping == Grouping.SIMILARITY:
-        check_grouping(config)
+        validate_grouping(config)
     if refine is not None:
-        refine.check()
-        check_refine_layout(config)
+        refine.validate()
+        validate_refine_layout(config)
     if options.calibration_shapes_weights or options.calibration is not None:
-        check_rotary_dims(config)
+        validate_rotary_dims(config)
 
 
 def _calibration_input(
@@ -274,7 +318,7 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int) -> None:
     shape, options, tensors = plan.shape, plan.options, plan.tensors
     seq_len = block_length(plan.config)
     plan.bytes_written = tensors.bytes_out + sum(plan.copied.values()) + (1 << 20)  # 1 MiB for headers and JSON
-    params = sum(math.prod(info.shape) for info in plan.checkpoint.tensors.values())
+    params = plan.parameters
     model_bytes = 4 * params  # the source loaded in float32 on CPU (calibration.load_source_model)
     layer_bytes = max(
         (sum(plan.checkpoint.tensors[n].nbytes for n in s.sources.values()) for s in tensors.steps if s.is_transform),
@@ -384,7 +428,7 @@ def _refine_stages(plan: ConversionPlan, calibration_tokens: int, seq_len: int) 
                 f"then up to {refine.global_steps} Adam steps (lr {refine.global_lr:g}, {refine.batch_blocks} blocks "
                 f"a step) of every refined attention parameter, all layers together, against the parent's "
                 f"next-token distribution{_precision_words(refine.global_precision, plan.decided.why.get('--refine-global-precision'))}; the held-out KL checked every "
-                f"{GLOBAL_CHECK_EVERY} steps in float32, the best kept ({_targets_words(plan)})",
+                f"{GLOBAL_HELDOUT_EVERY} steps in float32, the best kept ({_targets_words(plan)})",
             )
         )
     stages.append(
@@ -458,7 +502,7 @@ def _data_words(calibration: CalibrationInput) -> str:
     return part.name if len(part.entries) < 2 or ", " in part.name else f"{len(part.entries)} files"
 
 
-def _check_not_quantized(src: Path, config: dict) -> None:
+def _validate_not_quantized(src: Path, config: dict) -> None:
     """GPTQ/AWQ/bitsandbytes/fp8 checkpoints store packed integers and scales: averaging them is not
     averaging the weights they stand for."""
     quantized = config.get("quantization_config")
@@ -481,7 +525,13 @@ def files_to_copy(source: Path) -> dict[Path, int]:
             continue
         if path.is_dir() and inside(path, source):
             continue
-        found[path] = check_regular(path, source)
+        found[path] = validate_regular(path, source)
         if about_the_source(path):  # the parent's own provenance, log or results: false beside the new model
             del found[path]
     return found
+
+
+def attention_parameters(shape: AttentionShape) -> int:
+    """q, k, v and o of one layer of the source."""
+    q = shape.hidden * shape.heads * shape.head_dim
+    return 2 * q + 2 * shape.hidden * shape.kv_heads * shape.head_dim

@@ -57,7 +57,7 @@ def layer_names(layout: Layout, layer: int, kv_heads: int, available: set[str]) 
     return names
 
 
-def check_layer_count(available: set[str], layout: Layout, shape: AttentionShape) -> None:
+def validate_layer_count(available: set[str], layout: Layout, shape: AttentionShape) -> None:
     """num_hidden_layers against the checkpoint: name the missing (or extra) layers, not the model_type.
     Costs one pass over the names whatever num_hidden_layers says (a config may claim 10^12)."""
     before, after = layout.layer_prefix.split("{layer}")

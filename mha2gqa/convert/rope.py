@@ -31,7 +31,7 @@ def rotary_dims(model_dir: Path, head_dim: int) -> int:
     return _even_rotary_dims(head_dim, factor)
 
 
-def check_rotary_dims(config: dict) -> None:
+def validate_rotary_dims(config: dict) -> None:
     """Refuse, before anything runs, a partial_rotary_factor that config.json sets to rotate an odd number of
     dims (a type's own default always rotates whole pairs; rotary_dims reads those at run time)."""
     params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
@@ -50,7 +50,7 @@ def _even_rotary_dims(head_dim: int, factor: float) -> int:
     return dims
 
 
-def check_calibrated(config: dict, method: str) -> None:
+def validate_calibrated(config: dict, method: str) -> None:
     """Refuse, in one line, a model whose key path a per-head map cannot cross exactly."""
     reason = layout_for(config).calibrated_refusal(config)
     if reason:
@@ -60,7 +60,7 @@ def check_calibrated(config: dict, method: str) -> None:
         )
 
 
-def check_refine_layout(config: dict) -> None:
+def validate_refine_layout(config: dict) -> None:
     """Refuse --refine where the parent and converted models do not share attention modules. It
     folds no map, so RoPE conventions and norms on the key path do not limit it."""
     reason = layout_for(config).refine_barrier
@@ -70,7 +70,7 @@ def check_refine_layout(config: dict) -> None:
         )
 
 
-def check_grouping(config: dict) -> None:
+def validate_grouping(config: dict) -> None:
     """Refuse similarity grouping where a query permutation would leave a per-query-head norm behind."""
     reason = layout_for(config).grouping_refusal(config)
     if reason:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mha2gqa import jsontext, provenance
 from mha2gqa.card import write_card
-from mha2gqa.checkpoint import ShardedWriter, atomic_directory, check_destination
+from mha2gqa.checkpoint import ShardedWriter, atomic_directory, validate_destination
 from mha2gqa.convert import config_file, fast
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.plan import Plan
@@ -30,7 +30,7 @@ from mha2gqa.layouts import converted_config
 from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, resolve, short_read
 from mha2gqa.units import format_bytes
-from mha2gqa.writing import check_room, check_unclaimed, write_atomic
+from mha2gqa.writing import validate_room, validate_unclaimed, write_atomic
 
 
 @dataclass
@@ -46,14 +46,14 @@ class ConversionResult:
     checked: str | None = None  # a dry run: what it checked at DST (the run's checks before its first byte)
 
 
-def check_destination_outside(src: Path, dst: Path, force: bool) -> None:
-    """DST may be neither inside SRC nor hold it, then writing.check_destination's rule (per_layer.py too)."""
+def validate_destination_outside(src: Path, dst: Path, force: bool) -> None:
+    """DST may be neither inside SRC nor hold it, then writing.validate_destination's rule (per_layer.py too)."""
     src_r, dst_r = resolve(src), resolve(dst)  # a link loop is one ELOOP line, not a RuntimeError
     if dst_r == src_r or src_r in dst_r.parents:
         raise InputError(f"DST {dst} is inside SRC {src}: choose a directory outside the source model")
     if dst_r in src_r.parents:
         raise InputError(f"DST {dst} contains SRC {src}: replacing it would delete the source; choose another DST")
-    check_destination(dst, force)
+    validate_destination(dst, force)
 
 
 def convert(
@@ -78,7 +78,7 @@ def convert(
         )
     plan = plan_conversion(src, dst, options, stats)
     if options.dry_run:
-        checked = check_output(plan, Path(dst).expanduser())
+        checked = validate_output(plan, Path(dst).expanduser())
         return ConversionResult(plan.tensors, None, plan.source, plan=plan, checked=checked)
     return execute(plan, dst, clock)
 
@@ -87,17 +87,17 @@ def plan_conversion(src, dst, options: ConvertOptions, stats=None, resolved=None
     """prepare, then the destination's checks: everything convert refuses before it writes. `resolved`: the
     calibration already resolved for an earlier plan (a sweep plans every candidate from one resolution)."""
     plan = prepare(src, options, stats, resolved)
-    check_destination_outside(plan.source, Path(dst).expanduser(), options.force)
+    validate_destination_outside(plan.source, Path(dst).expanduser(), options.force)
     return plan
 
 
-def check_output(plan: ConversionPlan, dst: Path) -> str:
+def validate_output(plan: ConversionPlan, dst: Path) -> str:
     """What the run checks at DST before its first byte, checked by a dry run without writing anything: no
     other run holds DST, and DST's filesystem is writable and holds what the run writes (the estimate, with
     its scratch files). Returns the line that says so."""
-    check_unclaimed(dst, f"DST {dst}")
+    validate_unclaimed(dst, f"DST {dst}")
     needed = plan.bytes_written + plan.scratch_bytes
-    folder = check_room(dst.parent, needed, f"DST {dst}")
+    folder = validate_room(dst.parent, needed, f"DST {dst}")
     return (
         f"checked: {folder} is writable and has {format_bytes(shutil.disk_usage(folder).free)} free for the "
         f"{format_bytes(needed)} the run writes"
@@ -114,7 +114,7 @@ def estimate(plan: ConversionPlan):
 
     checked = plan.check is not None and plan.check.skip is None
     probe = "torch" if plan.torch_reason is not None or checked else "numpy"
-    return for_this_machine(convert_estimate(plan), probe, fine=plan.options.refine is not None)
+    return for_this_machine(convert_estimate(plan.work()), probe, fine=plan.options.refine is not None)
 
 
 def dry_run_time_line(plan: ConversionPlan) -> str | None:
@@ -127,16 +127,16 @@ def dry_run_time_line(plan: ConversionPlan) -> str | None:
         return None
     from mha2gqa.estimates import convert_estimate, convert_line, rates
 
-    if rates.probe_rounds(convert_estimate(plan).seconds(), ["torch"]):  # torch only for a probe it will take
+    if rates.probe_rounds(convert_estimate(plan.work()).seconds(), ["torch"]):  # torch only for a probe it will take
         import_torch()  # with the interrupt signals held, as the run starts it
-    return convert_line(plan, estimate(plan))
+    return convert_line(plan.work(), estimate(plan))
 
 
 def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult:
     """Run the stages of `plan` into a new `dst`: calibrate -> merge -> refine -> write -> metadata."""
     options, source = plan.options, plan.source
     dst = Path(dst).expanduser()
-    check_destination_outside(source, dst, options.force)
+    validate_destination_outside(source, dst, options.force)
     # Claimed, checked for room and cleared of debris before calibration, the long part, starts. The
     # statistics ((d+1)^2 float64 per layer: GBs for a 7B) and refine's spill files live inside the partial
     # directory, so they count against DST's room, not a small /tmp, and a killed run's are removed with
@@ -155,7 +155,7 @@ def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult
             fast.write_tensors(plan.checkpoint, plan.tensors, tmp, plan.shard_bytes, options.progress)
         else:
             layers, refined, stats, parent = _run_torch(plan, tmp, Path(scratch), clock)
-        copy_checked_files(plan.copied, source, tmp)
+        copy_validated_files(plan.copied, source, tmp)
         _write_config(plan.config, options.groups, options.dtype, tmp)
         checked = _check(plan, tmp, dst, parent, clock)
         del parent
@@ -348,14 +348,14 @@ def _merge_layer(plan: ConversionPlan, step, stats) -> tuple[dict, dict]:
 
 
 def cast_to_output(tensor, out):
-    """`tensor` in the output's dtype, under casts.check_cast's rule (no inf, no tensor flushed to zero)."""
+    """`tensor` in the output's dtype, under casts.validate_cast's rule (no inf, no tensor flushed to zero)."""
     from mha2gqa.checkpoint import torch_dtypes
-    from mha2gqa.convert.casts import check_cast, torch_range
+    from mha2gqa.convert.casts import torch_range, validate_cast
 
     dtypes = torch_dtypes()
     source = next(code for code, dtype in dtypes.items() if dtype == tensor.dtype)
     if source != out.dtype and tensor.is_floating_point():
-        check_cast(out.name, *torch_range(tensor), source, out.dtype)
+        validate_cast(out.name, *torch_range(tensor), source, out.dtype)
     return tensor.to(dtypes[out.dtype])
 
 
@@ -363,13 +363,13 @@ def _warn_non_finite(roles: dict, sources: dict, layer: int) -> None:
     """Pooling spreads a NaN/inf in one kv head to its whole group: name the tensor, convert anyway."""
     import torch
 
-    for role in fast.CHECKED_ROLES:
+    for role in fast.FINITE_SCANNED_ROLES:
         tensor = roles.get(role)
         if tensor is not None and tensor.is_floating_point():
             fast.warn_non_finite(int((~torch.isfinite(tensor)).sum()), sources, role, layer)
 
 
-def copy_checked_files(files: dict[Path, int], source: Path, out_dir: Path) -> None:
+def copy_validated_files(files: dict[Path, int], source: Path, out_dir: Path) -> None:
     """Copy the files prepare checked (prepare.files_to_copy), each read to its checked size: a file
     that changed since is a changing source, one line."""
     for path, size in files.items():

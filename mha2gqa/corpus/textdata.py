@@ -70,17 +70,17 @@ def resolve(
     key: str,
     entries: str | Sequence[str],
     problems: list[str] | None = None,
-    check_files: bool = True,
+    validate_files: bool = True,
     one_format: bool = False,
 ) -> TextSource | None:
     """What `entries` (paths or one hub name) name, as a TextSource.
 
     With `problems`, each problem is appended (to be shown with others) and None may be returned;
-    without, the first problems raise one InputError. check_files=False accepts missing local paths
+    without, the first problems raise one InputError. validate_files=False accepts missing local paths
     (validating a recipe for another machine); one_format refuses a mix (one `datasets` builder)."""
     collected: list[str] = []
     source = _resolve(
-        key, [entries] if isinstance(entries, (str, Path)) else list(entries), collected, check_files, one_format
+        key, [entries] if isinstance(entries, (str, Path)) else list(entries), collected, validate_files, one_format
     )
     if problems is not None:
         problems.extend(collected)
@@ -90,7 +90,7 @@ def resolve(
     return source
 
 
-def _resolve(key, entries, problems, check_files, one_format) -> TextSource | None:
+def _resolve(key, entries, problems, validate_files, one_format) -> TextSource | None:
     if not entries:
         problems.append(f"{key} is empty: give a file, a folder or a hub dataset name")
         return None
@@ -113,13 +113,13 @@ def _resolve(key, entries, problems, check_files, one_format) -> TextSource | No
             files.append(path)
         elif path.exists():  # a FIFO, socket or device: reading one blocks or never ends
             problems.append(f"{key} {entry} is {_kind(path)}, not a regular file: pass a text file")
-        elif not check_files and _looks_local(entry):
+        elif not validate_files and _looks_local(entry):
             files.append(path)
         elif _looks_local(entry) or near_miss(entry):
             problems.append(f"{key} {entry}: no such file or folder{did_you_mean(entry)}")
         elif len(entries) > 1:
             problems.append(f"{key} {entry}: not a local path, and a hub dataset must be the only entry")
-        elif check_files and hub_offline():
+        elif validate_files and hub_offline():
             problems.append(
                 f"{key} {entry}: not a local file or folder, and the hub is offline "
                 "(HF_HUB_OFFLINE=1): pass local files"
@@ -384,7 +384,7 @@ def load_documents(
             raise InputError(f"{source.key} mixes formats ({', '.join(sorted(formats))}): use files of one format")
         fmt = formats.pop()
         for path in source.files:
-            check_file(source.key, path, field, field_key)
+            validate_file(source.key, path, field, field_key)
         kwargs = {"sample_by": sample_by} if fmt == "text" else {}
         try:
             with without_datasets_bars():  # "Generating train split" of local files: seconds, and ours say more
@@ -424,7 +424,7 @@ def dataset_texts(ds, field: str, key: str, field_key: str = "text field") -> It
         yield row[field]
 
 
-def check_file(key: str, path: Path, field: str = "text", field_key: str | None = None) -> None:
+def validate_file(key: str, path: Path, field: str = "text", field_key: str | None = None) -> None:
     """Read the head of one file as `iter_texts` would; raises the same one-line errors."""
     if file_format(path) == "parquet":
         next(iter(_parquet_texts(key, path, field, field_key)), None)

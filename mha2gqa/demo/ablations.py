@@ -23,7 +23,7 @@ from mha2gqa import embedded, jsontext
 from mha2gqa.demo.pipeline import DEMO_RECIPE, embedded_run_overrides
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import head_counts, read_config
-from mha2gqa.run_folder import check_folder, run_folder
+from mha2gqa.run_folder import run_folder, validate_folder
 
 METHODS = ("mean", "first", "random")
 MARKERS = {"mean": "o", "first": "s", "random": "^"}  # plot markers per method
@@ -87,7 +87,7 @@ def plan_reproduce(
         )
     if eval_blocks < 1:
         raise InputError(f"--eval-blocks {eval_blocks} must be at least 1 (e.g. 32)")
-    out = check_folder(out, "--out", "reproduce", RUN_ENTRIES, force)
+    out = validate_folder(out, "--out", "reproduce", RUN_ENTRIES, force)
     return ReproducePlan(out, methods, kv_heads, tuple(sorted(set(alphas))), eval_blocks, force)
 
 

@@ -21,7 +21,7 @@ from mha2gqa.convert.prepare import prepare
 from mha2gqa.demo.timing import demo_estimate
 from mha2gqa.errors import InputError, import_torch
 from mha2gqa.estimates.stages import DEMO
-from mha2gqa.run_folder import check_folder, run_folder
+from mha2gqa.run_folder import run_folder, validate_folder
 
 DEMO_RECIPE = Path(__file__).parent / "demo-uptrain.yaml"
 
@@ -100,7 +100,7 @@ def plan_demo(
     conversion = prepare(
         embedded.model_dir(), ConvertOptions(groups=groups, method="mean", force=True, progress=progress, check=False)
     )
-    out = check_folder(out, "--out", "demo", RUN_ENTRIES, force)
+    out = validate_folder(out, "--out", "demo", RUN_ENTRIES, force)
     return DemoPlan(out, settings, conversion, force)
 
 
@@ -232,7 +232,7 @@ def _beside_model(result: Path, model_dir: Path) -> None:
 
 
 # What a demo run writes into --out: a folder holding only these is an earlier run, and --force may
-# replace it; anything else there is the user's and is never moved or deleted (run_folder.check_folder).
+# replace it; anything else there is the user's and is never moved or deleted (run_folder.validate_folder).
 RUN_ENTRIES = frozenset({"converted", "results", "uptrained", "report"})
 
 

@@ -36,7 +36,7 @@ def demo_estimate(plan) -> estimates.Estimate:
     """The stages of a checked DemoPlan (pipeline.plan_demo) at the stored rates (estimates.for_this_machine
     scales them)."""
     settings, conversion = plan.settings, plan.conversion
-    parent = estimates.parameters_of(conversion)
+    parent = conversion.parameters
     child = sum(math.prod(out.shape) for out in conversion.tensors.output_tensors())
     grid = 2 if settings.speed else 0  # the cpu preset: batches 1 and 4 at context 32
     train_tokens = int(settings.alpha * embedded.pretrain_tokens())
@@ -48,7 +48,7 @@ def demo_estimate(plan) -> estimates.Estimate:
     )  # fmt: skip
     stages = (
         StageCost(DEMO.start.name, (Part("torch_start", parent),)),
-        combined(DEMO.convert.name, estimates.convert_stages(conversion, start=False)),
+        combined(DEMO.convert.name, estimates.convert_stages(conversion.work(), start=False)),
         _evaluation(DEMO.evaluate_parent.name, parent, None, settings, grid),
         _evaluation(DEMO.evaluate_converted.name, child, parent, settings, 2 * grid),
         combined(DEMO.uptrain.name, estimates.uptrain_stages(uptrain, start=False, warm=True)),

@@ -12,14 +12,12 @@ Reads no torch and runs nothing: `convert --dry-run` and `uptrain --dry-run` pri
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from mha2gqa.corpus.sampling import batch_for, forward_work, has_chat_template
+from mha2gqa.corpus.sampling import forward_work
 from mha2gqa.estimates import rates
 from mha2gqa.estimates.rates import LARGE, SMALL, Machine  # noqa: F401 (re-exported)
 from mha2gqa.estimates.stages import CONVERT, EVAL, UPTRAIN
-from mha2gqa.layouts import config_vocab
 
 
 @dataclass(frozen=True)
@@ -122,11 +120,6 @@ CAVEAT = "rates measured on a quiet reference machine, not scaled to this one"
 # ---- convert ----
 
 
-def parameters_of(plan) -> int:
-    """The source's parameters, from its safetensors headers (a ConversionPlan's checkpoint)."""
-    return sum(math.prod(info.shape) for info in plan.checkpoint.tensors.values())
-
-
 # A global refine step in bfloat16 autocast against float32 (convert/refine/precision.py), at SMALL and LARGE: one
 # block's parent forward, converted forward and backward took 0.38 s against 0.50 s on the embedded model (one
 # thread) and 1.56 s against 2.49 s on SmolLM2 (two threads), a 2-core CPU with AMX (docs/refine.md). The rates are
@@ -134,51 +127,67 @@ def parameters_of(plan) -> int:
 BF16_GLOBAL_STEP_SPEEDUP = (1.3, 1.6)
 
 
-def convert_stages(plan, start: bool = True, calibration: bool = True) -> list[StageCost]:
-    """A ConversionPlan's stages (convert/prepare.py), each costed: with the process' start (the parent loaded
-    when a stage reads it), and with its sampling and statistics pass unless a sweep ran them once for all. The
-    global refine stage's steps are priced in the precision the plan decided (convert/decide.py)."""
-    p, shape, refine, budget = parameters_of(plan), plan.shape, plan.options.refine, plan.refine_budget
-    stages = []
-    if start:
-        stages.append(
-            StageCost(CONVERT.start.name, (Part("numpy_start" if plan.torch_reason is None else "torch_start", p),))
-        )
-    if plan.torch_reason is not None:  # the parent loaded when a stage reads it, the calibration text read
-        stages.append(StageCost(CONVERT.load.name, (Part("convert_load", p, {"bytes": _parent_bytes(plan)}),)))
-    if calibration and plan.calibration is not None and plan.calibration.sampled_tokens:
-        chat = has_chat_template(plan.source)
-        stages.append(StageCost(CONVERT.sample.name, (_convert_sample_part(plan, p, chat),)))
-    if calibration and plan.gathers_statistics:
-        tokens = plan.calibration.tokens * plan.calibration_passes
-        stages.append(StageCost(CONVERT.calibrate.name, (Part("calibrate", p, {"tokens": tokens * p}),)))
-    write = "write_numpy" if plan.torch_reason is None else "write_torch"
-    if refine is None or budget is None:
-        stages.append(StageCost(CONVERT.merge.name, (Part(write, p, {"bytes": plan.bytes_written}),)))
+@dataclass(frozen=True)
+class RefineWork:
+    """What --refine will do, in counts (convert/prepare.py fills it from its plan and budget)."""
+
+    layer_step_work: int  # layers x steps x tokens a step x one layer's attention parameters
+    fit_tokens: int  # the calibration blocks (and openings) each layer's fit forwards through the parent
+    step_tokens: int  # tokens one step reads (a global step forwards them through both models)
+    global_steps: int = 0
+    global_heldout_forwards: int = 0  # token forwards of the global stage's held-out checks (RefineBudget)
+    global_bf16: bool = False  # the global steps in bfloat16 autocast (decided in prepare: convert/decide.py)
+
+
+@dataclass(frozen=True)
+class ConvertWork:
+    """What a conversion will do, known before a tensor is read (ConversionPlan.work fills it): every number its
+    stages are priced from, so that the costing reads no plan."""
+
+    parameters: int
+    torch: bool  # the torch executor (else fast.py's numpy one, no torch)
+    bytes_written: int
+    parent_bytes: int = 0  # the parent loaded in float32 when a stage reads it
+    sampled_tokens: int = 0  # drawn from the parent for calibration (its chat template, block length and batch)
+    sample_seq_len: int = 0
+    sample_chat: bool = False
+    sample_batch: int | None = None
+    calibrate_tokens: int = 0  # tokens through the parent for the statistics, all passes (0: none gathered)
+    refine: RefineWork | None = None
+    planned: tuple[StageCost, ...] = ()  # stages their planners costed (the quality check: check_parts)
+    peak_bytes: int = 0
+
+
+def convert_stages(work: ConvertWork, start: bool = True, calibration: bool = True) -> list[StageCost]:
+    """A conversion's stages, each costed: with the process' start (the parent loaded when a stage reads it), and
+    with its sampling and statistics pass unless a sweep ran them once for all. The global refine stage's steps
+    are priced in the precision the plan decided (convert/decide.py)."""
+    p, refine = work.parameters, work.refine
+    write = "write_torch" if work.torch else "write_numpy"
+    stages = (
+        [StageCost(CONVERT.start.name, (Part("torch_start" if work.torch else "numpy_start", p),))] if start else []
+    )
+    if work.torch:  # the parent loaded when a stage reads it, the calibration text read
+        stages.append(StageCost(CONVERT.load.name, (Part("convert_load", p, {"bytes": work.parent_bytes}),)))
+    if calibration and work.sampled_tokens:
+        sample = sample_part(p, work.sampled_tokens, work.sample_seq_len, work.sample_chat, batch=work.sample_batch)
+        stages.append(StageCost(CONVERT.sample.name, (sample,)))
+    if calibration and work.calibrate_tokens:
+        stages.append(StageCost(CONVERT.calibrate.name, (Part("calibrate", p, {"tokens": work.calibrate_tokens * p}),)))
+    if refine is None:
+        stages.append(StageCost(CONVERT.merge.name, (Part(write, p, {"bytes": work.bytes_written}),)))
     else:
-        batch = refine.batch_blocks * budget.seq_len + budget.opening_tokens_per_step
-        steps = shape.layers * refine.steps * batch * attention_parameters(shape)
-        work = {"steps": steps, "tokens": (budget.blocks * budget.seq_len + budget.opening_tokens) * p}
-        stages.append(StageCost(CONVERT.refine.name, (Part("refine", p, work),)))
+        layer_work = {"steps": refine.layer_step_work, "tokens": refine.fit_tokens * p}
+        stages.append(StageCost(CONVERT.refine.name, (Part("refine", p, layer_work),)))
         if refine.global_steps:
-            checks = budget.global_check_forwards(refine.global_steps, config_vocab(plan.config), refine.memory)
-            in_bf16 = refine.global_precision == "bfloat16"  # explicit in a plan: prepare decided `auto`
-            speedup = rates.between(BF16_GLOBAL_STEP_SPEEDUP, p) if in_bf16 else 1
-            step_work = refine.global_steps * batch * p / speedup
-            global_work = {"steps": step_work, "checks": checks * p}
+            speedup = rates.between(BF16_GLOBAL_STEP_SPEEDUP, p) if refine.global_bf16 else 1
+            steps = refine.global_steps * refine.step_tokens * p / speedup
+            global_work = {"steps": steps, "checks": refine.global_heldout_forwards * p}
             stages.append(StageCost(CONVERT.refine_global.name, (Part("refine_global", p, global_work),)))
-        stages.append(StageCost(CONVERT.write.name, (Part(write, p, {"bytes": plan.bytes_written}),)))
-    # a stage costed by its planner (the quality check: check_parts) runs after the write, before the metadata
-    stages += [StageCost(s.name, s.parts) for s in plan.stages if s.parts]
+        stages.append(StageCost(CONVERT.write.name, (Part(write, p, {"bytes": work.bytes_written}),)))
+    stages += work.planned  # costed by their planners (the quality check) : after the write, before the metadata
     stages.append(StageCost(CONVERT.metadata.name, (Part("metadata", p, {}),)))
     return stages
-
-
-def _convert_sample_part(plan, parameters: int, chat: bool) -> Part:
-    seq_len = plan.calibration.seq_len
-    return sample_part(
-        parameters, plan.calibration.sampled_tokens, seq_len, chat, batch=batch_for(plan.config, seq_len)
-    )
 
 
 def check_parts(
@@ -194,32 +203,21 @@ def check_parts(
     return (Part("check", parameters, work),)
 
 
-def _parent_bytes(plan) -> int:
-    """The parent as convert loads it (float32) when a stage reads it, else 0."""
-    return 4 * parameters_of(plan) if plan.calibration is not None else 0
-
-
-def attention_parameters(shape) -> int:
-    """q, k, v and o of one layer of the source (an AttentionShape)."""
-    q = shape.hidden * shape.heads * shape.head_dim
-    return 2 * q + 2 * shape.hidden * shape.kv_heads * shape.head_dim
-
-
-def convert_seconds(plan, start: bool = True, calibration: bool = True) -> float:
+def convert_seconds(work: ConvertWork, start: bool = True, calibration: bool = True) -> float:
     """The conversion's seconds on the measuring machine (quiet)."""
-    return sum(stage.seconds() for stage in convert_stages(plan, start, calibration))
+    return sum(stage.seconds() for stage in convert_stages(work, start, calibration))
 
 
-def convert_estimate(plan) -> Estimate:
+def convert_estimate(work: ConvertWork) -> Estimate:
     """The conversion's estimate at the stored rates (for_this_machine scales it)."""
-    return Estimate(tuple(convert_stages(plan)), rates.STORED, plan.peak_memory)
+    return Estimate(tuple(convert_stages(work)), rates.STORED, work.peak_bytes)
 
 
-def convert_line(plan, scaled: Estimate | None = None) -> str:
+def convert_line(work: ConvertWork, scaled: Estimate | None = None) -> str:
     """The one line `convert --dry-run` prints about time: the rates' machine's, or `scaled` (the run's estimate,
     probed on this machine) when given."""
     if scaled is None:
-        seconds, words = convert_seconds(plan), CAVEAT
+        seconds, words = convert_seconds(work), CAVEAT
     else:
         seconds, words = scaled.seconds(), scaled.machine.words()
     return f"time: {duration(seconds)} ({words}; a busier machine takes longer, a GPU far less)"

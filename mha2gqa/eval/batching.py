@@ -38,7 +38,7 @@ def auto_batch_size(model, context: int, device, models: int = 1) -> int:
     return max(1, min(MAX_AUTO_BATCH, int(free_bytes(device) * SHARE_OF_FREE // need)))
 
 
-def check_batch_size(value) -> None:
+def validate_batch_size(value) -> None:
     from mha2gqa.errors import InputError
 
     if value == AUTO:

@@ -26,7 +26,7 @@ OFFLINE_TASKS = ("persuasion_cloze", "persuasion_next_sentence")
 BOOTSTRAP_ITERS = 1000
 
 
-def check_lm_eval_installed() -> None:
+def validate_lm_eval_installed() -> None:
     if importlib.util.find_spec("lm_eval") is None:
         raise InputError("--lm-eval-tasks needs lm-evaluation-harness: pip install 'mha2gqa[lmeval]'")
 
@@ -46,7 +46,7 @@ def task_manager(tasks: list[str]):
             "hub tasks such as hellaswag need `lm_eval --tasks list` names)"
         )
     if needs_hub:
-        check_task_data(manager, [t for t in tasks if t not in OFFLINE_TASKS])
+        validate_task_data(manager, [t for t in tasks if t not in OFFLINE_TASKS])
     return manager
 
 
@@ -86,7 +86,7 @@ def _is_hub_dataset(path: str) -> bool:
 _LOCAL_BUILDERS = {"json", "csv", "text", "parquet", "arrow", "pandas", "webdataset", "imagefolder"}
 
 
-def check_task_data(manager, names: list[str]) -> None:
+def validate_task_data(manager, names: list[str]) -> None:
     """Before the run: every hub dataset the tasks read is in the local cache or, when online, answers one
     bounded request; otherwise one line naming the task, the dataset and the fix (not lm-eval's retries
     and traceback in the middle of an evaluation)."""
@@ -156,7 +156,7 @@ def run_lm_eval(
     section: harness version, settings, and per task the number of examples and every metric with
     its standard error and direction. chat_template: the prompts go through the tokenizer's chat
     template. log_samples: every example is written there as one JSON line."""
-    check_lm_eval_installed()
+    validate_lm_eval_installed()
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 

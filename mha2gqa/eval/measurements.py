@@ -14,7 +14,7 @@ from typing import Any
 
 from mha2gqa.errors import InputError
 from mha2gqa.estimates.stages import EVAL
-from mha2gqa.eval.batching import AUTO, auto_batch_size, check_batch_size
+from mha2gqa.eval.batching import AUTO, auto_batch_size, validate_batch_size
 from mha2gqa.eval.options import DecodePath, EvalOptions, SpeedPreset
 
 
@@ -40,7 +40,7 @@ class Loaded:
 class Measurement:
     key: str
     """Its name (and, for most, the result section it fills)."""
-    check: Callable[[EvalOptions], Any]
+    validate: Callable[[EvalOptions], Any]
     """Refuses its flags' bad values before any model is loaded (InputError); what it returns is kept in
     Loaded.prepared[key] for the measure."""
     measure: Callable[[Loaded], dict]
@@ -59,14 +59,14 @@ def at_least(flag: str, value, low: int, hint: str = "") -> None:
 # ---- quality: perplexity on every text of --data, and agreement with --reference on the same windows ----
 
 
-def _check_quality(o: EvalOptions) -> None:
+def _validate_quality(o: EvalOptions) -> None:
     from mha2gqa.scoring import perplexity as P
 
     if o.reference and not o.domains and not o.retrieval:  # the retrieval probe answers beside it without text
         raise InputError("--reference needs --data: agreement is measured on the same text")
     if o.context is not None:
-        P.check_window(o.context, o.stride or max(1, o.context // 2))
-    check_batch_size(o.batch_size)
+        P.validate_window(o.context, o.stride or max(1, o.context // 2))
+    validate_batch_size(o.batch_size)
     at_least("--max-tokens", o.max_tokens, 2)
 
 
@@ -124,10 +124,10 @@ def _quality(run: Loaded) -> dict:
 # ---- long-context retrieval: a fact far back in the context, asked for at its end ----
 
 
-def _check_retrieval(o: EvalOptions) -> None:
-    from mha2gqa.eval.retrieval_items import check_values
+def _validate_retrieval(o: EvalOptions) -> None:
+    from mha2gqa.eval.retrieval_items import validate_values
 
-    check_values(o.retrieval_lengths, o.retrieval_depths, o.retrieval_samples)
+    validate_values(o.retrieval_lengths, o.retrieval_depths, o.retrieval_samples)
     given = (("--retrieval-lengths", o.retrieval_lengths), ("--retrieval-depths", o.retrieval_depths))
     for flag, value in (*given, ("--retrieval-samples", o.retrieval_samples)):
         if value is not None and not o.retrieval:
@@ -172,7 +172,7 @@ def _retrieval_heads(run: Loaded, items, bar) -> dict | None:
 # ---- the KV cache: bytes per token, the formula against the live cache ----
 
 
-def _check_kv(o: EvalOptions) -> None:
+def _validate_kv(o: EvalOptions) -> None:
     at_least("--kv-batch", o.kv_batch, 1)
     at_least("--kv-tokens", o.kv_tokens, 1)
 
@@ -202,16 +202,16 @@ def speed_grid(o: EvalOptions, device_type: str):
     return speed.make_grid(preset, o.speed_batches, o.speed_contexts, o.new_tokens, o.repeats)
 
 
-def _check_speed(o: EvalOptions) -> None:
+def _validate_speed(o: EvalOptions) -> None:
     speed_grid(o, "cpu")  # the values are checked the same way for either preset
     if o.speed_side_by_side and not o.reference:
         raise InputError("--speed-side-by-side needs --reference: it times the reference's decode beside the model's")
     if o.speed_side_by_side and o.speed is None:
         raise InputError("--speed-side-by-side times decode speed: drop --speed off, or drop --speed-side-by-side")
-    _check_decode_path(o)
+    _validate_decode_path(o)
 
 
-def _check_decode_path(o: EvalOptions) -> None:
+def _validate_decode_path(o: EvalOptions) -> None:
     """--decode-path is a path; one that gives GQA's decode saving away is warned about now, in one line."""
     import warnings
 
@@ -251,13 +251,13 @@ def _speed(run: Loaded) -> dict:
 # ---- attention maps of one layer, as a PNG ----
 
 
-def _check_attention(o: EvalOptions) -> None:
-    from mha2gqa.eval.schema import check_writable
+def _validate_attention(o: EvalOptions) -> None:
+    from mha2gqa.eval.schema import validate_writable
 
     if o.attention_text and not (o.attention_png or o.out):
         raise InputError("--attention-maps needs --out or --attention-png to know where to save the PNG")
     if o.attention_png:  # a read-only or full destination fails now, not after the whole evaluation
-        check_writable(Path(o.attention_png), "--attention-png")
+        validate_writable(Path(o.attention_png), "--attention-png")
 
 
 def _attention(run: Loaded) -> dict:
@@ -274,11 +274,11 @@ def _attention(run: Loaded) -> dict:
 # ---- lm-evaluation-harness tasks on the loaded model ----
 
 
-def _check_lm_eval(o: EvalOptions):
+def _validate_lm_eval(o: EvalOptions):
     """The harness is installed and the task names exist (the task index is built now, before any weights
     are loaded, and kept for the run)."""
-    from mha2gqa.eval.lmeval import check_lm_eval_installed, task_manager
-    from mha2gqa.eval.schema import check_writable
+    from mha2gqa.eval.lmeval import task_manager, validate_lm_eval_installed
+    from mha2gqa.eval.schema import validate_writable
 
     if o.lm_eval_limit is not None and o.lm_eval_limit < 1:
         raise InputError(f"--lm-eval-limit {o.lm_eval_limit} must be at least 1 (or left out for every example)")
@@ -286,10 +286,10 @@ def _check_lm_eval(o: EvalOptions):
         if used and not o.lm_eval_tasks:
             raise InputError(f"{flag} applies to lm-eval's examples: add --lm-eval-tasks, or drop {flag}")
     if o.log_samples:
-        check_writable(Path(o.log_samples), "--log-samples")
+        validate_writable(Path(o.log_samples), "--log-samples")
     if not o.lm_eval_tasks:
         return None
-    check_lm_eval_installed()
+    validate_lm_eval_installed()
     return task_manager(o.lm_eval_tasks)
 
 
@@ -310,7 +310,7 @@ def _lm_eval(run: Loaded) -> dict:
     return {"lm_eval": found}
 
 
-def check_tokenizer(o: EvalOptions, tokenizer) -> None:
+def validate_tokenizer(o: EvalOptions, tokenizer) -> None:
     """What the tokenizer must offer the options, checked before any weights are loaded."""
     if o.chat_template and o.lm_eval_tasks and not getattr(tokenizer, "chat_template", None):
         raise InputError(
@@ -320,23 +320,25 @@ def check_tokenizer(o: EvalOptions, tokenizer) -> None:
 
 
 MEASUREMENTS: list[Measurement] = [
-    Measurement("quality", _check_quality, _quality, wanted=lambda o: bool(o.domains)),
-    Measurement("retrieval", _check_retrieval, _retrieval, wanted=lambda o: o.retrieval, stage=EVAL.retrieval.name),
-    Measurement("kv_cache", _check_kv, _kv_cache, stage=EVAL.kv_cache.name),
-    Measurement("speed", _check_speed, _speed, wanted=lambda o: o.speed is not None, stage=EVAL.speed.name),
+    Measurement("quality", _validate_quality, _quality, wanted=lambda o: bool(o.domains)),
+    Measurement("retrieval", _validate_retrieval, _retrieval, wanted=lambda o: o.retrieval, stage=EVAL.retrieval.name),
+    Measurement("kv_cache", _validate_kv, _kv_cache, stage=EVAL.kv_cache.name),
+    Measurement("speed", _validate_speed, _speed, wanted=lambda o: o.speed is not None, stage=EVAL.speed.name),
     Measurement(
         "attention_maps",
-        _check_attention,
+        _validate_attention,
         _attention,
         wanted=lambda o: bool(o.attention_text),
         stage=EVAL.attention_maps.name,
     ),
-    Measurement("lm_eval", _check_lm_eval, _lm_eval, wanted=lambda o: bool(o.lm_eval_tasks), stage=EVAL.lm_eval.name),
+    Measurement(
+        "lm_eval", _validate_lm_eval, _lm_eval, wanted=lambda o: bool(o.lm_eval_tasks), stage=EVAL.lm_eval.name
+    ),
 ]
 
 
-def check_all(options: EvalOptions) -> dict:
+def validate_all(options: EvalOptions) -> dict:
     """Every refusal the options can get before a model is loaded: the options' own, then each
     measurement's; returns what the checks prepared, by measurement key."""
-    options.check()
-    return {m.key: m.check(options) for m in MEASUREMENTS}
+    options.validate()
+    return {m.key: m.validate(options) for m in MEASUREMENTS}

@@ -103,7 +103,7 @@ def shape_of(config) -> AttentionShape:
     )
 
 
-def check_vocab(tokenizer, config, name: str) -> None:
+def validate_vocab(tokenizer, config, name: str) -> None:
     """Token ids the tokenizer can emit must be valid rows of the model's embedding."""
     if len(tokenizer) > int(config.vocab_size):
         raise InputError(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mha2gqa.corpus.probe import PROBE, parse_domains
 from mha2gqa.errors import InputError
-from mha2gqa.typed import StrEnum, check_keywords
+from mha2gqa.typed import StrEnum, validate_keywords
 
 DEFAULT_MAX_TOKENS = 4096  # a domain's tokens scored by default (docs/eval.md, "Cost")
 
@@ -159,10 +159,10 @@ class EvalOptions:
         preset = self.speed_preset
         return preset.value if isinstance(preset, SpeedPreset) else preset
 
-    def check(self) -> None:
+    def validate(self) -> None:
         """Refuse what no measurement could use, before any model is loaded (each measurement checks its
         own flags: eval/measurements.py)."""
-        from mha2gqa.eval.schema import check_writable
+        from mha2gqa.eval.schema import validate_writable
         from mha2gqa.provenance import ROLES
 
         if self.role is not None and self.role not in ROLES:
@@ -172,11 +172,11 @@ class EvalOptions:
                 f"--out {self.out} is a directory: pass a file path such as {Path(self.out) / 'results.json'}"
             )
         if self.out:  # a read-only or full destination fails now, not after the whole evaluation
-            check_writable(Path(self.out), "--out")
+            validate_writable(Path(self.out), "--out")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> EvalOptions:
         """The options of `evaluate(model, **kwargs)`; an unknown keyword is a TypeError, as it was when these
         were evaluate's own parameters."""
-        check_keywords(cls, kwargs, "evaluate")
+        validate_keywords(cls, kwargs, "evaluate")
         return cls(**kwargs)

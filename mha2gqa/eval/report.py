@@ -14,7 +14,7 @@ from mha2gqa.errors import InputError, user_file_error
 from mha2gqa.eval import measured_on, plots, render, serve_schema, serving_section
 from mha2gqa.eval.compare import comparison_rows, pick_baseline
 from mha2gqa.eval.reference_result import reference_of
-from mha2gqa.eval.schema import check_writable, load_results
+from mha2gqa.eval.schema import load_results, validate_writable
 from mha2gqa.writing import remove_dead, swap_in
 
 
@@ -56,7 +56,7 @@ def write_report(
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--out {out_dir} is a file: pass a directory for the report")
-    _check_no_earlier_report(out_dir, force)
+    _validate_no_earlier_report(out_dir, force)
     loaded = [(p, result) for p in paths for result in load_results(p)]  # a sweep.json holds many results
     paths, results = [p for p, _ in loaded], [r for _, r in loaded]
     reference = reference_of(results[0]) if len(results) == 1 else None
@@ -69,7 +69,7 @@ def write_report(
     _unique_labels(results)
     rows, meta = comparison_rows(results, base, speedup_apart) if results else ([], {})
 
-    check_writable(out_dir / "report.json", "--out")  # read-only or full: say so before drawing anything
+    validate_writable(out_dir / "report.json", "--out")  # read-only or full: say so before drawing anything
     # Drawn in a staging folder beside --out, then moved in: a failure leaves no half report, no PNG.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name[:100]}.partial-{os.getpid()}"
@@ -91,7 +91,7 @@ def write_report(
     return {name: out_dir / path.name for name, path in written.items()}
 
 
-def _check_no_earlier_report(out_dir: Path, force: bool) -> None:
+def _validate_no_earlier_report(out_dir: Path, force: bool) -> None:
     """An earlier report's files in `out_dir` are replaced only with --force: a second report into the same
     folder silently overwrote the first one's tables and plots."""
     if force or not out_dir.is_dir():

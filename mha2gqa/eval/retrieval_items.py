@@ -68,7 +68,7 @@ class Item:
     """Index in the prompt of the fact's own first answer token: where a head that copies it looks."""
 
 
-def check_values(lengths: Sequence[int] | None, depths: Sequence[float] | None, samples: int | None) -> None:
+def validate_values(lengths: Sequence[int] | None, depths: Sequence[float] | None, samples: int | None) -> None:
     """The flags' values on their own, before the model's config is read."""
     for flag, value in (("--retrieval-lengths", lengths), ("--retrieval-depths", depths)):
         if value is not None and not len(value):
@@ -88,7 +88,7 @@ def check_values(lengths: Sequence[int] | None, depths: Sequence[float] | None, 
 def probe_grid(lengths, depths, samples, seed: int, max_positions: int | None) -> ProbeGrid:
     """The grid for a model with `max_positions`: the lengths asked (each must fit), or the defaults that fit
     plus max_positions itself when it is below the largest default."""
-    check_values(lengths, depths, samples)
+    validate_values(lengths, depths, samples)
     if lengths:
         too_long = [n for n in lengths if max_positions and n > max_positions]
         if too_long:

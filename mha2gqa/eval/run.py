@@ -21,7 +21,7 @@ from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.eval import environment, measurements, speed
 from mha2gqa.eval import model as M
 from mha2gqa.eval.data import load_eval_text
-from mha2gqa.eval.measurements import Loaded, check_all, check_tokenizer, retrieval_grid, speed_grid
+from mha2gqa.eval.measurements import Loaded, retrieval_grid, speed_grid, validate_all, validate_tokenizer
 from mha2gqa.eval.options import EvalOptions
 from mha2gqa.eval.retrieval_heads import MAX_LENGTH as HEADS_MAX_LENGTH
 from mha2gqa.eval.schema import SCHEMA, write_result
@@ -101,7 +101,7 @@ def _inputs(model_path, o: EvalOptions) -> _Inputs:
     estimate, and before any weights are loaded."""
     dev, torch_dtype = M.pick_device(o.device), M.pick_dtype(o.dtype)
     grid = speed_grid(o, dev.type)
-    prepared = check_all(o)
+    prepared = validate_all(o)
     model_dir = resolve_model_dir(model_path)
     ref_dir = resolve_model_dir(o.reference) if o.reference else None
     require_safetensors(model_dir, "model")
@@ -111,11 +111,11 @@ def _inputs(model_path, o: EvalOptions) -> _Inputs:
     role = environment.infer_role(prov, o.role)
     config = M.load_config(model_dir)
     tok = M.load_tokenizer(model_dir, o.tokenizer)
-    M.check_vocab(tok, config, "the model")
-    check_tokenizer(o, tok)
+    M.validate_vocab(tok, config, "the model")
+    validate_tokenizer(o, tok)
     context, stride = _window(config, o.context, o.stride)
     if grid:
-        speed.check_grid_fits(grid, getattr(config, "max_position_embeddings", None))
+        speed.validate_grid_fits(grid, getattr(config, "max_position_embeddings", None))
     if o.retrieval:  # its lengths within the model's positions, and its questions within its lengths
         from mha2gqa.eval.retrieval_items import build_items
 
@@ -187,7 +187,7 @@ def _window(config, context, stride) -> tuple[int, int]:
     max_pos = getattr(config, "max_position_embeddings", None)
     context = context or min(DEFAULT_CONTEXT, max_pos or DEFAULT_CONTEXT)
     stride = stride or context  # windows side by side: every token computed once (docs/eval.md, "Cost")
-    P.check_window(context, stride)
+    P.validate_window(context, stride)
     if max_pos and context > max_pos:
         raise InputError(
             f"--context {context} exceeds the model's max_position_embeddings={max_pos}: use at most {max_pos}"

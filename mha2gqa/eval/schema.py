@@ -126,7 +126,7 @@ def write_result(result: dict, out: Path) -> Path:
     return write_atomic(out, jsontext.dumps(result, indent=2, sort_keys=False) + "\n")
 
 
-def check_writable(out: Path, flag: str = "--out") -> None:
+def validate_writable(out: Path, flag: str = "--out") -> None:
     """Before any measuring: a file can be written where `out` goes. A probe file in the nearest
     existing folder catches a read-only or full filesystem and permissions (root ignores mode bits,
     not a read-only mount or a full disk); it is removed at once."""
@@ -152,7 +152,7 @@ def check_writable(out: Path, flag: str = "--out") -> None:
 
 
 def load_result(path: str | os.PathLike) -> dict:
-    return _checked(_read_json(Path(path)), path)
+    return _validated(_read_json(Path(path)), path)
 
 
 def load_results(path: str | os.PathLike) -> list[dict]:
@@ -160,7 +160,7 @@ def load_results(path: str | os.PathLike) -> list[dict]:
     found = _read_json(Path(path))
     if isinstance(found, dict) and found.get("schema") == SWEEP_SCHEMA:
         return [_sweep_part(path, name, part) for name, part in _sweep_parts(found)]
-    return [_checked(found, path)]
+    return [_validated(found, path)]
 
 
 def _sweep_parts(record: dict) -> list[tuple[str, object]]:
@@ -184,7 +184,7 @@ def _sweep_part(path, name: str, part) -> dict:
             f"{path}: {name} of the sweep has no eval result ({found}): pass a sweep.json written by "
             "`mha2gqa sweep`, unedited, or re-run the sweep"
         )
-    return _checked(result, f"{path} ({name} of the sweep)")
+    return _validated(result, f"{path} ({name} of the sweep)")
 
 
 def _read_json(path: Path):
@@ -195,7 +195,7 @@ def _read_json(path: Path):
     return read_json(path, "pass a file written by `mha2gqa eval`")
 
 
-def _checked(result, path) -> dict:
+def _validated(result, path) -> dict:
     if not isinstance(result, dict) or result.get("schema") != SCHEMA:
         found = result.get("schema") if isinstance(result, dict) else type(result).__name__
         raise InputError(f"{path} has schema {found!r}, expected {SCHEMA!r}: pass a file written by `mha2gqa eval`")

@@ -71,7 +71,7 @@ def make_grid(preset: str, batches=None, contexts=None, new_tokens=None, repeats
     return grid
 
 
-def check_grid_fits(grid: SpeedGrid, max_positions: int | None) -> None:
+def validate_grid_fits(grid: SpeedGrid, max_positions: int | None) -> None:
     longest = max(grid.contexts) + grid.new_tokens
     if max_positions and longest > max_positions:
         raise InputError(

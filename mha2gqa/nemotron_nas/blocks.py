@@ -77,7 +77,7 @@ def layer_intermediate_sizes(config: dict) -> list[int]:
     ]
 
 
-def check_blocks(config: dict, path) -> None:
+def validate_blocks(config: dict, path) -> None:
     """Refuse (one line) block_configs that mha2gqa's model class cannot build: one block per layer, each an
     attention whose n_heads_in_group divides the heads and an MLP with a width; no skipped (no_op) or
     linear-replaced parts, which NVIDIA's pruned models use and this class does not implement."""

@@ -28,7 +28,7 @@ class Window:
 
 def windows(n_tokens: int, context: int, stride: int) -> list[Window]:
     """The windows covering a stream of n_tokens; each target token is scored by exactly one."""
-    check_window(context, stride)
+    validate_window(context, stride)
     out, next_target, start = [], 1, 0  # token 0 has no prediction
     while True:
         end = min(start + context, n_tokens)
@@ -39,7 +39,7 @@ def windows(n_tokens: int, context: int, stride: int) -> list[Window]:
         next_target, start = end, start + stride
 
 
-def check_window(context: int, stride: int) -> None:
+def validate_window(context: int, stride: int) -> None:
     if context < 2:
         raise InputError(f"--context {context} must be at least 2 (a token and the one it predicts)")
     if not 1 <= stride <= context:

@@ -18,7 +18,7 @@ from mha2gqa import provenance
 from mha2gqa.errors import InputError, one_line
 from mha2gqa.layouts import AttentionShape, attention_shape, config_dtype, read_config
 from mha2gqa.serving import capacity, client, engine, kvlog, prompts, result, settle
-from mha2gqa.serving.children import check_children
+from mha2gqa.serving.children import validate_children
 from mha2gqa.serving.options import GREEDY_PROMPT_TOKENS, ServeOptions
 from mha2gqa.serving.server import Server, free_port
 from mha2gqa.sources import require_safetensors
@@ -65,12 +65,12 @@ def _served(path: str, role: str | None, labels: set[str]) -> Served:
 
 def prepare(parent: str, children: list[str], out: str | None, options: ServeOptions) -> Plan:
     """Every check that needs neither torch nor a server, then vLLM's Python (InputError, one line each)."""
-    options.check()
+    options.validate()
     if not children:
         raise InputError("serve-bench needs a parent and at least one conversion of it: PARENT CHILD...")
     labels: set[str] = set()
     models = [_served(parent, "parent", labels)] + [_served(c, None, labels) for c in children]
-    check_children(models[0].path, [m.path for m in models[1:]], [parent, *children])
+    validate_children(models[0].path, [m.path for m in models[1:]], [parent, *children])
     for child in models[1:]:
         if child.vocab != models[0].vocab:
             raise InputError(
@@ -110,7 +110,7 @@ def guarded(server: Server, call: Callable, *args):
     try:
         return call(*args)
     except client.ServerGone as err:
-        server.check_alive(grace_s=5.0)  # it died: its exit code and last log line
+        server.ensure_alive(grace_s=5.0)  # it died: its exit code and last log line
         raise InputError(f"the server for {server.label} stopped answering ({err}); its log: {server.log}") from None
     except client.ServerRefused as err:
         fix = (  # 400: vLLM's answer to a request it cannot take; another code: not vLLM's completions API

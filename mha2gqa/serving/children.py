@@ -49,7 +49,7 @@ def tokenizer_identity(folder: Path) -> dict[str, object]:
     return found
 
 
-def check_children(parent: Path, children: list[Path], arguments: list[str]) -> None:
+def validate_children(parent: Path, children: list[Path], arguments: list[str]) -> None:
     """Refuse a child that is the parent's folder (or another child's), or whose tokenizer differs from the
     parent's; `arguments` are the paths as the user typed them, parent first, for the message."""
     folders = [parent, *children]

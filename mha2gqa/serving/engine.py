@@ -57,9 +57,9 @@ class Engine:
 def find_engine(flag: str | None, environ=os.environ) -> Engine:
     """The Python to start vLLM with, checked: it runs and can import vllm. InputError otherwise, one line."""
     if flag:
-        return _checked(flag, "--vllm-python")
+        return _validated(flag, "--vllm-python")
     if environ.get(ENV):
-        return _checked(environ[ENV], ENV)
+        return _validated(environ[ENV], ENV)
     script = shutil.which("vllm", path=environ.get("PATH"))
     if script is None:
         raise InputError(f"vLLM not found: no --vllm-python, no {ENV}, no vllm on PATH: {INSTALL_HINT}")
@@ -68,7 +68,7 @@ def find_engine(flag: str | None, environ=os.environ) -> Engine:
         raise InputError(
             f"vllm on PATH ({script}) does not name the Python it runs with: pass --vllm-python PATH or set {ENV}"
         )
-    return _checked(python, "vllm on PATH")
+    return _validated(python, "vllm on PATH")
 
 
 def script_interpreter(script: Path, search: str | None = None) -> str | None:
@@ -89,7 +89,7 @@ def script_interpreter(script: Path, search: str | None = None) -> str | None:
     return interpreter if os.path.isabs(interpreter) and os.access(interpreter, os.X_OK) else None
 
 
-def _checked(python: str, found_by: str) -> Engine:
+def _validated(python: str, found_by: str) -> Engine:
     path = shutil.which(python) if os.sep not in python else python
     if path is None or not os.path.isfile(path) or not os.access(path, os.X_OK):
         raise InputError(f"{found_by} {python}: no such executable file: {INSTALL_HINT}")

@@ -60,7 +60,7 @@ class ServeOptions:
     logs: str | None = None
     """Folder for the servers' logs (default: beside --out, OUT.logs/)."""
 
-    def check(self) -> None:
+    def validate(self) -> None:
         """Values that need no model: refused in one line each, naming the flag."""
         if self.dtype not in DTYPES:
             raise InputError(f"--dtype {self.dtype!r} is not supported (use {', '.join(DTYPES)})")

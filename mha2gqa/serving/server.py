@@ -34,7 +34,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_port_free(port: int, flag: str = "--port") -> None:
+def ensure_port_free(port: int, flag: str = "--port") -> None:
     """Refuse a port that something on 127.0.0.1 already holds, before any server starts."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
@@ -104,7 +104,7 @@ class Server:
             if self._healthy_at is not None:
                 self.ready_after_s = self._healthy_at - self.started_at
                 return self.ready_after_s
-            self.check_alive("before it was ready")
+            self.ensure_alive("before it was ready")
             if time.monotonic() > deadline:
                 raise InputError(
                     f"the server for {self.label} did not answer /health within {self.startup_timeout_s:g} s "
@@ -112,7 +112,7 @@ class Server:
                 )
             time.sleep(POLL_S)
 
-    def check_alive(self, when: str = "during the run", grace_s: float = 0.0) -> None:
+    def ensure_alive(self, when: str = "during the run", grace_s: float = 0.0) -> None:
         """InputError naming the exit code and the log's last error if the server process has ended (or ends
         within `grace_s`: a server whose connection just broke is often a moment from its exit)."""
         try:

@@ -17,10 +17,10 @@ from mha2gqa.eval import schema
 from mha2gqa.eval.sweep_schema import SWEEP_SCHEMA
 from mha2gqa.layouts import AttentionShape, attention_shape
 from mha2gqa.reading import read_json
-from mha2gqa.run_folder import check_folder, continued_folder, run_folder
+from mha2gqa.run_folder import continued_folder, run_folder, validate_folder
 from mha2gqa.sweep.options import SweepOptions
 from mha2gqa.sweep.plots import QUALITY_PNG, SENSITIVITY_PNG
-from mha2gqa.writing import check_room
+from mha2gqa.writing import validate_room
 
 SCRATCH = ".sweep-"  # OUT/.sweep-PID: the statistics and temporary models of a running sweep
 # What a sweep writes into OUT (run_folder's rule: anything else there is the user's and is refused).
@@ -39,18 +39,20 @@ def bytes_needed(plans: dict, shape: AttentionShape, keep: bool) -> int:
 
 
 def require_room(out: Path, needed: int) -> None:
-    check_room(out, needed, f"--out {out}", "calibration statistics and converted models; or drop --keep to need less")
+    validate_room(
+        out, needed, f"--out {out}", "calibration statistics and converted models; or drop --keep to need less"
+    )
 
 
-def check_out(out: Path, options: SweepOptions) -> None:
-    """OUT by the rule of every output folder (run_folder.check_folder); with --resume, an OUT holding the
+def validate_out(out: Path, options: SweepOptions) -> None:
+    """OUT by the rule of every output folder (run_folder.validate_folder); with --resume, an OUT holding the
     sweep to continue."""
     if options.resume:
         if not (out / "sweep.json").is_file():
             raise InputError(f"--resume: {out} holds no sweep.json to continue: run without --resume")
     else:
-        check_folder(out, "--out", "sweep", RUN_ENTRIES, options.force)
-    schema.check_writable(out / "sweep.json", "--out")
+        validate_folder(out, "--out", "sweep", RUN_ENTRIES, options.force)
+    schema.validate_writable(out / "sweep.json", "--out")
 
 
 def open_folder(out: Path, options: SweepOptions):
@@ -112,11 +114,11 @@ def earlier_sweep(out: Path, record: dict) -> dict:
                 f"--resume: {flag} differs from the sweep in {out} (it ran with {found['settings'].get(key)!r}): "
                 f"pass the same {flag}, or start a new sweep with --force"
             )
-    check_default_tokens(out, found["settings"], record["settings"])
+    validate_default_tokens(out, found["settings"], record["settings"])
     return found
 
 
-def check_default_tokens(out: Path, recorded: dict, now: dict) -> None:
+def validate_default_tokens(out: Path, recorded: dict, now: dict) -> None:
     """Unset token counts (--calibration-tokens; --refine's tokens, which a sweep does not set) meant
     tokens_per_hidden x hidden when the earlier sweep ran: a sweep.json without the key ran at the default
     before it was recorded. Continuing it under another default would mix candidates fitted on other counts."""

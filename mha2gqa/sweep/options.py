@@ -70,11 +70,11 @@ class SweepOptions:
     --tolerance may differ)."""
 
     def __post_init__(self):
-        self.check()
+        self.validate()
 
-    def check(self) -> None:
-        """Refuse values no sweep can run with, each naming its flag (the style of RefineOptions.check and
-        EvalOptions.check)."""
+    def validate(self) -> None:
+        """Refuse values no sweep can run with, each naming its flag (the style of RefineOptions.validate and
+        EvalOptions.validate)."""
         self.methods = tuple(Method.parse(m, "--methods").value for m in self.methods)
         if not self.methods:
             raise InputError("--methods names no method: give at least one, e.g. mean,calibrated")
@@ -96,6 +96,6 @@ class SweepOptions:
         if self.calibration_tokens is not None and self.calibration_tokens < 1:
             raise InputError(f"--calibration-tokens {self.calibration_tokens} must be at least 1 (e.g. 131072)")
         if self.refine is not None:
-            self.refine.check()
+            self.refine.validate()
         if not parse_domains(self.data):
             raise InputError("--data names no text: give one or more, e.g. --data probe or --data prose=held.txt")

@@ -54,7 +54,7 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     out = Path(options.out).expanduser()
     for path in parse_domains(options.data).values():
         textdata.resolve("--data", path)
-    out_folder.check_out(out, options)
+    out_folder.validate_out(out, options)
     record = out_folder.new_record(src, source, config, options, candidates)
     earlier = out_folder.earlier_sweep(out, record) if options.resume else None
     if earlier is not None:  # only what it can check: a row that does not hold is run again

@@ -36,7 +36,7 @@ def sweep_stages(plans: dict, domains: list, max_tokens: int | None, calibration
         StageCost(SWEEP.calibrate.name, (Part("calibrate", parent, {"tokens": calibration_tokens * parent}),)),
     ]
     for name, plan in plans.items():
-        candidate = estimates.convert_stages(plan, start=False, calibration=False)
+        candidate = estimates.convert_stages(plan.work(), start=False, calibration=False)
         candidate += estimates.eval_stages(child, start=False, warm=True)  # after the parent's, in its process
         stages.append(combined(SWEEP.candidate.member(name), candidate))
     return stages
@@ -59,7 +59,7 @@ def _parent_facts(plans: dict) -> tuple[int, int, dict]:
     """The parent's parameters, eval's window on it and its config: every candidate converts the same parent."""
     first = next(iter(plans.values()))
     context = min(DEFAULT_CONTEXT, first.config.get("max_position_embeddings") or DEFAULT_CONTEXT)
-    return estimates.parameters_of(first), context, first.config
+    return first.parameters, context, first.config
 
 
 def _candidate_evaluation(parent: int, vocab: int, texts: dict) -> EvalWork:

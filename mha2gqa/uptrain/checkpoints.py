@@ -129,10 +129,10 @@ def flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_start(out: Path, recipe: Recipe, resume: bool, world_size: int) -> tuple[Path | None, list[str]]:
+def validate_start(out: Path, recipe: Recipe, resume: bool, world_size: int) -> tuple[Path | None, list[str]]:
     """Decide, before anything is written, where the run starts. Returns (checkpoint to resume from or
     None, notes on changed keys the user should know about). Raises InputError when it may not start."""
-    check_not_a_source(out, recipe)
+    validate_not_a_source(out, recipe)
     if not resume:
         busy = out.is_dir() and any(out.iterdir())
         if busy and not recipe.overwrite:
@@ -172,7 +172,7 @@ def clear_own_files(out: Path) -> None:
             path.unlink()
 
 
-def check_not_a_source(out: Path, recipe: Recipe) -> None:
+def validate_not_a_source(out: Path, recipe: Recipe) -> None:
     """Refuse an output_dir that is, contains or lies inside a local directory the run reads from:
     overwrite=true and the final save would otherwise delete or replace the source's own files."""
     outs = _spellings(out)

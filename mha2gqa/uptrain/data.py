@@ -214,7 +214,7 @@ def eval_text_blocks(source: textdata.TextSource, cfg: DataConfig, tokenizer, se
 
 def sources(cfg: DataConfig) -> tuple[tuple[DataPart, ...], textdata.TextSource | None]:
     """data.train's parts and data.eval's text: those load_recipe found while it checked the files,
-    or, for a recipe loaded with check_files=False, built in code or changed since, found (and
+    or, for a recipe loaded with validate_files=False, built in code or changed since, found (and
     checked) now."""
     checked, problems, found = getattr(cfg, "checked_sources", {}), [], []
     for key, entries in (("data.train", cfg.train), ("data.eval", cfg.eval)):

@@ -40,7 +40,7 @@ def is_plain(parts: tuple[DataPart, ...]) -> bool:
 
 
 def data_parts(
-    key: str, entries, problems: list[str], check_files: bool = True, field: str = "text"
+    key: str, entries, problems: list[str], validate_files: bool = True, field: str = "text"
 ) -> tuple[DataPart, ...] | None:
     """The parts `entries` name, each problem appended to `problems` (None when the spec itself is bad).
     With the files checked, a text part that holds no text (in `field` of jsonl/json/parquet) is refused
@@ -74,14 +74,16 @@ def data_parts(
         if group == [PARENT]:
             parts.append(DataPart(PARENT, share, None))
             continue
-        text = _text(key, group, problems, check_files, field)
+        text = _text(key, group, problems, validate_files, field)
         if text is None:
             return None
         parts.append(DataPart(", ".join(group), share, text))
     return tuple(parts)
 
 
-def _text(key: str, names: list[str], problems: list[str], check_files: bool, field: str) -> textdata.TextSource | None:
+def _text(
+    key: str, names: list[str], problems: list[str], validate_files: bool, field: str
+) -> textdata.TextSource | None:
     """The text `names` name, 'austen' expanded to the embedded novels (as convert does), holding some text."""
     entries = []
     try:
@@ -92,8 +94,8 @@ def _text(key: str, names: list[str], problems: list[str], check_files: bool, fi
         problems.append(str(err))
         return None
     before = len(problems)
-    source = textdata.resolve(key, entries, problems, check_files, one_format=True)
-    if source is not None and check_files and len(problems) == before:
+    source = textdata.resolve(key, entries, problems, validate_files, one_format=True)
+    if source is not None and validate_files and len(problems) == before:
         try:  # reads no further than the first piece with text in it
             textdata.require_text(source, field, "data.text_field")
         except InputError as err:
@@ -109,7 +111,7 @@ def _near_parent(name: str) -> bool:
     return difflib.SequenceMatcher(None, name.lower(), PARENT).ratio() >= 0.8
 
 
-def check_rules(recipe, parts: dict, problems: list[str]) -> None:
+def validate_rules(recipe, parts: dict, problems: list[str]) -> None:
     """What a sampled or mixed data.train needs from the rest of the recipe; data.eval is text only."""
     train, evals, cfg = parts.get("data.train"), parts.get("data.eval"), recipe.data
     if train and any(part.sampled for part in train):

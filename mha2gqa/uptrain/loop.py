@@ -24,18 +24,18 @@ from mha2gqa.uptrain.data import TrainData
 from mha2gqa.uptrain.guard import TrainingDiverged
 from mha2gqa.uptrain.models import (
     Student,
-    check_positions,
-    check_teacher,
-    check_vocab,
     load_student,
     load_teacher,
     load_tokenizer,
     make_optimizer,
     save_bytes,
     select_trainable,
+    validate_positions,
+    validate_teacher,
+    validate_vocab,
 )
 from mha2gqa.uptrain.plan import tokens_per_step, total_steps, uptrain_estimate
-from mha2gqa.uptrain.preflight import check_output_dir, saves_checkpoints
+from mha2gqa.uptrain.preflight import saves_checkpoints, validate_output_dir
 from mha2gqa.uptrain.recipe import Recipe
 from mha2gqa.uptrain.recipe_load import recorded
 from mha2gqa.uptrain.reporting import Metrics, Trace
@@ -121,12 +121,12 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator, clock=NO_CLOCK,
 
     world, rank = accelerator.num_processes, accelerator.process_index
     total = total_steps(recipe, world)
-    start_ckpt, changed = checkpoints.check_start(out, recipe, resume, world)
+    start_ckpt, changed = checkpoints.validate_start(out, recipe, resume, world)
     if not accelerator.is_main_process:
         clock = NO_CLOCK  # one process says the estimate
 
     def ready(student: Student) -> None:  # every refusal the models and output_dir can give is behind
-        _check_output_room(recipe, out, student)
+        _validate_output_room(recipe, out, student)
         clock.begin(lambda: estimate)
 
     set_seed(recipe.seed)
@@ -175,10 +175,10 @@ def _load(recipe: Recipe, accelerator, ready=lambda student: None) -> _Loaded:
     # the teacher is loaded and checked before the data: data.train parent samples it, and a broken one is refused
     # before the run says its estimate
     teacher = _teacher(recipe, accelerator, student) if recipe.distill.teacher else None
-    check_positions(student.model, recipe.seq_len)
+    validate_positions(student.model, recipe.seq_len)
     ready(student)
     data = _data(recipe, accelerator, tokenizer, teacher)
-    check_vocab(student.model, data.eval)
+    validate_vocab(student.model, data.eval)
     if student.source_dir is not None:  # a broken source mha2gqa.json fails now, not after training
         provenance.lineage(student.source_dir)
     if recipe.trainable == "lora":
@@ -189,7 +189,7 @@ def _load(recipe: Recipe, accelerator, ready=lambda student: None) -> _Loaded:
 
 def _teacher(recipe: Recipe, accelerator, student: Student) -> torch.nn.Module:
     teacher = load_teacher(recipe, accelerator.device)
-    check_teacher(student.model, teacher)
+    validate_teacher(student.model, teacher)
     return teacher
 
 
@@ -227,15 +227,15 @@ def _prepare(recipe: Recipe, accelerator, student: Student):
     return model, optimizer
 
 
-def _check_output_room(recipe: Recipe, out: Path, student: Student) -> None:
+def _validate_output_room(recipe: Recipe, out: Path, student: Student) -> None:
     """output_dir holds a checkpoint and the final model (every rank checks, read-only: a refusal on rank 0 alone
     would leave the others waiting)."""
-    check_output_dir(recipe, save_bytes(student.model, student.saved_dtype, saves_checkpoints(recipe)))
+    validate_output_dir(recipe, save_bytes(student.model, student.saved_dtype, saves_checkpoints(recipe)))
 
 
 def _open_output(recipe: Recipe, resume: bool, out: Path, accelerator, student: Student) -> None:
     """Check output_dir's room, then (the first write of the run) clear or create it."""
-    _check_output_room(recipe, out, student)
+    _validate_output_room(recipe, out, student)
 
     # Nothing was written before this point: every input error above left output_dir untouched.
     if accelerator.is_main_process:

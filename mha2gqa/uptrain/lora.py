@@ -78,7 +78,7 @@ def add_adapters(model, lora):
     config = peft_config(model, lora)
     if lora.load_in_4bit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    _check_targets(model, sorted(config.target_modules))
+    _validate_targets(model, sorted(config.target_modules))
     try:
         with without_peft_deprecation():
             return get_peft_model(model, config)
@@ -89,7 +89,7 @@ def add_adapters(model, lora):
         ) from err
 
 
-def _check_targets(model, targets: list[str]) -> None:
+def _validate_targets(model, targets: list[str]) -> None:
     """A target that names only modules LoRA cannot wrap (a whole MLP block, a norm) is said to be
     one, with the Linear layers inside it to name instead: peft would say it matches nothing."""
     import torch

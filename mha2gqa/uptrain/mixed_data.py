@@ -153,7 +153,7 @@ def take(blocks: torch.Tensor, count: int, seed: int) -> torch.Tensor:
 
 def sample_blocks(teacher, tokenizer, count: int, seq_len: int, seed: int, progress: bool = True) -> torch.Tensor:
     """(count, seq_len) int32 blocks sampled from `teacher` (convert's recipe, sampling.sample_ids)."""
-    if teacher is None:  # data_spec.check_rules refuses the recipe; a Recipe built in code may skip it
+    if teacher is None:  # data_spec.validate_rules refuses the recipe; a Recipe built in code may skip it
         raise ValueError("data.train parent needs the teacher: set distill.teacher")
     ids = sampling.sample_ids(teacher, tokenizer, count * seq_len, seq_len, seed, progress=progress)
     return ids.reshape(count, seq_len).to(torch.int32)

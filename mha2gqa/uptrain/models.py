@@ -13,7 +13,7 @@ from mha2gqa.layouts import read_config
 from mha2gqa.loading import load_causal_lm, prepare_classes
 from mha2gqa.sources import resolve_model_dir
 from mha2gqa.uptrain import lora
-from mha2gqa.uptrain.preflight import check_same_vocabulary, disk_needed
+from mha2gqa.uptrain.preflight import disk_needed, validate_same_vocabulary
 from mha2gqa.uptrain.recipe import Recipe
 from mha2gqa.uptrain.trainable import patterns as trainable_patterns
 
@@ -84,13 +84,13 @@ def load_teacher(recipe: Recipe, device: torch.device) -> torch.nn.Module:
     return teacher.to(device).eval().requires_grad_(False)
 
 
-def check_teacher(student: torch.nn.Module, teacher: torch.nn.Module) -> None:
+def validate_teacher(student: torch.nn.Module, teacher: torch.nn.Module) -> None:
     """KL compares whole next-token distributions: both models need the same vocabulary (preflight's rule, which
     `uptrain --dry-run` applies to the configs)."""
-    check_same_vocabulary(student.config.vocab_size, teacher.config.vocab_size)
+    validate_same_vocabulary(student.config.vocab_size, teacher.config.vocab_size)
 
 
-def check_vocab(model: torch.nn.Module, blocks: torch.Tensor, what: str = "model") -> None:
+def validate_vocab(model: torch.nn.Module, blocks: torch.Tensor, what: str = "model") -> None:
     vocab = model.config.vocab_size
     if len(blocks) and int(blocks.max()) >= vocab:
         raise InputError(
@@ -125,7 +125,7 @@ def make_optimizer(model: torch.nn.Module, optim, device_type: str) -> torch.opt
     return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=fused)
 
 
-def check_positions(model: torch.nn.Module, seq_len: int) -> None:
+def validate_positions(model: torch.nn.Module, seq_len: int) -> None:
     """Blocks longer than the model's positions train on positions it never saw (or index past a
     learned position table): refuse rather than train silently."""
     limit = getattr(model.config, "max_position_embeddings", None)

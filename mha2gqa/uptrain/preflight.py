@@ -12,13 +12,13 @@ from pathlib import Path
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain import checkpoints
 from mha2gqa.uptrain.recipe import Recipe
-from mha2gqa.writing import check_room
+from mha2gqa.writing import validate_room
 
 ADAM_MOMENT_BYTES = 8  # AdamW's two fp32 moments per trained parameter
 CHECKPOINT_WEIGHT_BYTES = 4  # a resumable checkpoint holds the weights in fp32
 
 
-def check_same_vocabulary(model_vocab: int, teacher_vocab: int) -> None:
+def validate_same_vocabulary(model_vocab: int, teacher_vocab: int) -> None:
     """KL compares whole next-token distributions: the model and distill.teacher need the same vocabulary."""
     if model_vocab != teacher_vocab:
         raise InputError(
@@ -38,20 +38,20 @@ def saves_checkpoints(recipe: Recipe) -> bool:
     return bool(recipe.save_every or recipe.exit_after_steps)
 
 
-def check_output_dir(recipe: Recipe, needed: int) -> None:
+def validate_output_dir(recipe: Recipe, needed: int) -> None:
     """output_dir can take the run: its nearest existing folder is a writable folder with `needed` bytes free
     (read-only: every rank checks; a refusal on rank 0 alone would leave the others waiting)."""
     out = Path(recipe.output_dir).expanduser()
-    check_room(out, needed, f"output_dir {out}", "a checkpoint and the final model")
+    validate_room(out, needed, f"output_dir {out}", "a checkpoint and the final model")
 
 
-def check_as_the_run_does(recipe: Recipe, resume: bool, student, teacher) -> None:
+def validate_as_the_run_does(recipe: Recipe, resume: bool, student, teacher) -> None:
     """For `uptrain --dry-run` (one process, as `mha2gqa uptrain` runs): the run's refusals before its first
     write, in its order, from the sizes plan.py reads without loading (`student`, `teacher`: ModelSize, None
     for a hub model not in the cache, which the run judges once it is downloaded)."""
-    checkpoints.check_start(Path(recipe.output_dir).expanduser(), recipe, resume, world_size=1)
+    checkpoints.validate_start(Path(recipe.output_dir).expanduser(), recipe, resume, world_size=1)
     if student is not None and teacher is not None and student.vocab and teacher.vocab:  # 0: no vocab_size in
-        check_same_vocabulary(student.vocab, teacher.vocab)  # a config, whose class default the run reads
+        validate_same_vocabulary(student.vocab, teacher.vocab)  # a config, whose class default the run reads
     if student is not None:
         saves = saves_checkpoints(recipe)
-        check_output_dir(recipe, disk_needed(student.parameters, student.trained, student.stored_bytes, saves))
+        validate_output_dir(recipe, disk_needed(student.parameters, student.trained, student.stored_bytes, saves))

@@ -4,7 +4,7 @@ typed, the rule and the fix.
 
 This is the one place a recipe is checked. What needs more than the recipe is checked where it
 first exists: the tokenizer's EOS and the packed data in data.py (and there the data files of a
-recipe loaded with check_files=False); the model's vocabulary and positions, the trainable set, the
+recipe loaded with validate_files=False); the model's vocabulary and positions, the trainable set, the
 teacher, and output_dir (against the sources and --resume, room on its disk) in loop.py.
 """
 
@@ -29,24 +29,24 @@ from mha2gqa.layouts import read_config
 from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, did_you_mean, near_miss, parse_yaml, read_yaml_mapping
 from mha2gqa.sources import hub_offline, is_hub_id, looks_local, model_ref_problem
 from mha2gqa.units import counted
-from mha2gqa.uptrain.data_spec import check_rules, data_parts
+from mha2gqa.uptrain.data_spec import data_parts, validate_rules
 from mha2gqa.uptrain.recipe import BudgetConfig, LoraConfig, Recipe, all_keys, group_keys
 
 
-def load_recipe(path, overrides=(), check_files: bool = True) -> Recipe:
+def load_recipe(path, overrides=(), validate_files: bool = True) -> Recipe:
     """Read a YAML recipe, apply `key=value` overrides, check it; raise InputError listing every problem.
 
-    check_files=False skips the checks that local model/data paths exist (to check a shipped recipe
+    validate_files=False skips the checks that local model/data paths exist (to check a shipped recipe
     for a machine that has its files); data.py then checks the data files when it reads them."""
     raw = _read_yaml(path)
     problems: list[str] = []
     _apply_overrides(raw, list(overrides), problems)
     recipe = _build(Recipe, raw, "", problems)
-    _check_numbers(recipe, problems)
-    _check_budget(recipe, problems, overridden={item.partition("=")[0].strip() for item in overrides})
-    _check_sources(recipe, problems, check_files, made_first(path))
-    _check_data(recipe, problems, check_files)
-    _check_lora(recipe, problems)
+    _validate_numbers(recipe, problems)
+    _validate_budget(recipe, problems, overridden={item.partition("=")[0].strip() for item in overrides})
+    _validate_sources(recipe, problems, validate_files, made_first(path))
+    _validate_data(recipe, problems, validate_files)
+    _validate_lora(recipe, problems)
     if problems:
         raise InputError(f"recipe {path} has {counted(len(problems), 'problem')}: " + "; ".join(problems))
     return recipe
@@ -209,7 +209,7 @@ def _need(problems: list[str], ok: bool, message: str) -> None:
         problems.append(message)
 
 
-def _check_numbers(r: Recipe, p: list[str]) -> None:
+def _validate_numbers(r: Recipe, p: list[str]) -> None:
     for key, value in [
         ("seq_len", r.seq_len - 1),
         ("micro_batch_size", r.micro_batch_size),
@@ -237,7 +237,7 @@ def _check_numbers(r: Recipe, p: list[str]) -> None:
     _need(p, r.distill.temperature > 0, f"distill.temperature={r.distill.temperature} must be positive")
 
 
-def _check_budget(r: Recipe, p: list[str], overridden: set[str] = frozenset()) -> None:
+def _validate_budget(r: Recipe, p: list[str], overridden: set[str] = frozenset()) -> None:
     """`overridden`: the keys given as key=value. Overriding one budget on a recipe that sets another
     leaves both set; the message then names the one to unset (budget.alpha=null)."""
     b, kinds = r.budget, group_keys(BudgetConfig, "budget")
@@ -291,13 +291,13 @@ def _made_by(value: str, commands: list[str]) -> str | None:
     return None
 
 
-def _check_sources(r: Recipe, p: list[str], check_files: bool, first: list[str] = ()) -> None:
+def _validate_sources(r: Recipe, p: list[str], validate_files: bool, first: list[str] = ()) -> None:
     if sum(getattr(r, key) is not None for key in group_keys(Recipe, "source")) != 1:
         p.append("set exactly one of model (to uptrain) and init_from_config (to train from scratch)")
     _need(p, bool(r.output_dir), "output_dir is required (where checkpoints and the final model go)")
     if r.output_dir and Path(r.output_dir).expanduser().is_file():
         p.append(f"output_dir={r.output_dir} is a file: choose a directory")
-    if check_files:
+    if validate_files:
         for key, value in [("model", r.model), ("tokenizer", r.tokenizer), ("distill.teacher", r.distill.teacher)]:
             maker = None if value is None else _made_by(value, first)
             if maker:
@@ -306,14 +306,14 @@ def _check_sources(r: Recipe, p: list[str], check_files: bool, first: list[str] 
                     f"({maker}), or set {key}= to a model you have"
                 )
             elif value is not None:
-                _check_model_ref(key, value, p)
+                _validate_model_ref(key, value, p)
         if r.init_from_config is not None:
-            _check_config_ref(r.init_from_config, p)
+            _validate_config_ref(r.init_from_config, p)
     if r.init_from_config and r.init_from_config.endswith(".json") and r.tokenizer is None:
         p.append("tokenizer is required with init_from_config=<file>.json (a config file carries no tokenizer)")
 
 
-def _check_model_ref(key: str, value: str, p: list[str]) -> None:
+def _validate_model_ref(key: str, value: str, p: list[str]) -> None:
     path = Path(value).expanduser()
     if key == "tokenizer" and path.is_dir():
         return
@@ -328,7 +328,7 @@ def _check_model_ref(key: str, value: str, p: list[str]) -> None:
             p.append(f"{key}={value}: {err}")
 
 
-def _check_config_ref(value: str, p: list[str]) -> None:
+def _validate_config_ref(value: str, p: list[str]) -> None:
     path = Path(value).expanduser()
     if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
         return
@@ -340,7 +340,7 @@ def _check_config_ref(value: str, p: list[str]) -> None:
         p.append(f"init_from_config={value} is not local and the hub is offline (HF_HUB_OFFLINE=1)")
 
 
-def _check_data(r: Recipe, p: list[str], check_files: bool) -> None:
+def _validate_data(r: Recipe, p: list[str], validate_files: bool) -> None:
     """data.train and data.eval name text of one format each, `austen`, `parent` or a mix (data_spec).
     With the files checked, the parts found are kept on r.data for data.py, which reads exactly them
     rather than walking the folders again."""
@@ -349,13 +349,13 @@ def _check_data(r: Recipe, p: list[str], check_files: bool) -> None:
         if any(problem.startswith(f"{key} ") or problem.startswith(f"{key}:") for problem in p):
             continue  # its value was refused already (not read as a list): 'is empty' would only add noise
         if entries is not None:
-            checked[key] = (list(entries), data_parts(key, entries, p, check_files, r.data.text_field))
-    check_rules(r, {key: parts for key, (_, parts) in checked.items()}, p)
-    if check_files:
+            checked[key] = (list(entries), data_parts(key, entries, p, validate_files, r.data.text_field))
+    validate_rules(r, {key: parts for key, (_, parts) in checked.items()}, p)
+    if validate_files:
         r.data.checked_sources = checked
 
 
-def _check_lora(recipe: Recipe, problems: list[str]) -> None:
+def _validate_lora(recipe: Recipe, problems: list[str]) -> None:
     """The lora section is used by trainable=lora only, which needs peft (and QLoRA bitsandbytes and CUDA)."""
     lora, uses = recipe.lora, recipe.trainable == "lora"
     if not uses and lora != LoraConfig():

@@ -56,7 +56,7 @@ def run_steps(run: Run, start: int) -> dict | None:
     guard = Guard(vocab, checkpoints.saved_eval_loss(run.out, start), weight_scale(run.model, run.accelerator))
     evals = None
     if start == 0 and r.eval_at_start:
-        evals = _checked_eval(run, eval_blocks, guard, 0, lr_at(0, run.total, r.optim))
+        evals = _guarded_eval(run, eval_blocks, guard, 0, lr_at(0, run.total, r.optim))
         run.metrics.write(0, 0, lr_at(0, run.total, r.optim), None, evals)
     stop_at = min(run.total, start + r.exit_after_steps) if r.exit_after_steps else run.total
     batches = run.data.train.batches(start * r.grad_accum)
@@ -66,12 +66,12 @@ def run_steps(run: Run, start: int) -> dict | None:
         run.metrics.step(loss, tps)
         run.clock.partial((done - start) / max(1, stop_at - start))
         is_eval = (r.eval_every and done % r.eval_every == 0) or done == run.total
-        evals = _checked_eval(run, eval_blocks, guard, done, lr) if is_eval else None
+        evals = _guarded_eval(run, eval_blocks, guard, done, lr) if is_eval else None
         if is_eval or done % r.log_every == 0 or done == stop_at:
             run.metrics.write(done, done * tps, lr, grad_norm, evals)
         if (r.save_every and done % r.save_every == 0) or done == stop_at < run.total:
             # Only weights that pass an eval are saved: a checkpoint must be good to resume from.
-            checked = evals or _checked_eval(run, eval_blocks, guard, done, lr)
+            checked = evals or _guarded_eval(run, eval_blocks, guard, done, lr)
             _save_checkpoint(run, done, tps, checked["eval_loss"])
     if stop_at < run.total:
         return None
@@ -80,7 +80,7 @@ def run_steps(run: Run, start: int) -> dict | None:
     return (
         evals
         if evals is not None
-        else _checked_eval(run, eval_blocks, guard, run.total, lr_at(run.total, run.total, r.optim))
+        else _guarded_eval(run, eval_blocks, guard, run.total, lr_at(run.total, run.total, r.optim))
     )
 
 
@@ -186,7 +186,7 @@ def _evaluate(run: Run, blocks: torch.Tensor) -> dict:
     return {"eval_loss": loss, "eval_ppl": ppl}
 
 
-def _checked_eval(run: Run, blocks: torch.Tensor, guard: Guard, step: int, lr: float) -> dict:
+def _guarded_eval(run: Run, blocks: torch.Tensor, guard: Guard, step: int, lr: float) -> dict:
     """An eval that ends the run (TrainingDiverged, same on every rank: the loss is reduced) when the
     weights it measured are broken."""
     evals = _evaluate(run, blocks)

@@ -6,7 +6,7 @@ Why: the layer-wise stages match each layer's output to the parent's, but weigh 
 residual stream alike; the KL weighs them by what the output distribution cares about, and fits all
 layers jointly, so one layer may leave an error that a later one cancels.
 
-Bounded: `steps` Adam steps, the held-out KL measured every `check_every` steps, the best parameters
+Bounded: `steps` Adam steps, the held-out KL measured every `heldout_every` steps, the best parameters
 kept, and an early stop after `patience` checks without improvement, so a run never ends worse on the
 held-out blocks than it started (the start is the first check). The optimizer is uptraining's: a linear
 warmup over the first tenth, then a constant lr, betas (0.9, 0.95), the gradient norm clipped to 1.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mha2gqa.convert.inputs import GLOBAL_CHECK_EVERY, OPENINGS_PER_STEP, heldout_targets_bytes
+from mha2gqa.convert.inputs import GLOBAL_HELDOUT_EVERY, OPENINGS_PER_STEP, heldout_targets_bytes
 from mha2gqa.convert.options import RefineOptions
 from mha2gqa.convert.refine.buffers import Openings, mini_batches
 from mha2gqa.convert.refine.precision import fit_autocast_dtype
@@ -50,7 +50,7 @@ class GlobalFit:
     steps: int
     lr: float
     batch_blocks: int = 4
-    check_every: int = GLOBAL_CHECK_EVERY
+    heldout_every: int = GLOBAL_HELDOUT_EVERY
     patience: int = 2
     betas: tuple[float, float] = (0.9, 0.95)
     clip: float = 1.0
@@ -161,7 +161,7 @@ def fit_global(
             _step(optimizer, params, masters)
             schedule.step()
             bar.set_postfix(kl=f"{fit_kl:.4f}", refresh=False)
-            if step % fit.check_every == 0 or step == fit.steps:
+            if step % fit.heldout_every == 0 or step == fit.steps:
                 held = heldout_kl(parent, model, blocks, heldout, openings, targets)
                 checks.append({"step": step, "fit_kl": fit_kl, "heldout_kl": held})
                 if checks[-1]["heldout_kl"] < best[0]:
@@ -216,7 +216,7 @@ def _record(fit: GlobalFit, checks: list[dict], best: float) -> dict:
         "betas": list(fit.betas),
         "clip": fit.clip,
         "decay": fit.decay,
-        "check_every": fit.check_every,
+        "check_every": fit.heldout_every,
         "precision": "float32" if fit.autocast is None else f"{str(fit.autocast).removeprefix('torch.')} autocast",
         "checks": checks,
         "best_step": next(c["step"] for c in checks if c["heldout_kl"] == best),
