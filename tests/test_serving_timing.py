@@ -137,6 +137,12 @@ def test_points_that_measure_something_else_are_warned_about():
         "the capacity point runs 1 requests and the parent fits 1: nothing queues; lower --kv-budget or raise "
         "--capacity-concurrency",
     ]
+    preempted = [_model("p", "parent", 2, 50.0, 10.0), _model("c", "child", 8, 40.0, 25.0)]
+    preempted[0]["decode"]["runs"] = [{"preemptions": 0.0}, {"preemptions": 2.0}]
+    assert result.timing_warnings(preempted, {"settle": quiet}) == [
+        "p: the engine preempted requests during the decode point: its time per token includes recomputed prefills; "
+        "lower --decode-concurrency or raise --kv-budget"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -138,6 +138,11 @@ def timing_warnings(models: list[dict], timed: dict) -> list[str]:
                 f"{m['label']}: the decode point runs {decode['concurrency']} requests, its KV cache fits {held}: "
                 "its time per token includes queueing; lower --decode-concurrency"
             )
+        elif decode and any(r.get("preemptions") for r in decode.get("runs", [])):  # the engine's own count
+            found.append(
+                f"{m['label']}: the engine preempted requests during the decode point: its time per token includes "
+                "recomputed prefills; lower --decode-concurrency or raise --kv-budget"
+            )
         if m["role"] == "parent" and bound and held is not None and bound["concurrency"] <= held:
             found.append(
                 f"the capacity point runs {bound['concurrency']} requests and the parent fits {held}: nothing queues; "
