@@ -51,17 +51,20 @@ def build(size: dict, kv_heads: int, dtype: torch.dtype):
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-def filled_cache(model, path: str, size: dict, room: int):
-    """A cache holding `context` tokens of random K/V for each layer: static (room for `room` more) on the
-    grouped and compiled paths, else dynamic, as a decode on that path has after its prefill."""
+STATIC_PATHS = ("grouped", COMPILED)  # the paths whose decode runs on a StaticCache
+
+
+def filled_cache(model, static: bool, size: dict, room: int):
+    """A cache holding `context` tokens of random K/V for each layer, on the model's device: static (room for
+    `room` more) or dynamic, as a decode on that path has after its prefill."""
     c = model.config
     head_dim = c.hidden_size // c.num_attention_heads
-    static = path in ("grouped", COMPILED)
     cache = StaticCache(config=c, max_cache_len=size["context"] + room) if static else DynamicCache(config=c)
-    gen = torch.Generator().manual_seed(1)
+    device = model.device  # drawn there: on a GPU a host copy of MHA's cache would take longer than the decode
+    gen = torch.Generator(device=device).manual_seed(1)
     for layer in range(c.num_hidden_layers):
         shape = (size["batch"], c.num_key_value_heads, size["context"], head_dim)
-        keys, values = (torch.randn(shape, generator=gen).to(model.dtype) for _ in range(2))
+        keys, values = (torch.randn(shape, generator=gen, device=device, dtype=model.dtype) for _ in range(2))
         cache.update(keys, values, layer)
         del keys, values
     return cache
@@ -120,13 +123,15 @@ def one_step(model, state: dict) -> float:
     out = model(state["token"], use_cache=True, logits_to_keep=1, **cache_kwargs(model, state["cache"]))
     state["token"] = out.logits[:, -1].argmax(-1, keepdim=True)
     state["cache"] = cache_of(out)
+    if state["token"].is_cuda:  # the kernels run on after the launch returns
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
 def time_path(models: dict, path: str, size: dict, steps: int) -> dict:
     """{model: [seconds of each timed step]}: round by round, `steps` steps of each model in turn; round 0 warms up."""
     room = (size["rounds"] + 1) * steps + 1
-    states = {name: {"cache": filled_cache(m, path, size, room)} for name, m in models.items()}
+    states = {name: {"cache": filled_cache(m, path in STATIC_PATHS, size, room)} for name, m in models.items()}
     for state in states.values():
         state["token"] = torch.zeros(size["batch"], 1, dtype=torch.long)
     seconds = {name: [] for name in models}
@@ -147,7 +152,10 @@ def profile_step(models: dict, path: str, size: dict, rows: int) -> dict:
 
     tables = {}
     for name, model in models.items():
-        state = {"cache": filled_cache(model, path, size, 4), "token": torch.zeros(size["batch"], 1, dtype=torch.long)}
+        state = {
+            "cache": filled_cache(model, path in STATIC_PATHS, size, 4),
+            "token": torch.zeros(size["batch"], 1, dtype=torch.long),
+        }
         run = runnable(model, path)
         with attention_for([model], path):
             one_step(run, state)

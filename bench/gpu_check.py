@@ -1,6 +1,6 @@
 """Every GPU check of the toolkit in two device calls, for the times a GPU machine (one H200) is lent.
 
-    python3 bench/gpu_check.py --parts eval_gpu,uptrain_gpu,convert_refine  # on the GPU machine, repo root: ~6.5 min
+    python3 bench/gpu_check.py --parts eval_gpu,uptrain_gpu,convert_refine,decode_paths  # on the GPU machine: ~9.5 min
     python3 bench/gpu_check.py --parts fsdp,qlora,recovery                  # the second device call: ~6 min
     python3 bench/gpu_check.py --parts 3,5     # rerun only some parts (numbers or names)
     python3 bench/gpu_check.py --smoke         # the same code at toy sizes on CPU (run by a test)
@@ -25,6 +25,10 @@ run. Without CUDA the tests skip, unless --smoke asks for their toy sizes on CPU
                     distillation tokens (the parent: RECOVERY_PARENT, else the embedded model;
                     scripts/gpu_smollm2.py brings SmolLM2 there); how many tokens close the gap. Last, it gets
                     what is left of the budget, and keeps the starts it finished
+  7 decode_paths    decode tokens/s of MHA, GQA-8 and MQA at batch 64 x 2048 on every attention path: transformers'
+                    default, eval's grouped, static cache, SDPA backends forced, TRANSFORMERS_SDPA_FORCE_GQA=1,
+                    FlexAttention, torch.compile; a profile of one step (top kernels), SDPA's priority order
+                    (bench/decode_paths_gpu.py). Runs in the first call; paths past its limit are recorded as not reached
 Writes gpu_check.json (every number), gpu_check.md (the same as one table) and gpu_check.log (every part's output)
 to $OUT, or --out, or .bench/gpu-check.
 
@@ -85,10 +89,21 @@ PARTS = (  # estimates: the first H200 run, 2026-12-04 (bench/results/gpu/), rou
     Part(
         "recovery", "distill-parent-gpu from two starts: ratio to the parent per domain up to 1M tokens", 270, 540, 90
     ),
+    # not run yet: 25 s of start, ~20 s for the 14 eager paths (3 models x 8 steps of <= 40 ms, each cache drawn on
+    # the GPU), ~45 s for FlexAttention's 3 compiles and ~90 s for torch.compile's 3 (bench/decode_paths_gpu.py);
+    # the compiled paths come last and are left out, recorded, where the limit would not hold them
+    Part(
+        "decode_paths",
+        "decode tokens/s MHA / GQA-8 / MQA at 64 x 2048 on every attention path, one step profiled",
+        180,
+        235,
+        60,
+    ),  # fmt: skip
 )
 # The parts do not fit one device call (600 s): a lent session runs them as these two calls, back to back (the
-# machine stays warm between them), each `python3 bench/gpu_check.py --parts ...` with its own $OUT.
-CALLS = ("eval_gpu,uptrain_gpu,convert_refine", "fsdp,qlora,recovery")
+# machine stays warm between them), each `python3 bench/gpu_check.py --parts ...` with its own $OUT. Recovery
+# closes the second call, as it takes what is left of the budget; so part 7 runs in the first.
+CALLS = ("eval_gpu,uptrain_gpu,convert_refine,decode_paths", "fsdp,qlora,recovery")
 
 
 def main(argv: list[str] | None = None) -> int:

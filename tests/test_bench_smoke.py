@@ -333,3 +333,18 @@ def test_decode_gqa_smoke_times_mha_gqa8_and_mqa_beside_the_bandwidth_limit(tmp_
         "as_is": layers * steps // 3,
     }
     assert len(table_rows(stdout, r"MHA|GQA-8|MQA")) == 6 and "load average before" in stdout
+
+
+def test_decode_paths_gpu_leaves_out_what_would_pass_its_deadline_but_the_default_and_grouped(tmp_path):
+    """bench/decode_paths_gpu.py (gpu_check part 7; its full smoke runs in tests/test_gpu_check.py) under a deadline
+    already spent: transformers' default and eval's grouped path still run and are profiled; every other path is
+    recorded as not reached, or as needing CUDA, never silently dropped."""
+    out = tmp_path / "paths.json"
+    stdout = run_smoke("decode_paths_gpu.py", "--deadline-s", "1", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert list(result["paths"]) == ["dynamic", "grouped"] and set(result["profile"]) == {"dynamic", "grouped"}
+    reasons = {s["what"]: s["reason"] for s in result["skipped"]}
+    assert len(reasons) == 12 and reasons["static-compiled"].startswith("not reached: ")
+    assert reasons["grouped/cudnn"] == "the cudnn SDPA backend needs CUDA"
+    assert result["best"]["per_model"]["GQA-8"]["path"] in ("dynamic", "grouped")
+    assert "GQA-8 / MHA" in stdout and "flex: skipped (not reached" in stdout

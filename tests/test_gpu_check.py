@@ -42,8 +42,8 @@ def test_every_part_runs_in_order_and_the_failing_one_is_recorded(smoke):
     done, record, out = smoke
     assert done.returncode == 1, (done.stdout + done.stderr)[-3000:]  # one part failed
     parts = {p["name"]: p for p in record["parts"]}
-    assert list(parts) == ["eval_gpu", "uptrain_gpu", "convert_refine", "fsdp", "qlora", "recovery"]
-    assert [p["status"] for p in record["parts"]] == ["ok", "failed", "ok", "ok", "ok", "ok"], record["parts"]
+    assert list(parts) == ["eval_gpu", "uptrain_gpu", "convert_refine", "fsdp", "qlora", "recovery", "decode_paths"]
+    assert [p["status"] for p in record["parts"]] == ["ok", "failed", "ok", "ok", "ok", "ok", "ok"], record["parts"]
     failed = parts["uptrain_gpu"]
     assert failed["error"] == "RuntimeError: deliberate failure of part uptrain_gpu (--fail uptrain_gpu)"
     assert failed["traceback"].startswith("Traceback (most recent call last)")
@@ -76,6 +76,11 @@ def test_what_needs_cuda_is_skipped_with_the_reason(smoke):
         list(skipped["recovery"]) == ["the real model"]
         and "RECOVERY_PARENT unset" in skipped["recovery"]["the real model"]
     )
+    assert skipped["decode_paths"] == {
+        f"{base}/{backend}": f"the {backend} SDPA backend needs CUDA"
+        for base in ("dynamic", "grouped")
+        for backend in ("efficient", "cudnn")
+    }
 
 
 def test_eval_part_measures_mha_gqa_and_mqa(smoke):
@@ -147,6 +152,31 @@ def test_recovery_part_scores_both_starts_at_every_point(smoke):
     assert "| recovery | starts.mean.points[1].geometric_mean |" in (out / "gpu_check.md").read_text()
 
 
+def test_decode_paths_part_times_every_path_cpu_has_and_profiles_a_step(smoke):
+    """Part 7 at toy sizes: every path that exists on CPU ran (forced flash and math, FORCE_GQA where the installed
+    transformers reads it, FlexAttention and torch.compile included), each model's tokens/s recorded; the profile of
+    one step names the ops it spent its time in; the best path per model and GQA-8's ratio to MHA are kept."""
+    _, record, out = smoke
+    result = next(p for p in record["parts"] if p["name"] == "decode_paths")["result"]
+    ran = {"dynamic", "grouped", "static", "static+force_gqa", "flex", "static-compiled"}
+    ran |= {f"{base}/{b}" for base in ("dynamic", "grouped") for b in ("flash", "math")}
+    assert set(result["paths"]) == ran and result["force_gqa_in_transformers"] is True
+    for name, found in result["paths"].items():
+        assert "error" not in found, (name, found)
+        assert list(found["rows"]) == ["MHA", "GQA-8", "MQA"] and found["rows"]["MHA"]["vs_mha"] == 1.0
+        assert all(finite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in found["rows"].values())
+    assert "torch.compile" in result["paths"]["static-compiled"]["path"]
+    assert "TRANSFORMERS_SDPA_FORCE_GQA=1" in result["paths"]["static+force_gqa"]["path"]
+    assert result["sdpa_priority"][:3] == ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
+    for path in ("dynamic", "grouped"):
+        top = result["profile"][path]["GQA-8"]["top"]
+        assert top[0]["self_us"] >= top[-1]["self_us"] > 0 and any(t["name"] == "aten::mm" for t in top)
+    best = result["best"]
+    assert best["per_model"]["MHA"]["path"] in ran and finite(best["gqa8_over_mha"])
+    assert best["goal_2x_met"] == (best["gqa8_over_mha"] >= 2)
+    assert "| decode_paths | best.gqa8_over_mha |" in (out / "gpu_check.md").read_text()
+
+
 def test_a_part_past_its_limit_is_ended(tmp_path):
     # No bound on the wall time (a busy machine stretches it): code None says it was ended, as a run to
     # the end would have returned 0. The limit leaves a loaded machine time to start Python and print.
@@ -165,9 +195,11 @@ def test_limits_leave_room_for_the_later_parts():
     assert gpu_check.part_limit(eval_part, False, 100, reserve) == eval_part.estimate_s  # not below its estimate
     assert gpu_check.part_limit(eval_part, False, 30, reserve) == 30  # nor past the budget's end
     assert gpu_check.part_limit(eval_part, True, None, reserve) == 300
-    # the two device calls a lent session makes hold every part once, in order, and each fits one call's budget
+    # the two device calls a lent session makes hold every part once, recovery (which takes what is left) last,
+    # and each fits one call's budget
     calls = [gpu_check.select_parts(call) for call in gpu_check.CALLS]
-    assert [p for call in calls for p in call] == list(gpu_check.PARTS)
+    assert sorted(p.name for call in calls for p in call) == sorted(p.name for p in gpu_check.PARTS)
+    assert len([p for call in calls for p in call]) == len(gpu_check.PARTS) and calls[-1][-1].name == "recovery"
     assert all(sum(p.estimate_s for p in call) < gpu_check.BUDGET_S for call in calls)
 
 
@@ -175,8 +207,8 @@ def test_bad_parts_are_one_error_line(capsys):
     assert gpu_check.main(["--smoke", "--parts", "2,sixth"]) == 2
     assert (
         capsys.readouterr().err
-        == "Error: --parts 2,sixth: 'sixth' is not a part (1-6 or eval_gpu, uptrain_gpu, convert_refine, fsdp, qlora, "
-        "recovery)\n"
+        == "Error: --parts 2,sixth: 'sixth' is not a part (1-7 or eval_gpu, uptrain_gpu, convert_refine, fsdp, qlora, "
+        "recovery, decode_paths)\n"
     )
 
 
@@ -221,8 +253,8 @@ def test_the_gpu_tests_skip_without_cuda_and_each_part_is_a_module():
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert re.search(r"^6 skipped", done.stdout.splitlines()[-1]), done.stdout[-2000:]
-    assert done.stdout.count("needs a CUDA GPU: `python3 bench/gpu_check.py` runs it there") == 6
+    assert re.search(r"^7 skipped", done.stdout.splitlines()[-1]), done.stdout[-2000:]
+    assert done.stdout.count("needs a CUDA GPU: `python3 bench/gpu_check.py` runs it there") == 7
 
 
 def test_a_part_without_cuda_outside_smoke_is_recorded_as_not_run(tmp_path):

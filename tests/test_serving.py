@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from fault_helpers import assert_refused, cli
@@ -241,3 +242,36 @@ def test_the_gqa8_serving_bench_runs_at_its_smoke_size(tmp_path):
     assert [r["kv_heads"] for r in rows] == [8, 2] and rows[1]["ratios"]["kv_tokens"] == pytest.approx(4, rel=0.01)
     assert rows[0]["concurrency"] == 4 and rows[0]["output_tokens_per_s"] > 0
     assert json.loads((tmp_path / "gqa8.json").read_text())["settings"]["prompt_tokens"] == 248
+
+
+def test_serve_bench_times_decode_alone_and_the_capacity_bound_point_after_the_servers_go_quiet(
+    tmp_path, converted, monkeypatch
+):
+    """At a 6 MiB KV budget the parent (12,288 bytes a token) holds 4 blocks, one vLLM's null block: 3 requests of
+    24 tokens; its 4x child 15: the capacity point runs 6 (auto: twice the parent's) and the fake's gauges show the
+    parent running 3 of them, the child all 6. The decode point runs --decode-concurrency 2, which both fit."""
+    monkeypatch.setenv("FAKE_VLLM_TOKEN_S", "0.1")  # each request in flight for 0.8 s: the sampler sees it
+    out = tmp_path / "serve.json"
+    args = ["serve-bench", EMBEDDED, child_ := converted, "--vllm-python", fake_python(tmp_path), *QUICK]
+    args += ["--kv-budget", "6MiB", "--concurrency", "1", "--decode-concurrency", "2", "--repeats", "1"]
+    found = cli(*args, "--prompt-tokens", "16", "--output-tokens", "8", "--out", out)
+    assert found.exit_code == 0, found.output
+    data = json.loads(out.read_text())
+    parent, child = data["models"]
+    assert Path(child["path"]) == Path(child_).resolve()
+    assert (parent["fits_requests"], child["fits_requests"]) == (3, 15)
+    assert data["settle"]["settled"] and data["settle"]["cores"][-1] < 0.1
+    assert data["settings"]["capacity_concurrency"] == 6 and data["settings"]["decode_concurrency"] == 2
+    for m in (parent, child):
+        decode = m["decode"]
+        assert decode["concurrency"] == 2 and decode["requests"] == 4
+        assert 50 < decode["tpot_ms"] < 1000 and 50 < decode["itl_ms"] < 1000  # the fake's 100 ms a token
+        assert m["capacity"]["concurrency"] == 6 and m["capacity"]["output_tokens_per_s"] > 0
+    assert parent["capacity"]["running_max"] == 3 and parent["capacity"]["waiting_max"] == 3
+    assert child["capacity"]["running_max"] == 6 and child["capacity"]["waiting_max"] == 0
+    row = data["comparison"][0]
+    assert row["decode_tpot_speedup"] > 0 and row["capacity_throughput_ratio"] > 0
+    assert not [w for w in data["warnings"] if "quiet" in w or "queue" in w], data["warnings"]
+    assert (
+        "decode-only at concurrency 2:" in found.stdout and "capacity-bound at concurrency 6 (fits 3)" in found.stdout
+    )

@@ -38,6 +38,9 @@ def _concurrency(ctx, param, value):
 @_option("--concurrency", callback=_concurrency)
 @_option("--prompt-tokens", type=int)
 @_option("--output-tokens", type=int)
+@_option("--decode-concurrency", type=int)
+@_option("--capacity-concurrency")
+@_option("--settle-timeout", type=float)
 @_option("--waves", type=int)
 @_option("--repeats", type=int)
 @_option("--eager", is_flag=True)
@@ -49,7 +52,9 @@ def serve_bench(parent, children, out, force, **options):
     """Serve PARENT and each CHILD (its conversions) with vLLM's OpenAI-compatible server, one process group
     each, and measure what the engine sees: whether its greedy text equals transformers' on prompts from every
     probe domain, how long a child's greedy text follows the parent's, the KV-cache tokens and maximum
-    concurrency the engine reports for one --kv-budget beside our formula's, and output tokens/s and time per
+    concurrency the engine reports for one --kv-budget beside our formula's; then, once the servers are quiet,
+    the decode-only time per output token at --decode-concurrency (every model alike), the output tokens/s at a
+    concurrency above what the parent's KV cache fits (--capacity-concurrency), and output tokens/s and time per
     output token at each --concurrency, the models in turn. Every server is stopped on every way out.
 
     Example: mha2gqa serve-bench ./llama ./llama-gqa8 --vllm-python ~/vllm-venv/bin/python --out serve.json
@@ -95,9 +100,31 @@ def summary(found: dict) -> str:
                 f"follows the parent for {g['follows_parent_mean']:.1f} of {s['greedy_tokens']} tokens"
             )
         lines.append(line)
+        if m.get("decode"):
+            d = m["decode"]
+            lines.append(
+                f"    decode-only at concurrency {d['concurrency']}: {d['tpot_ms'] or 0:,.1f} ms per output token "
+                f"(inter-token {d['itl_ms'] or 0:,.1f} ms)" + _speedup(ratios.get(m["label"]), "decode_tpot_speedup")
+            )
+        if m.get("capacity"):
+            c = m["capacity"]
+            lines.append(
+                f"    capacity-bound at concurrency {c['concurrency']} (fits {m['fits_requests']}): "
+                f"{c['output_tokens_per_s']:,.1f} output tok/s, the engine ran {c['running_max'] or 0:.0f} at once"
+                + _speedup(ratios.get(m["label"]), "capacity_throughput_ratio")
+            )
         for p in m["throughput"]:
             lines.append(
                 f"    concurrency {p['concurrency']}: {p['output_tokens_per_s']:,.1f} output tok/s, "
                 f"{p['tpot_ms'] or 0:,.1f} ms per output token, {p['ttft_ms']:,.0f} ms to the first"
             )
+    if found.get("settle"):
+        q = found["settle"]
+        lines.append(f"  servers {'quiet' if q['settled'] else 'NOT quiet'} after {q['waited_s']:.0f} s before timing")
+    if s.get("capacity_concurrency") is None and s.get("capacity_concurrency_why"):
+        lines.append(f"  capacity-bound point left out: {s['capacity_concurrency_why']}")
     return "\n".join(lines)
+
+
+def _speedup(row: dict | None, key: str) -> str:
+    return f"; {row[key]:.2f}x the parent's" if row and row.get(key) else ""

@@ -5,16 +5,23 @@ Top-level keys:
   schema      "mha2gqa.serve/1"
   engine      name ("vllm"), version, distribution, python
   settings    dtype, context, kv_budget_bytes, eager, greedy_tokens, greedy_prompt_tokens, prompt_tokens,
-              output_tokens, concurrency, waves, repeats
+              output_tokens, concurrency, waves, repeats, decode_concurrency, capacity_concurrency (the one
+              run, None when left out), capacity_concurrency_why, settle_timeout
   models      [{label, role, path, layers, heads, kv_heads, head_dim, startup_s, log,
                 kv: {engine: {device, tokens, context, max_concurrency, block_size, budget_bytes},
                      formula: {bytes_per_token, tokens, max_concurrency}, match},
                 greedy: {equal, prompts: [{domain, prompt, engine, reference, equal, first_difference,
                          follows_parent}], follows_parent_mean},
-                throughput: [{concurrency, requests, output_tokens_per_s, tpot_ms, ttft_ms, runs: [...]}]}]
-              the parent first; follows_parent: how many leading greedy tokens equal the parent's (engine's text)
-  comparison  [{label, kv_tokens_ratio, formula_ratio, max_concurrency_ratio, throughput_ratio: {c: ratio}}],
+                throughput: [point], fits_requests, decode: point or None, capacity: point or None}]
+              the parent first; follows_parent: how many leading greedy tokens equal the parent's (engine's text);
+              a point: {concurrency, requests, output_tokens_per_s, total_tokens_per_s, tpot_ms (decode alone:
+              (last - first token) / (tokens - 1), median over requests), itl_ms (median gap between streamed
+              tokens), ttft_ms, running_max, running_mean, waiting_max (the engine's /metrics gauges while the
+              load ran), runs: [...]}; fits_requests: requests of prompt + output tokens its KV cache holds
+  comparison  [{label, kv_tokens_ratio, formula_ratio, max_concurrency_ratio, throughput_ratio: {c: ratio},
+              decode_tpot_speedup (the parent's decode TPOT over the child's), capacity_throughput_ratio}],
               each child over the parent
+  settle      {settled, waited_s, cores: [each second's CPU use of all servers], quiet_cores, windows} or None
   load        before, after: the 1/5/15-minute load averages around the run; cpu_count
   warnings    [str]
   created     UTC, ISO 8601

@@ -18,7 +18,7 @@ from mha2gqa import provenance
 from mha2gqa.errors import InputError, one_line
 from mha2gqa.layouts import AttentionShape, attention_shape, config_dtype, read_config
 from mha2gqa.nemotron_nas.blocks import MODEL_TYPE as NEMOTRON_NAS
-from mha2gqa.serving import client, engine, kvlog, prompts, result
+from mha2gqa.serving import capacity, client, engine, kvlog, prompts, result, settle
 from mha2gqa.serving.children import validate_children
 from mha2gqa.serving.options import GREEDY_PROMPT_TOKENS, ServeOptions
 from mha2gqa.serving.server import Server, free_port
@@ -174,25 +174,77 @@ def engine_kv(plan: Plan) -> dict[str, dict]:
     return found
 
 
+def timed_point(plan: Plan, batch: list[list[int]], c: int, options: ServeOptions, say, what: str) -> dict[str, dict]:
+    """{label: one point at concurrency c}: within each repeat every model runs `batch` once, the order reversed
+    on every other repeat, so a drift of the machine's load falls on all models alike; each run with the
+    engine's count of the requests it ran, read from /metrics meanwhile."""
+    runs: dict[str, list[dict]] = {m.label: [] for m in plan.models}
+    for r in range(options.repeats):
+        for m in plan.models if r % 2 == 0 else plan.models[::-1]:
+            before = os.getloadavg()
+            with capacity.RunningSampler(lambda url=m.server.url: client.get_text(url, "/metrics", 5.0)) as engine_:
+                run = guarded(m.server, client.load, m.server.url, m.label, batch, options.output_tokens, c)
+            run.update(engine_.summary(), load_before=list(before), load_after=list(os.getloadavg()))
+            runs[m.label].append(run)
+            say(
+                f"  {what} {c}, run {r + 1}/{options.repeats}, {m.label}: {run['output_tokens_per_s']:,.1f} output "
+                f"tok/s, {run['tpot_ms'] or 0:,.1f} ms per output token, engine ran {run['running_max'] or 0:.0f} at "
+                f"most (load {before[0]:.1f})"
+            )
+    return {label: _point(c, done) for label, done in runs.items()}
+
+
 def throughput(plan: Plan, timing_prompts: list[list[int]], options: ServeOptions, say) -> dict[str, list[dict]]:
-    """{label: [one point per concurrency]}: within each repeat every model runs once, the order reversed on
-    every other repeat, so a drift of the machine's load falls on all models alike."""
+    """{label: [one point per --concurrency]}."""
     points: dict[str, list[dict]] = {m.label: [] for m in plan.models}
     for c in options.concurrency or ():
-        batch = timing_prompts[: c * options.waves]
-        runs: dict[str, list[dict]] = {m.label: [] for m in plan.models}
-        for r in range(options.repeats):
-            for m in plan.models if r % 2 == 0 else plan.models[::-1]:
-                before = os.getloadavg()
-                run = guarded(m.server, client.load, m.server.url, m.label, batch, options.output_tokens, c)
-                runs[m.label].append({**run, "load_before": list(before), "load_after": list(os.getloadavg())})
-                say(
-                    f"  concurrency {c}, run {r + 1}/{options.repeats}, {m.label}: {run['output_tokens_per_s']:,.1f} "
-                    f"output tok/s, {run['tpot_ms'] or 0:,.1f} ms per output token (load {before[0]:.1f})"
-                )
-        for label, done in runs.items():
-            points[label].append(_point(c, done))
+        for label, point in timed_point(
+            plan, timing_prompts[: c * options.waves], c, options, say, "concurrency"
+        ).items():
+            points[label].append(point)
     return points
+
+
+def fits(plan: Plan, kv: dict[str, dict], options: ServeOptions) -> dict[str, int | None]:
+    """{label: the requests of --prompt-tokens + --output-tokens its KV cache runs at once} (the engine's count)."""
+    per_request = options.prompt_tokens + options.output_tokens
+    return {
+        m.label: capacity.requests_fit(
+            kv[m.label]["engine"]["tokens"], kv[m.label]["engine"]["block_size"], per_request
+        )
+        for m in plan.models
+    }
+
+
+def settle_servers(plan: Plan, options: ServeOptions, say) -> dict:
+    """Wait until every server's processes are quiet (settle.py); what was waited, recorded."""
+    groups = [m.server.process.pid for m in plan.models]  # each a session leader: its pid is the group's id
+    found = settle.wait_quiet(lambda: settle.group_cpu_seconds(groups), options.settle_timeout)
+    state = "quiet" if found["settled"] else f"not quiet after --settle-timeout {options.settle_timeout:g} s"
+    say(f"servers {state} after {found['waited_s']:.0f} s (cores used per second: {found['cores'][-5:]})")
+    return found
+
+
+def decode_point(plan: Plan, timing_prompts, options: ServeOptions, say) -> dict[str, dict] | None:
+    """--decode-concurrency requests in flight, every model alike: the decode-only time per output token."""
+    c = options.decode_concurrency
+    if not c:
+        return None
+    return timed_point(plan, timing_prompts[: c * options.waves], c, options, say, "decode-only, concurrency")
+
+
+def capacity_point(plan: Plan, timing_prompts, options: ServeOptions, held: dict, say) -> dict:
+    """Throughput at a concurrency above what the parent's KV cache fits: {concurrency, why, points} (points
+    None, and why, when left out)."""
+    c = options.capacity_requests()
+    why = "--capacity-concurrency" if c else "--capacity-concurrency 0"
+    if c is None:
+        c, why = capacity.auto_concurrency(held, plan.models[0].label)
+    if not c:
+        say(f"capacity-bound throughput left out: {why}")
+        return {"concurrency": None, "why": why, "points": None}
+    points = timed_point(plan, timing_prompts[: c * options.waves], c, options, say, "capacity-bound, concurrency")
+    return {"concurrency": c, "why": why, "points": points}
 
 
 def _point(concurrency: int, runs: list[dict]) -> dict:
@@ -206,7 +258,11 @@ def _point(concurrency: int, runs: list[dict]) -> dict:
         "output_tokens_per_s": median("output_tokens_per_s"),
         "total_tokens_per_s": median("total_tokens_per_s"),
         "tpot_ms": median("tpot_ms"),
+        "itl_ms": median("itl_ms"),
         "ttft_ms": median("ttft_ms"),
+        "running_max": max((r["running_max"] for r in runs if r["running_max"] is not None), default=None),
+        "running_mean": median("running_mean"),
+        "waiting_max": max((r["waiting_max"] for r in runs if r["waiting_max"] is not None), default=None),
         "runs": runs,
     }
 
@@ -228,7 +284,11 @@ def serve_bench(
 
     ids = prompts.probe_ids(load_tokenizer(plan.models[0].path))
     greedy_set = prompts.greedy_prompts(ids, options.prompts_per_domain, GREEDY_PROMPT_TOKENS)
-    count = max(options.concurrency or [0]) * options.waves
+    # the capacity point's count is known once the engines report their caches: prompts for the most auto asks
+    most = max([*(options.concurrency or [0]), options.decode_concurrency, options.capacity_requests() or 0])
+    if options.capacity_requests() is None:
+        most = max(most, capacity.MOST_AUTO)
+    count = most * options.waves if options.concurrency else 0  # --concurrency none: no timing at all
     timing_prompts = prompts.load_prompts(ids, count, options.prompt_tokens) if count else []
     load_before = os.getloadavg()
     with ExitStack() as stack:
@@ -241,9 +301,17 @@ def serve_bench(
         wait_ready(plan, say)
         texts = engine_greedy(plan, greedy_set, options.greedy_tokens)
         kv = engine_kv(plan)
+        held = fits(plan, kv, options)
+        quiet = decode = None
+        bound = {"concurrency": None, "why": "--concurrency none", "points": None}
+        if timing_prompts:
+            quiet = settle_servers(plan, options, say)
+            decode = decode_point(plan, timing_prompts, options, say)
+            bound = capacity_point(plan, timing_prompts, options, held, say)
         points = throughput(plan, timing_prompts, options, say)
         startup = {m.label: m.server.ready_after_s for m in plan.models}
-    found = result.build(plan, options, greedy_set, references, texts, kv, points, startup, load_before)
+    timed = {"settle": quiet, "fits": held, "decode": decode, "capacity": bound}
+    found = result.build(plan, options, greedy_set, references, texts, kv, points, startup, load_before, timed)
     if out is not None:
         result.write(found, Path(out))
     return found

@@ -177,10 +177,12 @@ def greedy(url: str, model: str, prompt: list[int], tokens: int) -> list[int]:
 
 
 def timed(url: str, model: str, prompt: list[int], tokens: int) -> dict:
-    """One streamed request: seconds to the first token, to the last, and the output tokens counted."""
+    """One streamed request: seconds to the first token, to the last, the gaps between the chunks that carried
+    output (the inter-token latencies: vLLM streams a chunk per engine step), and the output tokens counted."""
     start = time.perf_counter()
     response = _post(url, _request(model, prompt, tokens, stream=True), REQUEST_TIMEOUT_S)
     first = last = None
+    gaps: list[float] = []
     counted = 0
     other = ""  # the first line that is no event: what the server sent if it sent no event at all
     try:
@@ -192,7 +194,10 @@ def timed(url: str, model: str, prompt: list[int], tokens: int) -> dict:
             carries, usage = read_chunk(line, tokens)
             counted = counted if usage is None else usage
             if carries:
-                last = time.perf_counter()
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
                 first = first or last
     except (OSError, http.client.IncompleteRead) as err:
         raise ServerGone(str(err)) from err
@@ -200,12 +205,14 @@ def timed(url: str, model: str, prompt: list[int], tokens: int) -> dict:
         raise ServerGarbled(f"a streamed completion was {_shown(other)}, not events (data: ...)")
     if first is None or counted == 0:
         raise ServerGone("the stream ended without a token")
-    return {"ttft_s": first - start, "end_s": last - start, "tokens": counted, "started_s": start}
+    return {"ttft_s": first - start, "end_s": last - start, "tokens": counted, "started_s": start, "gaps_s": gaps}
 
 
 def load(url: str, model: str, prompts: list[list[int]], tokens: int, concurrency: int) -> dict:
     """Every prompt once, `concurrency` requests in flight at a time: output tokens/s (and prompt + output
-    tokens/s) over the whole run and the medians per request of the time to the first token and the time per output token after it."""
+    tokens/s) over the whole run, the medians per request of the time to the first token and of the time per
+    output token after it (TPOT: (last - first) / (tokens - 1), decode alone), and the median gap between output
+    chunks over all requests (ITL)."""
     done: list[dict] = []
     lock = threading.Lock()
 
@@ -224,6 +231,7 @@ def load(url: str, model: str, prompts: list[list[int]], tokens: int, concurrenc
     wall = time.perf_counter() - start
     output = sum(r["tokens"] for r in done)
     tpot = [(r["end_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]
+    gaps = [g for r in done for g in r["gaps_s"]]
     return {
         "requests": len(done),
         "output_tokens": output,
@@ -232,4 +240,5 @@ def load(url: str, model: str, prompts: list[list[int]], tokens: int, concurrenc
         "total_tokens_per_s": (output + sum(len(p) for p in prompts)) / wall,  # prompt tokens prefilled too
         "ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in done),
         "tpot_ms": 1000 * statistics.median(tpot) if tpot else None,
+        "itl_ms": 1000 * statistics.median(gaps) if gaps else None,
     }

@@ -31,7 +31,8 @@ class ServeOptions:
     prompts_per_domain: int = 2
     """Greedy prompts cut from each probe-set domain (prose, code, python_docs, licences)."""
     concurrency: Sequence[int] | None = (1, 8, 32)
-    """Requests in flight at each timed point, e.g. 1,8,32,64; none: no timing (the greedy and KV checks only)."""
+    """Requests in flight at each timed point, e.g. 1,8,32,64; none: no timing at all, the decode-only and
+    capacity points included (the greedy and KV checks only)."""
     prompt_tokens: int = 128
     """Prompt length of every timed request, in tokens (prompts cut from the probe set, each its own)."""
     output_tokens: int = 64
@@ -40,6 +41,16 @@ class ServeOptions:
     """Requests per timed point: concurrency x waves."""
     repeats: int = 3
     """Timed runs per model and concurrency, the models in turn; the median is reported."""
+    decode_concurrency: int = 4
+    """Requests in flight for the decode-only time per output token (the first token left out), the same for
+    every model, timed after the servers settled; 0: none. Every model should fit it (the result warns if not)."""
+    capacity_concurrency: str | int = "auto"
+    """Requests in flight for the capacity-bound throughput: above what the parent's KV cache fits at --kv-budget,
+    so the parent queues what a child runs. auto: twice what the parent fits, at most what the child fits (left
+    out, with why, past 64: give a small --kv-budget); 0: none."""
+    settle_timeout: float = 120.0
+    """Seconds to wait, before the timed points, for the servers to use under a tenth of a core together (their
+    start-ups go on after /health); the wait is recorded."""
     eager: bool = False
     """Start vLLM with --enforce-eager: no torch.compile, a start in seconds rather than minutes; slower decoding,
     so for the checks, not for the speeds users see."""
@@ -64,10 +75,13 @@ class ServeOptions:
         ):
             if value < least:
                 raise InputError(f"{flag} {value} must be at least {least}")
-        if not (math.isfinite(self.startup_timeout) and self.startup_timeout > 0):
-            raise InputError(
-                f"--startup-timeout {self.startup_timeout:g} must be a positive finite number of seconds (e.g. 900)"
-            )
+        for flag, seconds, example in (("--startup-timeout", self.startup_timeout, 900),
+                                       ("--settle-timeout", self.settle_timeout, 120)):  # fmt: skip
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise InputError(f"{flag} {seconds:g} must be a positive finite number of seconds (e.g. {example})")
+        if self.decode_concurrency < 0:
+            raise InputError(f"--decode-concurrency {self.decode_concurrency} must be 0 (none) or more")
+        self.capacity_requests()
         if any(c < 1 for c in self.concurrency or ()):
             raise InputError(f"--concurrency {','.join(map(str, self.concurrency))}: each value must be at least 1")
         lengths = [
@@ -79,6 +93,21 @@ class ServeOptions:
             if needed > self.context:
                 raise InputError(f"{what} = {needed} exceeds --context {self.context}: raise --context or shorten them")
         self.budget_bytes()
+
+    def capacity_requests(self) -> int | None:
+        """--capacity-concurrency as a count: None for auto, 0 for none."""
+        value = self.capacity_concurrency
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return None
+        try:
+            found = int(value)
+        except (TypeError, ValueError):
+            found = -1
+        if isinstance(value, bool) or found < 0:
+            raise InputError(
+                f"--capacity-concurrency {value!r} must be auto, 0 (none) or a count of requests (e.g. 16)"
+            )
+        return found
 
     def budget_bytes(self) -> int:
         """--kv-budget in bytes: a size (units.parse_size) that this machine's memory can hold. The KV cache

@@ -43,8 +43,9 @@ def _greedy(greedy_set, engine_ids, reference_ids, parent_ids) -> dict:
     return {"equal": sum(r["equal"] for r in rows), "prompts": rows, "follows_parent_mean": sum(follows) / len(follows)}
 
 
-def _model(m, kv, greedy, points, startup_s) -> dict:
+def _model(m, kv, greedy, points, startup_s, timed) -> dict:
     s = m.shape
+    decode, bound = timed["decode"], timed["capacity"]
     return {
         "label": m.label,
         "role": m.role,
@@ -58,11 +59,19 @@ def _model(m, kv, greedy, points, startup_s) -> dict:
         "kv": kv,
         "greedy": greedy,
         "throughput": points,
+        "fits_requests": timed["fits"][m.label],
+        "decode": decode[m.label] if decode else None,
+        "capacity": bound["points"][m.label] if bound["points"] else None,
     }
 
 
 def _ratio(a, b):
     return a / b if a is not None and b else None
+
+
+def _get(model: dict, point: str, key: str):
+    found = model.get(point)
+    return found.get(key) if found else None
 
 
 def comparison(models: list[dict]) -> list[dict]:
@@ -82,6 +91,11 @@ def comparison(models: list[dict]) -> list[dict]:
                     str(p["concurrency"]): _ratio(p["output_tokens_per_s"], speeds.get(p["concurrency"]))
                     for p in child["throughput"]
                 },
+                # > 1: the child's decode step is that much faster (the parent's time per token over the child's)
+                "decode_tpot_speedup": _ratio(_get(parent, "decode", "tpot_ms"), _get(child, "decode", "tpot_ms")),
+                "capacity_throughput_ratio": _ratio(
+                    _get(child, "capacity", "output_tokens_per_s"), _get(parent, "capacity", "output_tokens_per_s")
+                ),
             }
         )
     return rows
@@ -107,7 +121,37 @@ def warnings_of(models: list[dict]) -> list[str]:
     return found
 
 
-def build(plan, options, greedy_set, references, texts, kv, points, startup, load_before) -> dict:
+def timing_warnings(models: list[dict], timed: dict) -> list[str]:
+    """Timed points that do not measure what they are named for: servers still busy, a decode point some model
+    does not fit (it queues), a capacity point the parent fits (nothing queues)."""
+    found = []
+    quiet = timed.get("settle")
+    if quiet and not quiet["settled"]:
+        found.append(
+            f"the servers were not quiet when timing began (cores in use, last windows: {quiet['cores'][-3:]}): "
+            "their times include another server's work"
+        )
+    for m in models:
+        held, decode, bound = m.get("fits_requests"), m.get("decode"), m.get("capacity")
+        if decode and held is not None and decode["concurrency"] > held:
+            found.append(
+                f"{m['label']}: the decode point runs {decode['concurrency']} requests, its KV cache fits {held}: "
+                "its time per token includes queueing; lower --decode-concurrency"
+            )
+        elif decode and any(r.get("preemptions") for r in decode.get("runs", [])):  # the engine's own count
+            found.append(
+                f"{m['label']}: the engine preempted requests during the decode point: its time per token includes "
+                "recomputed prefills; lower --decode-concurrency or raise --kv-budget"
+            )
+        if m["role"] == "parent" and bound and held is not None and bound["concurrency"] <= held:
+            found.append(
+                f"the capacity point runs {bound['concurrency']} requests and the parent fits {held}: nothing queues; "
+                "lower --kv-budget or raise --capacity-concurrency"
+            )
+    return found
+
+
+def build(plan, options, greedy_set, references, texts, kv, points, startup, load_before, timed) -> dict:
     """The result dict of one run (see the module docstring)."""
     parent = plan.models[0].label
     models = [
@@ -117,6 +161,7 @@ def build(plan, options, greedy_set, references, texts, kv, points, startup, loa
             _greedy(greedy_set, texts[m.label], references[m.label], texts[parent]),
             points[m.label],
             startup[m.label],
+            timed,
         )
         for m in plan.models
     ]
@@ -133,6 +178,10 @@ def build(plan, options, greedy_set, references, texts, kv, points, startup, loa
         "concurrency": list(options.concurrency or []),
         "waves": options.waves,
         "repeats": options.repeats,
+        "decode_concurrency": options.decode_concurrency,
+        "capacity_concurrency": timed["capacity"]["concurrency"],
+        "capacity_concurrency_why": timed["capacity"]["why"],
+        "settle_timeout": options.settle_timeout,
     }
     e = plan.engine
     return {
@@ -142,7 +191,8 @@ def build(plan, options, greedy_set, references, texts, kv, points, startup, loa
         "models": models,
         "comparison": comparison(models),
         "load": {"before": list(load_before), "after": list(os.getloadavg()), "cpu_count": os.cpu_count()},
-        "warnings": warnings_of(models),
+        "settle": timed["settle"],
+        "warnings": warnings_of(models) + timing_warnings(models, timed),
         "machine": platform.machine(),
         "mha2gqa": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

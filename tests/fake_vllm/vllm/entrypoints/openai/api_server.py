@@ -10,14 +10,19 @@ its engine core, so that a test can see whether the whole process group ended. F
   bad_log           log the KV line with a number that is none ("1,2,,3 tokens"), then serve
   html              answer every completion with 200 and an HTML page (a proxy's or another server's)
   not_found         answer every completion with 404 and an HTML page (a server without the completions API)
-Greedy "decoding": token i+1 = (token i * 7 + 3) mod vocab_size, the same rule for every model.
+Greedy "decoding": token i+1 = (token i * 7 + 3) mod vocab_size, the same rule for every model. /metrics counts
+the streamed requests in flight as vLLM's gauges do: running as many as the KV blocks fit (less vLLM's null
+block), the rest waiting;
+FAKE_VLLM_TOKEN_S (default 0) seconds between streamed tokens keeps them in flight long enough to be seen.
 """
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -52,7 +57,24 @@ def kv_tokens(args) -> int:
 def handler(args, vocab: int, tokens: int):
     mode = os.environ.get("FAKE_VLLM", "ok")
     die_after = int(mode.split("=")[1]) if mode.startswith("die_after=") else None
-    served = {"count": 0}
+    served = {"count": 0, "in_flight": []}  # in_flight: blocks each streamed request holds
+    lock = threading.Lock()
+    token_s = float(os.environ.get("FAKE_VLLM_TOKEN_S", "0"))
+
+    def gauges() -> str:
+        with lock:
+            free, running = tokens // BLOCK - 1, 0  # one block is vLLM's null block
+            for (blocks,) in served["in_flight"]:  # first come, first run, while blocks are free
+                if blocks > free:
+                    break
+                free, running = free - blocks, running + 1
+            waiting = len(served["in_flight"]) - running
+        labels = f'engine="0",model_name="{args.served_model_name}"'
+        return (
+            f"vllm:num_requests_running{{{labels}}} {float(running)}\n"
+            f"vllm:num_requests_waiting{{{labels}}} {float(waiting)}\n"
+            f"vllm:num_preemptions_total{{{labels}}} 0.0\n"
+        )
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -69,7 +91,8 @@ def handler(args, vocab: int, tokens: int):
                 return self._send("")
             if self.path == "/metrics":
                 labels = f'block_size="{BLOCK}",kv_cache_memory_bytes="{args.kv_cache_memory_bytes}"'
-                return self._send(f'vllm:cache_config_info{{{labels},num_gpu_blocks="{tokens // BLOCK}"}} 1.0\n')
+                info = f'vllm:cache_config_info{{{labels},num_gpu_blocks="{tokens // BLOCK}"}} 1.0\n'
+                return self._send(info + gauges())
             self.send_error(404)
 
         def do_POST(self):
@@ -93,11 +116,22 @@ def handler(args, vocab: int, tokens: int):
                 ids.append(last)
             if not body.get("stream"):
                 return self._send(json.dumps({"choices": [{"text": "x", "token_ids": ids}]}))
-            self._send(
-                "".join(f"data: {json.dumps({'choices': [{'text': 'x', 'token_ids': [t]}]})}\n\n" for t in ids)
-                + f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': len(ids)}})}\n\ndata: [DONE]\n\n",
-                "text/event-stream",
-            )
+            entry = [math.ceil((len(body["prompt"]) + body["max_tokens"]) / BLOCK)]  # a list: removed by identity
+            with lock:
+                served["in_flight"].append(entry)
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for t in ids:
+                    time.sleep(token_s)
+                    self.wfile.write(f"data: {json.dumps({'choices': [{'text': 'x', 'token_ids': [t]}]})}\n\n".encode())
+                    self.wfile.flush()
+                usage = json.dumps({"choices": [], "usage": {"completion_tokens": len(ids)}})
+                self.wfile.write(f"data: {usage}\n\ndata: [DONE]\n\n".encode())
+            finally:
+                with lock:
+                    served["in_flight"] = [e for e in served["in_flight"] if e is not entry]
 
     return Handler
 
