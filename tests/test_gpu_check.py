@@ -153,7 +153,7 @@ def test_recovery_part_scores_both_starts_at_every_point(smoke):
 
 
 def test_decode_paths_part_times_every_path_cpu_has_and_profiles_a_step(smoke):
-    """Part 7 at toy sizes: every path that exists on CPU ran (forced flash and math, FORCE_GQA where the installed
+    """Part 7 (bench/decode_paths_gpu.py) at toy sizes: every path that exists on CPU ran (forced flash and math, FORCE_GQA where the installed
     transformers reads it, FlexAttention and torch.compile included), each model's tokens/s recorded; the profile of
     one step names the ops it spent its time in; the best path per model and GQA-8's ratio to MHA are kept."""
     _, record, out = smoke

@@ -238,7 +238,7 @@ def test_the_gqa8_serving_bench_runs_at_its_smoke_size(tmp_path):
     command += ["--tokenizer", str(EMBEDDED), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "gqa8.json")]
     done = subprocess.run(command, capture_output=True, text=True, cwd=root, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout[done.stdout.index("[") :])
+    rows = json.loads(done.stdout[done.stdout.index("\n[") + 1 :])  # the table: the line that opens with [
     assert [r["kv_heads"] for r in rows] == [8, 2] and rows[1]["ratios"]["kv_tokens"] == pytest.approx(4, rel=0.01)
     assert rows[0]["concurrency"] == 4 and rows[0]["output_tokens_per_s"] > 0
     assert json.loads((tmp_path / "gqa8.json").read_text())["settings"]["prompt_tokens"] == 248
