@@ -157,11 +157,12 @@ def convert(src, dst, plan_tensors, **flags):
 def check_report(record: dict | None) -> str:
     """What the conversion kept (convert/check.py): the table, the verdict and the next commands; or why the
     check was skipped."""
-    from mha2gqa.check_record import HEADERS, table_rows, title
+    from mha2gqa.check_record import HEADERS, retrieval_line, table_rows, title
 
     if not record or "skipped" in record:
         return f"check: skipped ({(record or {}).get('skipped', 'not run')})"
     lines = [title(record), table(HEADERS, table_rows(record)), f"verdict: {record['verdict_line']}"]
+    lines += [line for line in [retrieval_line(record)] if line]
     for i, command in enumerate(record.get("next", [])):
         lines.append(f"{'next' if i == 0 else '  or'}: {command}")
     return "\n".join(lines)

@@ -20,6 +20,7 @@ _REFUSED = (
     "--dry-run",
     "--keep-retrieval-heads",
     "--retrieval-weight",
+    "--check-retrieval",
 )
 
 

@@ -274,6 +274,8 @@ def prepare(src, options: ConvertOptions, stats=None, resolved: CalibrationInput
 def _validate_keep_retrieval(options: ConvertOptions, source: Path) -> None:
     """--keep-retrieval-heads: a merge that takes weights, and the tokenizer its questions are written with."""
     validate_weight(options.keep_retrieval_heads, options.retrieval_weight)
+    if options.check_retrieval and not options.check:
+        raise InputError("--check-retrieval is part of the check, and --no-check turns it off: drop one of them")
     if not options.keep_retrieval_heads:
         return
     if options.method not in RETRIEVAL_WEIGHTED:
@@ -395,7 +397,8 @@ def _plan_check(plan: ConversionPlan, params: int) -> CheckPlan:
     # The device a stage already decided for the parent (decide.py), else the driver's word without torch: a plain
     # conversion's start stays torch-free, and a wrong guess only makes the check a recorded skip.
     device = plan.decided.device or ("cuda" if machine.cuda_visible() else "cpu")
-    return plan_check(plan.config, params, plan.options.check, seconds, device, parts)
+    found = plan_check(plan.config, params, plan.options.check, seconds, device, parts)
+    return replace(found, retrieval=plan.options.check_retrieval)
 
 
 def _sample_stage(calibration: CalibrationInput, params: int, batch: int) -> Stage:
