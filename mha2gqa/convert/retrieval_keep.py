@@ -18,6 +18,7 @@ lose the copy (SmolLM2 3 -> 1 mean or calibrated: retrieval recall 47% -> 0%, do
 
 from __future__ import annotations
 
+import gzip
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -122,6 +123,11 @@ class KeptHeads:
     def summary_line(self) -> str:
         rec = self.record()
         layers = sorted({x["layer"] for x in rec["found"]})
+        if not layers:
+            return (
+                f"retrieval heads: none of the {rec['heads']} query heads of SRC scores above {RETRIEVING} "
+                f"({rec['questions']} questions): the merge is the plain one"
+            )
         line = (
             f"retrieval heads: {rec['retrieving']} of {rec['heads']} query heads of SRC score above {RETRIEVING} "
             f"({rec['questions']} questions), in {len(layers)} layers; their kv heads weigh 1 + {self.weight:g} x "
@@ -155,8 +161,6 @@ def score_parent(model, tokenizer, groups: int, weight: float, seed: int, progre
 
 
 def _haystack() -> str:
-    import gzip
-
     with gzip.open(novel_path(HAYSTACK_NOVEL), "rt", encoding="utf-8") as f:
         return " ".join(f.read().split())
 
