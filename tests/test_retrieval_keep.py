@@ -46,7 +46,7 @@ def test_each_kv_heads_mass_is_the_summed_score_of_the_retrieving_query_heads_it
     record = kept.record()
     assert record["retrieving"] == 3 and record["heads"] == 16 and record["weight"] == 8.0
     assert record["found"][0] == {"layer": 1, "head": 0, "kv_head": 0, "score": 0.5}
-    assert "in 1 layers (1) they read more kv heads than the 1 groups" in kept.summary_line()
+    assert "in 1 layer (1) they read more kv heads than the 1 group: those share" in kept.summary_line()
 
 
 def test_the_weighted_mean_leans_toward_the_retrieval_kv_head():

@@ -27,6 +27,7 @@ from mha2gqa.convert.options import Method
 from mha2gqa.embedded import novel_path
 from mha2gqa.errors import InputError
 from mha2gqa.scoring.retrieval_items import ProbeGrid, build_items
+from mha2gqa.units import counted
 
 if TYPE_CHECKING:
     import torch
@@ -136,8 +137,8 @@ class KeptHeads:
         shared = rec["shared_layers"]
         if shared:
             line += (
-                f"; in {len(shared)} layers ({', '.join(map(str, shared))}) they read more kv heads than the "
-                f"{self.groups} groups: those share a group, weighted, not kept apart"
+                f"; in {counted(len(shared), 'layer')} ({', '.join(map(str, shared))}) they read more kv heads than "
+                f"the {counted(self.groups, 'group')}: those share a group, weighted, not kept apart"
             )
         return line
 
