@@ -2,8 +2,8 @@
 
 run.py calls transform_layer() for every layer step; it returns the converted roles and a JSON-able
 report (reconstruction errors when calibration data was given, the kv-head order when grouping by
-similarity or spreading retrieval kv heads, --keep-retrieval-heads). The errors are the relative reconstruction error of each source head's keys (values)
-on the calibration tokens, through the map the method folds into q_proj (o_proj): the calibrated
+similarity or spreading retrieval kv heads, --keep-retrieval-heads). The errors are the relative
+reconstruction error of each source head's keys (values) on the calibration tokens, through the map the method folds into q_proj (o_proj): the calibrated
 merge reports its own maps; every other method folds nothing, so its maps are the identity.
 """
 
