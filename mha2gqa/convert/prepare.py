@@ -44,7 +44,7 @@ from mha2gqa.convert.options import (
     flag_words,
 )
 from mha2gqa.convert.plan import Plan, make_plan
-from mha2gqa.convert.retrieval_keep import RETRIEVAL_WEIGHTED, validate_weight, keep_line
+from mha2gqa.convert.retrieval_keep import RETRIEVAL_WEIGHTED, keep_line, validate_weight
 from mha2gqa.convert.rope import validate_calibrated, validate_grouping, validate_refine_layout, validate_rotary_dims
 from mha2gqa.corpus import sampling
 from mha2gqa.corpus.probe import DOMAINS
