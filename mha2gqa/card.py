@@ -289,7 +289,7 @@ def _conversion_section(c: dict, config: dict) -> list[str]:
 
 def _validate_section(check: dict | None) -> list[str]:
     """What the conversion kept, as `convert`'s check measured it (convert/check.py), before any training."""
-    from mha2gqa.check_record import HEADERS, table_rows, title
+    from mha2gqa.check_record import HEADERS, retrieval_line, table_rows, title
 
     if not check:  # a conversion of before the check
         return []
@@ -305,6 +305,8 @@ def _validate_section(check: dict | None) -> list[str]:
     ]
     lines += [f"| {' | '.join(HEADERS)} |", "|" + "---|" * len(HEADERS), *rows, ""]
     lines += [f"**Verdict: {_text(check['verdict_line'])}.**", ""]
+    probe = retrieval_line(check)
+    lines += [_text(probe[0].upper() + probe[1:]) + ".", ""] if probe else []
     if check.get("next"):
         lines += ["Next, one of:" if len(check["next"]) > 1 else "Next:", "", "```bash", *check["next"], "```", ""]
     return lines

@@ -21,6 +21,22 @@ def table_rows(record: dict) -> list[list[str]]:
     ]
 
 
+def retrieval_line(record: dict) -> str | None:
+    """--check-retrieval's line: recall overall and per context length, SRC's beside it; None without the probe."""
+    found = record.get("retrieval")
+    if not found:
+        return None
+
+    def pair(x: dict) -> str:
+        return f"{100 * x['recall']:.0f}% (SRC {100 * x['reference_recall']:.0f}%)"
+
+    lengths = ", ".join(f"{x['length']:,} tokens {pair(x)}" for x in found["lengths"])
+    return (
+        f"retrieval probe: recall {pair(found)} over {found['items']} questions; by context length {lengths}; "
+        f"SRC's answer probability kept {found['answer_probability_kept']:.3g}"
+    )
+
+
 def _number(value, spec: str, unit: str = "") -> str:
     return "not finite" if value is None else f"{value:{spec}}{unit}"
 

@@ -1,4 +1,4 @@
-"""eval --retrieval: the probe's questions (eval/retrieval_items.py), their scoring (eval/retrieval.py), and the
+"""eval --retrieval: the probe's questions (scoring/retrieval_items.py), their scoring (scoring/retrieval.py), and the
 command that writes recall per length and depth beside the reference's."""
 
 import json
@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 from mha2gqa.cli import main as cli
 from mha2gqa.embedded import model_dir
 from mha2gqa.errors import InputError
-from mha2gqa.eval.retrieval import answer_scores, summarize
-from mha2gqa.eval.retrieval_items import TASKS, build_items, probe_grid
+from mha2gqa.scoring.retrieval import answer_scores, summarize
+from mha2gqa.scoring.retrieval_items import TASKS, build_items, probe_grid
 
 GRID = dict(lengths=(128, 384), depths=(0.0, 0.5, 1.0), samples=2)
 
@@ -191,7 +191,7 @@ def test_bad_retrieval_flags_are_one_line_and_exit_2_with_nothing_written(tiny_p
 def test_a_head_scores_where_its_strongest_attention_lands_on_the_copied_token():
     import torch
 
-    from mha2gqa.eval.retrieval_heads import copy_hits, heads_section
+    from mha2gqa.scoring.retrieval_heads import copy_hits, heads_section
 
     layers, heads, length = 2, 4, 12
     maps = torch.full((layers, heads, length, length), 1.0 / length)
@@ -215,7 +215,7 @@ def test_each_question_names_where_its_fact_answers(austen_tokenizer):
 
 
 def test_head_scores_run_under_eager_attention_and_switch_back(austen_tokenizer):
-    from mha2gqa.eval.retrieval_heads import head_scores
+    from mha2gqa.scoring.retrieval_heads import head_scores
 
     model = make_tiny_model(vocab_size=len(austen_tokenizer), max_position_embeddings=1024)
     model.set_attn_implementation("sdpa")

@@ -144,6 +144,8 @@ def convert(src, dst, plan_tensors, **flags):
             )
         click.echo("\n".join(lines))
         return
+    if result.retrieval_line:
+        click.echo(result.retrieval_line)
     if result.layers:
         click.echo(layer_table(result.layers))
     if result.refine:
@@ -155,11 +157,12 @@ def convert(src, dst, plan_tensors, **flags):
 def check_report(record: dict | None) -> str:
     """What the conversion kept (convert/check.py): the table, the verdict and the next commands; or why the
     check was skipped."""
-    from mha2gqa.check_record import HEADERS, table_rows, title
+    from mha2gqa.check_record import HEADERS, retrieval_line, table_rows, title
 
     if not record or "skipped" in record:
         return f"check: skipped ({(record or {}).get('skipped', 'not run')})"
     lines = [title(record), table(HEADERS, table_rows(record)), f"verdict: {record['verdict_line']}"]
+    lines += [line for line in [retrieval_line(record)] if line]
     for i, command in enumerate(record.get("next", [])):
         lines.append(f"{'next' if i == 0 else '  or'}: {command}")
     return "\n".join(lines)
@@ -177,11 +180,12 @@ def _written_line(verb: str, dst, tensors) -> str:
 
 def layer_table(layers: list[dict]) -> str:
     """Per-layer relative reconstruction errors of keys and values (and the kv order when regrouped)."""
-    headers = ["layer", "key error", "value error"] + (["kv order"] if "kv_order" in layers[0] else [])
+    regrouped = any("kv_order" in row for row in layers)  # --keep-retrieval-heads regroups some layers only
+    headers = ["layer", "key error", "value error"] + (["kv order"] if regrouped else [])
     rows = [
         [str(row["layer"])]
         + [f"{row.get(key, float('nan')):.4f}" for key in ("key_error", "value_error")]
-        + ([" ".join(map(str, row["kv_order"]))] if "kv_order" in row else [])
+        + ([" ".join(map(str, row.get("kv_order", []))) or "-"] if regrouped else [])
         for row in layers
     ]
     return table(headers, rows)

@@ -12,7 +12,16 @@ from mha2gqa.units import format_bytes
 
 COUNTS_FLAG, BUDGET_FLAG = "--kv-heads-per-layer", "--kv-budget"
 # The uniform pipeline's flags a per-layer conversion does not take: the merge is the mean, contiguous groups.
-_REFUSED = ("--groups", "--method", "--grouping", "--refine", "--dry-run")
+_REFUSED = (
+    "--groups",
+    "--method",
+    "--grouping",
+    "--refine",
+    "--dry-run",
+    "--keep-retrieval-heads",
+    "--retrieval-weight",
+    "--check-retrieval",
+)
 
 
 def convert_per_layer(src, dst, flags: dict) -> None:

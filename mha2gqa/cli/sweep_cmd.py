@@ -58,6 +58,7 @@ def _option(flag: str, *decls: str, **kwargs):
 @_option("--calibration-tokens", type=int)
 @_option("--tolerance")
 @_option("--keep", is_flag=True)
+@_option("--retrieval", is_flag=True)
 @_option("--seed")
 @_option("--force", is_flag=True)
 @_option("--resume", is_flag=True)
@@ -76,6 +77,7 @@ def sweep(
     calibration_tokens,
     tolerance,
     keep,
+    retrieval,
     seed,
     force,
     resume,
@@ -107,6 +109,7 @@ def sweep(
         calibration_tokens=calibration_tokens,
         tolerance=tolerance,
         keep=keep,
+        retrieval=retrieval,
         seed=seed,
         progress=not quiet,
         force=force,

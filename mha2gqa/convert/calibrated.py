@@ -148,8 +148,9 @@ def calibrated_layer(roles: dict, ctx) -> tuple[dict, dict]:
     device = gram.device  # the GPU when the statistics were loaded there: float64 d^3 work per layer
     k = augment(roles["k.weight"], roles.get("k.bias"), device)  # (n*hd, D)
     v = augment(roles["v.weight"], roles.get("v.bias"), device)
-    k_shared, k_maps = merge_keys(k, gram, ctx.groups, head_dim, ctx.stats.rotary_dims)
-    v_shared, v_maps = merge_values(v, gram, ctx.groups, head_dim)
+    weights = ctx.kv_weights()
+    k_shared, k_maps = _weighted(merge_keys, k, weights, gram, ctx.groups, head_dim, ctx.stats.rotary_dims)
+    v_shared, v_maps = _weighted(merge_values, v, weights, gram, ctx.groups, head_dim)
     out = dict(roles)
     _store(out, roles, "k", k_shared)
     _store(out, roles, "v", v_shared)
@@ -160,6 +161,17 @@ def calibrated_layer(roles: dict, ctx) -> tuple[dict, dict]:
         "value_error": relative_error(v, v_shared, v_maps, gram),
     }
     return out, report
+
+
+def _weighted(merge, w: torch.Tensor, weights: torch.Tensor | None, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge` minimising sum_j weights[j] x head j's error (--keep-retrieval-heads), or the plain one: the
+    weighted problem is the plain one on heads scaled by sqrt(weights[j]), whose maps are then divided by it."""
+    if weights is None:
+        return merge(w, *args)
+    root = weights.to(w.device, torch.float64).sqrt()  # (n,)
+    n = root.shape[0]
+    shared, maps = merge((w.reshape(n, -1, w.shape[-1]) * root[:, None, None]).reshape(w.shape), *args)
+    return shared, maps / root[:, None, None]
 
 
 def _store(out: dict, roles: dict, part: str, augmented: torch.Tensor) -> None:

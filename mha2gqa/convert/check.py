@@ -44,13 +44,18 @@ class CheckPlan:
     skip: str | None = None  # why it will not run; None: it runs
     parts: tuple = ()  # its work (estimates.check_parts), which the estimate adds
     device: str = "cpu"  # where both models are scored: the plan's decision, never asked again at run time
+    retrieval: bool = (
+        False  # --check-retrieval: eval's retrieval probe on both models too (check_run.retrieval_section)
+    )
 
     def describe(self) -> str:
         if self.skip:
             return f"check: skipped ({self.skip})"
+        probe = "; the retrieval probe's recall per context length, DST beside the parent" if self.retrieval else ""
         return (
             f"check: the parent and DST scored on the first {self.tokens} tokens of each probe domain "
             f"({', '.join(self.domains)}): perplexity ratio, KL and top-1 agreement, a verdict and the next step"
+            + probe
         )
 
 

@@ -91,6 +91,10 @@ def run_check(src: Path, dst: Path, plan: CheckPlan, progress: bool = True, pare
     finally:
         bar.close()  # before a skip's warning line, not under it
     found = verdict({name: row["ratio"] for name, row in domains.items()})
+    retrieval = None
+    if plan.retrieval:
+        with _step("the retrieval probe"):
+            retrieval = retrieval_section(src, dst, dtype, device, parent_model)
     return {
         "tokens_per_domain": plan.tokens,
         "window": plan.window,
@@ -101,7 +105,37 @@ def run_check(src: Path, dst: Path, plan: CheckPlan, progress: bool = True, pare
         "verdict": found.kind,
         "verdict_line": found.line,
         "lossy": list(found.lossy),
+        **({"retrieval": retrieval} if retrieval is not None else {}),
         "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+RETRIEVAL_SEED = 0  # eval's default --seed: the check asks eval's questions, so its recall is eval --retrieval's
+_RETRIEVAL_KEYS = ("items", "recall", "reference_recall", "answer_probability_kept")
+
+
+def retrieval_section(src: Path, dst: Path, dtype, device: str, parent_model=None) -> dict:
+    """--check-retrieval: eval's retrieval probe at its defaults (scoring/retrieval*.py) on DST beside SRC, the
+    same questions for both: recall overall and per context length, and SRC's answer probability kept."""
+    from transformers import AutoTokenizer
+
+    from mha2gqa.loading import load_causal_lm
+    from mha2gqa.scoring.retrieval import answer_scores, summarize
+    from mha2gqa.scoring.retrieval_items import build_items, probe_grid
+
+    tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
+    grid = probe_grid(None, None, None, RETRIEVAL_SEED, read_config(src).get("max_position_embeddings"))
+    items = build_items(tokenizer, grid)
+    parent = parent_model or load_causal_lm(src, "SRC", progress=False, dtype=dtype)
+    theirs = answer_scores(parent.to(device).eval(), items, device)
+    del parent
+    child = load_causal_lm(dst, "the converted model", progress=False, dtype=dtype).to(device).eval()
+    found = summarize(grid, items, answer_scores(child, items, device), theirs)
+    return {
+        **{key: found[key] for key in _RETRIEVAL_KEYS},
+        "lengths": [{"length": x["length"], **{key: x[key] for key in _RETRIEVAL_KEYS}} for x in found["lengths"]],
+        "grid": found["grid"],
+        "seed": found["seed"],
     }
 
 

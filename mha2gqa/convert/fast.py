@@ -55,6 +55,8 @@ def request_refusal(options: ConvertOptions, config: dict, calibrated: bool | No
         calibrated = options.calibration is not None
     if calibrated or options.refine is not None or options.grouping != Grouping.CONTIGUOUS:
         return "calibration, refine or similarity grouping"
+    if options.keep_retrieval_heads:
+        return "--keep-retrieval-heads scores SRC's heads"
     if config.get("model_type") not in LAYOUTS:
         return f"model_type {config.get('model_type')!r} has no explicit layout (generic or retargeted)"
     return None

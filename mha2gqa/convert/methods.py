@@ -24,6 +24,16 @@ class LayerContext:
     layer: int
     seed: int = 0
     stats: object = None  # calibration statistics of this layer, for methods that use them
+    # --keep-retrieval-heads: (kv_heads,) each source kv head's retrieval mass (retrieval_keep.py), None for a layer
+    # without retrieval heads; the merge weighs kv head j by 1 + retrieval_weight x masses[j]
+    retrieval_masses: torch.Tensor | None = None
+    retrieval_weight: float = 0.0
+
+    def kv_weights(self) -> torch.Tensor | None:
+        """(kv_heads,) float64 weights of the source kv heads in their group's merge; None: all equal."""
+        if self.retrieval_masses is None or self.retrieval_weight == 0:
+            return None
+        return 1.0 + self.retrieval_weight * self.retrieval_masses.double()
 
 
 def group_heads(rows: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
@@ -61,9 +71,20 @@ def group_mean(grouped: torch.Tensor) -> torch.Tensor:
     return total.div_(grouped.shape[1])
 
 
+def group_weighted_mean(grouped: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(G, r, ...), (G*r,) -> (G, ...) in fp32: each group's heads averaged with their weights."""
+    w = weights.to(torch.float32).reshape(grouped.shape[0], grouped.shape[1])  # (G, r)
+    w = w / w.sum(1, keepdim=True)
+    return torch.einsum("gr,gr...->g...", w, grouped.float())
+
+
 def mean_layer(roles: dict, ctx: LayerContext) -> dict:
-    """Ainslie et al. 2023: each group's K/V projections (and biases, key norms) are averaged."""
-    return _reduce_kv(roles, ctx, lambda grouped, role: group_mean(grouped))
+    """Ainslie et al. 2023: each group's K/V projections (and biases, key norms) are averaged; with
+    --keep-retrieval-heads, the kv heads retrieval heads read weigh more (ctx.kv_weights)."""
+    weights = ctx.kv_weights()
+    if weights is None:
+        return _reduce_kv(roles, ctx, lambda grouped, role: group_mean(grouped))
+    return _reduce_kv(roles, ctx, lambda grouped, role: group_weighted_mean(grouped, weights))
 
 
 def first_layer(roles: dict, ctx: LayerContext) -> dict:

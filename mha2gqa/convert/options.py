@@ -246,6 +246,20 @@ class ConvertOptions:
     not usable without uptraining) and the next command; kept in mha2gqa.json and on the card. SRC's numbers
     are cached per SRC (MHA2GQA_CACHE, else ~/.cache/mha2gqa). Skipped with one line where SRC has no
     tokenizer, or on a CPU where it would take over 2 minutes (a model over about 1B parameters)."""
+    check_retrieval: bool = False
+    """The check also runs eval's retrieval probe (eval --retrieval at its defaults: a fact far back in contexts of
+    128 to 2,048 tokens, 24 questions a length) on SRC and DST: recall per length beside SRC's, and the share of
+    SRC's answer probability kept, in mha2gqa.json and the terminal. Perplexity does not see the heads that copy from
+    far back. Its forwards (about 33,000 tokens a model for a 2,048-token context) are not in the check's estimate."""
+    keep_retrieval_heads: bool = False
+    """Find SRC's retrieval heads (query heads that copy a fact from far back: scored on 48 retrieval-probe questions
+    of 128 and 512 tokens over an embedded novel, eager attention) and keep the kv heads they read: each weighs 1 +
+    --retrieval-weight x its heads' scores in its group's merge (mean, mean-norm, calibrated), and with several groups
+    such kv heads go to different groups where there are enough. Recorded in mha2gqa.json (retrieval_heads);
+    measured in docs/eval.md "Keeping retrieval heads"."""
+    retrieval_weight: float | None = None
+    """With --keep-retrieval-heads: how much a retrieval head's score adds to its kv head's weight in the merge
+    (0: spread only). Unset: 8."""
     kv_heads_per_layer: str | None = None
     """One kv-head count per layer, comma-separated (e.g. 4,2,2,1), each a divisor of the source's kv heads,
     instead of --groups: mean-pooled layer by layer and written as a Nemotron-NAS (DeciLM) checkpoint
@@ -359,6 +373,9 @@ CONVERT_FLAGS: tuple[Flag, ...] = (
     Flag("--calibration-memory", size=True),
     Flag("--grouping"),
     Flag("--check", changes_output=False),
+    Flag("--check-retrieval", changes_output=False),
+    Flag("--keep-retrieval-heads"),
+    Flag("--retrieval-weight", type=float),
     Flag("--kv-heads-per-layer", type=str, metavar="COUNTS"),
     Flag("--kv-budget", type=str, metavar="X"),
     Flag("--refine"),

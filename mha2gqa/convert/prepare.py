@@ -44,6 +44,7 @@ from mha2gqa.convert.options import (
     flag_words,
 )
 from mha2gqa.convert.plan import Plan, make_plan
+from mha2gqa.convert.retrieval_keep import RETRIEVAL_WEIGHTED, keep_line, validate_weight
 from mha2gqa.convert.rope import validate_calibrated, validate_grouping, validate_refine_layout, validate_rotary_dims
 from mha2gqa.corpus import sampling
 from mha2gqa.corpus.probe import DOMAINS
@@ -229,6 +230,7 @@ def prepare(src, options: ConvertOptions, stats=None, resolved: CalibrationInput
     validate_groups(shape, options.groups)
     validate_target(config, options.groups)
     _validate_calibration_needs(options, config)
+    _validate_keep_retrieval(options, source)
     calibration = _calibration_input(options, stats, config, source, resolved)
     options, decided = decide(options, calibration is not None)  # the machine's part, once (decide.py)
     calibrated = calibration is not None or stats is not None
@@ -243,7 +245,9 @@ def prepare(src, options: ConvertOptions, stats=None, resolved: CalibrationInput
         options.groups,
         options.method.value,
         OUT_DTYPES.get(options.dtype),
-        route_query_output=options.method.rewrites_query_output or options.grouping != Grouping.CONTIGUOUS,
+        route_query_output=options.method.rewrites_query_output
+        or options.grouping != Grouping.CONTIGUOUS
+        or options.keep_retrieval_heads,  # its kv heads may move with their query heads
     )
     torch_reason = fast.request_refusal(options, config, calibrated) or fast.plan_refusal(tensors, checkpoint.tensors)
     plan = ConversionPlan(
@@ -265,6 +269,25 @@ def prepare(src, options: ConvertOptions, stats=None, resolved: CalibrationInput
     )
     _estimate(plan, calibration.tokens if calibration is not None else stats.tokens if stats is not None else 0)
     return plan
+
+
+def _validate_keep_retrieval(options: ConvertOptions, source: Path) -> None:
+    """--keep-retrieval-heads: a merge that takes weights, and the tokenizer its questions are written with."""
+    validate_weight(options.keep_retrieval_heads, options.retrieval_weight)
+    if options.check_retrieval and not options.check:
+        raise InputError("--check-retrieval is part of the check, and --no-check turns it off: drop one of them")
+    if not options.keep_retrieval_heads:
+        return
+    if options.method not in RETRIEVAL_WEIGHTED:
+        raise InputError(
+            f"--keep-retrieval-heads weighs kv heads in a merge, and --method {options.method} does not weigh: use "
+            f"--method {' or '.join(RETRIEVAL_WEIGHTED)}, or leave --keep-retrieval-heads out"
+        )
+    if not any((source / name).is_file() for name in TOKENIZER_FILES):
+        raise InputError(
+            f"--keep-retrieval-heads writes its questions with the source's tokenizer, and {source} has none: copy "
+            "the tokenizer files into it"
+        )
 
 
 def _validate_calibration_needs(options: ConvertOptions, config: dict) -> None:
@@ -341,6 +364,8 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int) -> None:
     merge = (
         f"{options.method} over groups of {r} kv heads, {options.grouping} grouping, {shape.layers} layers ({executor})"
     )
+    if options.keep_retrieval_heads:
+        merge += "; " + keep_line(options, r)
     if options.refine is None:
         stages.append(Stage(CONVERT.merge.name, merge + f"; {len(tensors.output_tensors())} tensors streamed into DST"))
     else:
@@ -372,7 +397,8 @@ def _plan_check(plan: ConversionPlan, params: int) -> CheckPlan:
     # The device a stage already decided for the parent (decide.py), else the driver's word without torch: a plain
     # conversion's start stays torch-free, and a wrong guess only makes the check a recorded skip.
     device = plan.decided.device or ("cuda" if machine.cuda_visible() else "cpu")
-    return plan_check(plan.config, params, plan.options.check, seconds, device, parts)
+    found = plan_check(plan.config, params, plan.options.check, seconds, device, parts)
+    return replace(found, retrieval=plan.options.check_retrieval)
 
 
 def _sample_stage(calibration: CalibrationInput, params: int, batch: int) -> Stage:

@@ -44,6 +44,8 @@ class ConversionResult:
     plan: ConversionPlan | None = None  # the checked request and its stages (what --dry-run prints)
     check: dict | None = None  # what the conversion kept (convert/check.py), or {"skipped": why}
     checked: str | None = None  # a dry run: what it checked at DST (the run's checks before its first byte)
+    retrieval_heads: dict | None = None  # --keep-retrieval-heads: SRC's heads found (retrieval_keep.KeptHeads.record)
+    retrieval_line: str | None = None  # and its line for the terminal
 
 
 def validate_destination_outside(src: Path, dst: Path, force: bool) -> None:
@@ -149,12 +151,12 @@ def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult
             import_torch()
             clock.stage(CONVERT.load.name)
         clock.begin(lambda: estimate(plan))  # once DST is claimed: a refusal of it stays one line
-        layers, refined, stats, parent = [], None, plan.stats, None
+        layers, refined, stats, parent, kept = [], None, plan.stats, None, None
         if plan.torch_reason is None:
             clock.stage(CONVERT.merge.name)
             fast.write_tensors(plan.checkpoint, plan.tensors, tmp, plan.shard_bytes, options.progress)
         else:
-            layers, refined, stats, parent = _run_torch(plan, tmp, Path(scratch), clock)
+            layers, refined, stats, parent, kept = _run_torch(plan, tmp, Path(scratch), clock)
         copy_validated_files(plan.copied, source, tmp)
         _write_config(plan.config, options.groups, options.dtype, tmp)
         checked = _check(plan, tmp, dst, parent, clock)
@@ -162,6 +164,7 @@ def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult
         clock.stage(CONVERT.metadata.name)
         extra = {
             "grouping": options.grouping.value,
+            "retrieval_heads": kept.record() if kept else None,
             "calibration": stats.record if stats else None,
             "layers": layers,
             "refine": refined,
@@ -176,7 +179,8 @@ def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult
         _write_provenance(source, plan.config, plan.tensors, options.seed, options.dtype, tmp, extra)
         write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
     clock.finish()
-    return ConversionResult(plan.tensors, dst, source, layers, refined, plan, checked)
+    found = (kept.record(), kept.summary_line()) if kept else (None, None)
+    return ConversionResult(plan.tensors, dst, source, layers, refined, plan, checked, None, *found)
 
 
 def _kept_for_check(plan: ConversionPlan, parent):
@@ -219,7 +223,7 @@ def _torch_threads(plan: ConversionPlan) -> int | None:
 def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOCK):
     """The torch stages: the calibration ids read once, the parent loaded once (for the statistics and for
     refine), the merge, refine, and the one writer pass. Returns (per-layer merge report, refine record,
-    statistics)."""
+    statistics, the parent kept for the check, SRC's retrieval heads with --keep-retrieval-heads)."""
     import_torch()  # first, with interrupts held: a signal during torch's start-up would abort
     from mha2gqa.convert import calibration
 
@@ -233,6 +237,11 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
             if plan.calibration.sampled_tokens:
                 clock.stage(CONVERT.sample.name)
             ids, record = calibration.read_ids(plan.source, plan.calibration, parent, options.seed, options.progress)
+    kept = None
+    if options.keep_retrieval_heads:  # scored before the merge it weighs; the parent is loaded once
+        if parent is None:
+            parent = calibration.load_source_model(plan.source, plan.decided.device, progress=options.progress)
+        kept = _retrieval_heads(plan, parent)
     if plan.gathers_statistics:
         clock.stage(CONVERT.calibrate.name)
         stats = calibration.gather(
@@ -250,11 +259,11 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
     if plan.refine is None:
         parent = _kept_for_check(plan, parent)  # the merge needs one layer at a time, not the model
         clock.stage(CONVERT.merge.name)
-        return _write_tensors(plan, out_dir, stats), None, stats, parent
+        return _write_tensors(plan, out_dir, stats, kept=kept), None, stats, parent, kept
     from mha2gqa.convert.refine import refine_attention
 
     clock.stage(CONVERT.refine.name)
-    merged, layers = _merge(plan, stats)
+    merged, layers = _merge(plan, stats, kept)
     refined, record = refine_attention(
         parent,
         plan.layout,
@@ -273,10 +282,23 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
     parent = _kept_for_check(plan, parent)
     clock.stage(CONVERT.write.name)
     _write_tensors(plan, out_dir, stats, computed=refined)
-    return layers, record, stats, parent
+    return layers, record, stats, parent, kept
 
 
-def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: dict | None = None) -> list[dict]:
+def _retrieval_heads(plan: ConversionPlan, parent):
+    """SRC's retrieval heads (convert/retrieval_keep.py), scored on questions written with SRC's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from mha2gqa.convert.retrieval_keep import score_parent, weight_of
+
+    tokenizer = AutoTokenizer.from_pretrained(plan.source, trust_remote_code=False)
+    options = plan.options
+    return score_parent(parent, tokenizer, options.groups, weight_of(options), options.seed, options.progress)
+
+
+def _write_tensors(
+    plan: ConversionPlan, out_dir: Path, stats=None, computed: dict | None = None, kept=None
+) -> list[dict]:
     """The torch executor's one writer pass, every method, grouping and layout: each step of the plan in
     order, a layer merged as it comes. `computed`: tensors made before the pass (refined attention, by
     checkpoint name), written as they are. Returns the per-layer merge report."""
@@ -302,7 +324,7 @@ def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: di
                 else:
                     writer.write_tensor(out.name, cast_to_output(checkpoint.load(info.name), out))
             else:
-                merged, report = _merge_layer(plan, step, stats)
+                merged, report = _merge_layer(plan, step, stats, kept)
                 for out in step.outputs:
                     writer.write_tensor(out.name, merged[out.name])
                 if report:
@@ -312,13 +334,13 @@ def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: di
     return _by_layer(layers)
 
 
-def _merge(plan: ConversionPlan, stats) -> tuple[dict, list[dict]]:
+def _merge(plan: ConversionPlan, stats, kept=None) -> tuple[dict, list[dict]]:
     """Every layer's merged attention tensors (checkpoint name -> tensor in its output dtype), held for
     refine, and the per-layer merge report."""
     merged, layers = {}, []
     for step in plan.tensors.steps:
         if step.is_transform:
-            tensors, report = _merge_layer(plan, step, stats)
+            tensors, report = _merge_layer(plan, step, stats, kept)
             merged.update(tensors)
             if report:
                 layers.append({"layer": step.layer, **report})
@@ -329,7 +351,7 @@ def _by_layer(layers: list[dict]) -> list[dict]:
     return sorted(layers, key=lambda row: row["layer"])  # steps follow file order: "layers.10" before "layers.2"
 
 
-def _merge_layer(plan: ConversionPlan, step, stats) -> tuple[dict, dict]:
+def _merge_layer(plan: ConversionPlan, step, stats, kept=None) -> tuple[dict, dict]:
     """One layer's attention tensors read and transformed: (output name -> tensor in its output dtype,
     report). A function of its own so that the layer's source tensors are freed before the next layer
     is read (memory stays at one layer's K/V)."""
@@ -338,7 +360,16 @@ def _merge_layer(plan: ConversionPlan, step, stats) -> tuple[dict, dict]:
 
     options, shape = plan.options, plan.shape
     stored = {role: plan.checkpoint.load(name) for role, name in step.sources.items()}
-    context = LayerContext(shape, options.groups, step.layer, options.seed, stats and stats.layer(step.layer))
+    masses = kept.masses(step.layer) if kept is not None else None
+    context = LayerContext(
+        shape,
+        options.groups,
+        step.layer,
+        options.seed,
+        stats and stats.layer(step.layer),
+        retrieval_masses=masses if masses is not None and bool((masses > 0).any()) else None,
+        retrieval_weight=kept.weight if kept is not None else 0.0,
+    )
     source_roles = unpack(stored, shape)
     _warn_non_finite(source_roles, step.sources, step.layer)
     roles, report = transform_layer(METHODS[options.method], source_roles, context, options.grouping)

@@ -237,7 +237,7 @@ class EvalWork:
     texts: dict  # {domain: (forward tokens, scored tokens)} from the windows
     speed_points: int  # decode-speed grid points (x2 timed side by side)
     lm_eval_examples: int | None = None
-    retrieval_tokens: int = 0  # tokens one model forwards over the retrieval probe (eval/retrieval_items.py)
+    retrieval_tokens: int = 0  # tokens one model forwards over the retrieval probe (scoring/retrieval_items.py)
     retrieval_head_tokens: int = 0  # of those, the ones forwarded again for the heads' scores (the model alone)
     attention_tokens: int = 0  # of --attention-maps' text, forwarded through the model and the reference
 

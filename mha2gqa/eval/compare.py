@@ -91,9 +91,10 @@ def _values(table: metrics.Table, entries: list[metrics.Metric]) -> list[dict]:
 
 
 def row_against(result: dict, baseline: dict) -> dict:
-    """The main table's metrics (metrics.METRICS) of `result` against `baseline`, by name: the second row of a
-    report of the two, without a speed point or lineage (a sweep's candidate against its parent)."""
-    return _values(metrics.Table([baseline, result], 0, None, [None, None]), metrics.METRICS)[1]
+    """The main table's metrics (metrics.METRICS, and the retrieval probe's where it ran) of `result` against
+    `baseline`, by name: the second row of a report of the two, without a speed point or lineage (a sweep's
+    candidate against its parent)."""
+    return _values(metrics.Table([baseline, result], 0, None, [None, None]), metrics.METRICS + metrics.RETRIEVAL)[1]
 
 
 def recovery_notes(results: list[dict], starts: list[lineage.Start | None]) -> list[str]:

@@ -125,7 +125,7 @@ def _quality(run: Loaded) -> dict:
 
 
 def _validate_retrieval(o: EvalOptions) -> None:
-    from mha2gqa.eval.retrieval_items import validate_values
+    from mha2gqa.scoring.retrieval_items import validate_values
 
     validate_values(o.retrieval_lengths, o.retrieval_depths, o.retrieval_samples)
     given = (("--retrieval-lengths", o.retrieval_lengths), ("--retrieval-depths", o.retrieval_depths))
@@ -136,15 +136,15 @@ def _validate_retrieval(o: EvalOptions) -> None:
 
 def retrieval_grid(o: EvalOptions, config):
     """The probe's grid for a model of this config (its lengths checked against its max positions)."""
-    from mha2gqa.eval.retrieval_items import probe_grid
+    from mha2gqa.scoring.retrieval_items import probe_grid
 
     max_positions = getattr(config, "max_position_embeddings", None)
     return probe_grid(o.retrieval_lengths, o.retrieval_depths, o.retrieval_samples, o.seed, max_positions)
 
 
 def _retrieval(run: Loaded) -> dict:
-    from mha2gqa.eval.retrieval import answer_scores, summarize
-    from mha2gqa.eval.retrieval_items import build_items
+    from mha2gqa.scoring.retrieval import answer_scores, summarize
+    from mha2gqa.scoring.retrieval_items import build_items
 
     grid = retrieval_grid(run.options, run.model.config)
     items = build_items(run.tokenizer, grid)
@@ -161,8 +161,8 @@ def _retrieval(run: Loaded) -> dict:
 
 
 def _retrieval_heads(run: Loaded, items, bar) -> dict | None:
-    """The model's retrieval heads on the questions short enough to hold every attention map (eval/retrieval_heads.py)."""
-    from mha2gqa.eval.retrieval_heads import MAX_LENGTH, head_scores, heads_section
+    """The model's retrieval heads on the questions short enough to hold every attention map (scoring/retrieval_heads.py)."""
+    from mha2gqa.scoring.retrieval_heads import MAX_LENGTH, head_scores, heads_section
 
     scores = head_scores(run.model, items, run.device, bar)
     questions = sum(i.length <= MAX_LENGTH for i in items)

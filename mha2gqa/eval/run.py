@@ -23,9 +23,9 @@ from mha2gqa.eval import model as M
 from mha2gqa.eval.data import load_eval_text
 from mha2gqa.eval.measurements import Loaded, retrieval_grid, speed_grid, validate_all, validate_tokenizer
 from mha2gqa.eval.options import EvalOptions
-from mha2gqa.eval.retrieval_heads import MAX_LENGTH as HEADS_MAX_LENGTH
 from mha2gqa.eval.schema import SCHEMA, write_result
 from mha2gqa.scoring import perplexity as P
+from mha2gqa.scoring.retrieval_heads import MAX_LENGTH as HEADS_MAX_LENGTH
 from mha2gqa.sources import require_safetensors, resolve_model_dir
 
 DEFAULT_CONTEXT = 1024
@@ -117,7 +117,7 @@ def _inputs(model_path, o: EvalOptions) -> _Inputs:
     if grid:
         speed.validate_grid_fits(grid, getattr(config, "max_position_embeddings", None))
     if o.retrieval:  # its lengths within the model's positions, and its questions within its lengths
-        from mha2gqa.eval.retrieval_items import build_items
+        from mha2gqa.scoring.retrieval_items import build_items
 
         build_items(tok, retrieval_grid(o, config))
     texts = {name: _text(o, path, tok) for name, path in (o.domains or {}).items()}
@@ -162,7 +162,7 @@ def eval_estimate(found: _Inputs, o: EvalOptions):
 
 
 def _heads_maps_bytes(config, probe, element: int) -> int:
-    """The attention maps of every layer that the retrieval heads' scores hold at once (eval/retrieval_heads.py)."""
+    """The attention maps of every layer that the retrieval heads' scores hold at once (scoring/retrieval_heads.py)."""
     held = max([n for n in probe.lengths if n <= HEADS_MAX_LENGTH], default=0)
     return config.num_hidden_layers * config.num_attention_heads * held * held * element
 

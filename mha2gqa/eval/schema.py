@@ -21,7 +21,7 @@ Top-level keys (sections that were not measured are null):
                   and beside --reference reference_recall, reference_answer_logprob, answer_probability_kept;
                   the same numbers per task (tasks: {needle, kv}), per length (lengths: [{length, ...}]) and per
                   cell (cells: [{task, length, depth, ...}]); grid {lengths, depths, samples}, seed, haystack
-                  (eval/retrieval.py)
+                  (scoring/retrieval.py)
   kv_cache        formula_bytes_per_token, measured_bytes_per_token, match, cached_heads, ...
   speed           grid, points: [{batch, context, new_tokens, tokens_per_s, peak_memory_bytes, ...}];
                   since 2026-12 decode_path: {name, cache, attention, copied_per_step, steps} (eval/decode_path.py)

@@ -105,6 +105,7 @@ def eval_options(options: SweepOptions, label: str, role: str, reference: Path |
         role=role,
         label=label,
         seed=options.seed,
+        retrieval=options.retrieval,
         progress=False,
     )
 
@@ -179,7 +180,7 @@ def metric_values(result: dict, parent: dict) -> dict:
     row = compare.row_against(result, parent)
     return {
         m.name: row[m.name]
-        for m in metrics.METRICS
+        for m in metrics.METRICS + metrics.RETRIEVAL  # the probe's columns have values only with --retrieval
         if m.column and m.name not in OWN_COLUMNS and row[m.name] is not None
     }
 

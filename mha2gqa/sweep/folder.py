@@ -26,7 +26,7 @@ SCRATCH = ".sweep-"  # OUT/.sweep-PID: the statistics and temporary models of a 
 # What a sweep writes into OUT (run_folder's rule: anything else there is the user's and is refused).
 RUN_ENTRIES = frozenset({"sweep.json", "sweep.md", "sweep.html", QUALITY_PNG, SENSITIVITY_PNG, "models", SCRATCH + "*"})
 # Settings that change a candidate's numbers: a resumed sweep must have the same ones.
-SAME_ON_RESUME = ("calibration", "data", "refine", "max_tokens", "calibration_tokens", "seed")
+SAME_ON_RESUME = ("calibration", "data", "refine", "max_tokens", "calibration_tokens", "seed", "retrieval")
 
 
 def bytes_needed(plans: dict, shape: AttentionShape, keep: bool) -> int:
@@ -108,6 +108,8 @@ def earlier_sweep(out: Path, record: dict) -> dict:
         recorded = found["settings"].get(key)
         if key == "refine" and isinstance(recorded, dict):  # a sweep.json from before a refine field retired
             recorded = current_refine_fields(recorded)
+        if key == "retrieval" and recorded is None:  # a sweep.json from before --retrieval: it ran without
+            recorded = False
         if recorded != json.loads(jsontext.dumps(record["settings"][key])):
             flag = "--" + key.replace("_", "-")
             raise InputError(

@@ -59,6 +59,10 @@ class SweepOptions:
     keep: bool = False
     """Keep every converted model in OUT/models/ (default: each is written to a temporary directory inside
     OUT and removed once evaluated)."""
+    retrieval: bool = False
+    """Also run eval's retrieval probe (eval --retrieval, its default grid: a fact far back in contexts of 128 to
+    2,048 tokens) on the parent and every candidate: the retrieval recall and answer probability kept columns, and
+    recall per length in the result each row keeps. Perplexity does not see the heads that copy from far back."""
     seed: int = 0
     """Seed of the conversions (random method, --refine's split) and of the evaluations."""
     progress: bool = True

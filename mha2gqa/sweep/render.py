@@ -58,7 +58,7 @@ def metric_columns(rows: list[dict]) -> list:
     """Every main metric with a column (METRICS) that a row has a value for, in the report's order, the KV
     bytes of a whole sequence beside those of a token."""
     found = []
-    for metric in metrics.METRICS:
+    for metric in metrics.METRICS + metrics.RETRIEVAL:
         if metric.column and metric.name not in OWN_COLUMNS and any(r.get(metric.name) is not None for r in rows):
             found.append(_metric_column(metric))
             if metric.name == "kv_bytes_per_token":
