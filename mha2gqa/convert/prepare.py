@@ -69,11 +69,17 @@ from mha2gqa.units import format_bytes, parse_size
 
 NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME, config_file.CONFIG_NAME}  # written anew, not copied
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
 REFINE_BUFFERS = 4  # (tokens, hidden) float32 buffers refine holds for one layer (refine.BUFFERS)
 # Resident memory of the process before any tensor (measured with /usr/bin/time -v on the 2-core
 # development machine: numpy executor 46 MiB peak for a whole 21 MiB conversion; python + torch +
 # transformers + accelerate imported, 248 MiB).
 RUNTIME_BYTES = {"numpy": 48 << 20, "torch": 256 << 20}
+
+
+def has_tokenizer(source: Path) -> bool:
+    """Whether SRC ships a tokenizer (what calibration, the check and the retrieval questions read text with)."""
+    return any((source / name).is_file() for name in TOKENIZER_FILES)
 
 
 @dataclass(frozen=True)
@@ -283,7 +289,7 @@ def _validate_keep_retrieval(options: ConvertOptions, source: Path) -> None:
             f"--keep-retrieval-heads weighs kv heads in a merge, and --method {options.method} does not weigh: use "
             f"--method {' or '.join(RETRIEVAL_WEIGHTED)}, or leave --keep-retrieval-heads out"
         )
-    if not any((source / name).is_file() for name in TOKENIZER_FILES):
+    if not has_tokenizer(source):
         raise InputError(
             f"--keep-retrieval-heads writes its questions with the source's tokenizer, and {source} has none: copy "
             "the tokenizer files into it"
@@ -329,7 +335,7 @@ def _calibration_input(
             f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {calibration.tokens} tokens): "
             f"raise --calibration-tokens to {2 * seq_len} or more"
         )
-    if not any((source / name).is_file() for name in TOKENIZER_FILES):
+    if not has_tokenizer(source):
         raise InputError(
             f"--calibration needs the source's tokenizer, and {source} has none: copy the tokenizer files into it"
         )
@@ -388,7 +394,7 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int) -> None:
 
 
 def _plan_check(plan: ConversionPlan, params: int) -> CheckPlan:
-    if not any((plan.source / name).is_file() for name in TOKENIZER_FILES):
+    if not has_tokenizer(plan.source):
         return CheckPlan(0, 0, (), 0.0, "SRC has no tokenizer to read the probe texts with")
     vocab = plan.config.get("vocab_size") or 0
     cached = parent_cached(plan.source)
