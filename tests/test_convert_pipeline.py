@@ -164,6 +164,8 @@ NON_DEFAULT = {  # flag: (convert keywords, RefineOptions keywords or None)
     "--calibration-tokens": (dict(REFINE, calibration_tokens=768), None),
     "--calibration-memory": (dict(REFINE, calibration_memory="100KiB"), None),
     "--grouping": (dict(grouping="similarity", **CAL), None),
+    "--keep-retrieval-heads": (dict(keep_retrieval_heads=True), None),
+    "--retrieval-weight": (dict(keep_retrieval_heads=True, retrieval_weight=2.0), None),
     "--refine": (REFINE, {}),
     "--refine-steps": (REFINE, dict(steps=2)),
     "--refine-lr": (REFINE, dict(lr=3e-3)),
@@ -189,8 +191,23 @@ def test_every_flag_that_changes_the_output_has_a_reproduce_case():
     ]
 
 
+# the retrieval questions need a context longer than tiny_src's 64 tokens (their shortest: 148 with its tokenizer)
+LONG_CONTEXT = ("--keep-retrieval-heads", "--retrieval-weight")
+
+
+@pytest.fixture(scope="module")
+def long_src(tmp_path_factory):
+    from tiny_models import make_tiny_tokenizer, save_tiny_model
+
+    src = tmp_path_factory.mktemp("long") / "llama"
+    save_tiny_model(src, "llama", max_position_embeddings=512)
+    make_tiny_tokenizer(src)
+    return src
+
+
 @pytest.mark.parametrize("flag", list(NON_DEFAULT))
-def test_the_cards_reproduce_command_makes_the_same_checkpoint(tmp_path, tiny_src, calibration_file, flag):
+def test_the_cards_reproduce_command_makes_the_same_checkpoint(tmp_path, request, calibration_file, flag):
+    tiny_src = request.getfixturevalue("long_src" if flag in LONG_CONTEXT else "tiny_src")
     kwargs, refine = NON_DEFAULT[flag]
     kwargs = {key: calibration_file if value == "CAL" else value for key, value in kwargs.items()}
     groups = kwargs.pop("groups", 2)

@@ -35,6 +35,11 @@ def _counts(text: str | None) -> tuple[int, ...] | None:
         raise InputError(f"--groups {text!r} must be comma-separated whole numbers, e.g. 4,2,1") from None
 
 
+def _budgets(text: str | None) -> tuple[str, ...] | None:
+    names = _names(text, "--kv-budgets", "0.5,0.75")
+    return tuple(names) if names else None
+
+
 def _option(flag: str, *decls: str, **kwargs):
     """The option that sets a SweepOptions field: its default and help are the field's."""
     return field_option(SweepOptions, flag, *decls, **kwargs)
@@ -52,7 +57,7 @@ def _option(flag: str, *decls: str, **kwargs):
 @_option("--out", required=True, type=click.Path(file_okay=False))
 @_option("--groups", "-g")
 @_option("--methods", choices=METHOD_SUMMARIES)
-@_option("--kv-budgets", metavar="X,Y", default=None)
+@_option("--kv-budgets", metavar="X,Y")
 @click.option("--refine", is_flag=True, help=option_help(SweepOptions, "refine"))
 @_option("--max-tokens", type=TokenCount())
 @_option("--calibration-tokens", type=int)
@@ -103,7 +108,7 @@ def sweep(
         out=out,
         groups=_counts(groups),
         methods=tuple(_names(methods, "--methods", "mean,calibrated") or SweepOptions.methods),
-        kv_budgets=tuple(_names(kv_budgets, "--kv-budgets", "0.5,0.75") or ()),
+        kv_budgets=_budgets(kv_budgets),
         refine=RefineOptions(seed=seed) if refine else None,
         max_tokens=max_tokens,
         calibration_tokens=calibration_tokens,

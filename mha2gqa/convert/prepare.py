@@ -219,14 +219,7 @@ def prepare(src, options: ConvertOptions, stats=None, resolved: CalibrationInput
     `stats`: calibration.CalibrationStats gathered once by a sweep (then no calibration stage runs); `resolved`:
     the calibration of `options` (or of `stats`) already resolved, by an earlier plan of the same sweep.
     Raises InputError for every mistake that can be known before reading a tensor."""
-    if options.calibration is not None and not isinstance(options.calibration, (str, Path, list, tuple, dict)):
-        raise TypeError(
-            f"ConvertOptions.calibration is calibration data (a path, a list of paths, a {{source: share}} mix or a "
-            f"hub dataset name), not {type(options.calibration).__name__}: pass gathered statistics as "
-            "convert(..., stats=...)"
-        )
-    if options.dtype is not None and options.dtype not in OUT_DTYPES:
-        raise InputError(f"--dtype {options.dtype!r} is unknown (valid: {', '.join(OUT_DTYPES)})")
+    _validate_values(options)
     shard_bytes = parse_size(options.max_shard_size)
     source = resolve_model_dir(src)
     # headers only: the sizes config.json is checked against (none: an unsupported type is still named)
@@ -294,6 +287,18 @@ def _validate_keep_retrieval(options: ConvertOptions, source: Path) -> None:
             f"--keep-retrieval-heads writes its questions with the source's tokenizer, and {source} has none: copy "
             "the tokenizer files into it"
         )
+
+
+def _validate_values(options: ConvertOptions) -> None:
+    """What the options hold, before any file is read: calibration data (not statistics), a known --dtype."""
+    if options.calibration is not None and not isinstance(options.calibration, (str, Path, list, tuple, dict)):
+        raise TypeError(
+            f"ConvertOptions.calibration is calibration data (a path, a list of paths, a {{source: share}} mix or a "
+            f"hub dataset name), not {type(options.calibration).__name__}: pass gathered statistics as "
+            "convert(..., stats=...)"
+        )
+    if options.dtype is not None and options.dtype not in OUT_DTYPES:
+        raise InputError(f"--dtype {options.dtype!r} is unknown (valid: {', '.join(OUT_DTYPES)})")
 
 
 def _validate_calibration_needs(options: ConvertOptions, config: dict) -> None:

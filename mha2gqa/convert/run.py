@@ -244,18 +244,7 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
         kept = _retrieval_heads(plan, parent)
     if plan.gathers_statistics:
         clock.stage(CONVERT.calibrate.name)
-        stats = calibration.gather(
-            parent,
-            plan.calibration,
-            ids,
-            record,
-            plan.layout,
-            plan.shape,
-            plan.source,
-            scratch,
-            plan.calibration_memory,
-            options.progress,
-        )
+        stats = _gather(plan, parent, ids, record, scratch)
     if plan.refine is None:
         parent = _kept_for_check(plan, parent)  # the merge needs one layer at a time, not the model
         clock.stage(CONVERT.merge.name)
@@ -283,6 +272,16 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
     clock.stage(CONVERT.write.name)
     _write_tensors(plan, out_dir, stats, computed=refined)
     return layers, record, stats, parent, kept
+
+
+def _gather(plan: ConversionPlan, parent, ids, record: dict, scratch: Path):
+    """The calibration statistics of `ids` through the loaded parent, spilled into `scratch` past its memory."""
+    from mha2gqa.convert import calibration
+
+    shape, memory, progress = plan.shape, plan.calibration_memory, plan.options.progress
+    return calibration.gather(
+        parent, plan.calibration, ids, record, plan.layout, shape, plan.source, scratch, memory, progress
+    )
 
 
 def _retrieval_heads(plan: ConversionPlan, parent):

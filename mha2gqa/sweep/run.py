@@ -53,8 +53,8 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     config = read_config(source)
     shape = attention_shape(config)
     candidates = [Candidate(g, m) for g in kv_head_counts(shape, options.groups, echo) for m in options.methods]
-    validate_budgets(options.kv_budgets, shape)
-    candidates += [Candidate(None, BUDGET_METHOD, b) for b in dict.fromkeys(options.kv_budgets)]
+    validate_budgets(options.kv_budgets or (), shape)
+    candidates += [Candidate(None, BUDGET_METHOD, b) for b in dict.fromkeys(options.kv_budgets or ())]
     out = Path(options.out).expanduser()
     for path in parse_domains(options.data).values():
         textdata.resolve("--data", path)
