@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fault_helpers import cli, error_line, tree_digest
-from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+from tiny_models import SAMPLE_TEXT, save_tiny_inputs
 from uptrain_helpers import corpus, recipe_file
 
 import mha2gqa
@@ -36,10 +36,7 @@ NAME_RULE = "a domain name starts with a letter, then letters, digits, _ or -, a
 def tiny(tmp_path_factory):
     """A tiny 4-kv-head llama with a tokenizer (64-token context), calibration, eval and training text."""
     root = tmp_path_factory.mktemp("round4")
-    save_tiny_model(root / "src", "llama", max_position_embeddings=64, **SHAPE)
-    make_tiny_tokenizer(root / "src")
-    (root / "cal.txt").write_text(SAMPLE_TEXT * 8)
-    (root / "eval.txt").write_text(SAMPLE_TEXT.upper() * 4)
+    save_tiny_inputs(root, max_position_embeddings=64, **SHAPE)
     (root / "notes:v2.txt").write_text(SAMPLE_TEXT * 4)  # a file whose own name holds a colon
     corpus(root / "train.jsonl", docs=40)
     return root

@@ -5,19 +5,14 @@ import json
 
 from click.testing import CliRunner
 from fault_helpers import sweep_args
-from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+from tiny_models import save_tiny_inputs
 
 from mha2gqa.cli import main as cli
 from mha2gqa.eval import evaluate
 
 
 def _tiny(root):
-    save_tiny_model(root / "src", "llama", hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                    num_key_value_heads=4)  # fmt: skip
-    make_tiny_tokenizer(root / "src")
-    (root / "cal.txt").write_text(SAMPLE_TEXT * 8)
-    (root / "eval.txt").write_text(SAMPLE_TEXT.upper() * 4)
-    return root
+    return save_tiny_inputs(root, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=4)
 
 
 def test_the_check_runs_evals_probe_when_asked_and_records_recall_per_length(tmp_path):

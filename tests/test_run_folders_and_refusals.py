@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from fault_helpers import cli, error_line, sweep_args, tree_digest
-from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+from tiny_models import save_tiny_inputs
 
 import mha2gqa.demo.ablations as ablations
 import mha2gqa.eval.run as eval_run
@@ -41,12 +41,7 @@ def no_grid(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny 4-kv-head llama with a tokenizer, calibration and eval text (sweep's inputs)."""
-    root = tmp_path_factory.mktemp("round3")
-    save_tiny_model(root / "src", "llama", **SHAPE)
-    make_tiny_tokenizer(root / "src")
-    (root / "cal.txt").write_text(SAMPLE_TEXT * 8)
-    (root / "eval.txt").write_text(SAMPLE_TEXT.upper() * 4)
-    return root
+    return save_tiny_inputs(tmp_path_factory.mktemp("round3"), **SHAPE)
 
 
 def _beside(out: Path) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from fault_helpers import assert_refused, cli, sweep_args, tree_digest
-from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+from tiny_models import SAMPLE_TEXT, save_tiny_inputs
 
 import mha2gqa.convert.calibration as calibration_module
 import mha2gqa.eval.run as eval_run
@@ -32,13 +32,7 @@ SHAPE = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_ke
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sweep")
-    src = root / "src"
-    save_tiny_model(src, "llama", **SHAPE)
-    make_tiny_tokenizer(src)
-    (root / "cal.txt").write_text(SAMPLE_TEXT * 8)
-    (root / "eval.txt").write_text(SAMPLE_TEXT.upper() * 4)
-    return root
+    return save_tiny_inputs(tmp_path_factory.mktemp("sweep"), **SHAPE)
 
 
 _sweep_args = sweep_args

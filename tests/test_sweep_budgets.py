@@ -9,7 +9,7 @@ import json
 
 import pytest
 from fault_helpers import assert_refused, cli, sweep_args
-from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+from tiny_models import save_tiny_inputs
 
 import mha2gqa.sweep.budgets as budgets_module
 from mha2gqa.layouts import read_config
@@ -21,12 +21,7 @@ SHAPE = dict(hidden_size=32, intermediate_size=256, num_attention_heads=4, num_k
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sweep-budgets")
-    save_tiny_model(root / "src", "llama", **SHAPE)
-    make_tiny_tokenizer(root / "src")
-    (root / "cal.txt").write_text(SAMPLE_TEXT * 8)
-    (root / "eval.txt").write_text(SAMPLE_TEXT.upper() * 4)
-    return root
+    return save_tiny_inputs(tmp_path_factory.mktemp("sweep-budgets"), **SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +89,7 @@ def test_a_budget_the_parent_cannot_meet_is_refused_before_anything_is_written(t
 
 
 def test_a_parent_the_format_cannot_hold_is_refused_up_front(tmp_path):
-    root = tmp_path
-    save_tiny_model(root / "src", "llama", **dict(SHAPE, intermediate_size=48))  # not a multiple of 256
-    make_tiny_tokenizer(root / "src")
-    (root / "cal.txt").write_text(SAMPLE_TEXT)
-    (root / "eval.txt").write_text(SAMPLE_TEXT)
+    root = save_tiny_inputs(tmp_path, **dict(SHAPE, intermediate_size=48))  # not a multiple of 256
     assert read_config(root / "src")["intermediate_size"] == 48
     result = cli(*sweep_args(root, root / "out", "--groups", "2", "--kv-budgets", "0.5"))
     assert_refused(result, "256")

@@ -107,3 +107,13 @@ def save_tiny_family(root: Path, kv_heads: dict[str, int]) -> Path:
         save_tiny_model(root / name, "llama", num_key_value_heads=kv, seed=kv)
         tok.save_pretrained(root / name)
     return root
+
+
+def save_tiny_inputs(root: Path, **overrides) -> Path:
+    """A tiny llama with a tokenizer under root/src, and root/cal.txt, root/eval.txt: the inputs of a convert,
+    sweep or eval run on the command line."""
+    save_tiny_model(root / "src", "llama", **overrides)
+    make_tiny_tokenizer(root / "src")
+    (root / "cal.txt").write_text(SAMPLE_TEXT * 8)
+    (root / "eval.txt").write_text(SAMPLE_TEXT.upper() * 4)
+    return root
