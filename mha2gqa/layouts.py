@@ -285,13 +285,14 @@ def validate_groups(shape: AttentionShape, groups: int) -> None:
         raise InputError(f"--groups {groups} must divide num_key_value_heads={shape.kv_heads} (valid: {listed})")
 
 
-def validate_target(config: dict, groups: int) -> None:
-    """For a type on the generic layout: the model class must build with `groups` kv heads."""
+def validate_target(config: dict, groups: int, flag: str = "--groups") -> None:
+    """A source convert reads; for a type on the generic layout, the model class must build with `groups` kv
+    heads. `flag`: the one that asked for the counts, named in the refusal."""
     model_type = config.get("model_type")
     if model_type == NEMOTRON_NAS:
         raise InputError(
-            "SRC is a Nemotron-NAS checkpoint (per-layer kv heads): convert reads models whose layers share one "
-            "kv-head count; convert its parent with --kv-heads-per-layer or --kv-budget instead"
+            f"{flag}: SRC is a Nemotron-NAS checkpoint (per-layer kv heads), and convert reads models whose layers "
+            "share one kv-head count: convert its parent instead (with --kv-heads-per-layer or --kv-budget)"
         )
     if model_type not in LAYOUTS and model_type not in RETARGETED:
         validate_generic_target(config, groups)

@@ -41,16 +41,16 @@ def test_verdict_of_each_kind_from_the_ratios():
 
 
 def test_next_steps_name_the_recipe_for_the_device_and_the_refined_conversion_when_not_done():
-    steps = next_steps(NOT_USABLE, "my parent", "out", 2, False, "cpu")
+    steps = next_steps(NOT_USABLE, "my parent", "out", ["--groups", "2"], False, "cpu")
     assert steps[0] == (
         "mha2gqa uptrain --recipe distill-parent-cpu model=out distill.teacher='my parent' output_dir=out-uptrained"
     )
     assert steps[1] == "mha2gqa convert 'my parent' out-refined --groups 2 --method calibrated --refine"
-    assert next_steps(NOT_USABLE, "p", "o", 1, True, "cuda")[0].startswith(
+    assert next_steps(NOT_USABLE, "p", "o", ["--groups", "1"], True, "cuda")[0].startswith(
         "mha2gqa uptrain --recipe distill-parent-gpu"
     )
-    assert len(next_steps(USABLE, "p", "o", 1, True, "cpu")) == 1  # already calibrated + refined: uptrain only
-    assert next_steps(CLOSE, "p", "o", 1, False, "cpu") == []
+    assert len(next_steps(USABLE, "p", "o", ["--groups", "1"], True, "cpu")) == 1  # already calibrated + refined: uptrain only
+    assert next_steps(CLOSE, "p", "o", ["--groups", "1"], False, "cpu") == []
 
 
 @pytest.mark.parametrize("name", ["distill-parent-cpu", "distill-parent-gpu"])

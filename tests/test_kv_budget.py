@@ -144,7 +144,6 @@ def test_kv_budget_refused_before_any_work(parent, tmp_path):
         (["--kv-budget", "0.1"], "less than one kv head per layer"),
         (["--kv-budget", "2"], "2 bytes per token is less than one kv head per layer"),
         (["--kv-budget", "half"], "give a fraction of the parent's KV bytes per token (0 < X < 1, e.g. 0.5)"),
-        (["--kv-budget", "0.5", "--refine"], "--refine with --kv-budget"),
     ]:
         result = CliRunner().invoke(main, ["convert", str(parent), str(tmp_path / "dst"), *extra, "-q"])
         assert result.exit_code == 2 and message in result.output, result.output

@@ -8,6 +8,7 @@ import json
 import pickle
 import re
 import shlex
+import shutil
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from mha2gqa import convert
 from mha2gqa.cli import main
 from mha2gqa.errors import InputError
 from mha2gqa.loading import load_causal_lm
-from mha2gqa.nemotron_nas.blocks import ffn_mult_for, ffn_mult_to_intermediate_size
+from mha2gqa.nemotron_nas.blocks import ffn_mult_for, ffn_mult_to_intermediate_size, nemotron_nas_config
 
 # hidden 64, MLP 256 (a width the format can state: ffn_mult 6.0), 8 query heads, 4 kv heads, 3 layers
 TINY = dict(intermediate_size=256, num_key_value_heads=4, num_hidden_layers=3, max_position_embeddings=64)
@@ -70,11 +71,26 @@ def test_written_config_is_nvidias_format(parent, tmp_path):
     assert "OUT --kv-heads-per-layer 4,2,1" in card and "4 → 4,2,1 (per layer)" in card
 
 
+def test_uniform_counts_write_what_groups_writes(parent, tmp_path):
+    """One plan for any counts: --kv-heads-per-layer 2,2,2 is --groups 2, config and tensors byte for byte (a stock
+    Llama, no Nemotron-NAS format for counts that do not differ)."""
+    assert per_layer(parent, tmp_path / "list", "2,2,2", "--no-check").exit_code == 0
+    assert (
+        CliRunner().invoke(main, ["convert", str(parent), str(tmp_path / "g"), "-g", "2", "-q", "--no-check"]).exit_code
+        == 0
+    )
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "list" / name).read_bytes() == (tmp_path / "g" / name).read_bytes(), name
+
+
 def test_uniform_counts_equal_transformers_llama(parent, tmp_path):
-    """All layers at 2 kv heads: our class on the Nemotron-NAS checkpoint gives the logits and the greedy text of
-    transformers' Llama on convert --groups 2."""
-    assert per_layer(parent, tmp_path / "nas", "2,2,2").exit_code == 0
+    """All layers at 2 kv heads: our class on a Nemotron-NAS checkpoint (--groups 2's tensors, its config.json
+    stated per block) gives the logits and the greedy text of transformers' Llama on convert --groups 2."""
     convert(parent, tmp_path / "gqa", 2, progress=False, check=False)
+    shutil.copytree(tmp_path / "gqa", tmp_path / "nas")
+    config = json.loads((tmp_path / "gqa" / "config.json").read_text())
+    stated = nemotron_nas_config(dict(config, num_key_value_heads=4), [2, 2, 2])
+    (tmp_path / "nas" / "config.json").write_text(json.dumps(stated))
     nas, llama = load_causal_lm(tmp_path / "nas"), load_causal_lm(tmp_path / "gqa")
     assert type(nas).__name__ == "DeciLMForCausalLM" and type(llama).__name__ == "LlamaForCausalLM"
     prompt = ids()
@@ -142,9 +158,8 @@ def test_eval_kv_formula_sums_the_layers(parent, tmp_path):
         ("4,3,1", (), "layer 1's 3 must divide num_key_value_heads=4 (valid: 1, 2, 4)"),
         ("4,4,4", (), "nothing to convert"),
         ("4,x,1", (), "one positive integer per layer"),
-        ("4,2,1", ("--groups", "2"), "--groups with --kv-heads-per-layer"),
-        ("4,2,1", ("--method", "first"), "--method with --kv-heads-per-layer"),
-        ("4,2,1", ("--kv-budget", "0.5"), "--kv-heads-per-layer and --kv-budget: give one"),
+        ("4,2,1", ("--groups", "2"), "--groups and --kv-heads-per-layer both give the kv heads: give one"),
+        ("4,2,1", ("--kv-budget", "0.5"), "--kv-heads-per-layer and --kv-budget both give the kv heads"),
     ],
 )
 def test_bad_requests_are_one_line_and_write_nothing(parent, tmp_path, counts, extra, message):
@@ -157,12 +172,15 @@ def test_bad_requests_are_one_line_and_write_nothing(parent, tmp_path, counts, e
 def test_parents_the_format_cannot_state_are_refused(tmp_path):
     """An MLP width that is not a multiple of 256 (ffn_mult cannot say it), a non-Llama parent."""
     save_tiny_model(tmp_path / "narrow", "llama", num_key_value_heads=4)  # intermediate_size 96
-    result = per_layer(tmp_path / "narrow", tmp_path / "dst", "2,2")
+    result = per_layer(tmp_path / "narrow", tmp_path / "dst", "4,2")
     assert result.exit_code == 2 and "intermediate_size=96 is not a multiple of 256" in result.output
     save_tiny_model(tmp_path / "qwen", "qwen2", intermediate_size=256, num_key_value_heads=4)
-    result = per_layer(tmp_path / "qwen", tmp_path / "dst", "2,2")
-    assert result.exit_code == 2 and "model_type 'qwen2'" in result.output
+    result = per_layer(tmp_path / "qwen", tmp_path / "dst", "4,2")
+    assert result.exit_code == 2 and "--kv-heads-per-layer: SRC has model_type 'qwen2'" in result.output
     assert not (tmp_path / "dst").exists()
+    # counts that do not differ need no Nemotron-NAS format: written as --groups writes them, any parent
+    assert per_layer(tmp_path / "qwen", tmp_path / "dst", "2,2", "--no-check").exit_code == 0
+    assert json.loads((tmp_path / "dst" / "config.json").read_text())["model_type"] == "qwen2"
 
 
 def test_ffn_mult_reproduces_every_width_the_readers_can_build():

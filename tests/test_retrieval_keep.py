@@ -36,13 +36,13 @@ def test_the_threshold_is_the_head_scorers():
 
 
 def test_each_kv_heads_mass_is_the_summed_score_of_the_retrieving_query_heads_it_serves():
-    kept = KeptHeads(_scores((1, 0, 0.5), (1, 1, 0.25), (1, 5, 0.4), (1, 7, 0.05)), 4, 1, 8.0, 48)
+    kept = KeptHeads(_scores((1, 0, 0.5), (1, 1, 0.25), (1, 5, 0.4), (1, 7, 0.05)), 4, (1, 1), 8.0, 48)
     # query head i reads kv head i // 2: heads 0 and 1 -> kv 0, head 5 -> kv 2; head 7's 0.05 is under 0.1
     torch.testing.assert_close(kept.masses(1), torch.tensor([0.75, 0, 0.4, 0], dtype=torch.float64))
     torch.testing.assert_close(kept.weights(1), torch.tensor([7.0, 1, 4.2, 1], dtype=torch.float64))
     assert kept.weights(0) is None  # a layer without retrieval heads merges as without the option
     assert kept.shared_layers() == [1]  # two retrieval kv heads, one group
-    assert KeptHeads(kept.scores, 4, 2, 8.0, 48).shared_layers() == []
+    assert KeptHeads(kept.scores, 4, (1, 2), 8.0, 48).shared_layers() == []  # layer 1 has 2 groups
     record = kept.record()
     assert record["retrieving"] == 3 and record["heads"] == 16 and record["weight"] == 8.0
     assert record["found"][0] == {"layer": 1, "head": 0, "kv_head": 0, "score": 0.5}
@@ -211,12 +211,9 @@ def test_bad_values_are_refused_and_nothing_is_written(parent, tmp_path, flags, 
     assert "Traceback" not in run.output and not (tmp_path / "d").exists()
 
 
-def test_a_parent_without_a_tokenizer_and_a_per_layer_conversion_are_refused(parent, tmp_path):
+def test_a_parent_without_a_tokenizer_is_refused(parent, tmp_path):
     bare = tmp_path / "bare"
     save_tiny_model(bare, "llama", num_key_value_heads=4)
     run = _convert(bare, tmp_path / "d", "--keep-retrieval-heads")
     assert run.exit_code == 2 and "writes its questions with the source's tokenizer" in run.output, run.output
-    per_layer = ["convert", str(parent), str(tmp_path / "d"), "--kv-heads-per-layer", "2,1", "--keep-retrieval-heads"]
-    run = CliRunner().invoke(cli, per_layer)
-    assert run.exit_code == 2 and "--keep-retrieval-heads with --kv-heads-per-layer" in run.output, run.output
     assert not (tmp_path / "d").exists()

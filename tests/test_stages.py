@@ -14,7 +14,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mha2gqa"
 
 EXPECTED = {  # the names the output and the estimates have always used: renaming one is a visible change
     "convert": [
-        "start", "load", "sample", "calibrate", "merge", "refine", "refine (global)", "write", "check", "metadata",
+        "start", "load", "sample", "calibrate", "layer losses", "merge", "refine", "refine (global)", "write", "check",
+        "metadata",
     ],
     "eval": ["start", "load", "quality: ", "retrieval", "kv cache", "decode speed", "attention maps", "lm-eval"],
     "uptrain": ["start", "load", "train", "save"],

@@ -8,7 +8,6 @@ import click
 from click.core import ParameterSource
 
 from mha2gqa import jsontext
-from mha2gqa.cli import per_layer_cmd
 from mha2gqa.cli.fields import field_option
 from mha2gqa.cli.format import human_count, table
 from mha2gqa.convert.options import CONVERT_FLAGS, METHOD_SUMMARIES, ConvertOptions, Flag, Method, options_from_flags
@@ -122,10 +121,7 @@ def convert(src, dst, plan_tensors, **flags):
     from mha2gqa.estimates.clock import command_clock
 
     src, dst = paths(src, dst, click.get_current_context().meta.get(_CONFIG))
-    if flags["kv_heads_per_layer"] is not None or flags["kv_budget"] is not None:
-        threads.apply()
-        return per_layer_cmd.convert_per_layer(src, dst, flags)
-    if flags["groups"] is None:  # --kv-heads-per-layer or --kv-budget stand in for it
+    if flags["groups"] is None and flags["kv_heads_per_layer"] is None and flags["kv_budget"] is None:
         raise click.MissingParameter(param_hint="'--groups' / '-g'", param_type="option")
     options = options_from_flags(flags)
     # The user's count, else torch's own, never one read from the load: float sums differ with the thread
@@ -135,7 +131,7 @@ def convert(src, dst, plan_tensors, **flags):
     result = run_convert(src, dst, options=options, clock=clock)
     if options.dry_run:  # the answer first: what would be written, the stages, memory and time; the tensors on request
         time_line = dry_run_time_line(result.plan)
-        lines = [_written_line("would write", dst, result.tensors), result.checked, *result.plan.describe(time_line)]
+        lines = [_written_line("would write", dst, result.plan), result.checked, *result.plan.describe(time_line)]
         if plan_tensors:
             lines += result.tensors.describe(result.plan.checkpoint.tensors)
         else:
@@ -146,11 +142,15 @@ def convert(src, dst, plan_tensors, **flags):
         return
     if result.retrieval_line:
         click.echo(result.retrieval_line)
+    if result.kv_budget:
+        from mha2gqa.convert.layer_losses import chosen_lines
+
+        click.echo("\n".join(chosen_lines(result.plan)))
     if result.layers:
         click.echo(layer_table(result.layers))
     if result.refine:
         click.echo(refine_table(result.refine))
-    click.echo(_written_line("wrote", dst, result.tensors))
+    click.echo(_written_line("wrote", dst, result.plan))
     click.echo(check_report(result.check))
 
 
@@ -168,13 +168,21 @@ def check_report(record: dict | None) -> str:
     return "\n".join(lines)
 
 
-def _written_line(verb: str, dst, tensors) -> str:
+def _written_line(verb: str, dst, plan) -> str:
     """What a conversion writes (or would): its tensors and bytes, the kv heads and the KV-cache saving."""
-    saving = tensors.shape.kv_heads / tensors.groups
+    from mha2gqa.convert.counts import counts_words
+
+    tensors, shape = plan.tensors, plan.shape
+    if plan.budget_heads is not None and plan.chosen is None:  # a dry run: the layer losses have not chosen yet
+        heads = f"kv heads per layer chosen within {plan.budget_heads} of {shape.layers * shape.kv_heads} in all"
+        size = f"at most {format_bytes(tensors.bytes_out)}"
+    else:
+        heads = f"kv heads {shape.kv_heads} -> {counts_words(plan.counts)}"
+        size = format_bytes(tensors.bytes_out)
+    saving = shape.layers * shape.kv_heads / sum(plan.counts)  # every kv head of every layer costs the same
     return (
-        f"{verb} {dst}: {len(tensors.output_tensors())} tensors, {format_bytes(tensors.bytes_out)} "
-        f"(from {format_bytes(tensors.bytes_in)}); kv heads {tensors.shape.kv_heads} -> {tensors.groups} by "
-        f"{tensors.method}, KV cache {saving:g}x smaller"
+        f"{verb} {dst}: {len(tensors.output_tensors())} tensors, {size} (from {format_bytes(tensors.bytes_in)}); "
+        f"{heads} by {tensors.method}, KV cache {saving:.3g}x smaller"
     )
 
 

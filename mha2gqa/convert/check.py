@@ -123,9 +123,10 @@ def verdict(ratios: dict[str, float]) -> Verdict:
     )
 
 
-def next_steps(kind: str, src: str, dst: str, groups: int, calibrated_refined: bool, device: str) -> list[str]:
+def next_steps(kind: str, src: str, dst: str, target: list[str], calibrated_refined: bool, device: str) -> list[str]:
     """The commands to run next: uptraining on the parent's own samples (no data needed) with the shipped recipe
-    for the device the check ran on, and, when the conversion was not calibrated + refined, that first."""
+    for the device the check ran on, and, when the conversion was not calibrated + refined, that first. `target`:
+    the flag and value that gave the counts (--groups 8, --kv-heads-per-layer 4,2,1)."""
     if kind == CLOSE:
         return []
     recipe = "distill-parent-gpu" if device.startswith("cuda") else "distill-parent-cpu"
@@ -136,7 +137,8 @@ def next_steps(kind: str, src: str, dst: str, groups: int, calibrated_refined: b
     steps = [uptrain]
     if not calibrated_refined:
         steps.append(
-            f"mha2gqa convert {_quoted(src)} {_quoted(dst + '-refined')} --groups {groups} --method calibrated --refine"
+            f"mha2gqa convert {_quoted(src)} {_quoted(dst + '-refined')} {' '.join(map(_quoted, target))} "
+            "--method calibrated --refine"
         )
     return steps
 

@@ -29,7 +29,7 @@ import numpy as np
 from mha2gqa.checkpoint import SafetensorsCheckpoint, ShardedWriter
 from mha2gqa.convert.casts import numpy_range, validate_cast
 from mha2gqa.convert.options import ConvertOptions, Grouping, Method
-from mha2gqa.convert.plan import Plan, Step
+from mha2gqa.convert.plan import Step, TensorPlan
 from mha2gqa.convert.roles import KV_ROLES, pack, unpack
 from mha2gqa.errors import WeightWarning
 from mha2gqa.layouts import LAYOUTS
@@ -62,7 +62,7 @@ def request_refusal(options: ConvertOptions, config: dict, calibrated: bool | No
     return None
 
 
-def plan_refusal(plan: Plan, tensors: dict) -> str | None:
+def plan_refusal(plan: TensorPlan, tensors: dict) -> str | None:
     """Why the plan's dtypes need torch, or None: every pooled tensor, and every cast, in F32/F16/BF16."""
     for step in plan.steps:
         if step.transpose:
@@ -80,7 +80,7 @@ AHEAD = 2  # steps computed ahead of the writer: bounds memory at a few layers' 
 
 
 def write_tensors(
-    checkpoint: SafetensorsCheckpoint, plan: Plan, out_dir: Path, shard_bytes: int, progress: bool
+    checkpoint: SafetensorsCheckpoint, plan: TensorPlan, out_dir: Path, shard_bytes: int, progress: bool
 ) -> None:
     """Every step of the plan into DST's shards, in order: unchanged tensors copied inside the kernel by
     this thread while a worker thread reads and pools the next layers (both release the GIL), so the
@@ -133,7 +133,7 @@ class _Scratch(dict):
         return any(np.may_share_memory(array, buffer) for buffer in self.values())
 
 
-def _compute(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, scratch: _Scratch) -> tuple[list, list]:
+def _compute(checkpoint: SafetensorsCheckpoint, step: Step, plan: TensorPlan, scratch: _Scratch) -> tuple[list, list]:
     """A step's output arrays (in step.outputs order) and its kv roles' non-finite counts, (role, count)."""
     with np.errstate(all="ignore"):  # inf/NaN/overflow as torch gives them; the weights' are warned about by name
         if not step.is_transform:  # a cast (--dtype)
@@ -142,9 +142,9 @@ def _compute(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, scratch:
         return _pool_layer(checkpoint, step, plan, scratch)
 
 
-def _pool_layer(checkpoint: SafetensorsCheckpoint, step: Step, plan: Plan, scratch: _Scratch) -> tuple[list, list]:
+def _pool_layer(checkpoint: SafetensorsCheckpoint, step: Step, plan: TensorPlan, scratch: _Scratch) -> tuple[list, list]:
     """One layer's attention tensors: read, pool the kv roles (one layer in memory at a time)."""
-    shape, groups = plan.shape, plan.groups
+    shape, groups = plan.shape, plan.count(step.layer)
     roles = unpack({role: _load(checkpoint, name, scratch, role) for role, name in step.sources.items()}, shape)
     non_finite = []
     for role in KV_ROLES:

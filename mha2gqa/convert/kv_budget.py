@@ -17,6 +17,7 @@ from mha2gqa.layouts import AttentionShape
 from mha2gqa.units import parse_size
 
 FLAG = "--kv-budget"
+BUDGET_BLOCKS = 8  # calibration blocks the layer losses are averaged over, unless --calibration-tokens says
 
 
 def budget_heads(spec: str | float, shape: AttentionShape, dtype_bytes: int, flag: str = FLAG) -> int:
@@ -47,6 +48,13 @@ def budget_heads(spec: str | float, shape: AttentionShape, dtype_bytes: int, fla
             "convert; give a fraction below 1 or fewer bytes"
         )
     return heads
+
+
+def loss_tokens(shape: AttentionShape, tokens: int) -> int:
+    """The layer losses of `tokens` calibration tokens as tokens through the whole parent (sensitivity.py): one
+    parent pass, then for each layer i and each smaller count layers i.. again: (layers + 1) / 2 passes a count."""
+    counts = len([g for g in shape.valid_groups() if g < shape.kv_heads])
+    return int(tokens * (1 + counts * (shape.layers + 1) / 2))
 
 
 def choose_counts(losses: list[dict[int, float]], budget: int) -> tuple[int, ...]:

@@ -262,13 +262,14 @@ class ConvertOptions:
     (0: spread only). Unset: 8."""
     kv_heads_per_layer: str | None = None
     """One kv-head count per layer, comma-separated (e.g. 4,2,2,1), each a divisor of the source's kv heads,
-    instead of --groups: mean-pooled layer by layer and written as a Nemotron-NAS (DeciLM) checkpoint
-    (docs/convert.md; in Python, convert/per_layer.py)."""
+    instead of --groups. Every --method, --grouping and --refine works at these counts; counts that differ are
+    written as a Nemotron-NAS (DeciLM) checkpoint (Llama parents; docs/convert.md), equal ones as --groups writes
+    them."""
     kv_budget: str | None = None
     """A KV-cache budget instead of --groups: a fraction of the parent's KV bytes per token (0.5) or bytes per
-    token (12KiB). Each layer's loss at each kv-head count is measured on 8 calibration blocks (--calibration,
-    --calibration-tokens); the counts with the least summed loss under the budget are written as with
-    --kv-heads-per-layer."""
+    token (12KiB). Each layer's loss at each kv-head count is measured first (the "layer losses" stage: 8
+    calibration blocks of --calibration, or its first 8 where a stage that shapes the weights reads it too); the
+    counts with the least summed loss under the budget are then converted as with --kv-heads-per-layer."""
 
     def __post_init__(self):
         if self.groups is None and self.kv_heads_per_layer is None and self.kv_budget is None:
@@ -288,8 +289,9 @@ class ConvertOptions:
         """The options of `convert(src, dst, groups, **kwargs)`; an unknown keyword is a TypeError, as it was
         when these were convert's own parameters."""
         validate_keywords(cls, kwargs, "convert")
-        if groups is None and "groups" not in kwargs:
-            raise TypeError("convert() missing 1 required argument: 'groups'")
+        counted = ("groups", "kv_heads_per_layer", "kv_budget")
+        if groups is None and all(kwargs.get(key) is None for key in counted):
+            raise TypeError("convert() missing 1 required argument: 'groups' (or kv_heads_per_layer, or kv_budget)")
         return cls(**({"groups": groups} if groups is not None else {}), **kwargs)
 
 
@@ -354,6 +356,8 @@ def _refine_flags(**extras: dict) -> tuple[Flag, ...]:
 
 CONVERT_FLAGS: tuple[Flag, ...] = (
     Flag("--groups", short="-g", type=int),
+    Flag("--kv-heads-per-layer", type=str, metavar="COUNTS"),  # --groups' alternatives, beside it in --help
+    Flag("--kv-budget", type=str, metavar="X"),
     Flag("--method"),
     Flag("--seed"),
     Flag("--dtype", type=str),
@@ -376,8 +380,6 @@ CONVERT_FLAGS: tuple[Flag, ...] = (
     Flag("--check-retrieval", changes_output=False),
     Flag("--keep-retrieval-heads"),
     Flag("--retrieval-weight", type=float),
-    Flag("--kv-heads-per-layer", type=str, metavar="COUNTS"),
-    Flag("--kv-budget", type=str, metavar="X"),
     Flag("--refine"),
     *_refine_flags(memory=dict(size=True), tokens=dict(type=int), seed=dict(type=int, default_from="seed")),
 )

@@ -27,13 +27,24 @@ class Step:
 
 
 @dataclass(frozen=True)
-class Plan:
+class TensorPlan:
+    """Every output tensor and what it is made of, at one kv-head count a layer (`counts`; uniform: one count
+    repeated)."""
+
     shape: AttentionShape
-    groups: int
+    counts: tuple[int, ...]
     method: str
     steps: list[Step]
     bytes_in: int
     bytes_out: int
+
+    @property
+    def groups(self) -> int | None:
+        """The kv heads of every layer, or None where the layers differ."""
+        return self.counts[0] if len(set(self.counts)) == 1 else None
+
+    def count(self, layer: int) -> int:
+        return self.counts[layer]
 
     def output_tensors(self) -> list[OutputTensor]:
         return [out for step in self.steps for out in step.outputs]
@@ -60,7 +71,7 @@ class Plan:
                     how = "transpose (Conv1D -> Linear)" + ("" if how == "copy" else f", {how}")
                 lines.append(_line(step.outputs[0], how))
                 continue
-            r = self.shape.kv_heads // self.groups
+            r = self.shape.kv_heads // self.counts[step.layer]
             sources = ", ".join(
                 f"{tensors[n].name.rsplit('.', 2)[-2]}.{n.rsplit('.', 1)[1]} {list(tensors[n].shape)}"
                 for n in step.sources.values()
@@ -78,14 +89,15 @@ def make_plan(
     tensors: dict[str, TensorInfo],
     layout: Layout,
     shape: AttentionShape,
-    groups: int,
+    counts: int | tuple[int, ...],
     method: str,
     out_dtype: str | None = None,
     route_query_output: bool = False,
-) -> Plan:
-    """out_dtype: a safetensors code (F32, F16, BF16) every floating tensor is cast to, or None.
+) -> TensorPlan:
+    """counts: each layer's kv heads (an int: the same in every layer). out_dtype: a safetensors code (F32, F16, BF16) every floating tensor is cast to, or None.
     route_query_output: q/o pass through the layer step (a method that rewrites them, or a head
     permutation)."""
+    counts = (counts,) * shape.layers if isinstance(counts, int) else tuple(counts)
     available = set(tensors)
     validate_layer_count(available, layout, shape)
     layer_steps: dict[str, Step] = {}  # every source name of a layer step -> that step
@@ -94,7 +106,7 @@ def make_plan(
         _validate_attention_shapes(stored, tensors, shape)
         if not route_query_output and not layout.qkv:
             stored = {role: name for role, name in stored.items() if role.split(".")[0] not in ("q", "o")}
-        step = _layer_step(layer, stored, tensors, shape, groups, out_dtype)
+        step = _layer_step(layer, stored, tensors, shape, counts[layer], out_dtype)
         for name in stored.values():
             layer_steps[name] = step
     transposed = {
@@ -122,7 +134,7 @@ def make_plan(
         )
     bytes_in = sum(info.nbytes for info in tensors.values())
     bytes_out = sum(out.nbytes for step in steps for out in step.outputs)
-    return Plan(shape, groups, method, steps, bytes_in, bytes_out)
+    return TensorPlan(shape, counts, method, steps, bytes_in, bytes_out)
 
 
 _FLOAT_CODES = ("F16", "BF16", "F32", "F64")

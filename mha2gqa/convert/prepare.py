@@ -21,6 +21,7 @@ from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
 from mha2gqa.convert import config_file, fast
 from mha2gqa.convert.check import CHECK_TOKENS, CheckPlan, check_logits_bytes, parent_cached, plan_check
 from mha2gqa.convert.decide import Decided, decide
+from mha2gqa.convert.kv_budget import BUDGET_BLOCKS, loss_tokens
 from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
     GLOBAL_HELDOUT_EVERY,
@@ -43,7 +44,8 @@ from mha2gqa.convert.options import (
     RefineOptions,
     flag_words,
 )
-from mha2gqa.convert.plan import Plan, make_plan
+from mha2gqa.convert import counts as kv_counts
+from mha2gqa.convert.plan import TensorPlan, make_plan
 from mha2gqa.convert.retrieval_keep import RETRIEVAL_WEIGHTED, keep_line, validate_weight
 from mha2gqa.convert.rope import validate_calibrated, validate_grouping, validate_refine_layout, validate_rotary_dims
 from mha2gqa.corpus import sampling
@@ -54,6 +56,7 @@ from mha2gqa.estimates import ConvertWork, RefineWork, StageCost, check_parts, c
 from mha2gqa.estimates.costs import RUNTIME_BYTES as EVAL_RUNTIME_BYTES
 from mha2gqa.estimates.stages import CONVERT
 from mha2gqa.layouts import (
+    DTYPE_BYTES,
     AttentionShape,
     Layout,
     attention_shape,
@@ -102,7 +105,7 @@ class ConversionPlan:
     layout: Layout
     shape: AttentionShape
     checkpoint: SafetensorsCheckpoint
-    tensors: Plan
+    tensors: TensorPlan
     calibration: CalibrationInput | None  # the text calibration and refine read, resolved once (None: none read)
     stats: object = None  # calibration.CalibrationStats a sweep gathered once, or None
     torch_reason: str | None = None  # why the torch executor runs (None: fast.py, no torch)
@@ -116,6 +119,31 @@ class ConversionPlan:
     peak_memory: int = 0  # estimated peak resident memory, bytes
     check: CheckPlan | None = None  # the quality check after the write (convert/check.py)
     decided: Decided = field(default_factory=Decided)  # what was chosen from the machine (decide.py), once
+    # --kv-budget: the budget in kv heads summed over the layers; the counts are the layer-losses stage's to fill
+    # (until then `tensors` holds counts that spend the whole budget: the most DST can hold). None: counts given.
+    budget_heads: int | None = None
+    losses: object = None  # layer_losses.MeasuredLosses a sweep measured once for every budget, or None
+    chosen: dict | None = None  # how the budget chose the counts, once it has (mha2gqa.json's kv_budget)
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Each layer's kv heads (provisional until the layer-losses stage has chosen them under a budget)."""
+        return self.tensors.counts
+
+    @property
+    def per_layer(self) -> bool:
+        """The layers' counts differ, or a budget may make them differ: written in the Nemotron-NAS format."""
+        return self.budget_heads is not None or not kv_counts.is_uniform(self.counts)
+
+    def with_counts(self, counts: tuple[int, ...], chosen: dict | None = None) -> None:
+        """The counts the layer-losses stage chose: the tensor plan made again at them (pure, no tensor read)."""
+        self.tensors = _tensor_plan(self.checkpoint, self.layout, self.shape, counts, self.options)
+        self.chosen = chosen
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token at these counts, in the dtype DST's weights are written in."""
+        size = DTYPE_BYTES[self.options.dtype or self.shape.dtype]
+        return sum(self.shape.kv_bytes_per_token(count, size) for count in self.counts) // self.shape.layers
 
     @property
     def parameters(self) -> int:
@@ -124,7 +152,22 @@ class ConversionPlan:
 
     @property
     def gathers_statistics(self) -> bool:
-        return self.calibration is not None and self.stats is None
+        """A calibration stage runs: a stage that shapes the weights reads the statistics, or --calibration asked
+        for the merge's reconstruction errors (not when only the layer losses read the text)."""
+        wanted = self.options.calibration_shapes_weights or self.options.calibration is not None
+        return self.calibration is not None and self.stats is None and wanted
+
+    @property
+    def loss_blocks(self) -> int:
+        """The calibration blocks the layer losses average over: all the text read for them alone, else (the
+        text shared with a stage that shapes the weights) its first BUDGET_BLOCKS."""
+        blocks = self.calibration.tokens // self.calibration.seq_len
+        return min(BUDGET_BLOCKS, blocks) if self.gathers_statistics else blocks
+
+    @property
+    def measures_losses(self) -> bool:
+        """The layer-losses stage runs: a budget to fill, and no losses passed in."""
+        return self.budget_heads is not None and self.losses is None
 
     @property
     def refine(self) -> RefineOptions | None:
@@ -153,6 +196,7 @@ class ConversionPlan:
             bytes_written=self.bytes_written,
             parent_bytes=4 * p if calibration is not None else 0,
             calibrate_tokens=calibration.tokens * self.calibration_passes if self.gathers_statistics else 0,
+            loss_tokens=loss_tokens(self.shape, self.loss_blocks * calibration.seq_len) if self.measures_losses else 0,
             refine=self._refine_work(p),
             planned=tuple(StageCost(s.name, s.parts) for s in self.stages if s.parts),
             peak_bytes=self.peak_memory,
@@ -195,7 +239,10 @@ class ConversionPlan:
             o = replace(o, calibration=self.stats.record.get("data"), calibration_tokens=self.stats.tokens)
         if o.calibration is not None and not o.calibration_shapes_weights:
             o = replace(o, calibration=None, calibration_tokens=None)
-        return o
+        counts = self.counts  # a budget's chosen counts make the same tensors without measuring again
+        if kv_counts.is_uniform(counts):
+            return replace(o, groups=counts[0], kv_heads_per_layer=None, kv_budget=None)
+        return replace(o, groups=None, kv_heads_per_layer=",".join(map(str, counts)), kv_budget=None)
 
     def describe(self, time_line: str | None = None) -> list[str]:
         """The stages and estimates, one line each, for --dry-run; `time_line` in place of the unscaled one
@@ -214,41 +261,38 @@ class ConversionPlan:
         return lines
 
 
-def prepare(src, options: ConvertOptions, stats=None, resolved: CalibrationInput | None = None) -> ConversionPlan:
+def prepare(
+    src, options: ConvertOptions, stats=None, resolved: CalibrationInput | None = None, losses=None
+) -> ConversionPlan:
     """Check the request `options` against the model `src` (a directory or a hub id) and plan it.
     `stats`: calibration.CalibrationStats gathered once by a sweep (then no calibration stage runs); `resolved`:
-    the calibration of `options` (or of `stats`) already resolved, by an earlier plan of the same sweep.
+    the calibration of `options` (or of `stats`) already resolved, by an earlier plan of the same sweep; `losses`:
+    layer_losses.MeasuredLosses a sweep measured once (then --kv-budget chooses from them, no layer-losses stage).
     Raises InputError for every mistake that can be known before reading a tensor."""
     _validate_values(options)
+    kv_counts.validate_request(options)
     shard_bytes = parse_size(options.max_shard_size)
     source = resolve_model_dir(src)
     # headers only: the sizes config.json is checked against (none: an unsupported type is still named)
     checkpoint = SafetensorsCheckpoint(source) if any(source.glob("*.safetensors")) else None
     config = read_config(source, checkpoint and checkpoint.shapes)
     layout, shape = layout_for(config), attention_shape(config)
-    validate_groups(shape, options.groups)
-    validate_target(config, options.groups)
+    counts, budget = _counts(options, config, shape)
     _validate_calibration_needs(options, config)
     _validate_keep_retrieval(options, source)
-    calibration = _calibration_input(options, stats, config, source, resolved)
+    calibration = _calibration_input(options, stats, config, source, resolved, budget is not None and losses is None)
     options, decided = decide(options, calibration is not None)  # the machine's part, once (decide.py)
     calibrated = calibration is not None or stats is not None
     memory_bytes = parse_size(options.calibration_memory, "--calibration-memory")
     require_safetensors(source, "SRC")
     _validate_not_quantized(source, config)
     provenance.lineage(source)  # a broken SRC/mha2gqa.json fails now, not after every tensor is written
-    tensors = make_plan(
-        checkpoint.tensors,
-        layout,
-        shape,
-        options.groups,
-        options.method.value,
-        OUT_DTYPES.get(options.dtype),
-        route_query_output=options.method.rewrites_query_output
-        or options.grouping != Grouping.CONTIGUOUS
-        or options.keep_retrieval_heads,  # its kv heads may move with their query heads
+    tensors = _tensor_plan(checkpoint, layout, shape, counts, options)
+    torch_reason = (
+        fast.request_refusal(options, config, calibrated)
+        or (budget is not None and f"{kv_counts.BUDGET_FLAG} chooses the counts from SRC's layer losses")
+        or fast.plan_refusal(tensors, checkpoint.tensors)
     )
-    torch_reason = fast.request_refusal(options, config, calibrated) or fast.plan_refusal(tensors, checkpoint.tensors)
     plan = ConversionPlan(
         source=source,
         source_spec=snapshot_hub_id(str(source)) or (str(source) if Path(str(src)).expanduser().is_dir() else str(src)),
@@ -265,9 +309,42 @@ def prepare(src, options: ConvertOptions, stats=None, resolved: CalibrationInput
         calibration_memory=memory_bytes,
         copied=files_to_copy(source),
         decided=decided,
+        budget_heads=budget,
+        losses=losses,
     )
     _estimate(plan, calibration.tokens if calibration is not None else stats.tokens if stats is not None else 0)
     return plan
+
+
+def _counts(options: ConvertOptions, config: dict, shape: AttentionShape) -> tuple[tuple[int, ...], int | None]:
+    """Each layer's kv heads as asked (checked), or, under --kv-budget, counts that spend the whole budget (the
+    layer-losses stage chooses the real ones), and the budget in kv heads (None: counts given)."""
+    flag = kv_counts.asked_flag(options)
+    if options.groups is not None:
+        validate_groups(shape, options.groups)
+    counts, budget = kv_counts.given_counts(options, shape), None
+    if counts is None:
+        validate_target(config, 1, flag)
+        budget = kv_counts.budget_of(options, shape)
+        counts = kv_counts.provisional_counts(budget, shape)
+    validate_target(config, min(counts), flag)
+    if budget is not None or not kv_counts.is_uniform(counts):
+        kv_counts.validate_per_layer_parent(config, flag)
+    return counts, budget
+
+
+def _tensor_plan(checkpoint, layout: Layout, shape: AttentionShape, counts, options: ConvertOptions) -> TensorPlan:
+    return make_plan(
+        checkpoint.tensors,
+        layout,
+        shape,
+        counts,
+        options.method.value,
+        OUT_DTYPES.get(options.dtype),
+        route_query_output=options.method.rewrites_query_output
+        or options.grouping != Grouping.CONTIGUOUS
+        or options.keep_retrieval_heads,  # its kv heads may move with their query heads
+    )
 
 
 def _validate_keep_retrieval(options: ConvertOptions, source: Path) -> None:
@@ -317,15 +394,24 @@ def _validate_calibration_needs(options: ConvertOptions, config: dict) -> None:
 
 
 def _calibration_input(
-    options: ConvertOptions, stats, config: dict, source: Path, resolved: CalibrationInput | None = None
+    options: ConvertOptions,
+    stats,
+    config: dict,
+    source: Path,
+    resolved: CalibrationInput | None = None,
+    measures_losses: bool = False,
 ) -> CalibrationInput | None:
     """The calibration text, resolved once: --calibration; else (refine on a sweep's statistics) the data
-    those statistics were gathered from; else, where a stage that shapes the weights needs it, the default
-    (the parent's samples); None when nothing reads calibration text. `resolved`: the same text resolved
-    before (a sweep's), budgeted here for the tokens asked."""
+    those statistics were gathered from; else, where a stage that shapes the weights or the layer losses of
+    --kv-budget need it, the default (the parent's samples); None when nothing reads calibration text. Read only
+    by the layer losses, it is their few blocks (layer_losses.BUDGET_BLOCKS unless --calibration-tokens says).
+    `resolved`: the same text resolved before (a sweep's), budgeted here for the tokens asked."""
     seq_len, hidden = block_length(config), attention_shape(config).hidden
     tokens = options.calibration_tokens
-    if options.calibration is not None or (stats is None and options.calibration_shapes_weights):
+    if measures_losses and not options.calibration_shapes_weights and tokens is None:
+        tokens = BUDGET_BLOCKS * seq_len
+    wanted = options.calibration_shapes_weights or measures_losses
+    if options.calibration is not None or (stats is None and wanted):
         spec = options.calibration if options.calibration is not None else list(DEFAULT_CALIBRATION)
     elif stats is not None and options.refine is not None:
         spec, tokens = stats.record.get("data"), stats.tokens
@@ -370,13 +456,15 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int) -> None:
         peak = max(peak, model_bytes + min(layers_bytes, plan.calibration_memory) + _forward_bytes(shape, seq_len))
     elif plan.stats is not None:
         stages.append(Stage(CONVERT.calibrate.name, f"skipped: statistics passed in ({plan.stats.tokens:,} tokens)"))
+    if plan.budget_heads is not None:
+        stages.append(_losses_stage(plan))
+        if plan.measures_losses:  # the parent, one block's forward and the logits of both sides of the KL
+            logits = 2 * seq_len * config_vocab(plan.config) * 4
+            peak = max(peak, model_bytes + _forward_bytes(shape, seq_len) // CALIBRATION_BATCH + logits)
     executor = "numpy, no torch" if plan.torch_reason is None else f"torch: {plan.torch_reason}"
-    r = shape.kv_heads // options.groups
-    merge = (
-        f"{options.method} over groups of {r} kv heads, {options.grouping} grouping, {shape.layers} layers ({executor})"
-    )
+    merge = f"{options.method} {_counts_words(plan)}, {options.grouping} grouping, {shape.layers} layers ({executor})"
     if options.keep_retrieval_heads:
-        merge += "; " + keep_line(options, r)
+        merge += "; " + keep_line(options, plan.counts)
     if options.refine is None:
         stages.append(Stage(CONVERT.merge.name, merge + f"; {len(tensors.output_tensors())} tensors streamed into DST"))
     else:
@@ -410,6 +498,38 @@ def _plan_check(plan: ConversionPlan, params: int) -> CheckPlan:
     device = plan.decided.device or ("cuda" if machine.cuda_visible() else "cpu")
     found = plan_check(plan.config, params, plan.options.check, seconds, device, parts)
     return replace(found, retrieval=plan.options.check_retrieval)
+
+
+def _counts_words(plan: ConversionPlan) -> str:
+    """How the merge groups the kv heads, in the dry run's words."""
+    shape, counts = plan.shape, plan.counts
+    if plan.budget_heads is not None:
+        return (
+            f"to the kv heads per layer the layer losses choose ({plan.budget_heads} of {shape.layers * shape.kv_heads}"
+            " kv heads in all)"
+        )
+    if kv_counts.is_uniform(counts):
+        return f"over groups of {shape.kv_heads // counts[0]} kv heads"
+    return f"to kv heads per layer {','.join(map(str, counts))} (of {shape.kv_heads})"
+
+
+def _losses_stage(plan: ConversionPlan) -> Stage:
+    """--kv-budget: each layer's loss at each count, then the counts chosen (layer_losses.py)."""
+    shape, budget = plan.shape, plan.budget_heads
+    choice = (
+        f"then the counts with the least summed loss within {budget} kv heads (an exact knapsack), "
+        "written in the Nemotron-NAS format where they differ"
+    )
+    if not plan.measures_losses:
+        return Stage(CONVERT.layer_losses.name, f"measured once before (passed in); {choice}")
+    seq_len, blocks = plan.calibration.seq_len, plan.loss_blocks
+    candidates = len([g for g in shape.valid_groups() if g < shape.kv_heads])
+    return Stage(
+        CONVERT.layer_losses.name,
+        f"each of {shape.layers} layers at each of {candidates} smaller kv-head counts, KL to SRC on {blocks} "
+        f"calibration blocks of {seq_len} tokens (about {loss_tokens(shape, blocks * seq_len):,} token forwards "
+        f"through SRC); {choice}",
+    )
 
 
 def _sample_stage(calibration: CalibrationInput, params: int, batch: int) -> Stage:

@@ -49,15 +49,16 @@ def weight_of(options) -> float:
     return DEFAULT_RETRIEVAL_WEIGHT if options.retrieval_weight is None else float(options.retrieval_weight)
 
 
-def keep_line(options, r: int) -> str:
+def keep_line(options, counts: tuple[int, ...]) -> str:
     """The plan's line: what the option will do, and that one group cannot keep retrieval kv heads apart."""
     line = (
         "retrieval heads: SRC's query heads scored first on the retrieval probe (eager attention), the kv heads they "
         f"read weigh 1 + {weight_of(options):g} x their score in the merge"
     )
-    if options.groups == 1:
+    if max(counts) == 1:
         return line + "; with 1 group, retrieval heads that read different kv heads share the one kv head"
-    return line + f"; retrieval kv heads spread over the {options.groups} groups of {r} where there are enough"
+    groups = str(counts[0]) if len(set(counts)) == 1 else "each layer's"
+    return line + f"; retrieval kv heads spread over the {groups} groups where there are enough"
 
 
 def validate_weight(keep: bool, weight: float | None) -> None:
@@ -79,7 +80,7 @@ class KeptHeads:
 
     scores: torch.Tensor  # (layers, query heads) float
     kv_heads: int
-    groups: int
+    counts: tuple[int, ...]  # each layer's kv heads after the merge (its groups)
     weight: float
     questions: int
 
@@ -98,7 +99,7 @@ class KeptHeads:
 
     def shared_layers(self) -> list[int]:
         """The layers whose retrieval kv heads outnumber the groups: some must share a group."""
-        return [n for n in range(self.scores.shape[0]) if int((self.masses(n) > 0).sum()) > self.groups]
+        return [n for n in range(self.scores.shape[0]) if int((self.masses(n) > 0).sum()) > self.counts[n]]
 
     def record(self) -> dict:
         """mha2gqa.json's retrieval_heads: the option, every retrieving head, and the layers that share."""
@@ -138,12 +139,17 @@ class KeptHeads:
         if shared:
             line += (
                 f"; in {counted(len(shared), 'layer')} ({', '.join(map(str, shared))}) they read more kv heads than "
-                f"the {counted(self.groups, 'group')}: those share a group, weighted, not kept apart"
+                f"the {_groups_words(self.counts, shared)}: those share a group, weighted, not kept apart"
             )
         return line
 
 
-def score_parent(model, tokenizer, groups: int, weight: float, seed: int, progress: bool = True) -> KeptHeads:
+def _groups_words(counts: tuple[int, ...], layers: list[int]) -> str:
+    found = sorted({counts[n] for n in layers})
+    return counted(found[0], "group") if len(found) == 1 else "groups of those layers"
+
+
+def score_parent(model, tokenizer, counts: tuple[int, ...], weight: float, seed: int, progress: bool = True) -> KeptHeads:
     """SRC's retrieval heads, scored on its own probe questions (at most its max_position_embeddings long)."""
     from mha2gqa.scoring.retrieval_heads import head_scores
 
@@ -158,7 +164,7 @@ def score_parent(model, tokenizer, groups: int, weight: float, seed: int, progre
         raise InputError(
             f"--keep-retrieval-heads: SRC's max_position_embeddings={limit} leaves no question to score its heads on"
         )
-    return KeptHeads(scores.cpu(), config.num_key_value_heads, groups, weight, len(items))
+    return KeptHeads(scores.cpu(), config.num_key_value_heads, tuple(counts), weight, len(items))
 
 
 def _haystack() -> str:

@@ -19,14 +19,17 @@ from mha2gqa import jsontext, provenance
 from mha2gqa.card import write_card
 from mha2gqa.checkpoint import ShardedWriter, atomic_directory, validate_destination
 from mha2gqa.convert import config_file, fast
+from mha2gqa.convert.counts import target_words
 from mha2gqa.convert.options import ConvertOptions
-from mha2gqa.convert.plan import Plan
+from mha2gqa.convert.plan import TensorPlan
 from mha2gqa.convert.prepare import ConversionPlan, prepare
 from mha2gqa.convert.roles import pack, unpack
 from mha2gqa.errors import InputError, import_torch
 from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.estimates.stages import CONVERT
 from mha2gqa.layouts import converted_config
+from mha2gqa.nemotron_nas.blocks import MODEL_TYPE as NEMOTRON_NAS
+from mha2gqa.nemotron_nas.blocks import nemotron_nas_config
 from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, resolve, short_read
 from mha2gqa.units import format_bytes
@@ -35,7 +38,7 @@ from mha2gqa.writing import validate_room, validate_unclaimed, write_atomic
 
 @dataclass
 class ConversionResult:
-    tensors: Plan  # every output tensor and what it is made of (the plan's `tensors`)
+    tensors: TensorPlan  # every output tensor and what it is made of (the plan's `tensors`)
     dst: Path | None  # None for a dry run
     source: Path
     # Per layer (with calibration or grouping): key_error, value_error, kv_order.
@@ -46,6 +49,7 @@ class ConversionResult:
     checked: str | None = None  # a dry run: what it checked at DST (the run's checks before its first byte)
     retrieval_heads: dict | None = None  # --keep-retrieval-heads: SRC's heads found (retrieval_keep.KeptHeads.record)
     retrieval_line: str | None = None  # and its line for the terminal
+    kv_budget: dict | None = None  # --kv-budget: how the layer losses chose the counts (mha2gqa.json's kv_budget)
 
 
 def validate_destination_outside(src: Path, dst: Path, force: bool) -> None:
@@ -73,11 +77,6 @@ def convert(
         options = ConvertOptions.from_kwargs(groups, kwargs)
     elif kwargs or groups is not None:
         raise TypeError("convert(): pass either options=ConvertOptions(...) or groups and keywords, not both")
-    if options.groups is None:  # per-layer counts: their own planner and writer (convert/per_layer.py)
-        raise TypeError(
-            "convert() converts every layer to `groups` kv heads; per-layer counts are written by "
-            "mha2gqa.convert.per_layer (plan_per_layer, execute_per_layer) and budget_run.plan_budget"
-        )
     plan = plan_conversion(src, dst, options, stats)
     if options.dry_run:
         checked = validate_output(plan, Path(dst).expanduser())
@@ -85,10 +84,11 @@ def convert(
     return execute(plan, dst, clock)
 
 
-def plan_conversion(src, dst, options: ConvertOptions, stats=None, resolved=None) -> ConversionPlan:
+def plan_conversion(src, dst, options: ConvertOptions, stats=None, resolved=None, losses=None) -> ConversionPlan:
     """prepare, then the destination's checks: everything convert refuses before it writes. `resolved`: the
-    calibration already resolved for an earlier plan (a sweep plans every candidate from one resolution)."""
-    plan = prepare(src, options, stats, resolved)
+    calibration already resolved for an earlier plan (a sweep plans every candidate from one resolution);
+    `losses`: the layer losses a sweep measured once for its --kv-budgets."""
+    plan = prepare(src, options, stats, resolved, losses)
     validate_destination_outside(plan.source, Path(dst).expanduser(), options.force)
     return plan
 
@@ -158,7 +158,7 @@ def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult
         else:
             layers, refined, stats, parent, kept = _run_torch(plan, tmp, Path(scratch), clock)
         copy_validated_files(plan.copied, source, tmp)
-        _write_config(plan.config, options.groups, options.dtype, tmp)
+        _write_config(plan, tmp)
         checked = _check(plan, tmp, dst, parent, clock)
         del parent
         clock.stage(CONVERT.metadata.name)
@@ -176,11 +176,11 @@ def execute(plan: ConversionPlan, dst: Path, clock=NO_CLOCK) -> ConversionResult
             "check": {k: v for k, v in checked.items() if k not in RUN_FACTS},
         }
         write_atomic(tmp / config_file.CONFIG_NAME, config_file.render(extra["config"]))
-        _write_provenance(source, plan.config, plan.tensors, options.seed, options.dtype, tmp, extra)
+        _write_provenance(plan, tmp, extra)
         write_card(tmp, source, dst.name)  # README.md from mha2gqa.json; a copied source card moves to SOURCE_README.md
     clock.finish()
     found = (kept.record(), kept.summary_line()) if kept else (None, None)
-    return ConversionResult(plan.tensors, dst, source, layers, refined, plan, checked, None, *found)
+    return ConversionResult(plan.tensors, dst, source, layers, refined, plan, checked, None, *found, plan.chosen)
 
 
 def _kept_for_check(plan: ConversionPlan, parent):
@@ -203,7 +203,8 @@ def _check(plan: ConversionPlan, written: Path, dst: Path, parent=None, clock=NO
     if "skipped" in record:
         return record
     full = options.method.needs_calibration and options.refine is not None
-    record["next"] = next_steps(record["verdict"], plan.source_spec, str(dst), options.groups, full, record["device"])
+    target = target_words(plan.counts)
+    record["next"] = next_steps(record["verdict"], plan.source_spec, str(dst), target, full, record["device"])
     return record
 
 
@@ -228,7 +229,7 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
     from mha2gqa.convert import calibration
 
     options, stats = plan.options, plan.stats
-    ids = parent = None
+    ids = parent = record = None
     if plan.calibration is not None:  # statistics to gather, or refine's blocks (a sweep's statistics' data)
         parent = calibration.load_source_model(plan.source, plan.decided.device, progress=options.progress)
         if stats is not None and stats.ids is not None and options.calibration is None:  # a sweep's: read once
@@ -237,6 +238,9 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
             if plan.calibration.sampled_tokens:
                 clock.stage(CONVERT.sample.name)
             ids, record = calibration.read_ids(plan.source, plan.calibration, parent, options.seed, options.progress)
+    if plan.budget_heads is not None:  # the counts, before anything is merged at them
+        clock.stage(CONVERT.layer_losses.name)
+        _choose_counts(plan, parent, ids, record)
     kept = None
     if options.keep_retrieval_heads:  # scored before the merge it weighs; the parent is loaded once
         if parent is None:
@@ -257,7 +261,7 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
         parent,
         plan.layout,
         plan.shape,
-        converted_config(plan.config, options.groups),
+        target_config(plan),
         merged,
         ids,
         plan.refine,
@@ -272,6 +276,15 @@ def _run_torch(plan: ConversionPlan, out_dir: Path, scratch: Path, clock=NO_CLOC
     clock.stage(CONVERT.write.name)
     _write_tensors(plan, out_dir, stats, computed=refined)
     return layers, record, stats, parent, kept
+
+
+def _choose_counts(plan: ConversionPlan, parent, ids, record) -> None:
+    """--kv-budget: the layer losses (measured now on the loaded parent, or passed in by a sweep) choose the counts,
+    and the tensor plan is made again at them before the merge."""
+    from mha2gqa.convert.layer_losses import choose, measure
+
+    measured = plan.losses if plan.losses is not None else measure(parent, ids, plan, record)
+    plan.with_counts(*choose(plan, measured))
 
 
 def _gather(plan: ConversionPlan, parent, ids, record: dict, scratch: Path):
@@ -292,7 +305,7 @@ def _retrieval_heads(plan: ConversionPlan, parent):
 
     tokenizer = AutoTokenizer.from_pretrained(plan.source, trust_remote_code=False)
     options = plan.options
-    return score_parent(parent, tokenizer, options.groups, weight_of(options), options.seed, options.progress)
+    return score_parent(parent, tokenizer, plan.counts, weight_of(options), options.seed, options.progress)
 
 
 def _write_tensors(
@@ -357,12 +370,12 @@ def _merge_layer(plan: ConversionPlan, step, stats, kept=None) -> tuple[dict, di
     from mha2gqa.convert.layer_step import transform_layer
     from mha2gqa.convert.methods import METHODS, LayerContext
 
-    options, shape = plan.options, plan.shape
+    options, shape, count = plan.options, plan.shape, plan.counts[step.layer]
     stored = {role: plan.checkpoint.load(name) for role, name in step.sources.items()}
     masses = kept.masses(step.layer) if kept is not None else None
     context = LayerContext(
         shape,
-        options.groups,
+        count,
         step.layer,
         options.seed,
         stats and stats.layer(step.layer),
@@ -372,7 +385,7 @@ def _merge_layer(plan: ConversionPlan, step, stats, kept=None) -> tuple[dict, di
     source_roles = unpack(stored, shape)
     _warn_non_finite(source_roles, step.sources, step.layer)
     roles, report = transform_layer(METHODS[options.method], source_roles, context, options.grouping)
-    packed = pack(roles, list(step.sources), options.groups)
+    packed = pack(roles, list(step.sources), count)
     names = {step.sources[role]: tensor for role, tensor in packed.items()}
     return {out.name: cast_to_output(names[out.name], out) for out in step.outputs}, report
 
@@ -413,30 +426,49 @@ def copy_validated_files(files: dict[Path, int], source: Path, out_dir: Path) ->
         shutil.copystat(path, out_dir / path.name)
 
 
-def _write_config(config: dict, groups: int, dtype: str | None, out_dir: Path) -> None:
-    new = converted_config(config, groups)
-    if dtype is not None:
-        new["dtype"] = dtype
-    (out_dir / "config.json").write_text(jsontext.model_config(new, indent=2) + "\n")
+def target_config(plan: ConversionPlan) -> dict:
+    """DST's config.json: the source's at the counts (stock where every layer has the same count, else the
+    Nemotron-NAS format: nemotron_nas/blocks.py), with --dtype's name."""
+    written = dict(plan.config, dtype=plan.options.dtype) if plan.options.dtype else plan.config
+    counts = plan.counts
+    if len(set(counts)) == 1:
+        return converted_config(written, counts[0])
+    return nemotron_nas_config(written, list(counts))
 
 
-def _write_provenance(
-    source: Path, config: dict, plan: Plan, seed: int, dtype: str | None, out_dir: Path, extra: dict | None = None
-) -> None:
+def _write_config(plan: ConversionPlan, out_dir: Path) -> None:
+    (out_dir / "config.json").write_text(jsontext.model_config(target_config(plan), indent=2) + "\n")
+
+
+def _write_provenance(plan: ConversionPlan, out_dir: Path, extra: dict) -> None:
+    """mha2gqa.json's conversion stage. Per-layer counts: `groups` is their mean (the KV bytes it prices are the
+    sum over layers) and `kv_heads_per_layer` the counts themselves, with the format and the bytes per token."""
+    source, options, tensors = plan.source, plan.options, plan.tensors
+    counts, shape = plan.counts, plan.shape
+    per_layer = {}
+    if len(set(counts)) > 1:
+        per_layer = {
+            "kv_heads_per_layer": list(counts),
+            "format": NEMOTRON_NAS,
+            "kv_bytes_per_token": plan.kv_bytes_per_token(),
+            "source_kv_bytes_per_token": shape.kv_bytes_per_token(),
+        }
     provenance.append(
         out_dir,
         "conversion",
         {
             "source": str(source),
             "source_config_sha256": hashlib.sha256((source / "config.json").read_bytes()).hexdigest(),
-            "model_type": config["model_type"],
-            "method": plan.method,
-            "groups": plan.groups,
-            "source_kv_heads": plan.shape.kv_heads,
-            "heads": plan.shape.heads,
-            "seed": seed,
-            "dtype": dtype or "unchanged",
-            **(extra or {}),
+            "model_type": plan.config["model_type"],
+            "method": tensors.method,
+            "groups": tensors.groups if tensors.groups is not None else sum(counts) / len(counts),
+            **per_layer,
+            "source_kv_heads": shape.kv_heads,
+            "heads": shape.heads,
+            "seed": options.seed,
+            "dtype": options.dtype or "unchanged",
+            **({"kv_budget": plan.chosen} if plan.chosen else {}),
+            **extra,
         },
         source=source,
     )

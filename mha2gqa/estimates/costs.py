@@ -153,6 +153,7 @@ class ConvertWork:
     sample_chat: bool = False
     sample_batch: int | None = None
     calibrate_tokens: int = 0  # tokens through the parent for the statistics, all passes (0: none gathered)
+    loss_tokens: int = 0  # --kv-budget's layer losses as tokens through the whole parent (kv_budget.loss_tokens)
     refine: RefineWork | None = None
     planned: tuple[StageCost, ...] = ()  # stages their planners costed (the quality check: check_parts)
     peak_bytes: int = 0
@@ -174,6 +175,8 @@ def convert_stages(work: ConvertWork, start: bool = True, calibration: bool = Tr
         stages.append(StageCost(CONVERT.sample.name, (sample,)))
     if calibration and work.calibrate_tokens:
         stages.append(StageCost(CONVERT.calibrate.name, (Part("calibrate", p, {"tokens": work.calibrate_tokens * p}),)))
+    if calibration and work.loss_tokens:
+        stages.append(StageCost(CONVERT.layer_losses.name, (Part("calibrate", p, {"tokens": work.loss_tokens * p}),)))
     if refine is None:
         stages.append(StageCost(CONVERT.merge.name, (Part(write, p, {"bytes": work.bytes_written}),)))
     else:

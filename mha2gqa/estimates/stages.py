@@ -39,6 +39,7 @@ class ConvertStages:
     load: Declared = Declared("load", ("convert_load",))
     sample: Declared = Declared("sample", ("sample",))
     calibrate: Declared = Declared("calibrate", ("calibrate",))
+    layer_losses: Declared = Declared("layer losses", ("calibrate",))  # --kv-budget: each layer at each count
     merge: Declared = Declared("merge", ("write_numpy", "write_torch"))
     refine: Declared = Declared("refine", ("refine",))
     refine_global: Declared = Declared("refine (global)", ("refine_global",))

@@ -38,7 +38,7 @@ class Served:
 
 
 @dataclass
-class Plan:
+class ServePlan:
     models: list[Served]
     engine: engine.Engine
     args: engine.ServerArgs
@@ -64,7 +64,7 @@ def _served(path: str, role: str | None, labels: set[str]) -> Served:
     return Served(label, role or provenance.role(folder), folder.resolve(), attention_shape(config), vocab)
 
 
-def prepare(parent: str, children: list[str], out: str | None, options: ServeOptions) -> Plan:
+def prepare(parent: str, children: list[str], out: str | None, options: ServeOptions) -> ServePlan:
     """Every check that needs neither torch nor a server, then vLLM's Python (InputError, one line each)."""
     options.validate()
     if not children:
@@ -93,7 +93,7 @@ def prepare(parent: str, children: list[str], out: str | None, options: ServeOpt
     for m in models:
         if m.shape.model_type == NEMOTRON_NAS:
             engine.require_plugin(found, f"{'PARENT' if m.role == 'parent' else 'CHILD'} {m.path}")
-    return Plan(models, found, args, logs)
+    return ServePlan(models, found, args, logs)
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -133,7 +133,7 @@ def guarded(server: Server, call: Callable, *args):
         ) from None
 
 
-def start_servers(plan: Plan, stack: ExitStack, timeout_s: float) -> None:
+def start_servers(plan: ServePlan, stack: ExitStack, timeout_s: float) -> None:
     """Start every server at once (their start-ups overlap, with each other and with what the caller does
     meanwhile); each ends with `stack`."""
     env = engine.server_environment()
@@ -143,13 +143,13 @@ def start_servers(plan: Plan, stack: ExitStack, timeout_s: float) -> None:
         m.server = stack.enter_context(Server(m.label, command, port, plan.logs / f"{m.label}.log", env, timeout_s))
 
 
-def wait_ready(plan: Plan, say) -> None:
+def wait_ready(plan: ServePlan, say) -> None:
     for m in plan.models:
         seconds = m.server.wait_ready()
         say(f"{m.label}: {plan.engine.describe()} ready after {seconds:.0f} s (log: {m.server.log})")
 
 
-def engine_greedy(plan: Plan, greedy_set, tokens: int) -> dict[str, list[list[int]]]:
+def engine_greedy(plan: ServePlan, greedy_set, tokens: int) -> dict[str, list[list[int]]]:
     """Each server's greedy continuation of every prompt."""
     found = {}
     for m in plan.models:
@@ -157,7 +157,7 @@ def engine_greedy(plan: Plan, greedy_set, tokens: int) -> dict[str, list[list[in
     return found
 
 
-def engine_kv(plan: Plan) -> dict[str, dict]:
+def engine_kv(plan: ServePlan) -> dict[str, dict]:
     """The KV numbers each server reported, beside our formula's at the same budget and block size."""
     found = {}
     for m in plan.models:
@@ -174,7 +174,7 @@ def engine_kv(plan: Plan) -> dict[str, dict]:
     return found
 
 
-def timed_point(plan: Plan, batch: list[list[int]], c: int, options: ServeOptions, say, what: str) -> dict[str, dict]:
+def timed_point(plan: ServePlan, batch: list[list[int]], c: int, options: ServeOptions, say, what: str) -> dict[str, dict]:
     """{label: one point at concurrency c}: within each repeat every model runs `batch` once, the order reversed
     on every other repeat, so a drift of the machine's load falls on all models alike; each run with the
     engine's count of the requests it ran, read from /metrics meanwhile."""
@@ -194,7 +194,7 @@ def timed_point(plan: Plan, batch: list[list[int]], c: int, options: ServeOption
     return {label: _point(c, done) for label, done in runs.items()}
 
 
-def throughput(plan: Plan, timing_prompts: list[list[int]], options: ServeOptions, say) -> dict[str, list[dict]]:
+def throughput(plan: ServePlan, timing_prompts: list[list[int]], options: ServeOptions, say) -> dict[str, list[dict]]:
     """{label: [one point per --concurrency]}."""
     points: dict[str, list[dict]] = {m.label: [] for m in plan.models}
     for c in options.concurrency or ():
@@ -205,7 +205,7 @@ def throughput(plan: Plan, timing_prompts: list[list[int]], options: ServeOption
     return points
 
 
-def fits(plan: Plan, kv: dict[str, dict], options: ServeOptions) -> dict[str, int | None]:
+def fits(plan: ServePlan, kv: dict[str, dict], options: ServeOptions) -> dict[str, int | None]:
     """{label: the requests of --prompt-tokens + --output-tokens its KV cache runs at once} (the engine's count)."""
     per_request = options.prompt_tokens + options.output_tokens
     return {
@@ -216,7 +216,7 @@ def fits(plan: Plan, kv: dict[str, dict], options: ServeOptions) -> dict[str, in
     }
 
 
-def settle_servers(plan: Plan, options: ServeOptions, say) -> dict:
+def settle_servers(plan: ServePlan, options: ServeOptions, say) -> dict:
     """Wait until every server's processes are quiet (settle.py); what was waited, recorded."""
     groups = [m.server.process.pid for m in plan.models]  # each a session leader: its pid is the group's id
     found = settle.wait_quiet(lambda: settle.group_cpu_seconds(groups), options.settle_timeout)
@@ -225,7 +225,7 @@ def settle_servers(plan: Plan, options: ServeOptions, say) -> dict:
     return found
 
 
-def decode_point(plan: Plan, timing_prompts, options: ServeOptions, say) -> dict[str, dict] | None:
+def decode_point(plan: ServePlan, timing_prompts, options: ServeOptions, say) -> dict[str, dict] | None:
     """--decode-concurrency requests in flight, every model alike: the decode-only time per output token."""
     c = options.decode_concurrency
     if not c:
@@ -233,7 +233,7 @@ def decode_point(plan: Plan, timing_prompts, options: ServeOptions, say) -> dict
     return timed_point(plan, timing_prompts[: c * options.waves], c, options, say, "decode-only, concurrency")
 
 
-def capacity_point(plan: Plan, timing_prompts, options: ServeOptions, held: dict, say) -> dict:
+def capacity_point(plan: ServePlan, timing_prompts, options: ServeOptions, held: dict, say) -> dict:
     """Throughput at a concurrency above what the parent's KV cache fits: {concurrency, why, points} (points
     None, and why, when left out)."""
     c = options.capacity_requests()

@@ -1,6 +1,6 @@
 """`sweep --kv-budgets 0.5,0.75`: per-layer candidates beside the uniform ones, at equal KV bytes on the same plot.
 
-A budget candidate is `convert --kv-budget X` (convert/budget_run.py): each layer's kv-head count chosen by an
+A budget candidate is `convert --kv-budget X` (its plan's layer-losses stage: convert/layer_losses.py): each layer's kv-head count chosen by an
 exact knapsack from each layer's measured loss, mean-pooled, written in the Nemotron-NAS format. The losses are
 the expensive part (the parent rerun from every layer at every count), and they do not depend on the budget, so
 the sweep measures them once, on the first BUDGET_BLOCKS blocks of its calibration text, and every budget chooses
@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from mha2gqa.convert.budget_run import MeasuredLosses, measure_losses, plan_at_budget
+from mha2gqa.convert.counts import validate_per_layer_parent
 from mha2gqa.convert.kv_budget import budget_heads
+from mha2gqa.convert.layer_losses import MeasuredLosses, measure_for
 from mha2gqa.convert.options import ConvertOptions
-from mha2gqa.convert.per_layer import PerLayerPlan, execute_per_layer, plan_per_layer
+from mha2gqa.convert.prepare import ConversionPlan
 from mha2gqa.layouts import DTYPE_BYTES, AttentionShape
 from mha2gqa.sweep.candidates import Candidate
 from mha2gqa.sweep.rows import BUDGET_METHOD
@@ -23,29 +24,37 @@ from mha2gqa.sweep.rows import BUDGET_METHOD
 FLAG = "--kv-budgets"
 
 
-def validate_budgets(budgets: tuple[str, ...], shape: AttentionShape) -> None:
-    """Every budget one the parent can meet (kv_budget.budget_heads), refused by value before anything runs."""
+def validate_budgets(budgets: tuple[str, ...], shape: AttentionShape, config: dict) -> None:
+    """Every budget one the parent can meet (kv_budget.budget_heads), in a format the parent can be written in,
+    refused by value before anything runs."""
+    if budgets:
+        validate_per_layer_parent(config, FLAG)
     for budget in budgets:
         budget_heads(budget, shape, DTYPE_BYTES[shape.dtype], FLAG)
 
 
-def convert_options(options) -> ConvertOptions:
-    """The per-layer conversion's options from the sweep's: its calibration text (the losses read it), its seed."""
-    return ConvertOptions(groups=1, calibration=options.calibration, seed=options.seed, progress=False, check=False)
+def convert_options(options, budget: str) -> ConvertOptions:
+    """A budget candidate's conversion options from the sweep's: its calibration text (the losses read it), its
+    seed; the mean merge (the per-layer method of the sweep's table)."""
+    return ConvertOptions(kv_budget=budget, calibration=options.calibration, seed=options.seed, progress=False,
+                          check=False)  # fmt: skip
 
 
-def plan_parent(source: Path, dst: Path, shape: AttentionShape) -> PerLayerPlan:
-    """A checked per-layer plan of the parent (one kv head a layer): every refusal a budget candidate can get
-    (the parent's type, its MLP width in the format) comes before the sweep writes anything; the losses are
-    measured through it, and its base plan prices each budget's mean conversion. Nothing is written at `dst`."""
-    return plan_per_layer(source, dst, (1,) * shape.layers, ConvertOptions(groups=1, check=False))
+def plan_budgets(source: Path, budgets: list[Candidate], options, models_dir: Path) -> dict[Candidate, ConversionPlan]:
+    """Each budget candidate checked and planned by convert (every refusal before the sweep writes anything); the
+    plans price the candidates, and the first one's calibration is what the shared losses are measured on."""
+    from mha2gqa.convert.run import plan_conversion
+
+    return {
+        c: plan_conversion(source, models_dir / c.name, convert_options(options, c.budget)) for c in budgets
+    }
 
 
 class SharedLosses:
     """The layer losses, measured when the first budget candidate needs them and kept for the others."""
 
-    def __init__(self, parent_plan: PerLayerPlan, options):
-        self.parent_plan, self.options = parent_plan, options
+    def __init__(self, plan: ConversionPlan):
+        self.plan = plan
         self._measured: MeasuredLosses | None = None
 
     @property
@@ -54,7 +63,7 @@ class SharedLosses:
 
     def get(self) -> MeasuredLosses:
         if self._measured is None:
-            self._measured = measure_losses(self.parent_plan, convert_options(self.options))
+            self._measured = measure_for(self.plan)
         return self._measured
 
 
@@ -62,6 +71,7 @@ def measure_budget_candidate(source, budget: str, options, losses: SharedLosses,
     """Convert at `budget` from the shared losses, time it, evaluate against the parent: the candidate's row."""
     import torch
 
+    from mha2gqa.convert.run import execute, plan_conversion
     from mha2gqa.eval.memory import PeakMemory
     from mha2gqa.eval.run import evaluate
     from mha2gqa.sweep.candidates import derived_columns, eval_options
@@ -71,8 +81,8 @@ def measure_budget_candidate(source, budget: str, options, losses: SharedLosses,
     measured = losses.get()  # the first budget pays for them: not this candidate's conversion time
     started = time.perf_counter()
     with PeakMemory(torch.device("cpu")) as peak:
-        plan = plan_at_budget(source, dst, budget, measured, convert_options(options))
-        execute_per_layer(plan, dst)
+        plan = plan_conversion(source, dst, convert_options(options, budget), losses=measured)
+        execute(plan, dst)
     convert_s = time.perf_counter() - started
     started = time.perf_counter()
     result = evaluate(dst, options=eval_options(options, name, "converted", source))

@@ -27,7 +27,7 @@ from mha2gqa.progress import progress_bar
 from mha2gqa.run_folder import scratch_folder
 from mha2gqa.sources import resolve_model_dir
 from mha2gqa.sweep import folder as out_folder
-from mha2gqa.sweep.budgets import SharedLosses, measure_budget_candidate, plan_parent, validate_budgets
+from mha2gqa.sweep.budgets import SharedLosses, measure_budget_candidate, plan_budgets, validate_budgets
 from mha2gqa.sweep.candidates import (
     Candidate,
     eval_options,
@@ -53,7 +53,7 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     config = read_config(source)
     shape = attention_shape(config)
     candidates = [Candidate(g, m) for g in kv_head_counts(shape, options.groups, echo) for m in options.methods]
-    validate_budgets(options.kv_budgets or (), shape)
+    validate_budgets(options.kv_budgets or (), shape, config)
     candidates += [Candidate(None, BUDGET_METHOD, b) for b in dict.fromkeys(options.kv_budgets or ())]
     out = Path(options.out).expanduser()
     for path in parse_domains(options.data).values():
@@ -68,9 +68,7 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     # resolves the calibration and its token count (unset: the default of the calibration's kind).
     todo = [c for c in candidates if c.name not in done]
     plans = plan_candidates(source, [c for c in todo if c.budget is None], options, out / "models")
-    budgets = [c for c in todo if c.budget is not None]
-    # every refusal a budget candidate can get, before anything is written; its base plan prices each budget
-    per_layer = plan_parent(source, out / "models" / "per-layer", shape) if budgets else None
+    budgets = plan_budgets(source, [c for c in todo if c.budget is not None], options, out / "models")
     if plans:
         first = next(iter(plans.values()))
         options = replace(options, calibration_tokens=first.calibration.tokens)
@@ -80,16 +78,17 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
         **(earlier or {}).get("convert_commands", {}),
         **{c.name: plan.command() for c, plan in plans.items()},
     }
-    priced = {c.name: plan for c, plan in plans.items()} | {c.name: per_layer.base for c in budgets}
+    priced = {c.name: plan for c, plan in {**plans, **budgets}.items()}
     needed = out_folder.bytes_needed(priced, shape, options.keep)
     out_folder.require_room(out, needed)
     domains = list(parse_domains(options.data).values())
-    clock = sweep_clock(priced, domains, options, echo, per_layer, bool(plans)) if priced else NO_CLOCK
+    first_budget = next(iter(budgets.values()), None)
+    clock = sweep_clock(priced, domains, options, echo, first_budget, bool(plans)) if priced else NO_CLOCK
     if options.dry_run:
         echo(f"would sweep {len(priced)} candidates into {out}: {', '.join(priced) or 'none left'}")
         echo(f"  {out} needs {needed / 2**20:,.1f} MiB at the worst moment (statistics and converted models)")
         return record
-    _run(source, options, candidates, (plans, per_layer), record, earlier, out, echo, clock)
+    _run(source, options, candidates, (plans, first_budget), record, earlier, out, echo, clock)
     return record
 
 
@@ -166,7 +165,7 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
     todo = [c for c in candidates if c.name not in done]
     if not todo:
         return
-    plans, per_layer = plans
+    plans, first_budget = plans
     uniform = [c for c in todo if c.budget is None]
     plans = {**plans, **plan_candidates(source, [c for c in uniform if c not in plans], options, out / "models")}
     if uniform:
@@ -175,7 +174,7 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
         clock.stage(SWEEP.calibrate.name)
         stats = _gather_statistics(plan, options, work / "calibration")
         record["calibration"] = stats.record
-    losses = SharedLosses(per_layer, options) if per_layer is not None else None
+    losses = SharedLosses(first_budget) if first_budget is not None else None
     models_dir = out / "models" if options.keep else work
     if options.keep:
         models_dir.mkdir(exist_ok=True)

@@ -5,8 +5,7 @@ run (mha2gqa.estimates)."""
 from __future__ import annotations
 
 from mha2gqa import estimates
-from mha2gqa.convert.budget_run import BUDGET_BLOCKS
-from mha2gqa.convert.inputs import block_length
+from mha2gqa.convert.kv_budget import loss_tokens
 from mha2gqa.estimates import EvalWork, Part, StageCost, combined
 from mha2gqa.estimates.stages import SWEEP
 
@@ -24,12 +23,12 @@ def _texts(domains: list, max_tokens: int | None, context: int) -> dict:
 
 
 def sweep_stages(
-    plans: dict, domains: list, max_tokens: int | None, calibration_tokens: int | None, per_layer=None
+    plans: dict, domains: list, max_tokens: int | None, calibration_tokens: int | None, budget_plan=None
 ) -> list[StageCost]:
     """The sweep's stages: start, the parent's evaluation, the one calibration pass (when a uniform candidate is
-    left), the layer losses (when a --kv-budgets candidate is: `per_layer`, its checked plan), then a stage per
-    candidate (`plans`: {candidate name: its dry-run ConversionPlan, a budget's the mean conversion's}, each with
-    the precision its plan decided)."""
+    left), the layer losses (when a --kv-budgets candidate is: `budget_plan`, the first one's plan), then a stage
+    per candidate (`plans`: {candidate name: its dry-run ConversionPlan}, each with the precision its plan decided;
+    its calibration and layer losses are the sweep's, priced once above)."""
     parent, context, config = _parent_facts(plans)
     texts = _texts(domains, max_tokens, context)
     vocab = config.get("vocab_size") or 0
@@ -44,27 +43,14 @@ def sweep_stages(
         stages.append(
             StageCost(SWEEP.calibrate.name, (Part("calibrate", parent, {"tokens": calibration_tokens * parent}),))
         )
-    if per_layer is not None:
-        stages.append(
-            StageCost(
-                SWEEP.layer_losses.name, (Part("calibrate", parent, {"tokens": _loss_tokens(per_layer) * parent}),)
-            )
-        )
+    if budget_plan is not None:
+        tokens = loss_tokens(budget_plan.shape, budget_plan.loss_blocks * budget_plan.calibration.seq_len)
+        stages.append(StageCost(SWEEP.layer_losses.name, (Part("calibrate", parent, {"tokens": tokens * parent}),)))
     for name, plan in plans.items():
         candidate = estimates.convert_stages(plan.work(), start=False, calibration=False)
         candidate += estimates.eval_stages(child, start=False, warm=True)  # after the parent's, in its process
         stages.append(combined(SWEEP.candidate.member(name), candidate))
     return stages
-
-
-def _loss_tokens(per_layer) -> int:
-    """The layer losses as tokens through the whole parent (sensitivity.layer_losses): one parent pass, then for
-    each layer and each smaller count layers i.. again, (layers + 1) / 2 layers' worth on average, priced at the
-    calibration pass's rate."""
-    shape, config = per_layer.shape, per_layer.base.config
-    tokens = BUDGET_BLOCKS * block_length(config)
-    counts = len([g for g in shape.valid_groups() if g < shape.kv_heads])
-    return int(tokens * (1 + counts * (shape.layers + 1) / 2))
 
 
 def sweep_peak_bytes(plans: dict) -> int:
@@ -92,7 +78,7 @@ def _candidate_evaluation(parent: int, vocab: int, texts: dict) -> EvalWork:
     return EvalWork(parent, parent, vocab, 8 * parent, texts, 0)
 
 
-def sweep_clock(plans: dict, domains: list, options, echo, per_layer=None, statistics: bool = True):
+def sweep_clock(plans: dict, domains: list, options, echo, budget_plan=None, statistics: bool = True):
     """Says the sweep's estimate and returns the clock that times it: a real run probes with torch (its threads);
     a dry run with numpy, and gets no clock (NO_CLOCK). Either probes only when the sweep is long enough
     (estimates.for_this_machine)."""
@@ -100,7 +86,7 @@ def sweep_clock(plans: dict, domains: list, options, echo, per_layer=None, stati
     from mha2gqa.estimates.clock import NO_CLOCK, Clock
 
     calibration = options.calibration_tokens if statistics else None  # budget candidates alone gather none
-    stages = tuple(sweep_stages(plans, domains, options.max_tokens, calibration, per_layer))
+    stages = tuple(sweep_stages(plans, domains, options.max_tokens, calibration, budget_plan))
     priced = estimates.Estimate(stages, estimates.STORED, sweep_peak_bytes(plans))
     if options.dry_run:
         echo(estimates.for_this_machine(priced, "numpy").line())

@@ -23,7 +23,7 @@ def converted_model(parent, layout: Layout, shape: AttentionShape, config: dict,
     attention = tuple(layout.layer_prefix.format(layer=i) + attention_path(layout) + "." for i in range(shape.layers))
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(
-            type(parent.config).from_dict(config),
+            _config_class(parent, config).from_dict(config),
             dtype=next(parent.parameters()).dtype,
             attn_implementation=parent.config._attn_implementation,
         )
@@ -44,6 +44,18 @@ def converted_model(parent, layout: Layout, shape: AttentionShape, config: dict,
         state[name] = tensor.clone() if name.startswith(attention) else tensor
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(next(parent.parameters()).device).eval().requires_grad_(False)
+
+
+def _config_class(parent, config: dict):
+    """The converted config's class: the parent's, or (per-layer kv heads) mha2gqa's Nemotron-NAS one."""
+    from mha2gqa.nemotron_nas.blocks import MODEL_TYPE
+
+    if config.get("model_type") != MODEL_TYPE:
+        return type(parent.config)
+    from mha2gqa.nemotron_nas.modeling import NemotronNasConfig, register
+
+    register()
+    return NemotronNasConfig
 
 
 def layer_path(layout: Layout, index: int) -> str:
