@@ -49,7 +49,9 @@ def test_next_steps_name_the_recipe_for_the_device_and_the_refined_conversion_wh
     assert next_steps(NOT_USABLE, "p", "o", ["--groups", "1"], True, "cuda")[0].startswith(
         "mha2gqa uptrain --recipe distill-parent-gpu"
     )
-    assert len(next_steps(USABLE, "p", "o", ["--groups", "1"], True, "cpu")) == 1  # already calibrated + refined: uptrain only
+    assert (
+        len(next_steps(USABLE, "p", "o", ["--groups", "1"], True, "cpu")) == 1
+    )  # already calibrated + refined: uptrain only
     assert next_steps(CLOSE, "p", "o", ["--groups", "1"], False, "cpu") == []
 
 

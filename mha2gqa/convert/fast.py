@@ -142,7 +142,9 @@ def _compute(checkpoint: SafetensorsCheckpoint, step: Step, plan: TensorPlan, sc
         return _pool_layer(checkpoint, step, plan, scratch)
 
 
-def _pool_layer(checkpoint: SafetensorsCheckpoint, step: Step, plan: TensorPlan, scratch: _Scratch) -> tuple[list, list]:
+def _pool_layer(
+    checkpoint: SafetensorsCheckpoint, step: Step, plan: TensorPlan, scratch: _Scratch
+) -> tuple[list, list]:
     """One layer's attention tensors: read, pool the kv roles (one layer in memory at a time)."""
     shape, groups = plan.shape, plan.count(step.layer)
     roles = unpack({role: _load(checkpoint, name, scratch, role) for role, name in step.sources.items()}, shape)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mha2gqa.convert.kv_budget import FLAG, choose_counts, choice_lines
+from mha2gqa.convert.kv_budget import FLAG, choice_lines, choose_counts
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import AttentionShape
 from mha2gqa.progress import progress_bar

@@ -19,9 +19,9 @@ from mha2gqa import machine, provenance
 from mha2gqa.card import about_the_source
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
 from mha2gqa.convert import config_file, fast
+from mha2gqa.convert import counts as kv_counts
 from mha2gqa.convert.check import CHECK_TOKENS, CheckPlan, check_logits_bytes, parent_cached, plan_check
 from mha2gqa.convert.decide import Decided, decide
-from mha2gqa.convert.kv_budget import BUDGET_BLOCKS, loss_tokens
 from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
     GLOBAL_HELDOUT_EVERY,
@@ -34,6 +34,7 @@ from mha2gqa.convert.inputs import (
     layers_per_pass,
     stats_bytes,
 )
+from mha2gqa.convert.kv_budget import BUDGET_BLOCKS, loss_tokens
 from mha2gqa.convert.options import (
     DEFAULT_CALIBRATION,
     OUT_DTYPES,
@@ -44,7 +45,6 @@ from mha2gqa.convert.options import (
     RefineOptions,
     flag_words,
 )
-from mha2gqa.convert import counts as kv_counts
 from mha2gqa.convert.plan import TensorPlan, make_plan
 from mha2gqa.convert.retrieval_keep import RETRIEVAL_WEIGHTED, keep_line, validate_weight
 from mha2gqa.convert.rope import validate_calibrated, validate_grouping, validate_refine_layout, validate_rotary_dims

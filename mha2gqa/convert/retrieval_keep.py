@@ -149,7 +149,9 @@ def _groups_words(counts: tuple[int, ...], layers: list[int]) -> str:
     return counted(found[0], "group") if len(found) == 1 else "groups of those layers"
 
 
-def score_parent(model, tokenizer, counts: tuple[int, ...], weight: float, seed: int, progress: bool = True) -> KeptHeads:
+def score_parent(
+    model, tokenizer, counts: tuple[int, ...], weight: float, seed: int, progress: bool = True
+) -> KeptHeads:
     """SRC's retrieval heads, scored on its own probe questions (at most its max_position_embeddings long)."""
     from mha2gqa.scoring.retrieval_heads import head_scores
 

@@ -174,7 +174,9 @@ def engine_kv(plan: ServePlan) -> dict[str, dict]:
     return found
 
 
-def timed_point(plan: ServePlan, batch: list[list[int]], c: int, options: ServeOptions, say, what: str) -> dict[str, dict]:
+def timed_point(
+    plan: ServePlan, batch: list[list[int]], c: int, options: ServeOptions, say, what: str
+) -> dict[str, dict]:
     """{label: one point at concurrency c}: within each repeat every model runs `batch` once, the order reversed
     on every other repeat, so a drift of the machine's load falls on all models alike; each run with the
     engine's count of the requests it ran, read from /metrics meanwhile."""
@@ -273,7 +275,7 @@ def serve_bench(
     out: str | None = None,
     options: ServeOptions | None = None,
     say: Callable[[str], None] = print,
-    plan: Plan | None = None,
+    plan: ServePlan | None = None,
 ) -> dict:
     """Serve PARENT and CHILDREN in vLLM; the result dict (result.py), written to `out` when given. `plan`:
     prepare()'s for the same arguments, when the caller has made it already."""

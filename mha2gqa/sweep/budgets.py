@@ -45,9 +45,7 @@ def plan_budgets(source: Path, budgets: list[Candidate], options, models_dir: Pa
     plans price the candidates, and the first one's calibration is what the shared losses are measured on."""
     from mha2gqa.convert.run import plan_conversion
 
-    return {
-        c: plan_conversion(source, models_dir / c.name, convert_options(options, c.budget)) for c in budgets
-    }
+    return {c: plan_conversion(source, models_dir / c.name, convert_options(options, c.budget)) for c in budgets}
 
 
 class SharedLosses:
