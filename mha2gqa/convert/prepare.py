@@ -289,8 +289,8 @@ def prepare(
     provenance.lineage(source)  # a broken SRC/mha2gqa.json fails now, not after every tensor is written
     tensors = _tensor_plan(checkpoint, layout, shape, counts, options)
     torch_reason = (
-        fast.request_refusal(options, config, calibrated)
-        or (budget is not None and f"{kv_counts.BUDGET_FLAG} chooses the counts from SRC's layer losses")
+        (f"{kv_counts.BUDGET_FLAG} chooses the counts from SRC's layer losses" if budget is not None else None)
+        or fast.request_refusal(options, config, calibrated)
         or fast.plan_refusal(tensors, checkpoint.tensors)
     )
     plan = ConversionPlan(

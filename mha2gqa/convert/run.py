@@ -384,7 +384,10 @@ def _merge_layer(plan: ConversionPlan, step, stats, kept=None) -> tuple[dict, di
     )
     source_roles = unpack(stored, shape)
     _warn_non_finite(source_roles, step.sources, step.layer)
-    roles, report = transform_layer(METHODS[options.method], source_roles, context, options.grouping)
+    if count == shape.kv_heads:  # a layer that keeps its kv heads (per-layer counts): no method touches it
+        roles, report = source_roles, {}
+    else:
+        roles, report = transform_layer(METHODS[options.method], source_roles, context, options.grouping)
     packed = pack(roles, list(step.sources), count)
     names = {step.sources[role]: tensor for role, tensor in packed.items()}
     return {out.name: cast_to_output(names[out.name], out) for out in step.outputs}, report

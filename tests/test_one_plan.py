@@ -1,0 +1,120 @@
+"""One conversion plan for any kv-head counts (issue 65): --groups, --kv-heads-per-layer and --kv-budget go through
+the same prepare and execute. Per-layer counts work with every method, grouping and --refine; the bytes of the
+per-layer conversions stay those of the second pipeline they replaced (pinned at 43c2481); a layer converted at
+count g holds the tensors the uniform conversion to g gives it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
+
+from mha2gqa.cli import main
+
+# sha256 of model.safetensors and config.json as 43c2481 (convert/per_layer.py, budget_run.py) wrote them for this
+# parent (tiny llama: seed 0, 3 layers, 8 heads, 4 kv heads, MLP 256) and these flags
+PINNED = {
+    ("--kv-heads-per-layer", "4,2,1"): (
+        "cb306c02013b2a32f1603adad64d0c92fca3f4e08e4607592d6b7fe59b7102a4",
+        "660887aa8f63758387d9ecf3c12794914a4ccfb90ef5236a13f25634bce7813f",
+    ),
+    ("--kv-heads-per-layer", "2,1,2", "--dtype", "bfloat16"): (
+        "1360acbf26924c5c3c090b860d49db748f89b9e85326ef91cba3fa137d9ab2da",
+        "11de6f6b8d60db67321bbacca5ea1bc9aed612a163feb58f4c7feae0f58bc43f",
+    ),
+    ("--kv-budget", "0.5", "--calibration", "CAL", "--calibration-tokens", "128"): (
+        "3c676c36f9ef829addc5b6fd55d46caf8c0a9c25aa9af7c34302e9756c9f787b",
+        "2d4b267c5536916a6f7454c6633fdd897db4e827e238bb62eccd2e8b0fda945c",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory):
+    root = tmp_path_factory.mktemp("one-plan")
+    src = root / "llama"
+    save_tiny_model(src, "llama", intermediate_size=256, num_key_value_heads=4, num_hidden_layers=3,
+                    max_position_embeddings=64)  # fmt: skip
+    make_tiny_tokenizer(src)
+    (root / "cal.txt").write_text(SAMPLE_TEXT * 20)
+    return src
+
+
+def _convert(parent, dst, *args):
+    words = [str(parent.parent / "cal.txt") if word == "CAL" else word for word in args]
+    result = CliRunner().invoke(main, ["convert", str(parent), str(dst), "-q", "--no-check", *words])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("args", list(PINNED), ids=["counts", "counts-bf16", "budget"])
+def test_per_layer_bytes_are_the_second_pipelines(parent, tmp_path, args):
+    _convert(parent, tmp_path / "dst", *args)
+    weights, config = PINNED[args]
+    assert _sha(tmp_path / "dst" / "model.safetensors") == weights
+    assert _sha(tmp_path / "dst" / "config.json") == config
+
+
+def _layer_tensors(path, layer: int) -> dict:
+    prefix = f"model.layers.{layer}.self_attn."
+    with safe_open(path / "model.safetensors", "pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys() if name.startswith(prefix)}
+
+
+METHODS = [
+    ("--method", "mean"),
+    ("--method", "first"),
+    ("--method", "random", "--seed", "3"),
+    ("--method", "mean-norm"),
+    ("--method", "calibrated", "--calibration", "CAL", "--calibration-tokens", "512"),
+    ("--method", "mean", "--grouping", "similarity", "--calibration", "CAL", "--calibration-tokens", "512"),
+]
+
+
+@pytest.mark.parametrize("method", METHODS, ids=["mean", "first", "random", "mean-norm", "calibrated", "similarity"])
+def test_each_layer_holds_what_the_uniform_conversion_to_its_count_gives(parent, tmp_path, method):
+    """The layer-by-layer reference: layer i of --kv-heads-per-layer 4,2,1 equals layer i of --groups counts[i]
+    (the parent's own count: its tensors unchanged), for every method and grouping."""
+    counts = (4, 2, 1)
+    _convert(parent, tmp_path / "per-layer", "--kv-heads-per-layer", ",".join(map(str, counts)), *method)
+    config = json.loads((tmp_path / "per-layer" / "config.json").read_text())
+    assert [8 // b["attention"]["n_heads_in_group"] for b in config["block_configs"]] == list(counts)
+    for layer, count in enumerate(counts):
+        reference = parent if count == 4 else tmp_path / f"g{count}"
+        if count != 4 and not reference.exists():
+            _convert(parent, reference, "--groups", str(count), *method)
+        got, expected = _layer_tensors(tmp_path / "per-layer", layer), _layer_tensors(reference, layer)
+        assert set(got) == set(expected)
+        for name, tensor in got.items():
+            assert tensor.equal(expected[name]), name
+
+
+def test_budget_with_the_best_tools_plans_runs_and_reproduces(parent, tmp_path):
+    """--kv-budget with the calibrated merge and --refine: its dry run lists the layer-losses stage before the merge,
+    the run records the choice, and the card's Reproduce line (the chosen counts) writes the same bytes."""
+    args = ["--kv-budget", "0.5", "--method", "calibrated", "--refine", "--refine-steps", "3"]
+    args += ["--refine-global-steps", "2", "--calibration", "CAL", "--calibration-tokens", "256"]
+    dry = _convert(parent, tmp_path / "dry", *args, "--dry-run").output
+    stages = [line.split(":")[1].strip() for line in dry.splitlines() if line.startswith("stage ")]
+    assert stages == ["calibrate", "layer losses", "merge", "refine", "refine (global)", "write", "check", "metadata"]
+    assert "kv heads per layer chosen within 6 of 12" in dry and not (tmp_path / "dry").exists()
+    _convert(parent, tmp_path / "dst", *args)
+    record = json.loads((tmp_path / "dst" / "mha2gqa.json").read_text())["lineage"][-1]
+    counts = record["kv_heads_per_layer"] if "kv_heads_per_layer" in record else [record["groups"]] * 3
+    assert sum(counts) <= 6 and record["kv_budget"]["budget_kv_heads"] == 6 and record["refine"]["layers"]
+    words = record["command"].split()
+    target = (
+        ["--groups", str(counts[0])] if len(set(counts)) == 1 else ["--kv-heads-per-layer", ",".join(map(str, counts))]
+    )
+    assert "--kv-budget" not in words and words[4:6] == target  # the chosen counts: no losses measured again
+    again = [str(parent.parent / "cal.txt") if w.endswith("cal.txt") else w for w in words[4:]]
+    _convert(parent, tmp_path / "again", *again)
+    assert _sha(tmp_path / "again" / "model.safetensors") == _sha(tmp_path / "dst" / "model.safetensors")
