@@ -167,15 +167,15 @@ def test_a_library_call_pays_for_no_estimate():
 def test_every_stage_of_a_refining_conversion_is_costed_and_a_stage_may_cost_itself(fixed_rates):
     options = ConvertOptions(2, calibration="austen", calibration_tokens=4096, refine=RefineOptions(steps=2))
     plan = prepare(embedded.model_dir(), options)
-    names = [s.name for s in estimates.convert_stages(plan.work())]
+    names = [s.name for s in plan.priced()]
     assert names == ["start", "load", "calibrate", "refine", "refine (global)", "write", "check", "metadata"]
-    calibrate = next(s for s in estimates.convert_stages(plan.work()) if s.name == "calibrate")
+    calibrate = next(s for s in plan.priced() if s.name == "calibrate")
     params = plan.parameters
     assert calibrate.seconds() == pytest.approx(1.0 + 4096 * params * plan.calibration_passes * 4e-10)
     plan.stages.append(Stage("later", "a stage its planner costs", parts=(estimates.Part("eval_kv", params),)))
-    assert [s for s in estimates.convert_stages(plan.work()) if s.name == "later"][0].seconds() == 0.5
+    assert [s for s in plan.priced() if s.name == "later"][0].seconds() == 0.5
     mean = prepare(embedded.model_dir(), ConvertOptions(2))  # numpy: no torch until the check imports it
-    assert [s.name for s in estimates.convert_stages(mean.work())] == ["start", "merge", "check", "metadata"]
+    assert [s.name for s in mean.priced()] == ["start", "merge", "check", "metadata"]
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16", "auto"])
@@ -196,7 +196,7 @@ def test_a_global_stage_in_bfloat16_is_priced_at_its_measured_speedup_and_its_ch
         embedded.model_dir(), ConvertOptions(2, **options, refine=RefineOptions(steps=2, global_precision="float32"))
     )
     (stage,) = [s for s in convert_run.estimate(plan).stages if s.name == "refine (global)"]
-    (float32,) = [s for s in estimates.convert_stages(baseline.work()) if s.name == "refine (global)"]
+    (float32,) = [s for s in baseline.priced() if s.name == "refine (global)"]
     speedup = 1.3  # the embedded model is SMALL: (1.3, 1.6)'s first
     assert stage.parts[0].work["checks"] == float32.parts[0].work["checks"] > 0
     expected = float32.parts[0].work["steps"] / (speedup if precision == "bfloat16" else 1)
@@ -293,7 +293,7 @@ def test_convert_checks_work_is_a_stage_of_its_estimate_and_a_cached_parent_halv
     assert [(p.kind, p.work) for p in warm] == [("check", {**work, "forward": tokens * SMALL, "cold_start": 1})]
     monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path / "cache"))
     plan = prepare(embedded.model_dir(), ConvertOptions(groups=2))  # numpy executor: the check starts torch
-    check = next(stage for stage in estimates.convert_stages(plan.work()) if stage.name == "check")
+    check = next(stage for stage in plan.priced() if stage.name == "check")
     assert [p.kind for p in check.parts] == ["check"] and check.parts[0].work["cold_start"] == 1
     assert plan.check.skip is None
     forward = plan.check.tokens * len(plan.check.domains) * plan.parameters
@@ -306,7 +306,7 @@ def test_convert_checks_work_is_a_stage_of_its_estimate_and_a_cached_parent_halv
     cached = prepare(embedded.model_dir(), ConvertOptions(groups=2))
     assert cached.check.parts[0].work["forward"] == forward and cached.check.seconds < plan.check.seconds
     unchecked = prepare(embedded.model_dir(), ConvertOptions(groups=2, check=False))
-    assert "check" not in [stage.name for stage in estimates.convert_stages(unchecked.work())]
+    assert "check" not in [stage.name for stage in unchecked.priced()]
 
 
 def test_a_warm_evaluation_pays_no_fixed_seconds_and_a_reference_adds_the_vocabulary_tally(fixed_rates):
@@ -405,7 +405,7 @@ def test_a_long_refine_still_gets_its_machine_scaled_estimate_from_a_probe_of_a_
     monkeypatch.setitem(rates.PROBES, "torch_fine", probe("torch_fine", 3.0))
     monkeypatch.setattr(rates, "_torch_threads", lambda: 2)
     plan = prepare(embedded.model_dir(), ConvertOptions(2, refine=RefineOptions()))
-    priced = estimates.convert_estimate(plan.work()).seconds()
+    priced = plan.at_rates().seconds()
     assert priced > rates.PROBE_AFTER_S  # the default refine of the embedded model: minutes
     scaled = convert_run.estimate(plan)
     assert (scaled.machine.factor, scaled.machine.fine_factor) == pytest.approx((2.0, 3.0))

@@ -14,8 +14,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mha2gqa"
 
 EXPECTED = {  # the names the output and the estimates have always used: renaming one is a visible change
     "convert": [
-        "start", "load", "sample", "calibrate", "layer losses", "merge", "refine", "refine (global)", "write", "check",
-        "metadata",
+        "start", "load", "sample", "calibrate", "layer losses", "retrieval heads", "merge", "refine", "refine (global)",
+        "write", "check", "metadata",
     ],
     "eval": ["start", "load", "quality: ", "retrieval", "kv cache", "decode speed", "attention maps", "lm-eval"],
     "uptrain": ["start", "load", "train", "save"],
@@ -88,6 +88,9 @@ def test_every_declared_stage_is_timed():
     clock = ast.parse((PACKAGE / "estimates" / "clock.py").read_text())
     if any(isinstance(n, ast.Name) and n.id == "START" for n in ast.walk(clock)):
         timed.add(id(stages.START))  # every clock starts in the start stage
+    from mha2gqa.convert.prepare import _WORK  # convert's executor marks each planned stage that has work
+
+    timed |= {id(s) for s in declared("convert") if s.name in _WORK}
     never = [f"{c}: {s.name!r}" for c in stages.COMMANDS for s in declared(c) if id(s) not in timed]
     assert not never, f"declared but never timed: {never}"
 
@@ -132,3 +135,69 @@ def test_a_family_builds_its_members_and_a_whole_name_builds_none():
     assert not is_declared("uptrain", "quality: prose")
     with pytest.raises(ValueError, match="not a family"):
         EVAL.load.member("x")
+
+
+class _Recorder:
+    """A clock that keeps the stages marked and the estimate it was given."""
+
+    def __init__(self):
+        self.marks, self.estimate = [], None
+
+    def begin(self, estimate):
+        self.estimate = estimate()
+
+    def stage(self, name):
+        self.marks.append(name)
+
+    def partial(self, fraction):
+        pass
+
+    def finish(self):
+        return 0.0
+
+
+CONVERSIONS = {
+    "mean, numpy": ["-g", "2"],
+    "calibrated, refine, budget": [
+        "--kv-budget", "0.5", "--method", "calibrated", "--refine", "--refine-steps", "2", "--refine-global-steps", "2",
+        "--calibration", "CAL", "--calibration-tokens", "512",
+    ],
+    "keep retrieval heads, no check": ["-g", "2", "--keep-retrieval-heads", "--no-check"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("args", list(CONVERSIONS.values()), ids=list(CONVERSIONS))
+def test_a_conversion_runs_and_prices_exactly_the_stages_its_plan_lists(tmp_path, args):
+    """execute marks the plan's stages, in its order, and no other (beyond the process' load); the estimate prices
+    those stages with the parts they carry (issue 65 item 1)."""
+    from tiny_models import save_tiny_inputs
+
+    from mha2gqa.convert.run import execute, plan_conversion
+
+    root = save_tiny_inputs(tmp_path, num_key_value_heads=4, intermediate_size=256, max_position_embeddings=128)
+    words = [str(root / "cal.txt") if word == "CAL" else word for word in args]
+    options = _options(words + ["-q"])
+    plan = plan_conversion(root / "src", tmp_path / "dst", options)
+    clock = _Recorder()
+    execute(plan, tmp_path / "dst", clock)
+    listed = [s.name for s in plan.stages if not s.skipped]
+    process = ["load"] if plan.torch_reason is not None else []
+    assert clock.marks == process + listed
+    priced = [stage.name for stage in clock.estimate.stages]
+    assert priced == ["start"] + process + [s.name for s in plan.stages if s.parts]
+    for stage, cost in zip([s for s in plan.stages if s.parts], clock.estimate.stages[1 + len(process) :]):
+        assert cost.parts == stage.parts  # priced from what the stage carries, not apart from it
+    assert all(s.run is not None for s in plan.stages if not s.skipped and s.name != "refine (global)")
+
+
+def _options(words):
+    """ConvertOptions from command-line words, through the one flag table (as the CLI builds them)."""
+    import click
+
+    from mha2gqa.cli.convert_cmd import convert as command
+    from mha2gqa.convert.options import options_from_flags
+
+    context = command.make_context("convert", ["SRC", "DST", *words])
+    assert isinstance(context, click.Context)
+    flags = {k: v for k, v in context.params.items() if k not in ("src", "dst", "plan_tensors")}
+    return options_from_flags(flags)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mha2gqa import machine, provenance
 from mha2gqa.card import about_the_source
 from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
-from mha2gqa.convert import config_file, fast
+from mha2gqa.convert import config_file, fast, stage_work
 from mha2gqa.convert import counts as kv_counts
 from mha2gqa.convert.check import CHECK_TOKENS, CheckPlan, check_logits_bytes, parent_cached, plan_check
 from mha2gqa.convert.decide import Decided, decide
@@ -52,7 +53,17 @@ from mha2gqa.corpus import sampling
 from mha2gqa.corpus.probe import DOMAINS
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
-from mha2gqa.estimates import ConvertWork, RefineWork, StageCost, check_parts, convert_line
+from mha2gqa.estimates import (
+    CALIBRATION_STAGES,
+    STORED,
+    ConvertWork,
+    Estimate,
+    RefineWork,
+    StageCost,
+    check_parts,
+    convert_line,
+    convert_parts,
+)
 from mha2gqa.estimates.costs import RUNTIME_BYTES as EVAL_RUNTIME_BYTES
 from mha2gqa.estimates.stages import CONVERT
 from mha2gqa.layouts import (
@@ -87,11 +98,14 @@ def has_tokenizer(source: Path) -> bool:
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage of the conversion as --dry-run prints it."""
+    """One stage of the conversion: its name, the line --dry-run prints, its price and the work that runs it.
+    run.execute calls `run` on the run's state in the list's order, under the clock; the estimate sums `parts`."""
 
-    name: str  # calibrate, merge, refine, metadata
+    name: str  # a declared stage (estimates/stages.py): calibrate, merge, refine, metadata
     detail: str
-    parts: tuple = ()  # a stage its planner costs (estimates.Part): the estimate adds them
+    parts: tuple = ()  # its price (estimates.Part): the estimate adds them
+    run: Callable | None = None  # stage_work's function; None: skipped, or marked inside the stage before it
+    skipped: bool = False  # listed for the reader (statistics passed in, the check off): runs and costs nothing
 
 
 @dataclass
@@ -165,6 +179,12 @@ class ConversionPlan:
         return min(BUDGET_BLOCKS, blocks) if self.gathers_statistics else blocks
 
     @property
+    def reads_parent(self) -> bool:
+        """A stage reads SRC's whole model (the calibration, the layer losses, the retrieval heads): loaded once, in
+        the load stage."""
+        return self.calibration is not None or self.options.keep_retrieval_heads
+
+    @property
     def measures_losses(self) -> bool:
         """The layer-losses stage runs: a budget to fill, and no losses passed in."""
         return self.budget_heads is not None and self.losses is None
@@ -179,7 +199,7 @@ class ConversionPlan:
         return -(-self.shape.layers // layers_per_pass(self.calibration_memory, self.shape.hidden))
 
     def work(self) -> ConvertWork:
-        """What the conversion will do, as the numbers its estimate is priced from (estimates.convert_stages)."""
+        """What the conversion will do, as the numbers its stages are priced from (estimates.convert_parts)."""
         p, calibration, sampled = (
             self.parameters,
             self.calibration,
@@ -197,11 +217,23 @@ class ConversionPlan:
             parent_bytes=4 * p if calibration is not None else 0,
             calibrate_tokens=calibration.tokens * self.calibration_passes if self.gathers_statistics else 0,
             loss_tokens=loss_tokens(self.shape, self.loss_blocks * calibration.seq_len) if self.measures_losses else 0,
+            retrieval_tokens=retrieval_tokens(self.config) if self.options.keep_retrieval_heads else 0,
             refine=self._refine_work(p),
-            planned=tuple(StageCost(s.name, s.parts) for s in self.stages if s.parts),
-            peak_bytes=self.peak_memory,
             **sample,
         )
+
+    def priced(self, start: bool = True, calibration: bool = True) -> list[StageCost]:
+        """The estimate's stages: the process' start and the parent's load, then every planned stage that runs, at
+        the price it carries; without the sample, statistics and layer losses where a sweep ran them once."""
+        process = convert_parts(self.work())
+        names = [CONVERT.start.name] if start else []
+        stages = [StageCost(name, process[name]) for name in names + [CONVERT.load.name] if name in process]
+        kept = [s for s in self.stages if s.parts and (calibration or s.name not in CALIBRATION_STAGES)]
+        return stages + [StageCost(s.name, s.parts) for s in kept]
+
+    def at_rates(self) -> Estimate:
+        """The estimate at the stored rates (estimates.for_this_machine scales it to this machine)."""
+        return Estimate(tuple(self.priced()), STORED, self.peak_memory)
 
     def _refine_work(self, parameters: int) -> RefineWork | None:
         refine, budget = self.options.refine, self.refine_budget
@@ -257,7 +289,7 @@ class ConversionPlan:
             )
             + f"; peak memory about {format_bytes(self.peak_memory)}"
         )
-        lines.append(time_line or convert_line(self.work()))
+        lines.append(time_line or convert_line(self.at_rates().seconds()))
         return lines
 
 
@@ -455,35 +487,73 @@ def _estimate(plan: ConversionPlan, calibration_tokens: int) -> None:
         plan.scratch_bytes += layers_bytes
         peak = max(peak, model_bytes + min(layers_bytes, plan.calibration_memory) + _forward_bytes(shape, seq_len))
     elif plan.stats is not None:
-        stages.append(Stage(CONVERT.calibrate.name, f"skipped: statistics passed in ({plan.stats.tokens:,} tokens)"))
+        detail = f"skipped: statistics passed in ({plan.stats.tokens:,} tokens)"
+        stages.append(Stage(CONVERT.calibrate.name, detail, skipped=True))
     if plan.budget_heads is not None:
         stages.append(_losses_stage(plan))
         if plan.measures_losses:  # the parent, one block's forward and the logits of both sides of the KL
             logits = 2 * seq_len * config_vocab(plan.config) * 4
             peak = max(peak, model_bytes + _forward_bytes(shape, seq_len) // CALIBRATION_BATCH + logits)
+    if options.keep_retrieval_heads:
+        stages.append(Stage(CONVERT.retrieval_heads.name, keep_line(options, plan.counts)))
     executor = "numpy, no torch" if plan.torch_reason is None else f"torch: {plan.torch_reason}"
     merge = f"{options.method} {_counts_words(plan)}, {options.grouping} grouping, {shape.layers} layers ({executor})"
     if options.keep_retrieval_heads:
-        merge += "; " + keep_line(options, plan.counts)
+        merge += "; the retrieval kv heads weighed and spread"
     if options.refine is None:
         stages.append(Stage(CONVERT.merge.name, merge + f"; {len(tensors.output_tensors())} tensors streamed into DST"))
     else:
-        stages.append(Stage(CONVERT.merge.name, merge + "; the merged attention kept in memory for refine"))
+        stages.append(Stage(CONVERT.merge.name, merge + "; the merged attention kept in memory for refine"))  # unpriced
         stages += _refine_stages(plan, calibration_tokens, seq_len)
         peak = max(peak, _refine_peak(plan, model_bytes, seq_len))
     plan.check = _plan_check(plan, params)
     runs = plan.check.skip is None  # the check's work (check_parts) counts in the estimate when it runs
-    stages.append(
-        Stage(CONVERT.check.name, plan.check.describe().removeprefix("check: "), plan.check.parts if runs else ())
-    )
+    detail = plan.check.describe().removeprefix("check: ")
+    stages.append(Stage(CONVERT.check.name, detail, plan.check.parts, skipped=not runs))
     if plan.check.skip is None:
         peak = max(peak, model_bytes + check_logits_bytes(plan.config))
     stages.append(Stage(CONVERT.metadata.name, "config.json, tokenizer and other files, mha2gqa.json, README.md card"))
-    plan.stages = stages
+    plan.stages = _priced_with_work(plan, stages)
     runtime = RUNTIME_BYTES["numpy" if plan.torch_reason is None else "torch"]
     if plan.check.skip is None:  # the check runs the models in transformers, with a tokenizer: eval's runtime
         runtime = max(runtime, EVAL_RUNTIME_BYTES)
     plan.peak_memory = peak + runtime
+
+
+# The work of each stage that runs (a skipped one, and the global refine stage that refine marks itself, run none).
+_WORK = {
+    CONVERT.sample.name: stage_work.sample,
+    CONVERT.calibrate.name: stage_work.calibrate,
+    CONVERT.layer_losses.name: stage_work.layer_losses,
+    CONVERT.retrieval_heads.name: stage_work.retrieval_heads,
+    CONVERT.merge.name: stage_work.merge,
+    CONVERT.refine.name: stage_work.refine,
+    CONVERT.write.name: stage_work.write,
+    CONVERT.check.name: stage_work.check,
+    CONVERT.metadata.name: stage_work.metadata,
+}
+
+
+def _priced_with_work(plan: ConversionPlan, stages: list[Stage]) -> list[Stage]:
+    """Each stage with its price (estimates.convert_parts, from the plan's work; the check brings its own) and its
+    work: a stage skipped (statistics passed in, the check off) runs nothing and costs nothing."""
+    parts = convert_parts(plan.work())
+    priced = []
+    for stage in stages:
+        if stage.skipped:
+            priced.append(replace(stage, parts=()))
+        elif stage.name == CONVERT.refine_global.name:  # refine runs it and marks it
+            priced.append(replace(stage, parts=parts[stage.name]))
+        else:
+            priced.append(replace(stage, parts=stage.parts or parts.get(stage.name, ()), run=_WORK[stage.name]))
+    return priced
+
+
+def retrieval_tokens(config: dict) -> int:
+    """Tokens the parent forwards over --keep-retrieval-heads' scoring questions (retrieval_keep.py)."""
+    from mha2gqa.convert.retrieval_keep import scoring_grid
+
+    return scoring_grid(config, seed=0).forward_tokens()
 
 
 def _plan_check(plan: ConversionPlan, params: int) -> CheckPlan:

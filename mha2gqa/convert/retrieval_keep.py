@@ -156,9 +156,8 @@ def score_parent(
     from mha2gqa.scoring.retrieval_heads import head_scores
 
     config = model.config
-    limit = getattr(config, "max_position_embeddings", None) or max(SCORE_LENGTHS)
-    lengths = tuple(n for n in SCORE_LENGTHS if n <= limit) or (limit,)
-    grid = ProbeGrid(lengths, SCORE_DEPTHS, SCORE_SAMPLES, seed + SCORE_SEED_OFFSET)
+    grid = scoring_grid(config.to_dict(), seed)
+    limit = getattr(config, "max_position_embeddings", None)
     items = build_items(tokenizer, grid, _haystack())
     device = next(model.parameters()).device
     scores = head_scores(model, items, device, bar="retrieval heads" if progress else False)
@@ -167,6 +166,14 @@ def score_parent(
             f"--keep-retrieval-heads: SRC's max_position_embeddings={limit} leaves no question to score its heads on"
         )
     return KeptHeads(scores.cpu(), config.num_key_value_heads, tuple(counts), weight, len(items))
+
+
+def scoring_grid(config: dict, seed: int) -> ProbeGrid:
+    """The questions SRC's heads are scored on: SCORE_LENGTHS up to its max_position_embeddings (that length alone
+    where all are longer), seeded apart from eval's questions."""
+    limit = config.get("max_position_embeddings") or max(SCORE_LENGTHS)
+    lengths = tuple(n for n in SCORE_LENGTHS if n <= limit) or (limit,)
+    return ProbeGrid(lengths, SCORE_DEPTHS, SCORE_SAMPLES, seed + SCORE_SEED_OFFSET)
 
 
 def _haystack() -> str:

@@ -48,7 +48,7 @@ def demo_estimate(plan) -> estimates.Estimate:
     )  # fmt: skip
     stages = (
         StageCost(DEMO.start.name, (Part("torch_start", parent),)),
-        combined(DEMO.convert.name, estimates.convert_stages(conversion.work(), start=False)),
+        combined(DEMO.convert.name, conversion.priced(start=False)),
         _evaluation(DEMO.evaluate_parent.name, parent, None, settings, grid),
         _evaluation(DEMO.evaluate_converted.name, child, parent, settings, 2 * grid),
         combined(DEMO.uptrain.name, estimates.uptrain_stages(uptrain, start=False, warm=True)),

@@ -12,6 +12,7 @@ what it took at the end: every command that can run past a minute (convert, eval
 from __future__ import annotations
 
 from mha2gqa.estimates.costs import (  # noqa: F401 (the package's API)
+    CALIBRATION_STAGES,
     CAVEAT,
     CHARS_PER_TOKEN,
     COMPRESSION,
@@ -24,10 +25,8 @@ from mha2gqa.estimates.costs import (  # noqa: F401 (the package's API)
     UptrainWork,
     check_parts,
     combined,
-    convert_estimate,
     convert_line,
-    convert_seconds,
-    convert_stages,
+    convert_parts,
     duration,
     eval_peak_bytes,
     eval_stages,

@@ -154,43 +154,46 @@ class ConvertWork:
     sample_batch: int | None = None
     calibrate_tokens: int = 0  # tokens through the parent for the statistics, all passes (0: none gathered)
     loss_tokens: int = 0  # --kv-budget's layer losses as tokens through the whole parent (kv_budget.loss_tokens)
+    retrieval_tokens: int = 0  # --keep-retrieval-heads: the parent's forwards over its scoring questions
     refine: RefineWork | None = None
-    planned: tuple[StageCost, ...] = ()  # stages their planners costed (the quality check: check_parts)
-    peak_bytes: int = 0
 
 
-def convert_stages(work: ConvertWork, start: bool = True, calibration: bool = True) -> list[StageCost]:
-    """A conversion's stages, each costed: with the process' start (the parent loaded when a stage reads it), and
-    with its sampling and statistics pass unless a sweep ran them once for all. The global refine stage's steps
-    are priced in the precision the plan decided (convert/decide.py)."""
+def convert_parts(work: ConvertWork) -> dict[str, tuple[Part, ...]]:
+    """What each stage of a conversion costs, by the stage's name: the process' start, the parent's load (when a
+    stage reads it), the samples, the statistics, the layer losses, the merge or refine's stages, the metadata.
+    prepare puts each stage's parts on the stage it plans (the quality check brings its own: check_parts); the
+    global refine stage's steps are priced in the precision the plan decided (convert/decide.py)."""
     p, refine = work.parameters, work.refine
     write = "write_torch" if work.torch else "write_numpy"
-    stages = (
-        [StageCost(CONVERT.start.name, (Part("torch_start" if work.torch else "numpy_start", p),))] if start else []
-    )
+    parts = {CONVERT.start.name: (Part("torch_start" if work.torch else "numpy_start", p),)}
     if work.torch:  # the parent loaded when a stage reads it, the calibration text read
-        stages.append(StageCost(CONVERT.load.name, (Part("convert_load", p, {"bytes": work.parent_bytes}),)))
-    if calibration and work.sampled_tokens:
+        parts[CONVERT.load.name] = (Part("convert_load", p, {"bytes": work.parent_bytes}),)
+    if work.sampled_tokens:
         sample = sample_part(p, work.sampled_tokens, work.sample_seq_len, work.sample_chat, batch=work.sample_batch)
-        stages.append(StageCost(CONVERT.sample.name, (sample,)))
-    if calibration and work.calibrate_tokens:
-        stages.append(StageCost(CONVERT.calibrate.name, (Part("calibrate", p, {"tokens": work.calibrate_tokens * p}),)))
-    if calibration and work.loss_tokens:
-        stages.append(StageCost(CONVERT.layer_losses.name, (Part("calibrate", p, {"tokens": work.loss_tokens * p}),)))
+        parts[CONVERT.sample.name] = (sample,)
+    if work.calibrate_tokens:
+        parts[CONVERT.calibrate.name] = (Part("calibrate", p, {"tokens": work.calibrate_tokens * p}),)
+    if work.loss_tokens:
+        parts[CONVERT.layer_losses.name] = (Part("calibrate", p, {"tokens": work.loss_tokens * p}),)
+    if work.retrieval_tokens:  # the parent's forwards over its questions, eager attention: an evaluation's rate
+        parts[CONVERT.retrieval_heads.name] = (Part("eval_quality", p, {"forward": work.retrieval_tokens * p}),)
     if refine is None:
-        stages.append(StageCost(CONVERT.merge.name, (Part(write, p, {"bytes": work.bytes_written}),)))
+        parts[CONVERT.merge.name] = (Part(write, p, {"bytes": work.bytes_written}),)
     else:
         layer_work = {"steps": refine.layer_step_work, "tokens": refine.fit_tokens * p}
-        stages.append(StageCost(CONVERT.refine.name, (Part("refine", p, layer_work),)))
+        parts[CONVERT.refine.name] = (Part("refine", p, layer_work),)
         if refine.global_steps:
             speedup = rates.between(BF16_GLOBAL_STEP_SPEEDUP, p) if refine.global_bf16 else 1
             steps = refine.global_steps * refine.step_tokens * p / speedup
             global_work = {"steps": steps, "checks": refine.global_heldout_forwards * p}
-            stages.append(StageCost(CONVERT.refine_global.name, (Part("refine_global", p, global_work),)))
-        stages.append(StageCost(CONVERT.write.name, (Part(write, p, {"bytes": work.bytes_written}),)))
-    stages += work.planned  # costed by their planners (the quality check) : after the write, before the metadata
-    stages.append(StageCost(CONVERT.metadata.name, (Part("metadata", p, {}),)))
-    return stages
+            parts[CONVERT.refine_global.name] = (Part("refine_global", p, global_work),)
+        parts[CONVERT.write.name] = (Part(write, p, {"bytes": work.bytes_written}),)
+    parts[CONVERT.metadata.name] = (Part("metadata", p, {}),)
+    return parts
+
+
+# The stages a sweep runs once for all its candidates: not priced again in each candidate's conversion.
+CALIBRATION_STAGES = (CONVERT.sample.name, CONVERT.calibrate.name, CONVERT.layer_losses.name)
 
 
 def check_parts(
@@ -206,23 +209,12 @@ def check_parts(
     return (Part("check", parameters, work),)
 
 
-def convert_seconds(work: ConvertWork, start: bool = True, calibration: bool = True) -> float:
-    """The conversion's seconds on the measuring machine (quiet)."""
-    return sum(stage.seconds() for stage in convert_stages(work, start, calibration))
-
-
-def convert_estimate(work: ConvertWork) -> Estimate:
-    """The conversion's estimate at the stored rates (for_this_machine scales it)."""
-    return Estimate(tuple(convert_stages(work)), rates.STORED, work.peak_bytes)
-
-
-def convert_line(work: ConvertWork, scaled: Estimate | None = None) -> str:
-    """The one line `convert --dry-run` prints about time: the rates' machine's, or `scaled` (the run's estimate,
-    probed on this machine) when given."""
-    if scaled is None:
-        seconds, words = convert_seconds(work), CAVEAT
-    else:
-        seconds, words = scaled.seconds(), scaled.machine.words()
+def convert_line(seconds: float, scaled: Estimate | None = None) -> str:
+    """The one line `convert --dry-run` prints about time: the rates' machine's `seconds`, or `scaled` (the run's
+    estimate, probed on this machine) when given."""
+    if scaled is not None:
+        seconds = scaled.seconds()
+    words = CAVEAT if scaled is None else scaled.machine.words()
     return f"time: {duration(seconds)} ({words}; a busier machine takes longer, a GPU far less)"
 
 

@@ -40,6 +40,7 @@ class ConvertStages:
     sample: Declared = Declared("sample", ("sample",))
     calibrate: Declared = Declared("calibrate", ("calibrate",))
     layer_losses: Declared = Declared("layer losses", ("calibrate",))  # --kv-budget: each layer at each count
+    retrieval_heads: Declared = Declared("retrieval heads", ("eval_quality",))  # --keep-retrieval-heads: scored
     merge: Declared = Declared("merge", ("write_numpy", "write_torch"))
     refine: Declared = Declared("refine", ("refine",))
     refine_global: Declared = Declared("refine (global)", ("refine_global",))

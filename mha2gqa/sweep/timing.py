@@ -47,7 +47,7 @@ def sweep_stages(
         tokens = loss_tokens(budget_plan.shape, budget_plan.loss_blocks * budget_plan.calibration.seq_len)
         stages.append(StageCost(SWEEP.layer_losses.name, (Part("calibrate", parent, {"tokens": tokens * parent}),)))
     for name, plan in plans.items():
-        candidate = estimates.convert_stages(plan.work(), start=False, calibration=False)
+        candidate = plan.priced(start=False, calibration=False)
         candidate += estimates.eval_stages(child, start=False, warm=True)  # after the parent's, in its process
         stages.append(combined(SWEEP.candidate.member(name), candidate))
     return stages
