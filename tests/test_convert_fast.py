@@ -230,7 +230,7 @@ def test_torch_runs_what_the_fast_executor_cannot_match(tmp_path, monkeypatch):
 
 def test_the_fast_methods_are_the_plain_ones():
     """fast.py assumes what Method says: no calibration, q/o left alone."""
-    for method in fast.METHODS:
+    for method in fast.NUMPY_METHODS:
         assert not method.needs_calibration and not method.rewrites_query_output
 
 

@@ -35,7 +35,7 @@ from mha2gqa.errors import WeightWarning
 from mha2gqa.layouts import LAYOUTS
 from mha2gqa.progress import progress_bar
 
-METHODS = (Method.MEAN, Method.FIRST)
+NUMPY_METHODS = (Method.MEAN, Method.FIRST)  # the methods this executor writes byte-identically
 CODES = ("F32", "F16", "BF16")
 # How each code is held: bfloat16 as its bits (numpy has no bfloat16).
 _STORED = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
@@ -49,8 +49,8 @@ def request_refusal(options: ConvertOptions, config: dict, calibrated: bool | No
     (default: options.calibration is set)."""
     if os.environ.get(TORCH_ENV, "0") not in ("", "0"):
         return f"{TORCH_ENV} is set"
-    if options.method not in METHODS:
-        return f"method {options.method} ({', '.join(METHODS)} run without torch)"
+    if options.method not in NUMPY_METHODS:
+        return f"method {options.method} ({', '.join(NUMPY_METHODS)} run without torch)"
     if calibrated is None:
         calibrated = options.calibration is not None
     if calibrated or options.refine is not None or options.grouping != Grouping.CONTIGUOUS:

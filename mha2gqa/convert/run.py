@@ -69,7 +69,7 @@ def convert(
     plan = plan_conversion(src, dst, options, stats)
     if options.dry_run:
         checked = validate_output(plan, Path(dst).expanduser())
-        return ConversionResult(plan.tensors, None, plan.source, plan=plan, checked=checked)
+        return ConversionResult(tensors=plan.tensors, dst=None, source=plan.source, plan=plan, checked=checked)
     return execute(plan, dst, clock)
 
 

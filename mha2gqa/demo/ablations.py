@@ -25,7 +25,7 @@ from mha2gqa.errors import InputError
 from mha2gqa.layouts import head_counts, read_config
 from mha2gqa.run_folder import run_folder, validate_folder
 
-METHODS = ("mean", "first", "random")
+ABLATION_METHODS = ("mean", "first", "random")  # the paper's ablations
 MARKERS = {"mean": "o", "first": "s", "random": "^"}  # plot markers per method
 KV_HEADS = (1, 2, 4)
 ALPHAS = (0.0, 0.025, 0.05, 0.1)
@@ -60,14 +60,14 @@ def _listed(values) -> str:
 
 
 def plan_reproduce(
-    out: Path, methods=METHODS, kv_heads=KV_HEADS, alphas=ALPHAS, eval_blocks: int = 32, force: bool = False
+    out: Path, methods=ABLATION_METHODS, kv_heads=KV_HEADS, alphas=ALPHAS, eval_blocks: int = 32, force: bool = False
 ) -> ReproducePlan:
     """Every check of a reproduce request, torch-free and before anything is written, each in the words
     of its own flag."""
     methods, kv_heads, alphas = tuple(dict.fromkeys(methods)), tuple(dict.fromkeys(kv_heads)), tuple(alphas)
-    if not methods or (unknown := [m for m in methods if m not in METHODS]):
+    if not methods or (unknown := [m for m in methods if m not in ABLATION_METHODS]):
         given = ",".join(unknown) if methods else "(nothing)"
-        raise InputError(f"--methods {given}: each must be one of {_listed(METHODS)}, e.g. mean,first")
+        raise InputError(f"--methods {given}: each must be one of {_listed(ABLATION_METHODS)}, e.g. mean,first")
     valid = head_counts(read_config(embedded.model_dir()))[1]
     divisors = [g for g in range(1, valid + 1) if valid % g == 0]
     if not kv_heads or (wrong := [g for g in kv_heads if g not in divisors]):
@@ -290,7 +290,7 @@ def write_ablations(table: dict, out: Path) -> dict:
 
 def reproduce(
     out: Path,
-    methods=METHODS,
+    methods=ABLATION_METHODS,
     kv_heads=KV_HEADS,
     alphas=ALPHAS,
     eval_blocks: int = 32,
