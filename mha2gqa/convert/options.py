@@ -250,7 +250,7 @@ class ConvertOptions:
     """The check also runs eval's retrieval probe (eval --retrieval at its defaults: a fact far back in contexts of
     128 to 2,048 tokens, 24 questions a length) on SRC and DST: recall per length beside SRC's, and the share of
     SRC's answer probability kept, in mha2gqa.json and the terminal. Perplexity does not see the heads that copy from
-    far back. Its forwards (about 33,000 tokens a model for a 2,048-token context) are not in the check's estimate."""
+    far back. Its forwards (about 33,000 tokens a model for a 2,048-token context) are in the check's estimate."""
     keep_retrieval_heads: bool = False
     """Find SRC's retrieval heads (query heads that copy a fact from far back: scored on 48 retrieval-probe questions
     of 128 and 512 tokens over an embedded novel, eager attention) and keep the kv heads they read: each weighs 1 +
