@@ -94,3 +94,20 @@ def test_a_uniform_config_gets_no_code(tmp_path):
 
 def test_load_line():
     assert load_line("me/child") == 'AutoModelForCausalLM.from_pretrained("me/child", trust_remote_code=True)'
+
+
+def test_the_card_gives_the_line_that_loads_it(child, tmp_path):
+    """The card of a child carrying the code says trust_remote_code=True; the true KV ratio (768 B -> 448 B: 1.71x,
+    not rounded to 2x); a uniform child's card gives the plain line."""
+    from mha2gqa.card import render
+
+    text = render(child, None, "me/nas")
+    assert 'AutoModelForCausalLM.from_pretrained("me/nas", trust_remote_code=True)' in text
+    assert "768 B → 448 B (1.71× smaller" in text
+    uniform = tmp_path / "gqa"
+    run = CliRunner().invoke(
+        main, ["convert", str(child.parent / "llama"), str(uniform), "-g", "2", "-q", "--no-check"]
+    )
+    assert run.exit_code == 0, run.output
+    plain = render(uniform, None, "me/gqa")
+    assert 'AutoModelForCausalLM.from_pretrained("me/gqa")' in plain and "trust_remote_code" not in plain

@@ -107,10 +107,11 @@ def inspect_model(src, context: int | None = None, batch: int = 1) -> dict:
     context, context_from = (context, "--context") if context is not None else model_context(config)
     layout, shape = layout_for(config), attention_shape(config)
     params, kv_params = _count_parameters(model_dir, layout, shape)
-    source_bytes = shape.kv_bytes_per_token()
+    source_bytes = shape.kv_bytes_per_token()  # a per-layer model's: the sum of its layers'
     targets = []
-    reachable = [1] if layout.target else shape.valid_groups()  # gpt2 -> gpt_bigcode: multi-query only
-    for groups in sorted({shape.kv_heads, *reachable}, reverse=True):
+    # gpt2 -> gpt_bigcode: multi-query only; a per-layer model (Nemotron-NAS) is no SRC convert takes: none
+    reachable = [] if shape.layer_kv_heads else [1] if layout.target else shape.valid_groups()
+    for groups in sorted({shape.kv_heads, *reachable} if reachable else (), reverse=True):
         per_token = shape.kv_bytes_per_token(groups)
         targets.append(
             {
@@ -129,7 +130,11 @@ def inspect_model(src, context: int | None = None, batch: int = 1) -> dict:
         "architecture": _architecture(config),
         "layers": shape.layers,
         "heads": shape.heads,
-        "kv_heads": shape.kv_heads,
+        "kv_heads": None if shape.layer_kv_heads else shape.kv_heads,
+        "kv_heads_per_layer": list(shape.layer_kv_heads) or None,
+        "kv_bytes_per_token": source_bytes,
+        "kv_bytes_per_sequence": source_bytes * context,
+        "kv_bytes_per_batch": source_bytes * context * batch,
         "head_dim": shape.head_dim,
         "hidden_size": shape.hidden,
         "parameters": params,
