@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mha2gqa.corpus.probe import PROBE, parse_domains
 from mha2gqa.errors import InputError
+from mha2gqa.limits import check_counts
 from mha2gqa.typed import StrEnum, validate_keywords
 
 DEFAULT_MAX_TOKENS = 4096  # a domain's tokens scored by default (docs/eval.md, "Cost")
@@ -165,6 +166,7 @@ class EvalOptions:
         from mha2gqa.eval.schema import validate_writable
         from mha2gqa.provenance import ROLES
 
+        check_counts("eval", self.counts())
         if self.role is not None and self.role not in ROLES:
             raise InputError(f"--role {self.role!r} is not a role (use {', '.join(ROLES)})")
         if self.out and Path(self.out).is_dir():
@@ -173,6 +175,15 @@ class EvalOptions:
             )
         if self.out:  # a read-only or full destination fails now, not after the whole evaluation
             validate_writable(Path(self.out), "--out")
+
+    def counts(self) -> dict:
+        """Every count a user types, by flag, for limits.check_counts (--batch-size auto is no count)."""
+        names = ("max_tokens", "context", "stride", "new_tokens", "repeats", "kv_batch", "kv_tokens",
+                 "attention_layer", "lm_eval_limit", "retrieval_samples", "seed", "speed_batches", "speed_contexts",
+                 "retrieval_lengths")  # fmt: skip
+        found = {"--" + name.replace("_", "-"): getattr(self, name) for name in names}
+        found["--batch-size"] = None if self.batch_size == "auto" else self.batch_size
+        return found
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> EvalOptions:
