@@ -281,7 +281,9 @@ class ConvertOptions:
         self.method = Method.parse(self.method, "--method")
         self.grouping = Grouping.parse(self.grouping, "--grouping")
         # every path (--groups, per layer, a budget) reads these: refused here, before any of them starts
-        values = {"--groups": self.groups, "--seed": self.seed, "--calibration-tokens": self.calibration_tokens}
+        # --groups 0 or less: the plan's rule refuses it in better words (a divisor of SRC's kv heads, the valid ones)
+        groups = None if _is_int(self.groups) and self.groups < 1 else self.groups
+        values = {"--groups": groups, "--seed": self.seed, "--calibration-tokens": self.calibration_tokens}
         check_counts("convert", values)
         self.dtype = dtype_name(self.dtype)  # bf16, fp16, torch.float32, ... -> the one name (mha2gqa/dtypes.py)
 
