@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mha2gqa.convert.options import Method
+from mha2gqa.corpus.tokens import validate_ids
 from mha2gqa.embedded import novel_path
 from mha2gqa.errors import InputError
 from mha2gqa.scoring.retrieval_items import ProbeGrid, build_items
@@ -152,6 +153,8 @@ def score_parent(model, tokenizer, groups: int, weight: float, seed: int, progre
     lengths = tuple(n for n in SCORE_LENGTHS if n <= limit) or (limit,)
     grid = ProbeGrid(lengths, SCORE_DEPTHS, SCORE_SAMPLES, seed + SCORE_SEED_OFFSET)
     items = build_items(tokenizer, grid, _haystack())
+    highest = max(max(item.prompt + item.answer) for item in items)
+    validate_ids(highest, config.vocab_size, "--keep-retrieval-heads (the retrieval probe's questions)", "SRC")
     device = next(model.parameters()).device
     scores = head_scores(model, items, device, bar="retrieval heads" if progress else False)
     if scores is None:
