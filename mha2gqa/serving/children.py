@@ -1,8 +1,7 @@
 """What makes each CHILD of serve-bench a model to compare with PARENT: a folder of its own (not the parent again,
 by a link or another spelling of its path), weights of its own (not hard links to the parent's, nor a byte-identical
-copy of them), and the parent's tokenizer, so that every engine and transformers see the same ids. Torch-free: read
-before any server starts. Weights are hashed only where every file's name and size match the parent's (a conversion
-changes the k/v shapes, so a real child is told apart by its sizes without reading a byte).
+copy of them: cache.same_weights), and the parent's tokenizer, so that every engine and transformers see the same
+ids. Torch-free: read before any server starts.
 
 A tokenizer is judged by what fixes its ids, not by its files' bytes or by vocab_size alone: two tokenizers of
 one size can number their tokens differently, and a tokenizer saved again by transformers (uptrain's final
@@ -18,6 +17,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from mha2gqa.cache import same_weights
 from mha2gqa.errors import InputError
 from mha2gqa.reading import read_bytes, read_json
 
@@ -64,7 +64,7 @@ def validate_children(parent: Path, children: list[Path], arguments: list[str]) 
                     "with its conversions, each a folder of its own; pass the converted model's folder"
                 )
     for folder, typed in zip(children, arguments[1:]):
-        if _same_weights(parent, folder):
+        if same_weights(parent, folder):
             raise InputError(
                 f"CHILD {typed} holds PARENT's weights (its safetensors are the parent's files, hard-linked or "
                 "copied byte for byte): serve-bench compares a parent with its conversions; pass the converted "
@@ -75,28 +75,6 @@ def validate_children(parent: Path, children: list[Path], arguments: list[str]) 
         theirs = tokenizer_identity(folder)
         if theirs != mine:
             raise InputError(f"CHILD {typed}: {_difference(mine, theirs)}: {_FIX}")
-
-
-def _same_weights(parent: Path, child: Path) -> bool:
-    """Every safetensors file of `child` is the parent's file of that name: the same inode, or the same bytes."""
-    theirs = {p.name: p for p in sorted(child.glob("*.safetensors")) if p.is_file()}
-    mine = {p.name: p for p in sorted(parent.glob("*.safetensors")) if p.is_file()}
-    if not mine or theirs.keys() != mine.keys():
-        return False
-    if any(theirs[name].stat().st_size != mine[name].stat().st_size for name in mine):
-        return False
-    return all(
-        os.path.samefile(mine[name], theirs[name]) or _digest(mine[name]) == _digest(theirs[name]) for name in mine
-    )
-
-
-def _digest(path: Path) -> str:
-    """sha256 of a weights file, read in 16 MiB pieces (memory flat at any size)."""
-    found = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while piece := handle.read(1 << 24):
-            found.update(piece)
-    return found.hexdigest()
 
 
 def _same_folder(a: Path, b: Path) -> bool:
