@@ -85,10 +85,11 @@ class ServeOptions:
                 raise InputError(f"{flag} {seconds:g} must be a positive finite number of seconds (e.g. {example})")
         if self.decode_concurrency < 0:
             raise InputError(f"--decode-concurrency {self.decode_concurrency} must be 0 (none) or more")
-        counts = {"--" + name.replace("_", "-"): getattr(self, name) for name in COUNTED}
-        check_counts("serve-bench", {**counts, "--capacity-concurrency": self.capacity_requests()})
+        capacity = self.capacity_requests()
         if any(c < 1 for c in self.concurrency or ()):
             raise InputError(f"--concurrency {','.join(map(str, self.concurrency))}: each value must be at least 1")
+        counts = {"--" + name.replace("_", "-"): getattr(self, name) for name in COUNTED}
+        check_counts("serve-bench", {**counts, "--capacity-concurrency": capacity})
         lengths = [
             (f"the greedy prompt ({GREEDY_PROMPT_TOKENS}) + --greedy-tokens", GREEDY_PROMPT_TOKENS + self.greedy_tokens)
         ]
