@@ -81,21 +81,50 @@ BOUNDS: dict[str, dict[str, Bound]] = {
         "--waves": Bound(1, 100, "100 waves of requests per timed point"),
         "--repeats": Bound(1, 100, "100 timed runs per model and point"),
     },
+    # a recipe's integer keys (uptrain --recipe, or key=value); their least is recipe_load's rule, in its words
+    "uptrain": {
+        "seed": SEED,
+        "seq_len": Bound(2, 2**20, "1,048,576 tokens, longer than any model's context"),
+        "micro_batch_size": Bound(1, 4096, "4,096 blocks a step: activations grow with it"),
+        "grad_accum": Bound(1, 65_536, "65,536 micro-batches an optimizer step"),
+        "log_every": Bound(1, 2**31, "2,147,483,648 steps"),
+        "eval_every": Bound(0, 2**31, "2,147,483,648 steps"),
+        "save_every": Bound(0, 2**31, "2,147,483,648 steps"),
+        "keep_last": Bound(1, 1000, "1,000 checkpoints on disk"),
+        "exit_after_steps": Bound(1, 2**31, "2,147,483,648 steps"),
+        "data.eval_blocks": Bound(1, 100_000, "100,000 held-out blocks, each kept in memory"),
+        "data.shuffle_buffer": Bound(1, 1_000_000, "1,000,000 documents held in memory to shuffle"),
+        "optim.warmup_steps": Bound(0, 2**31, "2,147,483,648 steps"),
+        "budget.max_steps": Bound(1, 2**31, "2,147,483,648 steps"),
+        "budget.tokens": Bound(1, 10**15, "a quadrillion tokens, beyond any pretraining"),
+        "budget.pretrain_tokens": Bound(1, 10**15, "a quadrillion tokens, beyond any pretraining"),
+        "lora.rank": Bound(1, 65_536, "wider than any model's hidden size"),
+    },
 }
 
 
-def check_counts(command: str, values: dict) -> None:
-    """Refuse, in one line naming the flag, a count outside its bound ({flag: value, a list of values, or None
-    for unset}). A flag with no entry under `command` is a programming error (KeyError): every count has one."""
+def count_problems(command: str, values: dict, joiner: str = " ", least: bool = True) -> list[str]:
+    """Each count outside its bound, in words naming the flag ({flag: value, a list of values, or None for
+    unset}); `joiner` "=" for a recipe's keys; `least` False where the caller's own rules word the least. A flag
+    with no entry under `command` is a programming error (KeyError): every count has one."""
+    found = []
     for flag, value in values.items():
         bound = BOUNDS[command][flag]
         for one in value if isinstance(value, (list, tuple)) else (value,):
             if one is None:
                 continue
             if not isinstance(one, int) or isinstance(one, bool):
-                raise InputError(f"{flag} {one!r} must be a whole number")
-            if one < bound.least:
+                found.append(f"{flag}{joiner}{one!r} must be a whole number")
+            elif one < bound.least and least:
                 why = f" ({bound.least_why})" if bound.least_why else ""
-                raise InputError(f"{flag} {one} must be at least {bound.least}{why}")
-            if one > bound.most:
-                raise InputError(f"{flag} {one:,} must be at most {bound.most:,} ({bound.why})")
+                found.append(f"{flag}{joiner}{one} must be at least {bound.least}{why}")
+            elif one > bound.most:
+                found.append(f"{flag}{joiner}{one:,} must be at most {bound.most:,} ({bound.why})")
+    return found
+
+
+def check_counts(command: str, values: dict) -> None:
+    """Refuse, in one line naming the flag, the first count outside its bound (count_problems)."""
+    found = count_problems(command, values)
+    if found:
+        raise InputError(found[0])

@@ -108,3 +108,42 @@ def test_guarantees_list_every_bound():
     for command, flags in BOUNDS.items():
         for flag, bound in flags.items():
             assert f"| {command} | `{flag}` | {bound.least:,} | {bound.most:,} | {bound.why} |" in text
+
+
+def recipe_counts() -> set[str]:
+    """Every integer key of an uptrain recipe (dotted for a section's), from the typed schema."""
+    import dataclasses
+    import typing
+
+    from mha2gqa.uptrain.recipe import Recipe
+
+    def walk(cls, prefix: str) -> set[str]:
+        found, hints = set(), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = hints[f.name]
+            if dataclasses.is_dataclass(kind):
+                found |= walk(kind, f"{prefix}{f.name}.")
+            elif kind is int or kind == (int | None):
+                found.add(prefix + f.name)
+        return found
+
+    return walk(Recipe, "")
+
+
+def test_every_integer_key_of_a_recipe_has_a_bound():
+    assert set(BOUNDS["uptrain"]) == recipe_counts()
+
+
+@pytest.mark.parametrize("key", sorted(BOUNDS["uptrain"]))
+def test_a_recipe_count_past_its_most_is_refused_by_the_dry_run(key, src, tmp_path):
+    from uptrain_helpers import corpus, recipe_file
+
+    budget = {"budget": {"max_steps": None, "tokens": 1000}} if key == "budget.tokens" else {}
+    budget = {"budget": {"max_steps": None, "alpha": 0.01}} if key == "budget.pretrain_tokens" else budget
+    recipe = recipe_file(tmp_path / "r.yaml", model=str(src), output_dir=str(tmp_path / "out"),
+                         data={"train": str(corpus(tmp_path / "t.jsonl"))}, **budget)  # fmt: skip
+    bound = BOUNDS["uptrain"][key]
+    run = CliRunner().invoke(main, ["uptrain", "--recipe", str(recipe), "--dry-run", f"{key}={bound.most + 1}"])
+    assert run.exit_code == 2, run.output
+    assert f"{key}={bound.most + 1:,} must be at most {bound.most:,} ({bound.why})" in run.output
+    assert not (tmp_path / "out").exists()
