@@ -76,3 +76,25 @@ def _update_with_bytes(digest, f, size: int) -> None:
     for i in range(SAMPLES):
         f.seek((size - SAMPLE_BYTES) * i // (SAMPLES - 1))
         digest.update(f.read(SAMPLE_BYTES))
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    """Folder `b`'s safetensors are folder `a`'s: the same names, each the same inode (a hard link) or the same
+    bytes (a copy). Hashed whole only where every name and size match: a conversion changes the k/v shapes, so a
+    real child is told apart by its sizes without reading a byte (serve-bench's children, uptrain's teacher)."""
+    mine = {p.name: p for p in sorted(Path(a).glob("*.safetensors")) if p.is_file()}
+    theirs = {p.name: p for p in sorted(Path(b).glob("*.safetensors")) if p.is_file()}
+    if not mine or theirs.keys() != mine.keys():
+        return False
+    if any(theirs[name].stat().st_size != mine[name].stat().st_size for name in mine):
+        return False
+    return all(os.path.samefile(mine[n], theirs[n]) or _file_digest(mine[n]) == _file_digest(theirs[n]) for n in mine)
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a whole file, read in 16 MiB pieces (memory flat at any size)."""
+    found = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while piece := handle.read(1 << 24):
+            found.update(piece)
+    return found.hexdigest()

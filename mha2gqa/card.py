@@ -203,6 +203,7 @@ def render(model_dir: Path, source_card: Path | None, name: str, measured: dict 
         lines += _uptrain_section(after, converted=conversion is not None)
     if results:
         lines += _eval_section(results, measured or {})
+    lines += _load_section(config, name)
     lines += _reproduce_section(conversion, after, name)
     lines += _source_section(conversion, source_card, source_meta)
     return "\n".join(lines) + "\n"
@@ -274,7 +275,7 @@ def _conversion_section(c: dict, config: dict) -> list[str]:
         rows.append(
             (
                 "KV cache per token",
-                f"{_human(before)} → {_human(after)} ({before / after:.0f}× smaller, "
+                f"{_human(before)} → {_human(after)} ({before / after:.3g}× smaller, "
                 f"{_human(before - after)} saved per token)",
             )
         )
@@ -435,6 +436,28 @@ def _eval_section(results, measured: dict) -> list[str]:
         lines += ["", "Perplexity per domain of its `--data` (× the reference's, when measured against one):", ""]
         lines += [f"- [{_text(name)}]({_text(name)}): {_text(found)}" for name, found in per_domain]
     return lines + [""]
+
+
+def _load_section(config: dict, name: str) -> list[str]:
+    """The one line that loads the model. A per-layer child (Nemotron-NAS) carries its model code, which
+    transformers runs with trust_remote_code=True (nemotron_nas/remote_code.py); one written before it did needs
+    mha2gqa's class registered first."""
+    from mha2gqa.nemotron_nas.block_format import MODEL_TYPE
+    from mha2gqa.nemotron_nas.remote_code import load_line
+
+    quoted = _text(name).replace('"', "'")
+    lines = ["## Load it", "", "```python", "from transformers import AutoModelForCausalLM", ""]
+    if config.get("model_type") != MODEL_TYPE:
+        return lines + [f'model = AutoModelForCausalLM.from_pretrained("{quoted}")', "```", ""]
+    if isinstance(config.get("auto_map"), dict):
+        note = (
+            "Per-layer kv heads (Nemotron-NAS format), which transformers has no class for: the model code is in "
+            "this folder (configuration_decilm.py, modeling_decilm.py; torch and transformers only), and "
+            "trust_remote_code runs it. vLLM: see mha2gqa's docs/serving.md."
+        )
+        return lines + [f"model = {load_line(quoted)}", "```", "", note, ""]
+    register = "from mha2gqa.nemotron_nas.modeling import register; register()  # pip install mha2gqa"
+    return lines[:-1] + [register, "", f'model = AutoModelForCausalLM.from_pretrained("{quoted}")', "```", ""]
 
 
 def _reproduce_section(conversion, after, name: str) -> list[str]:

@@ -42,3 +42,17 @@ def test_a_cache_holding_more_heads_than_kv_heads_is_reported_loudly():
     assert not r["match"]
     assert r["measured_bytes_per_token"] == 4 * r["formula_bytes_per_token"]
     assert "MISMATCH" in r["warning"] and "broadcasts K/V" in r["warning"] and "8 heads" in r["warning"]
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_a_sliding_window_cache_past_its_window_is_no_mismatch(model_type):
+    """Mistral with sliding_window 16 and a 32-token prefill keeps fewer positions than it was given: each cached
+    position still costs the formula's bytes, the window is said, and nothing is called a mismatch."""
+    extra = dict(use_sliding_window=True, max_window_layers=0) if model_type == "qwen2" else {}
+    model = make_tiny_model(model_type, num_key_value_heads=2, sliding_window=16, **extra)
+    r = measure_kv_cache(model, shape_of(model.config), batch=2, tokens=32)
+    assert r["match"] and "warning" not in r, r
+    assert r["measured_bytes_per_token"] == r["formula_bytes_per_token"]
+    assert r["sliding_window"] == 16 and r["cached_positions"] < 32
+    broadcast = measure_kv_cache(model, dataclasses.replace(shape_of(model.config), kv_heads=1), tokens=32)
+    assert not broadcast["match"] and "MISMATCH" in broadcast["warning"]  # a real mismatch is still one

@@ -297,3 +297,22 @@ def test_the_cards_reproduce_command_makes_the_same_checkpoint(parent, tmp_path)
     assert result.exit_code == 0, result.output
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / "again" / name).read_bytes() == (tmp_path / "made" / name).read_bytes(), name
+
+
+def test_inspect_reports_each_layers_kv_heads_and_the_true_bytes(parent, tmp_path):
+    """A 4,2,1 child (head_dim 8, float32): 2 x 4 bytes x 8 x (4+2+1) = 448 B a token, not a uniform table."""
+    assert per_layer(parent, tmp_path / "nas", "4,2,1").exit_code == 0
+    from mha2gqa.convert.inspect import inspect_model
+
+    info = inspect_model(tmp_path / "nas", context=100, batch=3)
+    assert info["kv_heads_per_layer"] == [4, 2, 1] and info["kv_heads"] is None
+    assert (info["kv_bytes_per_token"], info["kv_bytes_per_sequence"], info["kv_bytes_per_batch"]) == (
+        448,
+        44800,
+        134400,
+    )
+    assert info["targets"] == []  # convert takes no per-layer SRC: no target to offer
+    out = CliRunner().invoke(main, ["inspect", str(tmp_path / "nas"), "--context", "100", "--batch", "3"])
+    assert out.exit_code == 0, out.output
+    assert "kv heads per layer 4,2,1" in out.output and "4 kv heads" not in out.output
+    assert "448 B" in out.output and "43.75 KiB" in out.output and "saving" not in out.output

@@ -164,3 +164,36 @@ def test_the_capacity_option_reads_auto_none_and_counts():
     assert ServeOptions(capacity_concurrency=" AUTO ").capacity_requests() is None
     assert ServeOptions(capacity_concurrency="16").capacity_requests() == 16
     assert ServeOptions(capacity_concurrency=0).capacity_requests() == 0
+
+
+HTML = "<!DOCTYPE html>\n<html><head><title>Dashboard</title></head>\n<body>metrics live elsewhere</body></html>\n"
+
+
+def test_a_metrics_page_that_is_html_is_refused_by_the_one_reader():
+    from mha2gqa.serving import kvlog
+
+    for read in (capacity.request_gauges, lambda page: kvlog.engine_kv("", page)):
+        with pytest.raises(
+            Unreadable, match=r"^/metrics answered '<!DOCTYPE html>.*', not the metrics text vLLM serves"
+        ):
+            read(HTML)
+    with capacity.RunningSampler(lambda: HTML, every_s=0.01) as sampler:
+        sampler._thread.join(timeout=5)
+    assert sampler.summary()["error"].startswith("/metrics answered '<!DOCTYPE html>")
+
+
+def test_the_requests_a_model_fits_are_counted_from_the_engines_blocks():
+    """The engine's num_gpu_blocks, where /metrics gives it, not tokens the log rounds (or counts otherwise): 6
+    blocks of 128, one the null block, hold 2 requests of 192 tokens whatever token count the log states."""
+    from types import SimpleNamespace
+
+    from mha2gqa.serving import bench, kvlog
+
+    log = "CPU KV cache size: 87,296 tokens, Maximum concurrency for 512 tokens per request: 170.50x\n"
+    reported = kvlog.engine_kv(log, 'vllm:cache_config_info{block_size="128",num_gpu_blocks="6"} 1.0\n')
+    assert (reported["blocks"], reported["block_size"], reported["tokens"]) == (6, 128, 87296)
+    plan = SimpleNamespace(models=[SimpleNamespace(label="parent")])
+    options = ServeOptions(prompt_tokens=128, output_tokens=64)
+    assert bench.fits(plan, {"parent": {"engine": reported}}, options) == {"parent": 2}
+    without = kvlog.engine_kv(log, 'vllm:cache_config_info{block_size="128"} 1.0\n')
+    assert without["blocks"] is None and bench.fits(plan, {"parent": {"engine": without}}, options) == {"parent": 340}

@@ -282,3 +282,24 @@ def test_a_per_layer_child_with_the_plugin_is_planned_with_its_summed_kv(tmp_pat
     parent, child = (m.shape.kv_bytes_per_token(dtype_bytes=4) for m in plan.models)
     assert (parent, child) == (2 * 6 * 8 * 32 * 4, 2 * 24 * 32 * 4)  # 24 kv heads over the layers, not 6 x 8
     assert plan.engine.plugins == ("mha2gqa_nemotron_nas",)
+
+
+def _parent_weights_again(tmp_path, how: str):
+    """A folder of its own whose weights are the parent's: hard links to them, or a byte-identical copy (its
+    config.json and tokenizer copied too, so nothing else tells it apart)."""
+    child = tmp_path / f"parent-{how}"
+    child.mkdir()
+    for path in EMBEDDED.iterdir():
+        if path.is_file():
+            if how == "hardlink" and path.suffix == ".safetensors":
+                (child / path.name).hardlink_to(path)
+            else:
+                shutil.copyfile(path, child / path.name)
+    return child
+
+
+@pytest.mark.parametrize("how", ["hardlink", "copy"])
+def test_a_child_whose_weights_are_the_parents_is_refused(tmp_path, converted, how):
+    child = _parent_weights_again(tmp_path, how)
+    found = cli("serve-bench", EMBEDDED, converted, child, "--vllm-python", fake_python(tmp_path))
+    assert_refused(found, f"CHILD {child} holds PARENT's weights", "serve-bench compares a parent with its conversions")

@@ -124,12 +124,15 @@ def test_each_row_holds_the_checks_verdict_from_the_sweeps_own_evaluation(swept)
     older = json.loads(json.dumps(record))
     for row in older["candidates"]:
         del row["check"]
-    kept = trusted(older, planned, 4, record["context"], echo=pytest.fail)["candidates"]
+    kept = trusted(older, planned, source_shape(record), record["context"], echo=pytest.fail)["candidates"]
     assert [r["check"] for r in kept] == [r["check"] for r in record["candidates"]]
     tampered = json.loads(json.dumps(record))
     tampered["candidates"][0]["check"] = "close" if record["candidates"][0]["check"] != "close" else "not usable"
     said = []
-    assert len(trusted(tampered, planned, 4, record["context"], echo=said.append)["candidates"]) == len(planned) - 1
+    assert (
+        len(trusted(tampered, planned, source_shape(record), record["context"], echo=said.append)["candidates"])
+        == len(planned) - 1
+    )
     assert said == [
         f"sweep: candidate {planned[0]!r} in sweep.json does not hold (its check is not what its eval result gives): running it again"
     ]
@@ -447,3 +450,12 @@ def test_resume_refuses_a_sweep_run_under_another_default_token_count(
     else:
         with pytest.raises(InputError, match=r"meant 64 x hidden; they mean 128 x hidden now: start a new sweep"):
             folder.earlier_sweep(out, record)
+
+
+def source_shape(record: dict):
+    """The swept source's attention shape, as sweep --resume checks rows against it."""
+    from pathlib import Path
+
+    from mha2gqa.layouts import attention_shape, read_config
+
+    return attention_shape(read_config(Path(record["source"]["resolved"])))

@@ -67,12 +67,14 @@ def test_budget_rows_stand_beside_the_uniform_ones_from_one_loss_measurement(swe
 def test_resume_keeps_budget_rows_and_doubts_a_changed_count(swept, tiny):
     _, record, _, _ = swept
     context, planned = record["context"], record["planned"]
-    assert trusted(record, planned, 4, context, echo=pytest.fail)["candidates"] == record["candidates"]
+    assert (
+        trusted(record, planned, source_shape(record), context, echo=pytest.fail)["candidates"] == record["candidates"]
+    )
     changed = json.loads(json.dumps(record))
     row = next(r for r in changed["candidates"] if r["name"] == "budget0.5")
     row["kv_heads_per_layer"] = [7, 7, 7]
     said = []
-    kept = trusted(changed, planned, 4, context, echo=said.append)["candidates"]
+    kept = trusted(changed, planned, source_shape(record), context, echo=said.append)["candidates"]
     assert "budget0.5" not in [r["name"] for r in kept] and len(kept) == len(planned) - 1
     assert said and "budget0.5" in said[0] and "kv heads" in said[0]
 
@@ -97,3 +99,81 @@ def test_a_parent_the_format_cannot_hold_is_refused_up_front(tmp_path):
     result = cli(*sweep_args(root, root / "out", "--groups", "2", "--kv-budgets", "0.5"))
     assert_refused(result, "256")
     assert not (root / "out").exists()
+
+
+def source_shape(record: dict):
+    """The swept source's attention shape, as sweep --resume checks rows against it."""
+    from pathlib import Path
+
+    from mha2gqa.layouts import attention_shape, read_config
+
+    return attention_shape(read_config(Path(record["source"]["resolved"])))
+
+
+def _edited(record: dict, row_name: str, **changes) -> dict:
+    changed = json.loads(json.dumps(record))
+    next(r for r in changed["candidates"] if r["name"] == row_name).update(changes)
+    return changed
+
+
+def test_resume_keeps_and_marks_the_rows_not_asked_again(swept):
+    """A resume that asks only for kv2-mean keeps both budget rows (checked, marked), and hands them back when a
+    later resume asks for them again."""
+    _, record, _, _ = swept
+    said = []
+    found = trusted(record, ["kv2-mean"], source_shape(record), record["context"], echo=said.append)
+    assert [r["name"] for r in found["candidates"]] == ["kv2-mean"]
+    assert [r["name"] for r in found["not_asked"]] == ["budget0.5", "budget0.75"]
+    assert all(r["asked"] is False for r in found["not_asked"])
+    assert said == ["sweep: kept budget0.5, budget0.75 from sweep.json, not asked for this time (under not_asked, "
+                    "not in the table)"]  # fmt: skip
+    again = trusted({**found, "candidates": found["candidates"]}, record["planned"], source_shape(record),
+                    record["context"], echo=pytest.fail)  # fmt: skip
+    assert again["candidates"] == record["candidates"] and again["not_asked"] == []
+
+
+def test_resume_with_fewer_budgets_keeps_the_other_rows_in_sweep_json(swept, tiny, tmp_path):
+    import shutil
+
+    out = tmp_path / "s"
+    shutil.copytree(swept[0], out)
+    args = sweep_args(tiny, out, "--groups", "2", "--methods", "mean", "--kv-budgets", "0.5", "--keep", "--resume")
+    result = cli(*args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    written = json.loads((out / "sweep.json").read_text())
+    assert [r["name"] for r in written["candidates"]] == ["kv2-mean", "budget0.5"]
+    assert [(r["name"], r["asked"]) for r in written["not_asked"]] == [("budget0.75", False)]
+    assert "kept budget0.75 from sweep.json, not asked for this time" in result.output
+
+
+def test_a_kept_budget_row_is_checked_against_what_it_claims(swept):
+    """Counts over the budget, not one per layer, not divisors, another method: each is run again, with why."""
+    _, record, _, _ = swept
+    shape, context = source_shape(record), record["context"]
+    row = next(r for r in record["candidates"] if r["name"] == "budget0.75")
+    counts = row["kv_heads_per_layer"]
+    top = max(counts)
+    cases = {
+        # the same counts under a smaller budget (0.25: 3 kv heads in all); the name follows the budget
+        "over its budget's 3": dict(budget="0.25", name="budget0.25"),
+        "counts for the source's 3 layers": dict(kv_heads_per_layer=[top, 1]),
+        "does not divide 4 kv heads": dict(kv_heads_per_layer=[top, 3, 1] if top == 4 else [top, 3, 3]),
+        "is not a budget row's": dict(method="mean"),
+    }
+    for words, changes in cases.items():
+        said = []
+        name = changes.get("name", "budget0.75")
+        planned = [*record["planned"], name]
+        kept = trusted(_edited(record, "budget0.75", **changes), planned, shape, context, echo=said.append)
+        assert name not in [r["name"] for r in kept["candidates"]], words
+        assert said and words in said[0] and "running it again" in said[0], (words, said)
+
+
+def test_a_kept_uniform_row_needs_a_method_that_exists(swept):
+    _, record, _, _ = swept
+    said = []
+    changed = _edited(record, "kv2-mean", method="bogus", name="kv2-bogus")
+    planned = [*record["planned"], "kv2-bogus"]
+    kept = trusted(changed, planned, source_shape(record), record["context"], echo=said.append)
+    assert "kv2-bogus" not in [r["name"] for r in kept["candidates"]]
+    assert "its method 'bogus' is not one of mha2gqa's" in said[0]

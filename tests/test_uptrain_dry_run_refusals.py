@@ -63,3 +63,24 @@ def test_an_output_dir_without_room_is_refused_by_the_dry_run(tmp_path, tiny):
         dry, run = _both(tmp_path, tiny, output_dir=str(mount / "out"))
         line = assert_refused(dry, "MiB (a checkpoint and the final model) but its filesystem has")
         assert assert_refused(run, strict=False) == line
+
+
+@pytest.mark.parametrize("how", ["same", "hardlink", "copy"])
+def test_a_teacher_that_is_the_model_itself_is_refused_by_the_dry_run_as_by_the_run(tmp_path, tiny, how):
+    """The same folder, a folder of hard links to its weights, or a byte-identical copy: KL to itself is no
+    teacher's signal."""
+    import shutil
+
+    teacher = tiny["model"]
+    if how != "same":
+        teacher = tmp_path / f"teacher-{how}"
+        teacher.mkdir()
+        for path in tiny["model"].iterdir():
+            if path.suffix == ".safetensors" and how == "hardlink":
+                (teacher / path.name).hardlink_to(path)
+            elif path.is_file():
+                shutil.copyfile(path, teacher / path.name)
+    dry, run = _both(tmp_path, tiny, distill={"teacher": str(teacher)})
+    line = assert_refused(dry, f"distill.teacher {teacher} is the model itself", "name the model's parent")
+    assert assert_refused(run, strict=False) == line
+    assert not (tmp_path / "out").exists()

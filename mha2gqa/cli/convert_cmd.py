@@ -246,12 +246,21 @@ def inspect(src, context, batch, as_json):
     if as_json:
         click.echo(jsontext.dumps(info, indent=2))
         return
+    per_layer = info["kv_heads_per_layer"]
+    kv_heads = f"kv heads per layer {','.join(map(str, per_layer))}" if per_layer else f"{info['kv_heads']} kv heads"
     click.echo(
         f"{info['architecture']} ({info['model_type']}): {info['layers']} layers, {info['heads']} heads, "
-        f"{info['kv_heads']} kv heads, head_dim {info['head_dim']}, hidden {info['hidden_size']}, "
+        f"{kv_heads}, head_dim {info['head_dim']}, hidden {info['hidden_size']}, "
         f"{human_count(info['parameters'])} parameters, {info['dtype']}"
     )
     click.echo(f"layout: {info['layout']}; calibrated merge: {info['calibrated']}")
+    if per_layer:  # no targets: convert takes no per-layer SRC; its own KV is the sum of its layers'
+        click.echo(
+            f"KV cache (each layer's kv heads): {format_bytes(info['kv_bytes_per_token'])} a token, "
+            f"{format_bytes(info['kv_bytes_per_sequence'])} a sequence of {info['context']:,} tokens "
+            f"({info['context_from']}), {format_bytes(info['kv_bytes_per_batch'])} a batch of {batch}"
+        )
+        return
     rows = [
         [
             str(t["kv_heads"]) + (" (now)" if t["kv_heads"] == info["kv_heads"] else ""),

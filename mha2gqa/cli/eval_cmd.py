@@ -32,8 +32,11 @@ def _list_of(kind, what: str, example: str):
     return parse
 
 
-_int_list = _list_of(int, "integers", "1,4,16")
-_float_list = _list_of(float, "numbers", "0.1,0.5,0.9")
+# each list's example is a value that flag accepts (tests/test_error_examples.py reads it back through the flag)
+_batches = _list_of(int, "integers", "1,4,16")
+_contexts = _list_of(int, "integers", "32,64")
+_lengths = _list_of(int, "integers", "128,512")
+_depths = _list_of(float, "numbers", "0.1,0.5,0.9")
 
 
 class _BatchSize(click.ParamType):
@@ -80,8 +83,8 @@ def _str_list(ctx, param, value):
     type=click.Choice([p.value for p in SpeedPreset]),
     choices=choice_docs(SpeedPreset),
 )
-@_option("--speed-batches", callback=_int_list)
-@_option("--speed-contexts", callback=_int_list)
+@_option("--speed-batches", callback=_batches)
+@_option("--speed-contexts", callback=_contexts)
 @_option("--new-tokens", type=int)
 @_option("--repeats", type=int)
 @_option("--decode-path", type=click.Choice([p.value for p in DecodePath]), choices=choice_docs(DecodePath))
@@ -96,8 +99,8 @@ def _str_list(ctx, param, value):
 @_option("--chat-template", is_flag=True)
 @_option("--log-samples", type=click.Path(dir_okay=False))
 @_option("--retrieval", is_flag=True)
-@_option("--retrieval-lengths", callback=_int_list)
-@_option("--retrieval-depths", callback=_float_list)
+@_option("--retrieval-lengths", callback=_lengths)
+@_option("--retrieval-depths", callback=_depths)
 @_option("--retrieval-samples", type=int)
 @_option("--role", type=click.Choice(["parent", "converted", "uptrained"]))
 @_option("--label")

@@ -197,19 +197,28 @@ def read_ids(source: Path, calibration: CalibrationInput, parent, seed: int, pro
     from transformers import AutoTokenizer
 
     from mha2gqa.corpus import sampling
-    from mha2gqa.layouts import read_config
+    from mha2gqa.corpus.tokens import validate_ids
+    from mha2gqa.layouts import config_vocab, read_config
 
     tokenizer = AutoTokenizer.from_pretrained(source)
-    batch = sampling.batch_for(read_config(source), calibration.seq_len)
+    config = read_config(source)
+    batch = sampling.batch_for(config, calibration.seq_len)
+    texts_ids = {}  # the texts first: ids the model cannot embed are refused before any sampling
+    for index, part in enumerate(calibration.parts):
+        if not part.sampled:
+            texts = textdata.iter_texts(part.text, piece_chars=CALIBRATION_PIECE_CHARS, end_with_blank_line=True)
+            texts_ids[index] = calibration_ids(tokenizer, texts, part.tokens, part.name)
+            validate_ids(
+                int(texts_ids[index].max()), config_vocab(config) or None, f"--calibration {part.name}", source
+            )
     per_part, parts = [], []
-    for part in calibration.parts:
+    for index, part in enumerate(calibration.parts):
         if part.sampled:
             ids = sampling.sample_ids(
                 parent, tokenizer, part.tokens, calibration.seq_len, seed, progress=progress, batch=batch
             )
         else:
-            texts = textdata.iter_texts(part.text, piece_chars=CALIBRATION_PIECE_CHARS, end_with_blank_line=True)
-            ids = calibration_ids(tokenizer, texts, part.tokens, part.name)
+            ids = texts_ids[index]
         per_part.append(ids)
         parts.append({"name": part.name, "share": part.share, "tokens": len(ids), "asked": part.tokens})
         if not part.sampled:  # the files read ('austen' is the embedded novels), for the record
@@ -237,11 +246,6 @@ def gather(
     """The statistics of `ids` through the loaded source `model`; `record` (read_ids) says what they are."""
     from mha2gqa.convert.rope import rotary_dims
 
-    if int(ids.max()) >= model.config.vocab_size:
-        raise InputError(
-            f"--calibration {calibration.spec}: token id {int(ids.max())} is outside the model's vocabulary "
-            f"({model.config.vocab_size}): the tokenizer in {source} does not match its model"
-        )
     stats = collect_statistics(
         model,
         layout,

@@ -12,6 +12,7 @@ from mha2gqa.checkpoint import SafetensorsCheckpoint
 from mha2gqa.convert.roles import layer_names, validate_layer_count
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, describe_layout, layout_for, read_config
+from mha2gqa.limits import check_counts
 from mha2gqa.sources import resolve_model_dir
 
 
@@ -101,16 +102,18 @@ def inspect_model(src, context: int | None = None, batch: int = 1) -> dict:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InputError(f"{flag} {value!r} must be a positive integer (tokens per sequence, sequences per batch)")
+    check_counts("inspect", {"--context": context, "--batch": batch})
     model_dir = resolve_model_dir(src)
     shapes = SafetensorsCheckpoint(model_dir).shapes if any(model_dir.glob("*.safetensors")) else None
     config = read_config(model_dir, shapes)
     context, context_from = (context, "--context") if context is not None else model_context(config)
     layout, shape = layout_for(config), attention_shape(config)
     params, kv_params = _count_parameters(model_dir, layout, shape)
-    source_bytes = shape.kv_bytes_per_token()
+    source_bytes = shape.kv_bytes_per_token()  # a per-layer model's: the sum of its layers'
     targets = []
-    reachable = [1] if layout.target else shape.valid_groups()  # gpt2 -> gpt_bigcode: multi-query only
-    for groups in sorted({shape.kv_heads, *reachable}, reverse=True):
+    # gpt2 -> gpt_bigcode: multi-query only; a per-layer model (Nemotron-NAS) is no SRC convert takes: none
+    reachable = [] if shape.layer_kv_heads else [1] if layout.target else shape.valid_groups()
+    for groups in sorted({shape.kv_heads, *reachable} if reachable else (), reverse=True):
         per_token = shape.kv_bytes_per_token(groups)
         targets.append(
             {
@@ -129,7 +132,11 @@ def inspect_model(src, context: int | None = None, batch: int = 1) -> dict:
         "architecture": _architecture(config),
         "layers": shape.layers,
         "heads": shape.heads,
-        "kv_heads": shape.kv_heads,
+        "kv_heads": None if shape.layer_kv_heads else shape.kv_heads,
+        "kv_heads_per_layer": list(shape.layer_kv_heads) or None,
+        "kv_bytes_per_token": source_bytes,
+        "kv_bytes_per_sequence": source_bytes * context,
+        "kv_bytes_per_batch": source_bytes * context * batch,
         "head_dim": shape.head_dim,
         "hidden_size": shape.hidden,
         "parameters": params,

@@ -14,6 +14,7 @@ from enum import Enum
 from mha2gqa.corpus.mix import PARENT
 from mha2gqa.dtypes import dtype_name
 from mha2gqa.errors import InputError
+from mha2gqa.limits import check_counts
 from mha2gqa.typed import StrEnum, validate_keywords
 from mha2gqa.units import parse_size
 
@@ -95,6 +96,9 @@ class GlobalPrecision(StrEnum):
     """bfloat16 autocast wherever the device has it."""
 
 
+COUNTED = ("steps", "tokens", "global_steps", "batch_blocks", "seed")  # RefineOptions' counts, bounded in limits.py
+
+
 @dataclass(frozen=True)
 class RefineOptions:
     """How `--refine` fits each layer (convert/refine/; the defaults were chosen by measurement,
@@ -169,6 +173,7 @@ class RefineOptions:
             )
         if not _is_int(self.batch_blocks) or self.batch_blocks < 1:
             raise InputError(f"--refine-batch-blocks {self.batch_blocks} must be at least 1 (e.g. 4)")
+        check_counts("convert", {"--refine-" + name.replace("_", "-"): getattr(self, name) for name in COUNTED})
 
 
 # Fields RefineOptions once had, each with the value at which it changed nothing: a record of then (mha2gqa.json,
@@ -276,6 +281,11 @@ class ConvertOptions:
             raise TypeError("ConvertOptions needs groups (or, per layer, kv_heads_per_layer or kv_budget)")
         self.method = Method.parse(self.method, "--method")
         self.grouping = Grouping.parse(self.grouping, "--grouping")
+        # every path (--groups, per layer, a budget) reads these: refused here, before any of them starts
+        # --groups 0 or less: the plan's rule refuses it in better words (a divisor of SRC's kv heads, the valid ones)
+        groups = None if _is_int(self.groups) and self.groups < 1 else self.groups
+        values = {"--groups": groups, "--seed": self.seed, "--calibration-tokens": self.calibration_tokens}
+        check_counts("convert", values)
         self.dtype = dtype_name(self.dtype)  # bf16, fp16, torch.float32, ... -> the one name (mha2gqa/dtypes.py)
 
     @property

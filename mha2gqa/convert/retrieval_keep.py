@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mha2gqa.convert.options import Method
+from mha2gqa.corpus.tokens import validate_ids
 from mha2gqa.embedded import novel_path
 from mha2gqa.errors import InputError
 from mha2gqa.scoring.retrieval_items import ProbeGrid, build_items
@@ -159,6 +160,8 @@ def score_parent(
     grid = scoring_grid(config.to_dict(), seed)
     limit = getattr(config, "max_position_embeddings", None)
     items = build_items(tokenizer, grid, _haystack())
+    highest = max(max(item.prompt + item.answer) for item in items)
+    validate_ids(highest, config.vocab_size, "--keep-retrieval-heads (the retrieval probe's questions)", "SRC")
     device = next(model.parameters()).device
     scores = head_scores(model, items, device, bar="retrieval heads" if progress else False)
     if scores is None:

@@ -20,6 +20,20 @@ from collections.abc import Iterable, Iterator
 SEPARATOR = "\n\n"  # between the documents of one stream
 
 
+def validate_ids(highest: int, vocab: int | None, what: str, source) -> None:
+    """The one refusal of ids a model cannot embed: `highest`, the largest id SRC's tokenizer gave for `what` (the
+    option whose text it is), at or past the model's vocab_size would fail deep in a forward as an index error.
+    The plain conversion reads no ids and writes DST; its check records the same fault as a skip (check_run)."""
+    from mha2gqa.errors import InputError
+
+    if vocab is not None and highest >= vocab:
+        raise InputError(
+            f"{what}: SRC's tokenizer gives id {highest}, outside its vocabulary of {vocab} tokens (config.json "
+            f"vocab_size): the tokenizer in {source} does not belong to the model; give SRC its own tokenizer, or "
+            "convert without this option"
+        )
+
+
 def document_ids(texts: Iterable[str], tokenizer, batch: int = 64) -> Iterator[list[int]]:
     """The ids of every text, without BOS/EOS, `batch` texts to a tokenizer call (1: no text is read
     before the ids of the one before it are taken)."""

@@ -2,6 +2,11 @@
 
 Some HF models store K/V already broadcast to every query head (falcon's new architecture did):
 then the cache holds `heads` rows per layer, not `kv_heads`, GQA saves nothing, and we say so.
+
+The bytes are counted per position a layer holds: a sliding-window layer (Mistral, Qwen2 with
+use_sliding_window) keeps only its last positions once the prefill is longer than its window, and each of those
+costs what the formula says; the window and the positions held are reported, and only bytes per position that
+differ from the formula are a mismatch.
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ def measure_kv_cache(model, shape: AttentionShape, batch: int = 2, tokens: int =
     with torch.no_grad():
         cache = cache_of(model(ids, use_cache=True))
     pairs = cache_tensors(cache)
-    measured = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in pairs)
-    per_token = measured / (batch * tokens)
+    # keys, values: (B, n_kv, S, hd); S below `tokens` in a sliding-window layer past its window
+    per_token = sum(
+        (k.numel() * k.element_size() + v.numel() * v.element_size()) / (batch * k.shape[2]) for k, v in pairs
+    )
+    held = min((int(k.shape[2]) for k, _ in pairs), default=tokens)
     dtype_bytes = pairs[0][0].element_size() if pairs else torch.tensor([], dtype=model.dtype).element_size()
     formula = shape.kv_bytes_per_token(dtype_bytes=dtype_bytes)
     # keys: (B, n_kv, S, hd) in every transformers 5 cache layer.
@@ -48,6 +56,8 @@ def measure_kv_cache(model, shape: AttentionShape, batch: int = 2, tokens: int =
         "prefill_tokens": tokens,
         "cache_class": type(cache).__name__,
     }
+    if held < tokens:  # the window, where a layer held fewer positions than the prefill gave it
+        result.update(cached_positions=held, sliding_window=getattr(model.config, "sliding_window", None))
     if not result["match"]:
         result["warning"] = mismatch_message(result)
     return result

@@ -174,6 +174,15 @@ class EvalOptions:
         if self.out:  # a read-only or full destination fails now, not after the whole evaluation
             validate_writable(Path(self.out), "--out")
 
+    def counts(self) -> dict:
+        """Every count a user types, by flag, for limits.check_counts (--batch-size auto is no count)."""
+        names = ("max_tokens", "context", "stride", "new_tokens", "repeats", "kv_batch", "kv_tokens",
+                 "attention_layer", "lm_eval_limit", "retrieval_samples", "seed", "speed_batches", "speed_contexts",
+                 "retrieval_lengths")  # fmt: skip
+        found = {"--" + name.replace("_", "-"): getattr(self, name) for name in names}
+        found["--batch-size"] = None if self.batch_size == "auto" else self.batch_size
+        return found
+
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> EvalOptions:
         """The options of `evaluate(model, **kwargs)`; an unknown keyword is a TypeError, as it was when these

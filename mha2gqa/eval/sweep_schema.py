@@ -11,6 +11,8 @@ Top-level keys:
   calibration     the calibration statistics' record (tokens, sources)
   candidates      [{name, groups, method, perplexity, perplexity_change, kl_mean, top1_agreement, kv_*,
                   convert_wall_s, convert_peak_rss_bytes, eval_wall_s, model, merge_layers, refine, result}]
+  not_asked       finished candidates of an earlier run that a --resume did not ask for: checked, kept, marked
+                  asked: false, outside the table (sweep/trust.py)
   interrupted     true when the sweep was stopped before every candidate ran
   recommendation  per_method, next, summary, line (sweep/run.py recommend)
   versions, created, wall_s

@@ -70,9 +70,12 @@ class Item:
 
 def validate_values(lengths: Sequence[int] | None, depths: Sequence[float] | None, samples: int | None) -> None:
     """The flags' values on their own, before the model's config is read."""
-    for flag, value in (("--retrieval-lengths", lengths), ("--retrieval-depths", depths)):
+    for flag, value, example in (
+        ("--retrieval-lengths", lengths, "128,512"),
+        ("--retrieval-depths", depths, "0.1,0.5,0.9"),
+    ):
         if value is not None and not len(value):
-            raise InputError(f"{flag} names no value: give a comma-separated list (e.g. {flag} 128,512), or drop it")
+            raise InputError(f"{flag} names no value: give a comma-separated list (e.g. {flag} {example}), or drop it")
     for n in lengths or ():
         if n < MIN_LENGTH:
             raise InputError(f"--retrieval-lengths {n} must be at least {MIN_LENGTH} tokens (e.g. 128,512)")

@@ -212,7 +212,10 @@ def fits(plan: ServePlan, kv: dict[str, dict], options: ServeOptions) -> dict[st
     per_request = options.prompt_tokens + options.output_tokens
     return {
         m.label: capacity.requests_fit(
-            kv[m.label]["engine"]["tokens"], kv[m.label]["engine"]["block_size"], per_request
+            kv[m.label]["engine"]["tokens"],
+            kv[m.label]["engine"]["block_size"],
+            per_request,
+            kv[m.label]["engine"].get("blocks"),
         )
         for m in plan.models
     }

@@ -16,7 +16,7 @@ import re
 import threading
 from collections.abc import Callable
 
-from mha2gqa.serving.kvlog import Unreadable
+from mha2gqa.serving.kvlog import Unreadable, metrics_page
 
 SAMPLE_S = 0.5
 MOST_AUTO = 64  # the most requests in flight --capacity-concurrency auto asks for (minutes of CPU past it)
@@ -31,7 +31,7 @@ def request_gauges(metrics: str | None) -> dict:
     server with several engine cores lists one line each). Unreadable for a value that is no number."""
     found: dict[str, float | None] = dict.fromkeys(GAUGES)
     names = {metric: key for key, metric in GAUGES.items()}
-    for line in _GAUGE.finditer(metrics or ""):
+    for line in _GAUGE.finditer(metrics_page(metrics) or ""):
         key = names.get(line["name"])
         if key is None:
             continue
@@ -45,11 +45,16 @@ def request_gauges(metrics: str | None) -> dict:
     return found
 
 
-def requests_fit(kv_tokens: int | None, block_size: int | None, tokens_per_request: int) -> int | None:
-    """How many requests of `tokens_per_request` (prompt + output) a cache of `kv_tokens` runs at once, in whole
-    blocks as vLLM allocates them, less the one block its pool keeps as the null block and never gives a request
-    (vllm/v1/core/block_pool.py; its log's "Maximum concurrency" counts that block too, so a request more). Tokens
-    when the block size is unknown; None when the count is unknown."""
+def requests_fit(
+    kv_tokens: int | None, block_size: int | None, tokens_per_request: int, blocks: int | None = None
+) -> int | None:
+    """How many requests of `tokens_per_request` (prompt + output) a cache runs at once, in whole blocks as vLLM
+    allocates them, less the one block its pool keeps as the null block and never gives a request
+    (vllm/v1/core/block_pool.py; its log's "Maximum concurrency" counts that block too, so a request more). The
+    blocks are the engine's own count (/metrics' num_gpu_blocks) where known, else `kv_tokens` in whole blocks;
+    tokens when the block size is unknown; None when neither count is known."""
+    if block_size and blocks:
+        return max(blocks - 1, 0) // math.ceil(tokens_per_request / block_size)
     if not kv_tokens:
         return None
     if not block_size:

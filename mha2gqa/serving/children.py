@@ -1,6 +1,7 @@
 """What makes each CHILD of serve-bench a model to compare with PARENT: a folder of its own (not the parent again,
-by a link or another spelling of its path) and the parent's tokenizer, so that every engine and transformers see
-the same ids. Torch-free: read before any server starts.
+by a link or another spelling of its path), weights of its own (not hard links to the parent's, nor a byte-identical
+copy of them: cache.same_weights), and the parent's tokenizer, so that every engine and transformers see the same
+ids. Torch-free: read before any server starts.
 
 A tokenizer is judged by what fixes its ids, not by its files' bytes or by vocab_size alone: two tokenizers of
 one size can number their tokens differently, and a tokenizer saved again by transformers (uptrain's final
@@ -16,6 +17,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from mha2gqa.cache import same_weights
 from mha2gqa.errors import InputError
 from mha2gqa.reading import read_bytes, read_json
 
@@ -61,6 +63,13 @@ def validate_children(parent: Path, children: list[Path], arguments: list[str]) 
                     f"CHILD {arguments[i]} is the same folder as {what} ({folders[j]}): serve-bench compares a parent "
                     "with its conversions, each a folder of its own; pass the converted model's folder"
                 )
+    for folder, typed in zip(children, arguments[1:]):
+        if same_weights(parent, folder):
+            raise InputError(
+                f"CHILD {typed} holds PARENT's weights (its safetensors are the parent's files, hard-linked or "
+                "copied byte for byte): serve-bench compares a parent with its conversions; pass the converted "
+                "model's folder"
+            )
     mine = tokenizer_identity(parent)
     for folder, typed in zip(children, arguments[1:]):
         theirs = tokenizer_identity(folder)

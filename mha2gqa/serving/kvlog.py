@@ -53,10 +53,27 @@ def from_log(text: str) -> dict:
     }
 
 
+# A line of the Prometheus text format vLLM's /metrics serves: a comment, or a metric name, its labels, a value.
+_METRIC_LINE = re.compile(r"#.*|[A-Za-z_:][A-Za-z0-9_:]*(\{.*\})?\s+\S+(\s+\S+)?")
+
+
+def metrics_page(metrics: str | None) -> str | None:
+    """The one reader of a /metrics body: the text as it came when every line is a comment or a metric (None
+    stays None: no page); Unreadable for anything else (an HTML page from a proxy, another server on the port)."""
+    for line in (metrics or "").splitlines():
+        if line.strip() and not _METRIC_LINE.fullmatch(line.strip()):
+            shown = " ".join(metrics.split())[:40]
+            raise Unreadable(
+                f"/metrics answered {shown!r}, not the metrics text vLLM serves: is another server answering on "
+                "this port, or a proxy in between?"
+            )
+    return metrics
+
+
 def cache_info(metrics: str | None) -> dict:
     """The labels of `vllm:cache_config_info` in a /metrics page ({} when absent): block_size, num_gpu_blocks
     (the KV blocks, whatever the device), kv_cache_memory_bytes, kv_cache_size_tokens, ..."""
-    found = _INFO.search(metrics or "")
+    found = _INFO.search(metrics_page(metrics) or "")
     return dict(_LABEL.findall(found["labels"])) if found else {}
 
 
@@ -67,10 +84,12 @@ def _label_count(info: dict, label: str) -> int | None:
 
 
 def engine_kv(log_text: str, metrics: str | None) -> dict:
-    """What the engine reports: the log's numbers, with the block size and KV budget from /metrics."""
+    """What the engine reports: the log's numbers, with the block size, the blocks and the KV budget from
+    /metrics."""
     info = cache_info(metrics)
     found = from_log(log_text)
     found["block_size"] = _label_count(info, "block_size")
+    found["blocks"] = _label_count(info, "num_gpu_blocks")  # the engine's real blocks: what a request is given
     found["budget_bytes"] = _label_count(info, "kv_cache_memory_bytes")
     if found["tokens"] is None:  # a release that logs differently: the metrics' count, if it has one
         found["tokens"] = _label_count(info, "kv_cache_size_tokens")

@@ -7,9 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mha2gqa.errors import InputError
+from mha2gqa.limits import check_counts
 from mha2gqa.units import format_bytes, parse_size
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# the counts a user types, bounded in limits.py (--capacity-concurrency is read by capacity_requests)
+COUNTED = ("context", "greedy_tokens", "prompts_per_domain", "prompt_tokens", "output_tokens", "decode_concurrency",
+           "concurrency", "waves", "repeats")  # fmt: skip
 GREEDY_PROMPT_TOKENS = 32  # each greedy check's prompt: long enough to set a topic, short to decode
 
 
@@ -81,9 +85,11 @@ class ServeOptions:
                 raise InputError(f"{flag} {seconds:g} must be a positive finite number of seconds (e.g. {example})")
         if self.decode_concurrency < 0:
             raise InputError(f"--decode-concurrency {self.decode_concurrency} must be 0 (none) or more")
-        self.capacity_requests()
+        capacity = self.capacity_requests()
         if any(c < 1 for c in self.concurrency or ()):
             raise InputError(f"--concurrency {','.join(map(str, self.concurrency))}: each value must be at least 1")
+        counts = {"--" + name.replace("_", "-"): getattr(self, name) for name in COUNTED}
+        check_counts("serve-bench", {**counts, "--capacity-concurrency": capacity})
         lengths = [
             (f"the greedy prompt ({GREEDY_PROMPT_TOKENS}) + --greedy-tokens", GREEDY_PROMPT_TOKENS + self.greedy_tokens)
         ]

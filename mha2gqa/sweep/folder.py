@@ -139,3 +139,4 @@ def keep_finished(record: dict, earlier: dict) -> None:
     parent = earlier.get("parent")
     if isinstance(parent, dict) and isinstance(parent.get("result"), dict):
         record["parent"], record["candidates"], record["calibration"] = parent, rows, earlier.get("calibration")
+        record["not_asked"] = earlier.get("not_asked") or []  # checked by trust.trusted, marked asked: false

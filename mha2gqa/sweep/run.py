@@ -62,7 +62,7 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
     record = out_folder.new_record(src, source, config, options, candidates)
     earlier = out_folder.earlier_sweep(out, record) if options.resume else None
     if earlier is not None:  # only what it can check: a row that does not hold is run again
-        earlier = trusted(earlier, record["planned"], record["source"]["kv_heads"], record["context"], echo)
+        earlier = trusted(earlier, record["planned"], shape, record["context"], echo)
     done = {r.get("name") for r in (earlier or {}).get("candidates") or [] if isinstance(r, dict)}
     # What is left to convert (a resumed sweep's finished models are not planned again); the first plan
     # resolves the calibration and its token count (unset: the default of the calibration's kind).

@@ -35,7 +35,7 @@ from mha2gqa.uptrain.models import (
     validate_vocab,
 )
 from mha2gqa.uptrain.plan import tokens_per_step, total_steps, uptrain_estimate
-from mha2gqa.uptrain.preflight import saves_checkpoints, validate_output_dir
+from mha2gqa.uptrain.preflight import saves_checkpoints, validate_output_dir, validate_teacher_is_not_the_model
 from mha2gqa.uptrain.recipe import Recipe
 from mha2gqa.uptrain.recipe_load import recorded
 from mha2gqa.uptrain.reporting import Metrics, Trace
@@ -188,6 +188,7 @@ def _load(recipe: Recipe, accelerator, ready=lambda student: None) -> _Loaded:
 
 
 def _teacher(recipe: Recipe, accelerator, student: Student) -> torch.nn.Module:
+    validate_teacher_is_not_the_model(recipe)  # preflight's rule, as --dry-run applies it
     teacher = load_teacher(recipe, accelerator.device)
     validate_teacher(student.model, teacher)
     return teacher

@@ -7,8 +7,10 @@ configs and weight headers say (uptrain/plan.py), the same numbers.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from mha2gqa.cache import same_weights
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain import checkpoints
 from mha2gqa.uptrain.recipe import Recipe
@@ -25,6 +27,31 @@ def validate_same_vocabulary(model_vocab: int, teacher_vocab: int) -> None:
             f"distill.teacher has vocab_size={teacher_vocab}, the model {model_vocab}: "
             "distil from the model's own parent (same tokenizer)"
         )
+
+
+def validate_teacher_is_not_the_model(recipe: Recipe) -> None:
+    """distill.teacher must be another model than the one trained: the same name, folder, hard-linked weights or a
+    byte-identical copy (cache.same_weights) give a KL that starts at 0 and only pulls the model back to its start,
+    not toward the parent whose behaviour a conversion lost. Local folders are compared; hub ids by name."""
+    model, teacher = recipe.model, recipe.distill.teacher
+    if model is None or teacher is None:
+        return
+    a, b = Path(model).expanduser(), Path(teacher).expanduser()
+    if model == teacher:
+        how = "the same name"
+    elif not (a.is_dir() and b.is_dir()):
+        return
+    elif a.resolve() == b.resolve() or os.path.samefile(a, b):
+        how = "the same folder"
+    elif same_weights(a, b):
+        how = "the same weights: hard links or a byte-identical copy"
+    else:
+        return
+    raise InputError(
+        f"distill.teacher {teacher} is the model itself ({how}): its KL starts at 0 and only pulls the model back to "
+        "where it started; name the model's parent (the MHA model it was converted from: its mha2gqa.json gives "
+        "the conversion's source), or leave distill.teacher unset"
+    )
 
 
 def disk_needed(parameters: int, trained: int, saved_bytes_per_parameter: float, saves: bool) -> int:
@@ -50,6 +77,7 @@ def validate_as_the_run_does(recipe: Recipe, resume: bool, student, teacher) -> 
     write, in its order, from the sizes plan.py reads without loading (`student`, `teacher`: ModelSize, None
     for a hub model not in the cache, which the run judges once it is downloaded)."""
     checkpoints.validate_start(Path(recipe.output_dir).expanduser(), recipe, resume, world_size=1)
+    validate_teacher_is_not_the_model(recipe)
     if student is not None and teacher is not None and student.vocab and teacher.vocab:  # 0: no vocab_size in
         validate_same_vocabulary(student.vocab, teacher.vocab)  # a config, whose class default the run reads
     if student is not None:

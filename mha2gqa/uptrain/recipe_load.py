@@ -26,6 +26,7 @@ from mha2gqa.corpus.mix import PARENT, as_words
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import read_config
+from mha2gqa.limits import BOUNDS, count_problems
 from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, did_you_mean, near_miss, parse_yaml, read_yaml_mapping
 from mha2gqa.sources import hub_offline, is_hub_id, looks_local, model_ref_problem
 from mha2gqa.units import counted
@@ -229,12 +230,22 @@ def _validate_numbers(r: Recipe, p: list[str]) -> None:
     ]:
         _need(p, value >= 0, f"{key}={value} must be 0 or more")
     _need(p, r.exit_after_steps is None or r.exit_after_steps >= 1, "exit_after_steps must be at least 1 (or unset)")
+    # the most of each (limits.py); the least is the rules above, in their words
+    p += count_problems("uptrain", {key: _key_value(r, key) for key in BOUNDS["uptrain"]}, joiner="=", least=False)
     _need(p, r.optim.lr > 0, f"optim.lr={r.optim.lr} must be positive (e.g. 1e-4)")
     _need(p, 0 <= r.optim.min_lr_ratio <= 1, f"optim.min_lr_ratio={r.optim.min_lr_ratio} must be in [0, 1]")
     _need(p, r.optim.eps > 0, f"optim.eps={r.optim.eps} must be positive")
     _need(p, all(0 <= b < 1 for b in r.optim.betas), f"optim.betas={list(r.optim.betas)} must each be in [0, 1)")
     _need(p, 0 <= r.distill.kl_weight <= 1, f"distill.kl_weight={r.distill.kl_weight} must be in [0, 1]")
     _need(p, r.distill.temperature > 0, f"distill.temperature={r.distill.temperature} must be positive")
+
+
+def _key_value(recipe: Recipe, key: str):
+    """The value of a dotted recipe key (data.eval_blocks)."""
+    value = recipe
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _validate_budget(r: Recipe, p: list[str], overridden: set[str] = frozenset()) -> None:
