@@ -13,7 +13,9 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
+from mha2gqa import jsontext
 from mha2gqa.cli import main
+from mha2gqa.nemotron_nas.remote_code import AUTO_MAP
 
 # sha256 of model.safetensors and config.json as 43c2481 (convert/per_layer.py, budget_run.py) wrote them for this
 # parent (tiny llama: seed 0, 3 layers, 8 heads, 4 kv heads, MLP 256) and these flags
@@ -57,10 +59,14 @@ def _sha(path) -> str:
 
 @pytest.mark.parametrize("args", list(PINNED), ids=["counts", "counts-bf16", "budget"])
 def test_per_layer_bytes_are_the_second_pipelines(parent, tmp_path, args):
+    """The weights byte for byte; config.json too, but for the auto_map that points stock transformers at the model
+    code a per-layer child now carries (issue 69)."""
     _convert(parent, tmp_path / "dst", *args)
     weights, config = PINNED[args]
     assert _sha(tmp_path / "dst" / "model.safetensors") == weights
-    assert _sha(tmp_path / "dst" / "config.json") == config
+    written = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert written.pop("auto_map") == AUTO_MAP and (tmp_path / "dst" / "modeling_decilm.py").is_file()
+    assert hashlib.sha256((jsontext.model_config(written, indent=2) + "\n").encode()).hexdigest() == config
 
 
 def _layer_tensors(path, layer: int) -> dict:
@@ -118,3 +124,40 @@ def test_budget_with_the_best_tools_plans_runs_and_reproduces(parent, tmp_path):
     again = [str(parent.parent / "cal.txt") if w.endswith("cal.txt") else w for w in words[4:]]
     _convert(parent, tmp_path / "again", *again)
     assert _sha(tmp_path / "again" / "model.safetensors") == _sha(tmp_path / "dst" / "model.safetensors")
+
+
+def _refusal_parents(root):
+    """Parents a --kv-budget cannot convert: a qwen2 (no per-layer format), a per-layer child, one kv head."""
+    save_tiny_model(root / "qwen", "qwen2", intermediate_size=256, num_key_value_heads=4)
+    save_tiny_model(root / "one", "llama", intermediate_size=256, num_key_value_heads=1)
+    src = root / "llama"
+    save_tiny_model(src, "llama", intermediate_size=256, num_key_value_heads=4)
+    _convert(src, root / "child", "--kv-heads-per-layer", "4,1")
+    for name in ("qwen", "one", "child", "llama"):
+        make_tiny_tokenizer(root / name)
+        (root / "cal.txt").write_text(SAMPLE_TEXT * 8)
+        (root / "eval.txt").write_text(SAMPLE_TEXT * 2)
+    return root
+
+
+@pytest.mark.parametrize("command", ["convert", "sweep"])
+def test_a_budget_refusal_names_the_flag_typed(tmp_path, command):
+    """convert --kv-budget and sweep --kv-budgets refused on a qwen2 parent, a per-layer child and a one-kv-head
+    parent: one line naming the flag the user typed, never --kv-heads-per-layer (issue 69 item 2)."""
+    root = _refusal_parents(tmp_path)
+    flag = "--kv-budget" if command == "convert" else "--kv-budgets"
+    cases = [("qwen", "model_type 'qwen2'"), ("child", "Nemotron-NAS checkpoint")]
+    if command == "convert":  # a sweep refuses a one-kv-head parent by its --groups first
+        cases.append(("one", "one kv head in every layer already"))
+    for name, words in cases:
+        out = tmp_path / f"out-{name}"
+        if command == "convert":
+            args = ["convert", str(root / name), str(out), flag, "0.5", "-q"]
+        else:
+            args = ["sweep", str(root / name), "--groups", "1", flag, "0.5", "--calibration", str(root / "cal.txt"),
+                    "--data", str(root / "eval.txt"), "--out", str(out), "-q"]  # fmt: skip
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2, (name, result.output)
+        assert flag + ":" in result.output or flag + " " in result.output, (name, result.output)
+        assert words in result.output and "--kv-heads-per-layer:" not in result.output, (name, result.output)
+        assert "Traceback" not in result.output and not out.exists()

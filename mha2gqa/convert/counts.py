@@ -115,8 +115,10 @@ def target_words(counts: tuple[int, ...]) -> list[str]:
 
 def validate_per_layer_parent(config: dict, flag: str) -> None:
     """Counts that differ between layers: a parent whose blocks the Nemotron-NAS readers build."""
+    from mha2gqa.layouts import validate_target
     from mha2gqa.nemotron_nas.blocks import nemotron_nas_config
 
+    validate_target(config, 1, flag)  # a per-layer child as SRC: convert its parent
     if config.get("model_type") not in PER_LAYER_PARENT_TYPES:
         raise InputError(
             f"{flag}: SRC has model_type {config.get('model_type')!r}; per-layer kv heads are written in the "

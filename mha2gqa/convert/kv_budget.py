@@ -24,6 +24,11 @@ def budget_heads(spec: str | float, shape: AttentionShape, dtype_bytes: int, fla
     """The budget as kv heads summed over layers: a fraction (0 < X <= 1) of the parent's, or bytes per token
     (a size, or an integer over 1), rounded down to whole heads. InputError outside [layers, layers x kv_heads)."""
     text = str(spec).strip()
+    if shape.kv_heads == 1:
+        raise InputError(
+            f"{flag} {text}: SRC has one kv head in every layer already (num_key_value_heads=1): no budget can "
+            "take less, so there is nothing to convert"
+        )
     head_bytes = 2 * shape.head_dim * dtype_bytes  # K and V of one kv head, one token
     parent_heads = shape.layers * shape.kv_heads
     if re.fullmatch(r"0?\.\d+|1(\.0*)?", text):

@@ -26,6 +26,7 @@ from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.layouts import converted_config
 from mha2gqa.nemotron_nas.blocks import MODEL_TYPE as NEMOTRON_NAS
 from mha2gqa.nemotron_nas.blocks import nemotron_nas_config
+from mha2gqa.nemotron_nas.remote_code import write_remote_code
 from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, short_read
 from mha2gqa.writing import write_atomic
@@ -219,10 +220,14 @@ def metadata(state: RunState) -> None:
 
 
 def _complete(state: RunState) -> None:
-    """The rest of a loadable model beside the weights: SRC's tokenizer and other files, config.json."""
+    """The rest of a loadable model beside the weights: SRC's tokenizer and other files, config.json; a per-layer
+    child also its model code, so that stock transformers loads it with trust_remote_code=True (no mha2gqa)."""
     plan = state.plan
     copy_validated_files(plan.copied, plan.source, state.out_dir)
-    (state.out_dir / "config.json").write_text(jsontext.model_config(target_config(plan), indent=2) + "\n")
+    config = target_config(plan)
+    if config.get("model_type") == NEMOTRON_NAS:
+        config.update(write_remote_code(state.out_dir, config))
+    (state.out_dir / "config.json").write_text(jsontext.model_config(config, indent=2) + "\n")
 
 
 def target_config(plan: ConversionPlan) -> dict:
