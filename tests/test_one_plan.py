@@ -161,3 +161,18 @@ def test_a_budget_refusal_names_the_flag_typed(tmp_path, command):
         assert flag + ":" in result.output or flag + " " in result.output, (name, result.output)
         assert words in result.output and "--kv-heads-per-layer:" not in result.output, (name, result.output)
         assert "Traceback" not in result.output and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--calibration-tokens", "1000"], "--calibration-tokens 1000: no stage of this conversion reads"),
+        (["--refine-steps", "7"], "--refine-steps 7 sets --refine, which is off"),
+        (["--refine-memory", "2GiB"], "--refine-memory 2GiB sets --refine, which is off"),
+    ],
+)
+def test_a_value_no_stage_reads_is_refused_not_dropped(parent, tmp_path, extra, words):
+    """An explicit value is honoured or refused for a stated reason, never dropped (issue 69 item 1)."""
+    result = CliRunner().invoke(main, ["convert", str(parent), str(tmp_path / "dst"), "-g", "2", "-q", *extra])
+    assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "dst").exists()

@@ -412,7 +412,19 @@ def options_from_flags(values: dict) -> ConvertOptions:
         if flag.size and flag.owner is RefineOptions:  # RefineOptions holds bytes; ConvertOptions the text
             value = parse_size(value, flag.flag)
         (refine if flag.owner is RefineOptions else convert)[flag.name] = value
+    if not values["refine"]:
+        _refuse_refine_settings(values)
     return ConvertOptions(**convert, refine=RefineOptions(**refine) if values["refine"] else None)
+
+
+def _refuse_refine_settings(values: dict) -> None:
+    """A --refine-X given without --refine would be dropped without a word: refused, naming it."""
+    for flag in CONVERT_FLAGS:
+        value = values[flag.key]
+        if flag.owner is RefineOptions and value is not None and not _same(flag, value, flag.default):
+            raise InputError(
+                f"{flag.flag} {value} sets --refine, which is off: add --refine, or leave {flag.flag} out"
+            )
 
 
 def flag_words(options: ConvertOptions) -> list[str]:

@@ -315,6 +315,12 @@ def prepare(
     _validate_calibration_needs(options, config)
     _validate_keep_retrieval(options, source)
     calibration = _calibration_input(options, stats, config, source, resolved, budget is not None and losses is None)
+    if options.calibration_tokens is not None and calibration is None and stats is None:
+        raise InputError(
+            f"--calibration-tokens {options.calibration_tokens}: no stage of this conversion reads calibration text "
+            "(--method calibrated, --grouping similarity, --refine, --kv-budget or --calibration do): add one, or "
+            "leave --calibration-tokens out"
+        )
     options, decided = decide(options, calibration is not None)  # the machine's part, once (decide.py)
     calibrated = calibration is not None or stats is not None
     memory_bytes = parse_size(options.calibration_memory, "--calibration-memory")
