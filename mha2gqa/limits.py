@@ -1,5 +1,5 @@
 """The bounds of every count a user types, one table for every command, checked before any work starts (each
-option schema's validation calls check_counts). The most is where a value stops meaning more of a measurement and
+option schema's validation calls validate_limits). The most is where a value stops meaning more of a measurement and
 starts meaning hours of work, or memory that grows with it; docs/guarantees.md lists them. tests/test_limits.py
 holds every integer option of every command to an entry here. Torch-free.
 """
@@ -123,7 +123,7 @@ def count_problems(command: str, values: dict, joiner: str = " ", least: bool = 
     return found
 
 
-def check_counts(command: str, values: dict) -> None:
+def validate_limits(command: str, values: dict) -> None:
     """Refuse, in one line naming the flag, the first count outside its bound (count_problems)."""
     found = count_problems(command, values)
     if found:

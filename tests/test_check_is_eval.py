@@ -72,7 +72,7 @@ def test_the_checks_numbers_are_evals_on_the_same_models_and_tokens(tmp_path, mo
 # validate_*, a live condition ensure_*, refine's held-out measurements heldout_* (issue 54, item 6).
 QUALITY_CHECK_NAMES = {
     "CheckPlan", "plan_check", "_plan_check", "check_logits_bytes", "CheckFailed", "run_check_or_skip", "run_check",
-    "_kept_for_check", "_check", "check_parts", "check_report", "check_verdict", "check_line",
+    "_kept_for_check", "_check", "check_parts", "check_report", "check_verdict", "check_line", "quality_check",
 }  # fmt: skip
 DEFINED = re.compile(r"^\s*(?:def|class)\s+(\w+)", re.M)
 

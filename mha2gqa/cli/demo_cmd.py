@@ -68,10 +68,10 @@ def demo(groups, out, quick, alpha, force, dry_run):
     from mha2gqa import threads
     from mha2gqa.demo import plan_demo, run_demo
     from mha2gqa.estimates.clock import Clock
-    from mha2gqa.limits import check_counts
+    from mha2gqa.limits import validate_limits
 
     plan = plan_demo(out, groups=groups, quick=quick, alpha=alpha, force=force)  # every check, before torch
-    check_counts("demo", {"--groups": groups})  # after the plan's own rule, a divisor of the embedded model's 8
+    validate_limits("demo", {"--groups": groups})  # after the plan's own rule, a divisor of the embedded model's 8
     if dry_run:
         click.echo("\n".join(plan.describe()))
         return
@@ -105,10 +105,10 @@ def reproduce(out, methods, kv_heads, alphas, eval_blocks, force, dry_run):
     from mha2gqa import threads
     from mha2gqa.demo import markdown_table, plan_reproduce
     from mha2gqa.demo import reproduce as run_reproduce
-    from mha2gqa.limits import check_counts
+    from mha2gqa.limits import validate_limits
 
     kv_heads = _numbers(kv_heads, int, "--kv-heads", "1,2,4")
-    check_counts("reproduce", {"--kv-heads": kv_heads, "--eval-blocks": eval_blocks})
+    validate_limits("reproduce", {"--kv-heads": kv_heads, "--eval-blocks": eval_blocks})
     plan = plan_reproduce(  # every check, before torch and before OUT is touched
         out,
         methods=_names(methods),

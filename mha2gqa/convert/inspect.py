@@ -12,7 +12,7 @@ from mha2gqa.checkpoint import SafetensorsCheckpoint
 from mha2gqa.convert.roles import layer_names, validate_layer_count
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, describe_layout, layout_for, read_config
-from mha2gqa.limits import check_counts
+from mha2gqa.limits import validate_limits
 from mha2gqa.sources import resolve_model_dir
 
 
@@ -102,7 +102,7 @@ def inspect_model(src, context: int | None = None, batch: int = 1) -> dict:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InputError(f"{flag} {value!r} must be a positive integer (tokens per sequence, sequences per batch)")
-    check_counts("inspect", {"--context": context, "--batch": batch})
+    validate_limits("inspect", {"--context": context, "--batch": batch})
     model_dir = resolve_model_dir(src)
     shapes = SafetensorsCheckpoint(model_dir).shapes if any(model_dir.glob("*.safetensors")) else None
     config = read_config(model_dir, shapes)

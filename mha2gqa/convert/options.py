@@ -14,7 +14,7 @@ from enum import Enum
 from mha2gqa.corpus.mix import PARENT
 from mha2gqa.dtypes import dtype_name
 from mha2gqa.errors import InputError
-from mha2gqa.limits import check_counts
+from mha2gqa.limits import validate_limits
 from mha2gqa.typed import StrEnum, validate_keywords
 from mha2gqa.units import parse_size
 
@@ -173,7 +173,7 @@ class RefineOptions:
             )
         if not _is_int(self.batch_blocks) or self.batch_blocks < 1:
             raise InputError(f"--refine-batch-blocks {self.batch_blocks} must be at least 1 (e.g. 4)")
-        check_counts("convert", {"--refine-" + name.replace("_", "-"): getattr(self, name) for name in COUNTED})
+        validate_limits("convert", {"--refine-" + name.replace("_", "-"): getattr(self, name) for name in COUNTED})
 
 
 # Fields RefineOptions once had, each with the value at which it changed nothing: a record of then (mha2gqa.json,
@@ -285,7 +285,7 @@ class ConvertOptions:
         # --groups 0 or less: the plan's rule refuses it in better words (a divisor of SRC's kv heads, the valid ones)
         groups = None if _is_int(self.groups) and self.groups < 1 else self.groups
         values = {"--groups": groups, "--seed": self.seed, "--calibration-tokens": self.calibration_tokens}
-        check_counts("convert", values)
+        validate_limits("convert", values)
         self.dtype = dtype_name(self.dtype)  # bf16, fp16, torch.float32, ... -> the one name (mha2gqa/dtypes.py)
 
     @property
@@ -422,9 +422,7 @@ def _refuse_refine_settings(values: dict) -> None:
     for flag in CONVERT_FLAGS:
         value = values[flag.key]
         if flag.owner is RefineOptions and value is not None and not _same(flag, value, flag.default):
-            raise InputError(
-                f"{flag.flag} {value} sets --refine, which is off: add --refine, or leave {flag.flag} out"
-            )
+            raise InputError(f"{flag.flag} {value} sets --refine, which is off: add --refine, or leave {flag.flag} out")
 
 
 def flag_words(options: ConvertOptions) -> list[str]:

@@ -537,7 +537,7 @@ _WORK = {
     CONVERT.merge.name: stage_work.merge,
     CONVERT.refine.name: stage_work.refine,
     CONVERT.write.name: stage_work.write,
-    CONVERT.check.name: stage_work.check,
+    CONVERT.check.name: stage_work.quality_check,
     CONVERT.metadata.name: stage_work.metadata,
 }
 

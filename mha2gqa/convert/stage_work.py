@@ -13,7 +13,6 @@ import hashlib
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from mha2gqa import jsontext, provenance
 from mha2gqa.card import write_card
@@ -31,9 +30,6 @@ from mha2gqa.progress import progress_bar
 from mha2gqa.reading import open_regular, short_read
 from mha2gqa.writing import write_atomic
 
-if TYPE_CHECKING:
-    from mha2gqa.convert.prepare import ConversionPlan
-
 RUN_FACTS = ("seconds", "parent_cached")  # of this run, not of the model: printed, kept out of mha2gqa.json
 
 
@@ -41,7 +37,7 @@ RUN_FACTS = ("seconds", "parent_cached")  # of this run, not of the model: print
 class RunState:
     """What the stages of one conversion hand each other: the partial DST, the inputs read once, the results."""
 
-    plan: ConversionPlan
+    plan: object  # prepare.ConversionPlan (prepare imports this module: no import back)
     out_dir: Path  # the partial DST
     scratch: Path  # statistics' spill files, inside it
     dst: Path  # where DST will be (the check's next commands name it)
@@ -173,7 +169,7 @@ def write(state: RunState) -> None:
     _complete(state)
 
 
-def check(state: RunState) -> None:
+def quality_check(state: RunState) -> None:
     """The quality check of the model now complete in the partial DST, before its record is written: what it kept
     goes into mha2gqa.json and the card with the rest, atomically. Never raises: a failure is a recorded skip."""
     import_torch()
@@ -230,7 +226,7 @@ def _complete(state: RunState) -> None:
     (state.out_dir / "config.json").write_text(jsontext.model_config(config, indent=2) + "\n")
 
 
-def target_config(plan: ConversionPlan) -> dict:
+def target_config(plan) -> dict:
     """DST's config.json: the source's at the counts (stock where every layer has the same count, else the
     Nemotron-NAS format: nemotron_nas/blocks.py), with --dtype's name."""
     written = dict(plan.config, dtype=plan.options.dtype) if plan.options.dtype else plan.config
@@ -239,7 +235,7 @@ def target_config(plan: ConversionPlan) -> dict:
     return nemotron_nas_config(written, list(plan.counts))
 
 
-def _torch_threads(plan: ConversionPlan) -> int | None:
+def _torch_threads(plan) -> int | None:
     """torch's CPU thread count when a stage fitted weights to the calibration (its matrix products' float
     sums depend on it), else None: a merge alone gives the same bytes on any count, and on either executor."""
     if plan.torch_reason is None or not plan.options.calibration_shapes_weights:
@@ -249,7 +245,7 @@ def _torch_threads(plan: ConversionPlan) -> int | None:
     return torch.get_num_threads()
 
 
-def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: dict | None = None, kept=None) -> list:
+def _write_tensors(plan, out_dir: Path, stats=None, computed: dict | None = None, kept=None) -> list:
     """The torch executor's one writer pass, every method, grouping and layout: each step of the plan in
     order, a layer merged as it comes. `computed`: tensors made before the pass (refined attention, by
     checkpoint name), written as they are. Returns the per-layer merge report."""
@@ -284,7 +280,7 @@ def _write_tensors(plan: ConversionPlan, out_dir: Path, stats=None, computed: di
     return _by_layer(layers)
 
 
-def _merge_all(plan: ConversionPlan, stats, kept=None) -> tuple[dict, list[dict]]:
+def _merge_all(plan, stats, kept=None) -> tuple[dict, list[dict]]:
     """Every layer's merged attention tensors (checkpoint name -> tensor in its output dtype), held for
     refine, and the per-layer merge report."""
     merged, layers = {}, []
@@ -301,7 +297,7 @@ def _by_layer(layers: list[dict]) -> list[dict]:
     return sorted(layers, key=lambda row: row["layer"])  # steps follow file order: "layers.10" before "layers.2"
 
 
-def _merge_layer(plan: ConversionPlan, step, stats, kept=None) -> tuple[dict, dict]:
+def _merge_layer(plan, step, stats, kept=None) -> tuple[dict, dict]:
     """One layer's attention tensors read and transformed: (output name -> tensor in its output dtype,
     report). A function of its own so that the layer's source tensors are freed before the next layer
     is read (memory stays at one layer's K/V)."""
@@ -367,7 +363,7 @@ def copy_validated_files(files: dict[Path, int], source: Path, out_dir: Path) ->
         shutil.copystat(path, out_dir / path.name)
 
 
-def _write_provenance(plan: ConversionPlan, out_dir: Path, extra: dict) -> None:
+def _write_provenance(plan, out_dir: Path, extra: dict) -> None:
     """mha2gqa.json's conversion stage. Per-layer counts: `groups` is their mean (the KV bytes it prices are the
     sum over layers) and `kv_heads_per_layer` the counts themselves, with the format and the bytes per token."""
     source, options, tensors = plan.source, plan.options, plan.tensors

@@ -340,9 +340,9 @@ MEASUREMENTS: list[Measurement] = [
 def validate_all(options: EvalOptions) -> dict:
     """Every refusal the options can get before a model is loaded: the options' own, then each
     measurement's; returns what the checks prepared, by measurement key."""
-    from mha2gqa.limits import check_counts
+    from mha2gqa.limits import validate_limits
 
     options.validate()
     prepared = {m.key: m.validate(options) for m in MEASUREMENTS}
-    check_counts("eval", options.counts())  # the bounds (limits.py), after each flag's own rule in its words
+    validate_limits("eval", options.counts())  # the bounds (limits.py), after each flag's own rule in its words
     return prepared

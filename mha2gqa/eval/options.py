@@ -175,7 +175,7 @@ class EvalOptions:
             validate_writable(Path(self.out), "--out")
 
     def counts(self) -> dict:
-        """Every count a user types, by flag, for limits.check_counts (--batch-size auto is no count)."""
+        """Every count a user types, by flag, for limits.validate_limits (--batch-size auto is no count)."""
         names = ("max_tokens", "context", "stride", "new_tokens", "repeats", "kv_batch", "kv_tokens",
                  "attention_layer", "lm_eval_limit", "retrieval_samples", "seed", "speed_batches", "speed_contexts",
                  "retrieval_lengths")  # fmt: skip

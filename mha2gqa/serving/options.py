@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mha2gqa.errors import InputError
-from mha2gqa.limits import check_counts
+from mha2gqa.limits import validate_limits
 from mha2gqa.units import format_bytes, parse_size
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -89,7 +89,7 @@ class ServeOptions:
         if any(c < 1 for c in self.concurrency or ()):
             raise InputError(f"--concurrency {','.join(map(str, self.concurrency))}: each value must be at least 1")
         counts = {"--" + name.replace("_", "-"): getattr(self, name) for name in COUNTED}
-        check_counts("serve-bench", {**counts, "--capacity-concurrency": capacity})
+        validate_limits("serve-bench", {**counts, "--capacity-concurrency": capacity})
         lengths = [
             (f"the greedy prompt ({GREEDY_PROMPT_TOKENS}) + --greedy-tokens", GREEDY_PROMPT_TOKENS + self.greedy_tokens)
         ]

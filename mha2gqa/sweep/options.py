@@ -9,7 +9,7 @@ from mha2gqa.convert.options import DEFAULT_CALIBRATION, Method, RefineOptions
 from mha2gqa.corpus.probe import PROBE, parse_domains
 from mha2gqa.errors import InputError
 from mha2gqa.eval.options import DEFAULT_MAX_TOKENS
-from mha2gqa.limits import check_counts
+from mha2gqa.limits import validate_limits
 
 DEFAULT_METHODS = (Method.MEAN.value, Method.CALIBRATED.value)
 DEFAULT_TOLERANCE = 0.05
@@ -109,6 +109,6 @@ class SweepOptions:
         if self.refine is not None:
             self.refine.validate()
         counts = {"--max-tokens": self.max_tokens, "--calibration-tokens": self.calibration_tokens, "--seed": self.seed}
-        check_counts("sweep", {**counts, "--groups": self.groups})
+        validate_limits("sweep", {**counts, "--groups": self.groups})
         if not parse_domains(self.data):
             raise InputError("--data names no text: give one or more, e.g. --data probe or --data prose=held.txt")
