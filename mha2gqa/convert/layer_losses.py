@@ -1,33 +1,77 @@
 """The "layer losses" stage of a --kv-budget conversion: each layer's loss at each kv-head count, measured through
-the loaded parent on the calibration blocks (sensitivity.py), then the counts with the least summed loss within the
-budget (kv_budget.choose_counts), which fill the plan's counts before the merge. A sweep measures the losses once
-(measure_for) and passes them to every budget's plan, which then only chooses.
+the loaded parent (sensitivity.py), then the counts chosen within the budget (kv_budget.choose_counts), which fill
+the plan's counts before the merge. A sweep measures the losses once (measure_for) and passes them to every
+budget's plan, which then only chooses.
+
+A layer's loss at a count has two terms, both KL(parent || model) with only that layer's keys and values
+mean-pooled:
+- text: per token of the calibration blocks (what perplexity sees);
+- retrieval: per answer token of copy prompts built from the same calibration ids (scoring/copy_prompts.py: a span
+  planted early, asked for at the end), which perplexity does not see: pooling a layer whose heads copy from far
+  back loses the copy (docs/eval.md: SmolLM2's recall 47% -> 0% at 3 -> 1).
+The knapsack weighs text + RETRIEVAL_WEIGHT x retrieval. Losses measured one layer at a time do not add up
+(pooling three early layers of SmolLM2 loses all recall where each alone loses part of it), so the knapsack
+proposes a placement for each scale of the retrieval term in RECHOOSE_SCALES, every distinct placement is then
+measured whole (all its layers pooled at once, both terms), and the one with the least measured loss is chosen.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from mha2gqa.convert.kv_budget import FLAG, choice_lines, choose_counts
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import AttentionShape
 from mha2gqa.progress import progress_bar
 
-LOSS = "KL(parent || model) per token, with only this layer's keys and values mean-pooled"
+LOSS = (
+    "KL(parent || model) per token of the calibration blocks + retrieval_weight x KL per answer token of copy "
+    "prompts built from them, with only this layer's keys and values mean-pooled"
+)
+RETRIEVAL_WEIGHT = 1.0  # the retrieval term's weight in the knapsack and the whole-placement check (docs/convert.md)
+RECHOOSE_SCALES = (1.0, 0.0, 4.0, 16.0)  # x RETRIEVAL_WEIGHT: the placements proposed (1 first: it wins ties)
+COPY_PROMPT_BLOCKS = 2  # a copy prompt is this many calibration blocks long (at most the model's context)
+COPY_PROMPTS = 4  # copy prompts at most (each plants up to 8 spans: scoring/copy_prompts.py)
+
+
+@dataclass
+class WholePlacements:
+    """Measures placements whole: the parent (or how to load it) and the blocks and copy prompts it is scored on."""
+
+    parent: Callable  # () -> the parent model: the loaded one, or a loader (a sweep's, which let it go)
+    blocks: object  # (N, seq_len) calibration ids
+    prompts: object  # (n, length) copy prompts
+    scored: object  # (n, length - 1) their answer positions
+    shape: AttentionShape
+
+    def measure(self, placements: list[tuple[int, ...]]) -> list[tuple[float, float]]:
+        """(text, retrieval) KL of each placement, every layer pooled to its count at once."""
+        from mha2gqa.convert.sensitivity import placement_losses
+
+        model = self.parent()
+        text = placement_losses(model, self.blocks, self.shape, placements)
+        copy = placement_losses(model, self.prompts, self.shape, placements, self.scored) if len(self.prompts) else None
+        return [(t, copy[k] if copy else 0.0) for k, t in enumerate(text)]
 
 
 @dataclass(frozen=True)
 class MeasuredLosses:
     """Each layer's loss at each kv-head count of a parent, measured once: every budget chooses from them."""
 
-    losses: list[dict[int, float]]  # losses[layer][count]
+    losses: list[dict[int, float]]  # losses[layer][count]: text KL per token
     record: dict  # the calibration read, for mha2gqa.json
     shape: AttentionShape
+    retrieval: list[dict[int, float]] | None = None  # retrieval[layer][count]: KL per answer token of copy prompts
+    whole: WholePlacements | None = field(default=None, compare=False)  # None: the knapsack's choice stands
 
 
-def measure(parent, ids, plan, record: dict) -> MeasuredLosses:
-    """The losses on the plan's first loss blocks of `ids` (the calibration read: tokens of SRC's tokenizer)."""
+def measure(parent, ids, plan, record: dict, load=None) -> MeasuredLosses:
+    """The losses on the plan's first loss blocks of `ids` (the calibration read: tokens of SRC's tokenizer), and
+    copy prompts from the same ids. `load`: how to load the parent again for the whole placements (a sweep's);
+    None: `parent` stays referenced for them."""
     from mha2gqa.convert.sensitivity import layer_losses
+    from mha2gqa.scoring.copy_prompts import copy_prompts
 
     shape, seq_len = plan.shape, plan.calibration.seq_len
     count = min(plan.loss_blocks, len(ids) // seq_len)
@@ -37,43 +81,113 @@ def measure(parent, ids, plan, record: dict) -> MeasuredLosses:
             "give more text with --calibration, or raise --calibration-tokens"
         )
     blocks = ids[: count * seq_len].reshape(count, seq_len)
+    length = copy_length(seq_len, getattr(parent.config, "max_position_embeddings", None))
+    prompts, scored = copy_prompts(blocks.reshape(-1), length, COPY_PROMPTS)
     candidates = shape.valid_groups()
-    bar = progress_bar(count * shape.layers * (len(candidates) - 1), "layer losses", plan.options.progress)
+    bar = progress_bar(
+        (count + len(prompts)) * shape.layers * (len(candidates) - 1), "layer losses", plan.options.progress
+    )
     losses = layer_losses(parent, blocks, shape, candidates, bar)
+    retrieval = layer_losses(parent, prompts, shape, candidates, bar, scored=scored) if len(prompts) else None
     bar.close()
     kept = {key: value for key, value in record.items() if key not in ("blocks", "seq_len")}
-    return MeasuredLosses(losses, dict(kept, blocks=count, seq_len=seq_len), shape)
+    answers = int(scored.sum())
+    record = dict(kept, blocks=count, seq_len=seq_len, copy_prompts=len(prompts), copy_length=length, answers=answers)
+    whole = WholePlacements(load or (lambda: parent), blocks, prompts, scored, shape)
+    return MeasuredLosses(losses, record, shape, retrieval, whole)
+
+
+def copy_length(seq_len: int, context) -> int:
+    """A copy prompt's tokens: COPY_PROMPT_BLOCKS calibration blocks, at most the model's context."""
+    length = COPY_PROMPT_BLOCKS * seq_len
+    return min(length, context) if isinstance(context, int) and context > 0 else length
 
 
 def measure_for(plan) -> MeasuredLosses:
-    """The losses of a budget plan's parent, measured on their own (a sweep's, once for all its budgets)."""
+    """The losses of a budget plan's parent, measured on their own (a sweep's, once for all its budgets). The parent
+    is let go afterwards and loaded again by each budget's whole-placement check."""
     from mha2gqa.convert.calibration import load_source_model, read_ids
 
     options = plan.options
     parent = load_source_model(plan.source, plan.decided.device, progress=options.progress)
     ids, record = read_ids(plan.source, plan.calibration, parent, options.seed, options.progress)
-    return measure(parent, ids, plan, record)
+
+    def load():
+        return load_source_model(plan.source, plan.decided.device, progress=False)
+
+    return measure(parent, ids, plan, record, load=load)
+
+
+def weighed(measured: MeasuredLosses, scale: float = 1.0) -> list[dict[int, float]]:
+    """Each layer's loss at each count as the knapsack weighs it: text + scale x RETRIEVAL_WEIGHT x retrieval."""
+    if measured.retrieval is None:
+        return measured.losses
+    weight = scale * RETRIEVAL_WEIGHT
+    return [{c: text[c] + weight * copy[c] for c in text} for text, copy in zip(measured.losses, measured.retrieval)]
 
 
 def choose(plan, measured: MeasuredLosses) -> tuple[tuple[int, ...], dict]:
-    """The counts with the least summed loss within the plan's budget, and how they were chosen (mha2gqa.json)."""
-    shape, losses, heads = measured.shape, measured.losses, plan.budget_heads
-    counts = choose_counts(losses, heads)
+    """The counts within the plan's budget whose losses, measured whole, are least among the knapsack's proposals
+    (one per scale of the retrieval term), and how they were chosen (mha2gqa.json)."""
+    shape, heads = measured.shape, plan.budget_heads
+    proposals: dict[tuple[int, ...], float] = {}
+    for scale in RECHOOSE_SCALES if measured.retrieval is not None else (1.0,):
+        proposals.setdefault(choose_counts(weighed(measured, scale), heads), scale)
+    placements = list(proposals)
+    whole = measured.whole.measure(placements) if measured.whole is not None else None
+    if whole is not None:
+        counts = min(placements, key=lambda p: _objective(whole[placements.index(p)]))  # ties: the first proposed
+    else:
+        counts = placements[0]
+    losses = weighed(measured)
     chosen = {
         "budget": str(plan.options.kv_budget),
         "budget_kv_heads": heads,
         "kv_heads_used": sum(counts),
         "parent_kv_heads": shape.layers * shape.kv_heads,
         "loss": LOSS,
-        "losses": [{str(count): loss for count, loss in sorted(per.items())} for per in losses],
+        "retrieval_weight": RETRIEVAL_WEIGHT if measured.retrieval is not None else None,
+        "losses": _table(losses),
+        "text_losses": _table(measured.losses),
+        "retrieval_losses": _table(measured.retrieval) if measured.retrieval is not None else None,
         "predicted_loss": sum(losses[layer][count] for layer, count in enumerate(counts)),
+        "proposals": [_proposal(p, proposals[p], measured, whole and whole[k]) for k, p in enumerate(placements)],
         "calibration": measured.record,
     }
     return counts, chosen
+
+
+def _objective(measured: tuple[float, float]) -> float:
+    text, copy = measured
+    return text + RETRIEVAL_WEIGHT * copy
+
+
+def _proposal(counts, scale: float, measured: MeasuredLosses, whole) -> dict:
+    """One placement the knapsack proposed: its scale, its predicted (summed) terms, and measured whole."""
+    text = sum(measured.losses[layer][c] for layer, c in enumerate(counts))
+    copy = sum(measured.retrieval[layer][c] for layer, c in enumerate(counts)) if measured.retrieval else 0.0
+    found = {"retrieval_scale": scale, "counts": list(counts), "predicted": {"text": text, "retrieval": copy}}
+    if whole:
+        found["measured"] = {"text": whole[0], "retrieval": whole[1], "loss": _objective(whole)}
+    return found
+
+
+def _table(losses: list[dict[int, float]]) -> list[dict[str, float]]:
+    return [{str(count): loss for count, loss in sorted(per.items())} for per in losses]
 
 
 def chosen_lines(plan) -> list[str]:
     """What convert prints about the budget's choice: the counts, their KV share, each layer's loss."""
     chosen = plan.chosen
     losses = [{int(c): v for c, v in per.items()} for per in chosen["losses"]]
-    return choice_lines(plan.counts, losses, plan.shape, chosen["budget_kv_heads"])
+    lines = choice_lines(plan.counts, losses, plan.shape, chosen["budget_kv_heads"])
+    whole = [p for p in chosen.get("proposals", []) if "measured" in p]
+    if len(whole) > 1:
+        lines.append(
+            f"{len(whole)} placements measured whole (text + {chosen['retrieval_weight']:g} x retrieval KL): "
+            + ", ".join(
+                f"{p['measured']['loss']:.4g}" + (" (chosen)" if p["counts"] == list(plan.counts) else "")
+                for p in whole
+            )
+        )
+    return lines

@@ -273,8 +273,12 @@ class ConvertOptions:
     kv_budget: str | None = None
     """A KV-cache budget instead of --groups: a fraction of the parent's KV bytes per token (0.5) or bytes per
     token (12KiB). Each layer's loss at each kv-head count is measured first (the "layer losses" stage: 8
-    calibration blocks of --calibration, or its first 8 where a stage that shapes the weights reads it too); the
-    counts with the least summed loss under the budget are then converted as with --kv-heads-per-layer."""
+    calibration blocks of --calibration, or its first 8 where a stage that shapes the weights reads it too): the
+    KL to SRC on those blocks plus the KL on the answer tokens of copy prompts built from them (a span planted
+    early, asked for at the end: the layers that copy from far back keep their kv heads where the budget allows).
+    The knapsack's placements are then measured whole and the least lossy is converted as with
+    --kv-heads-per-layer, with --method and --refine as given: give --method calibrated --refine, our best
+    merge (docs/convert.md, "Per-layer kv heads"); the default mean merge loses far more."""
 
     def __post_init__(self):
         if self.groups is None and self.kv_heads_per_layer is None and self.kv_budget is None:

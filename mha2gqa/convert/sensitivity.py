@@ -10,6 +10,8 @@ stays loaded once and each candidate is a swap of two (or four, with biases) ten
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from mha2gqa.convert.methods import group_heads, group_mean
@@ -26,26 +28,56 @@ def pooled_in_place(rows: torch.Tensor, kv_heads: int, count: int) -> torch.Tens
 
 
 @torch.no_grad()
-def layer_losses(model, blocks: torch.Tensor, shape: AttentionShape, counts: list[int], progress=None) -> list[dict]:
+def layer_losses(
+    model, blocks: torch.Tensor, shape: AttentionShape, counts: list[int], progress=None, scored=None
+) -> list[dict]:
     """losses[layer][count] for every count in `counts` (divisors of the source's kv heads; the source's own
     count costs 0 and is not run), averaged over the tokens of `blocks` (N, seq_len). `model`: the parent, a
     Llama-family transformers model in eval mode; its weights are restored after each candidate. The parent runs
     once per block; a candidate at layer i runs layers i.. only, from the parent's input to layer i (the layers
-    below are the parent's), which halves the work on average."""
+    below are the parent's), which halves the work on average. `scored` (N, seq_len - 1), bool: only these
+    positions' predictions count (a copy prompt's answer tokens: scoring/copy_prompts.py); None: all."""
     pooled_counts = [c for c in counts if c != shape.kv_heads]
     losses = [{shape.kv_heads: 0.0, **{c: 0.0 for c in pooled_counts}} for _ in range(shape.layers)]
     device = next(model.parameters()).device
-    for block in blocks:
+    for n, block in enumerate(blocks):
         ids = block.unsqueeze(0).to(device)
         inputs, parent_logits = _parent_pass(model, ids)
+        keep = _positions(scored, n, parent_logits)
         for layer in range(shape.layers):
             for count in pooled_counts:
                 with _pooled(model, layer, shape.kv_heads, count):
                     logits = _logits_from(model, layer, inputs[layer])
-                losses[layer][count] += float(kl_divergence(parent_logits, logits)) / len(blocks)
+                losses[layer][count] += float(kl_divergence(parent_logits[keep], logits[keep])) / len(blocks)
                 if progress is not None:
                     progress.update(1)
     return losses
+
+
+@torch.no_grad()
+def placement_losses(model, blocks: torch.Tensor, shape: AttentionShape, placements: list, scored=None) -> list:
+    """For each placement (one kv-head count per layer), the KL per token (per scored position) of the parent
+    with every layer pooled to its count at once, averaged over `blocks` as layer_losses does: what the layers'
+    losses, measured one at a time, add up to in truth. The parent runs once per block."""
+    totals = [0.0] * len(placements)
+    device = next(model.parameters()).device
+    for n, block in enumerate(blocks):
+        ids = block.unsqueeze(0).to(device)
+        parent_logits = model(ids).logits[0, :-1]
+        keep = _positions(scored, n, parent_logits)
+        for k, counts in enumerate(placements):
+            with contextlib.ExitStack() as stack:
+                for layer, count in enumerate(counts):
+                    if count != shape.kv_heads:
+                        stack.enter_context(_pooled(model, layer, shape.kv_heads, count))
+                logits = model(ids).logits[0, :-1]
+            totals[k] += float(kl_divergence(parent_logits[keep], logits[keep])) / len(blocks)
+    return totals
+
+
+def _positions(scored, n: int, logits: torch.Tensor):
+    """Block n's scored positions as an index of its logits (every position where `scored` is None)."""
+    return slice(None) if scored is None else scored[n].to(logits.device)
 
 
 def _parent_pass(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
