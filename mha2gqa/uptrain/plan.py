@@ -215,7 +215,13 @@ def data_lines(recipe: Recipe, train_blocks: int) -> tuple[list[str], int, int |
     for key, (_entries, parts) in sources.items():
         for part in parts or ():
             share = f" ({part.share:.0%} of the blocks)" if part.share not in (None, 1) else ""
-            if part.sampled:
+            if part.copies:
+                made = round(part.share * blocks)
+                lines.append(
+                    f"{key}: retrieval{share}: {made:,} blocks of {recipe.seq_len} tokens of copy-task prompts made "
+                    "of the other parts before the first step (needle, key-value, passage copy; copy_task.py)"
+                )
+            elif part.sampled:
                 drawn = round(part.share * blocks)
                 sampled += drawn * recipe.seq_len
                 lines.append(
@@ -273,7 +279,7 @@ class RunPlan:
             return None
         r, s, t, world = self.recipe, self.student, self.teacher, max(1, self.world_size)
         parts = ((getattr(r.data, "checked_sources", None) or {}).get("data.train") or (None, None))[1] or ()
-        text = sum(text_tokens(part.text.files) for part in parts if not part.sampled and part.text.hub is None)
+        text = sum(text_tokens(part.text.files) for part in parts if part.text is not None and part.text.hub is None)
         return estimates.UptrainWork(
             s.parameters,
             t.parameters if t is not None else None,
