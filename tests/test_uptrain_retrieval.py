@@ -225,3 +225,17 @@ def test_a_run_writes_recall_and_domain_perplexity_at_its_evals(tmp_path, tiny):
         assert line["teacher_domain_ppl"].keys() == line["eval_domain_ppl"].keys()
         assert line["eval_geomean_ppl_ratio"] > 0 and 0 <= line["teacher_recall"] <= 1
     assert lines[0]["eval_domain_ppl"] != lines[1]["eval_domain_ppl"]  # measured at each eval
+
+
+def test_dry_run_names_the_retrieval_part_and_prices_the_probe(tmp_path, tiny):
+    from mha2gqa.scoring.retrieval_items import probe_grid as grid
+    from mha2gqa.uptrain.plan import plan_run, probe_eval_tokens
+
+    plain = _recipe(tmp_path, tiny, budget={"max_steps": 4})
+    asked = _recipe(tmp_path, tiny, budget={"max_steps": 4}, eval_retrieval=True, eval_domains=True)
+    lines = plan_run(asked).describe()
+    assert any("retrieval (25% of the blocks): 5 blocks of 128 tokens of copy-task prompts" in line for line in lines)
+    probe = grid(None, None, None, 0, 256).forward_tokens()  # 128 and 256 tokens: the tiny model's positions
+    assert probe_eval_tokens(asked) == probe + 4 * 8 * SEQ and probe_eval_tokens(plain) == 0
+    assert f"eval_retrieval and eval_domains: {probe + 4 * 8 * SEQ:,} tokens forwarded at each eval" in "\n".join(lines)
+    assert plan_run(asked).work().eval_tokens > plan_run(plain).work().eval_tokens

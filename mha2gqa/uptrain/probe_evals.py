@@ -25,8 +25,8 @@ from mha2gqa.corpus.probe import probe_paths
 from mha2gqa.corpus.tokens import document_ids
 from mha2gqa.scoring.retrieval import answer_scores
 from mha2gqa.scoring.retrieval_items import build_items, probe_grid
+from mha2gqa.uptrain.plan import DOMAIN_TOKENS  # eval's check reads the first 512 or 1,024: enough to see a break
 
-DOMAIN_TOKENS = 1024  # of each domain: eval's check reads the first 512 or 1,024, enough to see a model break
 PROBE_SEED = 0  # eval --retrieval's default --seed: the same questions as `mha2gqa eval --retrieval`
 
 
