@@ -239,3 +239,41 @@ def test_dry_run_names_the_retrieval_part_and_prices_the_probe(tmp_path, tiny):
     assert probe_eval_tokens(asked) == probe + 4 * 8 * SEQ and probe_eval_tokens(plain) == 0
     assert f"eval_retrieval and eval_domains: {probe + 4 * 8 * SEQ:,} tokens forwarded at each eval" in "\n".join(lines)
     assert plan_run(asked).work().eval_tokens > plan_run(plain).work().eval_tokens
+
+
+def test_the_curve_driver_tabulates_the_runs_eval_lines(tmp_path, capsys):
+    """bench/recall_curve.py reads the eval lines of metrics.jsonl (not the plain log lines) and compares two runs."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "recall_curve.py"
+    spec = importlib.util.spec_from_file_location("recall_curve", path)
+    curve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(curve)
+    parent = {"prose": 10.0, "code": 5.0, "python_docs": 4.0, "licences": 2.0}
+    for name, geomean, recall in (("a", 2.0, 0.25), ("b", 1.6, 0.0)):
+        (tmp_path / name).mkdir()
+        lines = [
+            {"step": 5, "tokens": 100, "loss": 1.0},
+            {
+                "step": 10,
+                "tokens": 200,
+                "eval_recall": recall,
+                "teacher_recall": 0.5,
+                "eval_answer_logprob": -3.0,
+                "eval_recall_lengths": {"128": recall, "512": 0.0},
+                "eval_domain_ppl": {d: 2 * v for d, v in parent.items()},
+                "teacher_domain_ppl": parent,
+                "eval_geomean_ppl_ratio": geomean,
+            },
+        ]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert curve.main([f"with={tmp_path / 'a'}", f"without={tmp_path / 'b'}", "--out", str(tmp_path / "c.json")]) == 0
+    shown = capsys.readouterr().out
+    assert "| 200 | 25% (50%) | 25% / 0% | -3.00 | 2.00x | 2.00x | 2.00x | 2.00x | **2.00x** |" in shown
+    assert "geometric mean ratio, with / without: 200 tokens: 1.250" in shown
+    assert list(json.loads((tmp_path / "c.json").read_text())) == ["with", "without"]
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "metrics.jsonl").write_text('{"step": 1, "tokens": 2}\n')
+    assert curve.main([str(tmp_path / "d")]) == 2
