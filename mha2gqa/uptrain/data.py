@@ -44,10 +44,20 @@ def rank_slice(blocks: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
 
 
 class MemoryBatches:
-    """In-memory blocks, reshuffled exactly every epoch from the seed."""
+    """In-memory blocks, reshuffled exactly every epoch from the seed. With `marks` ((n, seq_len) bool: the
+    answer tokens of data.train retrieval, copy_task.py), each batch comes as (ids, marks), the same rows."""
 
-    def __init__(self, blocks: torch.Tensor, micro_batch: int, rank: int, world_size: int, seed: int):
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        marks: torch.Tensor | None = None,
+    ):
         self.blocks, self.mb, self.rank, self.ws, self.seed = blocks, micro_batch, rank, world_size, seed
+        self.marks = marks
         # Global micro-batches per epoch; the tail that cannot give every rank a full batch waits a epoch.
         self.per_epoch = len(blocks) // (micro_batch * world_size)
         if self.per_epoch == 0:
@@ -63,15 +73,21 @@ class MemoryBatches:
             self._epoch, self._perm = epoch, torch.randperm(len(self.blocks), generator=gen)
         return self._perm
 
-    def batch(self, micro_step: int) -> torch.Tensor:
-        """(micro_batch, seq_len) int64 for this rank at global micro-step `micro_step`."""
+    def _rows(self, micro_step: int) -> torch.Tensor:
         epoch, index = divmod(micro_step, self.per_epoch)
         lo = (index * self.ws + self.rank) * self.mb
-        return self.blocks[self._permutation(epoch)[lo : lo + self.mb]].long()
+        return self._permutation(epoch)[lo : lo + self.mb]
 
-    def batches(self, start: int) -> Iterator[torch.Tensor]:
+    def batch(self, micro_step: int) -> torch.Tensor:
+        """(micro_batch, seq_len) int64 for this rank at global micro-step `micro_step`."""
+        return self.blocks[self._rows(micro_step)].long()
+
+    def batches(self, start: int) -> Iterator:
+        """The batches from micro-step `start` on: ids, or (ids, answer marks) with marks."""
         for micro_step in itertools.count(start):
-            yield self.batch(micro_step)
+            rows = self._rows(micro_step)
+            ids = self.blocks[rows].long()
+            yield ids if self.marks is None else (ids, self.marks[rows])
 
 
 class StreamBatches:

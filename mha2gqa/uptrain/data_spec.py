@@ -3,7 +3,9 @@ mixed_data.py read it).
 
 The names are convert's --calibration names, through the same resolvers: files, folders and a hub dataset
 (mha2gqa.corpus.textdata), `austen` (the embedded novels, mha2gqa.embedded), and, in data.train only, `parent`:
-sequences sampled from distill.teacher (corpus/sampling.py), the data a user always has. A mix is written
+sequences sampled from distill.teacher (corpus/sampling.py), the data a user always has, and `retrieval`:
+prompts that ask for a copy of a fact far back in them, built from the mix's other parts (copy_task.py).
+A mix is written
 as convert writes one (corpus/mix.parse_spec): every entry with a share, `[parent:0.5, corpus.txt:0.5]`;
 each part then gives its share of the blocks the run trains on. A list without shares is one text, its
 files read together (the plain path, data.build_data).
@@ -20,6 +22,8 @@ from mha2gqa.corpus.mix import PARENT, parse_spec
 from mha2gqa.embedded import expand_corpus_name
 from mha2gqa.errors import InputError
 
+RETRIEVAL = "retrieval"  # the copy-task prompts of copy_task.py, made of the mix's other parts
+
 
 @dataclass(frozen=True)
 class DataPart:
@@ -27,11 +31,16 @@ class DataPart:
 
     name: str  # as the user typed it ('parent', 'austen', a path); several files of one text joined by ', '
     share: float | None  # of the blocks trained on, normalised; None for the one text of a list without shares
-    text: textdata.TextSource | None  # None: sampled from distill.teacher
+    text: textdata.TextSource | None  # None: sampled from distill.teacher, or made by copy_task.py
 
     @property
     def sampled(self) -> bool:
-        return self.text is None
+        return self.text is None and self.name == PARENT
+
+    @property
+    def copies(self) -> bool:
+        """The retrieval prompts of copy_task.py, built from the other parts."""
+        return self.name == RETRIEVAL
 
 
 def is_plain(parts: tuple[DataPart, ...]) -> bool:
@@ -64,6 +73,10 @@ def data_parts(
             f"a share, e.g. {key}=[{PARENT}:0.5,{other}:0.5]"
         )
         return None
+    problem = _retrieval_problem(key, pairs)
+    if problem:
+        problems.append(problem)
+        return None
     if pairs[0][1] is None and names != [PARENT]:
         groups, shares = [names], [None]  # one text, its files read together
     else:
@@ -71,8 +84,8 @@ def data_parts(
         groups, shares = [[name] for name in names], [(share or 1.0) / total for _, share in pairs]
     parts = []
     for group, share in zip(groups, shares):
-        if group == [PARENT]:
-            parts.append(DataPart(PARENT, share, None))
+        if group in ([PARENT], [RETRIEVAL]):
+            parts.append(DataPart(group[0], share, None))
             continue
         text = _text(key, group, problems, validate_files, field)
         if text is None:
@@ -101,6 +114,22 @@ def _text(
         except InputError as err:
             problems.append(str(err))
     return source if len(problems) == before else None
+
+
+def _retrieval_problem(key: str, pairs: list) -> str | None:
+    """`retrieval` is a share of data.train beside a part it is made of (its haystack, keys and values)."""
+    names = [name for name, _ in pairs]
+    if RETRIEVAL not in names or Path(RETRIEVAL).exists():
+        return None
+    if key != "data.train":
+        return f"{key} {RETRIEVAL}: the copy-task prompts are training data: name them in data.train only"
+    if pairs[0][1] is None or len(names) == 1:
+        other = next((name for name in names if name != RETRIEVAL), PARENT)
+        return (
+            f"{key} {RETRIEVAL} is made of the other parts of a mix: give every entry a share, e.g. "
+            f"{key}=[{other}:0.75,{RETRIEVAL}:0.25]"
+        )
+    return None
 
 
 def _near_parent(name: str) -> bool:

@@ -34,12 +34,37 @@ def kl_teacher_student(student_logits: torch.Tensor, teacher_logits: torch.Tenso
     return kl_divergence(teacher, student, temperature, reduction="sum") / len(student) * temperature**2
 
 
-def plain_distill_loss(model, teacher, batch, kl_weight: float, temperature: float, autocast) -> torch.Tensor:
-    """The loss from whole logits: for models whose logits are not their output layer's alone."""
+def plain_distill_loss(
+    model, teacher, batch, kl_weight: float, temperature: float, autocast, weights=None
+) -> torch.Tensor:
+    """The loss from whole logits: for models whose logits are not their output layer's alone. `weights`
+    ((B*S,) or None: every position 1) weigh each position's terms, as position_weights makes them."""
     out = model(input_ids=batch, labels=batch, use_cache=False)
     with torch.no_grad(), autocast():
         teacher_logits = teacher(input_ids=batch, use_cache=False).logits
-    return (1 - kl_weight) * out.loss + kl_weight * kl_teacher_student(out.logits, teacher_logits, temperature)
+    if weights is None:
+        return (1 - kl_weight) * out.loss + kl_weight * kl_teacher_student(out.logits, teacher_logits, temperature)
+    vocab = out.logits.shape[-1]
+    student, parent = out.logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
+    kl = (kl_divergence(parent, student, temperature, reduction="none") * weights).sum() / weights.sum()
+    labels = next_tokens(batch)
+    ce = F.cross_entropy(student.float(), labels, ignore_index=IGNORE, reduction="none")
+    lm = (ce * weights).sum() / weights[labels != IGNORE].sum()
+    return (1 - kl_weight) * lm + kl_weight * kl * temperature**2
+
+
+def next_tokens(batch: torch.Tensor) -> torch.Tensor:
+    """(B*S,) the next token of each position, IGNORE at each block's last (transformers' shift of labels=batch)."""
+    return F.pad(batch[:, 1:], (0, 1), value=IGNORE).reshape(-1)
+
+
+def position_weights(marks: torch.Tensor | None, answer_weight: float) -> torch.Tensor | None:
+    """(B*S,) float32 weights of the positions whose next token is a marked answer token (answer_weight) and of
+    every other position (1); None when nothing is weighed apart (no marks, or answer_weight 1: the plain loss)."""
+    if marks is None or answer_weight == 1:
+        return None
+    predicts_answer = F.pad(marks[:, 1:], (0, 1), value=False).reshape(-1)
+    return 1 + (answer_weight - 1) * predicts_answer.float()
 
 
 @dataclass
@@ -73,17 +98,24 @@ class DistillLoss:
     `model` is what the loop calls (accelerate's wrapper: its forward keeps DDP's bookkeeping); `student` and
     `teacher` are the plain models whose output layers the chunks use."""
 
-    def __init__(self, model, student, teacher, kl_weight: float, temperature: float, autocast):
+    def __init__(
+        self, model, student, teacher, kl_weight: float, temperature: float, autocast, answer_weight: float = 1.0
+    ):
         self.model, self.teacher, self.autocast = model, teacher, autocast
         self.student_head, self.teacher_head = Head.of(student), Head.of(teacher)
-        self.kl_weight, self.temperature = kl_weight, temperature
+        self.kl_weight, self.temperature, self.answer_weight = kl_weight, temperature, answer_weight
         self.chunked: bool | None = None  # decided on the first micro-batch
 
-    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+    def __call__(self, batch: torch.Tensor, marks: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss of a batch; `marks` ((B, S) bool, data.train retrieval's answer tokens) weigh the positions
+        that predict them by answer_weight (position_weights)."""
+        weights = position_weights(marks, self.answer_weight)
         if self.chunked is None:
             self.chunked = self._heads_match(batch[:1, :16])
         if not self.chunked:
-            return plain_distill_loss(self.model, self.teacher, batch, self.kl_weight, self.temperature, self.autocast)
+            return plain_distill_loss(
+                self.model, self.teacher, batch, self.kl_weight, self.temperature, self.autocast, weights
+            )
         # logits_to_keep=1: the models' own logits are not needed (the last position's is cheap)
         out = self.model(input_ids=batch, use_cache=False, output_hidden_states=True, logits_to_keep=1)
         hidden = out.hidden_states[-1]  # (B, S, d), what the output layer reads
@@ -92,9 +124,8 @@ class DistillLoss:
             teacher_out = self.teacher(input_ids=batch, use_cache=False, output_hidden_states=True, logits_to_keep=1)
         teacher_hidden = teacher_out.hidden_states[-1].reshape(-1, hidden.shape[-1])  # (B*S, d)
         del teacher_out
-        # The next token of each position, IGNORE at each block's last (transformers' shift of labels=batch).
-        labels = F.pad(batch[:, 1:], (0, 1), value=IGNORE).reshape(-1)  # (B*S,)
-        return self._chunked_loss(hidden.reshape(-1, hidden.shape[-1]), teacher_hidden, labels)
+        labels = next_tokens(batch)  # (B*S,)
+        return self._chunked_loss(hidden.reshape(-1, hidden.shape[-1]), teacher_hidden, labels, weights)
 
     @torch.no_grad()
     def _heads_match(self, probe: torch.Tensor) -> bool:
@@ -109,10 +140,13 @@ class DistillLoss:
                 return False
         return True
 
-    def _chunked_loss(self, hidden: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """hidden, teacher_hidden (N, d), labels (N,) -> the loss, its gradients taken chunk by chunk."""
+    def _chunked_loss(self, hidden, teacher_hidden, labels, weights=None) -> torch.Tensor:
+        """hidden, teacher_hidden (N, d), labels (N,), weights (N,) or None -> the loss, its gradients taken
+        chunk by chunk. Weighted, each term's sum is over weight x term and its mean divides by the weights' sum."""
         w, t, n = self.kl_weight, self.temperature, len(hidden)
-        predicted = int((labels != IGNORE).sum())
+        positions, predicted = n, int((labels != IGNORE).sum())  # what each term's mean divides by
+        if weights is not None:
+            positions, predicted = float(weights.sum()), float(weights[labels != IGNORE].sum())
         # the head's tensors as leaves of each chunk's own small graph
         head, trained = self.student_head.detached(), self.student_head.trained()
         leaves = head.trained()
@@ -125,27 +159,36 @@ class DistillLoss:
             with torch.enable_grad():
                 with self.autocast():
                     logits = head(chunk)  # (rows, V)
-                kl, lm = self._chunk_sums(logits, teacher_hidden[rows], labels[rows])
+                kl, lm = self._chunk_sums(
+                    logits, teacher_hidden[rows], labels[rows], None if weights is None else weights[rows]
+                )
                 # the plain loss's own arithmetic, so that backward scales each term as it did there
-                found = torch.autograd.grad(w * (kl / n * t**2) + (1 - w) * (lm / predicted), [chunk, *leaves])
+                found = torch.autograd.grad(w * (kl / positions * t**2) + (1 - w) * (lm / predicted), [chunk, *leaves])
             grads[0][rows] = found[0]
             for total, grad in zip(grads[1:], found[1:]):
                 total += grad
             sums += torch.stack([kl.detach(), lm.detach()]).double()
         kl, lm = sums.float()
         # The plain loss's own arithmetic: (1 - w) * mean cross-entropy + w * (KL sum / positions * T^2).
-        value = (1 - w) * (lm / predicted) + w * (kl / n * t**2)
+        value = (1 - w) * (lm / predicted) + w * (kl / positions * t**2)
         return _WithGradients.apply(value, grads, hidden, *trained)
 
-    def _chunk_sums(self, logits: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor):
-        """The sums of the KL's and the cross-entropy's terms over a chunk's positions (zero where weighted 0)."""
+    def _chunk_sums(self, logits: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor, weights=None):
+        """The sums of the KL's and the cross-entropy's terms over a chunk's positions (zero where weighted 0),
+        each position's term times its weight when `weights` are given."""
         kl = lm = logits.new_zeros((), dtype=torch.float32)
         if self.kl_weight > 0:
             with torch.no_grad(), self.autocast():
                 teacher_logits = self.teacher_head(teacher_hidden)
-            kl = kl_divergence(teacher_logits, logits, self.temperature, reduction="sum")
+            if weights is None:
+                kl = kl_divergence(teacher_logits, logits, self.temperature, reduction="sum")
+            else:
+                kl = (kl_divergence(teacher_logits, logits, self.temperature, reduction="none") * weights).sum()
         if self.kl_weight < 1:  # transformers' loss: float32 cross-entropy, the last position of a block ignored
-            lm = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
+            if weights is None:
+                lm = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
+            else:
+                lm = (F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="none") * weights).sum()
         return kl, lm
 
 

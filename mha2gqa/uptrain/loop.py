@@ -36,6 +36,7 @@ from mha2gqa.uptrain.models import (
 )
 from mha2gqa.uptrain.plan import tokens_per_step, total_steps, uptrain_estimate
 from mha2gqa.uptrain.preflight import saves_checkpoints, validate_output_dir, validate_teacher_is_not_the_model
+from mha2gqa.uptrain.probe_evals import ProbeEvals
 from mha2gqa.uptrain.recipe import Recipe
 from mha2gqa.uptrain.recipe_load import recorded
 from mha2gqa.uptrain.reporting import Metrics, Trace
@@ -145,7 +146,10 @@ def _train(recipe: Recipe, resume: bool, out: Path, accelerator, clock=NO_CLOCK,
 
     metrics = Metrics(out, accelerator, start if start_ckpt else -1, total, bool(accelerator.log_with))
     trace = Trace(out, rank, start * recipe.grad_accum) if recipe.trace_samples else None
-    run = Run(recipe, accelerator, model, optimizer, loaded.teacher, loaded.data, out, total, metrics, trace, clock)
+    probes = _probes(recipe, loaded, accelerator.device)
+    run = Run(
+        recipe, accelerator, model, optimizer, loaded.teacher, loaded.data, out, total, metrics, trace, clock, probes
+    )
     clock.stage(UPTRAIN.train.name)
     try:
         final_evals = run_steps(run, start)
@@ -185,6 +189,15 @@ def _load(recipe: Recipe, accelerator, ready=lambda student: None) -> _Loaded:
         student.model = lora.add_adapters(student.model, recipe.lora)
     trainable = select_trainable(student.model, recipe.trainable)
     return _Loaded(tokenizer, student, data, teacher, trainable)
+
+
+def _probes(recipe: Recipe, loaded: _Loaded, device) -> ProbeEvals:
+    """eval_retrieval's questions and eval_domains' blocks, and the teacher's numbers on them (once)."""
+    positions = getattr(loaded.student.model.config, "max_position_embeddings", None)
+    probes = ProbeEvals(recipe.eval_retrieval, recipe.eval_domains, loaded.tokenizer, recipe.seq_len, positions)
+    if probes and loaded.teacher is not None:
+        probes.set_reference(loaded.teacher, device)
+    return probes
 
 
 def _teacher(recipe: Recipe, accelerator, student: Student) -> torch.nn.Module:

@@ -22,7 +22,7 @@ import torch
 from mha2gqa.corpus import sampling
 from mha2gqa.corpus.mix import part_tokens
 from mha2gqa.errors import InputError
-from mha2gqa.uptrain import sample_cache
+from mha2gqa.uptrain import copy_task, sample_cache
 from mha2gqa.uptrain.data import (
     MemoryBatches,
     TrainData,
@@ -61,11 +61,13 @@ def build(
     held = None if eval_src else [t // seq_len for t in part_tokens(shares, cfg.eval_blocks * seq_len, seq_len)]
     with first():
         evals = [eval_text_blocks(eval_src, cfg, tokenizer, seq_len)] if eval_src else []
-        texts = [None if p.sampled else text_blocks(p.text, cfg, tokenizer, seq_len, show_progress) for p in parts]
-    pool, rows, eval_record = [], [], {"data": cfg.eval or "held out of data.train", "blocks": 0}
+        texts = [None if p.text is None else text_blocks(p.text, cfg, tokenizer, seq_len, show_progress) for p in parts]
+    pool, rows, evals_of, eval_record = [], [], [], {"data": cfg.eval or "held out of data.train", "blocks": 0}
     for i, part in enumerate(parts):
         held_n = held[i] if held else 0
-        if part.sampled:
+        if part.copies:  # made of the other parts, once they are drawn
+            train, row, held_blocks = (None, None, held_n)
+        elif part.sampled:
             train, row, held_blocks = _sampled_part(
                 part, teacher, tokenizer, recipe, (counts[i], held_n), rank, world_size, show_progress
             )
@@ -77,15 +79,41 @@ def build(
             train, row, held_blocks = _text_part(part, texts[i], recipe.seed, counts[i], held_n, rank, world_size)
         pool.append(train)
         rows.append(row)
-        evals.append(held_blocks)
+        evals_of.append(held_blocks)
+    marks = _copy_parts(parts, pool, rows, evals_of, tokenizer, recipe, (counts, rank, world_size))
+    evals += evals_of
     eval_blocks = torch.cat([e for e in evals if len(e)])
     eval_record["blocks"] = len(eval_blocks)
     blocks = torch.cat(pool)
-    train = MemoryBatches(blocks, recipe.micro_batch_size, 0, 1, recipe.seed)  # this process's own pool
+    train = MemoryBatches(blocks, recipe.micro_batch_size, 0, 1, recipe.seed, marks)  # this process's own pool
     record = {"train": list(cfg.train), "seq_len": seq_len, "parts": rows, "eval": eval_record}
     if teacher is not None and any(p.sampled for p in parts):
         record["sampling"] = sampling.sampling_record(teacher, tokenizer, seq_len, recipe.seed)
     return TrainData(train, eval_blocks, len(blocks), record)
+
+
+def _copy_parts(parts, pool: list, rows: list, evals: list, tokenizer, recipe: Recipe, where) -> torch.Tensor | None:
+    """Fill in the `retrieval` part (copy_task.py) from the other parts' blocks: its training blocks with the seed
+    recipe.seed + rank, its held-out ones (when eval blocks are held out) with the eval seed, from the others'
+    held-out blocks. Returns the answer marks of the whole pool (None without a retrieval part)."""
+    counts, rank, world = where
+    at = next((i for i, part in enumerate(parts) if part.copies), None)
+    if at is None:
+        return None
+    others = [blocks for i, blocks in enumerate(pool) if i != at]
+    haystack = torch.cat(others)
+    ids, answer = copy_task.retrieval_blocks(haystack, tokenizer, counts[at], recipe.seq_len, recipe.seed + rank)
+    pool[at] = ids
+    rows[at] = {"name": parts[at].name, "share": parts[at].share, "blocks": counts[at] * world}
+    rows[at] |= {"tokens": counts[at] * world * recipe.seq_len, "seeds": [recipe.seed + rank]}
+    rows[at] |= {"answer_tokens": int(answer.sum()) * world, "ids_sha256": [ids_sha256(ids)]}
+    held = evals[at]
+    evals[at] = torch.zeros(0, recipe.seq_len, dtype=torch.int32)
+    if held:
+        held_hay = torch.cat([e for i, e in enumerate(evals) if i != at and len(e)] or [haystack])
+        seed = recipe.seed + EVAL_SEED_OFFSET
+        evals[at] = copy_task.retrieval_blocks(held_hay, tokenizer, held, recipe.seq_len, seed)[0]
+    return torch.cat([answer if i == at else torch.zeros(b.shape, dtype=torch.bool) for i, b in enumerate(pool)])
 
 
 def _sampled_part(part: DataPart, teacher, tokenizer, recipe: Recipe, counts, rank: int, world: int, progress: bool):
@@ -178,7 +206,9 @@ def describe(record: dict) -> str:
     """One line for the start of a run: what it trains and evaluates on."""
     parts = []
     for row in record["parts"]:
-        what = "sampled from distill.teacher" if "seeds" in row else f"of {row['name']}"
+        what = f"of {row['name']}"
+        if "seeds" in row:
+            what = "of retrieval prompts" if "answer_tokens" in row else "sampled from distill.teacher"
         again = " (repeated: the text holds fewer)" if row.get("repeated") else ""
         parts.append(f"{row['blocks']} blocks {what}{again}")
     evals = record["eval"]

@@ -11,8 +11,11 @@ from pathlib import Path
 
 from mha2gqa import estimates
 from mha2gqa.checkpoint import SafetensorsCheckpoint
+from mha2gqa.corpus.probe import DOMAINS
 from mha2gqa.corpus.sampling import has_chat_template
+from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, read_config
+from mha2gqa.scoring.retrieval_items import probe_grid
 from mha2gqa.sources import cached_snapshot, is_hub_id
 from mha2gqa.units import counted, format_bytes
 from mha2gqa.uptrain import trainable
@@ -41,6 +44,30 @@ def eval_count(recipe: Recipe, steps: int) -> int:
     """Evals a run makes: at the start (eval_at_start), every eval_every steps, and at the last step."""
     every = range(recipe.eval_every, steps + 1, recipe.eval_every) if recipe.eval_every else []
     return int(recipe.eval_at_start) + len(every) + (0 if steps in every else 1)
+
+
+DOMAIN_TOKENS = 1024  # of each probe domain that eval_domains reads (probe_evals.py)
+
+
+def probe_eval_tokens(recipe: Recipe) -> int:
+    """Tokens one eval forwards for eval_retrieval (eval's probe at its defaults, capped at the model's positions)
+    and eval_domains (each probe domain's first DOMAIN_TOKENS, in whole seq_len blocks, at least one)."""
+    tokens = 0
+    if recipe.eval_retrieval:
+        try:
+            tokens += probe_grid(None, None, None, 0, _max_positions(recipe.model)).forward_tokens()
+        except InputError:  # a model too short for the probe: the run says so
+            pass
+    if recipe.eval_domains:
+        tokens += len(DOMAINS) * max(1, DOMAIN_TOKENS // recipe.seq_len) * recipe.seq_len
+    return tokens
+
+
+def _max_positions(model: str | None) -> int | None:
+    path = Path(model).expanduser() if model else None
+    if path is None or not (path / "config.json").is_file():
+        return None
+    return read_config(path).get("max_position_embeddings")
 
 
 # ---- the models' sizes, from config.json and the safetensors headers ----
@@ -215,7 +242,13 @@ def data_lines(recipe: Recipe, train_blocks: int) -> tuple[list[str], int, int |
     for key, (_entries, parts) in sources.items():
         for part in parts or ():
             share = f" ({part.share:.0%} of the blocks)" if part.share not in (None, 1) else ""
-            if part.sampled:
+            if part.copies:
+                made = round(part.share * blocks)
+                lines.append(
+                    f"{key}: retrieval{share}: {made:,} blocks of {recipe.seq_len} tokens of copy-task prompts made "
+                    "of the other parts before the first step (needle, key-value, passage copy; copy_task.py)"
+                )
+            elif part.sampled:
                 drawn = round(part.share * blocks)
                 sampled += drawn * recipe.seq_len
                 lines.append(
@@ -273,14 +306,14 @@ class RunPlan:
             return None
         r, s, t, world = self.recipe, self.student, self.teacher, max(1, self.world_size)
         parts = ((getattr(r.data, "checked_sources", None) or {}).get("data.train") or (None, None))[1] or ()
-        text = sum(text_tokens(part.text.files) for part in parts if not part.sampled and part.text.hub is None)
+        text = sum(text_tokens(part.text.files) for part in parts if part.text is not None and part.text.hub is None)
         return estimates.UptrainWork(
             s.parameters,
             t.parameters if t is not None else None,
             round(s.parameters * s.stored_bytes + (t.parameters * t.stored_bytes if t is not None else 0)),
             self.tokens // world,
             eval_count(r, self.steps),
-            r.data.eval_blocks * r.seq_len,
+            r.data.eval_blocks * r.seq_len + self._probe_tokens(),
             self.sampled_tokens // world if t is not None else 0,
             text,
             bool(r.gradient_checkpointing),
@@ -288,6 +321,11 @@ class RunPlan:
             r.seq_len,
             bool(r.distill.teacher) and has_chat_template(r.distill.teacher),
         )
+
+    def _probe_tokens(self) -> int:
+        """Each eval's probe tokens, the teacher's one pass of them before the first step spread over the evals."""
+        tokens, evals = probe_eval_tokens(self.recipe), max(1, eval_count(self.recipe, self.steps))
+        return tokens * (evals + 1) // evals if self.recipe.distill.teacher else tokens
 
     def seconds(self) -> float | None:
         """The run's seconds on the machine the rates were measured on (mha2gqa.estimates: start, load, train,
@@ -316,6 +354,10 @@ class RunPlan:
             f"steps: {self.steps:,} optimizer steps of {tokens_per_step(r, world):,} tokens ({per_step}"
             f"{'es' if world > 1 else ''}): {self.tokens:,} tokens{epochs}; {eval_count(r, self.steps)} evals"
         )
+        if probe_eval_tokens(r):
+            asked = " and ".join(k for k in ("eval_retrieval", "eval_domains") if getattr(r, k))
+            teacher = " (and once by the teacher, before the first step)" if r.distill.teacher else ""
+            lines.append(f"{asked}: {probe_eval_tokens(r):,} tokens forwarded at each eval{teacher}")
         seconds = self.seconds()
         time = estimates.duration(seconds) if seconds is not None else "unknown (the model is not local)"
         lines.append(f"time: {time} ({estimates.CAVEAT}; a busier machine takes longer, a GPU far less)")

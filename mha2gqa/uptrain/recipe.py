@@ -94,6 +94,9 @@ class DistillConfig:
     """Loss = (1 - kl_weight) * LM loss + kl_weight * T^2 * KL(teacher || student)."""
     temperature: float = 1.0
     """Softmax temperature T of both distributions in the KL term."""
+    answer_weight: float = 1.0
+    """Weight of the positions that predict an answer of data.train retrieval, in both terms (every other
+    position weighs 1, each term's mean is over the weights): 1 is the plain loss on the whole sequence."""
 
 
 @dataclass
@@ -145,6 +148,12 @@ class Recipe:
     """Optimizer steps between metrics.jsonl lines (and tqdm/tensorboard updates)."""
     eval_every: int = 100
     """Optimizer steps between evals of held-out loss and perplexity; 0: only at the end."""
+    eval_retrieval: bool = False
+    """Also ask eval's retrieval probe (eval --retrieval at its defaults, seed 0) at every eval: recall and the
+    answer log-probability go to metrics.jsonl, with the teacher's once at step 0 when distill.teacher is set."""
+    eval_domains: bool = False
+    """Also measure perplexity on the first 1,024 tokens of each domain of eval's probe set at every eval, and its
+    geometric mean ratio to the teacher's (measured once) when distill.teacher is set."""
     eval_at_start: bool = True
     """Eval before the first step (metrics line at step 0, with loss null)."""
     save_every: int = 500
@@ -193,6 +202,8 @@ RESUME_FREE_KEYS = {
     "log_every",
     "eval_every",
     "eval_at_start",
+    "eval_retrieval",
+    "eval_domains",
     "save_every",
     "keep_last",
     "exit_after_steps",

@@ -238,6 +238,13 @@ def _validate_numbers(r: Recipe, p: list[str]) -> None:
     _need(p, all(0 <= b < 1 for b in r.optim.betas), f"optim.betas={list(r.optim.betas)} must each be in [0, 1)")
     _need(p, 0 <= r.distill.kl_weight <= 1, f"distill.kl_weight={r.distill.kl_weight} must be in [0, 1]")
     _need(p, r.distill.temperature > 0, f"distill.temperature={r.distill.temperature} must be positive")
+    _need(p, r.distill.answer_weight > 0, f"distill.answer_weight={r.distill.answer_weight} must be positive")
+    _need(
+        p,
+        r.distill.answer_weight == 1 or bool(r.distill.teacher),
+        f"distill.answer_weight={r.distill.answer_weight} weighs the distillation loss, and distill.teacher is unset: "
+        "set distill.teacher=<the MHA parent> or drop distill.answer_weight",
+    )
 
 
 def _key_value(recipe: Recipe, key: str):

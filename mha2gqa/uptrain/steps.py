@@ -42,6 +42,7 @@ class Run:
     metrics: Metrics
     trace: Trace | None
     clock: object = NO_CLOCK  # the run's estimates Clock: the training's progress corrects the remaining time
+    probes: object = None  # probe_evals.ProbeEvals: the retrieval probe and the domains at each eval, when asked
 
 
 def run_steps(run: Run, start: int) -> dict | None:
@@ -96,11 +97,13 @@ def optimizer_step(
         group["lr"] = lr
     loss_sum = torch.zeros((), device=acc.device)
     for micro in range(ga):
-        batch = next(batches).to(acc.device, non_blocking=True)  # (micro_batch, seq_len)
+        batch = next(batches)  # (micro_batch, seq_len), or with data.train retrieval (ids, answer marks)
+        batch, marks = batch if isinstance(batch, tuple) else (batch, None)
+        batch = batch.to(acc.device, non_blocking=True)
         if run.trace is not None:
             run.trace.batch(step, step * ga + micro, batch)
         with acc.accumulate(model):  # syncs gradients on the last micro-batch only
-            loss = loss_fn(batch)
+            loss = loss_fn(batch) if marks is None else loss_fn(batch, marks.to(acc.device))
             acc.backward(loss)
         loss_sum += loss.detach()
     # The norm is computed even without clipping (max_norm inf): it is the NaN guard on gradients.
@@ -125,7 +128,13 @@ def loss_function(run: Run, model):
         return functools.partial(lm_loss, model)
     distill, acc = run.recipe.distill, run.accelerator
     loss = DistillLoss(
-        model, acc.unwrap_model(run.model), run.teacher, distill.kl_weight, distill.temperature, acc.autocast
+        model,
+        acc.unwrap_model(run.model),
+        run.teacher,
+        distill.kl_weight,
+        distill.temperature,
+        acc.autocast,
+        distill.answer_weight,
     )
     if acc.distributed_type.name in SHARDED:
         loss.chunked = False
@@ -139,8 +148,9 @@ SHARDED = {"FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"}
 # ---- losses on packed blocks (every position is a real token: no mask needed) ----
 
 
-def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of (B, S) token ids; the model shifts the labels itself."""
+def lm_loss(model, batch: torch.Tensor, marks=None) -> torch.Tensor:
+    """Mean next-token cross-entropy of (B, S) token ids; the model shifts the labels itself. Answer marks
+    change nothing here (distill.answer_weight needs the teacher: recipe_load refuses it without one)."""
     return model(input_ids=batch, labels=batch, use_cache=False).loss
 
 
@@ -183,7 +193,10 @@ def lr_at(step: int, total: int, optim: OptimConfig) -> float:
 
 def _evaluate(run: Run, blocks: torch.Tensor) -> dict:
     loss, ppl = evaluate(run.model, blocks, run.recipe.micro_batch_size, run.accelerator)
-    return {"eval_loss": loss, "eval_ppl": ppl}
+    found = {"eval_loss": loss, "eval_ppl": ppl}
+    if run.probes:
+        found |= run.probes.measure(run.model, run.accelerator.device)
+    return found
 
 
 def _guarded_eval(run: Run, blocks: torch.Tensor, guard: Guard, step: int, lr: float) -> dict:
