@@ -6,8 +6,10 @@ transformers does by default does not always (docs/eval.md, "Decode path"; measu
   grouped  (default) a StaticCache sized for the prompt and the new tokens, written in place (no copy of
            the cache per step), and the attention function GROUPED registered with transformers'
            AttentionInterface: a one-token step folds the query heads onto the kv heads, (B, H, 1, D) ->
-           (B, Hkv, H/Hkv, D), and calls SDPA on the cached K/V as they are: no copy to the query-head
-           count, and the kernel's work per kv head covers its whole group. Prefill, and any step it does
+           (B, Hkv, H/Hkv, D), and attends on the cached K/V as they are: no copy to the query-head count,
+           and the kernel's work per kv head covers its whole group. The kernel: on CPU two batched matrix
+           products around a softmax (`matmul_attention`, the fastest this CPU has for one query row, MHA's
+           case, and for a few), elsewhere SDPA. Prefill, and any step it does
            not handle (softcap, attention sinks, a position bias), go to transformers' own SDPA function.
   dynamic  the path eval took before: transformers' DynamicCache, whose update concatenates the whole cache
            into a new tensor every step, and the model's attention as loaded (SDPA: enable_gqa when the step
@@ -76,8 +78,24 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     mask = attention_mask
     if mask is not None and mask.shape[1] != 1:  # a per-head mask folds as the query does
         mask = mask.reshape(mask.shape[0], kv_heads, group, mask.shape[-1])
-    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    attend = matmul_attention if query.device.type == "cpu" else F.scaled_dot_product_attention
+    out = attend(folded, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def matmul_attention(query, key, value, attn_mask=None, scale=None):
+    """SDPA's result for a few query rows per kv head, as two batched matrix products around a softmax: on CPU
+    they read K and V at the bandwidth's pace, where PyTorch's CPU SDPA kernel, made for long queries, reads
+    them several times slower with one or four rows (docs/benchmarks.md, "Decode on CPU"). query (B, Hkv, r, D),
+    key/value (B, Hkv, T, D) as cached (K read transposed in place, not copied); the scores and softmax in
+    float32, the weights back in V's dtype for the second product."""
+    scores = torch.matmul(query, key.transpose(-1, -2)).float()
+    scores.mul_(query.shape[-1] ** -0.5 if scale is None else scale)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores.masked_fill_(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        scores.add_(attn_mask)
+    return torch.matmul(torch.softmax(scores, -1).to(value.dtype), value)
 
 
 def register() -> None:
