@@ -78,9 +78,18 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     mask = attention_mask
     if mask is not None and mask.shape[1] != 1:  # a per-head mask folds as the query does
         mask = mask.reshape(mask.shape[0], kv_heads, group, mask.shape[-1])
-    attend = matmul_attention if query.device.type == "cpu" else F.scaled_dot_product_attention
+    attend = matmul_attention if kernel_on(query.device) == "matmul" else F.scaled_dot_product_attention
     out = attend(folded, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+CPU_KERNEL = {"name": "matmul"}
+"""The folded step's kernel on CPU: "matmul" (`matmul_attention`), or "sdpa" (PyTorch's CPU SDPA kernel, which
+bench/decode_gqa.py times beside it as `grouped-sdpa`)."""
+
+
+def kernel_on(device: torch.device) -> str:
+    return CPU_KERNEL["name"] if device.type == "cpu" else "sdpa"
 
 
 def matmul_attention(query, key, value, attn_mask=None, scale=None):
@@ -147,6 +156,8 @@ def decode_attention(models: list, path: DecodePath | str):
                 _set_attention(model, wanted)
         found["attention"] = ",".join(sorted({m.config._attn_implementation for m in models}))  # as set
         found["copied_per_step"] = COPIED[path]
+        if wanted == GROUPED:
+            found["kernel"] = kernel_on(models[0].device)
         yield found
     finally:
         for model, own in zip(models, before):
