@@ -24,8 +24,9 @@ SHAPES = {  # (hidden, layers, heads, intermediate): about 0.7B parameters with 
 }
 
 
-def build_parent(folder: Path, tokenizer: Path, shape: tuple, dtype: str) -> Path:
-    """A Llama-shaped MHA checkpoint with random weights (seed 0) and the given tokenizer's vocabulary."""
+def build_parent(folder: Path, tokenizer: Path, shape: tuple, dtype: str, positions: int = 4096) -> Path:
+    """A Llama-shaped MHA checkpoint with random weights (seed 0), the given tokenizer's vocabulary, and room for
+    `positions` tokens of context."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -35,7 +36,7 @@ def build_parent(folder: Path, tokenizer: Path, shape: tuple, dtype: str) -> Pat
     tok = AutoTokenizer.from_pretrained(tokenizer)
     config = LlamaConfig(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        intermediate_size=intermediate, vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=True,
+        intermediate_size=intermediate, vocab_size=len(tok), max_position_embeddings=positions, tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
     )  # fmt: skip
     torch.manual_seed(0)
