@@ -96,15 +96,17 @@ def matmul_attention(query, key, value, attn_mask=None, scale=None):
     """SDPA's result for a few query rows per kv head, as two batched matrix products around a softmax: on CPU
     they read K and V at the bandwidth's pace, where PyTorch's CPU SDPA kernel, made for long queries, reads
     them several times slower with one or four rows (docs/benchmarks.md, "Decode on CPU"). query (B, Hkv, r, D),
-    key/value (B, Hkv, T, D) as cached (K read transposed in place, not copied); the scores and softmax in
-    float32, the weights back in V's dtype for the second product."""
-    scores = torch.matmul(query, key.transpose(-1, -2)).float()
-    scores.mul_(query.shape[-1] ** -0.5 if scale is None else scale)
+    key/value (B, Hkv, T, D) as cached (K read transposed in place, not copied). The scores (B, Hkv, r, T) are
+    as large for GQA as for MHA, so they are passed over as few times as can be: the scale goes on the query,
+    the mask and the softmax work in place or in one pass, all in the cache's dtype (the softmax sums in float32
+    inside; in bfloat16 the scores and the weights are rounded to it, as a flash kernel rounds the weights)."""
+    scaled = query * (query.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.matmul(scaled, key.transpose(-1, -2))
     if attn_mask is not None and attn_mask.dtype == torch.bool:
-        scores.masked_fill_(~attn_mask, float("-inf"))
+        scores.masked_fill_(attn_mask.logical_not(), float("-inf"))
     elif attn_mask is not None:
         scores.add_(attn_mask)
-    return torch.matmul(torch.softmax(scores, -1).to(value.dtype), value)
+    return torch.matmul(torch.softmax(scores, -1), value)
 
 
 def register() -> None:
