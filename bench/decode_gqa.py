@@ -52,9 +52,10 @@ def build(size: dict, kv_heads: int, dtype: torch.dtype):
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-# eval's grouped path on PyTorch's CPU SDPA kernel (what eval timed before issue 68) instead of its matmul kernel
-GROUPED_SDPA = "grouped-sdpa"
-STATIC_PATHS = ("grouped", GROUPED_SDPA, COMPILED)  # the paths whose decode runs on a StaticCache
+# eval's grouped path with its CPU kernel forced: PyTorch's CPU SDPA (what eval timed in any dtype before issue 68)
+# or two batched matmuls around a softmax (decode_path.matmul_attention); `grouped` picks by dtype
+FORCED = {"grouped-sdpa": "sdpa", "grouped-matmul": "matmul"}
+STATIC_PATHS = ("grouped", *FORCED, COMPILED)  # the paths whose decode runs on a StaticCache
 
 
 def filled_cache(model, static: bool, size: dict, room: int):
@@ -106,13 +107,13 @@ def bandwidth(threads: int, gib: float = 1.0) -> dict:
 
 @contextmanager
 def attention_for(models: list, path: str):
-    """decode_attention for eval's paths, GROUPED_SDPA as grouped on PyTorch's CPU SDPA kernel; for COMPILED the
-    models' own SDPA, and a description as eval's."""
+    """decode_attention for eval's paths, FORCED's as grouped on the kernel named; for COMPILED the models' own
+    SDPA, and a description as eval's."""
     if path != COMPILED:
         own = decode_path.CPU_KERNEL["name"]
-        decode_path.CPU_KERNEL["name"] = "sdpa" if path == GROUPED_SDPA else own
+        decode_path.CPU_KERNEL["name"] = FORCED.get(path, own)
         try:
-            with decode_attention(models, "grouped" if path == GROUPED_SDPA else path) as used:
+            with decode_attention(models, "grouped" if path in FORCED else path) as used:
                 used["name"] = path
                 yield used
         finally:
@@ -220,7 +221,7 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=2, help="timed steps of each model per round")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(
-        "--paths", default="grouped", help=f"comma-separated: eval/decode_path.py's, {GROUPED_SDPA} or {COMPILED}"
+        "--paths", default="grouped", help=f"comma-separated: eval/decode_path.py's, {', '.join(FORCED)} or {COMPILED}"
     )
     parser.add_argument("--models", default=",".join(KV_HEADS), help="comma-separated, MHA among them")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.eval import speed
-from mha2gqa.eval.decode_path import decode_attention, matmul_attention, new_cache
+from mha2gqa.eval.decode_path import CPU_KERNEL, decode_attention, kernel_on, matmul_attention, new_cache
 from mha2gqa.eval.measurements import validate_all
 from mha2gqa.eval.options import DecodePath, EvalOptions
 from mha2gqa.hfcache import cache_kwargs, cache_of
@@ -21,8 +21,8 @@ HEADS, KV_HEADS, BATCH, CONTEXT, HEAD_DIM = 8, 2, 4, 256, 32  # a cache large be
 
 class NewBytes(TorchDispatchMode):
     """Every aten op's outputs that own fresh storage (no input's): the bytes a step allocates. The attention
-    kernel's K/V operands are kept too, to see what it was given: SDPA's key, or each batched matrix product's
-    second operand (K transposed, then V: the CPU kernel)."""
+    kernel's K/V operands are kept too, to see what it was given: SDPA's key and value, or each batched matrix
+    product's second operand (K transposed, then V: matmul_attention)."""
 
     def __init__(self):
         super().__init__()
@@ -30,7 +30,9 @@ class NewBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if "scaled_dot_product" in func.__name__ or func.__name__.split(".")[0] == "bmm":
+        if "scaled_dot_product" in func.__name__:
+            self.keys += [args[1], args[2]]
+        elif func.__name__.split(".")[0] == "bmm":
             self.keys.append(args[1])
         inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else (out,):
@@ -62,7 +64,9 @@ def gqa():
     return make_tiny_model("llama", num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
 
 
-def test_the_grouped_path_hands_the_attention_the_cache_itself_and_copies_nothing(gqa):
+@pytest.mark.parametrize("kernel", ["auto", "matmul", "sdpa"])
+def test_the_grouped_path_hands_the_attention_the_cache_itself_and_copies_nothing(gqa, kernel, monkeypatch):
+    monkeypatch.setitem(CPU_KERNEL, "name", kernel)  # float32: auto is SDPA
     seen, cache = one_step(gqa, DecodePath.GROUPED)
     layers = gqa.config.num_hidden_layers
     # each kernel got K and V at the kv heads (a view of the cache, not 8 heads' copy): one layer's K is
@@ -122,6 +126,21 @@ def test_the_cpu_kernel_is_sdpa(dtype, rows, mask):
     assert found.shape == expected.shape and found.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: the scores are rounded before the softmax
     assert torch.allclose(found.float(), expected.float(), atol=tolerance, rtol=0)
+
+
+def test_the_cpu_kernel_is_chosen_by_dtype_and_named_in_the_result(gqa):
+    """On CPU: matmul_attention in bfloat16 and float16 (SDPA's CPU kernel is 4x slower there with one query row),
+    SDPA in float32 (as fast for one row, faster for four: docs/benchmarks.md); on a GPU SDPA."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert [kernel_on(cpu, d) for d in (torch.bfloat16, torch.float16, torch.float32)] == ["matmul", "matmul", "sdpa"]
+    assert kernel_on(gpu, torch.bfloat16) == "sdpa"
+    with decode_attention([gqa], DecodePath.GROUPED) as used:
+        pass
+    assert used["kernel"] == "sdpa"
+    half = make_tiny_model("llama", num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM).to(torch.bfloat16)
+    with decode_attention([half], DecodePath.GROUPED) as used:
+        pass
+    assert used["kernel"] == "matmul"
 
 
 def test_a_model_loaded_without_sdpa_keeps_its_attention_and_the_result_says_so():

@@ -7,9 +7,9 @@ transformers does by default does not always (docs/eval.md, "Decode path"; measu
            the cache per step), and the attention function GROUPED registered with transformers'
            AttentionInterface: a one-token step folds the query heads onto the kv heads, (B, H, 1, D) ->
            (B, Hkv, H/Hkv, D), and attends on the cached K/V as they are: no copy to the query-head count,
-           and the kernel's work per kv head covers its whole group. The kernel: on CPU two batched matrix
-           products around a softmax (`matmul_attention`, the fastest this CPU has for one query row, MHA's
-           case, and for a few), elsewhere SDPA. Prefill, and any step it does
+           and the kernel's work per kv head covers its whole group. The kernel (`kernel_on`): on CPU in bfloat16
+           and float16 two batched matrix products around a softmax (`matmul_attention`, the fastest this CPU
+           has for one query row, MHA's case, and for a few), in float32 and elsewhere SDPA. Prefill, and any step it does
            not handle (softcap, attention sinks, a position bias), go to transformers' own SDPA function.
   dynamic  the path eval took before: transformers' DynamicCache, whose update concatenates the whole cache
            into a new tensor every step, and the model's attention as loaded (SDPA: enable_gqa when the step
@@ -78,18 +78,25 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     mask = attention_mask
     if mask is not None and mask.shape[1] != 1:  # a per-head mask folds as the query does
         mask = mask.reshape(mask.shape[0], kv_heads, group, mask.shape[-1])
-    attend = matmul_attention if kernel_on(query.device) == "matmul" else F.scaled_dot_product_attention
+    attend = matmul_attention if kernel_on(query.device, query.dtype) == "matmul" else F.scaled_dot_product_attention
     out = attend(folded, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-CPU_KERNEL = {"name": "matmul"}
-"""The folded step's kernel on CPU: "matmul" (`matmul_attention`), or "sdpa" (PyTorch's CPU SDPA kernel, which
-bench/decode_gqa.py times beside it as `grouped-sdpa`)."""
+CPU_KERNEL = {"name": "auto"}
+"""The folded step's kernel on CPU: "auto" (the faster one measured on CPU for the dtype: `matmul_attention` in
+bfloat16 and float16, where PyTorch's CPU SDPA reads K/V at a quarter of its pace with one query row, and SDPA in
+float32, where its kernel is as fast for one row and faster for four), "matmul" or "sdpa" (bench/decode_gqa.py
+times each: its paths grouped-matmul and grouped-sdpa)."""
 
 
-def kernel_on(device: torch.device) -> str:
-    return CPU_KERNEL["name"] if device.type == "cpu" else "sdpa"
+def kernel_on(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel a folded step on `device` in `dtype` runs: "matmul" or "sdpa"."""
+    if device.type != "cpu":
+        return "sdpa"
+    if CPU_KERNEL["name"] != "auto":
+        return CPU_KERNEL["name"]
+    return "sdpa" if dtype == torch.float32 else "matmul"
 
 
 def matmul_attention(query, key, value, attn_mask=None, scale=None):
@@ -159,7 +166,7 @@ def decode_attention(models: list, path: DecodePath | str):
         found["attention"] = ",".join(sorted({m.config._attn_implementation for m in models}))  # as set
         found["copied_per_step"] = COPIED[path]
         if wanted == GROUPED:
-            found["kernel"] = kernel_on(models[0].device)
+            found["kernel"] = ",".join(sorted({kernel_on(m.device, m.dtype) for m in models}))
         yield found
     finally:
         for model, own in zip(models, before):
