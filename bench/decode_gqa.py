@@ -30,6 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mha2gqa.eval import decode_path
 from mha2gqa.eval.decode_path import decode_attention
 from mha2gqa.hfcache import cache_kwargs, cache_of
 
@@ -51,7 +52,10 @@ def build(size: dict, kv_heads: int, dtype: torch.dtype):
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-STATIC_PATHS = ("grouped", COMPILED)  # the paths whose decode runs on a StaticCache
+# eval's grouped path with its CPU kernel forced: PyTorch's CPU SDPA (what eval timed in any dtype before issue 68)
+# or two batched matmuls around a softmax (decode_path.matmul_attention); `grouped` picks by dtype
+FORCED = {"grouped-sdpa": "sdpa", "grouped-matmul": "matmul"}
+STATIC_PATHS = ("grouped", *FORCED, COMPILED)  # the paths whose decode runs on a StaticCache
 
 
 def filled_cache(model, static: bool, size: dict, room: int):
@@ -103,10 +107,17 @@ def bandwidth(threads: int, gib: float = 1.0) -> dict:
 
 @contextmanager
 def attention_for(models: list, path: str):
-    """decode_attention for eval's paths; for COMPILED the models' own SDPA, and a description as eval's."""
+    """decode_attention for eval's paths, FORCED's as grouped on the kernel named; for COMPILED the models' own
+    SDPA, and a description as eval's."""
     if path != COMPILED:
-        with decode_attention(models, path) as used:
-            yield used
+        own = decode_path.CPU_KERNEL["name"]
+        decode_path.CPU_KERNEL["name"] = FORCED.get(path, own)
+        try:
+            with decode_attention(models, "grouped" if path in FORCED else path) as used:
+                used["name"] = path
+                yield used
+        finally:
+            decode_path.CPU_KERNEL["name"] = own
         return
     yield {"name": COMPILED, "cache": "static", "attention": "sdpa under torch.compile", "copied_per_step": "repeat_kv"}
 
@@ -209,7 +220,10 @@ def parse_args():
     parser.add_argument("--rounds", **sized, metavar="N")  # timed rounds after the warm-up round
     parser.add_argument("--steps", type=int, default=2, help="timed steps of each model per round")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--paths", default="grouped", help=f"comma-separated: eval/decode_path.py's, or {COMPILED}")
+    parser.add_argument(
+        "--paths", default="grouped", help=f"comma-separated: eval/decode_path.py's, {', '.join(FORCED)} or {COMPILED}"
+    )
+    parser.add_argument("--models", default=",".join(KV_HEADS), help="comma-separated, MHA among them")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--profile", action="store_true", help="a torch.profiler table of one step of each model")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
@@ -223,7 +237,10 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     load_before = os.getloadavg()
     limit = bandwidth(args.threads, 0.0625 if args.smoke else 1.0)
-    models = {name: build(size, kv, dtype) for name, kv in KV_HEADS.items()}
+    names = args.models.split(",")
+    if "MHA" not in names or not set(names) <= set(KV_HEADS):
+        sys.exit(f"--models: MHA and any of {', '.join(KV_HEADS)}, comma-separated (got {args.models!r})")
+    models = {name: build(size, KV_HEADS[name], dtype) for name in names}
     bytes_of = {name: step_bytes(m, size) for name, m in models.items()}
     params = sum(p.numel() for p in models["MHA"].parameters())
     mha = bytes_of["MHA"]

@@ -22,10 +22,13 @@ SHAPES = {  # (hidden, layers, heads, intermediate): about 0.7B parameters with 
     "full": (2048, 12, 32, 5632),
     "smoke": (64, 2, 8, 128),
 }
+# issue 68: a cache-bound decode wants the cache to outweigh the weights; fewer layers keep the ratio of the two
+# per layer and make the long prefills that fill the cache cheaper (6 layers: 0.41B, bench/decode_llamacpp.py's)
 
 
-def build_parent(folder: Path, tokenizer: Path, shape: tuple, dtype: str) -> Path:
-    """A Llama-shaped MHA checkpoint with random weights (seed 0) and the given tokenizer's vocabulary."""
+def build_parent(folder: Path, tokenizer: Path, shape: tuple, dtype: str, positions: int = 4096) -> Path:
+    """A Llama-shaped MHA checkpoint with random weights (seed 0), the given tokenizer's vocabulary, and room for
+    `positions` tokens of context."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -35,7 +38,7 @@ def build_parent(folder: Path, tokenizer: Path, shape: tuple, dtype: str) -> Pat
     tok = AutoTokenizer.from_pretrained(tokenizer)
     config = LlamaConfig(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        intermediate_size=intermediate, vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=True,
+        intermediate_size=intermediate, vocab_size=len(tok), max_position_embeddings=positions, tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -63,6 +66,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, help="default: --context less --output-tokens")
+    parser.add_argument("--layers", type=int, help="default: the full shape's 12")
+    parser.add_argument("--waves", type=int, default=1, help="requests per timed point: concurrency x waves")
+    parser.add_argument("--decode-concurrency", type=int, default=4, help="serve-bench's (0: no decode-only point)")
+    parser.add_argument("--capacity-concurrency", default="auto", help="serve-bench's: auto, a count, 0 (none)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--eager", action="store_true", help="vLLM's --enforce-eager (no torch.compile)")
     parser.add_argument("--smoke", action="store_true", help="a toy model at toy sizes: checks the script runs")
@@ -74,13 +82,19 @@ def main() -> None:
     from mha2gqa.serving.options import ServeOptions
 
     work = Path(args.work)
-    parent = build_parent(work / "mha", Path(args.tokenizer), SHAPES["smoke" if args.smoke else "full"], "bfloat16")
-    child = convert(parent, work / f"gqa{args.groups}", args.groups)
+    shape = SHAPES["smoke" if args.smoke else "full"]
+    if args.layers:
+        shape = (shape[0], args.layers, *shape[2:])
+    name = "mha" if shape[1] == SHAPES["full"][1] or args.smoke else f"mha-{shape[1]}layers"
+    positions = max(4096, args.context)
+    parent = build_parent(work / name, Path(args.tokenizer), shape, "bfloat16", positions=positions)
+    child = convert(parent, work / name.replace("mha", f"gqa{args.groups}"), args.groups)
     options = ServeOptions(
         vllm_python=args.vllm_python, dtype="bfloat16", context=args.context, kv_budget=args.kv_budget,
-        concurrency=(args.concurrency,), prompt_tokens=args.context - args.output_tokens,
-        output_tokens=args.output_tokens, waves=1, repeats=args.repeats, eager=args.eager, logs=str(work / "logs"),
-        greedy_tokens=16, prompts_per_domain=1,
+        concurrency=(args.concurrency,), prompt_tokens=args.prompt_tokens or args.context - args.output_tokens,
+        output_tokens=args.output_tokens, waves=args.waves, repeats=args.repeats, eager=args.eager,
+        logs=str(work / "logs"), greedy_tokens=16, prompts_per_domain=1, decode_concurrency=args.decode_concurrency,
+        capacity_concurrency=args.capacity_concurrency,
     )  # fmt: skip
     found = serve_bench(str(parent), [str(child)], args.out, options, say=lambda line: print(line, flush=True))
     print(json.dumps(table(found), indent=2))
@@ -88,7 +102,8 @@ def main() -> None:
 
 def table(found: dict) -> list[dict]:
     """Per model: KV tokens, max concurrency, and at the one concurrency: output and total tokens/s, time per
-    output token, time to the first token; the child's ratios over the parent beside."""
+    output token, time to the first token; at the decode-only point its time per output token and inter-token
+    latency, at the capacity-bound point its output tokens/s; the child's ratios over the parent beside."""
     rows = []
     for m in found["models"]:
         point = m["throughput"][0]
@@ -97,9 +112,15 @@ def table(found: dict) -> list[dict]:
             "max_concurrency": m["kv"]["engine"]["max_concurrency"], "concurrency": point["concurrency"],
             "output_tokens_per_s": point["output_tokens_per_s"], "total_tokens_per_s": point.get("total_tokens_per_s"),
             "tpot_ms": point["tpot_ms"], "ttft_ms": point["ttft_ms"], "greedy_equal": m["greedy"]["equal"],
+            "decode_tpot_ms": (m.get("decode") or {}).get("tpot_ms"),
+            "decode_itl_ms": (m.get("decode") or {}).get("itl_ms"),
+            "capacity_output_tokens_per_s": (m.get("capacity") or {}).get("output_tokens_per_s"),
+            "capacity_running_mean": (m.get("capacity") or {}).get("running_mean"),
         })  # fmt: skip
+    keys = ("kv_tokens", "output_tokens_per_s", "tpot_ms", "decode_tpot_ms", "decode_itl_ms",
+            "capacity_output_tokens_per_s")  # fmt: skip
     for row in rows[1:]:
-        row["ratios"] = {k: row[k] / rows[0][k] for k in ("kv_tokens", "output_tokens_per_s", "tpot_ms") if rows[0][k]}
+        row["ratios"] = {k: row[k] / rows[0][k] for k in keys if rows[0][k] and row[k]}
     return rows
 
 

@@ -308,9 +308,18 @@ def test_decode_gqa_smoke_times_mha_gqa8_and_mqa_beside_the_bandwidth_limit(tmp_
     """bench/decode_gqa.py at toy sizes: every path times the three models in turn, each row's bytes and fraction of
     the measured bandwidth limit are finite, and the grouped path's steps were folded, never handed on."""
     out = tmp_path / "decode.json"
-    stdout = run_smoke("decode_gqa.py", "--paths", "grouped,dynamic", "--profile", "--out", str(out))
+    stdout = run_smoke(
+        "decode_gqa.py", "--paths", "grouped,grouped-sdpa,grouped-matmul,dynamic", "--profile", "--out", str(out)
+    )
     result = json.loads(out.read_text())
-    assert result["bandwidth"]["limit_gb_s"] > 0 and set(result["paths"]) == {"grouped", "dynamic"}
+    assert result["bandwidth"]["limit_gb_s"] > 0 and set(result["paths"]) == {
+        "grouped",
+        "grouped-sdpa",
+        "grouped-matmul",
+        "dynamic",
+    }
+    kernels = {path: found["decode_path"].get("kernel") for path, found in result["paths"].items()}
+    assert kernels == {"grouped": "matmul", "grouped-sdpa": "sdpa", "grouped-matmul": "matmul", "dynamic": None}
     for found in result["paths"].values():
         assert [r["model"] for r in found["rows"]] == ["MHA", "GQA-8", "MQA"]
         assert [r["kv_heads"] for r in found["rows"]] == [32, 8, 1]
@@ -332,7 +341,7 @@ def test_decode_gqa_smoke_times_mha_gqa8_and_mqa_beside_the_bandwidth_limit(tmp_
         "folded": 2 * layers * steps // 3,
         "as_is": layers * steps // 3,
     }
-    assert len(table_rows(stdout, r"MHA|GQA-8|MQA")) == 6 and "load average before" in stdout
+    assert len(table_rows(stdout, r"MHA|GQA-8|MQA")) == 12 and "load average before" in stdout
 
 
 def test_decode_paths_gpu_leaves_out_what_would_pass_its_deadline_but_the_default_and_grouped(tmp_path):
@@ -348,3 +357,58 @@ def test_decode_paths_gpu_leaves_out_what_would_pass_its_deadline_but_the_defaul
     assert reasons["grouped/cudnn"] == "the cudnn SDPA backend needs CUDA"
     assert result["best"]["per_model"]["GQA-8"]["path"] in ("dynamic", "grouped")
     assert "GQA-8 / MHA" in stdout and "flex: skipped (not reached" in stdout
+
+
+FAKE_CONVERTER = """import shutil, sys
+from pathlib import Path
+model, out = Path(sys.argv[1]), Path(sys.argv[sys.argv.index("--outfile") + 1])
+shutil.copyfile(model / "model.safetensors", out)  # a stand-in GGUF: the weights' size
+"""
+
+# llama-bench's JSON (-o json) for every model and depth: tokens/s falling with the file's size and the depth
+FAKE_LLAMA_BENCH = """import json, sys
+from pathlib import Path
+args = sys.argv[1:]
+value = lambda flag: args[args.index(flag) + 1]
+models = [args[i + 1] for i, a in enumerate(args) if a == "-m"]
+records = [
+    {"model_filename": m, "n_depth": int(d), "n_gen": int(value("-n")), "n_prompt": 0, "build_commit": "fake",
+     "build_number": 1, "samples_ts": [1e9 / (Path(m).stat().st_size + 1000 * int(d)) * (1 + r / 100)
+                                       for r in range(int(value("-r")))]}
+    for m in models for d in value("-d").split(",")
+]
+print(json.dumps(records))
+"""
+
+
+def test_decode_llamacpp_smoke_runs_llama_bench_on_the_pair_side_by_side(tmp_path):
+    """bench/decode_llamacpp.py at its toy size, with stand-ins for llama.cpp's converter and llama-bench: it builds
+    the parent, converts it, exports both, runs one llama-bench over both at every depth, and writes each one's
+    median tokens/s, the bytes a token reads and the ratio to the parent at the same depth."""
+    converter, bench = tmp_path / "convert_hf_to_gguf.py", tmp_path / "llama-bench"
+    converter.write_text(FAKE_CONVERTER)
+    bench.write_text(f"#!{sys.executable}\n" + FAKE_LLAMA_BENCH)
+    bench.chmod(0o755)
+    out = tmp_path / "llamacpp.json"
+    stdout = run_smoke(
+        "decode_llamacpp.py", "--tokenizer", str(ROOT / "mha2gqa/data/austen-mha"), "--work", str(tmp_path / "w"),
+        "--converter", str(converter), "--llama-bench", str(bench), "--weights", "f16", "--groups", "2",
+        "--depths", "512,1024", "--reps", "3", "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = {(r["model"], r["depth"]): r for r in result["rows"]}
+    assert set(rows) == {(m, d) for m in ("MHA", "GQA-2") for d in (512, 1024)}
+    ggufs = [result["models"][m]["gguf"] for m in ("MHA", "GQA-2")]
+    assert result["command"][result["command"].index("-m") :] == ["-m", ggufs[0], "-m", ggufs[1]]  # one run, both
+    for (model, depth), row in rows.items():
+        size = Path(result["models"][model]["gguf"]).stat().st_size
+        assert row["tokens_per_s_median"] == pytest.approx(1e9 / (size + 1000 * depth) * 1.01)  # the middle of 3
+        assert 0 < row["fraction_of_bandwidth_limit"] < math.inf
+    assert (
+        rows["MHA", 1024]["cache_bytes"]
+        == 4 * rows["GQA-2", 1024]["cache_bytes"]
+        == 2 * rows["MHA", 512]["cache_bytes"]
+    )
+    ratio = rows["GQA-2", 1024]["tokens_per_s_median"] / rows["MHA", 1024]["tokens_per_s_median"]
+    assert rows["GQA-2", 1024]["vs_first"] == pytest.approx(ratio) and ratio > 1
+    assert result["engine"]["build_commit"] == "fake" and len(table_rows(stdout, r"512|1024")) == 4

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.eval import speed
-from mha2gqa.eval.decode_path import decode_attention, new_cache
+from mha2gqa.eval.decode_path import CPU_KERNEL, decode_attention, kernel_on, matmul_attention, new_cache
 from mha2gqa.eval.measurements import validate_all
 from mha2gqa.eval.options import DecodePath, EvalOptions
 from mha2gqa.hfcache import cache_kwargs, cache_of
@@ -21,7 +21,8 @@ HEADS, KV_HEADS, BATCH, CONTEXT, HEAD_DIM = 8, 2, 4, 256, 32  # a cache large be
 
 class NewBytes(TorchDispatchMode):
     """Every aten op's outputs that own fresh storage (no input's): the bytes a step allocates. The attention
-    kernel's key arguments are kept too, to see what it was given."""
+    kernel's K/V operands are kept too, to see what it was given: SDPA's key and value, or each batched matrix
+    product's second operand (K transposed, then V: matmul_attention)."""
 
     def __init__(self):
         super().__init__()
@@ -30,6 +31,8 @@ class NewBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if "scaled_dot_product" in func.__name__:
+            self.keys += [args[1], args[2]]
+        elif func.__name__.split(".")[0] == "bmm":
             self.keys.append(args[1])
         inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else (out,):
@@ -61,11 +64,15 @@ def gqa():
     return make_tiny_model("llama", num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
 
 
-def test_the_grouped_path_hands_the_attention_the_cache_itself_and_copies_nothing(gqa):
+@pytest.mark.parametrize("kernel", ["auto", "matmul", "sdpa"])
+def test_the_grouped_path_hands_the_attention_the_cache_itself_and_copies_nothing(gqa, kernel, monkeypatch):
+    monkeypatch.setitem(CPU_KERNEL, "name", kernel)  # float32: auto is SDPA
     seen, cache = one_step(gqa, DecodePath.GROUPED)
     layers = gqa.config.num_hidden_layers
-    assert [k.shape[1] for k in seen.keys] == [KV_HEADS] * layers  # each kernel got the kv heads, not 8
-    cached = {layer.keys.untyped_storage().data_ptr() for layer in cache.layers}
+    # each kernel got K and V at the kv heads (a view of the cache, not 8 heads' copy): one layer's K is
+    # BATCH x KV_HEADS x (CONTEXT + 1) x HEAD_DIM
+    assert [k.numel() for k in seen.keys] == [layer_k_bytes(KV_HEADS) // 4] * 2 * layers
+    cached = {t.untyped_storage().data_ptr() for layer in cache.layers for t in (layer.keys, layer.values)}
     assert {k.untyped_storage().data_ptr() for k in seen.keys} == cached  # the cache's own storage: no copy
     assert seen.bytes < layer_k_bytes(KV_HEADS)  # activations only: not one layer's K copied, even as cached
 
@@ -94,6 +101,46 @@ def test_greedy_tokens_on_the_grouped_path_are_the_old_paths(model_type, kv_head
     routed = "folded" if kv_heads < HEADS else "as_is"
     assert tokens[DecodePath.GROUPED][1]["steps"] == {routed: 12 * model.config.num_hidden_layers}
     assert model.config._attn_implementation == "sdpa"  # the model's own attention is back
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("mask", ["none", "bool", "float", "per-row"])
+def test_the_cpu_kernel_is_sdpa(dtype, rows, mask):
+    """matmul_attention (the grouped path's CPU kernel) gives SDPA's output: one or four query rows per kv head,
+    a boolean mask (a static cache's empty slots), an additive one, one that differs per row."""
+    gen = torch.Generator().manual_seed(0)
+    query, key, value = (
+        torch.randn(shape, generator=gen).to(dtype) for shape in ((2, 3, rows, 16), *[(2, 3, 40, 16)] * 2)
+    )
+    attn_mask = {
+        "none": None,
+        "bool": torch.arange(40).expand(2, 1, 1, 40) < torch.tensor([25, 40]).view(2, 1, 1, 1),
+        "float": torch.randn((2, 1, 1, 40), generator=gen).to(dtype),
+        "per-row": torch.rand((2, 3, rows, 40), generator=gen) > 0.3,
+    }[mask]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask[..., 0] = True  # every row attends somewhere
+    found = matmul_attention(query, key, value, attn_mask=attn_mask, scale=0.3)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=0.3)
+    assert found.shape == expected.shape and found.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: the scores are rounded before the softmax
+    assert torch.allclose(found.float(), expected.float(), atol=tolerance, rtol=0)
+
+
+def test_the_cpu_kernel_is_chosen_by_dtype_and_named_in_the_result(gqa):
+    """On CPU: matmul_attention in bfloat16 and float16 (SDPA's CPU kernel is 4x slower there with one query row),
+    SDPA in float32 (as fast for one row, faster for four: docs/benchmarks.md); on a GPU SDPA."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert [kernel_on(cpu, d) for d in (torch.bfloat16, torch.float16, torch.float32)] == ["matmul", "matmul", "sdpa"]
+    assert kernel_on(gpu, torch.bfloat16) == "sdpa"
+    with decode_attention([gqa], DecodePath.GROUPED) as used:
+        pass
+    assert used["kernel"] == "sdpa"
+    half = make_tiny_model("llama", num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM).to(torch.bfloat16)
+    with decode_attention([half], DecodePath.GROUPED) as used:
+        pass
+    assert used["kernel"] == "matmul"
 
 
 def test_a_model_loaded_without_sdpa_keeps_its_attention_and_the_result_says_so():

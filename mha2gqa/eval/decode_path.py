@@ -6,8 +6,10 @@ transformers does by default does not always (docs/eval.md, "Decode path"; measu
   grouped  (default) a StaticCache sized for the prompt and the new tokens, written in place (no copy of
            the cache per step), and the attention function GROUPED registered with transformers'
            AttentionInterface: a one-token step folds the query heads onto the kv heads, (B, H, 1, D) ->
-           (B, Hkv, H/Hkv, D), and calls SDPA on the cached K/V as they are: no copy to the query-head
-           count, and the kernel's work per kv head covers its whole group. Prefill, and any step it does
+           (B, Hkv, H/Hkv, D), and attends on the cached K/V as they are: no copy to the query-head count,
+           and the kernel's work per kv head covers its whole group. The kernel (`kernel_on`): on CPU in bfloat16
+           and float16 two batched matrix products around a softmax (`matmul_attention`, the fastest this CPU
+           has for one query row, MHA's case, and for a few), in float32 and elsewhere SDPA. Prefill, and any step it does
            not handle (softcap, attention sinks, a position bias), go to transformers' own SDPA function.
   dynamic  the path eval took before: transformers' DynamicCache, whose update concatenates the whole cache
            into a new tensor every step, and the model's attention as loaded (SDPA: enable_gqa when the step
@@ -76,8 +78,42 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     mask = attention_mask
     if mask is not None and mask.shape[1] != 1:  # a per-head mask folds as the query does
         mask = mask.reshape(mask.shape[0], kv_heads, group, mask.shape[-1])
-    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    attend = matmul_attention if kernel_on(query.device, query.dtype) == "matmul" else F.scaled_dot_product_attention
+    out = attend(folded, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+CPU_KERNEL = {"name": "auto"}
+"""The folded step's kernel on CPU: "auto" (the faster one measured on CPU for the dtype: `matmul_attention` in
+bfloat16 and float16, where PyTorch's CPU SDPA reads K/V at a quarter of its pace with one query row, and SDPA in
+float32, where its kernel is as fast for one row and faster for four), "matmul" or "sdpa" (bench/decode_gqa.py
+times each: its paths grouped-matmul and grouped-sdpa)."""
+
+
+def kernel_on(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel a folded step on `device` in `dtype` runs: "matmul" or "sdpa"."""
+    if device.type != "cpu":
+        return "sdpa"
+    if CPU_KERNEL["name"] != "auto":
+        return CPU_KERNEL["name"]
+    return "sdpa" if dtype == torch.float32 else "matmul"
+
+
+def matmul_attention(query, key, value, attn_mask=None, scale=None):
+    """SDPA's result for a few query rows per kv head, as two batched matrix products around a softmax: on CPU
+    they read K and V at the bandwidth's pace, where PyTorch's CPU SDPA kernel, made for long queries, reads
+    them several times slower with one or four rows (docs/benchmarks.md, "Decode on CPU"). query (B, Hkv, r, D),
+    key/value (B, Hkv, T, D) as cached (K read transposed in place, not copied). The scores (B, Hkv, r, T) are
+    as large for GQA as for MHA, so they are passed over as few times as can be: the scale goes on the query,
+    the mask and the softmax work in place or in one pass, all in the cache's dtype (the softmax sums in float32
+    inside; in bfloat16 the scores and the weights are rounded to it, as a flash kernel rounds the weights)."""
+    scaled = query * (query.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.matmul(scaled, key.transpose(-1, -2))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores.masked_fill_(attn_mask.logical_not(), float("-inf"))
+    elif attn_mask is not None:
+        scores.add_(attn_mask)
+    return torch.matmul(torch.softmax(scores, -1), value)
 
 
 def register() -> None:
@@ -129,6 +165,8 @@ def decode_attention(models: list, path: DecodePath | str):
                 _set_attention(model, wanted)
         found["attention"] = ",".join(sorted({m.config._attn_implementation for m in models}))  # as set
         found["copied_per_step"] = COPIED[path]
+        if wanted == GROUPED:
+            found["kernel"] = ",".join(sorted({kernel_on(m.device, m.dtype) for m in models}))
         yield found
     finally:
         for model, own in zip(models, before):
