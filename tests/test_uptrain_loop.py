@@ -28,7 +28,9 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("uptrain")
     model = tiny_model_dir(root / "model")
     (model / "mha2gqa.json").write_text(json.dumps({"conversion": {"groups": 2, "method": "mean"}}))
-    return {"model": model, "train": corpus(root / "train.jsonl"), "eval": corpus(root / "eval.jsonl", 30, seed=1)}
+    teacher = tiny_model_dir(root / "teacher", seed=1)  # another model: a teacher that is the model is refused
+    train_data, eval_data = corpus(root / "train.jsonl"), corpus(root / "eval.jsonl", 30, seed=1)
+    return {"model": model, "teacher": teacher, "train": train_data, "eval": eval_data}
 
 
 def _recipe(tmp_path, tiny, overrides=(), **keys):
@@ -156,7 +158,7 @@ def test_bad_input_writes_nothing(tmp_path, tiny):
         train(recipe)
     assert not (tmp_path / "out").exists()
     with pytest.raises(InputError, match="fewer than one batch"):
-        train(_recipe(tmp_path, tiny, micro_batch_size=100_000, data={"eval_blocks": 1}))
+        train(_recipe(tmp_path, tiny, micro_batch_size=4096, data={"eval_blocks": 1}))  # 4,096: limits.py's most
     assert not (tmp_path / "out").exists()
 
 
@@ -186,35 +188,37 @@ def test_distillation_mixes_kl_and_lm_loss(tmp_path, tiny):
         log_every=1,
         eval_every=0,
         budget={"max_steps": 3},
-        distill={"teacher": str(tiny["model"]), "kl_weight": 0.25, "temperature": 2.0},
+        distill={"teacher": str(tiny["teacher"]), "kl_weight": 0.25, "temperature": 2.0},
     )
     out = train(recipe)
     losses = [ln["loss"] for ln in metrics(out)[1:]]
-    # before the first update student == teacher: KL is 0 and the loss is (1 - w) * LM loss
+    # before the first update the student is the model as loaded: (1 - w) * LM + w * KL(teacher || it), at T = 2
     first = build_data(recipe, AutoTokenizer.from_pretrained(tiny["model"]), 0, 1, False).train.batch(0)
     with torch.no_grad():
-        lm = AutoModelForCausalLM.from_pretrained(tiny["model"])(input_ids=first, labels=first).loss.item()
-    assert losses[0] == pytest.approx(0.75 * lm, rel=1e-5)
+        student, teacher = (AutoModelForCausalLM.from_pretrained(tiny[k]).eval() for k in ("model", "teacher"))
+        lm = student(input_ids=first, labels=first).loss.item()
+        kl = kl_teacher_student(student(input_ids=first).logits, teacher(input_ids=first).logits, 2.0).item()
+    assert kl > 1e-3 and losses[0] == pytest.approx(0.75 * lm + 0.25 * kl, rel=1e-4)
     assert all(math.isfinite(x) for x in losses)
 
 
 def test_distillation_after_updates_mixes_a_nonzero_kl(tmp_path, tiny):
-    """Step 0 has KL 0 by construction; at step 3 the student has moved. With a constant learning rate a
-    2-step run ends where the 3-step run stood before its third step, so that step's logged loss is
-    (1 - w) * LM + w * T^2 * KL of the 2-step result against the teacher, on the third batch."""
+    """At step 3 the student has moved. With a constant learning rate a 2-step run ends where the 3-step run stood
+    before its third step, so that step's logged loss is (1 - w) * LM + w * T^2 * KL of the 2-step result against
+    the teacher, on the third batch."""
     from mha2gqa.uptrain.steps import lm_loss
 
     keys = dict(
         log_every=1,
         eval_every=0,
         optim={"lr": 3e-3, "schedule": "constant", "warmup_steps": 0},
-        distill={"teacher": str(tiny["model"]), "kl_weight": 0.25, "temperature": 2.0},
+        distill={"teacher": str(tiny["teacher"]), "kl_weight": 0.25, "temperature": 2.0},
     )
     three = _recipe(tmp_path / "three", tiny, budget={"max_steps": 3}, **keys)
     losses = [ln["loss"] for ln in metrics(train(three))[1:]]
     two = train(_recipe(tmp_path / "two", tiny, budget={"max_steps": 2}, **keys))
     third = build_data(three, AutoTokenizer.from_pretrained(tiny["model"]), 0, 1, False).train.batch(2)
-    student, teacher = (AutoModelForCausalLM.from_pretrained(d).eval() for d in (two, tiny["model"]))
+    student, teacher = (AutoModelForCausalLM.from_pretrained(d).eval() for d in (two, tiny["teacher"]))
     with torch.no_grad():
         kl = kl_teacher_student(student(input_ids=third).logits, teacher(input_ids=third).logits, 2.0).item()
         lm = lm_loss(student, third).item()

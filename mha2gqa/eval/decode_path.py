@@ -86,7 +86,7 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 CPU_KERNEL = {"name": "auto"}
 """The folded step's kernel on CPU: "auto" (the faster one measured on CPU for the dtype: `matmul_attention` in
 bfloat16 and float16, where PyTorch's CPU SDPA reads K/V at a quarter of its pace with one query row, and SDPA in
-float32, where its kernel is as fast for one row and faster for four), "matmul" or "sdpa" (bench/decode_gqa.py
+float32, where its kernel is as fast for one row and faster for four), "matmul" or "sdpa" (the decode benchmark
 times each: its paths grouped-matmul and grouped-sdpa)."""
 
 
