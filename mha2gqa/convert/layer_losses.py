@@ -30,7 +30,7 @@ LOSS = (
     "prompts built from them, with only this layer's keys and values mean-pooled"
 )
 RETRIEVAL_WEIGHT = 1.0  # the retrieval term's weight in the knapsack and the whole-placement check (docs/convert.md)
-RECHOOSE_SCALES = (1.0, 0.0, 4.0, 16.0)  # x RETRIEVAL_WEIGHT: the placements proposed (1 first: it wins ties)
+RECHOOSE_SCALES = (1.0, 0.0, 0.25, 4.0)  # x RETRIEVAL_WEIGHT: the placements proposed (1 first: it wins ties)
 COPY_PROMPT_BLOCKS = 2  # a copy prompt is this many calibration blocks long (at most the model's context)
 COPY_PROMPTS = 4  # copy prompts at most (each plants up to 8 spans: scoring/copy_prompts.py)
 
