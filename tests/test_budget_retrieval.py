@@ -1,7 +1,7 @@
 """--kv-budget's retrieval term (issue 66): copy prompts built from the calibration ids, each layer's KL on their
 answer tokens measured and recorded beside the text KL, a layer whose pooling breaks copying kept whole where the
-budget allows, the knapsack's proposals measured whole (losses measured one layer at a time do not add up), and
-the same record and bytes on a second run."""
+budget allows, the chosen and the text-only placements measured whole (losses one layer at a time do not add up),
+and the same record and bytes on a second run."""
 
 from __future__ import annotations
 
@@ -118,27 +118,27 @@ def test_a_layer_whose_pooling_breaks_copying_keeps_its_heads():
     assert counts == (1, 1, 4) and sum(counts) <= 6
     assert chosen["retrieval_weight"] == layer_losses.RETRIEVAL_WEIGHT and chosen["retrieval_losses"][2]["1"] == 5.0
     assert chosen["text_losses"][1]["1"] == 0.06 and chosen["losses"][2]["1"] == 0.02 + 5.0 * chosen["retrieval_weight"]
-    assert chosen["proposals"][0]["counts"] == [1, 1, 4] and "measured" not in chosen["proposals"][0]
+    assert chosen["whole"][0]["counts"] == [1, 1, 4] and "measured" not in chosen["whole"][0]
     text_only, _ = choose(Plan(), MeasuredLosses(TEXT, {"data": "x"}, SHAPE))
     assert text_only == (1, 4, 1)
 
 
-def test_proposals_measured_whole_choose_against_losses_that_do_not_add_up():
-    """The knapsack at scale 1 pools layers 0 and 2 (each alone costs copying little); measured whole they break
-    it, so the proposal at a larger retrieval scale, which keeps layer 0, wins."""
-    retrieval = [{4: 0.0, 2: 0.5, 1: 0.03}, {4: 0.0, 2: 0.5, 1: 0.025}, {4: 0.0, 2: 0.5, 1: 0.02}]
-    measured = MeasuredLosses(TEXT, {"data": "x"}, SHAPE, retrieval)
-    additive, _ = choose(Plan(), measured)
+def test_the_knapsacks_choice_stands_and_both_placements_are_measured_whole():
+    """The knapsack at w pools layers 0 and 2 (each alone costs copying little); measured whole they break it
+    (losses that do not add up). The choice stands (choosing by whole losses lost recall on SmolLM2), and the
+    record holds both the chosen and the text-only placement, summed and measured whole."""
+    retrieval = [{4: 0.0, 2: 0.5, 1: 0.03}, {4: 0.0, 2: 0.5, 1: 0.01}, {4: 0.0, 2: 0.5, 1: 0.02}]
+    text = [{4: 0.0, 2: 0.04, 1: 0.05}, {4: 0.0, 2: 0.05, 1: 0.065}, {4: 0.0, 2: 0.015, 1: 0.02}]
+    measured = MeasuredLosses(text, {"data": "x"}, SHAPE, retrieval)
     whole = FakeWhole(measured, extra=10.0)
-    counts, chosen = choose(Plan(), MeasuredLosses(TEXT, {"data": "x"}, SHAPE, retrieval, whole))
-    assert additive == (1, 4, 1) and counts == (4, 1, 1)
-    placements = whole.asked[0]
-    assert placements[0] == additive and len(placements) == len(set(placements)) >= 2
-    scored = {tuple(p["counts"]): p["measured"]["loss"] for p in chosen["proposals"]}
-    assert scored[counts] == min(scored.values()) and scored[additive] > 10.0
-    assert {p["retrieval_scale"] for p in chosen["proposals"]} <= set(layer_losses.RECHOOSE_SCALES)
-    no_extra, _ = choose(Plan(), MeasuredLosses(TEXT, {"data": "x"}, SHAPE, retrieval, FakeWhole(measured, 0.0)))
-    assert no_extra == additive  # what adds up: the knapsack's own choice stands
+    counts, chosen = choose(Plan(), MeasuredLosses(text, {"data": "x"}, SHAPE, retrieval, whole))
+    assert counts == (4, 1, 1) and whole.asked == [[(4, 1, 1), (1, 4, 1)]]  # the choice, then text only
+    first, text_only = chosen["whole"]
+    assert first["counts"] == [4, 1, 1] and first["retrieval_scale"] == 1.0 and text_only["retrieval_scale"] == 0.0
+    assert first["predicted"] == pytest.approx({"text": 0.085, "retrieval": 0.03})
+    assert first["measured"]["retrieval"] == pytest.approx(0.03) and text_only["measured"]["retrieval"] > 10.0
+    same = MeasuredLosses(TEXT, {"data": "x"}, SHAPE, [{4: 0.0, 2: 0.0, 1: 0.0}] * 3, FakeWhole(measured, 0.0))
+    assert len(choose(Plan(), same)[1]["whole"]) == 1  # one placement at both scales: measured once
 
 
 def _convert(parent, dst):
@@ -159,9 +159,8 @@ def test_budget_records_the_retrieval_term_and_is_deterministic(parent, tmp_path
     assert all(per["4"] == 0.0 for per in retrieval) and all(per["1"] > 0 for per in retrieval)
     for text, copy, weighed in zip(chosen["text_losses"], retrieval, chosen["losses"]):
         assert weighed["1"] == pytest.approx(text["1"] + chosen["retrieval_weight"] * copy["1"])
-    measured = [p["measured"]["loss"] for p in chosen["proposals"]]
-    chosen_one = next(p for p in chosen["proposals"] if p["counts"] == counts)
-    assert chosen_one["measured"]["loss"] == min(measured) and sum(counts) <= chosen["budget_kv_heads"]
+    assert chosen["whole"][0]["counts"] == counts and sum(counts) <= chosen["budget_kv_heads"]
+    assert all(p["measured"]["text"] > 0 and p["measured"]["retrieval"] > 0 for p in chosen["whole"])
     assert f"kv heads per layer: {','.join(map(str, counts))}" in result.output
     _, again = _convert(parent, tmp_path / "b")
     assert again["kv_budget"] == chosen

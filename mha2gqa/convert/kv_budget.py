@@ -17,7 +17,7 @@ from mha2gqa.layouts import AttentionShape
 from mha2gqa.units import parse_size
 
 FLAG = "--kv-budget"
-WHOLE_PROPOSALS = 4  # placements the layer losses measure whole at most (layer_losses.RECHOOSE_SCALES)
+WHOLE_PROPOSALS = 2  # placements the layer losses measure whole at most (layer_losses.WHOLE_SCALES)
 BUDGET_BLOCKS = 8  # calibration blocks the layer losses are averaged over, unless --calibration-tokens says
 
 
@@ -60,7 +60,7 @@ def loss_tokens(shape: AttentionShape, tokens: int) -> int:
     """The layer losses of `tokens` calibration tokens as tokens through the whole parent (sensitivity.py): one
     parent pass, then for each layer i and each smaller count layers i.. again: (layers + 1) / 2 passes a count;
     as much again for the copy prompts built from the same tokens (layer_losses.py), then the whole-placement
-    check: the parent and each proposed placement once over both (at most 4 proposals)."""
+    check: the parent and each placement measured whole (at most 2) once over both."""
     counts = len([g for g in shape.valid_groups() if g < shape.kv_heads])
     per_term = tokens * (1 + counts * (shape.layers + 1) / 2)
     return int(2 * per_term + 2 * tokens * (1 + WHOLE_PROPOSALS))

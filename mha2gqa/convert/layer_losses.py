@@ -9,10 +9,12 @@ mean-pooled:
 - retrieval: per answer token of copy prompts built from the same calibration ids (scoring/copy_prompts.py: a span
   planted early, asked for at the end), which perplexity does not see: pooling a layer whose heads copy from far
   back loses the copy (docs/eval.md: SmolLM2's recall 47% -> 0% at 3 -> 1).
-The knapsack weighs text + RETRIEVAL_WEIGHT x retrieval. Losses measured one layer at a time do not add up
-(pooling three early layers of SmolLM2 loses all recall where each alone loses part of it), so the knapsack
-proposes a placement for each scale of the retrieval term in RECHOOSE_SCALES, every distinct placement is then
-measured whole (all its layers pooled at once, both terms), and the one with the least measured loss is chosen.
+The knapsack weighs text + RETRIEVAL_WEIGHT x retrieval, and its choice is converted. Losses measured one layer
+at a time do not add up, so the chosen placement and the text-only one (the knapsack without the retrieval term)
+are then measured whole (all their layers pooled at once, both terms) and recorded: what the retrieval term costs
+the text and buys the copies, in truth. Choosing by the whole losses instead was measured and rejected: on
+SmolLM2 at 0.6667 the placement with the least whole loss kept 8% recall where the knapsack's kept 28%
+(docs/convert.md, "The retrieval term, measured").
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ LOSS = (
     "KL(parent || model) per token of the calibration blocks + retrieval_weight x KL per answer token of copy "
     "prompts built from them, with only this layer's keys and values mean-pooled"
 )
-RETRIEVAL_WEIGHT = 1.0  # the retrieval term's weight in the knapsack and the whole-placement check (docs/convert.md)
-RECHOOSE_SCALES = (1.0, 0.0, 4.0, 16.0)  # x RETRIEVAL_WEIGHT: the placements proposed (1 first: it wins ties)
+RETRIEVAL_WEIGHT = 1.0  # the retrieval term's weight in the knapsack (docs/convert.md: 0, 0.25 and 1 measured)
+WHOLE_SCALES = (1.0, 0.0)  # x RETRIEVAL_WEIGHT: the placements measured whole, the first converted
 COPY_PROMPT_BLOCKS = 2  # a copy prompt is this many calibration blocks long (at most the model's context)
 COPY_PROMPTS = 4  # copy prompts at most (each plants up to 8 spans: scoring/copy_prompts.py)
 
@@ -127,18 +129,15 @@ def weighed(measured: MeasuredLosses, scale: float = 1.0) -> list[dict[int, floa
 
 
 def choose(plan, measured: MeasuredLosses) -> tuple[tuple[int, ...], dict]:
-    """The counts within the plan's budget whose losses, measured whole, are least among the knapsack's proposals
-    (one per scale of the retrieval term), and how they were chosen (mha2gqa.json)."""
+    """The counts with the least weighed loss (text + RETRIEVAL_WEIGHT x retrieval) within the plan's budget, and
+    how they were chosen (mha2gqa.json), with this placement and the text-only one measured whole."""
     shape, heads = measured.shape, plan.budget_heads
     proposals: dict[tuple[int, ...], float] = {}
-    for scale in RECHOOSE_SCALES if measured.retrieval is not None else (1.0,):
+    for scale in WHOLE_SCALES if measured.retrieval is not None else (1.0,):
         proposals.setdefault(choose_counts(weighed(measured, scale), heads), scale)
     placements = list(proposals)
+    counts = placements[0]
     whole = measured.whole.measure(placements) if measured.whole is not None else None
-    if whole is not None:
-        counts = min(placements, key=lambda p: _objective(whole[placements.index(p)]))  # ties: the first proposed
-    else:
-        counts = placements[0]
     losses = weighed(measured)
     chosen = {
         "budget": str(plan.options.kv_budget),
@@ -151,7 +150,7 @@ def choose(plan, measured: MeasuredLosses) -> tuple[tuple[int, ...], dict]:
         "text_losses": _table(measured.losses),
         "retrieval_losses": _table(measured.retrieval) if measured.retrieval is not None else None,
         "predicted_loss": sum(losses[layer][count] for layer, count in enumerate(counts)),
-        "proposals": [_proposal(p, proposals[p], measured, whole and whole[k]) for k, p in enumerate(placements)],
+        "whole": [_proposal(p, proposals[p], measured, whole and whole[k]) for k, p in enumerate(placements)],
         "calibration": measured.record,
     }
     return counts, chosen
@@ -163,7 +162,7 @@ def _objective(measured: tuple[float, float]) -> float:
 
 
 def _proposal(counts, scale: float, measured: MeasuredLosses, whole) -> dict:
-    """One placement the knapsack proposed: its scale, its predicted (summed) terms, and measured whole."""
+    """One placement the knapsack chose at a scale of the retrieval term: its summed terms, and measured whole."""
     text = sum(measured.losses[layer][c] for layer, c in enumerate(counts))
     copy = sum(measured.retrieval[layer][c] for layer, c in enumerate(counts)) if measured.retrieval else 0.0
     found = {"retrieval_scale": scale, "counts": list(counts), "predicted": {"text": text, "retrieval": copy}}
@@ -181,12 +180,13 @@ def chosen_lines(plan) -> list[str]:
     chosen = plan.chosen
     losses = [{int(c): v for c, v in per.items()} for per in chosen["losses"]]
     lines = choice_lines(plan.counts, losses, plan.shape, chosen["budget_kv_heads"])
-    whole = [p for p in chosen.get("proposals", []) if "measured" in p]
-    if len(whole) > 1:
+    whole = [p for p in chosen.get("whole", []) if "measured" in p]
+    if whole:
         lines.append(
-            f"{len(whole)} placements measured whole (text + {chosen['retrieval_weight']:g} x retrieval KL): "
-            + ", ".join(
-                f"{p['measured']['loss']:.4g}" + (" (chosen)" if p["counts"] == list(plan.counts) else "")
+            "measured whole (all pooled layers at once), text / retrieval KL: "
+            + "; ".join(
+                f"{'these counts' if p['counts'] == list(plan.counts) else 'text only'} "
+                f"{p['measured']['text']:.4g} / {p['measured']['retrieval']:.4g}"
                 for p in whole
             )
         )
