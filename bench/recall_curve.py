@@ -31,7 +31,7 @@ def table(lines: list[dict]) -> list[str]:
     head += " | ".join(DOMAINS) + " | geometric mean |"
     rows = [head, "|" + "---:|" * (5 + len(DOMAINS))]
     for line in lines:
-        recall = f"{line.get('eval_recall', 0):.0%} ({line.get('teacher_recall', 0):.0%})"
+        recall = f"{line['eval_recall']:.0%} ({line['teacher_recall']:.0%})" if "eval_recall" in line else "-"
         lengths = " / ".join(f"{v:.0%}" for v in line.get("eval_recall_lengths", {}).values())
         mine, parent = line.get("eval_domain_ppl", {}), line.get("teacher_domain_ppl", {})
         ratios = [f"{mine[d] / parent[d]:.2f}x" if d in mine and d in parent else "-" for d in DOMAINS]

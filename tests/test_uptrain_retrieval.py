@@ -273,6 +273,8 @@ def test_the_curve_driver_tabulates_the_runs_eval_lines(tmp_path, capsys):
     shown = capsys.readouterr().out
     assert "| 200 | 25% (50%) | 25% / 0% | -3.00 | 2.00x | 2.00x | 2.00x | 2.00x | **2.00x** |" in shown
     assert "geometric mean ratio, with / without: 200 tokens: 1.250" in shown
+    del lines[1]["eval_recall"]  # a run without eval_retrieval: no recall, not 0%
+    assert curve.table(lines[1:])[-1].startswith("| 200 | - |")
     assert list(json.loads((tmp_path / "c.json").read_text())) == ["with", "without"]
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "metrics.jsonl").write_text('{"step": 1, "tokens": 2}\n')
