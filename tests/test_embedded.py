@@ -191,7 +191,12 @@ def test_pretrain_recipe_names_its_command_and_holds_out_persuasion(monkeypatch)
         if isinstance(values, dict) and isinstance(shipped.get(section), dict):
             added |= {f"{section}.{key}": values.pop(key) for key in set(values) - set(shipped[section])}
     assert resolved == shipped
-    assert added == {"lora": asdict(LoraConfig()), "distill.answer_weight": 1.0}
+    assert added == {
+        "lora": asdict(LoraConfig()),
+        "distill.answer_weight": 1.0,
+        "eval_retrieval": False,
+        "eval_domains": False,
+    }
 
 
 def test_heads_are_distinct_and_the_similarity_measure_sees_copies(model_and_info):

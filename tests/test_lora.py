@@ -18,6 +18,7 @@ from mha2gqa.provenance import latest
 from mha2gqa.uptrain import load_recipe, train
 from mha2gqa.uptrain import lora as L
 from mha2gqa.uptrain.data import build_data
+from mha2gqa.uptrain.distill import kl_teacher_student
 from mha2gqa.uptrain.models import load_student
 
 pytest.importorskip("peft")  # in [test]; .ci/run installs it
@@ -30,7 +31,13 @@ ATTENTION = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weig
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     model = tiny_model_dir(root / "model", dtype=torch.bfloat16)  # a bf16 source: the result must stay bf16
-    return {"model": model, "model32": tiny_model_dir(root / "model32"), "train": corpus(root / "train.jsonl")}
+    teacher = tiny_model_dir(root / "teacher", seed=1)  # another model: a teacher that is the model is refused
+    return {
+        "model": model,
+        "model32": tiny_model_dir(root / "model32"),
+        "teacher": teacher,
+        "train": corpus(root / "train.jsonl"),
+    }
 
 
 def _recipe(tmp_path, tiny, overrides=(), **keys):
@@ -90,7 +97,7 @@ def test_interrupted_and_resumed_lora_run_equals_the_uninterrupted_one(tmp_path,
 
 
 def test_lora_distillation_starts_from_the_teacher(tmp_path, tiny):
-    # fp32 student and teacher: the same numbers in both forwards, so the first KL is exactly 0
+    # fp32 student: fresh adapters add zero (B = 0), so the first step's loss is the model's own against the teacher
     recipe = _recipe(
         tmp_path,
         tiny,
@@ -98,17 +105,18 @@ def test_lora_distillation_starts_from_the_teacher(tmp_path, tiny):
         log_every=1,
         eval_every=0,
         budget={"max_steps": 3},
-        distill={"teacher": str(tiny["model32"]), "kl_weight": 0.25, "temperature": 2.0},
+        distill={"teacher": str(tiny["teacher"]), "kl_weight": 0.25, "temperature": 2.0},
     )
     out = train(recipe)
     losses = [ln["loss"] for ln in metrics(out)[1:]]
-    # fresh adapters add zero (B = 0): student == teacher, KL is 0, the loss is (1 - w) * LM loss
     first = build_data(recipe, AutoTokenizer.from_pretrained(tiny["model32"]), 0, 1, False).train.batch(0)
     with torch.no_grad():
-        parent = AutoModelForCausalLM.from_pretrained(tiny["model32"], dtype=torch.float32)
-        lm = parent(input_ids=first, labels=first).loss.item()
-    assert losses[0] == pytest.approx(0.75 * lm, rel=1e-4)
-    assert all(math.isfinite(x) for x in losses) and latest(out, "uptrain")["source"]["teacher"] == str(tiny["model32"])
+        model = AutoModelForCausalLM.from_pretrained(tiny["model32"], dtype=torch.float32)
+        teacher = AutoModelForCausalLM.from_pretrained(tiny["teacher"], dtype=torch.float32)
+        lm = model(input_ids=first, labels=first).loss.item()
+        kl = kl_teacher_student(model(input_ids=first).logits, teacher(input_ids=first).logits, 2.0).item()
+    assert kl > 1e-3 and losses[0] == pytest.approx(0.75 * lm + 0.25 * kl, rel=1e-4)
+    assert all(math.isfinite(x) for x in losses) and latest(out, "uptrain")["source"]["teacher"] == str(tiny["teacher"])
 
 
 def test_qlora_merge_path_equals_the_in_place_merge(tiny):
