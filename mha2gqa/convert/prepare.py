@@ -363,13 +363,12 @@ def _counts(options: ConvertOptions, config: dict, shape: AttentionShape) -> tup
     if options.groups is not None:
         validate_groups(shape, options.groups)
     counts, budget = kv_counts.given_counts(options, shape), None
+    if counts is None or not kv_counts.is_uniform(counts):  # a format to write them in (a source convert reads)
+        kv_counts.validate_per_layer_parent(config, flag)
     if counts is None:
-        validate_target(config, 1, flag)
         budget = kv_counts.budget_of(options, shape)
         counts = kv_counts.provisional_counts(budget, shape)
     validate_target(config, min(counts), flag)
-    if budget is not None or not kv_counts.is_uniform(counts):
-        kv_counts.validate_per_layer_parent(config, flag)
     return counts, budget
 
 
