@@ -5,8 +5,8 @@ A Llama-shaped MHA model with random weights (32 heads of 64, hidden 2,048, inte
 SmolLM2's 49,152-token vocabulary, tied embeddings: 409M parameters; the speed does not depend on the values),
 its `mha2gqa convert --groups 8` child, both exported to GGUF in float16 by llama.cpp's convert_hf_to_gguf.py
 and, by default, quantized to Q4_0 with llama-quantize (what users run on a CPU: 4-bit weights, a float16 KV
-cache). One `llama-bench` run then decodes `--gen` tokens after a context of each `--depths` (its `-d`: the
-depth is filled by a prefill that is not timed), both models in the one run, `--reps` times each; the median
+cache). One `llama-bench` run per depth then decodes `--gen` tokens after a context of that depth (its `-d`: the
+depth is filled by a prefill that is not timed), both models in the run, `--reps` times each; the median
 of the repetitions is each one's tokens/s. Beside each: the bytes a token must read (the GGUF's tensors, and the
 float16 KV cache at that depth) at this machine's bandwidth, measured in the same run as bench/decode_gqa.py does.
 
@@ -62,12 +62,18 @@ def cache_bytes_per_token(model: Path) -> int:
     return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * KV_BYTES
 
 
-def run_llama_bench(args, ggufs: list[Path]) -> tuple[list[dict], list[str]]:
-    """llama-bench's JSON records (one per model and depth), and the command that made them."""
-    command = [args.llama_bench, "-p", "0", "-n", str(args.gen), "-d", args.depths, "-r", str(args.reps)]
-    command += ["-t", str(args.threads), "-o", "json"] + [arg for g in ggufs for arg in ("-m", str(g))]
-    done = subprocess.run(command, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout), command
+def run_llama_bench(args, ggufs: list[Path]) -> tuple[list[dict], list[list[str]]]:
+    """llama-bench's JSON records (one per model and depth), and the commands that made them: one llama-bench per
+    depth with both models, so the two models of a depth run minutes apart, not one model's depths before the
+    other's (a drifting load then falls on a depth's pair alike)."""
+    records, commands = [], []
+    for depth in args.depths.split(","):
+        command = [args.llama_bench, "-p", "0", "-n", str(args.gen), "-d", depth, "-r", str(args.reps)]
+        command += ["-t", str(args.threads), "-o", "json"] + [arg for g in ggufs for arg in ("-m", str(g))]
+        done = subprocess.run(command, check=True, capture_output=True, text=True)
+        records += json.loads(done.stdout)
+        commands.append(command)
+    return records, commands
 
 
 def summarise(records: list[dict], models: dict, limit_gb_s: float) -> list[dict]:
@@ -139,14 +145,14 @@ def main() -> None:
                         "cache_per_token": cache_bytes_per_token(folder)}  # fmt: skip
     load_before = os.getloadavg()
     limit = bandwidth(args.threads, 0.0625 if args.smoke else 1.0)
-    records, command = run_llama_bench(args, [m["gguf"] for m in models.values()])
+    records, commands = run_llama_bench(args, [m["gguf"] for m in models.values()])
     rows = summarise(records, models, limit["limit_gb_s"])
     load_after = os.getloadavg()
     print(f"bandwidth {limit['limit_gb_s']:.1f} GB/s, {args.threads} threads; load {load_before} -> {load_after}")
     print_table(rows)
     engine = {k: records[0].get(k) for k in ("build_commit", "build_number", "cpu_info", "backends", "flash_attn")}
     result = {
-        "command": command, "weights": args.weights, "kv_type": "f16", "engine": engine, "bandwidth": limit,
+        "commands": commands, "weights": args.weights, "kv_type": "f16", "engine": engine, "bandwidth": limit,
         "load_average": {"before": load_before, "after": load_after}, "rows": rows, "llama_bench": records,
         "models": {n: {**m, "gguf": str(m["gguf"])} for n, m in models.items()},
     }  # fmt: skip

@@ -113,11 +113,12 @@ def table(found: dict) -> list[dict]:
             "output_tokens_per_s": point["output_tokens_per_s"], "total_tokens_per_s": point.get("total_tokens_per_s"),
             "tpot_ms": point["tpot_ms"], "ttft_ms": point["ttft_ms"], "greedy_equal": m["greedy"]["equal"],
             "decode_tpot_ms": (m.get("decode") or {}).get("tpot_ms"),
+            "decode_steady_tpot_ms": (m.get("decode") or {}).get("steady_tpot_ms"),
             "decode_itl_ms": (m.get("decode") or {}).get("itl_ms"),
             "capacity_output_tokens_per_s": (m.get("capacity") or {}).get("output_tokens_per_s"),
             "capacity_running_mean": (m.get("capacity") or {}).get("running_mean"),
         })  # fmt: skip
-    keys = ("kv_tokens", "output_tokens_per_s", "tpot_ms", "decode_tpot_ms", "decode_itl_ms",
+    keys = ("kv_tokens", "output_tokens_per_s", "tpot_ms", "decode_tpot_ms", "decode_steady_tpot_ms", "decode_itl_ms",
             "capacity_output_tokens_per_s")  # fmt: skip
     for row in rows[1:]:
         row["ratios"] = {k: row[k] / rows[0][k] for k in keys if rows[0][k] and row[k]}

@@ -383,7 +383,7 @@ print(json.dumps(records))
 
 def test_decode_llamacpp_smoke_runs_llama_bench_on_the_pair_side_by_side(tmp_path):
     """bench/decode_llamacpp.py at its toy size, with stand-ins for llama.cpp's converter and llama-bench: it builds
-    the parent, converts it, exports both, runs one llama-bench over both at every depth, and writes each one's
+    the parent, converts it, exports both, runs one llama-bench over both per depth, and writes each one's
     median tokens/s, the bytes a token reads and the ratio to the parent at the same depth."""
     converter, bench = tmp_path / "convert_hf_to_gguf.py", tmp_path / "llama-bench"
     converter.write_text(FAKE_CONVERTER)
@@ -399,7 +399,10 @@ def test_decode_llamacpp_smoke_runs_llama_bench_on_the_pair_side_by_side(tmp_pat
     rows = {(r["model"], r["depth"]): r for r in result["rows"]}
     assert set(rows) == {(m, d) for m in ("MHA", "GQA-2") for d in (512, 1024)}
     ggufs = [result["models"][m]["gguf"] for m in ("MHA", "GQA-2")]
-    assert result["command"][result["command"].index("-m") :] == ["-m", ggufs[0], "-m", ggufs[1]]  # one run, both
+    # one llama-bench per depth, both models in each: a depth's pair runs side by side
+    assert [c[c.index("-d") + 1] for c in result["commands"]] == ["512", "1024"]
+    for command in result["commands"]:
+        assert command[command.index("-m") :] == ["-m", ggufs[0], "-m", ggufs[1]]
     for (model, depth), row in rows.items():
         size = Path(result["models"][model]["gguf"]).stat().st_size
         assert row["tokens_per_s_median"] == pytest.approx(1e9 / (size + 1000 * depth) * 1.01)  # the middle of 3

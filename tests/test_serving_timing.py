@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mha2gqa.errors import InputError
-from mha2gqa.serving import capacity, result, settle
+from mha2gqa.serving import capacity, client, result, settle
 from mha2gqa.serving.kvlog import Unreadable
 from mha2gqa.serving.options import ServeOptions
 
@@ -109,7 +109,7 @@ def test_the_cpu_of_a_process_group_is_counted():
 def _model(label, role, fits, decode_tpot, capacity_speed, concurrency=4):
     return {
         "label": label, "role": role, "fits_requests": fits, "kv": {}, "throughput": [],
-        "decode": {"concurrency": 2, "tpot_ms": decode_tpot} if decode_tpot else None,
+        "decode": {"concurrency": 2, "tpot_ms": decode_tpot, "steady_tpot_ms": decode_tpot / 2} if decode_tpot else None,
         "capacity": {"concurrency": concurrency, "output_tokens_per_s": capacity_speed} if capacity_speed else None,
     }  # fmt: skip
 
@@ -120,8 +120,24 @@ def test_the_comparison_gives_the_decode_speedup_and_the_capacity_ratio():
         m["kv"] = {"engine": {"tokens": tokens, "max_concurrency": 1.0}, "formula": {"bytes_per_token": 4000 // tokens}}
     row = result.comparison([parent, child])[0]
     assert row["decode_tpot_speedup"] == pytest.approx(1.25) and row["capacity_throughput_ratio"] == 2.5
+    assert row["decode_steady_tpot_speedup"] == pytest.approx(1.25)
     parent["capacity"] = child["capacity"] = None
     assert result.comparison([parent, child])[0]["capacity_throughput_ratio"] is None
+
+
+def _streamed(started, arrivals):
+    return {"started_s": started, "ttft_s": arrivals[0] - started, "arrivals_s": arrivals}
+
+
+def test_the_steady_tpot_starts_once_every_request_has_its_first_token():
+    """A long prompt prefilled in chunks between the decode steps of a request already started slows that
+    request's steps (1 s a token here) until the late request's first token (at 5 s); from then on a step is
+    decode alone (0.1 s). TPOT from each request's own first token mixes the two; the steady TPOT does not."""
+    early = _streamed(0.0, [1.0, 2.0, 3.0, 4.0, 5.0, 5.1, 5.2, 5.3])
+    late = _streamed(0.5, [5.0, 5.1, 5.2, 5.3, 5.4])
+    assert client.steady_tpot_s([early, late]) == pytest.approx([0.1, 0.1])
+    assert client.steady_tpot_s([early, _streamed(0.5, [5.05, 5.5])]) == pytest.approx([0.1])  # one chunk after: none
+    assert client.steady_tpot_s([_streamed(0.0, [1.0, 2.0])]) == []  # nothing after the last first token
 
 
 def test_points_that_measure_something_else_are_warned_about():

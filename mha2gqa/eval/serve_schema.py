@@ -15,11 +15,13 @@ Top-level keys:
                 throughput: [point], fits_requests, decode: point or None, capacity: point or None}]
               the parent first; follows_parent: how many leading greedy tokens equal the parent's (engine's text);
               a point: {concurrency, requests, output_tokens_per_s, total_tokens_per_s, tpot_ms (decode alone:
-              (last - first token) / (tokens - 1), median over requests), itl_ms (median gap between streamed
+              (last - first token) / (tokens - 1), median over requests), steady_tpot_ms (the same
+              after the load's last first token: no prefill in flight), itl_ms (median gap between streamed
               tokens), ttft_ms, running_max, running_mean, waiting_max (the engine's /metrics gauges while the
               load ran), runs: [...]}; fits_requests: requests of prompt + output tokens its KV cache holds
   comparison  [{label, kv_tokens_ratio, formula_ratio, max_concurrency_ratio, throughput_ratio: {c: ratio},
-              decode_tpot_speedup (the parent's decode TPOT over the child's), capacity_throughput_ratio}],
+              decode_tpot_speedup (the parent's decode TPOT over the child's), decode_steady_tpot_speedup (the same
+              of the steady TPOTs), capacity_throughput_ratio}],
               each child over the parent
   settle      {settled, waited_s, cores: [each second's CPU use of all servers], quiet_cores, windows} or None
   load        before, after: the 1/5/15-minute load averages around the run; cpu_count

@@ -263,6 +263,7 @@ def _point(concurrency: int, runs: list[dict]) -> dict:
         "output_tokens_per_s": median("output_tokens_per_s"),
         "total_tokens_per_s": median("total_tokens_per_s"),
         "tpot_ms": median("tpot_ms"),
+        "steady_tpot_ms": median("steady_tpot_ms"),
         "itl_ms": median("itl_ms"),
         "ttft_ms": median("ttft_ms"),
         "running_max": max((r["running_max"] for r in runs if r["running_max"] is not None), default=None),

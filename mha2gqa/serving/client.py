@@ -183,6 +183,7 @@ def timed(url: str, model: str, prompt: list[int], tokens: int) -> dict:
     response = _post(url, _request(model, prompt, tokens, stream=True), REQUEST_TIMEOUT_S)
     first = last = None
     gaps: list[float] = []
+    arrivals: list[float] = []  # the clock at each chunk that carried output (load's steady TPOT reads them)
     counted = 0
     other = ""  # the first line that is no event: what the server sent if it sent no event at all
     try:
@@ -199,20 +200,28 @@ def timed(url: str, model: str, prompt: list[int], tokens: int) -> dict:
                     gaps.append(now - last)
                 last = now
                 first = first or last
+                arrivals.append(now)
     except (OSError, http.client.IncompleteRead) as err:
         raise ServerGone(str(err)) from err
     if first is None and other and not other.startswith(":"):  # ':' opens an SSE comment
         raise ServerGarbled(f"a streamed completion was {_shown(other)}, not events (data: ...)")
     if first is None or counted == 0:
         raise ServerGone("the stream ended without a token")
-    return {"ttft_s": first - start, "end_s": last - start, "tokens": counted, "started_s": start, "gaps_s": gaps}
+    return {
+        "ttft_s": first - start,
+        "end_s": last - start,
+        "tokens": counted,
+        "started_s": start,
+        "gaps_s": gaps,
+        "arrivals_s": arrivals,
+    }
 
 
 def load(url: str, model: str, prompts: list[list[int]], tokens: int, concurrency: int) -> dict:
     """Every prompt once, `concurrency` requests in flight at a time: output tokens/s (and prompt + output
     tokens/s) over the whole run, the medians per request of the time to the first token and of the time per
-    output token after it (TPOT: (last - first) / (tokens - 1), decode alone), and the median gap between output
-    chunks over all requests (ITL)."""
+    output token after it (TPOT: (last - first) / (tokens - 1)), the same once no prompt is prefilled any more
+    (steady TPOT: steady_tpot_s), and the median gap between output chunks over all requests (ITL)."""
     done: list[dict] = []
     lock = threading.Lock()
 
@@ -231,6 +240,7 @@ def load(url: str, model: str, prompts: list[list[int]], tokens: int, concurrenc
     wall = time.perf_counter() - start
     output = sum(r["tokens"] for r in done)
     tpot = [(r["end_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]
+    steady = steady_tpot_s(done)
     gaps = [g for r in done for g in r["gaps_s"]]
     return {
         "requests": len(done),
@@ -240,5 +250,20 @@ def load(url: str, model: str, prompts: list[list[int]], tokens: int, concurrenc
         "total_tokens_per_s": (output + sum(len(p) for p in prompts)) / wall,  # prompt tokens prefilled too
         "ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in done),
         "tpot_ms": 1000 * statistics.median(tpot) if tpot else None,
+        "steady_tpot_ms": 1000 * statistics.median(steady) if steady else None,
         "itl_ms": 1000 * statistics.median(gaps) if gaps else None,
     }
+
+
+def steady_tpot_s(done: list[dict]) -> list[float]:
+    """Each request's seconds per output token after the last first token of the whole load: from then on no
+    prompt is being prefilled, so a step is decode alone. vLLM prefills long prompts in chunks between the decode
+    steps of requests already started, and TPOT from a request's own first token counts those chunks. A request
+    with fewer than two chunks after that moment gives nothing."""
+    settled = max(r["started_s"] + r["ttft_s"] for r in done)
+    found = []
+    for r in done:
+        after = [t for t in r["arrivals_s"] if t > settled]
+        if len(after) >= 2:
+            found.append((after[-1] - after[0]) / (len(after) - 1))
+    return found

@@ -93,6 +93,10 @@ def comparison(models: list[dict]) -> list[dict]:
                 },
                 # > 1: the child's decode step is that much faster (the parent's time per token over the child's)
                 "decode_tpot_speedup": _ratio(_get(parent, "decode", "tpot_ms"), _get(child, "decode", "tpot_ms")),
+                # the same once every request has its first token: no prefill chunk between the steps
+                "decode_steady_tpot_speedup": _ratio(
+                    _get(parent, "decode", "steady_tpot_ms"), _get(child, "decode", "steady_tpot_ms")
+                ),
                 "capacity_throughput_ratio": _ratio(
                     _get(child, "capacity", "output_tokens_per_s"), _get(parent, "capacity", "output_tokens_per_s")
                 ),
