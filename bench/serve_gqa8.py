@@ -102,7 +102,7 @@ def main() -> None:
 
 def table(found: dict) -> list[dict]:
     """Per model: KV tokens, max concurrency, and at the one concurrency: output and total tokens/s, time per
-    output token, time to the first token; at the decode-only point its time per output token and inter-token
+    output token (and once no prompt is prefilled any more: steady), inter-token latency, time to the first token; at the decode-only point its time per output token and inter-token
     latency, at the capacity-bound point its output tokens/s; the child's ratios over the parent beside."""
     rows = []
     for m in found["models"]:
@@ -111,14 +111,16 @@ def table(found: dict) -> list[dict]:
             "model": m["label"], "kv_heads": m["kv_heads"], "kv_tokens": m["kv"]["engine"]["tokens"],
             "max_concurrency": m["kv"]["engine"]["max_concurrency"], "concurrency": point["concurrency"],
             "output_tokens_per_s": point["output_tokens_per_s"], "total_tokens_per_s": point.get("total_tokens_per_s"),
-            "tpot_ms": point["tpot_ms"], "ttft_ms": point["ttft_ms"], "greedy_equal": m["greedy"]["equal"],
+            "tpot_ms": point["tpot_ms"], "steady_tpot_ms": point.get("steady_tpot_ms"), "itl_ms": point.get("itl_ms"),
+            "ttft_ms": point["ttft_ms"], "greedy_equal": m["greedy"]["equal"],
             "decode_tpot_ms": (m.get("decode") or {}).get("tpot_ms"),
             "decode_steady_tpot_ms": (m.get("decode") or {}).get("steady_tpot_ms"),
             "decode_itl_ms": (m.get("decode") or {}).get("itl_ms"),
             "capacity_output_tokens_per_s": (m.get("capacity") or {}).get("output_tokens_per_s"),
             "capacity_running_mean": (m.get("capacity") or {}).get("running_mean"),
         })  # fmt: skip
-    keys = ("kv_tokens", "output_tokens_per_s", "tpot_ms", "decode_tpot_ms", "decode_steady_tpot_ms", "decode_itl_ms",
+    keys = ("kv_tokens", "output_tokens_per_s", "tpot_ms", "steady_tpot_ms", "itl_ms", "decode_tpot_ms",
+            "decode_steady_tpot_ms", "decode_itl_ms",
             "capacity_output_tokens_per_s")  # fmt: skip
     for row in rows[1:]:
         row["ratios"] = {k: row[k] / rows[0][k] for k in keys if rows[0][k] and row[k]}
