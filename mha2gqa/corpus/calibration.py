@@ -77,8 +77,6 @@ def resolve_calibration(
     """`spec` checked and resolved once: every file found and of a known format, holding some text, before
     anything is read in earnest; 'austen' expanded to the embedded novels. `tokens` None: the caller's
     `defaults`, (of a text, when the parent's samples are part of it) (convert's: inputs.default_tokens)."""
-    from mha2gqa.embedded import expand_corpus_name
-
     pairs = parse_spec(spec, flag)
     if tokens is None:
         tokens = defaults[1] if any(name == PARENT for name, _ in pairs) else defaults[0]
@@ -99,7 +97,7 @@ def resolve_calibration(
         if names == [PARENT]:
             parts.append(CalibrationPart(name, (), share / sum(shares), count))
             continue
-        entries = tuple(str(p) for entry in names for p in _as_list(expand_corpus_name(entry, flag)))
+        entries = _files(names, flag)
         text = textdata.resolve(flag, list(entries))
         textdata.require_text(text)
         parts.append(CalibrationPart(name, entries, share / sum(shares), count, text))
@@ -107,8 +105,17 @@ def resolve_calibration(
     return CalibrationInput(written[0] if len(written) == 1 else written, tuple(parts), tokens, seq_len)
 
 
-def _as_list(value) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+def text_files(spec, flag: str = "--calibration") -> list[str]:
+    """What the text parts of `spec` read, in order ('austen' as the embedded novels' files), resolving nothing:
+    what a sweep suggests uptraining on. The parent's samples are no text."""
+    return list(_files([name for name, _ in parse_spec(spec, flag) if name != PARENT], flag))
+
+
+def _files(names: list[str], flag: str) -> tuple[str, ...]:
+    from mha2gqa.embedded import expand_corpus_name
+
+    expanded = (expand_corpus_name(name, flag) for name in names)
+    return tuple(str(p) for found in expanded for p in (found if isinstance(found, (list, tuple)) else [found]))
 
 
 def read_calibration(

@@ -80,6 +80,11 @@ def _entries(spec, flag: str) -> list[str]:
     return found
 
 
+def renamed(spec, rename, flag: str) -> list[str]:
+    """`spec` in the notation's words (`name`, or `name:share`) with every name passed through `rename`."""
+    return [rename(name) if share is None else f"{rename(name)}:{share:g}" for name, share in parse_spec(spec, flag)]
+
+
 def as_words(value, flag: str):
     """A mix as YAML holds it, in the notation's words (`name:share`): a {name: share} mapping, or a list of
     strings and one-entry mappings (YAML reads `[a.txt: 0.5]` and `[a.txt:, b.txt:0.5]` so), each share read
