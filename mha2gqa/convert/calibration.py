@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from mha2gqa.convert.inputs import CALIBRATION_BATCH, block_length, layers_per_pass
+from mha2gqa.convert.inputs import CALIBRATION_BATCH, block_length, default_tokens, layers_per_pass
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_MEMORY
 from mha2gqa.corpus.blocks import full_blocks
 from mha2gqa.corpus.calibration import CalibrationInput
@@ -161,19 +161,19 @@ def calibrate(
     layout: Layout,
     shape: AttentionShape,
     data,
-    tokens: int,
+    tokens: int | None,
     out_dir: Path,
     memory_bytes: int = DEFAULT_MEMORY,
     progress: bool = True,
     seed: int = 0,
 ) -> CalibrationStats:
     """Read `tokens` calibration ids of `data` (files, folders, a hub dataset, 'austen', 'parent' or a mix:
-    corpus/calibration.py) and collect statistics: what a sweep runs once and passes to every convert(...,
-    stats=...). `seed` seeds the parent's samples."""
+    corpus/calibration.py; None: convert's default) and collect statistics, to pass to every convert(..., stats=...)
+    (as a sweep does with its own). `seed` seeds the parent's samples."""
     from mha2gqa.corpus.calibration import resolve_calibration
     from mha2gqa.layouts import read_config
 
-    calibration = resolve_calibration(data, tokens, block_length(read_config(source)))
+    calibration = resolve_calibration(data, tokens, block_length(read_config(source)), default_tokens(shape.hidden))
     return statistics(calibration, source, layout, shape, out_dir, None, memory_bytes, progress, seed)
 
 
