@@ -129,48 +129,54 @@ def read_calibration(
     """The calibration ids (N,) of every part of `calibration` and what to record of them: text tokenized with
     `tokenizer` (None: the source's own), samples drawn from the parent, which `load_parent` gives (called only
     when a part samples it: a calibration of text alone never loads a model here); one part's ids as they are,
-    several parts' whole blocks in the SPREAD order. The texts are read first, so that ids the model cannot
-    embed are refused before any sampling. `seed` seeds the parent's samples."""
+    several parts' whole blocks in the SPREAD order. `seed` seeds the parent's samples."""
     from mha2gqa.corpus import sampling
     from mha2gqa.corpus.blocks import MixOrder, full_blocks, mix_blocks
-    from mha2gqa.corpus.tokens import validate_ids
-    from mha2gqa.layouts import config_vocab, read_config
+    from mha2gqa.layouts import read_config
 
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(source)
-    config = read_config(source)
-    batch = sampling.batch_for(config, calibration.seq_len)
-    texts_ids = {}
-    for index, part in enumerate(calibration.parts):
-        if not part.sampled:
-            texts = textdata.iter_texts(part.text, piece_chars=PIECE_CHARS, end_with_blank_line=True)
-            texts_ids[index] = text_ids(tokenizer, texts, part.tokens, part.name)
-            validate_ids(
-                int(texts_ids[index].max()), config_vocab(config) or None, f"--calibration {part.name}", source
-            )
+    config, seq_len = read_config(source), calibration.seq_len
+    per_part = _texts(calibration, tokenizer, config, source)  # first: ids the model cannot embed refuse sampling
     parent = _parent(load_parent) if any(part.sampled for part in calibration.parts) else None
-    per_part, parts = [], []
+    batch = sampling.batch_for(config, seq_len)
     for index, part in enumerate(calibration.parts):
         if part.sampled:
-            ids = sampling.sample_ids(
-                parent, tokenizer, part.tokens, calibration.seq_len, seed, progress=progress, batch=batch
-            )
-        else:
-            ids = texts_ids[index]
-        per_part.append(ids)
-        parts.append({"name": part.name, "share": part.share, "tokens": len(ids), "asked": part.tokens})
-        if not part.sampled:  # the files read ('austen' is the embedded novels), for the record
-            parts[-1]["files"] = list(part.entries)
+            drawn = sampling.sample_ids(parent, tokenizer, part.tokens, seq_len, seed, progress=progress, batch=batch)
+            per_part[index] = drawn
+    per_part = [per_part[index] for index in range(len(calibration.parts))]
     if len(per_part) == 1:
         ids = per_part[0]
     else:
-        ids = mix_blocks([full_blocks(p, calibration.seq_len) for p in per_part], MixOrder.SPREAD).reshape(-1)
+        ids = mix_blocks([full_blocks(p, seq_len) for p in per_part], MixOrder.SPREAD).reshape(-1)
+    parts = [_part_record(part, len(found)) for part, found in zip(calibration.parts, per_part)]
     record = {"data": calibration.spec, "tokens_requested": calibration.tokens, "parts": parts}
     if parent is not None:
-        record["sampling"] = sampling.sampling_record(parent, tokenizer, calibration.seq_len, seed, batch=batch)
+        record["sampling"] = sampling.sampling_record(parent, tokenizer, seq_len, seed, batch=batch)
     return ids, record
+
+
+def _texts(calibration: CalibrationInput, tokenizer, config: dict, source: Path) -> dict:
+    """{part index: ids} of every text part, each checked against the model's vocabulary."""
+    from mha2gqa.corpus.tokens import validate_ids
+    from mha2gqa.layouts import config_vocab
+
+    found = {}
+    for index, part in enumerate(calibration.parts):
+        if not part.sampled:
+            texts = textdata.iter_texts(part.text, piece_chars=PIECE_CHARS, end_with_blank_line=True)
+            found[index] = text_ids(tokenizer, texts, part.tokens, part.name)
+            validate_ids(int(found[index].max()), config_vocab(config) or None, f"--calibration {part.name}", source)
+    return found
+
+
+def _part_record(part: CalibrationPart, tokens: int) -> dict:
+    row = {"name": part.name, "share": part.share, "tokens": tokens, "asked": part.tokens}
+    if not part.sampled:  # the files read ('austen' is the embedded novels), for the record
+        row["files"] = list(part.entries)
+    return row
 
 
 def _parent(load_parent):
