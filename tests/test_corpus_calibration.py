@@ -30,8 +30,8 @@ def _sha(blocks: torch.Tensor) -> str:
 
 
 BEFORE = {  # the code at 485a012: blocks.interleave(_parts()) and torch.cat(_parts())
-    MixOrder.SPREAD: "SPREAD-PIN",
-    MixOrder.IN_TURN: "IN-TURN-PIN",
+    MixOrder.SPREAD: "79affd2da28ae6a37c95481633d07bfaf8c85fe778010cf4117d8a899c7c27b9",
+    MixOrder.IN_TURN: "b1b7f192eb4eb5b8935b93d10ec44618bf65768f92e33576882cadf393cd5bbc",
 }
 
 
