@@ -88,7 +88,7 @@ def test_the_notation_helpers_read_a_spec_as_the_resolver_does(tmp_path):
 
 
 # Reading a calibration spec: its notation parsed, 'austen' expanded, its text tokenized. corpus/ owns it.
-READS_A_SPEC = re.compile(r"\b(parse_spec|expand_corpus_name|first_ids)\(|def read_ids\(")
+READS_A_SPEC = re.compile(r"(?<!def )\b(parse_spec|expand_corpus_name|first_ids)\(|def read_ids\(")
 LEFT = {"uptrain/data_spec.py": "data.train, a recipe's own mix of texts, read by uptrain (no calibration)"}
 
 
@@ -101,3 +101,4 @@ def test_no_package_module_outside_corpus_reads_a_calibration_spec():
     }
     assert found == set(LEFT), "read a calibration spec with mha2gqa.corpus.calibration"
     assert READS_A_SPEC.search("    pairs = parse_spec(out['calibration'], 'calibration')")  # the shapes it finds
+    assert not READS_A_SPEC.search("def expand_corpus_name(spec, flag):")  # the helper's own definition
