@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibrated_merge import load_float32, loaded_perplexity  # noqa: E402
 from refine_real import eval_sets  # noqa: E402
 
-from mha2gqa.convert.calibration import read_ids  # noqa: E402
-from mha2gqa.convert.inputs import RefineBudget, block_length, calibration_input  # noqa: E402
+from mha2gqa.convert.inputs import RefineBudget, block_length  # noqa: E402
 from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN  # noqa: E402
 from mha2gqa.convert.refine import EXACT, GlobalFit, calibration_blocks, fit_global  # noqa: E402
+from mha2gqa.corpus.calibration import read_calibration, resolve_calibration  # noqa: E402
 from mha2gqa.layouts import layout_for, read_config  # noqa: E402
 from mha2gqa.provenance import latest  # noqa: E402
 
@@ -86,11 +86,11 @@ def main() -> None:
     if refine.get("global"):
         sys.exit(f"Error: {refined_dir} already went through the global stage; convert with --refine-global-steps 0")
     config = read_config(refined_dir)
-    data = calibration_input(
+    data = resolve_calibration(
         calibration["data"], calibration.get("tokens_requested", calibration["tokens"]), block_length(config)
     )
-    sampler = load_float32(parent_dir) if any(part.sampled for part in data.parts) else None
-    ids, _ = read_ids(parent_dir, data, sampler, calibration.get("sampling", {}).get("seed", 0))
+    seed = calibration.get("sampling", {}).get("seed", 0)
+    ids, _ = read_calibration(data, parent_dir, seed, lambda: load_float32(parent_dir))
     if hashlib.sha256(ids.numpy().tobytes()).hexdigest() != calibration["ids_sha256"]:
         sys.exit(f"Error: the calibration text of {refined_dir} tokenizes differently here: not the same blocks")
     hidden = config["hidden_size"]

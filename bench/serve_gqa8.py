@@ -1,5 +1,5 @@
 """The decode saving in vLLM: a Llama-shaped MHA model (random weights, 32 heads) and its GQA-8 conversion, both
-served at one KV budget, 64 requests of 2,048 tokens of context at once: output tokens/s, time per output token,
+served at one KV-cache memory, 64 requests of 2,048 tokens of context at once: output tokens/s, time per output token,
 and the maximum concurrency the engine reports, side by side (mha2gqa serve-bench, one run).
 
     flock -x /work/locks/cpu python bench/serve_gqa8.py --vllm-python VENV/bin/python --tokenizer SMOLLM2_DIR \\
@@ -62,7 +62,9 @@ def main() -> None:
     parser.add_argument("--work", required=True, help="folder for the two checkpoints and the servers' logs")
     parser.add_argument("--out", help="write serve-bench's JSON here")
     parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--kv-budget", default="3GiB", help="each server's KV memory (3GiB holds 64 x 2,048 of GQA-8)")
+    parser.add_argument(
+        "--kv-cache-memory", default="3GiB", help="each server's KV-cache memory (3GiB holds 64 x 2,048 of GQA-8)"
+    )
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--output-tokens", type=int, default=64)
@@ -76,7 +78,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a toy model at toy sizes: checks the script runs")
     args = parser.parse_args()
     if args.smoke:
-        args.groups, args.kv_budget, args.concurrency, args.context, args.output_tokens = 2, "16MiB", 4, 256, 8
+        args.groups, args.kv_cache_memory, args.concurrency, args.context, args.output_tokens = 2, "16MiB", 4, 256, 8
 
     from mha2gqa.serving.bench import serve_bench
     from mha2gqa.serving.options import ServeOptions
@@ -90,7 +92,7 @@ def main() -> None:
     parent = build_parent(work / name, Path(args.tokenizer), shape, "bfloat16", positions=positions)
     child = convert(parent, work / name.replace("mha", f"gqa{args.groups}"), args.groups)
     options = ServeOptions(
-        vllm_python=args.vllm_python, dtype="bfloat16", context=args.context, kv_budget=args.kv_budget,
+        vllm_python=args.vllm_python, dtype="bfloat16", context=args.context, kv_cache_memory=args.kv_cache_memory,
         concurrency=(args.concurrency,), prompt_tokens=args.prompt_tokens or args.context - args.output_tokens,
         output_tokens=args.output_tokens, waves=args.waves, repeats=args.repeats, eager=args.eager,
         logs=str(work / "logs"), greedy_tokens=16, prompts_per_domain=1, decode_concurrency=args.decode_concurrency,

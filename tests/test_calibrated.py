@@ -210,7 +210,7 @@ def test_bf16_source_keeps_its_dtype_and_dry_run_gathers_nothing(tmp_path, calib
     model.save_pretrained(tmp_path / "bf16")
     make_tiny_tokenizer(tmp_path / "bf16")
     calls = []
-    monkeypatch.setattr("mha2gqa.convert.calibration.read_ids", lambda *args: calls.append(args))
+    monkeypatch.setattr("mha2gqa.corpus.calibration.read_calibration", lambda *args, **kw: calls.append(args))
     plan = convert(
         tmp_path / "bf16", tmp_path / "dry", groups=2, method="calibrated", calibration=calibration_file, dry_run=True
     ).tensors  # dry run: the data is checked (it exists, its format is known) but not read

@@ -8,10 +8,10 @@ from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 from mha2gqa import embedded
 from mha2gqa.cli import main
-from mha2gqa.convert.calibration import GramAccumulator, calibration_ids, collect_statistics, load_source_model
-from mha2gqa.convert.inputs import calibration_input
+from mha2gqa.convert.calibration import GramAccumulator, collect_statistics, load_source_model
 from mha2gqa.convert.methods import LayerContext, mean_layer, mean_norm_layer
 from mha2gqa.corpus import textdata
+from mha2gqa.corpus.calibration import resolve_calibration, text_ids
 from mha2gqa.errors import InputError
 from mha2gqa.layouts import attention_shape, layout_for, read_config
 from mha2gqa.provenance import latest
@@ -72,14 +72,14 @@ def test_statistics_do_not_depend_on_batching_or_layer_slices(tiny, tmp_path):
     torch.testing.assert_close(one.layer(0).gram, x1.T @ x1, rtol=1e-6, atol=1e-6)
 
 
-def test_calibration_ids_take_the_first_n_tokens_and_austen_is_available():
+def test_calibration_text_ids_take_the_first_n_tokens_and_austen_is_available():
     tokenizer = make_tiny_tokenizer()
-    ids = calibration_ids(tokenizer, iter([SAMPLE_TEXT, SAMPLE_TEXT]), 50)
+    ids = text_ids(tokenizer, iter([SAMPLE_TEXT, SAMPLE_TEXT]), 50)
     assert ids.shape == (50,) and ids.tolist() == tokenizer(SAMPLE_TEXT, add_special_tokens=False)["input_ids"][:50]
     austen = textdata.resolve("--calibration", embedded.expand_corpus_name("austen"))
-    assert len(calibration_ids(tokenizer, textdata.iter_texts(austen, piece_chars=1 << 16), 2000)) == 2000
+    assert len(text_ids(tokenizer, textdata.iter_texts(austen, piece_chars=1 << 16), 2000)) == 2000
     with pytest.raises(InputError, match="--calibration-tokens 0 must be at least 1"):
-        calibration_input("austen", 0, 512)
+        resolve_calibration("austen", 0, 512)
 
 
 def test_mean_norm_rescales_each_pooled_head_to_its_group_mean_norm(tiny):

@@ -10,11 +10,11 @@ import pytest
 from click.testing import CliRunner
 
 from mha2gqa.cli import main
-from mha2gqa.convert.inputs import CalibrationInput, calibration_input
 from mha2gqa.convert.options import ConvertOptions, RefineOptions
 from mha2gqa.convert.prepare import prepare
 from mha2gqa.convert.run import convert
 from mha2gqa.corpus import textdata
+from mha2gqa.corpus.calibration import CalibrationInput, read_calibration, resolve_calibration
 from mha2gqa.corpus.mix import parse_spec, part_tokens
 from mha2gqa.errors import InputError
 
@@ -85,7 +85,7 @@ def test_the_mix_notation(spec, expected):
 )
 def test_a_bad_mix_is_refused_in_one_line(spec, message):
     with pytest.raises(InputError, match="^" + message.replace("(", r"\(")) as err:
-        calibration_input(spec, 4096, 512)
+        resolve_calibration(spec, 4096, 512)
     assert "\n" not in str(err.value)
 
 
@@ -103,17 +103,15 @@ def test_each_part_gets_its_share_in_whole_blocks():
 
 
 def test_a_mix_of_two_texts_interleaves_their_blocks_in_proportion(tmp_path, tiny_src):
-    from mha2gqa.convert.calibration import read_ids
-
     (tmp_path / "a.txt").write_text("alpha beta gamma delta. " * 400)
     (tmp_path / "b.txt").write_text("one two three four. " * 400)
     spec = [f"{tmp_path / 'a.txt'}:3", f"{tmp_path / 'b.txt'}:1"]
-    data = calibration_input(spec, 512, 64)
+    data = resolve_calibration(spec, 512, 64)
     assert [part.tokens for part in data.parts] == [384, 128] and [p.share for p in data.parts] == [0.75, 0.25]
-    ids, record = read_ids(tiny_src, data, None, 0)
+    ids, record = read_calibration(data, tiny_src)
     assert len(ids) == 512 and [p["tokens"] for p in record["parts"]] == [384, 128]
-    alone_a, _ = read_ids(tiny_src, calibration_input(str(tmp_path / "a.txt"), 384, 64), None, 0)
-    alone_b, _ = read_ids(tiny_src, calibration_input(str(tmp_path / "b.txt"), 128, 64), None, 0)
+    alone_a, _ = read_calibration(resolve_calibration(str(tmp_path / "a.txt"), 384, 64), tiny_src)
+    alone_b, _ = read_calibration(resolve_calibration(str(tmp_path / "b.txt"), 128, 64), tiny_src)
     blocks = ids.view(-1, 64)
     a_blocks, b_blocks = alone_a.view(-1, 64), alone_b.view(-1, 64)
     # 6 blocks of a at (i + 0.5) / 6, 2 of b at 0.25 and 0.75: each b after the a it ties with
@@ -216,7 +214,7 @@ def test_a_sweeps_statistics_carry_their_ids_so_refine_reads_no_text_again(tmp_p
         tiny_src, layout_for(config), attention_shape(config), "parent", 512, tmp_path / "stats", progress=False
     )
     calls = []
-    monkeypatch.setattr(calibration, "read_ids", lambda *args: calls.append(args))
+    monkeypatch.setattr("mha2gqa.corpus.calibration.read_calibration", lambda *args, **kw: calls.append(args))
     result = convert(tiny_src, tmp_path / "dst", 2, method="calibrated", stats=stats, refine=QUICK, progress=False)
     assert result.refine["layers"] and calls == []
     assert _record(tmp_path / "dst")["calibration"]["ids_sha256"] == stats.record["ids_sha256"]

@@ -22,10 +22,10 @@ QUICK = RefineOptions(steps=3, lr=2e-3, tokens=512, batch_blocks=2)
 def test_one_parent_load_and_one_tokenization(tmp_path, tiny_src, calibration_file, monkeypatch):
     """Calibration and refine share the parent and the calibration ids: each is made once per convert."""
     from mha2gqa import loading
-    from mha2gqa.convert import calibration
+    from mha2gqa.corpus import calibration
 
     counts, loaded = {"tokenize": 0}, []
-    real_load, real_ids = loading.load_causal_lm, calibration.calibration_ids
+    real_load, real_ids = loading.load_causal_lm, calibration.text_ids
 
     def load(*args, **kwargs):
         loaded.append(Path(args[0]).name)
@@ -37,7 +37,7 @@ def test_one_parent_load_and_one_tokenization(tmp_path, tiny_src, calibration_fi
 
     monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loading, "load_causal_lm", load)
-    monkeypatch.setattr(calibration, "calibration_ids", ids)
+    monkeypatch.setattr(calibration, "text_ids", ids)
     result = convert(
         tiny_src,
         tmp_path / "dst",

@@ -81,9 +81,9 @@ def _tokenizer(src):
 
 
 def _calibration(src, folder) -> dict[str, str]:
-    from mha2gqa.convert.calibration import read_ids
-    from mha2gqa.convert.inputs import RefineBudget, calibration_input
+    from mha2gqa.convert.inputs import RefineBudget
     from mha2gqa.convert.refine.buffers import calibration_blocks
+    from mha2gqa.corpus.calibration import read_calibration, resolve_calibration
 
     found = {}
     specs = {
@@ -93,7 +93,7 @@ def _calibration(src, folder) -> dict[str, str]:
         "three": ([f"{folder / 'a.txt'}:1", f"{folder / 'c.jsonl'}:1", f"{folder / 'b.txt.gz'}:2"], 5000),
     }
     for name, (spec, tokens) in specs.items():
-        ids, record = read_ids(src, calibration_input(spec, tokens, 64), None, 0, progress=False)
+        ids, record = read_calibration(resolve_calibration(spec, tokens, 64), src, progress=False)
         found[f"calibration {name}"] = _sha(ids)
         found[f"calibration {name} parts"] = json.dumps([part["tokens"] for part in record["parts"]])
         for wanted in (10**9, 1500):

@@ -84,7 +84,7 @@ def test_the_python_of_vllm_on_path_is_found_from_its_script(tmp_path):
         ({"repeats": 0}, "--repeats 0 must be at least 1"),
         ({"concurrency": (1, 0)}, "--concurrency 1,0: each value must be at least 1"),
         ({"context": 100, "prompt_tokens": 90, "output_tokens": 20}, "= 110 exceeds --context 100"),
-        ({"kv_budget": "lots"}, "--kv-budget 'lots' is not a size"),
+        ({"kv_cache_memory": "lots"}, "--kv-cache-memory 'lots' is not a size"),
     ],
 )
 def test_bad_options_are_refused_before_anything_starts(fields, fragment):
@@ -92,10 +92,20 @@ def test_bad_options_are_refused_before_anything_starts(fields, fragment):
         ServeOptions(**fields).validate()
 
 
-def test_a_budget_too_small_for_one_context_is_refused(tmp_path, converted):
+def test_a_kv_cache_too_small_for_one_context_is_refused(tmp_path, converted):
     python, child = fake_python(tmp_path), converted
-    result_ = cli("serve-bench", EMBEDDED, child, "--vllm-python", python, "--kv-budget", "1MiB", "--context", "512")
-    assert_refused(result_, "--kv-budget 1MiB holds 85 tokens of austen-mha's KV cache, fewer than --context 512")
+    args = ["--vllm-python", python, "--kv-cache-memory", "1MiB", "--context", "512"]
+    result_ = cli("serve-bench", EMBEDDED, child, *args)
+    assert_refused(result_, "--kv-cache-memory 1MiB holds 85 tokens of austen-mha's KV cache, fewer than --context 512")
+
+
+@pytest.mark.parametrize("value", ["1GiB", "35389440"])
+def test_the_old_kv_budget_flag_of_serve_bench_names_its_new_name(converted, value):
+    """serve-bench's --kv-budget took vLLM's name: the old spelling is one line naming the new one, with its value,
+    before any other check (--kv-budget is now only convert's and sweep's per-token fraction)."""
+    line = assert_refused(cli("serve-bench", EMBEDDED, converted, "--concurrency", "x", "--kv-budget", value))
+    assert line.startswith("Error: serve-bench --kv-budget is now --kv-cache-memory (each server's whole KV-cache")
+    assert f"give --kv-cache-memory {value}" in line and "concurrency" not in line
 
 
 def test_leading_equal_and_the_comparison_over_the_parent():
@@ -126,7 +136,7 @@ def converted(tmp_path_factory):
 
 def _server(tmp_path, python, mode: str, timeout: float = 60.0, port: int | None = None):
     port = port or server.free_port()
-    args = engine.ServerArgs(dtype="float32", context=256, kv_budget_bytes=2**30, eager=True)
+    args = engine.ServerArgs(dtype="float32", context=256, kv_cache_bytes=2**30, eager=True)
     found = engine.Engine(str(python), "--vllm-python", "0", "vllm")
     command = engine.server_command(found, str(EMBEDDED), "parent", port, args)
     env = {**engine.server_environment(), "FAKE_VLLM": mode}
@@ -253,7 +263,7 @@ def test_serve_bench_times_decode_alone_and_the_capacity_bound_point_after_the_s
     monkeypatch.setenv("FAKE_VLLM_TOKEN_S", "0.1")  # each request in flight for 0.8 s: the sampler sees it
     out = tmp_path / "serve.json"
     args = ["serve-bench", EMBEDDED, child_ := converted, "--vllm-python", fake_python(tmp_path), *QUICK]
-    args += ["--kv-budget", "6MiB", "--concurrency", "1", "--decode-concurrency", "2", "--repeats", "1"]
+    args += ["--kv-cache-memory", "6MiB", "--concurrency", "1", "--decode-concurrency", "2", "--repeats", "1"]
     found = cli(*args, "--prompt-tokens", "16", "--output-tokens", "8", "--out", out)
     assert found.exit_code == 0, found.output
     data = json.loads(out.read_text())

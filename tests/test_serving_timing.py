@@ -59,7 +59,11 @@ def test_the_auto_capacity_point_runs_above_the_parent_within_the_child():
     assert capacity.auto_concurrency({"p": 3, "c": 5}, "p")[0] == 5  # the child's 5 caps twice 3
     assert capacity.auto_concurrency({"p": 4, "c": 4}, "p") == (None, "no child fits more requests than the parent (4)")
     none, why = capacity.auto_concurrency({"p": 242, "c": 726}, "p")
-    assert none is None and why.startswith("the parent fits 242 requests at this --kv-budget") and "--kv-budget" in why
+    assert (
+        none is None
+        and why.startswith("the parent fits 242 requests at this --kv-cache-memory")
+        and "smaller --kv-cache-memory" in why
+    )
     assert capacity.auto_concurrency({"p": None, "c": 8}, "p")[0] is None
 
 
@@ -150,14 +154,14 @@ def test_points_that_measure_something_else_are_warned_about():
         "include another server's work",
         "p: the decode point runs 2 requests, its KV cache fits 1: its time per token includes queueing; lower "
         "--decode-concurrency",
-        "the capacity point runs 1 requests and the parent fits 1: nothing queues; lower --kv-budget or raise "
+        "the capacity point runs 1 requests and the parent fits 1: nothing queues; lower --kv-cache-memory or raise "
         "--capacity-concurrency",
     ]
     preempted = [_model("p", "parent", 2, 50.0, 10.0), _model("c", "child", 8, 40.0, 25.0)]
     preempted[0]["decode"]["runs"] = [{"preemptions": 0.0}, {"preemptions": 2.0}]
     assert result.timing_warnings(preempted, {"settle": quiet}) == [
         "p: the engine preempted requests during the decode point: its time per token includes recomputed prefills; "
-        "lower --decode-concurrency or raise --kv-budget"
+        "lower --decode-concurrency or raise --kv-cache-memory"
     ]
 
 

@@ -141,15 +141,15 @@ def test_a_startup_timeout_that_is_no_time_is_refused(value):
 
 
 @pytest.mark.parametrize("budget", ["5000TiB", "999999TiB", "9" * 400 + "GiB"])
-def test_a_kv_budget_beyond_the_machines_memory_is_refused(budget):
-    with pytest.raises(InputError, match=r"--kv-budget .*(more than this machine's memory|beyond any size)"):
-        ServeOptions(kv_budget=budget).validate()
+def test_a_kv_cache_memory_beyond_the_machines_memory_is_refused(budget):
+    with pytest.raises(InputError, match=r"--kv-cache-memory .*(more than this machine's memory|beyond any size)"):
+        ServeOptions(kv_cache_memory=budget).validate()
 
 
 def test_the_cli_refuses_nan_and_an_absurd_budget_in_one_line(converted):
     assert_refused(cli("serve-bench", EMBEDDED, converted, "--startup-timeout", "nan"), "--startup-timeout nan")
     assert_refused(
-        cli("serve-bench", EMBEDDED, converted, "--kv-budget", "100000TiB"), "more than this machine's memory"
+        cli("serve-bench", EMBEDDED, converted, "--kv-cache-memory", "100000TiB"), "more than this machine's memory"
     )
 
 

@@ -26,13 +26,24 @@ def _concurrency(ctx, param, value):
     return found
 
 
+def _renamed_kv_budget(ctx, param, value):
+    """The flag this size had before it took vLLM's name: --kv-budget is convert's and sweep's per-token fraction."""
+    if value is not None:
+        raise click.UsageError(
+            "serve-bench --kv-budget is now --kv-cache-memory (each server's whole KV-cache memory, vLLM's "
+            f"--kv-cache-memory-bytes): give --kv-cache-memory {value}",
+            ctx,
+        )
+
+
 @click.command("serve-bench", short_help="Serve PARENT and its conversions in vLLM: greedy text, KV tokens, speed.")
 @click.argument("parent")
 @click.argument("children", nargs=-1, required=True)
 @_option("--vllm-python")
 @_option("--dtype", type=click.Choice(DTYPES))
 @_option("--context", type=int)
-@_option("--kv-budget")
+@_option("--kv-cache-memory")
+@click.option("--kv-budget", hidden=True, expose_value=False, is_eager=True, callback=_renamed_kv_budget)
 @_option("--greedy-tokens", type=int)
 @_option("--prompts-per-domain", type=int)
 @_option("--concurrency", callback=_concurrency)
@@ -52,7 +63,7 @@ def serve_bench(parent, children, out, force, **options):
     """Serve PARENT and each CHILD (its conversions) with vLLM's OpenAI-compatible server, one process group
     each, and measure what the engine sees: whether its greedy text equals transformers' on prompts from every
     probe domain, how long a child's greedy text follows the parent's, the KV-cache tokens and maximum
-    concurrency the engine reports for one --kv-budget beside our formula's; then, once the servers are quiet,
+    concurrency the engine reports for one --kv-cache-memory beside our formula's; then, once the servers are quiet,
     the decode-only time per output token at --decode-concurrency (every model alike), the output tokens/s at a
     concurrency above what the parent's KV cache fits (--capacity-concurrency), and output tokens/s and time per
     output token at each --concurrency, the models in turn. Every server is stopped on every way out.
@@ -83,7 +94,7 @@ def serve_bench(parent, children, out, force, **options):
 def summary(found: dict) -> str:
     """A few lines per model for the terminal: greedy agreement, KV tokens, the speeds."""
     s = found["settings"]
-    lines = [f"vLLM {found['engine']['version']}, {s['dtype']}, KV budget {s['kv_budget_bytes']:,} bytes, "
+    lines = [f"vLLM {found['engine']['version']}, {s['dtype']}, KV cache memory {s['kv_budget_bytes']:,} bytes, "
              f"context {s['context']}:"]  # fmt: skip
     ratios = {row["label"]: row for row in found["comparison"]}
     for m in found["models"]:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,23 +23,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from mha2gqa.convert.inputs import (
-    CALIBRATION_BATCH,
-    CalibrationInput,
-    block_length,
-    calibration_input,
-    layers_per_pass,
-)
+from mha2gqa.convert.inputs import CALIBRATION_BATCH, block_length, default_tokens, layers_per_pass
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_MEMORY
-from mha2gqa.corpus import textdata
-from mha2gqa.corpus.blocks import full_blocks, interleave
-from mha2gqa.corpus.tokens import first_ids
-from mha2gqa.errors import InputError, InputWarning
+from mha2gqa.corpus.blocks import full_blocks
+from mha2gqa.corpus.calibration import CalibrationInput
 from mha2gqa.layouts import AttentionShape, Layout
 from mha2gqa.progress import progress_bar
 
 DEFAULT_MEMORY = DEFAULT_CALIBRATION_MEMORY  # bytes of accumulators held at once
-CALIBRATION_PIECE_CHARS = 1 << 16  # characters of a text file tokenized at a time
 
 
 @dataclass(frozen=True)
@@ -172,63 +161,40 @@ def calibrate(
     layout: Layout,
     shape: AttentionShape,
     data,
-    tokens: int,
+    tokens: int | None,
     out_dir: Path,
     memory_bytes: int = DEFAULT_MEMORY,
     progress: bool = True,
     seed: int = 0,
 ) -> CalibrationStats:
     """Read `tokens` calibration ids of `data` (files, folders, a hub dataset, 'austen', 'parent' or a mix:
-    convert/inputs.py) and collect statistics: what a sweep runs once and passes to every convert(...,
-    stats=...). `seed` seeds the parent's samples."""
+    corpus/calibration.py; None: convert's default) and collect statistics, to pass to every convert(..., stats=...)
+    (as a sweep does with its own). `seed` seeds the parent's samples."""
+    from mha2gqa.corpus.calibration import resolve_calibration
     from mha2gqa.layouts import read_config
 
-    calibration = calibration_input(data, tokens, block_length(read_config(source)), shape.hidden)
-    model = load_source_model(source, progress=progress)
-    ids, record = read_ids(source, calibration, model, seed, progress)
+    calibration = resolve_calibration(data, tokens, block_length(read_config(source)), default_tokens(shape.hidden))
+    return statistics(calibration, source, layout, shape, out_dir, None, memory_bytes, progress, seed)
+
+
+def statistics(
+    calibration: CalibrationInput,
+    source: Path,
+    layout: Layout,
+    shape: AttentionShape,
+    out_dir: Path,
+    device: str | None = None,
+    memory_bytes: int = DEFAULT_MEMORY,
+    progress: bool = True,
+    seed: int = 0,
+) -> CalibrationStats:
+    """The parent loaded (on `device`, None: source_device), the calibration read through it, its statistics
+    gathered: a whole calibration pass (calibrate, a sweep's once for all its candidates)."""
+    from mha2gqa.corpus.calibration import read_calibration
+
+    model = load_source_model(source, device, progress=progress)
+    ids, record = read_calibration(calibration, source, seed, lambda: model, progress=progress)
     return gather(model, calibration, ids, record, layout, shape, source, out_dir, memory_bytes, progress)
-
-
-def read_ids(source: Path, calibration: CalibrationInput, parent, seed: int, progress: bool = True):
-    """The calibration ids (N,) of every part of `calibration`, already resolved and checked (prepare), and
-    what to record of them: text tokenized with the source's tokenizer, samples drawn from the loaded
-    `parent`; the parts' blocks interleaved in proportion. The one reading of the calibration, shared by
-    the statistics and --refine."""
-    from transformers import AutoTokenizer
-
-    from mha2gqa.corpus import sampling
-    from mha2gqa.corpus.tokens import validate_ids
-    from mha2gqa.layouts import config_vocab, read_config
-
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    config = read_config(source)
-    batch = sampling.batch_for(config, calibration.seq_len)
-    texts_ids = {}  # the texts first: ids the model cannot embed are refused before any sampling
-    for index, part in enumerate(calibration.parts):
-        if not part.sampled:
-            texts = textdata.iter_texts(part.text, piece_chars=CALIBRATION_PIECE_CHARS, end_with_blank_line=True)
-            texts_ids[index] = calibration_ids(tokenizer, texts, part.tokens, part.name)
-            validate_ids(
-                int(texts_ids[index].max()), config_vocab(config) or None, f"--calibration {part.name}", source
-            )
-    per_part, parts = [], []
-    for index, part in enumerate(calibration.parts):
-        if part.sampled:
-            ids = sampling.sample_ids(
-                parent, tokenizer, part.tokens, calibration.seq_len, seed, progress=progress, batch=batch
-            )
-        else:
-            ids = texts_ids[index]
-        per_part.append(ids)
-        parts.append({"name": part.name, "share": part.share, "tokens": len(ids), "asked": part.tokens})
-        if not part.sampled:  # the files read ('austen' is the embedded novels), for the record
-            parts[-1]["files"] = list(part.entries)
-    seq_len = calibration.seq_len  # a mix: the parts' whole blocks, each part spread evenly over the text
-    ids = per_part[0] if len(per_part) == 1 else interleave([full_blocks(p, seq_len) for p in per_part]).reshape(-1)
-    record = {"data": calibration.spec, "tokens_requested": calibration.tokens, "parts": parts}
-    if any(part.sampled for part in calibration.parts):
-        record["sampling"] = sampling.sampling_record(parent, tokenizer, calibration.seq_len, seed, batch=batch)
-    return ids, record
 
 
 def gather(
@@ -243,7 +209,7 @@ def gather(
     memory_bytes: int = DEFAULT_MEMORY,
     progress: bool = True,
 ) -> CalibrationStats:
-    """The statistics of `ids` through the loaded source `model`; `record` (read_ids) says what they are."""
+    """The statistics of `ids` through the loaded source `model`; `record` (read_calibration) says what they are."""
     from mha2gqa.convert.rope import rotary_dims
 
     stats = collect_statistics(
@@ -258,22 +224,6 @@ def gather(
         progress=progress,
     )
     return replace(stats, record={**record, "rotary_dims": stats.rotary_dims, **stats.record}, ids=ids)
-
-
-def calibration_ids(tokenizer, texts: Iterator[str], tokens: int, name: str = "") -> torch.Tensor:
-    """The first `tokens` ids of the concatenated texts, (N,) int64; fewer, with one warning line naming
-    both counts, when the text runs out first."""
-    ids = first_ids(texts, tokenizer, tokens)
-    if not ids:
-        raise InputError(f"--calibration {name}: the calibration data holds no text")
-    if len(ids) < tokens:
-        warnings.warn(
-            f"--calibration {name} holds {len(ids):,} tokens, fewer than the {tokens:,} asked for: all of them are "
-            "used (give more text, or lower --calibration-tokens)",
-            InputWarning,
-            stacklevel=2,
-        )
-    return torch.tensor(ids, dtype=torch.long)
 
 
 def source_device() -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from mha2gqa.convert.options import CONVERT_FLAGS, ConvertOptions, Flag, changed_flags
-from mha2gqa.corpus.mix import PARENT, as_words, parse_spec
+from mha2gqa.corpus.mix import PARENT, as_words, renamed
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
 from mha2gqa.reading import read_yaml_mapping
@@ -158,10 +158,7 @@ def anywhere(config: dict) -> dict:
     did where it was written. A hub id, a hub dataset, `parent` and `austen` stay as they are."""
     out = {**config, "source": _absolute(config["source"])}
     if out.get("calibration") is not None:
-        pairs = parse_spec(out["calibration"], "calibration")
-        out["calibration"] = [
-            _absolute(name) if share is None else f"{_absolute(name)}:{share:g}" for name, share in pairs
-        ]
+        out["calibration"] = renamed(out["calibration"], _absolute, "calibration")
     return out
 
 

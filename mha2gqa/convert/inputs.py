@@ -1,18 +1,14 @@
-"""What a conversion reads besides the weights, resolved once in `prepare` and carried by the plan: the
-calibration input (its parts, their shares, the token count and the block length) and the blocks --refine
-fits on. Torch-free: `--dry-run` prints it, `execute` and `refine` read it and never resolve or count again.
-
---calibration is written in the mix notation (corpus/mix.py): one text, its first `--calibration-tokens`
-tokens; `parent`, text sampled from the model being converted (corpus/sampling.py); or parts with shares.
+"""What a conversion reads besides the weights, planned once in `prepare` and carried by the plan: the
+calibration's block length and default token count (corpus/calibration.py resolves and reads the text itself),
+the statistics' memory, and the blocks --refine fits on. Torch-free: `--dry-run` prints it, `execute` and
+`refine` read it and never count again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, REFINE_TOKENS_PER_HIDDEN
-from mha2gqa.corpus.mix import PARENT, parse_spec, part_tokens
-from mha2gqa.errors import InputError
 
 CALIBRATION_SEQ_LEN = 512  # tokens per calibration block, or the model's context when shorter
 CALIBRATION_BATCH = 8  # blocks per calibration forward (calibration.collect_statistics)
@@ -47,50 +43,6 @@ def stats_bytes(hidden: int) -> int:
 def layers_per_pass(memory_bytes: int, hidden: int) -> int:
     """How many layers' statistics one pass of the calibration tokens gathers within --calibration-memory."""
     return max(1, memory_bytes // stats_bytes(hidden))
-
-
-@dataclass(frozen=True)
-class CalibrationPart:
-    """One source of calibration tokens: text (a resolved textdata.TextSource) or samples of the parent."""
-
-    name: str  # as the user typed it: a path, 'austen', a hub dataset, 'parent'; several files joined by ', '
-    entries: tuple[str, ...]  # what it reads ('austen' expanded to its files); () for the parent
-    share: float  # of all the calibration tokens (1.0 for a single source)
-    tokens: int  # how many tokens it gives
-    text: object = None  # textdata.TextSource, resolved once; None for the parent's samples
-
-    @property
-    def sampled(self) -> bool:
-        return self.text is None
-
-
-@dataclass(frozen=True)
-class CalibrationInput:
-    """The calibration text of one conversion, checked and resolved once (prepare)."""
-
-    spec: str | list[str]  # as the command line writes it back (the Reproduce line)
-    parts: tuple[CalibrationPart, ...]
-    tokens: int  # --calibration-tokens: all parts together
-    seq_len: int  # tokens per block
-
-    @property
-    def mixed(self) -> bool:
-        return len(self.parts) > 1
-
-    @property
-    def sampled_tokens(self) -> int:
-        return sum(part.tokens for part in self.parts if part.sampled)
-
-    def budgeted(self, tokens: int | None) -> CalibrationInput:
-        """These resolved parts for `tokens` in all (None: as they are): what calibration_input(self.spec, tokens,
-        ...) gives, without resolving the text again (a sweep resolves its calibration once for every plan)."""
-        if tokens is None or tokens == self.tokens:
-            return self
-        pairs = parse_spec(self.spec)
-        shares = [share for _, share in pairs] if pairs[0][1] is not None else [1.0]
-        counts = part_tokens(shares, tokens, self.seq_len)
-        parts = (replace(p, share=s / sum(shares), tokens=n) for p, s, n in zip(self.parts, shares, counts))
-        return replace(self, parts=tuple(parts), tokens=tokens)
 
 
 @dataclass(frozen=True)
@@ -163,50 +115,8 @@ def heldout_targets_bytes(heldout_tokens: int, vocab: int) -> int:
     return heldout_tokens * vocab * 4
 
 
-def default_tokens(pairs: list[tuple[str, float | None]], hidden: int) -> int:
-    """--calibration-tokens when unset: 131,072 of a text; 128 x hidden when the parent's samples are part of
-    it (a sampled token costs a forward of its own: the tokens refine fits on, not more)."""
-    if any(name == PARENT for name, _ in pairs):
-        return REFINE_TOKENS_PER_HIDDEN * hidden
-    return DEFAULT_CALIBRATION_TOKENS
-
-
-def calibration_input(
-    spec, tokens: int | None, seq_len: int, hidden: int = 0, flag: str = "--calibration"
-) -> CalibrationInput:
-    """`spec` checked and resolved once: every file found and of a known format, holding some text, before
-    anything is read in earnest; 'austen' expanded to the embedded novels. `tokens` None: default_tokens
-    (which needs the model's `hidden` size)."""
-    from mha2gqa.corpus import textdata
-    from mha2gqa.embedded import expand_corpus_name
-
-    pairs = parse_spec(spec, flag)
-    if tokens is None:
-        tokens = default_tokens(pairs, hidden)
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-        raise InputError(f"--calibration-tokens {tokens} must be at least 1 (e.g. 131072)")
-    shared = pairs[0][1] is not None
-    if not shared and len(pairs) > 1 and any(name == PARENT for name, _ in pairs):
-        raise InputError(
-            f"{flag} {PARENT} samples the model, and cannot be read in order with other text: give every entry "
-            f"a share, e.g. {flag} {PARENT}:0.5 {flag} {next(n for n, _ in pairs if n != PARENT)}:0.5"
-        )
-    groups = [[name] for name, _ in pairs] if shared or pairs[0][0] == PARENT else [[name for name, _ in pairs]]
-    shares = [share for _, share in pairs] if shared else [1.0]
-    counts = part_tokens(shares, tokens, seq_len)
-    parts = []
-    for names, share, count in zip(groups, shares, counts):
-        name = ", ".join(names)
-        if names == [PARENT]:
-            parts.append(CalibrationPart(name, (), share / sum(shares), count))
-            continue
-        entries = tuple(str(p) for entry in names for p in _as_list(expand_corpus_name(entry, flag)))
-        text = textdata.resolve(flag, list(entries))
-        textdata.require_text(text)
-        parts.append(CalibrationPart(name, entries, share / sum(shares), count, text))
-    written = [f"{n}:{s:g}" for (n, s) in pairs] if shared else [n for n, _ in pairs]
-    return CalibrationInput(written[0] if len(written) == 1 else written, tuple(parts), tokens, seq_len)
-
-
-def _as_list(value) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+def default_tokens(hidden: int) -> tuple[int, int]:
+    """--calibration-tokens when unset (corpus.calibration.resolve_calibration's `defaults`): 131,072 of a text;
+    128 x hidden when the parent's samples are part of it (a sampled token costs a forward of its own: the tokens
+    refine fits on, not more)."""
+    return DEFAULT_CALIBRATION_TOKENS, REFINE_TOKENS_PER_HIDDEN * hidden

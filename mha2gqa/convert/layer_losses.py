@@ -108,11 +108,14 @@ def copy_length(seq_len: int, context) -> int:
 def measure_for(plan) -> MeasuredLosses:
     """The losses of a budget plan's parent, measured on their own (a sweep's, once for all its budgets). The parent
     is let go afterwards and loaded again by each budget's whole-placement check."""
-    from mha2gqa.convert.calibration import load_source_model, read_ids
+    from mha2gqa.convert.calibration import load_source_model
+    from mha2gqa.corpus.calibration import read_calibration
 
     options = plan.options
     parent = load_source_model(plan.source, plan.decided.device, progress=options.progress)
-    ids, record = read_ids(plan.source, plan.calibration, parent, options.seed, options.progress)
+    ids, record = read_calibration(
+        plan.calibration, plan.source, options.seed, lambda: parent, progress=options.progress
+    )
 
     def load():
         return load_source_model(plan.source, plan.decided.device, progress=False)

@@ -27,10 +27,9 @@ from mha2gqa.convert.inputs import (
     CALIBRATION_BATCH,
     GLOBAL_HELDOUT_EVERY,
     OPENING_LENGTH,
-    CalibrationInput,
     RefineBudget,
     block_length,
-    calibration_input,
+    default_tokens,
     heldout_targets_bytes,
     layers_per_pass,
     stats_bytes,
@@ -50,6 +49,7 @@ from mha2gqa.convert.plan import TensorPlan, make_plan
 from mha2gqa.convert.retrieval_keep import RETRIEVAL_WEIGHTED, keep_line, validate_weight
 from mha2gqa.convert.rope import validate_calibrated, validate_grouping, validate_refine_layout, validate_rotary_dims
 from mha2gqa.corpus import sampling
+from mha2gqa.corpus.calibration import CalibrationInput, resolve_calibration
 from mha2gqa.corpus.probe import DOMAINS
 from mha2gqa.embedded import CORPUS_NAME
 from mha2gqa.errors import InputError
@@ -459,7 +459,8 @@ def _calibration_input(
     if resolved is not None:
         calibration = resolved.budgeted(tokens)
     else:
-        calibration = calibration_input(spec, tokens, seq_len, hidden)  # missing files, unknown formats, no text: now
+        # missing files, unknown formats, no text: refused now
+        calibration = resolve_calibration(spec, tokens, seq_len, default_tokens(hidden))
     if options.refine is not None and calibration.tokens < 2 * seq_len:
         raise InputError(
             f"--refine needs at least 2 calibration blocks of {seq_len} tokens (got {calibration.tokens} tokens): "

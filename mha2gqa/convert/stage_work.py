@@ -66,16 +66,17 @@ class RunState:
         return self._parent
 
     def ids(self):
-        """The calibration ids, read once (a sweep's statistics carry theirs); their record."""
+        """The calibration ids, read once (a sweep's statistics carry theirs); their record. The parent is loaded
+        here only when the calibration samples it."""
         if self._ids is None:
             stats, plan = self.plan.stats, self.plan
             if stats is not None and stats.ids is not None and plan.options.calibration is None:
                 self._ids = stats.ids
             else:
-                from mha2gqa.convert.calibration import read_ids
+                from mha2gqa.corpus.calibration import read_calibration
 
-                self._ids, self._ids_record = read_ids(
-                    plan.source, plan.calibration, self.parent(), plan.options.seed, self.progress
+                self._ids, self._ids_record = read_calibration(
+                    plan.calibration, plan.source, plan.options.seed, self.parent, progress=self.progress
                 )
         return self._ids, self._ids_record
 

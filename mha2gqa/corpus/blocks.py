@@ -3,8 +3,9 @@
 - full_blocks: a stream's whole blocks of seq_len, the tail that fills none left out (calibration's parts,
   --refine's blocks, the batches the statistics are gathered in);
 - pack / pack_all: documents' ids with EOS after each, cut into whole blocks without padding (uptrain's text);
-- interleave: the blocks of several parts in the one order that spreads each part evenly (mix.interleaved):
-  a calibration mix, and the parent's two kinds of samples (sampling.py).
+- mix_blocks: the blocks of several parts as one, in a named order (MixOrder): the one mix builder of a
+  calibration mix, the parent's two kinds of samples (sampling.py) and uptrain's pool of several texts. Each
+  order's bytes are pinned (tests/test_corpus_calibration.py).
 
 Importing it imports no torch (the functions import it).
 """
@@ -12,9 +13,8 @@ Importing it imports no torch (the functions import it).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from enum import Enum
 from typing import TYPE_CHECKING
-
-from mha2gqa.corpus.mix import interleaved
 
 if TYPE_CHECKING:
     import numpy as np
@@ -57,10 +57,27 @@ def pack_all(docs: Iterable[list[int]], eos_id: int, seq_len: int, limit: int | 
     return torch.from_numpy(np.concatenate(chunks)[:limit])
 
 
-def interleave(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The blocks of every part, (n_i, seq_len) each, as one (sum n_i, seq_len) in mix.interleaved's order:
-    any stretch of the result holds every part in proportion."""
+class MixOrder(Enum):
+    """How the blocks of several parts follow one another in a mix."""
+
+    SPREAD = "spread"
+    """Block i of a part of n blocks at (i + 0.5) / n, ties in part order: any stretch of the result (refine's
+    subset, its held-out tail) holds every part in proportion. A calibration mix; the parent's samples."""
+    IN_TURN = "in turn"
+    """Every block of the first part, then every block of the next: uptrain's pool, which its batches shuffle."""
+
+
+def mix_blocks(parts: list[torch.Tensor], order: MixOrder) -> torch.Tensor:
+    """The blocks of every part, (n_i, seq_len) each, as one (sum n_i, seq_len) in `order`."""
     import torch
 
-    order = interleaved([len(blocks) for blocks in parts])
-    return torch.stack([parts[p][i] for p, i in order]) if order else parts[0][:0]
+    if order is MixOrder.IN_TURN:
+        return torch.cat(parts)
+    found = spread([len(blocks) for blocks in parts])
+    return torch.stack([parts[p][i] for p, i in found]) if found else parts[0][:0]
+
+
+def spread(counts: list[int]) -> list[tuple[int, int]]:
+    """(part, block) for every block of parts holding `counts` blocks, in the SPREAD order."""
+    keyed = sorted(((i + 0.5) / n, p, i) for p, n in enumerate(counts) for i in range(n))
+    return [(p, i) for _, p, i in keyed]

@@ -6,9 +6,8 @@ and uptrain's data.train write a mix the same way.
 - `parent`: text sampled from the model being converted, or uptrain's teacher (no data of the user's at
   all; sampling.py);
 - a mix: every entry with a share after a colon, `parent:0.5 austen:0.5` (percentages too, `parent:50%`);
-  the shares are normalised, and each part gives that share of the tokens in whole blocks, the parts' blocks
-  interleaved so that every stretch of the text (and refine's held-out blocks) holds each part in
-  proportion. In Python a dict says the same: {"parent": 0.5, "austen": 0.5}.
+  the shares are normalised, and each part gives that share of the tokens in whole blocks (part_tokens), the
+  parts' blocks mixed by blocks.mix_blocks. In Python a dict says the same: {"parent": 0.5, "austen": 0.5}.
 
 One reader of shares serves every place that takes a mix (convert --calibration and --config, uptrain's
 data.train, sweep --calibration): read_share, which refuses anything but a positive finite number or
@@ -81,6 +80,11 @@ def _entries(spec, flag: str) -> list[str]:
     return found
 
 
+def renamed(spec, rename, flag: str) -> list[str]:
+    """`spec` in the notation's words (`name`, or `name:share`) with every name passed through `rename`."""
+    return [rename(name) if share is None else f"{rename(name)}:{share:g}" for name, share in parse_spec(spec, flag)]
+
+
 def as_words(value, flag: str):
     """A mix as YAML holds it, in the notation's words (`name:share`): a {name: share} mapping, or a list of
     strings and one-entry mappings (YAML reads `[a.txt: 0.5]` and `[a.txt:, b.txt:0.5]` so), each share read
@@ -147,12 +151,3 @@ def part_tokens(shares: list[float], tokens: int, seq_len: int) -> list[int]:
     counts = [max(1, round(blocks * share / total)) for share in shares]
     counts[counts.index(max(counts))] += blocks - sum(counts)
     return [count * seq_len for count in counts]
-
-
-def interleaved(counts: list[int]) -> list[tuple[int, int]]:
-    """(part, block) for every block of parts holding `counts` blocks, in the one order that spreads each
-    part evenly: block i of a part of n blocks goes at (i + 0.5) / n, ties in part order. So any stretch
-    of the result, and so refine's subset and its held-out tail, holds every part in proportion (the parts
-    of a mix, and the two kinds of the parent's samples)."""
-    keyed = sorted(((i + 0.5) / n, p, i) for p, n in enumerate(counts) for i in range(n))
-    return [(p, i) for _, p, i in keyed]

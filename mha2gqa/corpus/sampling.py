@@ -186,7 +186,7 @@ def sample_ids(
     import torch
     from tqdm.auto import tqdm
 
-    from mha2gqa.corpus.blocks import interleave
+    from mha2gqa.corpus.blocks import MixOrder, mix_blocks
 
     generator = torch.Generator().manual_seed(seed)
     pool = first_token_pool(tokenizer, model.config.vocab_size)
@@ -206,7 +206,7 @@ def sample_ids(
             opening = header.expand(min(batch_size, chat - start), -1)
             chat_turns.append(sample_batch(model, opening, seq_len, 0, recipe, generator, device, bar))
     rows = [torch.cat(kind) for kind in (random_starts, chat_turns) if kind]  # (n, seq_len) of each kind
-    return interleave(rows).reshape(-1)[:tokens]
+    return mix_blocks(rows, MixOrder.SPREAD).reshape(-1)[:tokens]
 
 
 def sample_batch(model, opening, seq_len: int, greedy: int, recipe: SamplingRecipe, generator, device, bar):

@@ -79,16 +79,16 @@ def prepare(parent: str, children: list[str], out: str | None, options: ServeOpt
                 "conversions of one parent, which keep its tokenizer"
             )
     dtype = options.dtype if options.dtype != "auto" else _parent_dtype(parent, models[0].path)
-    budget = options.budget_bytes()
+    cache_bytes = options.kv_cache_bytes()
     for m in models:
-        holds = budget // m.shape.kv_bytes_per_token(dtype_bytes=_DTYPE_BYTES[dtype])
+        holds = cache_bytes // m.shape.kv_bytes_per_token(dtype_bytes=_DTYPE_BYTES[dtype])
         if holds < options.context:
             raise InputError(
-                f"--kv-budget {options.kv_budget} holds {holds:,} tokens of {m.label}'s KV cache, fewer than "
-                f"--context {options.context}: raise --kv-budget or lower --context"
+                f"--kv-cache-memory {options.kv_cache_memory} holds {holds:,} tokens of {m.label}'s KV cache, fewer "
+                f"than --context {options.context}: raise --kv-cache-memory or lower --context"
             )
     logs = Path(options.logs or f"{out or 'serve-bench'}.logs")
-    args = engine.ServerArgs(dtype=dtype, context=options.context, kv_budget_bytes=budget, eager=options.eager)
+    args = engine.ServerArgs(dtype=dtype, context=options.context, kv_cache_bytes=cache_bytes, eager=options.eager)
     found = engine.find_engine(options.vllm_python)
     for m in models:
         if m.shape.model_type == NEMOTRON_NAS:
@@ -169,7 +169,7 @@ def engine_kv(plan: ServePlan) -> dict[str, dict]:
                 f"writes them (docs/serving.md); is --vllm-python vLLM's? its log: {m.server.log}"
             ) from None
         per_token = m.shape.kv_bytes_per_token(dtype_bytes=_DTYPE_BYTES[plan.args.dtype])
-        formula = kvlog.formula_kv(per_token, plan.args.kv_budget_bytes, plan.args.context, reported["block_size"])
+        formula = kvlog.formula_kv(per_token, plan.args.kv_cache_bytes, plan.args.context, reported["block_size"])
         found[m.label] = {"engine": reported, "formula": formula, "match": reported["tokens"] == formula["tokens"]}
     return found
 

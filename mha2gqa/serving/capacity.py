@@ -75,8 +75,8 @@ def auto_concurrency(fits: dict[str, int | None], parent: str) -> tuple[int | No
     wanted = min(2 * held, most)
     if wanted > MOST_AUTO:
         return None, (
-            f"the parent fits {held} requests at this --kv-budget: a capacity point needs more than {MOST_AUTO} in "
-            "flight; pass a smaller --kv-budget, or --capacity-concurrency N"
+            f"the parent fits {held} requests at this --kv-cache-memory: a capacity point needs more than {MOST_AUTO} in "
+            "flight; pass a smaller --kv-cache-memory, or --capacity-concurrency N"
         )
     return wanted, f"twice the {held} requests the parent fits, at most the {most} a child fits"
 

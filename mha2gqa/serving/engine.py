@@ -167,23 +167,23 @@ def read_probe(stdout: str, who: str) -> dict:
 
 @dataclass(frozen=True)
 class ServerArgs:
-    """What every server of one run shares: the budget the KV numbers are read at, the dtype, the context."""
+    """What every server of one run shares: the KV-cache memory its KV numbers are read at, the dtype, the context."""
 
     dtype: str
     context: int
-    kv_budget_bytes: int
+    kv_cache_bytes: int
     eager: bool
     seed: int = 0
 
 
 def server_command(engine: Engine, model: str, name: str, port: int, args: ServerArgs) -> list[str]:
     """The command line of one server: on 127.0.0.1 only; greedy decoding as the request asks (the model's
-    generation_config.json would otherwise set default sampling and penalties); the KV budget in bytes, so the
+    generation_config.json would otherwise set default sampling and penalties); the KV-cache memory in bytes, so the
     number of KV tokens is a function of the model's KV bytes per token alone (the same flag on a GPU); no
     prefix caching, so a timed repeat of the same prompts prefills them again as the first run did."""
     command = [engine.python, "-m", SERVER_MODULE, "--model", model, "--served-model-name", name]
     command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype]
-    command += ["--max-model-len", str(args.context), "--kv-cache-memory-bytes", str(args.kv_budget_bytes)]
+    command += ["--max-model-len", str(args.context), "--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
     command += ["--seed", str(args.seed), "--generation-config", "vllm", "--no-enable-prefix-caching"]
     return command + (["--enforce-eager"] if args.eager else [])
 

@@ -27,9 +27,9 @@ class ServeOptions:
     bfloat16 or float16."""
     context: int = 2048
     """Every server's --max-model-len, the context length the maximum concurrency is stated at."""
-    kv_budget: str | int = "1GiB"
-    """KV-cache memory of every server (vLLM's --kv-cache-memory-bytes), e.g. 1GiB: the KV tokens the engine
-    reports are read at this one budget, so their ratio is the saving. At most this machine's RAM."""
+    kv_cache_memory: str | int = "1GiB"
+    """The whole KV-cache memory of every server (vLLM's --kv-cache-memory-bytes), e.g. 1GiB or 35389440: the KV
+    tokens the engine reports are read at this one size, so their ratio is the saving. At most this machine's RAM."""
     greedy_tokens: int = 32
     """Tokens of each greedy continuation compared with transformers' (and with the parent's)."""
     prompts_per_domain: int = 2
@@ -49,9 +49,9 @@ class ServeOptions:
     """Requests in flight for the decode-only time per output token (the first token left out), the same for
     every model, timed after the servers settled; 0: none. Every model should fit it (the result warns if not)."""
     capacity_concurrency: str | int = "auto"
-    """Requests in flight for the capacity-bound throughput: above what the parent's KV cache fits at --kv-budget,
+    """Requests in flight for the capacity-bound throughput: above what the parent's KV cache fits at --kv-cache-memory,
     so the parent queues what a child runs. auto: twice what the parent fits, at most what the child fits (left
-    out, with why, past 64: give a small --kv-budget); 0: none."""
+    out, with why, past 64: give a small --kv-cache-memory); 0: none."""
     settle_timeout: float = 120.0
     """Seconds to wait, before the timed points, for the servers to use under a tenth of a core together (their
     start-ups go on after /health); the wait is recorded."""
@@ -98,7 +98,7 @@ class ServeOptions:
         for what, needed in lengths:
             if needed > self.context:
                 raise InputError(f"{what} = {needed} exceeds --context {self.context}: raise --context or shorten them")
-        self.budget_bytes()
+        self.kv_cache_bytes()
 
     def capacity_requests(self) -> int | None:
         """--capacity-concurrency as a count: None for auto, 0 for none."""
@@ -115,16 +115,16 @@ class ServeOptions:
             )
         return found
 
-    def budget_bytes(self) -> int:
-        """--kv-budget in bytes: a size (units.parse_size) that this machine's memory can hold. The KV cache
+    def kv_cache_bytes(self) -> int:
+        """--kv-cache-memory in bytes: a size (units.parse_size) that this machine's memory can hold. The KV cache
         lives in RAM on a CPU and in the GPU's memory, smaller than the host's RAM on the machines vLLM runs on."""
         import psutil
 
-        budget = parse_size(self.kv_budget, "--kv-budget")
+        size = parse_size(self.kv_cache_memory, "--kv-cache-memory")
         ram = psutil.virtual_memory().total
-        if budget > ram:
+        if size > ram:
             raise InputError(
-                f"--kv-budget {self.kv_budget} ({format_bytes(budget)}) is more than this machine's memory "
-                f"({format_bytes(ram)} of RAM): no server can allocate it; give a budget that fits, e.g. 1GiB"
+                f"--kv-cache-memory {self.kv_cache_memory} ({format_bytes(size)}) is more than this machine's memory "
+                f"({format_bytes(ram)} of RAM): no server can allocate it; give a size that fits, e.g. 1GiB"
             )
-        return budget
+        return size

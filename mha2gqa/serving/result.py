@@ -145,12 +145,12 @@ def timing_warnings(models: list[dict], timed: dict) -> list[str]:
         elif decode and any(r.get("preemptions") for r in decode.get("runs", [])):  # the engine's own count
             found.append(
                 f"{m['label']}: the engine preempted requests during the decode point: its time per token includes "
-                "recomputed prefills; lower --decode-concurrency or raise --kv-budget"
+                "recomputed prefills; lower --decode-concurrency or raise --kv-cache-memory"
             )
         if m["role"] == "parent" and bound and held is not None and bound["concurrency"] <= held:
             found.append(
                 f"the capacity point runs {bound['concurrency']} requests and the parent fits {held}: nothing queues; "
-                "lower --kv-budget or raise --capacity-concurrency"
+                "lower --kv-cache-memory or raise --capacity-concurrency"
             )
     return found
 
@@ -172,7 +172,7 @@ def build(plan, options, greedy_set, references, texts, kv, points, startup, loa
     settings = {
         "dtype": plan.args.dtype,
         "context": plan.args.context,
-        "kv_budget_bytes": plan.args.kv_budget_bytes,
+        "kv_budget_bytes": plan.args.kv_cache_bytes,  # the key older results hold (eval/serve_schema.py)
         "eager": plan.args.eager,
         "greedy_tokens": options.greedy_tokens,
         "greedy_prompt_tokens": GREEDY_PROMPT_TOKENS,

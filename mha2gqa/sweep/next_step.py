@@ -9,7 +9,6 @@ from pathlib import Path
 
 from mha2gqa import provenance
 from mha2gqa.corpus.probe import parse_domains
-from mha2gqa.embedded import expand_corpus_name
 
 UPTRAIN_RECIPE = Path(__file__).resolve().parent.parent / "demo" / "demo-uptrain.yaml"
 
@@ -40,10 +39,9 @@ def uptrain_command(record: dict, row: dict) -> str:
 def _train_text(calibration) -> list[str]:
     """What the next step uptrains on: the calibration's text ('austen' as the embedded novels' files); the
     parent's samples are no uptrain data, so a calibration of them alone leaves TRAIN_TEXT for the user's."""
-    from mha2gqa.corpus.mix import PARENT, parse_spec
+    from mha2gqa.corpus.calibration import text_files
 
-    names = [name for name, _ in parse_spec(calibration) if name != PARENT]
-    return [_shown(p) for name in names for p in _as_list(expand_corpus_name(name))] or ["TRAIN_TEXT"]
+    return [_shown(p) for p in text_files(calibration)] or ["TRAIN_TEXT"]
 
 
 def _shown(path) -> str:
@@ -59,7 +57,3 @@ def pretrain_tokens(source: Path, parameters: int) -> int:
     least a pretrained model has seen."""
     trained = [s.get("tokens_seen") for s in provenance.lineage(source) if s.get("stage") == "uptrain"]
     return int(trained[-1]) if trained and isinstance(trained[-1], int) else 20 * parameters
-
-
-def _as_list(value) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -142,15 +142,11 @@ def _measure_parent(source, options: SweepOptions, record: dict, count: int, ech
 def _gather_statistics(plan, options: SweepOptions, out_dir: Path):
     """The one calibration pass of the sweep, from the calibration its plans resolved: every candidate's
     conversion reads these statistics."""
-    from mha2gqa.convert import calibration
+    from mha2gqa.convert.calibration import statistics
 
     out_dir.mkdir()
-    model = calibration.load_source_model(plan.source, plan.decided.device, progress=options.progress)
-    ids, record = calibration.read_ids(plan.source, plan.calibration, model, options.seed, options.progress)
-    layout, shape, memory = plan.layout, plan.shape, plan.calibration_memory
-    return calibration.gather(
-        model, plan.calibration, ids, record, layout, shape, plan.source, out_dir, memory, options.progress
-    )
+    where = (plan.layout, plan.shape, out_dir, plan.decided.device, plan.calibration_memory)
+    return statistics(plan.calibration, plan.source, *where, options.progress, options.seed)
 
 
 def _measure(source, options, candidates, plans, record, out: Path, run: tuple):

@@ -20,6 +20,7 @@ import hashlib
 import torch
 
 from mha2gqa.corpus import sampling
+from mha2gqa.corpus.blocks import MixOrder, mix_blocks
 from mha2gqa.corpus.mix import part_tokens
 from mha2gqa.errors import InputError
 from mha2gqa.uptrain import copy_task, sample_cache
@@ -84,7 +85,7 @@ def build(
     evals += evals_of
     eval_blocks = torch.cat([e for e in evals if len(e)])
     eval_record["blocks"] = len(eval_blocks)
-    blocks = torch.cat(pool)
+    blocks = mix_blocks(pool, MixOrder.IN_TURN)  # the batches shuffle it; marks follow the same order
     train = MemoryBatches(blocks, recipe.micro_batch_size, 0, 1, recipe.seed, marks)  # this process's own pool
     record = {"train": list(cfg.train), "seq_len": seq_len, "parts": rows, "eval": eval_record}
     if teacher is not None and any(p.sampled for p in parts):

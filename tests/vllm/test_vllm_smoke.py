@@ -26,7 +26,7 @@ def test_the_embedded_model_and_its_gqa2_child_serve_in_vllm_as_transformers_dec
     out = tmp_path / "serve.json"
     args = ["serve-bench", EMBEDDED, child, "--vllm-python", sys.executable, "--eager", "--context", "256"]
     args += ["--concurrency", "1,4", "--repeats", "1", "--prompt-tokens", "32", "--output-tokens", "16"]
-    args += ["--kv-budget", "6MiB", "--decode-concurrency", "2"]
+    args += ["--kv-cache-memory", "6MiB", "--decode-concurrency", "2"]
     found = cli(*args, "--startup-timeout", "600", "--out", out)
     assert found.exit_code == 0, found.output
     data = json.loads(out.read_text())
