@@ -81,6 +81,5 @@ def validate_text_ids(ids: torch.Tensor, vocab: int, name: str, tokenizer: str =
     if high >= vocab:
         raise InputError(
             f"{tokenizer} gives id {high} on the {name} text, outside its vocabulary of {vocab} tokens (the "
-            f"model's config.json vocab_size={vocab}): the tokenizer does not belong to the model; pass the model's "
-            "own with --tokenizer"
+            f"model's config.json vocab_size={vocab}): the tokenizer does not belong to the model"
         )

@@ -105,8 +105,8 @@ class EvalOptions:
     prompts) and keep its numbers in the result: a speed-up is computed only from speeds measured together,
     never from two runs at different times and loads."""
     kv_cache: bool = True
-    """Measure the live KV cache's bytes per token against the formula (in Python only: convert's check, which
-    reads no cache, turns it off)."""
+    """Measure the live KV cache's bytes per token against the formula (--no-kv-cache skips it, as convert's check
+    does)."""
     kv_batch: int = 2
     """Batch of the prefill whose live KV cache is measured."""
     kv_tokens: int = 32

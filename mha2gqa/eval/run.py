@@ -52,13 +52,13 @@ def evaluate(
     o = options
     torch.manual_seed(o.seed)
     found = _inputs(model_path, o)
-    if isinstance(o.reference, TopReference) and found.reference_tops is None:  # one model in memory at a time
+    if isinstance(o.reference, TopReference) and found.texts and found.reference_tops is None:  # alone in memory
         bar = o.progress and Path(str(o.reference)).name
         found.reference_tops = score_tops(
             o.reference, found.texts, found.context, found.stride, found.dtype, found.device, bar
         )
     model = M.load_model(found.model_dir, found.dtype, found.device, o.progress)
-    ref_model = None  # a reference known by its top tokens is loaded only if its numbers must be scored (Loaded)
+    ref_model = None  # a TopReference: loaded when its numbers are scored (above) or retrieval asks it (Loaded)
     if found.ref_dir and not isinstance(o.reference, TopReference):
         ref_model = M.load_model(found.ref_dir, found.dtype, found.device, o.progress, "--reference")
     clock.begin(lambda: eval_estimate(found, o))  # once the weights are checked: a refusal stays one line
