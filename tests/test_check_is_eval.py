@@ -44,8 +44,10 @@ def test_the_checks_numbers_are_evals_on_the_same_models_and_tokens(tmp_path, mo
     """A tiny parent whose whole vocabulary (128) is within the check's top tokens: the check's KL, top-1 and
     perplexities are eval's agreement() on the same windows of the same probe ids."""
     from tiny_models import make_tiny_tokenizer, save_tiny_model
+    from transformers import AutoTokenizer
 
-    from mha2gqa.convert.check_run import probe_ids
+    from mha2gqa.convert.check_run import eval_options
+    from mha2gqa.eval.run import read_texts
     from mha2gqa.loading import load_causal_lm
     from mha2gqa.scoring.agreement import agreement
 
@@ -57,8 +59,10 @@ def test_the_checks_numbers_are_evals_on_the_same_models_and_tokens(tmp_path, mo
     plan, record = result.plan.check, result.check
     assert record["top_k"] == 128 and set(record["domains"]) == set(plan.domains)
     parent, child = load_causal_lm(src, progress=False), load_causal_lm(dst, progress=False)
-    for name, ids in probe_ids(src, plan).items():
-        agreed, ppl, parent_ppl = agreement(child, parent, ids, plan.window, plan.window)
+    probe = read_texts(eval_options(plan, None, False), AutoTokenizer.from_pretrained(src))  # SRC's tokenizer
+    assert set(probe) == set(plan.domains) and all(t.ids.numel() == plan.tokens for t in probe.values())
+    for name, text in probe.items():
+        agreed, ppl, parent_ppl = agreement(child, parent, text.ids, plan.window, plan.window)
         row = record["domains"][name]
         assert row["kl_mean"] > 1e-4  # a random tiny model's logits are near uniform: small, not zero
         # the same formula on the same float32 log-probabilities, summed in another order: within rounding
@@ -66,6 +70,39 @@ def test_the_checks_numbers_are_evals_on_the_same_models_and_tokens(tmp_path, mo
         assert row["top1_agreement"] == agreed["top1_agreement"] and row["tokens"] == agreed["tokens"]
         assert row["perplexity"] == pytest.approx(ppl["perplexity"], rel=1e-6)
         assert row["parent_perplexity"] == pytest.approx(parent_ppl["perplexity"], rel=1e-6)
+
+
+def test_the_check_is_one_evaluate_call_on_the_probe_with_the_parent_known_by_its_top_tokens(tmp_path, monkeypatch):
+    """convert's check runs nothing of its own: one evaluate of DST, the probe domains as its data (the plan's
+    tokens, window and device), SRC as a reference known by its top tokens; a calibrated conversion's parent, in
+    memory already, is scored as it is, never loaded again (one load of SRC, one of DST, in the whole run)."""
+    from tiny_models import make_tiny_tokenizer, save_tiny_model
+
+    import mha2gqa.eval as E
+    from mha2gqa import loading
+    from mha2gqa.corpus.probe import probe_paths
+    from mha2gqa.eval.reference_tops import TopReference
+
+    monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path / "cache"))
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    save_tiny_model(src, "llama", max_position_embeddings=64)
+    make_tiny_tokenizer(src)
+    calls, loads = [], []
+    evaluate, load = E.evaluate, loading.load_causal_lm
+    monkeypatch.setattr(E, "evaluate", lambda *a, **k: calls.append((a, k)) or evaluate(*a, **k))
+    monkeypatch.setattr(loading, "load_causal_lm", lambda path, *a, **k: loads.append(path) or load(path, *a, **k))
+    result = convert(src, dst, 2, method="calibrated", progress=False)
+    plan, record = result.plan.check, result.check
+    ((args, kwargs),) = calls
+    o = kwargs["options"]
+    assert isinstance(o.reference, TopReference) and o.reference.name == "SRC" and o.reference.path == src
+    assert o.reference.model is not None  # calibration's parent
+    assert o.domains == probe_paths() and o.max_tokens == plan.tokens and o.context == o.stride == plan.window
+    assert o.device == plan.device == record["device"] and o.speed is None and not o.kv_cache and o.out is None
+    assert not o.retrieval and "retrieval" not in record and record["parent_cached"] is False
+    assert sorted(Path(p).name for p in loads) == sorted([src.name, Path(args[0]).name])
+    rows = record["domains"].values()  # 512 tokens in 8 windows of 64 side by side, 63 scored each
+    assert set(record["domains"]) == set(plan.domains) and all(r["tokens"] == 504 for r in rows)
 
 
 # "check" names one thing: convert's quality check of the child against the parent. Input validation is

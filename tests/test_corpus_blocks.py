@@ -157,14 +157,18 @@ def _attention_maps(src) -> dict[str, str]:
 
 
 def _check(src) -> dict[str, str]:
+    """convert's check: the probe domains as eval reads them for it (check_run.eval_options), SRC's tokenizer."""
     from mha2gqa.convert.check import CheckPlan
-    from mha2gqa.convert.check_run import probe_ids
+    from mha2gqa.convert.check_run import eval_options
     from mha2gqa.corpus.probe import DOMAINS
+    from mha2gqa.eval.reference_tops import TopReference
+    from mha2gqa.eval.run import read_texts
 
     found = {}
     for tokens in (300, 4096):
-        ids = probe_ids(src, CheckPlan(tokens, 128, DOMAINS, 0.0))
-        found.update({f"check {name} {tokens}": _sha(t) for name, t in ids.items()})
+        options = eval_options(CheckPlan(tokens, 128, DOMAINS, 0.0), TopReference(src, 512), False)
+        texts = read_texts(options, _tokenizer(src))
+        found.update({f"check {name} {tokens}": _sha(t.ids) for name, t in texts.items()})
     return found
 
 

@@ -89,6 +89,7 @@ def _str_list(ctx, param, value):
 @_option("--repeats", type=int)
 @_option("--decode-path", type=click.Choice([p.value for p in DecodePath]), choices=choice_docs(DecodePath))
 @_option("--speed-side-by-side", is_flag=True)
+@_option("--kv-cache/--no-kv-cache", field="kv_cache", is_flag=True)
 @_option("--kv-batch")
 @_option("--kv-tokens")
 @_option("--attention-maps", "attention_text")

@@ -1,6 +1,7 @@
 """What a conversion kept, said at its end: the parent and the converted model scored on the first tokens of
 every probe-set domain, one verdict, and the next command to run. Torch-free (prepare plans it, `--dry-run`
-lists it with its cost); check_run.py runs it with eval's scorer, check_cache.py keeps the parent's numbers.
+lists it with its cost); check_run.py runs it as one `evaluate` against the parent, check_cache.py keeps the
+parent's numbers.
 
 Mean-pooling a real model (the GQA paper's recipe, a start for uptraining) gives 1,141x its parent's perplexity
 on SmolLM2 3 -> 1 kv heads, and finishes in a second with "KV cache 3x smaller". A user learns what that model
@@ -45,7 +46,7 @@ class CheckPlan:
     parts: tuple = ()  # its work (estimates.check_parts), which the estimate adds
     device: str = "cpu"  # where both models are scored: the plan's decision, never asked again at run time
     retrieval: bool = (
-        False  # --check-retrieval: eval's retrieval probe on both models too (check_run.retrieval_section)
+        False  # --check-retrieval: eval's retrieval probe on both models too (eval --retrieval's measurement)
     )
 
     def describe(self) -> str:

@@ -1,5 +1,6 @@
 """The parent's numbers of convert's check (check_run.py), kept per parent so that a second conversion of it scores
-only the converted model: its perplexity result and top tokens (scoring/agreement.py's TopTokens) per probe domain.
+only the converted model: its summed loss and top tokens per probe domain (eval/reference_tops.py's DomainTops,
+what eval compares the converted model with in their place).
 
 One safetensors file per parent and settings in mha2gqa.cache.cache_dir() / "check", named by the parent's model
 key first (check.parent_cached finds it) and keyed by the parent's fingerprint (config, tokenizer, weight files'
@@ -22,20 +23,12 @@ import torch
 from mha2gqa import jsontext
 from mha2gqa.cache import cache_dir, model_digest
 from mha2gqa.errors import InputError
+from mha2gqa.eval.reference_tops import DomainTops
 from mha2gqa.scoring.agreement import TopTokens
 from mha2gqa.writing import write_atomic
 
 CACHE_VERSION = 2  # bump when what the cache holds or how it is computed changes (2: eval's scorer, sampled bytes)
 SUM_TOLERANCE = 1e-3  # a row's probabilities (its top tokens and the rest) sum to 1 within this
-
-
-@dataclass
-class ParentScores:
-    """One domain's parent numbers: its summed NLL over `tokens` scored positions and its top tokens there."""
-
-    nll: float
-    tokens: int
-    top: TopTokens
 
 
 @dataclass(frozen=True)
@@ -61,7 +54,7 @@ def path_of(key: str) -> Path:
     return cache_dir() / "check" / f"{key}.safetensors"
 
 
-def load(key: str, expected: Expected) -> dict[str, ParentScores] | None:
+def load(key: str, expected: Expected) -> dict[str, DomainTops] | None:
     """The cached numbers when present and valid, else None (scored again)."""
     from safetensors import SafetensorError, safe_open
 
@@ -82,18 +75,18 @@ def load(key: str, expected: Expected) -> dict[str, ParentScores] | None:
     return scores if all(problem(name, s, expected) is None for name, s in scores.items()) else None
 
 
-def _entry(row, ids: torch.Tensor, coarse: torch.Tensor) -> ParentScores:
+def _entry(row, ids: torch.Tensor, coarse: torch.Tensor) -> DomainTops:
     if not isinstance(row, dict):
         raise TypeError("a domain's numbers are not an object")
-    return ParentScores(row.get("nll"), row.get("tokens"), TopTokens(ids, coarse))
+    return DomainTops(row.get("nll"), row.get("tokens"), TopTokens(ids, coarse))
 
 
-def problem(name: str, scores: ParentScores, expected: Expected) -> str | None:
+def problem(name: str, scores: DomainTops, expected: Expected) -> str | None:
     """What is wrong with one domain's numbers, or None: the same rules for a cache entry and for a fresh one."""
     return _form_problem(name, scores, expected) or _value_problem(name, scores, expected.targets[name])
 
 
-def _form_problem(name: str, scores: ParentScores, expected: Expected) -> str | None:
+def _form_problem(name: str, scores: DomainTops, expected: Expected) -> str | None:
     nll, tokens, ids, coarse = scores.nll, scores.tokens, scores.top.ids, scores.top.coarse
     rows = expected.targets[name].numel()
     if not _finite_number(nll) or nll < 0:
@@ -110,7 +103,7 @@ def _form_problem(name: str, scores: ParentScores, expected: Expected) -> str | 
     return None
 
 
-def _value_problem(name: str, scores: ParentScores, targets: torch.Tensor) -> str | None:
+def _value_problem(name: str, scores: DomainTops, targets: torch.Tensor) -> str | None:
     """The numbers agree with each other: each row's probabilities sum to 1, most likely first, and the summed loss
     is what the top tokens give the targets (exactly where every target is among them, at least otherwise: a
     target outside them is no likelier than the last of them or the rest)."""
@@ -137,7 +130,7 @@ def _finite_number(value) -> bool:
         return False
 
 
-def save(key: str, scores: dict[str, ParentScores]) -> None:
+def save(key: str, scores: dict[str, DomainTops]) -> None:
     """Best effort: a cache that cannot be written costs the next check the parent's forward, nothing else."""
     from safetensors.torch import save as to_bytes
 

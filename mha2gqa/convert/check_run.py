@@ -1,6 +1,8 @@
-"""convert's check, run (convert/check.py plans it): the parent and the converted model scored on the first
-tokens of every probe domain by eval's scorer (scoring/agreement.py: its windows, perplexity, top-1 agreement and
-kl.py's KL, under eval's names), the parent's numbers read from check_cache.py when they are there and valid.
+"""convert's check, run (convert/check.py plans it): one `evaluate` of the converted model against the parent on
+the first tokens of every probe domain (the probe as eval's --data, eval's windows, perplexity, top-1 agreement and
+kl.py's KL under eval's names, and with --check-retrieval eval's retrieval probe), the parent given as a reference
+known by its top tokens (eval/reference_tops.py): its numbers read from check_cache.py when they are there and
+valid, else scored by eval once and kept there.
 
 The check only ever adds to a conversion: run_check_or_skip is the one boundary around it, so whatever fails
 inside (a tokenizer that cannot be read or gives ids beyond the vocabulary, a model transformers cannot build,
@@ -13,25 +15,20 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from mha2gqa.convert import check_cache
 from mha2gqa.convert.check import CheckPlan, verdict
-from mha2gqa.corpus import textdata
 from mha2gqa.corpus.probe import probe_paths
-from mha2gqa.corpus.tokens import joined, stream_ids
 from mha2gqa.errors import InputError, InputWarning, first_line
-from mha2gqa.layouts import config_vocab, read_config
-from mha2gqa.scoring.agreement import agreement_with_top, reference_top
+from mha2gqa.eval.reference_tops import DomainTops, TopReference
 from mha2gqa.scoring.perplexity import windows
-from mha2gqa.units import counted
 
 TOP_K = 512  # the parent's tokens kept per position in the cache: the KL is exact up to this vocabulary size
-CHARS_PER_TOKEN = 16  # read this many characters a token of a domain's text at most (no tokenizer does worse)
+RETRIEVAL_SEED = 0  # eval's default --seed: the check asks eval's questions, so its recall is eval --retrieval's
+_RETRIEVAL_KEYS = ("items", "recall", "reference_recall", "answer_probability_kept")
 
 
 class CheckFailed(Exception):
@@ -52,85 +49,103 @@ def _described(err: BaseException) -> str:
     return f"{type(err).__name__}: {first_line(err, 300, default='no message')}"
 
 
-@contextmanager
-def _step(what: str) -> Iterator[None]:
-    """Name the step a library's error came from (an InputError names its value already)."""
-    try:
-        yield
-    except (InputError, CheckFailed):
-        raise
-    except Exception as err:
-        raise CheckFailed(f"{what}: {_described(err)}") from err
-
-
 def run_check(src: Path, dst: Path, plan: CheckPlan, progress: bool = True, parent_model=None) -> dict:
-    """Score the parent (or read its cached numbers) and the converted model in `dst`; the record that
-    mha2gqa.json keeps, the card shows and the command prints. `parent_model`: the parent as calibration
+    """Evaluate the converted model in `dst` against the parent (its numbers cached, or scored by eval); the record
+    that mha2gqa.json keeps, the card shows and the command prints. `parent_model`: the parent as calibration
     loaded it (float32, on the CPU), scored as it is instead of loaded again."""
-    from mha2gqa.progress import progress_bar
+    from mha2gqa.eval import evaluate
 
     started = time.perf_counter()
     device = plan.device  # prepare decided it (CheckPlan.device)
     dtype = torch.float32 if device == "cpu" else "auto"  # CPU matmuls in half precision are slow and inexact
-    vocab = config_vocab(read_config(src))
-    with _step("reading the probe texts with SRC's tokenizer"):
-        ids = probe_ids(src, plan)
-    expected = _expected(ids, plan.window, vocab)
-    key = check_cache.fingerprint(src, f"k{TOP_K} w{plan.window} {device} {dtype}", ids)
-    parent = check_cache.load(key, expected)
-    cached = parent is not None
-    bar = progress_bar(len(ids) * (1 if cached else 2), "check", progress, unit="domain")
+    parent = CachedParent(src, f"k{TOP_K} w{plan.window} {device} {dtype}", parent_model)
     try:
-        if parent is None:
-            with _step("scoring SRC"):
-                parent = _score_parent(src, ids, plan.window, dtype, device, parent_model, bar)
-            _require_valid(parent, expected)
-            check_cache.save(key, parent)
-        with _step("scoring the converted model"):
-            domains = _score_child(dst, ids, plan.window, dtype, device, parent, bar)
-    finally:
-        bar.close()  # before a skip's warning line, not under it
+        result = evaluate(dst, options=eval_options(plan, parent, progress))
+    except (InputError, CheckFailed):  # each names its value already
+        raise
+    except Exception as err:
+        raise CheckFailed(f"the eval of DST against SRC: {_described(err)}") from err
+    domains = {
+        name: _row(d["perplexity"], d["agreement"], parent.numbers[name]) for name, d in result["domains"].items()
+    }
     found = verdict({name: row["ratio"] for name, row in domains.items()})
-    retrieval = None
-    if plan.retrieval:
-        with _step("the retrieval probe"):
-            retrieval = retrieval_section(src, dst, dtype, device, parent_model)
     return {
         "tokens_per_domain": plan.tokens,
         "window": plan.window,
-        "top_k": expected.top_k,  # TOP_K, or the whole vocabulary when smaller: then the KL is the full one
+        "top_k": parent.expected.top_k,  # TOP_K, or the whole vocabulary when smaller: then the KL is the full one
         "device": device,
-        "parent_cached": cached,
+        "parent_cached": parent.cached,
         "domains": domains,
         "verdict": found.kind,
         "verdict_line": found.line,
         "lossy": list(found.lossy),
-        **({"retrieval": retrieval} if retrieval is not None else {}),
+        **({"retrieval": _retrieval(result["retrieval"])} if plan.retrieval else {}),
         "seconds": round(time.perf_counter() - started, 1),
     }
 
 
-RETRIEVAL_SEED = 0  # eval's default --seed: the check asks eval's questions, so its recall is eval --retrieval's
-_RETRIEVAL_KEYS = ("items", "recall", "reference_recall", "answer_probability_kept")
+def eval_options(plan: CheckPlan, parent: TopReference, progress: bool):
+    """What the check asks eval: the probe domains' first plan.tokens tokens as --data, read with SRC's tokenizer
+    (the reference's), in windows of plan.window side by side, one at a time, on the plan's device; the retrieval
+    probe at eval's defaults when planned; no decode speed, no KV cache measurement, nothing written."""
+    from mha2gqa.eval.options import EvalOptions
+
+    return EvalOptions(
+        data={name: path for name, path in probe_paths().items() if name in plan.domains},
+        reference=parent,
+        max_tokens=plan.tokens,
+        context=plan.window,
+        stride=plan.window,
+        batch_size=1,
+        dtype="float32" if plan.device == "cpu" else "auto",
+        device=plan.device,
+        speed_preset=None,
+        kv_cache=False,
+        retrieval=plan.retrieval,
+        seed=RETRIEVAL_SEED,
+        label="DST",
+        progress=progress,
+    )
 
 
-def retrieval_section(src: Path, dst: Path, dtype, device: str, parent_model=None) -> dict:
-    """--check-retrieval: eval's retrieval probe at its defaults (scoring/retrieval*.py) on DST beside SRC, the
-    same questions for both: recall overall and per context length, and SRC's answer probability kept."""
-    from transformers import AutoTokenizer
+class CachedParent(TopReference):
+    """SRC as the check's reference: its numbers from check_cache.py when there and valid, else scored by eval, held
+    to the same rules (check_cache.problem) and kept."""
 
-    from mha2gqa.loading import load_causal_lm
-    from mha2gqa.scoring.retrieval import answer_scores, summarize
-    from mha2gqa.scoring.retrieval_items import build_items, probe_grid
+    def __init__(self, src: Path, settings: str, model=None):
+        super().__init__(src, TOP_K, model, "SRC")
+        self.settings = settings  # the cache key's: the check's window, device and dtype
+        self.numbers: dict[str, DomainTops] = {}
+        self.cached = False
+        self.expected: check_cache.Expected | None = None
+        self.key = ""
 
-    tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
-    grid = probe_grid(None, None, None, RETRIEVAL_SEED, read_config(src).get("max_position_embeddings"))
-    items = build_items(tokenizer, grid)
-    parent = parent_model or load_causal_lm(src, "SRC", progress=False, dtype=dtype)
-    theirs = answer_scores(parent.to(device).eval(), items, device)
-    del parent
-    child = load_causal_lm(dst, "the converted model", progress=False, dtype=dtype).to(device).eval()
-    found = summarize(grid, items, answer_scores(child, items, device), theirs)
+    def known(self, ids: dict[str, torch.Tensor], context: int, stride: int, vocab: int) -> dict | None:
+        targets = {name: _targets(t, context, stride) for name, t in ids.items()}
+        self.expected = check_cache.Expected(targets, vocab, min(self.top_k, vocab))
+        self.key = check_cache.fingerprint(self.path, self.settings, ids)
+        found = check_cache.load(self.key, self.expected)
+        self.cached = found is not None
+        self.numbers = found or {}
+        return found
+
+    def scored(self, numbers: dict[str, DomainTops]) -> None:
+        for name, scores in numbers.items():
+            problem = check_cache.problem(name, scores, self.expected)
+            if problem is not None:
+                raise CheckFailed(f"SRC's own numbers cannot be compared with: {problem}")
+        check_cache.save(self.key, numbers)
+        self.numbers = numbers
+
+
+def _targets(ids: torch.Tensor, context: int, stride: int) -> torch.Tensor:
+    """The ids eval's windows score, in order (the rows of the parent's numbers)."""
+    return torch.cat([ids[w.end - w.scored : w.end] for w in windows(ids.numel(), context, stride)])
+
+
+def _retrieval(found: dict) -> dict:
+    """eval's retrieval section, as much of it as the check records: recall overall and per context length, SRC's
+    beside it, SRC's answer probability kept, and the questions' grid and seed."""
     return {
         **{key: found[key] for key in _RETRIEVAL_KEYS},
         "lengths": [{"length": x["length"], **{key: x[key] for key in _RETRIEVAL_KEYS}} for x in found["lengths"]],
@@ -139,78 +154,7 @@ def retrieval_section(src: Path, dst: Path, dtype, device: str, parent_model=Non
     }
 
 
-def probe_ids(src: Path, plan: CheckPlan) -> dict[str, torch.Tensor]:
-    """The first plan.tokens ids of each probe domain, tokenized as eval tokenizes a text (corpus/tokens.py)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
-    ids = {}
-    for name, path in probe_paths().items():
-        if name not in plan.domains:
-            continue
-        text = joined(textdata.iter_texts(textdata.resolve("--data", [path])))[: CHARS_PER_TOKEN * plan.tokens]
-        ids[name] = stream_ids(text, tokenizer, plan.tokens)
-    return ids
-
-
-def _expected(ids: dict[str, torch.Tensor], window: int, vocab: int) -> check_cache.Expected:
-    """What the parent's numbers on `ids` must look like; refuses ids a forward cannot take."""
-    if vocab < 1:
-        raise CheckFailed("SRC's config.json gives no vocab_size to check the tokenizer's ids against")
-    for name, domain_ids in ids.items():
-        if domain_ids.numel() < 2:
-            raise CheckFailed(
-                f"SRC's tokenizer gives {counted(domain_ids.numel(), 'token')} for the {name} text, fewer than 2"
-            )
-        low, high = int(domain_ids.min()), int(domain_ids.max())
-        if low < 0 or high >= vocab:
-            raise CheckFailed(
-                f"SRC's tokenizer gives id {high if high >= vocab else low} on the {name} text, outside its "
-                f"vocabulary of {vocab} tokens (config.json vocab_size): the tokenizer does not belong to the model"
-            )
-    return check_cache.Expected({name: _targets(t, window) for name, t in ids.items()}, vocab, min(TOP_K, vocab))
-
-
-def _targets(ids: torch.Tensor, window: int) -> torch.Tensor:
-    """The ids eval's windows of `window` tokens score, in order (the rows of the parent's numbers)."""
-    return torch.cat([ids[w.end - w.scored : w.end] for w in windows(ids.numel(), window, window)])
-
-
-def _require_valid(parent: dict[str, check_cache.ParentScores], expected: check_cache.Expected) -> None:
-    for name, scores in parent.items():
-        problem = check_cache.problem(name, scores, expected)
-        if problem is not None:
-            raise CheckFailed(f"SRC's own numbers cannot be compared with: {problem}")
-
-
-def _score_parent(src, ids, window, dtype, device, parent_model, bar) -> dict[str, check_cache.ParentScores]:
-    from mha2gqa.loading import load_causal_lm
-
-    model = parent_model or load_causal_lm(src, "SRC", progress=False, dtype=dtype)
-    model = model.to(device).eval()
-    parent = {}
-    for name, domain_ids in ids.items():
-        result, top = reference_top(model, domain_ids, window, window, TOP_K)
-        parent[name] = check_cache.ParentScores(
-            result["nll_per_token"] * result["tokens_scored"], result["tokens_scored"], top
-        )
-        bar.update(1)
-    return parent
-
-
-def _score_child(dst, ids, window, dtype, device, parent, bar) -> dict[str, dict]:
-    from mha2gqa.loading import load_causal_lm
-
-    model = load_causal_lm(dst, "the converted model", progress=False, dtype=dtype).to(device).eval()
-    domains = {}
-    for name, domain_ids in ids.items():
-        agreement, perplexity = agreement_with_top(model, domain_ids, window, window, parent[name].top)
-        domains[name] = _row(perplexity, agreement, parent[name])
-        bar.update(1)
-    return domains
-
-
-def _row(perplexity: dict, agreement: dict, parent: check_cache.ParentScores) -> dict:
+def _row(perplexity: dict, agreement: dict, parent: DomainTops) -> dict:
     """One domain's numbers under eval's names, with the perplexity ratio the verdict reads."""
     nll = perplexity["nll_per_token"] * perplexity["tokens_scored"]
     row = {

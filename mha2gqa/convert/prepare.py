@@ -58,12 +58,12 @@ from mha2gqa.estimates import (
     STORED,
     ConvertWork,
     Estimate,
-    Part,
     RefineWork,
     StageCost,
     check_parts,
     convert_line,
     convert_parts,
+    retrieval_part,
 )
 from mha2gqa.estimates.costs import RUNTIME_BYTES as EVAL_RUNTIME_BYTES
 from mha2gqa.estimates.stages import CONVERT
@@ -79,7 +79,7 @@ from mha2gqa.layouts import (
     validate_target,
 )
 from mha2gqa.reading import inside, validate_regular
-from mha2gqa.scoring.retrieval_items import probe_grid
+from mha2gqa.scoring.retrieval_items import HEADS_MAX_LENGTH, probe_grid
 from mha2gqa.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir, snapshot_hub_id
 from mha2gqa.units import format_bytes, parse_size
 
@@ -570,9 +570,9 @@ def _plan_check(plan: ConversionPlan, params: int) -> CheckPlan:
     vocab = plan.config.get("vocab_size") or 0
     cached = parent_cached(plan.source)
     parts = check_parts(CHECK_TOKENS * len(DOMAINS), params, vocab, plan.torch_reason is None, cached)
-    if plan.options.check_retrieval:  # eval's probe at its defaults, through SRC and DST: forwards like a window's
+    if plan.options.check_retrieval:  # eval's probe at its defaults through DST and SRC, priced as eval prices it
         grid = probe_grid(None, None, None, 0, plan.config.get("max_position_embeddings"))
-        parts += (Part("eval_quality", params, {"forward": 2 * grid.forward_tokens() * params}),)
+        parts += (retrieval_part(params, params, grid.forward_tokens(), grid.tokens_up_to(HEADS_MAX_LENGTH)),)
     seconds = sum(part.seconds() for part in parts)
     # The device a stage already decided for the parent (decide.py), else the driver's word without torch: a plain
     # conversion's start stays torch-free, and a wrong guess only makes the check a recorded skip.

@@ -31,6 +31,7 @@ from mha2gqa.estimates.costs import (  # noqa: F401 (the package's API)
     eval_peak_bytes,
     eval_stages,
     for_this_machine,
+    retrieval_part,
     text_tokens,
     took,
     uptrain_stages,

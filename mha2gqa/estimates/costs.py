@@ -248,9 +248,9 @@ def eval_stages(work: EvalWork, start: bool = True, warm: bool = False) -> list[
         if ref:  # the KL, top-1 and agreement against the reference: work over the vocabulary, any model size
             parts.append(Part("eval_tally", p, {"tally": scored * work.vocab}, warm))
         stages.append(StageCost(EVAL.quality.member(name), tuple(parts)))
-    if work.retrieval_tokens:  # forwards like the perplexity windows': priced at their rate
-        forward = work.retrieval_tokens * (p + (ref or 0)) + work.retrieval_head_tokens * p
-        stages.append(StageCost(EVAL.retrieval.name, (Part("eval_quality", p, {"forward": forward}, warm),)))
+    if work.retrieval_tokens:
+        part = retrieval_part(p, ref, work.retrieval_tokens, work.retrieval_head_tokens, warm)
+        stages.append(StageCost(EVAL.retrieval.name, (part,)))
     stages.append(StageCost(EVAL.kv_cache.name, (Part("eval_kv", p, {}, warm),)))
     if work.speed_points:
         stages.append(StageCost(EVAL.speed.name, (Part("eval_speed", p, {"points": work.speed_points}, warm),)))
@@ -261,6 +261,16 @@ def eval_stages(work: EvalWork, start: bool = True, warm: bool = False) -> list[
     if work.lm_eval_examples is not None:
         stages.append(StageCost(EVAL.lm_eval.name, (Part("lm_eval", p, {"examples": work.lm_eval_examples}, warm),)))
     return stages
+
+
+def retrieval_part(
+    parameters: int, reference_parameters: int | None, tokens: int, head_tokens: int, warm: bool = False
+) -> Part:
+    """eval's retrieval probe (eval --retrieval, and convert's check with --check-retrieval): every question through
+    the model and the reference, those short enough for the heads' maps through the model again; forwards like the
+    perplexity windows', priced at their rate."""
+    forward = tokens * (parameters + (reference_parameters or 0)) + head_tokens * parameters
+    return Part("eval_quality", parameters, {"forward": forward}, warm)
 
 
 def eval_peak_bytes(work: EvalWork, window_bytes: int, batch: int) -> int:

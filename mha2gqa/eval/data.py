@@ -72,3 +72,14 @@ def load_eval_text(
         "tokenizer": getattr(tokenizer, "name_or_path", None),
     }
     return EvalText(ids=ids, identity=identity)
+
+
+def validate_text_ids(ids: torch.Tensor, vocab: int, name: str, tokenizer: str = "the tokenizer") -> None:
+    """The ids of text `name` are rows of the model's embedding: one past it fails deep in a forward as an index
+    error (a tokenizer that does not belong to the model)."""
+    high = int(ids.max()) if ids.numel() else 0
+    if high >= vocab:
+        raise InputError(
+            f"{tokenizer} gives id {high} on the {name} text, outside its vocabulary of {vocab} tokens (the "
+            f"model's config.json vocab_size={vocab}): the tokenizer does not belong to the model"
+        )

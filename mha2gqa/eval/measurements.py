@@ -16,6 +16,7 @@ from mha2gqa.errors import InputError
 from mha2gqa.estimates.stages import EVAL
 from mha2gqa.eval.batching import AUTO, auto_batch_size, validate_batch_size
 from mha2gqa.eval.options import DecodePath, EvalOptions, SpeedPreset
+from mha2gqa.eval.reference_tops import TopReference
 
 
 @dataclass
@@ -34,6 +35,15 @@ class Loaded:
     result: dict
     prepared: dict = field(default_factory=dict)  # what each check returned, by measurement key
     clock: Any = None  # the run's estimates Clock (its stages are marked as they start), or None
+    dtype: Any = None  # the models' (eval/model.py pick_dtype)
+    reference_tops: dict | None = None  # a TopReference's numbers on the texts (eval/reference_tops.py)
+
+    def reference_model(self):
+        """The reference model: loaded beside the model, or a TopReference's when the retrieval probe asks it."""
+        ref = self.options.reference
+        if self.ref_model is None and isinstance(ref, TopReference):
+            self.ref_model = ref.loaded(self.dtype, self.device)
+        return self.ref_model
 
 
 @dataclass(frozen=True)
@@ -86,11 +96,16 @@ def bar_label(run: Loaded, *stage: str) -> str:
 def _one_domain(run: Loaded, name: str, text) -> dict:
     """Perplexity on one text, and agreement with the reference in the same pass when there is one."""
     from mha2gqa.scoring import perplexity as P
-    from mha2gqa.scoring.agreement import agreement
+    from mha2gqa.scoring.agreement import agreement, agreement_with_top
 
     o, ids, batch = run.options, text.ids, window_batch(run)
     found = {"data": text.identity, "perplexity": None, "agreement": None}
     bar = o.progress and bar_label(run, name, "perplexity")
+    if run.reference_tops is not None:  # a reference known by its top tokens (eval/reference_tops.py)
+        ref = run.reference_tops[name]
+        bar = bar and f"{bar}, KL vs {run.result['reference']['label']}'s top {o.reference.top_k}"
+        agree, ppl = agreement_with_top(run.model, ids, run.context, run.stride, ref.top, batch, bar)
+        return {**found, "perplexity": ppl, "agreement": {**agree, "reference_perplexity": ref.perplexity}}
     if run.ref_model is None:
         found["perplexity"] = P.perplexity(run.model, ids, run.context, run.stride, batch, bar)
         return found
@@ -151,7 +166,7 @@ def _retrieval(run: Loaded) -> dict:
     bar = run.options.progress and bar_label(run, "retrieval")
     mine = answer_scores(run.model, items, run.device, bar)
     reference = None
-    if run.ref_model is not None:
+    if run.reference_model() is not None:
         reference = answer_scores(
             run.ref_model, items, run.device, bar and f"{bar}, {run.result['reference']['label']}"
         )
@@ -322,7 +337,7 @@ def validate_tokenizer(o: EvalOptions, tokenizer) -> None:
 MEASUREMENTS: list[Measurement] = [
     Measurement("quality", _validate_quality, _quality, wanted=lambda o: bool(o.domains)),
     Measurement("retrieval", _validate_retrieval, _retrieval, wanted=lambda o: o.retrieval, stage=EVAL.retrieval.name),
-    Measurement("kv_cache", _validate_kv, _kv_cache, stage=EVAL.kv_cache.name),
+    Measurement("kv_cache", _validate_kv, _kv_cache, wanted=lambda o: o.kv_cache, stage=EVAL.kv_cache.name),
     Measurement("speed", _validate_speed, _speed, wanted=lambda o: o.speed is not None, stage=EVAL.speed.name),
     Measurement(
         "attention_maps",

@@ -62,14 +62,20 @@ def load_config(model_dir: Path):
         ) from err
 
 
-def load_tokenizer(model_dir: Path, tokenizer: str | None = None):
-    """The model dir's tokenizer, or `tokenizer` (a dir or hub id) when given."""
+def load_tokenizer(model_dir: Path, tokenizer: str | None = None, what: str = "the tokenizer"):
+    """The model dir's tokenizer, or `tokenizer` (a dir or hub id) when given; `what` names it in a refusal."""
     from transformers import AutoTokenizer
 
-    source = resolve_tokenizer_dir(tokenizer) if tokenizer else model_dir
+    source = resolve_tokenizer_dir(tokenizer) if tokenizer else Path(model_dir)
     if not any((source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise InputError(f"{source} has no tokenizer files: pass --tokenizer DIR (a directory with tokenizer.json)")
-    return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    except Exception as err:  # a tokenizer.json that is not one fails in many types, each a traceback: one line
+        raise InputError(
+            f"{what} in {source} could not be read by transformers ({first_line(err, 200, default=type(err).__name__)})"
+            ": give the model's own tokenizer files, or another with --tokenizer"
+        ) from err
 
 
 def resolve_tokenizer_dir(tokenizer: str) -> Path:

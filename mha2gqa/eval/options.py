@@ -10,10 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mha2gqa.corpus.probe import PROBE, parse_domains
 from mha2gqa.errors import InputError
 from mha2gqa.typed import StrEnum, validate_keywords
+
+if TYPE_CHECKING:  # importing it imports torch; this module stays torch-free
+    from mha2gqa.eval.reference_tops import TopReference
 
 DEFAULT_MAX_TOKENS = 4096  # a domain's tokens scored by default (docs/eval.md, "Cost")
 
@@ -56,8 +60,9 @@ class EvalOptions:
     folder of them, or a hub dataset name such as wikitext (online only). 'probe': the probe set shipped
     in the package (prose, code, python_docs, licences; docs/eval.md), the default. In Python, None skips
     perplexity."""
-    reference: str | None = None
-    """Parent model (dir or hub id): adds mean KL(reference||model) and top-1 agreement on --data."""
+    reference: str | TopReference | None = None
+    """Parent model (dir or hub id): adds mean KL(reference||model) and top-1 agreement on --data. In Python also
+    a reference known by its top tokens (eval/reference_tops.py TopReference; convert's check gives one)."""
     tokenizer: str | None = None
     """Tokenizer dir or hub id (default: the model directory's tokenizer)."""
     data_config: str | None = None
@@ -99,6 +104,9 @@ class EvalOptions:
     """Time --reference's decode side by side with the model's (repeat by repeat in turn, one process, the same
     prompts) and keep its numbers in the result: a speed-up is computed only from speeds measured together,
     never from two runs at different times and loads."""
+    kv_cache: bool = True
+    """Measure the live KV cache's bytes per token against the formula (--no-kv-cache skips it, as convert's check
+    does)."""
     kv_batch: int = 2
     """Batch of the prefill whose live KV cache is measured."""
     kv_tokens: int = 32
@@ -165,6 +173,10 @@ class EvalOptions:
         from mha2gqa.eval.schema import validate_writable
         from mha2gqa.provenance import ROLES
 
+        if not isinstance(self.reference, (str, Path, type(None))) and (self.speed_side_by_side or self.attention_text):
+            raise InputError(  # only convert's check gives one, and asks for neither
+                "a reference known by its top tokens has no decode or attention maps to show: give it as a folder"
+            )
         if self.role is not None and self.role not in ROLES:
             raise InputError(f"--role {self.role!r} is not a role (use {', '.join(ROLES)})")
         if self.out and Path(self.out).is_dir():

@@ -20,9 +20,10 @@ from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.eval import environment, measurements, speed
 from mha2gqa.eval import model as M
-from mha2gqa.eval.data import load_eval_text
+from mha2gqa.eval.data import load_eval_text, validate_text_ids
 from mha2gqa.eval.measurements import Loaded, retrieval_grid, speed_grid, validate_all, validate_tokenizer
 from mha2gqa.eval.options import EvalOptions
+from mha2gqa.eval.reference_tops import TopReference, score_tops
 from mha2gqa.eval.schema import SCHEMA, write_result
 from mha2gqa.scoring import perplexity as P
 from mha2gqa.scoring.retrieval_heads import MAX_LENGTH as HEADS_MAX_LENGTH
@@ -51,17 +52,22 @@ def evaluate(
     o = options
     torch.manual_seed(o.seed)
     found = _inputs(model_path, o)
+    if isinstance(o.reference, TopReference) and found.texts and found.reference_tops is None:  # alone in memory
+        bar = o.progress and Path(str(o.reference)).name
+        found.reference_tops = score_tops(
+            o.reference, found.texts, found.context, found.stride, found.dtype, found.device, bar
+        )
     model = M.load_model(found.model_dir, found.dtype, found.device, o.progress)
-    ref_model = (
-        M.load_model(found.ref_dir, found.dtype, found.device, o.progress, "--reference") if found.ref_dir else None
-    )
+    ref_model = None  # a TopReference: loaded when its numbers are scored (above) or retrieval asks it (Loaded)
+    if found.ref_dir and not isinstance(o.reference, TopReference):
+        ref_model = M.load_model(found.ref_dir, found.dtype, found.device, o.progress, "--reference")
     clock.begin(lambda: eval_estimate(found, o))  # once the weights are checked: a refusal stays one line
     shape = M.shape_of(model.config)
     result = _skeleton(model_path, found.model_dir, model, shape, found.prov, found.role, o.label, found.device, o.seed)
     result["reference"] = _reference(o.reference, found.ref_dir, ref_model)
     loaded = Loaded(
         o, model, ref_model, found.tokenizer, shape, found.device, found.context, found.stride, found.texts, result,
-        found.prepared, clock,
+        found.prepared, clock, found.dtype, found.reference_tops,
     )  # fmt: skip
     for measurement in measurements.MEASUREMENTS:  # looked up now: the registry is the module's list
         if measurement.wanted(o):
@@ -94,6 +100,7 @@ class _Inputs:
     device: torch.device
     dtype: object
     prepared: dict
+    reference_tops: dict | None = None  # a TopReference's numbers on the texts, when it knew them
 
 
 def _inputs(model_path, o: EvalOptions) -> _Inputs:
@@ -103,27 +110,48 @@ def _inputs(model_path, o: EvalOptions) -> _Inputs:
     grid = speed_grid(o, dev.type)
     prepared = validate_all(o)
     model_dir = resolve_model_dir(model_path)
-    ref_dir = resolve_model_dir(o.reference) if o.reference else None
+    ref_dir = resolve_model_dir(str(o.reference)) if o.reference else None  # a TopReference: its folder
     require_safetensors(model_dir, "model")
     if ref_dir:
         require_safetensors(ref_dir, "--reference")
     prov = provenance.read(model_dir)
     role = environment.infer_role(prov, o.role)
     config = M.load_config(model_dir)
-    tok = M.load_tokenizer(model_dir, o.tokenizer)
-    M.validate_vocab(tok, config, "the model")
+    tok = _tokenizer(model_dir, o)
     validate_tokenizer(o, tok)
     context, stride = _window(config, o.context, o.stride)
     if grid:
         speed.validate_grid_fits(grid, getattr(config, "max_position_embeddings", None))
+    texts = read_texts(o, tok)
+    for name, text in texts.items():  # the ids a forward would embed, before any weights are loaded
+        validate_text_ids(text.ids, int(config.vocab_size), name, _tokenizer_words(o))
+    M.validate_vocab(tok, config, "the model")
     if o.retrieval:  # its lengths within the model's positions, and its questions within its lengths
         from mha2gqa.scoring.retrieval_items import build_items
 
         build_items(tok, retrieval_grid(o, config))
-    texts = {name: _text(o, path, tok) for name, path in (o.domains or {}).items()}
+    known = None
+    if isinstance(o.reference, TopReference):  # its numbers when it knows them (convert's check: its cache)
+        known = o.reference.known({n: t.ids for n, t in texts.items()}, context, stride, int(config.vocab_size))
     return _Inputs(
-        model_dir, ref_dir, prov, role, config, tok, context, stride, grid, texts, dev, torch_dtype, prepared
+        model_dir, ref_dir, prov, role, config, tok, context, stride, grid, texts, dev, torch_dtype, prepared, known
     )
+
+
+def _tokenizer_words(o: EvalOptions) -> str:
+    """The tokenizer that reads the texts, in a refusal's words."""
+    if o.tokenizer is None and isinstance(o.reference, TopReference):
+        return f"{o.reference.name}'s tokenizer"
+    return "the tokenizer"
+
+
+def _tokenizer(model_dir: Path, o: EvalOptions):
+    """--tokenizer's, else a reference known by its top tokens lends its own (its numbers are positions of the ids
+    it gives), else the model's."""
+    source = o.tokenizer
+    if source is None and isinstance(o.reference, TopReference):
+        source = str(o.reference.path)
+    return M.load_tokenizer(model_dir, source, _tokenizer_words(o))
 
 
 def eval_estimate(found: _Inputs, o: EvalOptions):
@@ -167,10 +195,14 @@ def _heads_maps_bytes(config, probe, element: int) -> int:
     return config.num_hidden_layers * config.num_attention_heads * held * held * element
 
 
-def _text(o: EvalOptions, path: str, tok):
-    return load_eval_text(
-        path, tok, config=o.data_config, split=o.data_split, column=o.data_column, max_tokens=o.max_tokens
-    )
+def read_texts(o: EvalOptions, tok) -> dict:
+    """{domain: EvalText} of --data, each read and tokenized by `tok` (eval/data.py), cut to --max-tokens."""
+    return {
+        name: load_eval_text(
+            path, tok, config=o.data_config, split=o.data_split, column=o.data_column, max_tokens=o.max_tokens
+        )
+        for name, path in (o.domains or {}).items()
+    }
 
 
 def _refresh_card(model_dir: Path, out: Path) -> None:
@@ -200,6 +232,9 @@ def _reference(reference, ref_dir, ref_model) -> dict | None:
     (eval/reference_result.py), its KV bytes per token by formula."""
     if not reference:
         return None
+    if ref_model is None:  # known by its top tokens (eval/reference_tops.py), not loaded
+        return {"path": str(reference), "resolved": str(Path(ref_dir).resolve()), "label": Path(str(reference)).name,
+                "top_k": reference.top_k}  # fmt: skip
     shape = M.shape_of(ref_model.config)
     return {
         **_model_facts(reference, ref_dir, ref_model, shape),

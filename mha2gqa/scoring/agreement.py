@@ -93,23 +93,27 @@ def coarsened(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([picked, rest[:, None]], dim=-1)
 
 
-def reference_top(model, ids: torch.Tensor, context: int, stride: int, k: int) -> tuple[dict, TopTokens]:
+def reference_top(
+    model, ids: torch.Tensor, context: int, stride: int, k: int, batch_size: int = 1, progress: bool | str = False
+) -> tuple[dict, TopTokens]:
     """(the reference's perplexity, its top k tokens) at every scored position of `ids`' windows: what
     agreement_with_top compares a model with, without running the reference again."""
     wins = windows(ids.numel(), context, stride)
     nll, tops = NllTally(), []
-    for logits, targets in scored_logits(model, ids, wins):
+    for logits, targets in scored_logits(model, ids, wins, batch_size, progress):
         nll.add(logits, targets)
         tops.append(top_tokens(logits, k))
     ref = TopTokens(torch.cat([t.ids for t in tops]).cpu(), torch.cat([t.coarse for t in tops]).cpu())
     return {**nll.result(), "context": context, "stride": stride, "windows": len(wins)}, ref
 
 
-def agreement_with_top(model, ids: torch.Tensor, context: int, stride: int, ref: TopTokens) -> tuple[dict, dict]:
+def agreement_with_top(
+    model, ids: torch.Tensor, context: int, stride: int, ref: TopTokens, batch_size: int = 1, progress=False
+) -> tuple[dict, dict]:
     """(agreement, model perplexity) over the windows reference_top scored `ref` on."""
     wins = windows(ids.numel(), context, stride)
     tally, nll, row = AgreementTally(), NllTally(), 0
-    for logits, targets in scored_logits(model, ids, wins):
+    for logits, targets in scored_logits(model, ids, wins, batch_size, progress):
         n = targets.numel()
         tally.add_top(ref.rows(row, row + n), logits)
         nll.add(logits, targets)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from mha2gqa.progress import progress_bar
-from mha2gqa.scoring.retrieval_items import Item
+from mha2gqa.scoring.retrieval_items import HEADS_MAX_LENGTH, Item
 
-MAX_LENGTH = 512  # SmolLM2-135M: 30 layers x 9 heads x 512^2 x 4 bytes = 283 MiB of maps a question
+MAX_LENGTH = HEADS_MAX_LENGTH  # defined torch-free, where the questions are: convert's plan prices the heads too
 RETRIEVING = 0.1  # a head whose score is above this counts as a retrieval head (Wu et al.'s threshold)
 TOP = 10  # heads listed in the result
 

@@ -33,6 +33,9 @@ DEFAULT_LENGTHS = (128, 512, 2048)  # capped at the model's max_position_embeddi
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 DEFAULT_SAMPLES = 2  # 12 questions a length (eval/options.py says so in --retrieval-samples' help)
 MIN_LENGTH = 64  # room for a question, its needle and some haystack
+# The retrieval heads' scores hold every layer's attention maps of a question (retrieval_heads.py): at most this
+# long. SmolLM2-135M: 30 layers x 9 heads x 512^2 x 4 bytes = 283 MiB of maps a question.
+HEADS_MAX_LENGTH = 512
 _CLAUSE_ENDS = (".", "!", "?", ";", ",")  # a needle goes after one of these when one is near its depth
 _WORD = re.compile(r"\b[a-z]{4,10}\b")
 
