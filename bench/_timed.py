@@ -11,8 +11,8 @@ import sys
 
 
 def main() -> None:
-    from mha2gqa import jsontext
     from mha2gqa.estimates.clock import observe
+    from mha2gqa.files import jsontext
 
     path, args = sys.argv[1], sys.argv[2:]
 

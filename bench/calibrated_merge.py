@@ -35,9 +35,9 @@ VARIANTS = {  # row name -> (method, grouping)
 def calibrate_on_corpus(source, config: dict, corpus: str, tokens: int, folder: Path):
     """Calibration statistics of the model in `source` (`config`: its config.json) on `corpus` (a path or
     a built-in name such as austen), written to `folder`, without progress bars: every bench's one call."""
+    from mha2gqa.architecture.layouts import attention_shape, layout_for
     from mha2gqa.convert.calibration import calibrate
-    from mha2gqa.embedded import expand_corpus_name
-    from mha2gqa.layouts import attention_shape, layout_for
+    from mha2gqa.files.embedded import expand_corpus_name
 
     return calibrate(
         source, layout_for(config), attention_shape(config), expand_corpus_name(corpus), tokens, folder, progress=False
@@ -47,7 +47,7 @@ def calibrate_on_corpus(source, config: dict, corpus: str, tokens: int, folder: 
 def heldout_ids(source: Path, data: str | None, tokens: int) -> torch.Tensor:
     from transformers import AutoTokenizer
 
-    from mha2gqa import embedded
+    from mha2gqa.files import embedded
 
     text = Path(data).read_text(encoding="utf-8") if data else embedded.read_novel(embedded.HELDOUT_NOVEL)
     ids = AutoTokenizer.from_pretrained(source)(text, add_special_tokens=False, verbose=False)["input_ids"]
@@ -79,7 +79,7 @@ def gap_closed(ppl: float, mean: float, parent: float) -> float:
 
 def run(args) -> dict:
     import mha2gqa
-    from mha2gqa.layouts import attention_shape, read_config
+    from mha2gqa.architecture.layouts import attention_shape, read_config
 
     source = Path(args.model)
     config = read_config(source)
@@ -152,7 +152,7 @@ def table(result: dict) -> str:
 
 
 def main() -> None:
-    from mha2gqa import embedded
+    from mha2gqa.files import embedded
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(embedded.model_dir()), help="MHA source model directory")

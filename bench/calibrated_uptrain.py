@@ -29,7 +29,7 @@ VARIANTS = {
 
 def pretrain_tokens(model: Path) -> int | None:
     """Tokens the source saw, from the provenance the uptrain loop writes beside its final model."""
-    from mha2gqa.provenance import latest
+    from mha2gqa.records.provenance import latest
 
     found = latest(model, "uptrain") or {}
     return found.get("tokens_seen")
@@ -47,11 +47,11 @@ def tokens_to_reach(points: list[tuple[int, float]], target: float) -> int | Non
 
 def run(args) -> dict:
     import mha2gqa
+    from mha2gqa.architecture.layouts import attention_shape, layout_for, read_config
     from mha2gqa.convert.calibration import (
         calibrate,
     )  # no public form: the statistics are gathered once, shared by every row
-    from mha2gqa.embedded import expand_corpus_name
-    from mha2gqa.layouts import attention_shape, layout_for, read_config
+    from mha2gqa.files.embedded import expand_corpus_name
     from mha2gqa.uptrain import load_recipe, train
 
     source = Path(args.model)
@@ -155,7 +155,7 @@ def table(result: dict) -> str:
 
 
 def main() -> None:
-    from mha2gqa import embedded
+    from mha2gqa.files import embedded
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(embedded.model_dir()))

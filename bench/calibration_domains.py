@@ -121,10 +121,10 @@ def calibration_rows(args, source: Path, work: Path, calibration: str, parent: d
     converted from them (refine fits on the same ids: CalibrationStats.ids) and scored per domain."""
     import resource
 
+    from mha2gqa.architecture.layouts import attention_shape, layout_for, read_config
     from mha2gqa.convert.calibration import calibrate
     from mha2gqa.convert.options import RefineOptions
     from mha2gqa.convert.run import convert
-    from mha2gqa.layouts import attention_shape, layout_for, read_config
 
     config = read_config(source)
     spec = calibration.split("+")
@@ -223,7 +223,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="the embedded model at toy sizes")
     args = parser.parse_args(argv)
     if args.smoke:
-        from mha2gqa.embedded import MODEL_DIR
+        from mha2gqa.files.embedded import MODEL_DIR
 
         args.model, args.kv, args.tokens, args.eval_tokens, args.context = str(MODEL_DIR), 4, 1024, 256, 128
         args.calibrations, args.stages = ["austen", "parent:0.5+austen:0.5"], ["merge", "global"]

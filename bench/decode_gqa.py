@@ -30,9 +30,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mha2gqa.architecture.hfcache import cache_kwargs, cache_of
 from mha2gqa.eval import decode_path
 from mha2gqa.eval.decode_path import decode_attention
-from mha2gqa.hfcache import cache_kwargs, cache_of
 
 FULL = dict(hidden=2048, intermediate=5632, layers=6, heads=32, vocab=32000, batch=4, context=20480, rounds=6)
 SMOKE = dict(hidden=256, intermediate=512, layers=2, heads=32, vocab=256, batch=2, context=64, rounds=2)

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from mha2gqa import jsontext
+from mha2gqa.files import jsontext
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "mha2gqa" / "data" / "austen-mha"

@@ -26,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from mha2gqa import jsontext
 from mha2gqa.estimates import rates
+from mha2gqa.files import jsontext
 
 SPIN = "while True: pass"
 CHILD = """

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mha2gqa import jsontext
+from mha2gqa.files import jsontext
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "mha2gqa" / "data" / "austen-mha"

@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, StaticCache
 
+from mha2gqa.architecture.hfcache import cache_kwargs
 from mha2gqa.eval.environment import device_name, versions
 from mha2gqa.eval.kvcache import measure_kv_cache
 from mha2gqa.eval.memory import PeakMemory
 from mha2gqa.eval.model import shape_of
 from mha2gqa.eval.speed import SpeedGrid, measure_point
-from mha2gqa.hfcache import cache_kwargs
 
 PRESETS = {
     # name: (model dims, kv-head variants, batches, context, new tokens, repeats, device, dtype)

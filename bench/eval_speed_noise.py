@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 import mha2gqa
-from mha2gqa import embedded
 from mha2gqa.eval import write_report
+from mha2gqa.files import embedded
 
 
 def measure(model, label: str, speed: dict, out: Path) -> tuple[dict, float]:

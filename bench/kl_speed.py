@@ -1,4 +1,4 @@
-"""KL(parent || model) forward and backward at a model's vocabulary (mha2gqa/kl.py): the hand-written gradient
+"""KL(parent || model) forward and backward at a model's vocabulary (mha2gqa/scoring/kl.py): the hand-written gradient
 the package uses against autograd's chain through the log-softmaxes, on the same random logits, side by side,
 alternating, medians of --repeats; with the largest difference of the two gradients.
 
@@ -29,7 +29,7 @@ def seconds(parent: torch.Tensor, logits: torch.Tensor, kl) -> tuple[float, torc
 
 
 def main(argv=None) -> dict:
-    from mha2gqa.kl import kl_divergence, kl_through_autograd
+    from mha2gqa.scoring.kl import kl_divergence, kl_through_autograd
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--positions", type=int, default=512, help="positions (one block's tokens)")

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mha2gqa.layouts import CEILINGS
+from mha2gqa.architecture.layouts import CEILINGS
 
 BASE = {  # a small llama: 2 layers, 4 heads of 16
     "model_type": "llama",

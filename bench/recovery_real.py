@@ -63,7 +63,7 @@ def convert_start(args, name: str, folder: Path) -> dict:
 
 def conversion_record(folder: Path) -> dict:
     """What a start converted elsewhere says of itself (its mha2gqa.json): the command, method, seed, check."""
-    from mha2gqa.provenance import latest
+    from mha2gqa.records.provenance import latest
 
     stage = latest(folder, "conversion") or {}
     keys = ("command", "method", "seed", "calibration", "date")
@@ -85,7 +85,7 @@ def overrides(args, start: Path, out: Path) -> list[str]:
 
 def done_steps(out: Path) -> int:
     """How far the run in `out` got: its final model's steps, else its newest checkpoint's, else 0."""
-    from mha2gqa.provenance import latest
+    from mha2gqa.records.provenance import latest
     from mha2gqa.uptrain import checkpoints
 
     if (out / "mha2gqa.json").is_file() and (out / "model.safetensors").is_file():
@@ -295,7 +295,7 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true", help="the embedded model at toy sizes")
     args = parser.parse_args(argv)
     if args.smoke:  # 8 -> 1 kv heads, 2 steps of 2 blocks of 64 sampled tokens, a stop after the first
-        from mha2gqa.embedded import MODEL_DIR
+        from mha2gqa.files.embedded import MODEL_DIR
 
         args.model, args.steps, args.eval_tokens, args.context = MODEL_DIR, args.steps or "1,2", 256, 128
         args.convert_args = "--no-check"
@@ -322,8 +322,8 @@ def earlier(args, settings: dict) -> dict:
 def main(argv=None) -> dict:
     import tempfile
 
-    from mha2gqa.layouts import read_config
-    from mha2gqa.threads import apply
+    from mha2gqa.architecture.layouts import read_config
+    from mha2gqa.runtime.threads import apply
 
     args = parse_args(argv)
     if args.threads:

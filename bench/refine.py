@@ -74,7 +74,7 @@ def convert_row(args, source: Path, out: Path, kv: int, method: str, refine: boo
     if refine:
         command += ["--refine", "--refine-steps", str(args.steps), "--refine-lr", str(args.lr)]
     cost = measure(command, env=dict(os.environ))
-    from mha2gqa.provenance import latest
+    from mha2gqa.records.provenance import latest
 
     record = latest(out, "conversion")
     row = {
@@ -102,7 +102,7 @@ def _mean(layers: list[dict], key: str) -> float:
 
 def calibration_seconds(args, source: Path) -> tuple[float, float]:
     """Wall and CPU seconds (all threads of this process) of calibration alone, model load included."""
-    from mha2gqa.layouts import read_config
+    from mha2gqa.architecture.layouts import read_config
 
     config = read_config(source)
     with tempfile.TemporaryDirectory(prefix="refine-bench-stats-") as stats_dir:
@@ -125,9 +125,9 @@ def run_grid(args, source: Path, work: Path, ids, context: int) -> list[dict]:
 
 
 def run_explore(args, source: Path, work: Path, ids, context: int) -> tuple[list[dict], tuple[float, float]]:
+    from mha2gqa.architecture.layouts import read_config
     from mha2gqa.convert.refine import RefineOptions
     from mha2gqa.convert.run import convert
-    from mha2gqa.layouts import read_config
 
     config = read_config(source)
     (work / "stats").mkdir()
@@ -171,9 +171,9 @@ def run_timing(args, source: Path, work: Path) -> dict:
     and of each round's refine / calibration ratio (the issue's target: at most 3x on CPU)."""
     import statistics
 
+    from mha2gqa.architecture.layouts import read_config
     from mha2gqa.convert.options import RefineOptions
     from mha2gqa.convert.run import convert
-    from mha2gqa.layouts import read_config
 
     config, rounds = read_config(source), []
     for index in range(args.timing):
@@ -259,7 +259,7 @@ def table(result: dict) -> str:
 
 
 def main() -> None:
-    from mha2gqa import embedded
+    from mha2gqa.files import embedded
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(embedded.model_dir()), help="MHA source model directory")
@@ -295,7 +295,7 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         return
-    from mha2gqa.layouts import read_config
+    from mha2gqa.architecture.layouts import read_config
 
     context = min(args.context, read_config(source).get("max_position_embeddings") or args.context)
     ids = heldout_ids(source, None, args.eval_tokens)

@@ -34,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibrated_merge import load_float32, loaded_perplexity  # noqa: E402
 from refine_real import eval_sets  # noqa: E402
 
+from mha2gqa.architecture.layouts import layout_for, read_config  # noqa: E402
 from mha2gqa.convert.inputs import RefineBudget, block_length  # noqa: E402
 from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN  # noqa: E402
 from mha2gqa.convert.refine import EXACT, GlobalFit, calibration_blocks, fit_global  # noqa: E402
 from mha2gqa.corpus.calibration import read_calibration, resolve_calibration  # noqa: E402
-from mha2gqa.layouts import layout_for, read_config  # noqa: E402
-from mha2gqa.provenance import latest  # noqa: E402
+from mha2gqa.records.provenance import latest  # noqa: E402
 
 
 def trained_parameters(model, config: dict, refine: dict) -> list[torch.nn.Parameter]:

@@ -90,7 +90,7 @@ def error_table(layers: list[dict]) -> str:
 
 def cli_row(args, source: Path, out: Path, setting: str) -> dict:
     """The whole conversion as a user runs it (calibration included), timed as a child process."""
-    from mha2gqa.provenance import latest
+    from mha2gqa.records.provenance import latest
 
     command = [
         sys.executable,
@@ -133,7 +133,7 @@ def convert_row(args, source: Path, out: Path, method: str, setting: str, stats)
 
 
 def run(args, source: Path, work: Path) -> dict:
-    from mha2gqa.layouts import read_config
+    from mha2gqa.architecture.layouts import read_config
 
     config = read_config(source)
     context = args.context = min(args.context, config.get("max_position_embeddings") or args.context)
@@ -205,7 +205,7 @@ def smoke_model(work: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from mha2gqa import embedded
+    from mha2gqa.files import embedded
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(embedded.model_dir())

@@ -76,8 +76,8 @@ def uptrain(args, model: Path, source: Path, out: Path, alpha: float, total: int
 
 
 def run(args) -> dict:
-    from mha2gqa import embedded
-    from mha2gqa.layouts import read_config
+    from mha2gqa.architecture.layouts import read_config
+    from mha2gqa.files import embedded
 
     source = Path(args.model)
     config = read_config(source)
@@ -253,7 +253,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    from mha2gqa import embedded
+    from mha2gqa.files import embedded
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(embedded.model_dir()), help="MHA source model directory")

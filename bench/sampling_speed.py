@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="the embedded model at toy sizes")
     args = parser.parse_args(argv)
     if args.smoke:
-        from mha2gqa.embedded import MODEL_DIR
+        from mha2gqa.files.embedded import MODEL_DIR
 
         args.model, args.batch, args.seq_len, args.repeats = str(MODEL_DIR), [4], 16, 1
     model, tokenizer = load_float32(Path(args.model)), AutoTokenizer.from_pretrained(args.model)

@@ -28,7 +28,7 @@ import transformers.integrations.sdpa_attention as sdpa
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mha2gqa.hfcache import cache_kwargs, cache_of
+from mha2gqa.architecture.hfcache import cache_kwargs, cache_of
 
 CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=2, vocab_size=128)  # fmt: skip

@@ -70,8 +70,8 @@ def run_llamacpp(gguf: Path, prompts_file: Path, tokens: int, context: int, kv_t
 
 
 def check(models: list[Path], converter: Path, work: Path, tokens: int, context: int, kv_type: str) -> dict:
+    from mha2gqa.architecture.layouts import attention_shape, read_config
     from mha2gqa.eval.model import load_tokenizer
-    from mha2gqa.layouts import attention_shape, read_config
     from mha2gqa.serving import prompts
     from mha2gqa.serving.options import GREEDY_PROMPT_TOKENS
     from mha2gqa.serving.reference import reference_texts

@@ -9,7 +9,7 @@ forward + backward + AdamW step on 8 x 512 tokens (uptrain). Thread counts are i
 round so a busy machine slows them alike; the table gives medians, the spread (min-max) and the ratio to
 one thread, with the machine's load average before and after (a loaded machine is the case this is for:
 torch's default of one thread per core spins against the other processes). mha2gqa's --threads default
-(mha2gqa/threads.py) is chosen from these numbers (docs/benchmarks.md).
+(mha2gqa/runtime/threads.py) is chosen from these numbers (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from mha2gqa import embedded
+from mha2gqa.files import embedded
 
 
 def time_eval(model, batch: torch.Tensor) -> float:

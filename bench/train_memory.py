@@ -176,8 +176,8 @@ def main(argv=None) -> int:
     if args.smoke:
         args.batch, args.seq_len, args.repeats = 1, 64, 1
 
-    from mha2gqa import embedded
     from mha2gqa.convert.run import convert
+    from mha2gqa.files import embedded
 
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "gqa2"

@@ -1,7 +1,7 @@
 """mha2gqa: turn a multi-head-attention checkpoint into grouped-query / multi-query attention,
 uptrain it briefly, and measure what was lost and what was saved."""
 
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.version import __version__
 
 __all__ = ["InputError", "__version__", "convert", "evaluate", "inspect_model", "load_recipe"]

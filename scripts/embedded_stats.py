@@ -26,8 +26,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from mha2gqa import embedded  # noqa: E402
 from mha2gqa.convert.methods import group_heads, group_mean  # noqa: E402
+from mha2gqa.files import embedded  # noqa: E402
 from mha2gqa.scoring.perplexity import perplexity  # noqa: E402
 
 

@@ -25,7 +25,7 @@ import re
 import sys
 from pathlib import Path
 
-from mha2gqa import embedded
+from mha2gqa.files import embedded
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "mha2gqa" / "eval" / "tasks"
 SEED = 1818  # Persuasion's year of publication

@@ -87,7 +87,7 @@ def render(outcomes, version: str, seconds: float) -> str:
         "**converts exactly** means the 4-kv-head model's logits match its parent's (rtol 1e-4, atol 1e-5) "
         "and both converted models generate. gpt2 converts to gpt_bigcode with `multi_query` (1 kv head only).",
         "",
-        "Types with no entry in `mha2gqa/layouts.py` use the generic layout (`mha2gqa/generic_layout.py`): "
+        "Types with no entry in `mha2gqa/architecture/layouts.py` use the generic layout (`mha2gqa/architecture/generic_layout.py`): "
         "transformers builds the model on the meta device, each decoder layer must own q/k/v/o projections and "
         "only k/v (and a key norm) may follow `num_key_value_heads`. Mixture-of-experts weights pass through "
         "untouched. The calibrated merge (and what it folds into q_proj) is declared supported only where "

@@ -20,7 +20,7 @@ os.environ["RAYON_NUM_THREADS"] = "1"
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from mha2gqa import embedded  # noqa: E402
+from mha2gqa.files import embedded  # noqa: E402
 
 # ids 0, 1, 2: the same convention as the model config (pad, bos, eos).
 SPECIALS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}

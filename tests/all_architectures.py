@@ -117,9 +117,9 @@ def _check_type(model_type: str, workdir: Path) -> Outcome:
     from transformers import AutoModelForCausalLM
 
     from mha2gqa import convert
+    from mha2gqa.architecture.layouts import attention_shape, describe_layout, layout_for
     from mha2gqa.convert.rope import rotary_dims
-    from mha2gqa.errors import InputError
-    from mha2gqa.layouts import attention_shape, describe_layout, layout_for
+    from mha2gqa.runtime.errors import InputError
 
     try:
         config = tiny_config(model_type)

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from tiny_models import SAMPLE_TEXT, make_tiny_model, make_tiny_tokenizer
 
+from mha2gqa.architecture.layouts import attention_shape, layout_for
 from mha2gqa.convert.roles import layer_names, pack, unpack
-from mha2gqa.layouts import attention_shape, layout_for
 
 
 def rotary_dims_of(model, head_dim: int) -> int:

@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The tests' models are tiny: one torch thread each (mha2gqa/threads.py says why), in subprocesses too.
+# The tests' models are tiny: one torch thread each (mha2gqa/runtime/threads.py says why), in subprocesses too.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # convert's check caches each parent's numbers (convert/check_cache.py): in a folder of this run, never the user's.
 os.environ.setdefault("MHA2GQA_CACHE", tempfile.mkdtemp(prefix="mha2gqa-test-cache-"))

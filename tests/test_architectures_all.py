@@ -10,7 +10,7 @@ import pytest
 import transformers
 from all_architectures import causal_lm_types, check_type
 
-from mha2gqa.layouts import LAYOUTS, RETARGETED
+from mha2gqa.architecture.layouts import LAYOUTS, RETARGETED
 
 TYPES = causal_lm_types()
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
@@ -109,7 +109,7 @@ def test_gpt2_converts_to_multi_query_only_and_inspect_offers_only_that(tmp_path
 
 def test_calibrated_merge_is_refused_where_the_generic_layout_cannot_vouch_for_rope(tmp_path):
     from mha2gqa import convert
-    from mha2gqa.errors import InputError
+    from mha2gqa.runtime.errors import InputError
 
     src = _save("cohere", tmp_path / "cohere", weights=False)
     with pytest.raises(InputError, match="--method calibrated cannot convert model_type 'cohere': its rotate_half"):
@@ -149,7 +149,7 @@ def test_refine_runs_on_a_generic_type_and_is_refused_for_gpt2(tmp_path):
 
     from mha2gqa import convert
     from mha2gqa.convert.refine import RefineOptions
-    from mha2gqa.errors import InputError
+    from mha2gqa.runtime.errors import InputError
 
     calibration = tmp_path / "calibration.txt"
     calibration.write_text(SAMPLE_TEXT * 20)
@@ -174,7 +174,7 @@ def test_similarity_grouping_finds_scattered_groups_on_a_generic_type(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from mha2gqa import convert
-    from mha2gqa.layouts import attention_shape, layout_for
+    from mha2gqa.architecture.layouts import attention_shape, layout_for
 
     torch.manual_seed(0)
     parent = AutoModelForCausalLM.from_config(tiny_config("mixtral")).eval()

@@ -31,7 +31,7 @@ def test_the_error_line_comes_below_the_bar_and_nothing_after_it(tmp_path, monke
 
 
 def test_close_open_bars_closes_every_open_bar(capsys):
-    from mha2gqa.progress import close_open_bars, progress_bar
+    from mha2gqa.runtime.progress import close_open_bars, progress_bar
 
     close_open_bars()  # nothing open: nothing to do
     first, second = progress_bar(10, "a", True), progress_bar(10, "b", True)
@@ -80,7 +80,7 @@ def test_a_warning_starts_a_line_of_its_own_while_a_bar_is_drawn(tmp_path, monke
 
 
 def test_write_line_puts_text_above_an_open_bar(capsys):
-    from mha2gqa.progress import progress_bar, write_line
+    from mha2gqa.runtime.progress import progress_bar, write_line
 
     bar = progress_bar(10, "stage", True)
     bar.update(4)

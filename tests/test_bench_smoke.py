@@ -171,7 +171,7 @@ def test_sampling_gpu_smoke_times_three_ways_on_both_paths_of_the_draw():
 def test_calibration_domains_scores_given_folders_by_the_rows_measure(tmp_path):
     """--score: a folder that is the parent itself scores 1x on every domain, an --extra text beside them (outside
     the probe set's geometric mean), and --openings finds no window collapsed."""
-    from mha2gqa.embedded import MODEL_DIR, read_novel
+    from mha2gqa.files.embedded import MODEL_DIR, read_novel
 
     extra = tmp_path / "letters.txt"
     extra.write_text(read_novel("emma")[:20_000])

@@ -13,15 +13,15 @@ import torch
 from click.testing import CliRunner
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
+from mha2gqa.architecture.layouts import AttentionShape
 from mha2gqa.cli import main
 from mha2gqa.convert import layer_losses
 from mha2gqa.convert.layer_losses import MeasuredLosses, choose
 from mha2gqa.convert.sensitivity import layer_losses as measure_layers
 from mha2gqa.convert.sensitivity import placement_losses, pooled_in_place
-from mha2gqa.kl import kl_divergence
-from mha2gqa.layouts import AttentionShape
-from mha2gqa.loading import load_causal_lm
+from mha2gqa.files.loading import load_causal_lm
 from mha2gqa.scoring.copy_prompts import CUE, SPAN, copy_prompts, spans_in
+from mha2gqa.scoring.kl import kl_divergence
 
 SHAPE = AttentionShape("llama", layers=3, heads=8, kv_heads=4, head_dim=8, hidden=64)
 

@@ -9,8 +9,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from mha2gqa.convert.calibrated import fold_queries, merge_keys, merge_values, projection_gram, relative_error
 from mha2gqa.convert.run import convert
-from mha2gqa.errors import InputError
-from mha2gqa.provenance import latest
+from mha2gqa.records.provenance import latest
+from mha2gqa.runtime.errors import InputError
 
 F64 = torch.float64
 

@@ -6,15 +6,15 @@ from calibrated_models import write_calibration_text
 from click.testing import CliRunner
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
-from mha2gqa import embedded
+from mha2gqa.architecture.layouts import attention_shape, layout_for, read_config
 from mha2gqa.cli import main
 from mha2gqa.convert.calibration import GramAccumulator, collect_statistics, load_source_model
 from mha2gqa.convert.methods import LayerContext, mean_layer, mean_norm_layer
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.calibration import resolve_calibration, text_ids
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import attention_shape, layout_for, read_config
-from mha2gqa.provenance import latest
+from mha2gqa.files import embedded
+from mha2gqa.records.provenance import latest
+from mha2gqa.runtime.errors import InputError
 
 
 def test_gram_accumulates_identically_in_one_pass_or_in_chunks():

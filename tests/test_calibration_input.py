@@ -16,7 +16,7 @@ from mha2gqa.convert.run import convert
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.calibration import CalibrationInput, read_calibration, resolve_calibration
 from mha2gqa.corpus.mix import parse_spec, part_tokens
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 QUICK = RefineOptions(steps=2, lr=2e-3, tokens=256, batch_blocks=2, global_steps=0)
 
@@ -205,8 +205,8 @@ def test_a_mix_of_parent_samples_and_text_is_recorded_with_its_shares(tmp_path, 
 def test_a_sweeps_statistics_carry_their_ids_so_refine_reads_no_text_again(tmp_path, tiny_src, monkeypatch):
     """With the parent's samples a second reading is a second sampling: refine on gathered statistics uses
     the ids they were gathered from."""
+    from mha2gqa.architecture.layouts import attention_shape, layout_for, read_config
     from mha2gqa.convert import calibration
-    from mha2gqa.layouts import attention_shape, layout_for, read_config
 
     config = read_config(tiny_src)
     (tmp_path / "stats").mkdir()

@@ -9,9 +9,9 @@ import pytest
 import yaml
 from uptrain_helpers import corpus, recipe_file, tiny_model_dir
 
-from mha2gqa.card import CARD, MARKER, SOURCE_CARD, front_matter, kv_bytes_per_token
 from mha2gqa.convert.run import convert
 from mha2gqa.eval import evaluate
+from mha2gqa.records.card import CARD, MARKER, SOURCE_CARD, front_matter, kv_bytes_per_token
 from mha2gqa.uptrain import load_recipe, train
 
 SOURCE_CARD_TEXT = "---\nlicense: apache-2.0\nlanguage: en\n---\n# Tiny\n\nThe source's own words.\n"
@@ -120,7 +120,7 @@ def test_an_uptrain_card_names_its_files_by_absolute_paths(tmp_path, monkeypatch
 
 
 def test_the_card_counts_processes_in_words():
-    from mha2gqa.card import _uptrain_section
+    from mha2gqa.records.card import _uptrain_section
 
     stage = {"recipe": {"budget": {"max_steps": 2}}, "steps": 2, "tokens_seen": 64, "world_size": 2}
     assert "| steps, tokens | 2 steps, 64 tokens (2 processes) |" in _uptrain_section([stage], converted=True)
@@ -145,7 +145,7 @@ def test_a_partial_older_record_still_gives_a_card(tmp_path):
     """An mha2gqa.json of the old schema with only some conversion fields (as hand-written fixtures have)."""
     import json
 
-    from mha2gqa.card import write_card
+    from mha2gqa.records.card import write_card
 
     model = tiny_model_dir(tmp_path / "old", num_key_value_heads=2)
     (model / "mha2gqa.json").write_text(json.dumps({"conversion": {"groups": 2, "method": "mean"}}))
@@ -155,8 +155,8 @@ def test_a_partial_older_record_still_gives_a_card(tmp_path):
 
 
 def test_an_mha_model_trained_from_scratch_carries_no_gqa_tags():
-    from mha2gqa import embedded
-    from mha2gqa.card import render
+    from mha2gqa.files import embedded
+    from mha2gqa.records.card import render
 
     text = render(embedded.model_dir(), None, "austen-mha")  # 8 heads, 8 kv heads, trained by uptrain
     meta = front_matter(text)
@@ -189,7 +189,7 @@ def test_the_card_finds_eval_results_without_parsing_a_tokenizer(tmp_path, monke
     schema is not read whole."""
     import json
 
-    from mha2gqa import card
+    from mha2gqa.records import card
 
     (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(1000)}}}))
     (tmp_path / "generation_config.json").write_text("{}")

@@ -25,13 +25,13 @@ def _formulas(path: Path) -> list[str]:
 
 
 def test_the_package_writes_the_kl_once_in_kl_py():
-    assert _formulas(PACKAGE / "kl.py")  # the pattern finds the one formula where it is
+    assert _formulas(PACKAGE / "scoring" / "kl.py")  # the pattern finds the one formula where it is
     elsewhere = {
         str(path.relative_to(PACKAGE)): found
         for path in sorted(PACKAGE.rglob("*.py"))
         if path.name != "kl.py" and (found := _formulas(path))
     }
-    assert elsewhere == {}, "a KL formula outside mha2gqa/kl.py: call kl.kl_divergence instead"
+    assert elsewhere == {}, "a KL formula outside mha2gqa/scoring/kl.py: call kl.kl_divergence instead"
 
 
 def test_the_old_coarse_formula_would_be_found():
@@ -48,7 +48,7 @@ def test_the_checks_numbers_are_evals_on_the_same_models_and_tokens(tmp_path, mo
 
     from mha2gqa.convert.check_run import eval_options
     from mha2gqa.eval.run import read_texts
-    from mha2gqa.loading import load_causal_lm
+    from mha2gqa.files.loading import load_causal_lm
     from mha2gqa.scoring.agreement import agreement
 
     monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path / "cache"))
@@ -79,9 +79,9 @@ def test_the_check_is_one_evaluate_call_on_the_probe_with_the_parent_known_by_it
     from tiny_models import make_tiny_tokenizer, save_tiny_model
 
     import mha2gqa.eval as E
-    from mha2gqa import loading
     from mha2gqa.corpus.probe import probe_paths
     from mha2gqa.eval.reference_tops import TopReference
+    from mha2gqa.files import loading
 
     monkeypatch.setenv("MHA2GQA_CACHE", str(tmp_path / "cache"))
     src, dst = tmp_path / "src", tmp_path / "dst"

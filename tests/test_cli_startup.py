@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from tiny_models import MODEL_TYPES, save_tiny_model
 
-from mha2gqa import embedded
+from mha2gqa.architecture.layouts import attention_shape, layout_for, read_config
 from mha2gqa.convert.inspect import _count_on_meta, _count_parameters
-from mha2gqa.layouts import attention_shape, layout_for, read_config
+from mha2gqa.files import embedded
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "accelerate", "datasets", "matplotlib", "safetensors", "numpy")

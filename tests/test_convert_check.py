@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from mha2gqa import convert, embedded
+from mha2gqa import convert
 from mha2gqa.cli import main
 from mha2gqa.convert import check_run
 from mha2gqa.convert.check import (
@@ -24,7 +24,8 @@ from mha2gqa.convert.check import (
     plan_check,
     verdict,
 )
-from mha2gqa.kl import kl_divergence
+from mha2gqa.files import embedded
+from mha2gqa.scoring.kl import kl_divergence
 from mha2gqa.uptrain.recipe_load import load_recipe, shipped_recipes
 
 
@@ -164,7 +165,7 @@ def _plant_identical_kv_heads(model_dir: Path, groups: int) -> None:
     from all_architectures import plant_redundant_groups
     from transformers import AutoModelForCausalLM
 
-    from mha2gqa.layouts import attention_shape, layout_for, read_config
+    from mha2gqa.architecture.layouts import attention_shape, layout_for, read_config
 
     config = read_config(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)

@@ -160,7 +160,7 @@ def test_the_installed_command_runs_as_a_subprocess(src, tmp_path):
 
 
 def test_inspect_measures_a_sequence_at_the_models_own_context(src, tmp_path):
-    from mha2gqa.embedded import model_dir
+    from mha2gqa.files.embedded import model_dir
 
     result = _run("inspect", model_dir())  # max_position_embeddings 512
     assert result.exit_code == 0, result.output

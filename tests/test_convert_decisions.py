@@ -1,6 +1,6 @@
 """What convert chooses from the machine is decided once, by the plan, from facts that do not move (the CPU's flags,
 the device), and recorded as the explicit value (mha2gqa.json, the card's Reproduce line, convert.yaml); execution
-asks the machine nothing (convert/decide.py, mha2gqa/machine.py; issues 54 and 55)."""
+asks the machine nothing (convert/decide.py, mha2gqa/runtime/machine.py; issues 54 and 55)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import json
 import pytest
 import yaml
 
-from mha2gqa import embedded, machine
 from mha2gqa.convert.options import ConvertOptions, GlobalPrecision, RefineOptions
 from mha2gqa.convert.prepare import prepare
 from mha2gqa.convert.run import execute, plan_conversion
 from mha2gqa.estimates import rates
+from mha2gqa.files import embedded
+from mha2gqa.runtime import machine
 
 REFINE = dict(calibration="austen", calibration_tokens=4096, check=False, progress=False)
 EPYC = frozenset({"fpu", "avx2", "avx512f", "avx512_bf16"})  # the AMD EPYC of issue 55: its probe read 2.2-2.35x

@@ -14,14 +14,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import MODEL_TYPES, make_tiny_tokenizer, save_tiny_model
 
-from mha2gqa.checkpoint import SafetensorsCheckpoint
+from mha2gqa.architecture.layouts import LAYOUTS, attention_shape, layout_for, read_config
 from mha2gqa.convert import fast
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.plan import make_plan, output_shapes
 from mha2gqa.convert.roles import KV_ROLES, layer_names, pack, unpack
 from mha2gqa.convert.run import convert
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import LAYOUTS, attention_shape, layout_for, read_config
+from mha2gqa.files.checkpoint import SafetensorsCheckpoint
+from mha2gqa.runtime.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

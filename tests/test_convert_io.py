@@ -11,8 +11,8 @@ from tiny_models import make_tiny_tokenizer, save_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mha2gqa import convert
-from mha2gqa.checkpoint import ShardedWriter
-from mha2gqa.provenance import latest
+from mha2gqa.files.checkpoint import ShardedWriter
+from mha2gqa.records.provenance import latest
 
 
 def test_sharded_source_gives_sharded_output_with_a_correct_index(tmp_path):
@@ -160,7 +160,7 @@ def test_python_api_stays_callable_after_submodules_are_imported(tmp_path):
 
 
 def test_plain_copies_give_identical_shards_without_copy_file_range(tmp_path, monkeypatch):
-    import mha2gqa.checkpoint as checkpoint
+    import mha2gqa.files.checkpoint as checkpoint
 
     save_tiny_model(tmp_path / "src", "llama")
     options = dict(groups=2, max_shard_size="20KB", progress=False)  # several shards, many copied tensors

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from mha2gqa import convert
 from mha2gqa.convert.methods import group_heads, group_mean, ungroup
-from mha2gqa.provenance import latest, lineage
+from mha2gqa.records.provenance import latest, lineage
 
 KV, HD = 8, 8  # tiny models: 8 kv heads of head_dim 8 (gemma: 16)
 

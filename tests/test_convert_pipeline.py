@@ -21,8 +21,8 @@ QUICK = RefineOptions(steps=3, lr=2e-3, tokens=512, batch_blocks=2)
 
 def test_one_parent_load_and_one_tokenization(tmp_path, tiny_src, calibration_file, monkeypatch):
     """Calibration and refine share the parent and the calibration ids: each is made once per convert."""
-    from mha2gqa import loading
     from mha2gqa.corpus import calibration
+    from mha2gqa.files import loading
 
     counts, loaded = {"tokenize": 0}, []
     real_load, real_ids = loading.load_causal_lm, calibration.text_ids
@@ -65,8 +65,8 @@ def test_one_parent_load_and_one_tokenization(tmp_path, tiny_src, calibration_fi
 
 def test_stats_travel_as_their_own_argument(tmp_path, tiny_src, calibration_file):
     """A sweep's statistics, gathered once, give the same checkpoint as calibrating inside convert."""
+    from mha2gqa.architecture.layouts import attention_shape, layout_for, read_config
     from mha2gqa.convert.calibration import calibrate
-    from mha2gqa.layouts import attention_shape, layout_for, read_config
 
     config = read_config(tiny_src)
     stats = calibrate(tiny_src, layout_for(config), attention_shape(config), calibration_file, 1024, tmp_path)
@@ -320,7 +320,7 @@ def test_demo_checks_groups_through_prepare_and_creates_nothing(tmp_path, groups
 
 def test_a_refit_that_goes_non_finite_is_kept_as_merged_and_said(tmp_path, tiny_src, calibration_file):
     """lr 1e30 is finite (so accepted) but blows every Adam step up: the layer stays merged, with a warning."""
-    from mha2gqa.errors import WeightWarning
+    from mha2gqa.runtime.errors import WeightWarning
 
     wild = RefineOptions(steps=2, lr=1e30, tokens=512, solve_output=False)
     kwargs = dict(method="mean", calibration=calibration_file, calibration_tokens=1024, progress=False)

@@ -18,7 +18,7 @@ import torch
 from uptrain_helpers import recipe_file
 
 import mha2gqa
-from mha2gqa import embedded
+from mha2gqa.files import embedded
 
 WORDS = (
     "the a of and to in is was her it that he she had not be with as for his on but at my all which this by "
@@ -149,7 +149,7 @@ def _eval(src, folder) -> dict[str, str]:
 def _attention_maps(src) -> dict[str, str]:
     """eval --attention-maps's text, as the ids of the tokens it labels the maps with."""
     from mha2gqa.eval.attention_maps import attention_maps
-    from mha2gqa.loading import load_causal_lm
+    from mha2gqa.files.loading import load_causal_lm
 
     tokenizer, model = _tokenizer(src), load_causal_lm(embedded.model_dir(), progress=False)
     found = attention_maps(model, tokenizer, "It is a truth universally acknowledged,\n\nthat a single man", 0)

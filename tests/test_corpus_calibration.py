@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import mha2gqa
-from mha2gqa import embedded
 from mha2gqa.corpus.blocks import MixOrder, mix_blocks, spread
 from mha2gqa.corpus.calibration import read_calibration, resolve_calibration, text_files
 from mha2gqa.corpus.mix import renamed
+from mha2gqa.files import embedded
 
 
 def _parts(counts=(7, 3, 2, 1), seq_len=16) -> list[torch.Tensor]:

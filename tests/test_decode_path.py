@@ -9,12 +9,12 @@ import torch
 from tiny_models import make_tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mha2gqa.errors import InputError, WeightWarning
+from mha2gqa.architecture.hfcache import cache_kwargs, cache_of
 from mha2gqa.eval import speed
 from mha2gqa.eval.decode_path import CPU_KERNEL, decode_attention, kernel_on, matmul_attention, new_cache
 from mha2gqa.eval.measurements import validate_all
 from mha2gqa.eval.options import DecodePath, EvalOptions
-from mha2gqa.hfcache import cache_kwargs, cache_of
+from mha2gqa.runtime.errors import InputError, WeightWarning
 
 HEADS, KV_HEADS, BATCH, CONTEXT, HEAD_DIM = 8, 2, 4, 256, 32  # a cache large beside the activations
 

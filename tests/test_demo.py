@@ -7,8 +7,8 @@ from click.testing import CliRunner
 
 from mha2gqa.cli import main
 from mha2gqa.demo import markdown_table
-from mha2gqa.provenance import lineage
-from mha2gqa.run_folder import MARKER, mark
+from mha2gqa.files.run_folder import MARKER, mark
+from mha2gqa.records.provenance import lineage
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from tiny_models import save_tiny_model
 
 from mha2gqa.cli import main
-from mha2gqa.reading import did_you_mean, near_miss
+from mha2gqa.files.reading import did_you_mean, near_miss
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """One source of truth for options: each `convert` / `eval` / `sweep` option's --help is its ConvertOptions /
-EvalOptions / SweepOptions field's docstring (mha2gqa.docfields reads them from the source), every field has
+EvalOptions / SweepOptions field's docstring (mha2gqa.runtime.docfields reads them from the source), every field has
 one, and every option's default is its field's default."""
 
 from dataclasses import MISSING, fields
@@ -20,10 +20,10 @@ from mha2gqa.convert.options import (
     Method,
     RefineOptions,
 )
-from mha2gqa.docfields import choice_docs, field_docs
 from mha2gqa.eval.options import DecodePath, EvalOptions, SpeedPreset
+from mha2gqa.runtime.docfields import choice_docs, field_docs
+from mha2gqa.runtime.units import parse_size
 from mha2gqa.sweep.options import SweepOptions
-from mha2gqa.units import parse_size
 
 # options that set no field of the command's options type, so keep a literal help
 # --refine-* options set RefineOptions fields (ConvertOptions.refine): the flag table says which

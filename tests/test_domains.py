@@ -10,13 +10,13 @@ import pytest
 from click.testing import CliRunner
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_family, save_tiny_model
 
-from mha2gqa import embedded
 from mha2gqa.cli import main
 from mha2gqa.corpus import probe as probe_set
-from mha2gqa.errors import InputError
 from mha2gqa.eval import evaluate, write_report
 from mha2gqa.eval.domains import geomean, pooled_perplexity
 from mha2gqa.eval.schema import load_results
+from mha2gqa.files import embedded
+from mha2gqa.runtime.errors import InputError
 
 QUICK = dict(context=32, stride=16, speed_preset="off", progress=False)
 

@@ -1,4 +1,4 @@
-"""--dtype takes the names people type (bf16, fp16, half, torch.bfloat16, ...): one table, mha2gqa/dtypes.py,
+"""--dtype takes the names people type (bf16, fp16, half, torch.bfloat16, ...): one table, mha2gqa/architecture/dtypes.py,
 read by convert and eval alike. `--dtype bf16` used to be refused."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 from fault_helpers import cli
 from tiny_models import save_tiny_model
 
+from mha2gqa.architecture.dtypes import dtype_name
 from mha2gqa.cli.early import validate_eval
 from mha2gqa.convert.options import ConvertOptions
-from mha2gqa.dtypes import dtype_name
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def test_eval_keeps_auto_and_reads_aliases():
     assert dtype_name("AUTO", keep=("auto",)) == "auto"
     with pytest.raises(InputError, match="'auto' is unknown"):
         dtype_name("auto")  # convert has no auto: leaving --dtype out keeps each tensor's
-    from mha2gqa import embedded
+    from mha2gqa.files import embedded
 
     assert validate_eval(str(embedded.model_dir()), {"dtype": "bf16"}, None, False)["dtype"] == "bfloat16"
 

@@ -15,7 +15,7 @@ from fault_helpers import cli
 from tiny_models import SAMPLE_TEXT
 from uptrain_helpers import tiny_model_dir
 
-from mha2gqa import embedded
+from mha2gqa.files import embedded
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = """

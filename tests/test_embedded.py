@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mha2gqa import InputError, embedded
+from mha2gqa import InputError
+from mha2gqa.files import embedded
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "austen-mha-pretrain.yaml"

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from mha2gqa import embedded, estimates
+from mha2gqa import estimates
 from mha2gqa.convert.options import ConvertOptions, RefineOptions
 from mha2gqa.convert.prepare import Stage, prepare
 from mha2gqa.estimates import clock as clock_module
 from mha2gqa.estimates import rates
 from mha2gqa.estimates.clock import Clock
+from mha2gqa.files import embedded
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL, LARGE = rates.SMALL, rates.LARGE
@@ -182,8 +183,8 @@ def test_every_stage_of_a_refining_conversion_is_costed_and_a_stage_may_cost_its
 def test_a_global_stage_in_bfloat16_is_priced_at_its_measured_speedup_and_its_checks_are_not(
     fixed_rates, monkeypatch, precision
 ):
-    from mha2gqa import machine
     from mha2gqa.convert import run as convert_run
+    from mha2gqa.runtime import machine
 
     monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx2"}))  # bfloat16 emulated: auto is float32
     monkeypatch.setattr(machine, "torch_device", lambda: "cpu")
@@ -299,7 +300,7 @@ def test_convert_checks_work_is_a_stage_of_its_estimate_and_a_cached_parent_halv
     forward = plan.check.tokens * len(plan.check.domains) * plan.parameters
     assert check.parts[0].work["forward"] == 2 * forward  # an empty cache: the parent is scored too
     assert check.seconds() == pytest.approx(plan.check.seconds)
-    from mha2gqa.cache import model_key
+    from mha2gqa.files.cache import model_key
 
     (tmp_path / "cache" / "check").mkdir(parents=True)
     (tmp_path / "cache" / "check" / f"{model_key(embedded.model_dir())}-settings.safetensors").write_bytes(b"")
@@ -365,8 +366,8 @@ def test_convert_samples_as_many_sequences_at_once_as_their_kv_cache_allows(laye
     """Up to 64 sequences at once while their float32 KV cache at 512 tokens stays within 2 GiB, never fewer than
     the recipe's 16: SmolLM2 (23.6 MB a sequence) draws its 36 of each kind in one batch, a 7B model (268 MB) in 16s;
     the plan's memory counts the batch it draws."""
+    from mha2gqa.architecture.layouts import attention_shape
     from mha2gqa.corpus.sampling import batch_for, cache_bytes
-    from mha2gqa.layouts import attention_shape
 
     heads = kv_heads * 3
     config = {"model_type": "llama", "num_hidden_layers": layers, "num_attention_heads": heads, "vocab_size": 1000}

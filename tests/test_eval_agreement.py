@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import VOCAB, make_tiny_model
 
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.scoring.agreement import agreement
 from mha2gqa.scoring.perplexity import perplexity
 

@@ -3,8 +3,8 @@
 import pytest
 from tiny_models import make_tiny_tokenizer
 
-from mha2gqa.errors import InputError
 from mha2gqa.eval.data import SEPARATOR, load_eval_text
+from mha2gqa.runtime.errors import InputError
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ import pytest
 import torch
 from tiny_models import make_tiny_model, make_tiny_tokenizer
 
-from mha2gqa.errors import InputError
 from mha2gqa.eval.attention_maps import attention_figure, attention_maps, plot_attention_maps, token_labels
+from mha2gqa.runtime.errors import InputError
 
 
 def test_maps_are_row_stochastic_causal_and_plotted(tmp_path):

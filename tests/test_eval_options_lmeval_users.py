@@ -9,8 +9,8 @@ from tiny_models import SAMPLE_TEXT
 from uptrain_helpers import tiny_model_dir
 
 from mha2gqa.cli import main
-from mha2gqa.errors import InputError
 from mha2gqa.eval import batching, evaluate
+from mha2gqa.runtime.errors import InputError
 
 QUICK = dict(context=32, stride=16, speed_preset="off", progress=False)
 TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"

@@ -4,9 +4,9 @@ timed 3 repeats and said nothing)."""
 
 import pytest
 
-from mha2gqa.errors import InputError
 from mha2gqa.eval import measurements
 from mha2gqa.eval.options import EvalOptions
+from mha2gqa.runtime.errors import InputError
 
 
 @pytest.mark.parametrize(

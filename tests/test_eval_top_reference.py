@@ -72,7 +72,7 @@ def test_top_tokens_of_the_whole_vocabulary_give_the_numbers_of_the_reference_ru
 
 
 def test_a_reference_model_in_memory_is_scored_as_it_is(pair, monkeypatch):
-    from mha2gqa.loading import load_causal_lm
+    from mha2gqa.files.loading import load_causal_lm
 
     parent = load_causal_lm(pair / "parent", progress=False)
     loads = []

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 from mha2gqa.cli import main
-from mha2gqa.writing import _exchange
+from mha2gqa.files.writing import _exchange
 
 K = "model.layers.0.self_attn.k_proj.weight"
 V = "model.layers.0.self_attn.v_proj.weight"

@@ -454,7 +454,7 @@ def test_a_dry_run_to_a_filesystem_too_small_is_refused_as_the_run_is(sources, t
 
 
 def test_a_dry_run_names_the_run_that_holds_dst_and_says_what_it_checked(sources, tmp_path):
-    from mha2gqa.writing import claim
+    from mha2gqa.files.writing import claim
 
     dst = tmp_path / "new" / "dst"
     result = cli("convert", sources / "src", dst, "--groups", "2", "--dry-run", "--quiet")

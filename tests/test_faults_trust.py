@@ -24,7 +24,7 @@ from fault_helpers import cli, error_line, fill, tmpfs, tree_digest
 from safetensors.torch import load_file, save_file
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
-from mha2gqa.checkpoint import SafetensorsCheckpoint
+from mha2gqa.files.checkpoint import SafetensorsCheckpoint
 
 K = "model.layers.0.self_attn.k_proj.weight"
 UP = "model.layers.1.mlp.up_proj.weight"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mha2gqa.cli import main
 from mha2gqa.convert.options import CONVERT_FLAGS, Flag
-from mha2gqa.units import format_size
+from mha2gqa.runtime.units import format_size
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = ("convert.md", "refine.md")

@@ -8,13 +8,13 @@ from click.testing import CliRunner
 from tiny_models import make_tiny_model, save_tiny_model
 from transformers import AutoModelForCausalLM
 
+from mha2gqa.architecture.layouts import attention_shape, layout_for
 from mha2gqa.cli import main
 from mha2gqa.convert.grouping import pair_costs, partition, permute_heads
 from mha2gqa.convert.roles import layer_names, pack, unpack
 from mha2gqa.convert.run import convert
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import attention_shape, layout_for
-from mha2gqa.provenance import latest
+from mha2gqa.records.provenance import latest
+from mha2gqa.runtime.errors import InputError
 
 SCATTERED = [0, 3, 5, 6, 1, 2, 4, 7]  # planted groups {0, 3, 5, 6} and {1, 2, 4, 7}
 

@@ -9,7 +9,7 @@ import pytest
 from tiny_models import save_tiny_model
 
 import mha2gqa
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 
 def test_a_hub_model_id_downloads_safetensors_only_then_converts(tmp_path, monkeypatch):

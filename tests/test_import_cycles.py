@@ -79,6 +79,6 @@ def test_the_walk_finds_a_cycle_when_there_is_one(tmp_path):
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     probe = tmp_path / "probe.py"
-    probe.write_text("from mha2gqa import __version__\nfrom mha2gqa import provenance\nfrom . import errors\n")
+    probe.write_text("from mha2gqa import __version__\nfrom mha2gqa.records import provenance\nfrom . import errors\n")
     found = imports_of("mha2gqa.eval.probe", probe, module_names())
-    assert found == {"mha2gqa", "mha2gqa.provenance", "mha2gqa.eval"}
+    assert found == {"mha2gqa", "mha2gqa.records.provenance", "mha2gqa.eval"}

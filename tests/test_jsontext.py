@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 from tiny_models import save_tiny_model
 
-from mha2gqa import convert, jsontext
+from mha2gqa import convert
 from mha2gqa.eval.schema import write_result
-from mha2gqa.provenance import FILE_NAME, append
+from mha2gqa.files import jsontext
+from mha2gqa.records.provenance import FILE_NAME, append
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mha2gqa"
-WRITER = PACKAGE / "jsontext.py"
+WRITER = PACKAGE / "files" / "jsontext.py"
 
 
 def json_writes(source: str) -> list[int]:
@@ -59,7 +60,7 @@ def test_no_module_but_the_writer_calls_json_dump():
         for path in sorted(PACKAGE.rglob("*.py"))
         if path != WRITER and (lines := json_writes(path.read_text()))
     }
-    assert found == {}, f"write JSON through mha2gqa.jsontext.dumps: {found}"
+    assert found == {}, f"write JSON through mha2gqa.files.jsontext.dumps: {found}"
     assert json_writes(WRITER.read_text())  # the walk finds the writer's own calls
 
 

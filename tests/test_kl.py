@@ -1,4 +1,4 @@
-"""mha2gqa.kl: the one KL(parent || model) that refine's global stage, uptraining's distillation and eval's
+"""mha2gqa.scoring.kl: the one KL(parent || model) that refine's global stage, uptraining's distillation and eval's
 agreement share (issue 27: it was written three times)."""
 
 import ast
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mha2gqa.kl import kl_divergence
+from mha2gqa.scoring.kl import kl_divergence
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mha2gqa"
 
@@ -43,7 +43,7 @@ def test_kl_of_bfloat16_logits_is_computed_in_float32():
 
 
 def test_the_three_users_call_the_one_kl_and_no_module_writes_its_own():
-    """refine's global stage, uptrain's distillation loss and eval's agreement import mha2gqa.kl, and no
+    """refine's global stage, uptrain's distillation loss and eval's agreement import mha2gqa.scoring.kl, and no
     module but kl.py calls a kl_div or builds a KL from log-softmaxes."""
     users = ["convert/refine/global_stage.py", "uptrain/distill.py", "scoring/agreement.py"]
     for user in users:
@@ -51,7 +51,7 @@ def test_the_three_users_call_the_one_kl_and_no_module_writes_its_own():
         imported = {
             (node.module, a.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names
         }
-        assert ("mha2gqa.kl", "kl_divergence") in imported, user
+        assert ("mha2gqa.scoring.kl", "kl_divergence") in imported, user
     own = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "kl.py":
@@ -66,7 +66,7 @@ def test_the_three_users_call_the_one_kl_and_no_module_writes_its_own():
 def test_the_hand_written_gradient_is_autograds(dtype):
     """The model's logits get the gradient autograd takes through the log-softmaxes, for each reduction and
     temperature, in the logits' dtype; the value is the same; the parent's logits, a fixed target, get none."""
-    from mha2gqa.kl import kl_through_autograd
+    from mha2gqa.scoring.kl import kl_through_autograd
 
     torch.manual_seed(0)
     for temperature in (1.0, 2.0):

@@ -12,13 +12,13 @@ import torch
 from click.testing import CliRunner
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
+from mha2gqa.architecture.layouts import AttentionShape
 from mha2gqa.cli import main
 from mha2gqa.convert.kv_budget import budget_heads, choose_counts
 from mha2gqa.convert.sensitivity import layer_losses, pooled_in_place
-from mha2gqa.errors import InputError
-from mha2gqa.kl import kl_divergence
-from mha2gqa.layouts import AttentionShape
-from mha2gqa.loading import load_causal_lm
+from mha2gqa.files.loading import load_causal_lm
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.scoring.kl import kl_divergence
 
 SHAPE = AttentionShape("llama", layers=3, heads=8, kv_heads=4, head_dim=8, hidden=64)  # 3 x 4 kv heads, 192 B/token
 

@@ -61,11 +61,11 @@ def test_an_upward_or_sideways_import_is_found():
     """The converse: the checker is not vacuous."""
     layers = [{"cli"}, {"sweep"}, {"convert", "eval"}, {"corpus"}, {"errors"}]
     edges = {
-        "mha2gqa.eval.schema": {"mha2gqa.sweep.options", "mha2gqa.errors"},  # up
+        "mha2gqa.eval.schema": {"mha2gqa.sweep.options", "mha2gqa.runtime.errors"},  # up
         "mha2gqa.eval.run": {"mha2gqa.convert.plan"},  # sideways, within a layer
-        "mha2gqa.corpus.mix": {"mha2gqa.errors", "mha2gqa.corpus.textdata"},  # down, and its own package
+        "mha2gqa.corpus.mix": {"mha2gqa.runtime.errors", "mha2gqa.corpus.textdata"},  # down, and its own package
         "mha2gqa.estimates": {"mha2gqa.corpus.textdata"},  # a shared module reaching up to corpus
-        "mha2gqa.layouts": {"mha2gqa.reading"},  # shared modules import each other
+        "mha2gqa.architecture.layouts": {"mha2gqa.files.reading"},  # shared modules import each other
         "mha2gqa.__main__": {"mha2gqa.cli"},
     }
     assert upward_imports(edges, layers) == [

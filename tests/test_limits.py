@@ -11,7 +11,7 @@ from tiny_models import make_tiny_tokenizer, save_tiny_model
 
 from mha2gqa.cli import main
 from mha2gqa.cli.fields import TokenCount
-from mha2gqa.limits import BOUNDS
+from mha2gqa.runtime.limits import BOUNDS
 
 # options whose value is a comma-separated list of counts (text on the command line), or a count or a word
 LISTS = {

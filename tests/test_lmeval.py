@@ -15,11 +15,11 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from uptrain_helpers import tiny_model_dir
 
-from mha2gqa import embedded
 from mha2gqa.cli import main
-from mha2gqa.errors import InputError
 from mha2gqa.eval import evaluate, write_report
 from mha2gqa.eval.lmeval import BOOTSTRAP_ITERS, OFFLINE_TASKS, TASKS_DIR, perplexity_intervals
+from mha2gqa.files import embedded
+from mha2gqa.runtime.errors import InputError
 
 pytest.importorskip("lm_eval")  # the [lmeval] extra; .ci/run installs it, so CI runs every test here
 
@@ -215,7 +215,7 @@ def test_unreachable_hub_for_task_data_is_one_bounded_try(tmp_path, monkeypatch)
     import huggingface_hub
 
     from mha2gqa.eval.lmeval import validate_task_data
-    from mha2gqa.sources import HUB_TIMEOUT_S
+    from mha2gqa.files.sources import HUB_TIMEOUT_S
 
     asked = []
 

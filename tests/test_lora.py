@@ -13,8 +13,8 @@ from test_uptrain_two_ranks import _launch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from uptrain_helpers import corpus, metrics, recipe_file, tiny_model_dir
 
-from mha2gqa.errors import InputError
-from mha2gqa.provenance import latest
+from mha2gqa.records.provenance import latest
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.uptrain import load_recipe, train
 from mha2gqa.uptrain import lora as L
 from mha2gqa.uptrain.data import build_data

@@ -7,9 +7,9 @@ import json
 import pytest
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
-from mha2gqa.errors import InputError
 from mha2gqa.eval import evaluate, measurements, metrics, write_report
 from mha2gqa.eval.options import EvalOptions
+from mha2gqa.runtime.errors import InputError
 
 QUICK = dict(context=32, stride=16, speed_preset="off", progress=False)
 

@@ -10,8 +10,8 @@ import pytest
 from fault_helpers import assert_refused, cli
 
 from mha2gqa.corpus.mix import parse_spec
-from mha2gqa.errors import InputError
-from mha2gqa.run_folder import MARKER, validate_folder
+from mha2gqa.files.run_folder import MARKER, validate_folder
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.uptrain.recipe_load import recipe_path, shipped_recipes
 
 EMBEDDED_SRC = "mha2gqa/data/austen-mha"

@@ -18,9 +18,9 @@ from tiny_models import make_tiny_tokenizer, save_tiny_model
 
 from mha2gqa import convert
 from mha2gqa.cli import main
-from mha2gqa.errors import InputError
-from mha2gqa.loading import load_causal_lm
+from mha2gqa.files.loading import load_causal_lm
 from mha2gqa.nemotron_nas.blocks import ffn_mult_for, ffn_mult_to_intermediate_size, nemotron_nas_config
+from mha2gqa.runtime.errors import InputError
 
 # hidden 64, MLP 256 (a width the format can state: ffn_mult 6.0), 8 query heads, 4 kv heads, 3 layers
 TINY = dict(intermediate_size=256, num_key_value_heads=4, num_hidden_layers=3, max_position_embeddings=64)

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from tiny_models import make_tiny_tokenizer, save_tiny_model
 
 from mha2gqa.cli import main
-from mha2gqa.loading import load_causal_lm
+from mha2gqa.files.loading import load_causal_lm
 from mha2gqa.nemotron_nas.remote_code import CODE_FILES, load_line, write_remote_code
 
 TINY = dict(intermediate_size=256, num_key_value_heads=4, num_hidden_layers=3, max_position_embeddings=64)
@@ -99,7 +99,7 @@ def test_load_line():
 def test_the_card_gives_the_line_that_loads_it(child, tmp_path):
     """The card of a child carrying the code says trust_remote_code=True; the true KV ratio (768 B -> 448 B: 1.71x,
     not rounded to 2x); a uniform child's card gives the plain line."""
-    from mha2gqa.card import render
+    from mha2gqa.records.card import render
 
     text = render(child, None, "me/nas")
     assert 'AutoModelForCausalLM.from_pretrained("me/nas", trust_remote_code=True)' in text

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
-from mha2gqa import jsontext
 from mha2gqa.cli import main
+from mha2gqa.files import jsontext
 from mha2gqa.nemotron_nas.remote_code import AUTO_MAP
 
 # sha256 of model.safetensors and config.json as 43c2481 (convert/per_layer.py, budget_run.py) wrote them for this

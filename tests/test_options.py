@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from mha2gqa.convert.options import ConvertOptions, Grouping, Method
-from mha2gqa.errors import InputError
 from mha2gqa.eval.options import EvalOptions, SpeedPreset
+from mha2gqa.runtime.errors import InputError
 
 
 def test_enums_are_strings_with_the_same_json_and_text():

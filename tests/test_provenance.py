@@ -6,9 +6,10 @@ import json
 import pytest
 from tiny_models import save_tiny_model
 
-from mha2gqa import embedded, provenance
 from mha2gqa.convert.run import convert
-from mha2gqa.errors import InputError
+from mha2gqa.files import embedded
+from mha2gqa.records import provenance
+from mha2gqa.runtime.errors import InputError
 
 
 def test_parent_converted_uptrained_reads_back_as_a_list(tmp_path):

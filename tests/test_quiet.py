@@ -1,4 +1,4 @@
-"""Third-party chatter stays out of our output (mha2gqa.quiet): lm-eval's notes about the model we hand it,
+"""Third-party chatter stays out of our output (mha2gqa.runtime.quiet): lm-eval's notes about the model we hand it,
 datasets' split bars, transformers' loading bar on a small model, accelerate's shared-tensor notice and the
 FutureWarning peft triggers; each filter lasts only for its call, and other messages still show."""
 
@@ -10,8 +10,8 @@ import warnings
 import pytest
 from uptrain_helpers import corpus, recipe_file, tiny_model_dir
 
-from mha2gqa import embedded
-from mha2gqa.quiet import LM_EVAL_NOISE, without_log_messages
+from mha2gqa.files import embedded
+from mha2gqa.runtime.quiet import LM_EVAL_NOISE, without_log_messages
 
 NOISE = (
     "bootstrapping for stddev",

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from mha2gqa.errors import InputError
-from mha2gqa.reading import read_json
+from mha2gqa.files.reading import read_json
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.serving.children import tokenizer_identity
 
 NO_LIMIT = int(1e30)  # transformers' VERY_LARGE_INTEGER

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.uptrain.recipe import Recipe, all_keys, describe
 from mha2gqa.uptrain.recipe_load import load_recipe
 

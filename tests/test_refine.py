@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 from mha2gqa.cli import main
 from mha2gqa.convert.refine import RefineOptions
 from mha2gqa.convert.run import convert
-from mha2gqa.errors import InputError
-from mha2gqa.provenance import latest
+from mha2gqa.records.provenance import latest
+from mha2gqa.runtime.errors import InputError
 
 SMALL = dict(max_position_embeddings=64)  # refine blocks are min(512, context) tokens: 64 here
 FAST = RefineOptions(steps=30, lr=3e-3, batch_blocks=4)

@@ -15,8 +15,8 @@ from mha2gqa.convert.refine import RefineOptions
 from mha2gqa.convert.refine.buffers import opening_sequences
 from mha2gqa.convert.refine.global_stage import ParentTargets, heldout_kl
 from mha2gqa.convert.run import convert
-from mha2gqa.errors import InputError
-from mha2gqa.kl import kl_divergence
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.scoring.kl import kl_divergence
 
 TEXT = torch.arange(1000, 1400)  # ids a vocabulary of 50,000 mostly lacks: a drawn first token stands out
 

@@ -7,7 +7,7 @@ import torch
 from mha2gqa.convert.options import GlobalPrecision, RefineOptions
 from mha2gqa.convert.refine import GlobalFit
 from mha2gqa.convert.refine.precision import fit_autocast_dtype
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 
 def test_an_explicit_precision_is_carried_out_as_it_is():

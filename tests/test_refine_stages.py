@@ -11,14 +11,14 @@ from calibrated_models import save_redundant_model
 from tiny_models import make_tiny_tokenizer, save_tiny_model
 from transformers import AutoModelForCausalLM
 
+from mha2gqa.architecture.layouts import attention_shape, layout_for, read_config
 from mha2gqa.convert.calibration import calibrate
 from mha2gqa.convert.options import RefineOptions
 from mha2gqa.convert.refine.global_stage import GlobalFit, fit_global
 from mha2gqa.convert.run import convert
-from mha2gqa.embedded import HELDOUT_NOVEL, expand_corpus_name, read_novel
-from mha2gqa.kl import kl_divergence
-from mha2gqa.layouts import attention_shape, layout_for, read_config
-from mha2gqa.provenance import latest
+from mha2gqa.files.embedded import HELDOUT_NOVEL, expand_corpus_name, read_novel
+from mha2gqa.records.provenance import latest
+from mha2gqa.scoring.kl import kl_divergence
 
 # initializer_range 0.1: attention that matters (at the default 0.02 mean-pooling to one kv head moves the
 # logits by a KL of 1e-5, too little to rank stages by).

@@ -6,12 +6,12 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from mha2gqa import brief
 from mha2gqa.cli import main
-from mha2gqa.errors import InputError
 from mha2gqa.eval import metrics, plots
 from mha2gqa.eval.report import write_report
 from mha2gqa.eval.schema import SCHEMA
+from mha2gqa.records import brief
+from mha2gqa.runtime.errors import InputError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -22,7 +22,7 @@ def stage(kind, **fields):
 
 
 def lineage_of(*stages):
-    return {"schema": "mha2gqa.provenance/2", "tool": "mha2gqa", "lineage": list(stages)}
+    return {"schema": "mha2gqa.records.provenance/2", "tool": "mha2gqa", "lineage": list(stages)}
 
 
 MEAN2 = stage("conversion", source="/m/parent", method="mean", groups=2, date="2026-12-01T10:00:00+00:00")

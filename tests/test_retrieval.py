@@ -10,8 +10,8 @@ from tiny_models import make_tiny_model, make_tiny_tokenizer, save_tiny_model
 from transformers import AutoTokenizer
 
 from mha2gqa.cli import main as cli
-from mha2gqa.embedded import model_dir
-from mha2gqa.errors import InputError
+from mha2gqa.files.embedded import model_dir
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.scoring.retrieval import answer_scores, summarize
 from mha2gqa.scoring.retrieval_items import TASKS, build_items, probe_grid
 

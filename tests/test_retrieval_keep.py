@@ -9,6 +9,7 @@ import torch
 from click.testing import CliRunner
 from tiny_models import make_tiny_tokenizer, save_tiny_model
 
+from mha2gqa.architecture.layouts import AttentionShape
 from mha2gqa.cli import main as cli
 from mha2gqa.convert import retrieval_keep
 from mha2gqa.convert.calibrated import calibrated_layer
@@ -16,7 +17,6 @@ from mha2gqa.convert.layer_step import transform_layer
 from mha2gqa.convert.methods import METHODS, LayerContext, mean_layer
 from mha2gqa.convert.options import Grouping, Method
 from mha2gqa.convert.retrieval_keep import KeptHeads, spread_order
-from mha2gqa.layouts import AttentionShape
 from mha2gqa.scoring import retrieval_heads
 
 HD, D = 8, 32  # head_dim, hidden

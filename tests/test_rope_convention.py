@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mha2gqa.generic_layout import _same_body
+from mha2gqa.architecture.generic_layout import _same_body
 
 LLAMA = "transformers.models.llama.modeling_llama"
 

@@ -23,9 +23,9 @@ from tiny_models import save_tiny_inputs
 
 import mha2gqa.demo.ablations as ablations
 import mha2gqa.eval.run as eval_run
-from mha2gqa import embedded
-from mha2gqa.run_folder import MARKER, mark
-from mha2gqa.writing import write_atomic
+from mha2gqa.files import embedded
+from mha2gqa.files.run_folder import MARKER, mark
+from mha2gqa.files.writing import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPE = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=4)
@@ -199,7 +199,7 @@ def test_a_sweep_that_fails_before_its_first_candidate_leaves_no_out(tiny, tmp_p
 _KILLED_RUN = """
 import os, signal, sys
 from pathlib import Path
-from mha2gqa.run_folder import run_folder, scratch_folder
+from mha2gqa.files.run_folder import run_folder, scratch_folder
 out = Path(sys.argv[1])
 with run_folder(out, "--out", "demo", {"report", "results", ".sweep-*"}, force=True) as folder:
     (out / "report").mkdir()
@@ -236,7 +236,7 @@ def test_the_next_start_undoes_a_run_killed_with_sigkill(tmp_path, tmpdir_env, n
 
 
 def test_scratch_of_a_killed_sweep_is_removed_by_the_next_start(tmp_path):
-    from mha2gqa.run_folder import continued_folder, run_folder
+    from mha2gqa.files.run_folder import continued_folder, run_folder
 
     out = tmp_path / "sweep"
     out.mkdir()
@@ -254,7 +254,7 @@ def test_scratch_of_a_killed_sweep_is_removed_by_the_next_start(tmp_path):
 
 
 def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tmp_path, tmpdir_env, no_grid):
-    from mha2gqa.run_folder import run_folder
+    from mha2gqa.files.run_folder import run_folder
 
     out = tmp_path / "ablations"
     with run_folder(out, "--out", "reproduce", ablations.RUN_ENTRIES, force=False):
@@ -325,7 +325,7 @@ def test_a_thread_count_past_any_machine_is_refused(tmp_path):
 
 
 def test_a_file_over_its_size_limit_is_told_its_own_fix(tmp_path, tmpdir_env):
-    from mha2gqa.reading import MAX_JSON_BYTES, MAX_YAML_BYTES
+    from mha2gqa.files.reading import MAX_JSON_BYTES, MAX_YAML_BYTES
 
     result = tmp_path / "result.json"
     with open(result, "wb") as f:  # one byte over the limit, sparse: refused from its size, never read
@@ -414,7 +414,7 @@ def src(tiny, tmp_path, tmpdir_env):
 
 
 def test_a_source_card_over_the_limit_is_kept_unread_with_a_warning(src, tmp_path, tmpdir_env):
-    from mha2gqa.card import MAX_CARD_BYTES
+    from mha2gqa.records.card import MAX_CARD_BYTES
 
     big = b"---\nlicense: mit\n---\n" + b"x" * MAX_CARD_BYTES  # 4 MiB + 20 bytes
     (src / "README.md").write_bytes(big)
@@ -532,7 +532,7 @@ def test_a_hub_id_in_the_warm_cache_converts_offline(tiny, tmp_path):
 def test_eval_and_uptrain_checks_take_a_hub_id_from_the_warm_cache(tiny, tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    from mha2gqa.sources import model_ref_problem, resolve_model_dir
+    from mha2gqa.files.sources import model_ref_problem, resolve_model_dir
 
     repo = _hub_cache(tiny / "src", tmp_path / "hub")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

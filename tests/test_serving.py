@@ -17,7 +17,7 @@ import pytest
 from fault_helpers import assert_refused, cli
 from serving_helpers import EMBEDDED, QUICK, convert_child, core_pids, fake_python, gone
 
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.serving import engine, kvlog, result, server
 from mha2gqa.serving.options import ServeOptions
 

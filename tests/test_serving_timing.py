@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.serving import capacity, client, result, settle
 from mha2gqa.serving.kvlog import Unreadable
 from mha2gqa.serving.options import ServeOptions

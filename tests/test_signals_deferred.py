@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from mha2gqa.errors import Interrupted, import_torch, signals_as_interrupts, signals_deferred
+from mha2gqa.runtime.errors import Interrupted, import_torch, signals_as_interrupts, signals_deferred
 
 
 @contextmanager

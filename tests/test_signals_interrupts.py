@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mha2gqa.errors import Interrupted, signals_as_interrupts
+from mha2gqa.runtime.errors import Interrupted, signals_as_interrupts
 
 
 class SignalledInItsFinalizer:

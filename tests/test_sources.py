@@ -1,4 +1,4 @@
-"""The one hub-id rule (mha2gqa.sources): single-segment ids are hub ids, a name that looks like a
+"""The one hub-id rule (mha2gqa.files.sources): single-segment ids are hub ids, a name that looks like a
 mistyped local path is answered locally without asking the hub, and a hub fetch says what it does."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from mha2gqa import sources
 from mha2gqa.cli import main
-from mha2gqa.errors import InputError
+from mha2gqa.files import sources
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.uptrain.recipe_load import load_recipe
 
 
@@ -103,7 +103,7 @@ def test_a_hub_fetch_says_what_it_does_and_bounds_each_request(monkeypatch, caps
 def test_a_typo_of_the_embedded_corpus_gets_did_you_mean_without_the_hub(tmp_path, monkeypatch, typo):
     import datasets
 
-    from mha2gqa.embedded import model_dir
+    from mha2gqa.files.embedded import model_dir
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("asked the hub for a dataset"))

@@ -19,7 +19,7 @@ from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN, RefineOptions
 from mha2gqa.corpus import textdata
 from mha2gqa.eval.report import write_report
 from mha2gqa.eval.schema import load_results
-from mha2gqa.run_folder import MARKER
+from mha2gqa.files.run_folder import MARKER
 from mha2gqa.sweep import SweepOptions, folder, sweep
 from mha2gqa.sweep.next_step import pretrain_tokens
 from mha2gqa.sweep.plots import pareto_front
@@ -327,7 +327,7 @@ def test_recommendation_is_the_smallest_cache_within_tolerance_or_the_next_comma
 
 
 def test_the_budget_base_is_the_models_own_pretraining_or_20_tokens_a_parameter(tmp_path):
-    from mha2gqa import embedded
+    from mha2gqa.files import embedded
 
     assert pretrain_tokens(embedded.model_dir(), 6_000_000) == embedded.pretrain_tokens()
     (tmp_path / "m").mkdir()
@@ -365,8 +365,8 @@ def test_a_real_sigint_during_the_second_candidate_keeps_the_first(tiny, tmp_pat
 def test_resume_reads_a_sweep_json_written_while_refine_had_mlp_output(tiny, tmp_path, mlp_output):
     """sweep.json files from before --refine-mlp went to bench/ record "mlp_output" in their refine settings:
     false (what every sweep ran) changed nothing, so --resume continues them; true would be other settings."""
-    from mha2gqa.errors import InputError
-    from mha2gqa.layouts import read_config
+    from mha2gqa.architecture.layouts import read_config
+    from mha2gqa.runtime.errors import InputError
 
     src, out = tiny / "src", tmp_path / "out"
     options = SweepOptions(out=str(out), refine=RefineOptions(), calibration=str(tiny / "cal.txt"), progress=False)
@@ -391,8 +391,8 @@ def test_resume_reads_a_sweep_json_written_before_the_opening_weight(
 ):
     """sweep.json files from before --refine-opening-weight lack it: they ran at weight 1 (the default until
     2026-12-04), so --resume continues them at weight 1 and refuses them at another weight, the default 0.25 too."""
-    from mha2gqa.errors import InputError
-    from mha2gqa.layouts import read_config
+    from mha2gqa.architecture.layouts import read_config
+    from mha2gqa.runtime.errors import InputError
 
     src, out = tiny / "src", tmp_path / "out"
     options = SweepOptions(
@@ -426,8 +426,8 @@ def test_resume_refuses_a_sweep_run_under_another_default_token_count(
 ):
     """A sweep.json records what unset token counts meant (tokens_per_hidden); one from before the default
     doubled (2026-12-04) lacks it and ran at 64 x hidden: --resume continues it only where no count is unset."""
-    from mha2gqa.errors import InputError
-    from mha2gqa.layouts import read_config
+    from mha2gqa.architecture.layouts import read_config
+    from mha2gqa.runtime.errors import InputError
 
     src, out = tiny / "src", tmp_path / "out"
     options = SweepOptions(
@@ -456,6 +456,6 @@ def source_shape(record: dict):
     """The swept source's attention shape, as sweep --resume checks rows against it."""
     from pathlib import Path
 
-    from mha2gqa.layouts import attention_shape, read_config
+    from mha2gqa.architecture.layouts import attention_shape, read_config
 
     return attention_shape(read_config(Path(record["source"]["resolved"])))

@@ -12,7 +12,7 @@ from fault_helpers import assert_refused, cli, sweep_args
 from tiny_models import save_tiny_inputs
 
 import mha2gqa.sweep.budgets as budgets_module
-from mha2gqa.layouts import read_config
+from mha2gqa.architecture.layouts import read_config
 from mha2gqa.sweep.trust import trusted
 
 # 4 kv heads in 3 layers; an MLP width the Nemotron-NAS format can state (a multiple of 256)
@@ -105,7 +105,7 @@ def source_shape(record: dict):
     """The swept source's attention shape, as sweep --resume checks rows against it."""
     from pathlib import Path
 
-    from mha2gqa.layouts import attention_shape, read_config
+    from mha2gqa.architecture.layouts import attention_shape, read_config
 
     return attention_shape(read_config(Path(record["source"]["resolved"])))
 

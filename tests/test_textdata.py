@@ -10,10 +10,10 @@ import lzma
 import pytest
 from click.testing import CliRunner
 
-from mha2gqa import embedded
 from mha2gqa.cli import main
 from mha2gqa.corpus import textdata
-from mha2gqa.errors import InputError
+from mha2gqa.files import embedded
+from mha2gqa.runtime.errors import InputError
 
 DOCS = ["It is a truth universally acknowledged.", "Emma Woodhouse, handsome, clever, and rich."]
 

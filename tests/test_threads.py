@@ -8,8 +8,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from mha2gqa import threads
 from mha2gqa.cli import main
+from mha2gqa.runtime import threads
 
 
 @pytest.fixture
@@ -98,7 +98,7 @@ def test_threads_bench_smoke_times_each_count():
 def test_small_local_models_get_one_thread_and_large_or_hub_ones_torchs_default(tmp_path, monkeypatch):
     import json
 
-    from mha2gqa import embedded
+    from mha2gqa.files import embedded
 
     monkeypatch.setattr(threads, "machine_busy", lambda: True)
 
@@ -118,7 +118,7 @@ def test_eval_and_uptrain_of_a_small_model_default_to_one_thread(clean_env, tmp_
 
     import mha2gqa.eval.run
     import mha2gqa.uptrain
-    from mha2gqa import embedded
+    from mha2gqa.files import embedded
 
     seen = []
 
@@ -162,7 +162,7 @@ def test_the_machine_is_busy_when_other_processes_occupy_every_core(monkeypatch,
 
 
 def test_on_an_idle_machine_demo_and_small_models_keep_torchs_default(clean_env, tmp_path):
-    from mha2gqa import embedded
+    from mha2gqa.files import embedded
 
     clean_env.setattr(threads, "machine_busy", lambda: False)
     torch.set_num_threads(2)

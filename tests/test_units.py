@@ -3,8 +3,8 @@
 import re
 from pathlib import Path
 
-from mha2gqa.errors import first_line
-from mha2gqa.units import byte_unit, counted, format_bytes, format_size, parse_size
+from mha2gqa.runtime.errors import first_line
+from mha2gqa.runtime.units import byte_unit, counted, format_bytes, format_size, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 

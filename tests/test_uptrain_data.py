@@ -11,7 +11,7 @@ from uptrain_helpers import corpus, recipe_file
 
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.blocks import pack, pack_all
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.uptrain import load_recipe
 from mha2gqa.uptrain.data import MemoryBatches, StreamBatches, block_hash, build_data, rank_slice
 from mha2gqa.uptrain.plan import total_steps

@@ -12,8 +12,8 @@ import yaml
 from click.testing import CliRunner
 from uptrain_helpers import corpus, recipe_file, tiny_model_dir
 
-from mha2gqa.checkpoint import SafetensorsCheckpoint
 from mha2gqa.cli import main
+from mha2gqa.files.checkpoint import SafetensorsCheckpoint
 from mha2gqa.uptrain import load_recipe, plan
 
 ROOT = Path(__file__).resolve().parents[1]

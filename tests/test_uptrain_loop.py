@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from uptrain_helpers import corpus, metrics, recipe_file, tiny_model_dir
 
-from mha2gqa.errors import InputError
-from mha2gqa.provenance import latest, lineage
+from mha2gqa.records.provenance import latest, lineage
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.uptrain import load_recipe, train
 from mha2gqa.uptrain.data import MemoryBatches, build_data
 from mha2gqa.uptrain.distill import kl_teacher_student

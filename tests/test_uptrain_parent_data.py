@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from uptrain_helpers import corpus, recipe_file, tiny_model_dir
 
 from mha2gqa.corpus import sampling
-from mha2gqa.embedded import train_paths
-from mha2gqa.errors import InputError
-from mha2gqa.provenance import latest
+from mha2gqa.files.embedded import train_paths
+from mha2gqa.records.provenance import latest
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.uptrain import load_recipe, sample_cache, train
 from mha2gqa.uptrain.data import text_blocks
 from mha2gqa.uptrain.mixed_data import EVAL_SEED_OFFSET, build, ids_sha256, merge_records, sample_blocks
@@ -191,7 +191,7 @@ def test_the_refusal_comes_before_torch(tmp_path, tiny):
         tmp_path / "r.yaml", model=str(tiny["model"]), output_dir=str(tmp_path / "o"), data={"train": "parent"}
     )
     code = (
-        "import sys; from mha2gqa.uptrain.recipe_load import load_recipe; from mha2gqa.errors import InputError\n"
+        "import sys; from mha2gqa.uptrain.recipe_load import load_recipe; from mha2gqa.runtime.errors import InputError\n"
         f"try:\n    load_recipe({str(path)!r})\nexcept InputError as err:\n    print(err)\n"
         "print('torch' in sys.modules)"
     )

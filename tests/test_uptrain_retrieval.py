@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from uptrain_helpers import corpus, metrics, recipe_file, tiny_model_dir
 
 from mha2gqa.corpus.tokens import document_ids
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.scoring.retrieval_items import build_items, probe_grid
 from mha2gqa.uptrain import load_recipe, train
 from mha2gqa.uptrain.copy_task import COPY_ANSWER, TEMPLATES, retrieval_blocks

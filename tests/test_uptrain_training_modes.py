@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from tiny_models import make_tiny_tokenizer, save_tiny_model
 from uptrain_helpers import corpus, metrics, recipe_file, tiny_model_dir
 
-from mha2gqa.errors import InputError
-from mha2gqa.provenance import latest
+from mha2gqa.records.provenance import latest
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.uptrain import load_recipe, train
 
 ROOT = Path(__file__).resolve().parents[1]

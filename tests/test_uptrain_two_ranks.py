@@ -16,7 +16,7 @@ import sys
 import pytest
 from uptrain_helpers import corpus, metrics, recipe_file, tiny_model_dir
 
-from mha2gqa.provenance import latest
+from mha2gqa.records.provenance import latest
 
 LAUNCH = [
     "-m",

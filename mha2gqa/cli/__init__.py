@@ -9,8 +9,8 @@ from contextlib import contextmanager, suppress
 
 import click
 
-from mha2gqa.errors import WeightWarning, exit_report, one_line, signals_as_interrupts
-from mha2gqa.progress import close_open_bars, write_line
+from mha2gqa.runtime.errors import WeightWarning, exit_report, one_line, signals_as_interrupts
+from mha2gqa.runtime.progress import close_open_bars, write_line
 from mha2gqa.version import __version__
 
 
@@ -94,7 +94,7 @@ class _Group(click.Group):
 def main(threads):
     """Convert multi-head attention (MHA) checkpoints to grouped-query (GQA) or multi-query (MQA)
     attention, uptrain them briefly, and measure what was lost and what was saved."""
-    from mha2gqa import threads as thread_count
+    from mha2gqa.runtime import threads as thread_count
 
     if threads is not None:
         os.environ[thread_count.ENV] = str(thread_count.parse(threads, "--threads"))

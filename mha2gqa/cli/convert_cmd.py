@@ -7,12 +7,12 @@ from enum import Enum
 import click
 from click.core import ParameterSource
 
-from mha2gqa import jsontext
 from mha2gqa.cli.fields import field_option
 from mha2gqa.cli.format import human_count, table
 from mha2gqa.convert.options import CONVERT_FLAGS, METHOD_SUMMARIES, ConvertOptions, Flag, Method, options_from_flags
-from mha2gqa.docfields import choice_docs, option_help
-from mha2gqa.units import format_bytes, format_size
+from mha2gqa.files import jsontext
+from mha2gqa.runtime.docfields import choice_docs, option_help
+from mha2gqa.runtime.units import format_bytes, format_size
 
 
 def _flag_option(flag: Flag):
@@ -114,11 +114,11 @@ def convert(src, dst, plan_tensors, **flags):
 
     Example: mha2gqa convert ./llama-2-7b ./llama-2-7b-gqa8 --groups 8
     """
-    from mha2gqa import threads
     from mha2gqa.convert.config_file import paths
     from mha2gqa.convert.run import convert as run_convert
     from mha2gqa.convert.run import dry_run_time_line
     from mha2gqa.estimates.clock import command_clock
+    from mha2gqa.runtime import threads
 
     src, dst = paths(src, dst, click.get_current_context().meta.get(_CONFIG))
     if flags["groups"] is None and flags["kv_heads_per_layer"] is None and flags["kv_budget"] is None:
@@ -157,7 +157,7 @@ def convert(src, dst, plan_tensors, **flags):
 def check_report(record: dict | None) -> str:
     """What the conversion kept (convert/check.py): the table, the verdict and the next commands; or why the
     check was skipped."""
-    from mha2gqa.check_record import HEADERS, retrieval_line, table_rows, title
+    from mha2gqa.records.check_record import HEADERS, retrieval_line, table_rows, title
 
     if not record or "skipped" in record:
         return f"check: skipped ({(record or {}).get('skipped', 'not run')})"

@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from mha2gqa.cli.format import table
-from mha2gqa.embedded import target_groups
-from mha2gqa.units import format_bytes
+from mha2gqa.files.embedded import target_groups
+from mha2gqa.runtime.units import format_bytes
 
 # How each column of mha2gqa.demo.summary_rows prints (the label first, "bytes" as KiB/MiB).
 _SPECS = ["", ".2f", ".4f", ".3f", "bytes", ".2f"]
@@ -65,10 +65,10 @@ def demo(groups, out, quick, alpha, force, dry_run):
     novels; no download): inspect, convert to GROUPS kv heads by mean-pooling, evaluate the parent and
     the converted model on held-out Persuasion, uptrain for ALPHA of the parent's pretraining tokens,
     evaluate again, and write a side-by-side report (markdown, html, plots) under OUT."""
-    from mha2gqa import threads
     from mha2gqa.demo import plan_demo, run_demo
     from mha2gqa.estimates.clock import Clock
-    from mha2gqa.limits import validate_limits
+    from mha2gqa.runtime import threads
+    from mha2gqa.runtime.limits import validate_limits
 
     plan = plan_demo(out, groups=groups, quick=quick, alpha=alpha, force=force)  # every check, before torch
     validate_limits("demo", {"--groups": groups})  # after the plan's own rule, a divisor of the embedded model's 8
@@ -102,10 +102,10 @@ def demo(groups, out, quick, alpha, force, dry_run):
 def reproduce(out, methods, kv_heads, alphas, eval_blocks, force, dry_run):
     """Reproduce the GQA paper's ablations at small scale on the embedded default: perplexity on
     held-out Persuasion for every method x kv heads x alpha, as a table and plots under OUT."""
-    from mha2gqa import threads
     from mha2gqa.demo import markdown_table, plan_reproduce
     from mha2gqa.demo import reproduce as run_reproduce
-    from mha2gqa.limits import validate_limits
+    from mha2gqa.runtime import threads
+    from mha2gqa.runtime.limits import validate_limits
 
     kv_heads = _numbers(kv_heads, int, "--kv-heads", "1,2,4")
     validate_limits("reproduce", {"--kv-heads": kv_heads, "--eval-blocks": eval_blocks})
@@ -131,7 +131,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def _numbers(text: str, kind, flag: str, example: str) -> tuple:
-    from mha2gqa.errors import InputError
+    from mha2gqa.runtime.errors import InputError
 
     kind_name = "whole numbers" if kind is int else "numbers"
     try:

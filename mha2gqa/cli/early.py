@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mha2gqa.architecture.dtypes import dtype_name
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.probe import parse_domains
-from mha2gqa.dtypes import dtype_name
-from mha2gqa.errors import InputError
 from mha2gqa.eval.schema import validate_writable
-from mha2gqa.reading import did_you_mean
-from mha2gqa.sources import looks_local, model_ref_problem, require_safetensors
+from mha2gqa.files.reading import did_you_mean
+from mha2gqa.files.sources import looks_local, model_ref_problem, require_safetensors
+from mha2gqa.runtime.errors import InputError
 
 # eval flags with a least value; the messages are eval/run.py's and scoring/perplexity.py's
 _EVAL_LEAST = (

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import click
 
-from mha2gqa import jsontext
 from mha2gqa.cli.fields import TokenCount, field_option
 from mha2gqa.cli.paths import file_option, folder_option
-from mha2gqa.docfields import choice_docs
 from mha2gqa.estimates.stages import EVAL
 from mha2gqa.eval.options import DecodePath, EvalOptions, SpeedPreset
-from mha2gqa.units import format_bytes
+from mha2gqa.files import jsontext
+from mha2gqa.runtime.docfields import choice_docs
+from mha2gqa.runtime.units import format_bytes
 
 
 def _option(flag: str, *decls: str, **kwargs):
@@ -117,10 +117,10 @@ def eval_command(model, quiet, out, force, **options):
 
     Example: mha2gqa eval ./llama-gqa8 --data prose=held_out.txt --data code=src/ --reference ./llama --out gqa8.json
     """
-    from mha2gqa import threads
     from mha2gqa.cli.early import validate_eval
-    from mha2gqa.errors import import_torch
     from mha2gqa.estimates.clock import command_clock
+    from mha2gqa.runtime import threads
+    from mha2gqa.runtime.errors import import_torch
 
     options = validate_eval(model, options, out, force)  # paths and values, before torch's start-up
     clock = command_clock(quiet)  # the estimate, and the time taken at the end; -q: quiet
@@ -153,7 +153,7 @@ def summary(result: dict) -> str:
             f"reference perplexity {a['reference_perplexity']:.3f}"
         )
     if len(result.get("domains") or {}) > 1:
-        from mha2gqa.brief import domain_lines
+        from mha2gqa.records.brief import domain_lines
 
         lines += domain_lines(result)
     if result.get("retrieval"):
@@ -179,7 +179,7 @@ def summary(result: dict) -> str:
     if result["attention_maps"]:
         lines.append(f"  attention maps: {result['attention_maps']['png']}")
     for task, section in ((result["lm_eval"] or {}).get("tasks") or {}).items():
-        from mha2gqa.brief import lm_eval_brief
+        from mha2gqa.records.brief import lm_eval_brief
 
         shown = ", ".join(f"{name} {lm_eval_brief(name, m)}" for name, m in section["metrics"].items())
         lines.append(f"  {task} ({section['samples']} examples): {shown}")

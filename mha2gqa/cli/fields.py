@@ -9,7 +9,7 @@ from enum import Enum
 
 import click
 
-from mha2gqa.docfields import option_help
+from mha2gqa.runtime.docfields import option_help
 
 
 def field_default(cls: type, name: str):

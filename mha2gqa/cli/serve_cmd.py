@@ -70,7 +70,7 @@ def serve_bench(parent, children, out, force, **options):
 
     Example: mha2gqa serve-bench ./llama ./llama-gqa8 --vllm-python ~/vllm-venv/bin/python --out serve.json
     """
-    from mha2gqa.errors import import_torch
+    from mha2gqa.runtime.errors import import_torch
 
     opts = ServeOptions(**options)
     validate_out(out, force)
@@ -78,7 +78,7 @@ def serve_bench(parent, children, out, force, **options):
 
     plan = prepare(parent, list(children), out, opts)  # every refusal before torch's start-up and any server
     import_torch()
-    from mha2gqa import threads
+    from mha2gqa.runtime import threads
 
     threads.apply(threads.for_model(parent))  # transformers' reference decode: one thread on a busy machine
     from mha2gqa.serving.bench import serve_bench as run

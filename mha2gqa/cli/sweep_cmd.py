@@ -6,7 +6,7 @@ import click
 
 from mha2gqa.cli.fields import TokenCount, field_option
 from mha2gqa.convert.options import METHOD_SUMMARIES
-from mha2gqa.docfields import option_help
+from mha2gqa.runtime.docfields import option_help
 from mha2gqa.sweep.options import SweepOptions
 
 
@@ -17,7 +17,7 @@ def _names(text: str | None, flag: str, example: str) -> list[str] | None:
         return None
     names = [v.strip() for v in text.split(",") if v.strip()]
     if not names:
-        from mha2gqa.errors import InputError
+        from mha2gqa.runtime.errors import InputError
 
         raise InputError(f"{flag} {text!r} names nothing: give a comma-separated list, e.g. {example}")
     return names
@@ -30,7 +30,7 @@ def _counts(text: str | None) -> tuple[int, ...] | None:
     try:
         return tuple(int(v) for v in names)
     except ValueError:
-        from mha2gqa.errors import InputError
+        from mha2gqa.runtime.errors import InputError
 
         raise InputError(f"--groups {text!r} must be comma-separated whole numbers, e.g. 4,2,1") from None
 

@@ -64,9 +64,9 @@ def uptrain(recipe, resume, dry_run, overrides):
     For several GPUs (DDP, FSDP, DeepSpeed) run the same recipe with
     `accelerate launch --config_file recipes/accelerate/<fsdp|ddp|zero3>.yaml -m mha2gqa.uptrain --recipe R`.
     """
-    from mha2gqa import threads
-    from mha2gqa.errors import import_torch
     from mha2gqa.estimates.clock import Clock
+    from mha2gqa.runtime import threads
+    from mha2gqa.runtime.errors import import_torch
     from mha2gqa.uptrain import load_recipe, train
 
     loaded = load_recipe(recipe, list(overrides))  # torch-free: a bad recipe is refused in a second, not after torch

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 
 def augment(weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device | str = "cpu") -> torch.Tensor:

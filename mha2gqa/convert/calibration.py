@@ -23,12 +23,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from mha2gqa.architecture.layouts import AttentionShape, Layout
 from mha2gqa.convert.inputs import CALIBRATION_BATCH, block_length, default_tokens, layers_per_pass
 from mha2gqa.convert.options import DEFAULT_CALIBRATION_MEMORY
 from mha2gqa.corpus.blocks import full_blocks
 from mha2gqa.corpus.calibration import CalibrationInput
-from mha2gqa.layouts import AttentionShape, Layout
-from mha2gqa.progress import progress_bar
+from mha2gqa.runtime.progress import progress_bar
 
 DEFAULT_MEMORY = DEFAULT_CALIBRATION_MEMORY  # bytes of accumulators held at once
 
@@ -170,8 +170,8 @@ def calibrate(
     """Read `tokens` calibration ids of `data` (files, folders, a hub dataset, 'austen', 'parent' or a mix:
     corpus/calibration.py; None: convert's default) and collect statistics, to pass to every convert(..., stats=...)
     (as a sweep does with its own). `seed` seeds the parent's samples."""
+    from mha2gqa.architecture.layouts import read_config
     from mha2gqa.corpus.calibration import resolve_calibration
-    from mha2gqa.layouts import read_config
 
     calibration = resolve_calibration(data, tokens, block_length(read_config(source)), default_tokens(shape.hidden))
     return statistics(calibration, source, layout, shape, out_dir, None, memory_bytes, progress, seed)
@@ -229,7 +229,7 @@ def gather(
 def source_device() -> str:
     """Where the parent runs when the caller has not decided (calibrate(), a library call): the GPU when there is
     one, else the CPU; convert and sweep pass the device their plan decided (convert/decide.py), by the same rule."""
-    from mha2gqa.machine import torch_device
+    from mha2gqa.runtime.machine import torch_device
 
     return torch_device()
 
@@ -237,7 +237,7 @@ def source_device() -> str:
 def load_source_model(model_dir: Path, device: str | None = None, progress: bool = True):
     """The source causal LM for calibration: the GPU in the checkpoint's dtype when there is one, else
     CPU in float32 (fast and exact enough for statistics accumulated in float64)."""
-    from mha2gqa.loading import load_causal_lm
+    from mha2gqa.files.loading import load_causal_lm
 
     device = device or source_device()
     dtype = "auto" if device != "cpu" else torch.float32

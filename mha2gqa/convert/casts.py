@@ -8,7 +8,7 @@ and writes every value anyway.
 
 from __future__ import annotations
 
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 # code -> (smallest |x| that rounds to inf, largest |x| that rounds to zero), round-to-nearest-even.
 LIMITS = {

@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa.cache import cache_dir, model_key
+from mha2gqa.architecture.layouts import config_vocab
 from mha2gqa.corpus.probe import DOMAINS
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import config_vocab
+from mha2gqa.files.cache import cache_dir, model_key
+from mha2gqa.runtime.errors import InputError
 
 CHECK_TOKENS = 512  # scored per domain: a few hundred tokens keep a 135M model's check well under a minute on CPU
 CHECK_WINDOW = 512  # tokens per forward, or the model's context when shorter

@@ -2,7 +2,7 @@
 only the converted model: its summed loss and top tokens per probe domain (eval/reference_tops.py's DomainTops,
 what eval compares the converted model with in their place).
 
-One safetensors file per parent and settings in mha2gqa.cache.cache_dir() / "check", named by the parent's model
+One safetensors file per parent and settings in mha2gqa.files.cache.cache_dir() / "check", named by the parent's model
 key first (check.parent_cached finds it) and keyed by the parent's fingerprint (config, tokenizer, weight files'
 headers, sizes, times and bytes), the ids scored and the check's settings; never pickle. A file is read only
 after its content is checked against what this check would compute (domains, row counts, id range, finite
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa import jsontext
-from mha2gqa.cache import cache_dir, model_digest
-from mha2gqa.errors import InputError
 from mha2gqa.eval.reference_tops import DomainTops
+from mha2gqa.files import jsontext
+from mha2gqa.files.cache import cache_dir, model_digest
+from mha2gqa.files.writing import write_atomic
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.scoring.agreement import TopTokens
-from mha2gqa.writing import write_atomic
 
 CACHE_VERSION = 2  # bump when what the cache holds or how it is computed changes (2: eval's scorer, sampled bytes)
 SUM_TOLERANCE = 1e-3  # a row's probabilities (its top tokens and the rest) sum to 1 within this

@@ -22,8 +22,8 @@ import torch
 from mha2gqa.convert import check_cache
 from mha2gqa.convert.check import CheckPlan, verdict
 from mha2gqa.corpus.probe import probe_paths
-from mha2gqa.errors import InputError, InputWarning, first_line
 from mha2gqa.eval.reference_tops import DomainTops, TopReference
+from mha2gqa.runtime.errors import InputError, InputWarning, first_line
 from mha2gqa.scoring.perplexity import windows
 
 TOP_K = 512  # the parent's tokens kept per position in the cache: the KL is exact up to this vocabulary size

@@ -21,9 +21,9 @@ import yaml
 
 from mha2gqa.convert.options import CONVERT_FLAGS, ConvertOptions, Flag, changed_flags
 from mha2gqa.corpus.mix import PARENT, as_words, renamed
-from mha2gqa.embedded import CORPUS_NAME
-from mha2gqa.errors import InputError
-from mha2gqa.reading import read_yaml_mapping
+from mha2gqa.files.embedded import CORPUS_NAME
+from mha2gqa.files.reading import read_yaml_mapping
+from mha2gqa.runtime.errors import InputError
 
 CONFIG_NAME = "convert.yaml"  # written into every converted folder (run.execute)
 MAX_CONFIG_BYTES = 64 << 10  # every option at once is under 1 KB; a larger file is not a convert config

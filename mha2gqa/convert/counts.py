@@ -9,9 +9,9 @@ Nemotron-NAS format (nemotron_nas/blocks.py), whose readers build Llama blocks. 
 
 from __future__ import annotations
 
+from mha2gqa.architecture.layouts import DTYPE_BYTES, AttentionShape
 from mha2gqa.convert.kv_budget import budget_heads, choose_counts
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import DTYPE_BYTES, AttentionShape
+from mha2gqa.runtime.errors import InputError
 
 GROUPS_FLAG, COUNTS_FLAG, BUDGET_FLAG = "--groups", "--kv-heads-per-layer", "--kv-budget"
 # Counts that differ between layers are written as Nemotron-NAS, whose readers (vLLM's DeciLMDecoderLayer, ours,
@@ -115,7 +115,7 @@ def target_words(counts: tuple[int, ...]) -> list[str]:
 
 def validate_per_layer_parent(config: dict, flag: str) -> None:
     """Counts that differ between layers: a parent whose blocks the Nemotron-NAS readers build."""
-    from mha2gqa.layouts import validate_target
+    from mha2gqa.architecture.layouts import validate_target
     from mha2gqa.nemotron_nas.blocks import nemotron_nas_config
 
     validate_target(config, 1, flag)  # a per-layer child as SRC: convert its parent

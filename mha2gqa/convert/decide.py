@@ -1,7 +1,7 @@
 """What convert decides from the machine, decided once by prepare and carried by the plan (issue 54, 55).
 
 The device the parent runs on (sample, calibrate, refine) and `--refine-global-precision auto` are chosen here,
-from mha2gqa/machine.py's stable facts, and the plan holds the explicit values: its options say
+from mha2gqa/runtime/machine.py's stable facts, and the plan holds the explicit values: its options say
 `--refine-global-precision bfloat16` (or float32), never `auto`, so mha2gqa.json, the card's Reproduce line and
 convert.yaml replay the same bytes on another machine, and execution (run.py, refine/global_stage.py, a sweep's
 estimate) carries the choice out without asking the machine again. The thread count is the user's or torch's,
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from mha2gqa import machine
 from mha2gqa.convert.options import ConvertOptions, GlobalPrecision
+from mha2gqa.runtime import machine
 
 
 @dataclass(frozen=True)

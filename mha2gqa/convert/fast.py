@@ -26,14 +26,14 @@ from pathlib import Path
 
 import numpy as np
 
-from mha2gqa.checkpoint import SafetensorsCheckpoint, ShardedWriter
+from mha2gqa.architecture.layouts import LAYOUTS
 from mha2gqa.convert.casts import numpy_range, validate_cast
 from mha2gqa.convert.options import ConvertOptions, Grouping, Method
 from mha2gqa.convert.plan import Step, TensorPlan
 from mha2gqa.convert.roles import KV_ROLES, pack, unpack
-from mha2gqa.errors import WeightWarning
-from mha2gqa.layouts import LAYOUTS
-from mha2gqa.progress import progress_bar
+from mha2gqa.files.checkpoint import SafetensorsCheckpoint, ShardedWriter
+from mha2gqa.runtime.errors import WeightWarning
+from mha2gqa.runtime.progress import progress_bar
 
 NUMPY_METHODS = (Method.MEAN, Method.FIRST)  # the methods this executor writes byte-identically
 CODES = ("F32", "F16", "BF16")
@@ -223,7 +223,7 @@ def _torch_cast(array: np.ndarray, code: str) -> np.ndarray:
     the same tensor in the same shape as the torch executor converts: the bytes then match."""
     import torch
 
-    from mha2gqa.checkpoint import torch_dtypes
+    from mha2gqa.files.checkpoint import torch_dtypes
 
     dtypes = torch_dtypes()
     as_int = {"BF16": torch.uint16, "F16": torch.float16, "F32": torch.float32}

@@ -8,12 +8,12 @@ import math
 import re
 from pathlib import Path
 
-from mha2gqa.checkpoint import SafetensorsCheckpoint
+from mha2gqa.architecture.layouts import attention_shape, describe_layout, layout_for, read_config
 from mha2gqa.convert.roles import layer_names, validate_layer_count
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import attention_shape, describe_layout, layout_for, read_config
-from mha2gqa.limits import validate_limits
-from mha2gqa.sources import resolve_model_dir
+from mha2gqa.files.checkpoint import SafetensorsCheckpoint
+from mha2gqa.files.sources import resolve_model_dir
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.limits import validate_limits
 
 
 def _count_parameters(model_dir, layout, shape) -> tuple[int, int]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import re
 
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import AttentionShape
-from mha2gqa.units import parse_size
+from mha2gqa.architecture.layouts import AttentionShape
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.units import parse_size
 
 FLAG = "--kv-budget"
 WHOLE_PROPOSALS = 2  # placements the layer losses measure whole at most (layer_losses.WHOLE_SCALES)

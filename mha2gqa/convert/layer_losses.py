@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mha2gqa.architecture.layouts import AttentionShape
 from mha2gqa.convert.kv_budget import FLAG, choice_lines, choose_counts
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import AttentionShape
-from mha2gqa.progress import progress_bar
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.progress import progress_bar
 
 LOSS = (
     "KL(parent || model) per token of the calibration blocks + retrieval_weight x KL per answer token of copy "

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mha2gqa.architecture.layouts import AttentionShape
 from mha2gqa.convert.calibrated import calibrated_layer
 from mha2gqa.convert.options import METHOD_SUMMARIES, Method
 from mha2gqa.convert.roles import KINDS, KV_ROLES
-from mha2gqa.layouts import AttentionShape
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from enum import Enum
 
+from mha2gqa.architecture.dtypes import dtype_name
 from mha2gqa.corpus.mix import PARENT
-from mha2gqa.dtypes import dtype_name
-from mha2gqa.errors import InputError
-from mha2gqa.limits import validate_limits
-from mha2gqa.typed import StrEnum, validate_keywords
-from mha2gqa.units import parse_size
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.limits import validate_limits
+from mha2gqa.runtime.typed import StrEnum, validate_keywords
+from mha2gqa.runtime.units import parse_size
 
 OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors code
 # Three quarters the parent's samples, a quarter the embedded novels: the best of the calibrations measured on
@@ -290,7 +290,9 @@ class ConvertOptions:
         groups = None if _is_int(self.groups) and self.groups < 1 else self.groups
         values = {"--groups": groups, "--seed": self.seed, "--calibration-tokens": self.calibration_tokens}
         validate_limits("convert", values)
-        self.dtype = dtype_name(self.dtype)  # bf16, fp16, torch.float32, ... -> the one name (mha2gqa/dtypes.py)
+        self.dtype = dtype_name(
+            self.dtype
+        )  # bf16, fp16, torch.float32, ... -> the one name (mha2gqa/architecture/dtypes.py)
 
     @property
     def calibration_shapes_weights(self) -> bool:

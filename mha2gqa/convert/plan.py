@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mha2gqa.checkpoint import FLOAT_CODES, OutputTensor, TensorInfo
+from mha2gqa.architecture.layouts import AttentionShape, Layout
 from mha2gqa.convert.roles import KV_ROLES, layer_names, validate_layer_count
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import AttentionShape, Layout
+from mha2gqa.files.checkpoint import FLOAT_CODES, OutputTensor, TensorInfo
+from mha2gqa.runtime.errors import InputError
 
 
 @dataclass(frozen=True)

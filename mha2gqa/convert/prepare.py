@@ -16,9 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from mha2gqa import machine, provenance
-from mha2gqa.card import about_the_source
-from mha2gqa.checkpoint import INDEX_NAME, SafetensorsCheckpoint
+from mha2gqa.architecture.layouts import (
+    DTYPE_BYTES,
+    AttentionShape,
+    Layout,
+    attention_shape,
+    config_vocab,
+    layout_for,
+    read_config,
+    validate_groups,
+    validate_target,
+)
 from mha2gqa.convert import config_file, fast, stage_work
 from mha2gqa.convert import counts as kv_counts
 from mha2gqa.convert.check import CHECK_TOKENS, CheckPlan, check_logits_bytes, parent_cached, plan_check
@@ -51,8 +59,6 @@ from mha2gqa.convert.rope import validate_calibrated, validate_grouping, validat
 from mha2gqa.corpus import sampling
 from mha2gqa.corpus.calibration import CalibrationInput, resolve_calibration
 from mha2gqa.corpus.probe import DOMAINS
-from mha2gqa.embedded import CORPUS_NAME
-from mha2gqa.errors import InputError
 from mha2gqa.estimates import (
     CALIBRATION_STAGES,
     STORED,
@@ -67,21 +73,16 @@ from mha2gqa.estimates import (
 )
 from mha2gqa.estimates.costs import RUNTIME_BYTES as EVAL_RUNTIME_BYTES
 from mha2gqa.estimates.stages import CONVERT
-from mha2gqa.layouts import (
-    DTYPE_BYTES,
-    AttentionShape,
-    Layout,
-    attention_shape,
-    config_vocab,
-    layout_for,
-    read_config,
-    validate_groups,
-    validate_target,
-)
-from mha2gqa.reading import inside, validate_regular
+from mha2gqa.files.checkpoint import INDEX_NAME, SafetensorsCheckpoint
+from mha2gqa.files.embedded import CORPUS_NAME
+from mha2gqa.files.reading import inside, validate_regular
+from mha2gqa.files.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir, snapshot_hub_id
+from mha2gqa.records import provenance
+from mha2gqa.records.card import about_the_source
+from mha2gqa.runtime import machine
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.units import format_bytes, parse_size
 from mha2gqa.scoring.retrieval_items import HEADS_MAX_LENGTH, probe_grid
-from mha2gqa.sources import PICKLE_SUFFIXES, require_safetensors, resolve_model_dir, snapshot_hub_id
-from mha2gqa.units import format_bytes, parse_size
 
 NOT_COPIED = {"config.json", INDEX_NAME, provenance.FILE_NAME, config_file.CONFIG_NAME}  # written anew, not copied
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 from mha2gqa.convert.options import Method
 from mha2gqa.corpus.tokens import validate_ids
-from mha2gqa.embedded import novel_path
-from mha2gqa.errors import InputError
+from mha2gqa.files.embedded import novel_path
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.units import counted
 from mha2gqa.scoring.retrieval_items import ProbeGrid, build_items
-from mha2gqa.units import counted
 
 if TYPE_CHECKING:
     import torch

@@ -17,8 +17,8 @@ import re
 import warnings
 from typing import TYPE_CHECKING
 
-from mha2gqa.errors import InputError, WeightWarning
-from mha2gqa.layouts import AttentionShape, Layout
+from mha2gqa.architecture.layouts import AttentionShape, Layout
+from mha2gqa.runtime.errors import InputError, WeightWarning
 
 if TYPE_CHECKING:  # torch is imported where tensors are joined, so `inspect` (names only) never loads it
     import torch

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import attention_shape, layout_for
+from mha2gqa.architecture.layouts import attention_shape, layout_for
+from mha2gqa.runtime.errors import InputError
 
 
 def rotary_dims(model_dir: Path, head_dim: int) -> int:

@@ -13,16 +13,16 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mha2gqa.checkpoint import atomic_directory, validate_destination
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.plan import TensorPlan
 from mha2gqa.convert.prepare import ConversionPlan, prepare
-from mha2gqa.errors import InputError, import_torch
 from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.estimates.stages import CONVERT
-from mha2gqa.reading import resolve
-from mha2gqa.units import format_bytes
-from mha2gqa.writing import validate_room, validate_unclaimed
+from mha2gqa.files.checkpoint import atomic_directory, validate_destination
+from mha2gqa.files.reading import resolve
+from mha2gqa.files.writing import validate_room, validate_unclaimed
+from mha2gqa.runtime.errors import InputError, import_torch
+from mha2gqa.runtime.units import format_bytes
 
 
 @dataclass

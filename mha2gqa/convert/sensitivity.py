@@ -14,9 +14,9 @@ import contextlib
 
 import torch
 
+from mha2gqa.architecture.layouts import AttentionShape
 from mha2gqa.convert.methods import group_heads, group_mean
-from mha2gqa.kl import kl_divergence
-from mha2gqa.layouts import AttentionShape
+from mha2gqa.scoring.kl import kl_divergence
 
 KV_MODULES = ("k_proj", "v_proj")
 

@@ -14,21 +14,22 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mha2gqa import jsontext, provenance
-from mha2gqa.card import write_card
-from mha2gqa.checkpoint import ShardedWriter
+from mha2gqa.architecture.layouts import converted_config
 from mha2gqa.convert import config_file, fast
 from mha2gqa.convert.counts import is_uniform, target_words
 from mha2gqa.convert.roles import pack, unpack
-from mha2gqa.errors import import_torch
 from mha2gqa.estimates.clock import NO_CLOCK
-from mha2gqa.layouts import converted_config
+from mha2gqa.files import jsontext
+from mha2gqa.files.checkpoint import ShardedWriter
+from mha2gqa.files.reading import open_regular, short_read
+from mha2gqa.files.writing import write_atomic
 from mha2gqa.nemotron_nas.blocks import MODEL_TYPE as NEMOTRON_NAS
 from mha2gqa.nemotron_nas.blocks import nemotron_nas_config
 from mha2gqa.nemotron_nas.remote_code import write_remote_code
-from mha2gqa.progress import progress_bar
-from mha2gqa.reading import open_regular, short_read
-from mha2gqa.writing import write_atomic
+from mha2gqa.records import provenance
+from mha2gqa.records.card import write_card
+from mha2gqa.runtime.errors import import_torch
+from mha2gqa.runtime.progress import progress_bar
 
 RUN_FACTS = ("seconds", "parent_cached")  # of this run, not of the model: printed, kept out of mha2gqa.json
 
@@ -330,8 +331,8 @@ def _merge_layer(plan, step, stats, kept=None) -> tuple[dict, dict]:
 
 def cast_to_output(tensor, out):
     """`tensor` in the output's dtype, under casts.validate_cast's rule (no inf, no tensor flushed to zero)."""
-    from mha2gqa.checkpoint import torch_dtypes
     from mha2gqa.convert.casts import torch_range, validate_cast
+    from mha2gqa.files.checkpoint import torch_dtypes
 
     dtypes = torch_dtypes()
     source = next(code for code, dtype in dtypes.items() if dtype == tensor.dtype)

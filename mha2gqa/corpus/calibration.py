@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.mix import PARENT, parse_spec, part_tokens
-from mha2gqa.errors import InputError, InputWarning
+from mha2gqa.runtime.errors import InputError, InputWarning
 
 PIECE_CHARS = 1 << 16  # characters of a text file tokenized at a time
 
@@ -112,7 +112,7 @@ def text_files(spec, flag: str = "--calibration") -> list[str]:
 
 
 def _files(names: list[str], flag: str) -> tuple[str, ...]:
-    from mha2gqa.embedded import expand_corpus_name
+    from mha2gqa.files.embedded import expand_corpus_name
 
     expanded = (expand_corpus_name(name, flag) for name in names)
     return tuple(str(p) for found in expanded for p in (found if isinstance(found, (list, tuple)) else [found]))
@@ -130,9 +130,9 @@ def read_calibration(
     `tokenizer` (None: the source's own), samples drawn from the parent, which `load_parent` gives (called only
     when a part samples it: a calibration of text alone never loads a model here); one part's ids as they are,
     several parts' whole blocks in the SPREAD order. `seed` seeds the parent's samples."""
+    from mha2gqa.architecture.layouts import read_config
     from mha2gqa.corpus import sampling
     from mha2gqa.corpus.blocks import MixOrder, full_blocks, mix_blocks
-    from mha2gqa.layouts import read_config
 
     if tokenizer is None:
         from transformers import AutoTokenizer
@@ -160,8 +160,8 @@ def read_calibration(
 
 def _texts(calibration: CalibrationInput, tokenizer, config: dict, source: Path) -> dict:
     """{part index: ids} of every text part, each checked against the model's vocabulary."""
+    from mha2gqa.architecture.layouts import config_vocab
     from mha2gqa.corpus.tokens import validate_ids
-    from mha2gqa.layouts import config_vocab
 
     found = {}
     for index, part in enumerate(calibration.parts):

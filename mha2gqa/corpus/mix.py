@@ -21,8 +21,8 @@ import re
 from pathlib import Path
 
 from mha2gqa.corpus.reserved import warn_if_shadowing
-from mha2gqa.embedded import CORPUS_NAME
-from mha2gqa.errors import InputError
+from mha2gqa.files.embedded import CORPUS_NAME
+from mha2gqa.runtime.errors import InputError
 
 PARENT = "parent"  # the source sampled from the model itself (sampling.py)
 RESERVED = {PARENT: "text sampled from the model", CORPUS_NAME: "the embedded Austen novels"}

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from mha2gqa.corpus.reserved import warn_if_shadowing
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 PROBE = "probe"  # what a user types for the whole set (--data probe, the default)
 PROBE_DIR = Path(__file__).resolve().parent.parent / "data" / "probe"

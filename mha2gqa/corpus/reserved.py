@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from mha2gqa.errors import InputWarning
+from mha2gqa.runtime.errors import InputWarning
 
 
 def warn_if_shadowing(name: str, flag: str, meaning: str) -> None:

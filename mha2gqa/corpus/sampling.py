@@ -85,7 +85,7 @@ def batch_for(config: dict, seq_len: int, recipe: SamplingRecipe | None = None) 
     stays within BATCH_CACHE_BYTES. Why: a CPU forward's fixed part (44 ms of SmolLM2's, beside 6 ms a sequence)
     is paid once a batch, so SmolLM2's default 36 sequences of each kind (23.6 MB of cache each) go in one batch
     instead of 16 + 16 + 4; a 7B model's (268 MB each) stay at 16."""
-    from mha2gqa.layouts import attention_shape
+    from mha2gqa.architecture.layouts import attention_shape
 
     recipe = recipe or DEFAULT_RECIPE
     per_sequence = _kv_bytes(attention_shape(config), seq_len, 1)
@@ -101,8 +101,8 @@ def has_chat_template(folder) -> bool:
     read without loading the tokenizer: what chat_turn_header finds when the template renders a user turn."""
     from pathlib import Path
 
-    from mha2gqa.errors import InputError
-    from mha2gqa.reading import read_json
+    from mha2gqa.files.reading import read_json
+    from mha2gqa.runtime.errors import InputError
 
     folder = Path(folder)
     if any((folder / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
@@ -117,7 +117,7 @@ def has_chat_template(folder) -> bool:
 def cache_bytes(config: dict, shape, seq_len: int, batch: int) -> int:
     """Memory beyond the model while sampling `batch` sequences at once, float32: their KV cache at full length and
     a few vocabulary-wide rows per sequence."""
-    from mha2gqa.layouts import config_vocab
+    from mha2gqa.architecture.layouts import config_vocab
 
     return _kv_bytes(shape, seq_len, batch) + 4 * batch * config_vocab(config) * 4
 
@@ -214,7 +214,7 @@ def sample_batch(model, opening, seq_len: int, greedy: int, recipe: SamplingReci
     `greedy` tokens after the opening are the likeliest, the rest drawn."""
     import torch
 
-    from mha2gqa.hfcache import cache_kwargs, cache_of
+    from mha2gqa.architecture.hfcache import cache_kwargs, cache_of
 
     ids = [opening]
     cache, step_input = None, opening.to(device)

@@ -23,10 +23,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa.errors import InputError, first_line
-from mha2gqa.quiet import without_datasets_bars
-from mha2gqa.reading import did_you_mean, file_kind, near_miss, parse_json
-from mha2gqa.sources import hub_offline
+from mha2gqa.files.reading import did_you_mean, file_kind, near_miss, parse_json
+from mha2gqa.files.sources import hub_offline
+from mha2gqa.runtime.errors import InputError, first_line
+from mha2gqa.runtime.quiet import without_datasets_bars
 
 # File suffix -> format; the format is also the name of the `datasets` builder that reads it.
 FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}

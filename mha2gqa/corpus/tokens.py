@@ -24,7 +24,7 @@ def validate_ids(highest: int, vocab: int | None, what: str, source) -> None:
     """The one refusal of ids a model cannot embed: `highest`, the largest id SRC's tokenizer gave for `what` (the
     option whose text it is), at or past the model's vocab_size would fail deep in a forward as an index error.
     The plain conversion reads no ids and writes DST; its check records the same fault as a skip (check_run)."""
-    from mha2gqa.errors import InputError
+    from mha2gqa.runtime.errors import InputError
 
     if vocab is not None and highest >= vocab:
         raise InputError(

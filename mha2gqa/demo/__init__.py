@@ -3,7 +3,7 @@
 pipeline.py   plan_demo (every check, torch-free) -> run_demo: inspect -> convert -> eval -> uptrain (demo-uptrain.yaml) -> eval -> report
 ablations.py  plan_reproduce (every check, torch-free) -> reproduce = run_grid (the GQA paper's method x kv heads x alpha grid) + write_ablations (table, plots)
 
-The CLI only parses flags and calls these. The model and corpus live in mha2gqa/data (mha2gqa.embedded).
+The CLI only parses flags and calls these. The model and corpus live in mha2gqa/data (mha2gqa.files.embedded).
 """
 
 from mha2gqa.demo.ablations import markdown_table, plan_reproduce, plot, reproduce, run_grid, write_ablations

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa import embedded, jsontext
+from mha2gqa.architecture.layouts import head_counts, read_config
 from mha2gqa.demo.pipeline import DEMO_RECIPE, embedded_run_overrides
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import head_counts, read_config
-from mha2gqa.run_folder import run_folder, validate_folder
+from mha2gqa.files import embedded, jsontext
+from mha2gqa.files.run_folder import run_folder, validate_folder
+from mha2gqa.runtime.errors import InputError
 
 ABLATION_METHODS = ("mean", "first", "random")  # the paper's ablations
 MARKERS = {"mean": "o", "first": "s", "random": "^"}  # plot markers per method
@@ -274,7 +274,7 @@ def plot(table: dict, out_dir: Path, kv_bytes_per_head: int, dtype: str = "float
 def write_ablations(table: dict, out: Path) -> dict:
     """ablations.md and the two plots beside ablations.json; returns every path written. KV bytes come
     from the parent's config (layers, head_dim, dtype), as `mha2gqa inspect` computes them."""
-    from mha2gqa.layouts import attention_shape, read_config
+    from mha2gqa.architecture.layouts import attention_shape, read_config
 
     out = Path(out)
     shape = attention_shape(read_config(table["parent"]))

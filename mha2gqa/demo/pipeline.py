@@ -15,13 +15,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa import embedded, jsontext
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.prepare import prepare
 from mha2gqa.demo.timing import demo_estimate
-from mha2gqa.errors import InputError, import_torch
 from mha2gqa.estimates.stages import DEMO
-from mha2gqa.run_folder import run_folder, validate_folder
+from mha2gqa.files import embedded, jsontext
+from mha2gqa.files.run_folder import run_folder, validate_folder
+from mha2gqa.runtime.errors import InputError, import_torch
 
 DEMO_RECIPE = Path(__file__).parent / "demo-uptrain.yaml"
 
@@ -237,8 +237,8 @@ def _uptrain(converted: Path, run_dir: Path, settings: DemoSettings, echo) -> Pa
 def _beside_model(result: Path, model_dir: Path) -> None:
     """A copy of the demo's result as MODEL_DIR/eval.json, so the model's card shows the numbers of the
     demo's table (the card lists the eval results saved beside the model)."""
-    from mha2gqa.card import write_card
     from mha2gqa.eval.card_table import measured_cells
+    from mha2gqa.records.card import write_card
 
     shutil.copyfile(result, model_dir / "eval.json")
     write_card(model_dir, measured=measured_cells(model_dir))
@@ -251,7 +251,7 @@ RUN_ENTRIES = frozenset({"converted", "results", "uptrained", "report"})
 
 @contextmanager
 def replacing_run(out: Path, force: bool):
-    """Yield `out` to write a run into, by the rule of every output folder (mha2gqa/run_folder.py): an
+    """Yield `out` to write a run into, by the rule of every output folder (mha2gqa/files/run_folder.py): an
     earlier run is refused without `force`; with it, it is moved aside before anything is written and
     deleted only after the new run has finished; a failure, an interruption, or a kill -9 (at the next
     start) removes the new files and puts the earlier run back."""

@@ -6,10 +6,11 @@ from __future__ import annotations
 import importlib.util
 import math
 
-from mha2gqa import embedded, estimates
+from mha2gqa import estimates
+from mha2gqa.architecture.layouts import converted_config
 from mha2gqa.estimates import EvalWork, Part, StageCost, UptrainWork, combined
 from mha2gqa.estimates.stages import DEMO
-from mha2gqa.layouts import converted_config
+from mha2gqa.files import embedded
 from mha2gqa.uptrain.plan import config_size, peak_memory
 from mha2gqa.uptrain.recipe import Recipe
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from mha2gqa.estimates.costs import Estimate, duration, took
 from mha2gqa.estimates.stages import START
-from mha2gqa.progress import write_line
+from mha2gqa.runtime.progress import write_line
 
 FIRST_SHARE = 0.05  # finished stages worth this share of the estimate (or FIRST_SECONDS) make the first correction
 FIRST_SECONDS = 10.0

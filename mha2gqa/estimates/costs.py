@@ -73,7 +73,7 @@ class Estimate:
 
     def line(self) -> str:
         """'estimate: about 4 min, peak memory about 1.2 GiB (start 5%, quality: prose 24%, ...; rates ...)'."""
-        from mha2gqa.units import format_bytes
+        from mha2gqa.runtime.units import format_bytes
 
         total = self.seconds()
         shares = ", ".join(

@@ -16,7 +16,7 @@ A run is priced at the stored rates first and probes only when that price is 10 
 of the measuring machine gets about 1; two cores shared with two spinning processes, about 2.3. Which round stands
 for the machine (probe_seconds): on several threads the fastest, since the machine's speed moves by 2x from one
 second to the next even when it is quiet (the host's other guests) and a round on several threads cannot dodge a
-busy machine; on one thread (mha2gqa/threads.py gives a small model one on a busy machine) the geometric mean
+busy machine; on one thread (mha2gqa/runtime/threads.py gives a small model one on a busy machine) the geometric mean
 of the fastest and the median, since there the fastest round is one the scheduler left alone (probe_seconds).
 A run with refine stages (FINE_KINDS) also times a probe of small products, torch_fine (the median of its rounds),
 and it scales those stages alone: thousands of small Adam steps slow down on a shared machine about twice as much
@@ -167,7 +167,7 @@ def probe_seconds(kind: str = "torch", rounds: int = PROBE_ROUNDS) -> float:
     processes, docs/benchmarks.md "Estimate against wall time"):
     - large products on several threads cannot (each waits for all its threads): the fastest round, the one least
       disturbed by the host's own noise (it read 2.5-3.1x where commands on two threads ran 2.4-3.0x);
-    - on one thread (a small model on a busy machine, mha2gqa/threads.py) the fastest round is one the scheduler
+    - on one thread (a small model on a busy machine, mha2gqa/runtime/threads.py) the fastest round is one the scheduler
       left alone (1.8-2.2x) and the median is not far from the worst (2.7-4.0x), where commands on one thread ran
       2.4-2.6x: the geometric mean of the two (2.3-2.9x);
     - small products (torch_fine) dodge on any count: the median (3.9-5.1x, as refine's stages ran 4.8x; the fastest

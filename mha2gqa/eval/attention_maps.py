@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from mha2gqa.corpus.tokens import stream_ids
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 PAIRS_PER_ROW = 4  # head i of the reference beside head i of the model: 8 panels a row (short texts)
 

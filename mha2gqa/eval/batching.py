@@ -39,7 +39,7 @@ def auto_batch_size(model, context: int, device, models: int = 1) -> int:
 
 
 def validate_batch_size(value) -> None:
-    from mha2gqa.errors import InputError
+    from mha2gqa.runtime.errors import InputError
 
     if value == AUTO:
         return

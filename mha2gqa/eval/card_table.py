@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mha2gqa.card import eval_results
 from mha2gqa.eval import metrics, schema
+from mha2gqa.records.card import eval_results
 
 NAMED_BY_THE_CARD = ("label", "role")  # the card's row names the result file instead
 

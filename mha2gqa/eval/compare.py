@@ -8,8 +8,8 @@ converted start and parent through the lineage (eval/lineage.py), whatever the o
 
 from __future__ import annotations
 
-from mha2gqa.errors import InputError
 from mha2gqa.eval import lineage, metrics, schema
+from mha2gqa.runtime.errors import InputError
 
 
 def pick_baseline(results: list[dict], paths: list[str], baseline: str | None) -> int:

@@ -12,8 +12,8 @@ import torch
 
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.tokens import SEPARATOR, joined, stream_ids
-from mha2gqa.errors import InputError
-from mha2gqa.units import counted
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.units import counted
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Where and how a result was measured, beside its numbers: the model's role, the machine, the versions. (What
-made the model is mha2gqa.provenance's: its mha2gqa.json.)"""
+made the model is mha2gqa.records.provenance's: its mha2gqa.json.)"""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import platform
 
 import torch
 
-from mha2gqa import provenance
-from mha2gqa.errors import InputError
+from mha2gqa.records import provenance
+from mha2gqa.runtime.errors import InputError
 
 
 def infer_role(record: dict | None, role: str | None = None) -> str:
-    """--role when given, else the role the model's mha2gqa.json records (`mha2gqa.provenance.role_of`)."""
+    """--role when given, else the role the model's mha2gqa.json records (`mha2gqa.records.provenance.role_of`)."""
     if role is not None:
         if role not in provenance.ROLES:
             raise InputError(f"--role {role!r} is not a role (use {', '.join(provenance.ROLES)})")

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from mha2gqa.hfcache import cache_of
-from mha2gqa.layouts import AttentionShape
+from mha2gqa.architecture.hfcache import cache_of
+from mha2gqa.architecture.layouts import AttentionShape
 
 
 def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa import provenance
-from mha2gqa.errors import InputError
+from mha2gqa.records import provenance
+from mha2gqa.runtime.errors import InputError
 
 
 @dataclass(frozen=True)

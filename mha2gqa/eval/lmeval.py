@@ -15,9 +15,9 @@ import os
 import statistics
 from pathlib import Path
 
-from mha2gqa import jsontext
-from mha2gqa.errors import InputError
-from mha2gqa.quiet import LM_EVAL_NOISE, without_datasets_bars, without_log_messages
+from mha2gqa.files import jsontext
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.quiet import LM_EVAL_NOISE, without_datasets_bars, without_log_messages
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 OFFLINE_TASKS = ("persuasion_cloze", "persuasion_next_sentence")
@@ -77,7 +77,7 @@ def hub_datasets(manager, names: list[str]) -> dict[str, str]:
 
 
 def _is_hub_dataset(path: str) -> bool:
-    from mha2gqa.sources import is_hub_id
+    from mha2gqa.files.sources import is_hub_id
 
     return path not in _LOCAL_BUILDERS and not Path(path).expanduser().exists() and is_hub_id(path)
 
@@ -92,7 +92,7 @@ def validate_task_data(manager, names: list[str]) -> None:
     and traceback in the middle of an evaluation)."""
     from huggingface_hub import snapshot_download
 
-    from mha2gqa.sources import HUB_TIMEOUT_S, hub_offline
+    from mha2gqa.files.sources import HUB_TIMEOUT_S, hub_offline
 
     missing = {}
     for repo, task in hub_datasets(manager, names).items():
@@ -198,7 +198,7 @@ def run_lm_eval(
 def write_samples(samples: dict, path: Path) -> Path:
     """{task: [example, ...]} as JSON lines, each with its task: lm-eval's own per-example record (doc, the
     prompt arguments, responses, per-example metrics); values JSON has no type for are written as text."""
-    from mha2gqa.writing import write_atomic
+    from mha2gqa.files.writing import write_atomic
 
     lines = [
         jsontext.dumps({"task": task, **example}, default=str) for task, found in samples.items() for example in found

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mha2gqa import provenance
-from mha2gqa.errors import InputError
+from mha2gqa.records import provenance
+from mha2gqa.runtime.errors import InputError
 
 
 def _names(entries) -> str:

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mha2gqa.errors import InputError
 from mha2gqa.estimates.stages import EVAL
 from mha2gqa.eval.batching import AUTO, auto_batch_size, validate_batch_size
 from mha2gqa.eval.options import DecodePath, EvalOptions, SpeedPreset
 from mha2gqa.eval.reference_tops import TopReference
+from mha2gqa.runtime.errors import InputError
 
 
 @dataclass
@@ -230,7 +230,7 @@ def _validate_decode_path(o: EvalOptions) -> None:
     """--decode-path is a path; one that gives GQA's decode saving away is warned about now, in one line."""
     import warnings
 
-    from mha2gqa.errors import WeightWarning
+    from mha2gqa.runtime.errors import WeightWarning
 
     if o.decode_path not in {p.value for p in DecodePath}:
         raise InputError(
@@ -355,7 +355,7 @@ MEASUREMENTS: list[Measurement] = [
 def validate_all(options: EvalOptions) -> dict:
     """Every refusal the options can get before a model is loaded: the options' own, then each
     measurement's; returns what the checks prepared, by measurement key."""
-    from mha2gqa.limits import validate_limits
+    from mha2gqa.runtime.limits import validate_limits
 
     options.validate()
     prepared = {m.key: m.validate(options) for m in MEASUREMENTS}

@@ -21,7 +21,7 @@ from typing import Any
 
 from mha2gqa.eval import domains, schema
 from mha2gqa.eval.lineage import Start
-from mha2gqa.units import format_bytes
+from mha2gqa.runtime.units import format_bytes
 
 DASH = "—"
 

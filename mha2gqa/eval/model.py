@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa.errors import InputError, first_line
-from mha2gqa.layouts import AttentionShape, read_config
-from mha2gqa.loading import prepare_classes
+from mha2gqa.architecture.layouts import AttentionShape, read_config
+from mha2gqa.files.loading import prepare_classes
+from mha2gqa.files.sources import resolve_model_dir
 from mha2gqa.nemotron_nas.blocks import MODEL_TYPE, layer_kv_heads
-from mha2gqa.sources import resolve_model_dir
+from mha2gqa.runtime.errors import InputError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,8 +40,8 @@ def pick_dtype(dtype: str) -> torch.dtype | str:
 
 def load_model(model_dir: Path, dtype, device: torch.device, progress: bool = True, what: str = "model"):
     """A causal LM in eval mode on `device`: safetensors only, never code shipped with the checkpoint,
-    refused when its tensors do not match its config (mha2gqa.loading)."""
-    from mha2gqa.loading import load_causal_lm
+    refused when its tensors do not match its config (mha2gqa.files.loading)."""
+    from mha2gqa.files.loading import load_causal_lm
 
     return load_causal_lm(model_dir, what, progress=progress, dtype=dtype).to(device).eval()
 

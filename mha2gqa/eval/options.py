@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mha2gqa.corpus.probe import PROBE, parse_domains
-from mha2gqa.errors import InputError
-from mha2gqa.typed import StrEnum, validate_keywords
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.typed import StrEnum, validate_keywords
 
 if TYPE_CHECKING:  # importing it imports torch; this module stays torch-free
     from mha2gqa.eval.reference_tops import TopReference
@@ -171,7 +171,7 @@ class EvalOptions:
         """Refuse what no measurement could use, before any model is loaded (each measurement checks its
         own flags: eval/measurements.py)."""
         from mha2gqa.eval.schema import validate_writable
-        from mha2gqa.provenance import ROLES
+        from mha2gqa.records.provenance import ROLES
 
         if not isinstance(self.reference, (str, Path, type(None))) and (self.speed_side_by_side or self.attention_text):
             raise InputError(  # only convert's check gives one, and asks for neither

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 
-from mha2gqa import provenance
+from mha2gqa.records import provenance
 
 
 def reference_of(result: dict) -> dict | None:

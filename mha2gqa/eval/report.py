@@ -9,13 +9,13 @@ from pathlib import Path
 
 import matplotlib
 
-from mha2gqa import jsontext
-from mha2gqa.errors import InputError, user_file_error
 from mha2gqa.eval import measured_on, plots, render, serve_schema, serving_section
 from mha2gqa.eval.compare import comparison_rows, pick_baseline
 from mha2gqa.eval.reference_result import reference_of
 from mha2gqa.eval.schema import load_results, validate_writable
-from mha2gqa.writing import remove_dead, swap_in
+from mha2gqa.files import jsontext
+from mha2gqa.files.writing import remove_dead, swap_in
+from mha2gqa.runtime.errors import InputError, user_file_error
 
 
 def _unique_labels(results: list[dict]) -> None:

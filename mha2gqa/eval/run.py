@@ -14,9 +14,7 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa import provenance
 from mha2gqa.corpus.tokens import stream_ids
-from mha2gqa.errors import InputError, WeightWarning
 from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.eval import environment, measurements, speed
 from mha2gqa.eval import model as M
@@ -25,9 +23,11 @@ from mha2gqa.eval.measurements import Loaded, retrieval_grid, speed_grid, valida
 from mha2gqa.eval.options import EvalOptions
 from mha2gqa.eval.reference_tops import TopReference, score_tops
 from mha2gqa.eval.schema import SCHEMA, write_result
+from mha2gqa.files.sources import require_safetensors, resolve_model_dir
+from mha2gqa.records import provenance
+from mha2gqa.runtime.errors import InputError, WeightWarning
 from mha2gqa.scoring import perplexity as P
 from mha2gqa.scoring.retrieval_heads import MAX_LENGTH as HEADS_MAX_LENGTH
-from mha2gqa.sources import require_safetensors, resolve_model_dir
 
 DEFAULT_CONTEXT = 1024
 
@@ -157,9 +157,9 @@ def _tokenizer(model_dir: Path, o: EvalOptions):
 def eval_estimate(found: _Inputs, o: EvalOptions):
     """The run's estimate: each stage's work from the weights' headers, the texts' windows and the speed grid,
     scaled to this machine by a probe when it is long enough (for_this_machine); its peak memory from the weights and a batch of windows."""
-    from mha2gqa.checkpoint import SafetensorsCheckpoint
     from mha2gqa.estimates import STORED, Estimate, EvalWork, eval_peak_bytes, eval_stages, for_this_machine
     from mha2gqa.eval.batching import window_bytes
+    from mha2gqa.files.checkpoint import SafetensorsCheckpoint
 
     def size(folder):
         checkpoint = SafetensorsCheckpoint(folder)
@@ -207,8 +207,8 @@ def read_texts(o: EvalOptions, tok) -> dict:
 
 def _refresh_card(model_dir: Path, out: Path) -> None:
     """A result saved beside a model whose card mha2gqa wrote goes into that card."""
-    from mha2gqa.card import CARD, is_ours, write_card
     from mha2gqa.eval.card_table import measured_cells
+    from mha2gqa.records.card import CARD, is_ours, write_card
 
     if out.resolve().parent == model_dir.resolve() and is_ours(model_dir / CARD):
         write_card(model_dir, measured=measured_cells(model_dir))

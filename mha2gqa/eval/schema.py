@@ -38,11 +38,11 @@ import os
 import tempfile
 from pathlib import Path
 
-from mha2gqa import jsontext
-from mha2gqa.errors import InputError, user_file_error
 from mha2gqa.eval.sweep_schema import SWEEP_SCHEMA
-from mha2gqa.reading import did_you_mean, read_json
-from mha2gqa.writing import write_atomic
+from mha2gqa.files import jsontext
+from mha2gqa.files.reading import did_you_mean, read_json
+from mha2gqa.files.writing import write_atomic
+from mha2gqa.runtime.errors import InputError, user_file_error
 
 SCHEMA = "mha2gqa.eval/1"
 REQUIRED = ("label", "role", "model", "kv_cache", "env")

@@ -35,8 +35,8 @@ import json
 import os
 from pathlib import Path
 
-from mha2gqa.errors import InputError
-from mha2gqa.reading import MAX_JSON_BYTES, read_json
+from mha2gqa.files.reading import MAX_JSON_BYTES, read_json
+from mha2gqa.runtime.errors import InputError
 
 SCHEMA = "mha2gqa.serve/1"
 

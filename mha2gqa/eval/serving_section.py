@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from mha2gqa.units import format_bytes
+from mha2gqa.runtime.units import format_bytes
 
 DASH = "—"
 

@@ -20,12 +20,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from mha2gqa.errors import InputError
+from mha2gqa.architecture.hfcache import cache_kwargs, cache_of
 from mha2gqa.eval.decode_path import DecodePath, decode_attention, new_cache
 from mha2gqa.eval.memory import PeakMemory
 from mha2gqa.eval.metrics import quartiles
-from mha2gqa.hfcache import cache_kwargs, cache_of
-from mha2gqa.progress import progress_bar
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.progress import progress_bar
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ MLX-LM and llama.cpp's `deci` converter read it: a Llama config plus `block_conf
 
 from __future__ import annotations
 
-from mha2gqa.errors import InputError
 from mha2gqa.nemotron_nas.block_format import (  # noqa: F401 (the format's readers, named here for its users)
     ARCHITECTURE,
     FFN_MULTIPLE,
@@ -19,6 +18,7 @@ from mha2gqa.nemotron_nas.block_format import (  # noqa: F401 (the format's read
     layer_kv_heads,
     readable_blocks,
 )
+from mha2gqa.runtime.errors import InputError
 
 
 def ffn_mult_for(intermediate_size: int, hidden_size: int) -> float:

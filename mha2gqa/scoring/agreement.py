@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mha2gqa.errors import InputError
-from mha2gqa.kl import kl_divergence
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.scoring.kl import kl_divergence
 from mha2gqa.scoring.perplexity import NllTally, scored_logits, windows
 
 

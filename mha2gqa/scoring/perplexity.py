@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mha2gqa.errors import InputError
-from mha2gqa.progress import progress_bar
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.progress import progress_bar
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import torch
 
-from mha2gqa.progress import progress_bar
+from mha2gqa.runtime.progress import progress_bar
 from mha2gqa.scoring.retrieval_items import TASKS, Item, ProbeGrid
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mha2gqa.progress import progress_bar
+from mha2gqa.runtime.progress import progress_bar
 from mha2gqa.scoring.retrieval_items import HEADS_MAX_LENGTH, Item
 
 MAX_LENGTH = HEADS_MAX_LENGTH  # defined torch-free, where the questions are: convert's plan prices the heads too

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from mha2gqa.corpus.probe import probe_paths
 from mha2gqa.corpus.tokens import document_ids
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 TASKS = ("needle", "kv")
 DEFAULT_LENGTHS = (128, 512, 2048)  # capped at the model's max_position_embeddings (which is added when smaller)

@@ -14,15 +14,15 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa import provenance
-from mha2gqa.errors import InputError, one_line
-from mha2gqa.layouts import AttentionShape, attention_shape, config_dtype, read_config
+from mha2gqa.architecture.layouts import AttentionShape, attention_shape, config_dtype, read_config
+from mha2gqa.files.sources import require_safetensors
 from mha2gqa.nemotron_nas.blocks import MODEL_TYPE as NEMOTRON_NAS
+from mha2gqa.records import provenance
+from mha2gqa.runtime.errors import InputError, one_line
 from mha2gqa.serving import capacity, client, engine, kvlog, prompts, result, settle
 from mha2gqa.serving.children import validate_children
 from mha2gqa.serving.options import GREEDY_PROMPT_TOKENS, ServeOptions
 from mha2gqa.serving.server import Server, free_port
-from mha2gqa.sources import require_safetensors
 
 
 @dataclass

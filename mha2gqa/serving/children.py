@@ -17,9 +17,9 @@ import hashlib
 import os
 from pathlib import Path
 
-from mha2gqa.cache import same_weights
-from mha2gqa.errors import InputError
-from mha2gqa.reading import read_bytes, read_json
+from mha2gqa.files.cache import same_weights
+from mha2gqa.files.reading import read_bytes, read_json
+from mha2gqa.runtime.errors import InputError
 
 _PARSED = ("tokenizer.json", "vocab.json", "added_tokens.json")
 _BYTES = ("tokenizer.model", "merges.txt", "vocab.txt")

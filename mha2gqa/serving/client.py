@@ -15,9 +15,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
-from mha2gqa import jsontext
-from mha2gqa.errors import InputError, one_line
-from mha2gqa.reading import parse_json
+from mha2gqa.files import jsontext
+from mha2gqa.files.reading import parse_json
+from mha2gqa.runtime.errors import InputError, one_line
 
 REQUEST_TIMEOUT_S = 1800.0  # one request at a high concurrency on a CPU can take many minutes
 

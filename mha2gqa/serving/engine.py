@@ -16,8 +16,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa.errors import InputError, first_line, one_line
-from mha2gqa.reading import parse_json
+from mha2gqa.files.reading import parse_json
+from mha2gqa.runtime.errors import InputError, first_line, one_line
 
 ENV = "MHA2GQA_VLLM_PYTHON"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"

@@ -6,9 +6,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mha2gqa.errors import InputError
-from mha2gqa.limits import validate_limits
-from mha2gqa.units import format_bytes, parse_size
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.limits import validate_limits
+from mha2gqa.runtime.units import format_bytes, parse_size
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # the counts a user types, bounded in limits.py (--capacity-concurrency is read by capacity_requests)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import gzip
 
 from mha2gqa.corpus.probe import probe_paths
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 
 def probe_ids(tokenizer) -> dict[str, list[int]]:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
+from mha2gqa.architecture.hfcache import cache_kwargs, cache_of
 from mha2gqa.eval.model import DTYPES, load_model
-from mha2gqa.hfcache import cache_kwargs, cache_of
 
 
 @torch.no_grad()

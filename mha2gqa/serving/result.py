@@ -7,11 +7,11 @@ import platform
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mha2gqa import jsontext
 from mha2gqa.eval.serve_schema import SCHEMA
+from mha2gqa.files import jsontext
+from mha2gqa.files.writing import write_atomic
 from mha2gqa.serving.options import GREEDY_PROMPT_TOKENS
 from mha2gqa.version import __version__
-from mha2gqa.writing import write_atomic
 
 
 def leading_equal(a: list[int], b: list[int]) -> int:

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from mha2gqa.errors import InputError, one_line
+from mha2gqa.runtime.errors import InputError, one_line
 from mha2gqa.serving import client
 
 POLL_S = 0.5

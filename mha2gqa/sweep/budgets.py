@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from mha2gqa.architecture.layouts import DTYPE_BYTES, AttentionShape
 from mha2gqa.convert.counts import validate_per_layer_parent
 from mha2gqa.convert.kv_budget import budget_heads
 from mha2gqa.convert.layer_losses import MeasuredLosses, measure_for
 from mha2gqa.convert.options import ConvertOptions
 from mha2gqa.convert.prepare import ConversionPlan
-from mha2gqa.layouts import DTYPE_BYTES, AttentionShape
 from mha2gqa.sweep.candidates import Candidate
 from mha2gqa.sweep.rows import BUDGET_METHOD
 

@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mha2gqa.architecture.layouts import AttentionShape
 from mha2gqa.convert.check import verdict
 from mha2gqa.convert.options import ConvertOptions
-from mha2gqa.errors import InputError
 from mha2gqa.eval import compare, metrics, schema
 from mha2gqa.eval.domains import geomean
-from mha2gqa.layouts import AttentionShape
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.sweep.options import SweepOptions
 from mha2gqa.sweep.render import OWN_COLUMNS
 

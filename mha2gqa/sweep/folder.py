@@ -1,5 +1,5 @@
 """The sweep's OUT folder and its record: what OUT may hold and needs, sweep.json as it starts, and the sweep
-that --resume continues. OUT follows the rule of every output folder (mha2gqa/run_folder.py)."""
+that --resume continues. OUT follows the rule of every output folder (mha2gqa/files/run_folder.py)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,19 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from mha2gqa import jsontext, provenance
+from mha2gqa.architecture.layouts import AttentionShape, attention_shape
 from mha2gqa.convert.inputs import stats_bytes
 from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN, REFINE_TOKENS_PER_HIDDEN_BEFORE, current_refine_fields
-from mha2gqa.errors import InputError
 from mha2gqa.eval import schema
 from mha2gqa.eval.sweep_schema import SWEEP_SCHEMA
-from mha2gqa.layouts import AttentionShape, attention_shape
-from mha2gqa.reading import read_json
-from mha2gqa.run_folder import continued_folder, run_folder, validate_folder
+from mha2gqa.files import jsontext
+from mha2gqa.files.reading import read_json
+from mha2gqa.files.run_folder import continued_folder, run_folder, validate_folder
+from mha2gqa.files.writing import validate_room
+from mha2gqa.records import provenance
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.sweep.options import SweepOptions
 from mha2gqa.sweep.plots import QUALITY_PNG, SENSITIVITY_PNG
-from mha2gqa.writing import validate_room
 
 SCRATCH = ".sweep-"  # OUT/.sweep-PID: the statistics and temporary models of a running sweep
 # What a sweep writes into OUT (run_folder's rule: anything else there is the user's and is refused).

@@ -7,8 +7,8 @@ import os
 import shlex
 from pathlib import Path
 
-from mha2gqa import provenance
 from mha2gqa.corpus.probe import parse_domains
+from mha2gqa.records import provenance
 
 UPTRAIN_RECIPE = Path(__file__).resolve().parent.parent / "demo" / "demo-uptrain.yaml"
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from mha2gqa.convert.options import DEFAULT_CALIBRATION, Method, RefineOptions
 from mha2gqa.corpus.probe import PROBE, parse_domains
-from mha2gqa.errors import InputError
 from mha2gqa.eval.options import DEFAULT_MAX_TOKENS
-from mha2gqa.limits import validate_limits
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.limits import validate_limits
 
 DEFAULT_METHODS = (Method.MEAN.value, Method.CALIBRATED.value)
 DEFAULT_TOLERANCE = 0.05

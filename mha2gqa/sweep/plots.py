@@ -11,9 +11,9 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from mha2gqa.eval import measured_on, plots
 from mha2gqa.eval.plots import plt
+from mha2gqa.runtime.units import byte_unit
 from mha2gqa.sweep.options import BROKEN_SLACK
 from mha2gqa.sweep.rows import methods_of
-from mha2gqa.units import byte_unit
 
 QUALITY_PNG = "sweep_quality_vs_kv.png"
 SENSITIVITY_PNG = "sweep_layer_sensitivity.png"

@@ -17,15 +17,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from mha2gqa.architecture.layouts import attention_shape, read_config
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.probe import PROBE, parse_domains
 from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.estimates.stages import SWEEP
 from mha2gqa.eval.schema import write_result
-from mha2gqa.layouts import attention_shape, read_config
-from mha2gqa.progress import progress_bar
-from mha2gqa.run_folder import scratch_folder
-from mha2gqa.sources import resolve_model_dir
+from mha2gqa.files.run_folder import scratch_folder
+from mha2gqa.files.sources import resolve_model_dir
+from mha2gqa.runtime.progress import progress_bar
 from mha2gqa.sweep import folder as out_folder
 from mha2gqa.sweep.budgets import SharedLosses, measure_budget_candidate, plan_budgets, validate_budgets
 from mha2gqa.sweep.candidates import (
@@ -47,7 +47,7 @@ from mha2gqa.sweep.trust import trusted
 def sweep(src, options: SweepOptions, echo=print) -> dict:
     """Run the sweep of `options` on the model at `src`; returns the record written to OUT/sweep.json.
     Every refusal (groups, methods, data, OUT, room) comes before anything is written. OUT follows the
-    rule of every output folder (mha2gqa/run_folder.py): until the first candidate is recorded, a failure
+    rule of every output folder (mha2gqa/files/run_folder.py): until the first candidate is recorded, a failure
     or a kill leaves what was there before; after it, sweep.json keeps the finished candidates."""
     source = resolve_model_dir(src)
     config = read_config(source)

@@ -82,8 +82,8 @@ def sweep_clock(plans: dict, domains: list, options, echo, budget_plan=None, sta
     """Says the sweep's estimate and returns the clock that times it: a real run probes with torch (its threads);
     a dry run with numpy, and gets no clock (NO_CLOCK). Either probes only when the sweep is long enough
     (estimates.for_this_machine)."""
-    from mha2gqa.errors import import_torch
     from mha2gqa.estimates.clock import NO_CLOCK, Clock
+    from mha2gqa.runtime.errors import import_torch
 
     calibration = options.calibration_tokens if statistics else None  # budget candidates alone gather none
     stages = tuple(sweep_stages(plans, domains, options.max_tokens, calibration, budget_plan))

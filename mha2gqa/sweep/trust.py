@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import math
 
+from mha2gqa.architecture.layouts import DTYPE_BYTES, AttentionShape
 from mha2gqa.convert.kv_budget import budget_heads
 from mha2gqa.convert.options import Method
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import DTYPE_BYTES, AttentionShape
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.sweep.candidates import Candidate, derived_columns, parent_row
 from mha2gqa.sweep.rows import BUDGET_METHOD
 

@@ -19,8 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe keys, dotted for sections")
     args = parser.parse_intermixed_args(argv)  # key=value may come before or after flags
 
-    from mha2gqa.errors import exit_report, signals_as_interrupts
-    from mha2gqa.progress import close_open_bars
+    from mha2gqa.runtime.errors import exit_report, signals_as_interrupts
+    from mha2gqa.runtime.progress import close_open_bars
     from mha2gqa.uptrain import load_recipe, train
     from mha2gqa.uptrain.guard import TrainingDiverged
 

@@ -15,13 +15,13 @@ import re
 import shutil
 from pathlib import Path
 
-from mha2gqa import jsontext
-from mha2gqa.errors import InputError, first_line, is_user_fault, user_file_error
-from mha2gqa.quiet import SHARED_TENSOR_NOISE, without_log_messages
-from mha2gqa.reading import read_json
-from mha2gqa.units import counted
+from mha2gqa.files import jsontext
+from mha2gqa.files.reading import read_json
+from mha2gqa.files.writing import nearest_existing, write_atomic
+from mha2gqa.runtime.errors import InputError, first_line, is_user_fault, user_file_error
+from mha2gqa.runtime.quiet import SHARED_TENSOR_NOISE, without_log_messages
+from mha2gqa.runtime.units import counted
 from mha2gqa.uptrain.recipe import RESUME_FREE_KEYS, Recipe
-from mha2gqa.writing import nearest_existing, write_atomic
 
 CHECKPOINTS = "checkpoints"
 PROGRESS = "progress.json"

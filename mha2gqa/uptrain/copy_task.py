@@ -27,7 +27,7 @@ import re
 import torch
 
 from mha2gqa.corpus.tokens import document_ids
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 TASKS = ("needle", "kv", "copy")
 # (words before the key, words between the key and the value): never the probe's " The secret word of ... is"

@@ -21,8 +21,8 @@ import torch
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.blocks import pack, pack_all
 from mha2gqa.corpus.tokens import document_ids
-from mha2gqa.errors import InputError
-from mha2gqa.progress import progress_bar
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.progress import progress_bar
 from mha2gqa.uptrain.data_spec import DataPart, data_parts, is_plain
 from mha2gqa.uptrain.recipe import DataConfig, Recipe
 

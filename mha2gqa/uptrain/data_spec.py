@@ -2,7 +2,7 @@
 mixed_data.py read it).
 
 The names are convert's --calibration names, through the same resolvers: files, folders and a hub dataset
-(mha2gqa.corpus.textdata), `austen` (the embedded novels, mha2gqa.embedded), and, in data.train only, `parent`:
+(mha2gqa.corpus.textdata), `austen` (the embedded novels, mha2gqa.files.embedded), and, in data.train only, `parent`:
 sequences sampled from distill.teacher (corpus/sampling.py), the data a user always has, and `retrieval`:
 prompts that ask for a copy of a fact far back in them, built from the mix's other parts (copy_task.py).
 A mix is written
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.mix import PARENT, parse_spec
-from mha2gqa.embedded import expand_corpus_name
-from mha2gqa.errors import InputError
+from mha2gqa.files.embedded import expand_corpus_name
+from mha2gqa.runtime.errors import InputError
 
 RETRIEVAL = "retrieval"  # the copy-task prompts of copy_task.py, made of the mix's other parts
 

@@ -4,7 +4,7 @@ A vocabulary of 49,152 (SmolLM2) makes each float32 copy of a micro-batch's logi
 the plain loss held about ten at once (the student's logits, the teacher's, both log-softmaxes, the probabilities,
 the terms and their gradients): 7.53 GiB peak for a 135M model. Here both models stop at their last hidden state
 (tokens, d) and the output layer runs on a chunk of positions at a time. Each chunk's loss (the KL of
-mha2gqa.kl, the one formula, and the cross-entropy) is differentiated at once, with respect to its hidden states
+mha2gqa.scoring.kl, the one formula, and the cross-entropy) is differentiated at once, with respect to its hidden states
 (and the output layer's weights when they train), and its logits are dropped before the next chunk: the loss
 is a sum over positions, so the chunks' gradients are the whole one's, and backward only scales them.
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mha2gqa.kl import kl_divergence
+from mha2gqa.scoring.kl import kl_divergence
 from mha2gqa.uptrain import plan
 
 IGNORE = -100  # transformers' label for "no next token" (the last position of each block)

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa import jsontext, provenance
-from mha2gqa.card import write_card
-from mha2gqa.errors import InputError
 from mha2gqa.estimates import STORED, for_this_machine
 from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.estimates.stages import UPTRAIN
-from mha2gqa.quiet import without_transformers_bars
+from mha2gqa.files import jsontext
+from mha2gqa.files.writing import swap_in, write_atomic
+from mha2gqa.records import provenance
+from mha2gqa.records.card import write_card
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.quiet import without_transformers_bars
 from mha2gqa.uptrain import allocator, checkpoints, lora, mixed_data
 from mha2gqa.uptrain.data import TrainData
 from mha2gqa.uptrain.guard import TrainingDiverged
@@ -41,7 +43,6 @@ from mha2gqa.uptrain.recipe import Recipe
 from mha2gqa.uptrain.recipe_load import recorded
 from mha2gqa.uptrain.reporting import Metrics, Trace
 from mha2gqa.uptrain.steps import Run, run_steps
-from mha2gqa.writing import swap_in, write_atomic
 
 __all__ = ["TrainingDiverged", "train"]
 
@@ -303,7 +304,7 @@ def _save(recipe: Recipe, accelerator, model, loaded: _Loaded, out: Path, record
 
 def _record(staging: Path, source_dir: Path | None, record: dict, name: str) -> None:
     """mha2gqa.json (the source's lineage, none for a model trained from scratch, plus this run's
-    "uptrain" stage; see `mha2gqa.provenance`) and the model card made from it."""
+    "uptrain" stage; see `mha2gqa.records.provenance`) and the model card made from it."""
     provenance.append(staging, "uptrain", record, source=source_dir)
     write_card(staging, source_dir, name)
 

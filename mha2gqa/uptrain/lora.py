@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mha2gqa.errors import InputError, first_line
-from mha2gqa.layouts import layout_for
-from mha2gqa.quiet import without_peft_deprecation
-from mha2gqa.units import counted
+from mha2gqa.architecture.layouts import layout_for
+from mha2gqa.runtime.errors import InputError, first_line
+from mha2gqa.runtime.quiet import without_peft_deprecation
+from mha2gqa.runtime.units import counted
 
 
 def target_modules(model, lora) -> list[str]:
@@ -127,7 +127,7 @@ def merge_into_source(peft_model, source_dir: Path, dtype):
     import torch
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
-    from mha2gqa.loading import load_causal_lm
+    from mha2gqa.files.loading import load_causal_lm
 
     adapters = {k: v.detach().to("cpu", torch.float32) for k, v in get_peft_model_state_dict(peft_model).items()}
     base = load_causal_lm(source_dir, "the QLoRA run's source", dtype=dtype)

@@ -22,7 +22,7 @@ import torch
 from mha2gqa.corpus import sampling
 from mha2gqa.corpus.blocks import MixOrder, mix_blocks
 from mha2gqa.corpus.mix import part_tokens
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.uptrain import copy_task, sample_cache
 from mha2gqa.uptrain.data import (
     MemoryBatches,

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa.errors import InputError, first_line
-from mha2gqa.layouts import read_config
-from mha2gqa.loading import load_causal_lm, prepare_classes
-from mha2gqa.sources import resolve_model_dir
+from mha2gqa.architecture.layouts import read_config
+from mha2gqa.files.loading import load_causal_lm, prepare_classes
+from mha2gqa.files.sources import resolve_model_dir
+from mha2gqa.runtime.errors import InputError, first_line
 from mha2gqa.uptrain import lora
 from mha2gqa.uptrain.preflight import disk_needed, validate_same_vocabulary
 from mha2gqa.uptrain.recipe import Recipe

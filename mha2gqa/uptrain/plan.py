@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mha2gqa import estimates
-from mha2gqa.checkpoint import SafetensorsCheckpoint
+from mha2gqa.architecture.layouts import attention_shape, read_config
 from mha2gqa.corpus.probe import DOMAINS
 from mha2gqa.corpus.sampling import has_chat_template
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import attention_shape, read_config
+from mha2gqa.files.checkpoint import SafetensorsCheckpoint
+from mha2gqa.files.sources import cached_snapshot, is_hub_id
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.units import counted, format_bytes
 from mha2gqa.scoring.retrieval_items import probe_grid
-from mha2gqa.sources import cached_snapshot, is_hub_id
-from mha2gqa.units import counted, format_bytes
 from mha2gqa.uptrain import trainable
 from mha2gqa.uptrain.recipe import Recipe
 
@@ -110,7 +110,7 @@ def config_size(config: dict, recipe: Recipe) -> ModelSize:
 
 
 def _read_json_config(path: Path) -> dict:
-    from mha2gqa.reading import read_json
+    from mha2gqa.files.reading import read_json
 
     return read_json(path, "fix or re-save it")
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mha2gqa.cache import same_weights
-from mha2gqa.errors import InputError
+from mha2gqa.files.cache import same_weights
+from mha2gqa.files.writing import validate_room
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.uptrain import checkpoints
 from mha2gqa.uptrain.recipe import Recipe
-from mha2gqa.writing import validate_room
 
 ADAM_MOMENT_BYTES = 8  # AdamW's two fp32 moments per trained parameter
 CHECKPOINT_WEIGHT_BYTES = 4  # a resumable checkpoint holds the weights in fp32

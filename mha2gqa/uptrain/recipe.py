@@ -14,7 +14,7 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from mha2gqa.docfields import field_docs
+from mha2gqa.runtime.docfields import field_docs
 
 
 def one_of(group: str):

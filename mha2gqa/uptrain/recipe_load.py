@@ -22,14 +22,14 @@ from pathlib import Path
 
 import yaml
 
+from mha2gqa.architecture.layouts import read_config
 from mha2gqa.corpus.mix import PARENT, as_words
-from mha2gqa.embedded import CORPUS_NAME
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import read_config
-from mha2gqa.limits import BOUNDS, count_problems
-from mha2gqa.reading import MAX_YAML_BYTES, YamlLimit, did_you_mean, near_miss, parse_yaml, read_yaml_mapping
-from mha2gqa.sources import hub_offline, is_hub_id, looks_local, model_ref_problem
-from mha2gqa.units import counted
+from mha2gqa.files.embedded import CORPUS_NAME
+from mha2gqa.files.reading import MAX_YAML_BYTES, YamlLimit, did_you_mean, near_miss, parse_yaml, read_yaml_mapping
+from mha2gqa.files.sources import hub_offline, is_hub_id, looks_local, model_ref_problem
+from mha2gqa.runtime.errors import InputError
+from mha2gqa.runtime.limits import BOUNDS, count_problems
+from mha2gqa.runtime.units import counted
 from mha2gqa.uptrain.data_spec import data_parts, validate_rules
 from mha2gqa.uptrain.recipe import BudgetConfig, LoraConfig, Recipe, all_keys, group_keys
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa import jsontext
-from mha2gqa.progress import progress_bar
+from mha2gqa.files import jsontext
+from mha2gqa.runtime.progress import progress_bar
 from mha2gqa.uptrain import checkpoints
 from mha2gqa.uptrain.data import block_hash
 

@@ -2,7 +2,7 @@
 
 Sampling is one forward of the teacher a token, on CPU most of a short run's cost, and it is deterministic:
 two runs that distil different students from one parent with the same seed draw the same ids (a sweep of
-starts, a longer run after a shorter one). So the blocks are kept in the cache (mha2gqa.cache.cache_dir()
+starts, a longer run after a shorter one). So the blocks are kept in the cache (mha2gqa.files.cache.cache_dir()
 / samples, one safetensors file a draw) and read back instead of drawn again. The key is everything the
 ids depend on: the teacher folder's fingerprint (config, tokenizer, weight files' headers, sizes,
 modification times and bytes), the sampling record (recipe, chat header, seed, device), the teacher's dtype, the
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from mha2gqa import jsontext
-from mha2gqa.cache import cache_dir, update_with_model
 from mha2gqa.corpus import sampling
-from mha2gqa.errors import InputError
-from mha2gqa.writing import write_atomic
+from mha2gqa.files import jsontext
+from mha2gqa.files.cache import cache_dir, update_with_model
+from mha2gqa.files.writing import write_atomic
+from mha2gqa.runtime.errors import InputError
 
 CACHE_VERSION = 1  # bump when what a file holds or how the ids are drawn changes
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 import re
 
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import layout_for
+from mha2gqa.architecture.layouts import layout_for
+from mha2gqa.runtime.errors import InputError
 
 
 def patterns(config: dict, mode: str) -> list[re.Pattern]:

@@ -16,7 +16,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]  # the bench scripts; the package, uninstalled on the GPU machine
 
-from mha2gqa import embedded  # noqa: E402
+from mha2gqa.files import embedded  # noqa: E402
 
 SMOKE = os.environ.get("GPU_CHECK_SMOKE") == "1"
 # Every module of tests/gpu: marked `gpu`, skipped where torch sees no CUDA unless gpu_check --smoke asked for

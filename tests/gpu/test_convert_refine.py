@@ -16,9 +16,9 @@ pytestmark = MARKS
 
 def test_convert_refine(part):
     from mha2gqa import convert
+    from mha2gqa.architecture.layouts import attention_shape, layout_for, read_config
     from mha2gqa.convert.calibration import calibrate
     from mha2gqa.convert.options import DEFAULT_CALIBRATION_TOKENS, RefineOptions
-    from mha2gqa.layouts import attention_shape, layout_for, read_config
 
     work, smoke = part.work, part.smoke
     dims, groups = (TOY, 2) if smoke else (LLAMA_1B, 8)

@@ -11,7 +11,7 @@ pytestmark = MARKS
 
 def test_qlora(part):
     needs("datasets", "peft", *(() if part.smoke else ("bitsandbytes",)))
-    from mha2gqa.provenance import latest
+    from mha2gqa.records.provenance import latest
     from mha2gqa.uptrain import load_recipe, train
 
     out = part.work / "run"

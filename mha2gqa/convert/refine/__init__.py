@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from mha2gqa.architecture.layouts import AttentionShape, Layout
 from mha2gqa.convert.inputs import RefineBudget, opening_count
 from mha2gqa.convert.options import RefineOptions
 from mha2gqa.convert.refine.attention import EXACT, Side, fit_attention, relative
@@ -52,11 +53,10 @@ from mha2gqa.convert.refine.buffers import BUFFERS, ActivationBuffers, Openings,
 from mha2gqa.convert.refine.global_stage import GlobalFit, fit_global
 from mha2gqa.convert.refine.hooks import advance, first_hidden_states, layer_targets
 from mha2gqa.convert.refine.model import attention_path, converted_model, layer_path
-from mha2gqa.errors import WeightWarning
 from mha2gqa.estimates.clock import NO_CLOCK
 from mha2gqa.estimates.stages import CONVERT
-from mha2gqa.layouts import AttentionShape, Layout
-from mha2gqa.progress import progress_bar
+from mha2gqa.runtime.errors import WeightWarning
+from mha2gqa.runtime.progress import progress_bar
 
 __all__ = [
     "BUFFERS",
@@ -172,7 +172,7 @@ class _Run:
     split: dict
     options: RefineOptions
     generator: torch.Generator
-    bar: object  # a progress bar (mha2gqa.progress)
+    bar: object  # a progress bar (mha2gqa.runtime.progress)
     layer_kwargs: dict[int, dict]
     openings: _OpeningRun
 

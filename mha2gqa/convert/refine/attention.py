@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mha2gqa.architecture.layouts import Layout
 from mha2gqa.convert.options import RefineOptions
 from mha2gqa.convert.refine.buffers import mini_batches
 from mha2gqa.convert.refine.hooks import attention_output
-from mha2gqa.layouts import Layout
 
 EXACT = 1e-10  # relative output error treated as exact
 

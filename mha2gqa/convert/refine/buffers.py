@@ -14,7 +14,7 @@ import torch
 
 from mha2gqa.convert.inputs import HOLDOUT_FRACTION, OPENING_LENGTH, OPENINGS_PER_STEP, RefineBudget
 from mha2gqa.corpus.blocks import full_blocks
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 BUFFERS = ("parent", "converted", "inputs", "targets")
 

@@ -37,8 +37,8 @@ from mha2gqa.convert.inputs import GLOBAL_HELDOUT_EVERY, OPENINGS_PER_STEP, held
 from mha2gqa.convert.options import RefineOptions
 from mha2gqa.convert.refine.buffers import Openings, mini_batches
 from mha2gqa.convert.refine.precision import fit_autocast_dtype
-from mha2gqa.kl import kl_divergence
-from mha2gqa.progress import progress_bar
+from mha2gqa.runtime.progress import progress_bar
+from mha2gqa.scoring.kl import kl_divergence
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from mha2gqa.architecture.layouts import Layout
 from mha2gqa.convert.refine.model import attention_path, layer_path
-from mha2gqa.layouts import Layout
 
 
 class StopForward(Exception):

@@ -3,9 +3,9 @@ the paths of a layer and its attention module inside it."""
 
 from __future__ import annotations
 
+from mha2gqa.architecture.layouts import AttentionShape, Layout
 from mha2gqa.convert.options import OUT_DTYPES
-from mha2gqa.errors import InputError
-from mha2gqa.layouts import AttentionShape, Layout
+from mha2gqa.runtime.errors import InputError
 
 
 def converted_model(parent, layout: Layout, shape: AttentionShape, config: dict, merged: dict, out_dtype=None):
@@ -17,7 +17,7 @@ def converted_model(parent, layout: Layout, shape: AttentionShape, config: dict,
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from mha2gqa.checkpoint import DTYPES
+    from mha2gqa.files.checkpoint import DTYPES
 
     cast = DTYPES[OUT_DTYPES[out_dtype]] if out_dtype else None
     attention = tuple(layout.layer_prefix.format(layer=i) + attention_path(layout) + "." for i in range(shape.layers))

@@ -7,7 +7,7 @@ one step of SmolLM2's global stage (the parent's forward, the converted model's 
 block) took 1.56 s against 2.49 s. The stage does the same work in less time, which the default spends on more
 steps (docs/refine.md "The fit steps in bfloat16 where it pays"). On a CPU without such units bfloat16 is emulated and
 slower. What `auto` means on this machine is decided once, by convert's plan, from the CPU's flags
-(convert/decide.py, mha2gqa/machine.py): the run receives `float32` or `bfloat16`, never `auto`, and asks
+(convert/decide.py, mha2gqa/runtime/machine.py): the run receives `float32` or `bfloat16`, never `auto`, and asks
 nothing of the machine.
 
 What stays float32 either way: the parameters and Adam's state (the masters, global_stage._step), the KL and

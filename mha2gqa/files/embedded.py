@@ -12,11 +12,11 @@ import gzip
 import os
 from pathlib import Path
 
-from mha2gqa import provenance
-from mha2gqa.errors import InputError
-from mha2gqa.writing import write_atomic
+from mha2gqa.files.writing import write_atomic
+from mha2gqa.records import provenance
+from mha2gqa.runtime.errors import InputError
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 CORPUS_DIR = DATA_DIR / "austen"
 MODEL_DIR = DATA_DIR / "austen-mha"
 
@@ -65,8 +65,8 @@ def _near(name: str, known: str) -> bool:
 def target_groups() -> list[int]:
     """The kv-head counts the embedded model converts to (what `demo --groups` accepts), by the rule
     `convert` checks (layouts.target_groups)."""
-    from mha2gqa.layouts import attention_shape, read_config
-    from mha2gqa.layouts import target_groups as valid_targets
+    from mha2gqa.architecture.layouts import attention_shape, read_config
+    from mha2gqa.architecture.layouts import target_groups as valid_targets
 
     return valid_targets(attention_shape(read_config(MODEL_DIR)))
 

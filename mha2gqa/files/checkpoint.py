@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mha2gqa import jsontext
-from mha2gqa.errors import InputError, is_user_fault, user_file_error
-from mha2gqa.reading import open_regular, parse_json, read_exactly, read_json, short_read
-from mha2gqa.writing import beside, claim, make_parents, remove_dead, swap_in, validate_room
+from mha2gqa.files import jsontext
+from mha2gqa.files.reading import open_regular, parse_json, read_exactly, read_json, short_read
+from mha2gqa.files.writing import beside, claim, make_parents, remove_dead, swap_in, validate_room
+from mha2gqa.runtime.errors import InputError, is_user_fault, user_file_error
 
 if TYPE_CHECKING:  # annotations only: reading headers must not import torch
     import torch

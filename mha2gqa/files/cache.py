@@ -13,7 +13,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 HEADER_LIMIT = 100 << 20  # a safetensors header this long or longer is read only up to here

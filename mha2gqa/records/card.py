@@ -1,6 +1,6 @@
 """The model card (README.md, the Hub's convention) of every folder convert or uptrain writes.
 
-Generated from mha2gqa.json (the machine-readable record: `mha2gqa.provenance`) and config.json,
+Generated from mha2gqa.json (the machine-readable record: `mha2gqa.records.provenance`) and config.json,
 plus the results of `mha2gqa eval` saved beside the model (any *.json in the folder with the eval
 schema). The source model's own card is never overwritten in place and never dropped: it is kept
 beside the new card as SOURCE_README.md (carried forward through later stages), linked, and its
@@ -19,15 +19,15 @@ from pathlib import Path
 
 import yaml
 
-from mha2gqa import provenance
-from mha2gqa.brief import domains_brief, lm_eval_brief
-from mha2gqa.errors import InputError, WeightWarning
-from mha2gqa.layouts import DTYPE_BYTES, config_dtype, head_counts, kv_cache_bytes
-from mha2gqa.reading import parse_yaml, read_bytes, read_json, validate_regular
-from mha2gqa.sources import snapshot_hub_id
-from mha2gqa.units import counted, format_bytes
+from mha2gqa.architecture.layouts import DTYPE_BYTES, config_dtype, head_counts, kv_cache_bytes
+from mha2gqa.files.reading import parse_yaml, read_bytes, read_json, validate_regular
+from mha2gqa.files.sources import snapshot_hub_id
+from mha2gqa.files.writing import write_atomic
+from mha2gqa.records import provenance
+from mha2gqa.records.brief import domains_brief, lm_eval_brief
+from mha2gqa.runtime.errors import InputError, WeightWarning
+from mha2gqa.runtime.units import counted, format_bytes
 from mha2gqa.version import __version__
-from mha2gqa.writing import write_atomic
 
 CARD = "README.md"
 SOURCE_CARD = "SOURCE_README.md"
@@ -290,7 +290,7 @@ def _conversion_section(c: dict, config: dict) -> list[str]:
 
 def _validate_section(check: dict | None) -> list[str]:
     """What the conversion kept, as `convert`'s check measured it (convert/check.py), before any training."""
-    from mha2gqa.check_record import HEADERS, retrieval_line, table_rows, title
+    from mha2gqa.records.check_record import HEADERS, retrieval_line, table_rows, title
 
     if not check:  # a conversion of before the check
         return []

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
 
-from mha2gqa import jsontext
-from mha2gqa.errors import InputError, first_line
-from mha2gqa.layout_spec import Layout
+from mha2gqa.architecture.layout_spec import Layout
+from mha2gqa.files import jsontext
+from mha2gqa.runtime.errors import InputError, first_line
 
 OUTPUT_NAMES = ("o_proj", "out_proj", "dense")
 _LAYER = re.compile(r"^(?P<prefix>.*\.)(?P<index>\d+)\.(?P<attention>[^.]+(?:\.[^.]+)*)$")

@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from mha2gqa.checkpoint import SafetensorsCheckpoint
-from mha2gqa.errors import InputError, first_line
-from mha2gqa.layouts import read_config
+from mha2gqa.architecture.layouts import read_config
+from mha2gqa.files.checkpoint import SafetensorsCheckpoint
+from mha2gqa.files.sources import require_safetensors
 from mha2gqa.nemotron_nas.blocks import MODEL_TYPE, validate_blocks
-from mha2gqa.sources import require_safetensors
+from mha2gqa.runtime.errors import InputError, first_line
 
 SHOWN_KEYS = 4  # a config with 30 extra layers would otherwise print 300 names
 

@@ -6,7 +6,7 @@ dtype their own way; every command's --dtype reads through `dtype_name`, so one 
 
 from __future__ import annotations
 
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 # canonical name (config.json's torch_dtype, torch's attribute) -> what else people type for it
 ALIASES = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The one owner of `mha2gqa.json`, the record beside every model this tool writes: what made it,
 from what. `convert` and `uptrain` append a stage; `eval` reads the model's role from it.
 
-File schema ("mha2gqa.provenance/2"):
-  schema    "mha2gqa.provenance/2"
+File schema ("mha2gqa.records.provenance/2"):
+  schema    "mha2gqa.records.provenance/2"
   tool      "mha2gqa"
   lineage   [stage, ...], oldest first: the source's lineage, then the stage that wrote this model
 Every stage:
@@ -30,14 +30,14 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mha2gqa import jsontext
-from mha2gqa.errors import InputError
-from mha2gqa.reading import read_json
+from mha2gqa.files import jsontext
+from mha2gqa.files.reading import read_json
+from mha2gqa.files.writing import write_atomic
+from mha2gqa.runtime.errors import InputError
 from mha2gqa.version import __version__
-from mha2gqa.writing import write_atomic
 
 FILE_NAME = "mha2gqa.json"
-SCHEMA = "mha2gqa.provenance/2"
+SCHEMA = "mha2gqa.records.provenance/2"
 STAGES = ("conversion", "uptrain")
 ROLES = ("parent", "converted", "uptrained")
 

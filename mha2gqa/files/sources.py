@@ -11,8 +11,8 @@ import re
 import sys
 from pathlib import Path
 
-from mha2gqa.errors import InputError
-from mha2gqa.reading import did_you_mean
+from mha2gqa.files.reading import did_you_mean
+from mha2gqa.runtime.errors import InputError
 
 # What a conversion or an eval needs from a hub repo: never pickled weights.
 MODEL_FILE_PATTERNS = ["*.safetensors", "*.json", "*.model", "*.txt", "*.tiktoken", "tokenizer*"]

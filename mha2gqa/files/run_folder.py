@@ -26,9 +26,9 @@ import shutil
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from mha2gqa.errors import InputError, is_user_fault, one_line, user_file_error
-from mha2gqa.reading import resolve
-from mha2gqa.writing import beside, claim, dead_entries, make_parents, remove_dead, validate_room
+from mha2gqa.files.reading import resolve
+from mha2gqa.files.writing import beside, claim, dead_entries, make_parents, remove_dead, validate_room
+from mha2gqa.runtime.errors import InputError, is_user_fault, one_line, user_file_error
 
 _REPLACED, _CREATED, _OLD = "replaced", "created", "old"
 MARKER = ".mha2gqa-run"  # written first into OUT by every run, holding the command's name

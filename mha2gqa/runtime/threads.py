@@ -19,8 +19,8 @@ import os
 import sys
 from pathlib import Path
 
-from mha2gqa.errors import InputError
-from mha2gqa.reading import read_json
+from mha2gqa.files.reading import read_json
+from mha2gqa.runtime.errors import InputError
 
 ENV = "MHA2GQA_THREADS"
 MAX_THREADS = 4096  # the largest CPU machines have a few hundred cores

@@ -12,14 +12,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mha2gqa import jsontext
-from mha2gqa.errors import InputError
-from mha2gqa.generic_layout import config_counts, generic_architecture
-from mha2gqa.generic_layout import validate_target as validate_generic_target
-from mha2gqa.layout_spec import Layout
+from mha2gqa.architecture.generic_layout import config_counts, generic_architecture
+from mha2gqa.architecture.generic_layout import validate_target as validate_generic_target
+from mha2gqa.architecture.layout_spec import Layout
+from mha2gqa.files import jsontext
+from mha2gqa.files.reading import read_json
 from mha2gqa.nemotron_nas.blocks import MODEL_TYPE as NEMOTRON_NAS
 from mha2gqa.nemotron_nas.blocks import layer_kv_heads, validate_blocks
-from mha2gqa.reading import read_json
+from mha2gqa.runtime.errors import InputError
 
 _STANDARD = Layout()
 LAYOUTS: dict[str, Layout] = {

@@ -10,7 +10,7 @@
 - claim / remove_dead: the rule of every command that writes a folder: an flock on `.OUT.lock`
   holding the writer's PID (a second run is refused, naming it), and debris named `.OUT.*-PID` of
   PIDs that are gone removed (or restored) at the next start. convert's atomic_directory and the run
-  folders of demo, reproduce and sweep (mha2gqa/run_folder.py) both use it.
+  folders of demo, reproduce and sweep (mha2gqa/files/run_folder.py) both use it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tempfile
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from mha2gqa.errors import InputError, is_user_fault, user_file_error
+from mha2gqa.runtime.errors import InputError, is_user_fault, user_file_error
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 _UNITS = ("KiB", "MiB", "GiB", "TiB")
 

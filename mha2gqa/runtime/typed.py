@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import fields
 from enum import Enum
 
-from mha2gqa.errors import InputError
+from mha2gqa.runtime.errors import InputError
 
 
 class StrEnum(str, Enum):

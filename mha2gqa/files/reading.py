@@ -24,7 +24,7 @@ import re
 import stat
 from pathlib import Path
 
-from mha2gqa.errors import InputError, first_line
+from mha2gqa.runtime.errors import InputError, first_line
 
 MAX_JSON_DEPTH = 64  # real configs, indexes, results and provenance nest under 10 levels
 MAX_JSON_BYTES = 64 << 20  # config.json, indexes, mha2gqa.json, results: real ones are under 10 MB

@@ -1,0 +1,1 @@
+"""What a model is, per architecture (docs/code.md)."""

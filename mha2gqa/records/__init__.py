@@ -1,0 +1,1 @@
+"""What a written folder says about itself (docs/code.md)."""
