@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
-from mha2gqa.architecture.layouts import AttentionShape
+from mha2gqa.architecture.layouts import AttentionShape, layout_for
 from mha2gqa.cli import main
 from mha2gqa.convert import layer_losses
 from mha2gqa.convert.layer_losses import MeasuredLosses, choose
@@ -65,7 +65,7 @@ def test_retrieval_term_is_the_kl_on_answer_tokens(parent):
     model = load_causal_lm(parent)
     ids = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(1))
     prompts, scored = copy_prompts(ids, 128, most=2)
-    losses = measure_layers(model, prompts, SHAPE, [1, 2, 4], scored=scored)
+    losses = measure_layers(model, layout_for(model.config.to_dict()), prompts, SHAPE, [1, 2, 4], scored=scored)
     assert all(per[4] == 0.0 and per[1] > 0 for per in losses)
     pooled = load_causal_lm(parent)
     attention = pooled.model.layers[2].self_attn
@@ -80,7 +80,7 @@ def test_retrieval_term_is_the_kl_on_answer_tokens(parent):
             float(kl_divergence(model(p[None]).logits[0, :-1], pooled(p[None]).logits[0, :-1])) for p in prompts
         ) / len(prompts)
     assert losses[2][1] == pytest.approx(expected, rel=1e-4) and expected != pytest.approx(everywhere, rel=1e-3)
-    whole = placement_losses(model, prompts, SHAPE, [(4, 4, 1), (4, 4, 4)], scored)
+    whole = placement_losses(model, layout_for(model.config.to_dict()), prompts, SHAPE, [(4, 4, 1), (4, 4, 4)], scored)
     assert whole[0] == pytest.approx(expected, rel=1e-4) and whole[1] == 0.0
 
 

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
-from mha2gqa.architecture.layouts import AttentionShape
+from mha2gqa.architecture.layouts import AttentionShape, layout_for
 from mha2gqa.cli import main
 from mha2gqa.convert.kv_budget import budget_heads, choose_counts
 from mha2gqa.convert.sensitivity import layer_losses, pooled_in_place
@@ -93,7 +93,7 @@ def test_measured_loss_is_the_converted_models_kl(parent, tmp_path):
     model = load_causal_lm(parent)
     blocks = torch.randint(3, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     shape = AttentionShape("llama", layers=3, heads=8, kv_heads=4, head_dim=8, hidden=64)
-    losses = layer_losses(model, blocks, shape, [1, 2, 4])
+    losses = layer_losses(model, layout_for(model.config.to_dict()), blocks, shape, [1, 2, 4])
     assert all(per[4] == 0.0 for per in losses) and all(per[1] > per[2] > 0 for per in losses)
     result = CliRunner().invoke(main, ["convert", str(parent), str(tmp_path / "c"), "--kv-heads-per-layer", "4,2,4"])
     assert result.exit_code == 0, result.output

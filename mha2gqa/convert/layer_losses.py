@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mha2gqa.architecture.layouts import AttentionShape
+from mha2gqa.architecture.layouts import AttentionShape, Layout
 from mha2gqa.convert.kv_budget import FLAG, choice_lines, choose_counts
 from mha2gqa.runtime.errors import InputError
 from mha2gqa.runtime.progress import progress_bar
@@ -46,14 +46,19 @@ class WholePlacements:
     prompts: object  # (n, length) copy prompts
     scored: object  # (n, length - 1) their answer positions
     shape: AttentionShape
+    layout: Layout
 
     def measure(self, placements: list[tuple[int, ...]]) -> list[tuple[float, float]]:
         """(text, retrieval) KL of each placement, every layer pooled to its count at once."""
         from mha2gqa.convert.sensitivity import placement_losses
 
         model = self.parent()
-        text = placement_losses(model, self.blocks, self.shape, placements)
-        copy = placement_losses(model, self.prompts, self.shape, placements, self.scored) if len(self.prompts) else None
+        text = placement_losses(model, self.layout, self.blocks, self.shape, placements)
+        copy = (
+            placement_losses(model, self.layout, self.prompts, self.shape, placements, self.scored)
+            if len(self.prompts)
+            else None
+        )
         return [(t, copy[k] if copy else 0.0) for k, t in enumerate(text)]
 
 
@@ -89,13 +94,15 @@ def measure(parent, ids, plan, record: dict, load=None) -> MeasuredLosses:
     bar = progress_bar(
         (count + len(prompts)) * shape.layers * (len(candidates) - 1), "layer losses", plan.options.progress
     )
-    losses = layer_losses(parent, blocks, shape, candidates, bar)
-    retrieval = layer_losses(parent, prompts, shape, candidates, bar, scored=scored) if len(prompts) else None
+    losses = layer_losses(parent, plan.layout, blocks, shape, candidates, bar)
+    retrieval = (
+        layer_losses(parent, plan.layout, prompts, shape, candidates, bar, scored=scored) if len(prompts) else None
+    )
     bar.close()
     kept = {key: value for key, value in record.items() if key not in ("blocks", "seq_len")}
     answers = int(scored.sum())
     record = dict(kept, blocks=count, seq_len=seq_len, copy_prompts=len(prompts), copy_length=length, answers=answers)
-    whole = WholePlacements(load or (lambda: parent), blocks, prompts, scored, shape)
+    whole = WholePlacements(load or (lambda: parent), blocks, prompts, scored, shape, plan.layout)
     return MeasuredLosses(losses, record, shape, retrieval, whole)
 
 
