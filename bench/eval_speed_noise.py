@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 import mha2gqa
-from mha2gqa.eval import write_report
 from mha2gqa.files import embedded
+from mha2gqa.report import write_report
 
 
 def measure(model, label: str, speed: dict, out: Path) -> tuple[dict, float]:

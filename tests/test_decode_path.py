@@ -204,8 +204,8 @@ def test_a_report_and_a_card_name_the_path_each_speed_was_timed_on(tmp_path):
 
     from test_report import fake_result, write_results
 
-    from mha2gqa.eval import write_report
     from mha2gqa.eval.card_table import measured_cells
+    from mha2gqa.report import write_report
 
     results = [
         fake_result("parent", "parent", 8, 10.0, 1024, {4: 80.0}),

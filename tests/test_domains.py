@@ -12,10 +12,11 @@ from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_family, save
 
 from mha2gqa.cli import main
 from mha2gqa.corpus import probe as probe_set
-from mha2gqa.eval import evaluate, write_report
+from mha2gqa.eval import evaluate
 from mha2gqa.eval.domains import geomean, pooled_perplexity
-from mha2gqa.eval.schema import load_results
+from mha2gqa.eval.schema import load_result
 from mha2gqa.files import embedded
+from mha2gqa.report import write_report
 from mha2gqa.runtime.errors import InputError
 
 QUICK = dict(context=32, stride=16, speed_preset="off", progress=False)
@@ -111,7 +112,7 @@ def test_the_probe_set_is_the_default_data_of_eval(tiny, tmp_path):
         main, ["eval", str(tiny / "gqa"), "--speed", "off", "-q", "--max-tokens", "400", "--out", str(out)]
     )
     assert ran.exit_code == 0, ran.output
-    (result,) = load_results(out)
+    result = load_result(out)
     assert list(result["domains"]) == list(probe_set.DOMAINS)
     for name, d in result["domains"].items():
         assert d["data"]["path"] == str(probe_set.PROBE_DIR / f"{name}.txt.gz") and d["data"]["tokens"] == 400
@@ -171,6 +172,7 @@ def test_the_recommendation_refuses_a_candidate_broken_on_one_domain():
 
 
 def test_the_probe_set_is_the_default_data_of_sweep(tmp_path):
+    from mha2gqa.report.sweep_pages import write_pages
     from mha2gqa.sweep import SweepOptions, sweep
 
     src = tmp_path / "src"
@@ -180,7 +182,7 @@ def test_the_probe_set_is_the_default_data_of_sweep(tmp_path):
     options = SweepOptions(calibration=str(tmp_path / "cal.txt"), out=str(tmp_path / "out"), groups=(1,), methods=("mean",),
                            max_tokens=200, calibration_tokens=400, progress=False)  # fmt: skip
     assert options.data == (probe_set.PROBE,)
-    record = sweep(src, options, echo=lambda _: None)
+    record = sweep(src, options, echo=lambda _: None, pages=write_pages)
     assert list(record["parent"]["domains"]) == list(probe_set.DOMAINS)
     (row,) = record["candidates"]
     assert set(row["domains"]) == set(probe_set.DOMAINS)

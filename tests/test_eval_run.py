@@ -10,8 +10,9 @@ from click.testing import CliRunner
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
 from mha2gqa.cli import main
-from mha2gqa.eval import evaluate, write_report
+from mha2gqa.eval import evaluate
 from mha2gqa.eval.schema import SCHEMA, load_result
+from mha2gqa.report import write_report
 
 QUICK = dict(context=32, stride=16, speed_preset="off", progress=False)
 

@@ -16,9 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from uptrain_helpers import tiny_model_dir
 
 from mha2gqa.cli import main
-from mha2gqa.eval import evaluate, write_report
+from mha2gqa.eval import evaluate
 from mha2gqa.eval.lmeval import BOOTSTRAP_ITERS, OFFLINE_TASKS, TASKS_DIR, perplexity_intervals
 from mha2gqa.files import embedded
+from mha2gqa.report import write_report
 from mha2gqa.runtime.errors import InputError
 
 pytest.importorskip("lm_eval")  # the [lmeval] extra; .ci/run installs it, so CI runs every test here

@@ -7,8 +7,9 @@ import json
 import pytest
 from tiny_models import SAMPLE_TEXT, make_tiny_tokenizer, save_tiny_model
 
-from mha2gqa.eval import evaluate, measurements, metrics, write_report
+from mha2gqa.eval import evaluate, measurements, metrics
 from mha2gqa.eval.options import EvalOptions
+from mha2gqa.report import write_report
 from mha2gqa.runtime.errors import InputError
 
 QUICK = dict(context=32, stride=16, speed_preset="off", progress=False)
@@ -53,14 +54,15 @@ def test_a_new_metric_is_one_measurement_and_one_metric(tiny, tmp_path, monkeypa
     # a model card beside the result shows it, and a sweep measures it for each candidate and shows its
     # column, with no change to the card or the sweep
     from mha2gqa.eval.card_table import measured_cells
-    from mha2gqa.sweep import candidates, render
+    from mha2gqa.report import sweep_pages
+    from mha2gqa.sweep import candidates
 
     (tmp_path / "r.json").rename(tmp_path / "report" / "eval.json")
     assert ("vocab", f"{result['vocab']['size']:,}") in measured_cells(tmp_path / "report")["eval.json"]
 
     swept = candidates.metric_values(result, result)
     assert swept["vocab_size"] == result["vocab"]["size"]
-    (vocab,) = [cell for header, cell in render.metric_columns([swept]) if header == "vocab"]
+    (vocab,) = [cell for header, cell in sweep_pages.metric_columns([swept]) if header == "vocab"]
     assert vocab(swept, ()) == f"{result['vocab']['size']:,}"
     with pytest.raises(InputError, match="refused by the vocab measurement"):
         evaluate(tiny / "missing-model", str(tiny / "text.txt"), label="no-vocab", **QUICK)  # before any loading

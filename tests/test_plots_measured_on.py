@@ -8,8 +8,8 @@ import json
 
 from test_report import MEAN2, METRICS_LINES, fake_result, lineage_of, stage
 
-from mha2gqa.eval import measured_on, plots
-from mha2gqa.eval.report import write_report
+from mha2gqa.report import measured_on, plots
+from mha2gqa.report.side_by_side import write_report
 
 RECIPE = {"seq_len": 512, "data": {"train": ["/d/emma.txt"], "eval": ["/d/persuasion.txt"], "eval_blocks": 16}}
 

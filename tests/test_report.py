@@ -7,10 +7,11 @@ import pytest
 from click.testing import CliRunner
 
 from mha2gqa.cli import main
-from mha2gqa.eval import metrics, plots
-from mha2gqa.eval.report import write_report
+from mha2gqa.eval import metrics
 from mha2gqa.eval.schema import SCHEMA
 from mha2gqa.records import brief
+from mha2gqa.report import plots
+from mha2gqa.report.side_by_side import write_report
 from mha2gqa.runtime.errors import InputError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -11,7 +11,7 @@ import pytest
 from test_report import MEAN2, fake_result
 
 from mha2gqa.eval.reference_result import reference_of
-from mha2gqa.eval.report import write_report
+from mha2gqa.report.side_by_side import write_report
 
 
 def with_domains(result: dict, mine: dict, theirs: dict | None) -> dict:

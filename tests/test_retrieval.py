@@ -131,7 +131,7 @@ def test_eval_retrieval_writes_recall_per_length_and_depth_beside_the_reference(
     assert found["heads"]["questions"] == 8 and len(found["heads"]["top"]) == 10
     assert found["items"] == 8 and found["grid"] == {"lengths": [160, 256], "depths": [0.0, 1.0], "samples": 1}
     assert "retrieval recall" in run.output and "at 256 tokens:" in run.output
-    from mha2gqa.eval import write_report
+    from mha2gqa.report import write_report
 
     report = write_report([out], tmp_path / "report")["markdown"].read_text()
     assert "## Retrieval recall per context length" in report and "recall @ 256 tokens (by depth)" in report

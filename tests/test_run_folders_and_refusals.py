@@ -363,7 +363,7 @@ def parent_result(tiny):
     ],
 )
 def test_report_of_a_broken_sweep_names_the_bad_entry(parent_result, tmp_path, tmpdir_env, parent, candidates, words):
-    from mha2gqa.eval.sweep_schema import SWEEP_SCHEMA
+    from mha2gqa.sweep.schema import SWEEP_SCHEMA
 
     sweep_json = tmp_path / "sweep.json"
     parent = {"perplexity": 1.0, "result": parent_result} if parent else None

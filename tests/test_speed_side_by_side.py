@@ -8,9 +8,10 @@ import pytest
 from test_report import fake_result, write_results
 from tiny_models import SAMPLE_TEXT, save_tiny_family
 
-from mha2gqa.eval import evaluate, plots, speed, write_report
+from mha2gqa.eval import evaluate, speed
 from mha2gqa.eval.measurements import validate_all
 from mha2gqa.eval.options import EvalOptions
+from mha2gqa.report import plots, write_report
 from mha2gqa.runtime.errors import InputError
 
 FAST = dict(speed_preset="cpu", speed_batches=(1,), speed_contexts=(8,), new_tokens=2, repeats=3, progress=False)

@@ -17,12 +17,13 @@ import mha2gqa.convert.calibration as calibration_module
 import mha2gqa.eval.run as eval_run
 from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN, RefineOptions
 from mha2gqa.corpus import textdata
-from mha2gqa.eval.report import write_report
-from mha2gqa.eval.schema import load_results
 from mha2gqa.files.run_folder import MARKER
+from mha2gqa.report.results import load_results
+from mha2gqa.report.side_by_side import write_report
+from mha2gqa.report.sweep_pages import write_pages
+from mha2gqa.report.sweep_plots import pareto_front
 from mha2gqa.sweep import SweepOptions, folder, sweep
 from mha2gqa.sweep.next_step import pretrain_tokens
-from mha2gqa.sweep.plots import pareto_front
 from mha2gqa.sweep.recommend import recommend
 
 CAL_TOKENS, EVAL_TOKENS = 600, 300
@@ -283,7 +284,7 @@ def test_refine_adds_the_per_layer_sensitivity_heat_map(tiny, tmp_path, monkeypa
         calibration_tokens=CAL_TOKENS,
         progress=False,
     )
-    record = sweep(tiny / "src", options, echo=lambda _: None)
+    record = sweep(tiny / "src", options, echo=lambda _: None, pages=write_pages)
     (row,) = record["candidates"]
     assert row["refine"]["options"]["steps"] == 3
     assert [layer["layer"] for layer in row["refine"]["layers"]] == [0, 1]

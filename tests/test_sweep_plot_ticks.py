@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mha2gqa.eval import plots
-from mha2gqa.sweep import plots as sweep_plots
+from mha2gqa.report import plots, sweep_plots
 
 
 def _record(parent: float, candidates: list[float]) -> dict:

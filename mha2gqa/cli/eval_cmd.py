@@ -205,7 +205,7 @@ def report_command(results, out, baseline, metrics, speedup_apart, force):
 
     Example: mha2gqa report parent.json gqa.json gqa-uptrained.json --out report/ --metrics run/metrics.jsonl
     """
-    from mha2gqa.eval.report import write_report
+    from mha2gqa.report.side_by_side import write_report
 
     written = write_report(
         list(results), out, baseline=baseline, metrics=list(metrics) or None, speedup_apart=speedup_apart, force=force

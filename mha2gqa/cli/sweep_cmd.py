@@ -100,6 +100,7 @@ def sweep(
     --data mha2gqa/data/austen/persuasion.txt.gz --out sweep/
     """
     from mha2gqa.convert.options import RefineOptions
+    from mha2gqa.report.sweep_pages import write_pages
     from mha2gqa.sweep import sweep as run_sweep
 
     options = SweepOptions(
@@ -121,7 +122,7 @@ def sweep(
         resume=resume,
         dry_run=dry_run,
     )
-    record = run_sweep(src, options, echo=click.echo)
+    record = run_sweep(src, options, echo=click.echo, pages=write_pages)
     if dry_run:
         return
     click.echo(f"wrote {out}/sweep.json, sweep.md, sweep.html")

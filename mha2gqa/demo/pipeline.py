@@ -137,7 +137,8 @@ def run_demo(
 def _run_stages(parent: Path, out: Path, conversion, settings: DemoSettings, echo, progress: bool, clock) -> dict:
     from mha2gqa.convert.inspect import inspect_model
     from mha2gqa.convert.run import execute
-    from mha2gqa.eval import evaluate, write_report
+    from mha2gqa.eval import evaluate
+    from mha2gqa.report import write_report
 
     info = inspect_model(parent)
     echo(
@@ -177,9 +178,9 @@ def check_line(parent_json: Path, child_json: Path) -> str:
     """convert's check, read off the demo's own evaluation instead of run again at its conversion: the verdict
     (convert/check.py) from the child's perplexity ratio to the parent's on the same held-out text."""
     from mha2gqa.convert.check import verdict
-    from mha2gqa.eval.schema import load_results, perplexity
+    from mha2gqa.eval.schema import load_result, perplexity
 
-    ratio = perplexity(load_results(child_json)[0]) / perplexity(load_results(parent_json)[0])
+    ratio = perplexity(load_result(child_json)) / perplexity(load_result(parent_json))
     return f"{verdict({'held-out': ratio}).line} (held-out perplexity {ratio:.2f}x the parent's)"
 
 

@@ -3,9 +3,9 @@ computed, where it sits in a result file, its report column and which direction 
 
 A metric `mha2gqa eval` measures reads its value from the result at `field`; a derived one is
 computed from the table (`derive`: the baseline, the lineage pairs, the speed point, the columns
-before it). compare.py fills report.json's rows from this list (the demo's summary reads them by these
-names), render.py draws the columns, report.json carries the list as its legend, and the sweep measures its
-candidates by it and takes its columns from it too (sweep/candidates.py, sweep/render.py). A new metric is one
+before it). report/compare.py fills report.json's rows from this list (the demo's summary reads them by these
+names), report/render.py draws the columns, report.json carries the list as its legend, and the sweep measures its
+candidates by it and takes its columns from it too (sweep/candidates.py, report/sweep_pages.py). A new metric is one
 entry here plus the measurement that writes its field (eval/measurements.py); docs/eval.md shows a worked
 example.
 """
@@ -676,3 +676,19 @@ def _lm_eval_text(cell: dict | None, scale: str) -> str:
         same = (lambda x: f"{x:,.0f}") if cell["value"] >= 1000 else (lambda x: f"{x:.2f}")  # bounds as the value
         return f"{text} ({same(low_high[0])}–{same(low_high[1])})" if low_high else text
     return text if cell.get("stderr") is None else f"{text} ± {one(cell['stderr'])}"
+
+
+def table_values(table: Table, entries: list[Metric]) -> list[dict]:
+    """One row per result of `table`, every entry's value by name."""
+    rows: list[dict] = [{} for _ in table.results]
+    for entry in entries:  # column by column: a derived metric reads the columns before it
+        for i, row in enumerate(rows):
+            row[entry.name] = entry.value(table, rows, i)
+    return rows
+
+
+def row_against(result: dict, baseline: dict) -> dict:
+    """The main table's metrics (metrics.METRICS, and the retrieval probe's where it ran) of `result` against
+    `baseline`, by name: the second row of a report of the two, without a speed point or lineage (a sweep's
+    candidate against its parent)."""
+    return table_values(Table([baseline, result], 0, None, [None, None]), METRICS + RETRIEVAL)[1]

@@ -38,7 +38,6 @@ import os
 import tempfile
 from pathlib import Path
 
-from mha2gqa.eval.sweep_schema import SWEEP_SCHEMA
 from mha2gqa.files import jsontext
 from mha2gqa.files.reading import did_you_mean, read_json
 from mha2gqa.files.writing import write_atomic
@@ -152,42 +151,11 @@ def validate_writable(out: Path, flag: str = "--out") -> None:
 
 
 def load_result(path: str | os.PathLike) -> dict:
-    return _validated(_read_json(Path(path)), path)
+    return validated(read_result_file(Path(path)), path)
 
 
-def load_results(path: str | os.PathLike) -> list[dict]:
-    """The results in one file: an eval result, or a sweep.json's parent and finished candidates."""
-    found = _read_json(Path(path))
-    if isinstance(found, dict) and found.get("schema") == SWEEP_SCHEMA:
-        return [_sweep_part(path, name, part) for name, part in _sweep_parts(found)]
-    return [_validated(found, path)]
-
-
-def _sweep_parts(record: dict) -> list[tuple[str, object]]:
-    candidates = record.get("candidates")
-    candidates = candidates if isinstance(candidates, list) else [candidates]
-    named = [(c.get("name") if isinstance(c, dict) else None, c) for c in candidates]
-    return [("the parent", record.get("parent"))] + [
-        (f"candidate {name!r}" if isinstance(name, str) else f"candidate #{i + 1}", c)
-        for i, (name, c) in enumerate(named)
-    ]
-
-
-def _sweep_part(path, name: str, part) -> dict:
-    """One result inside a sweep.json, refused in the words of that sweep's entry."""
-    result = part.get("result") if isinstance(part, dict) else None
-    if not isinstance(result, dict):
-        found = (
-            "no entry" if part is None else f"a JSON {type(part).__name__}" if not isinstance(part, dict) else "none"
-        )
-        raise InputError(
-            f"{path}: {name} of the sweep has no eval result ({found}): pass a sweep.json written by "
-            "`mha2gqa sweep`, unedited, or re-run the sweep"
-        )
-    return _validated(result, f"{path} ({name} of the sweep)")
-
-
-def _read_json(path: Path):
+def read_result_file(path: Path):
+    """A result file's JSON, unchecked; refused in one line when it is missing or not JSON."""
     if not os.path.lexists(path):
         raise InputError(
             f"{path}: no such result file{did_you_mean(path)} (write one with `mha2gqa eval MODEL --out {path}`)"
@@ -195,7 +163,8 @@ def _read_json(path: Path):
     return read_json(path, "pass a file written by `mha2gqa eval`")
 
 
-def _validated(result, path) -> dict:
+def validated(result, path) -> dict:
+    """`result` if it is a complete eval result of this schema, else refused in words naming `path`."""
     if not isinstance(result, dict) or result.get("schema") != SCHEMA:
         found = result.get("schema") if isinstance(result, dict) else type(result).__name__
         raise InputError(f"{path} has schema {found!r}, expected {SCHEMA!r}: pass a file written by `mha2gqa eval`")

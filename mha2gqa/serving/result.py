@@ -1,4 +1,4 @@
-"""What `mha2gqa serve-bench` writes: the result file eval/serve_schema.py describes (and `mha2gqa report` reads)."""
+"""What `mha2gqa serve-bench` writes: the result file serving/schema.py describes (and `mha2gqa report` reads)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import platform
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mha2gqa.eval.serve_schema import SCHEMA
 from mha2gqa.files import jsontext
 from mha2gqa.files.writing import write_atomic
 from mha2gqa.serving.options import GREEDY_PROMPT_TOKENS
+from mha2gqa.serving.schema import SCHEMA
 from mha2gqa.version import __version__
 
 
@@ -172,7 +172,7 @@ def build(plan, options, greedy_set, references, texts, kv, points, startup, loa
     settings = {
         "dtype": plan.args.dtype,
         "context": plan.args.context,
-        "kv_budget_bytes": plan.args.kv_cache_bytes,  # the key older results hold (eval/serve_schema.py)
+        "kv_budget_bytes": plan.args.kv_cache_bytes,  # the key older results hold (serving/schema.py)
         "eager": plan.args.eager,
         "greedy_tokens": options.greedy_tokens,
         "greedy_prompt_tokens": GREEDY_PROMPT_TOKENS,

@@ -17,11 +17,11 @@ from pathlib import Path
 from mha2gqa.architecture.layouts import AttentionShape
 from mha2gqa.convert.check import verdict
 from mha2gqa.convert.options import ConvertOptions
-from mha2gqa.eval import compare, metrics, schema
+from mha2gqa.eval import metrics, schema
 from mha2gqa.eval.domains import geomean
 from mha2gqa.runtime.errors import InputError
 from mha2gqa.sweep.options import SweepOptions
-from mha2gqa.sweep.render import OWN_COLUMNS
+from mha2gqa.sweep.rows import OWN_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ def parent_row(result: dict, context: int | None) -> dict:
 def metric_values(result: dict, parent: dict) -> dict:
     """The report's main metrics of a candidate against the parent (eval/metrics.py METRICS: a metric added
     there is measured here and shown in the table with no change to the sweep), those with a value."""
-    row = compare.row_against(result, parent)
+    row = metrics.row_against(result, parent)
     return {
         m.name: row[m.name]
         for m in metrics.METRICS + metrics.RETRIEVAL  # the probe's columns have values only with --retrieval

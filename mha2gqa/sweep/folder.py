@@ -13,7 +13,6 @@ from mha2gqa.architecture.layouts import AttentionShape, attention_shape
 from mha2gqa.convert.inputs import stats_bytes
 from mha2gqa.convert.options import REFINE_TOKENS_PER_HIDDEN, REFINE_TOKENS_PER_HIDDEN_BEFORE, current_refine_fields
 from mha2gqa.eval import schema
-from mha2gqa.eval.sweep_schema import SWEEP_SCHEMA
 from mha2gqa.files import jsontext
 from mha2gqa.files.reading import read_json
 from mha2gqa.files.run_folder import continued_folder, run_folder, validate_folder
@@ -21,8 +20,10 @@ from mha2gqa.files.writing import validate_room
 from mha2gqa.records import provenance
 from mha2gqa.runtime.errors import InputError
 from mha2gqa.sweep.options import SweepOptions
-from mha2gqa.sweep.plots import QUALITY_PNG, SENSITIVITY_PNG
+from mha2gqa.sweep.schema import SWEEP_SCHEMA
 
+QUALITY_PNG = "sweep_quality_vs_kv.png"  # the plots report/sweep_plots.py draws into OUT
+SENSITIVITY_PNG = "sweep_layer_sensitivity.png"
 SCRATCH = ".sweep-"  # OUT/.sweep-PID: the statistics and temporary models of a running sweep
 # What a sweep writes into OUT (run_folder's rule: anything else there is the user's and is refused).
 RUN_ENTRIES = frozenset({"sweep.json", "sweep.md", "sweep.html", QUALITY_PNG, SENSITIVITY_PNG, "models", SCRATCH + "*"})
@@ -63,7 +64,7 @@ def open_folder(out: Path, options: SweepOptions):
 
 
 def new_record(src, source: Path, config: dict, options: SweepOptions, candidates: list) -> dict:
-    """sweep.json as the sweep starts (eval/sweep_schema.py): the source, the settings, the planned candidates."""
+    """sweep.json as the sweep starts (sweep/schema.py): the source, the settings, the planned candidates."""
     from mha2gqa.eval.environment import versions
 
     settings = asdict(options)

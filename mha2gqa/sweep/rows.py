@@ -3,6 +3,7 @@ kv heads, a --kv-budgets candidate's per-layer ones (sweep/budgets.py), and the 
 
 from __future__ import annotations
 
+OWN_COLUMNS = ("label", "role", "kv_heads")  # the sweep's candidate, method and kv heads columns say these
 BUDGET_METHOD = "per-layer mean"  # a --kv-budgets candidate's method column: its own line on the plot
 
 

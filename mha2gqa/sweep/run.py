@@ -6,7 +6,8 @@ are gathered once from the calibration the plans resolved, and each candidate is
 statistics, evaluated against the parent and, unless --keep, removed. sweep.json is rewritten after every
 candidate, so an interrupted sweep keeps the candidates it finished; the temporary models live inside OUT
 and go with it on any exit. This module runs those steps in order; folder.py holds OUT and its record
-(and --resume), recommend.py and next_step.py the answer, render.py and plots.py the pages.
+(and --resume), recommend.py and next_step.py the answer; the pages are the report's (report/sweep_pages.py),
+written by the `pages` the caller passes.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ from mha2gqa.sweep.timing import sweep_clock
 from mha2gqa.sweep.trust import trusted
 
 
-def sweep(src, options: SweepOptions, echo=print) -> dict:
+def sweep(src, options: SweepOptions, echo=print, pages=None) -> dict:
     """Run the sweep of `options` on the model at `src`; returns the record written to OUT/sweep.json.
     Every refusal (groups, methods, data, OUT, room) comes before anything is written. OUT follows the
     rule of every output folder (mha2gqa/files/run_folder.py): until the first candidate is recorded, a failure
-    or a kill leaves what was there before; after it, sweep.json keeps the finished candidates."""
+    or a kill leaves what was there before; after it, sweep.json keeps the finished candidates. `pages(record, out)`
+    runs once sweep.json is final, at the end or when interrupted: the caller's page writer (the cli passes
+    report/sweep_pages.write_pages; the sweep sits below the report and writes only sweep.json)."""
     source = resolve_model_dir(src)
     config = read_config(source)
     shape = attention_shape(config)
@@ -88,11 +91,11 @@ def sweep(src, options: SweepOptions, echo=print) -> dict:
         echo(f"would sweep {len(priced)} candidates into {out}: {', '.join(priced) or 'none left'}")
         echo(f"  {out} needs {needed / 2**20:,.1f} MiB at the worst moment (statistics and converted models)")
         return record
-    _run(source, options, candidates, (plans, first_budget), record, earlier, out, echo, clock)
+    _run(source, options, candidates, (plans, first_budget), record, earlier, out, echo, clock, pages)
     return record
 
 
-def _run(source, options, candidates, plans, record, earlier, out: Path, echo, clock=NO_CLOCK) -> None:
+def _run(source, options, candidates, plans, record, earlier, out: Path, echo, clock=NO_CLOCK, pages=None) -> None:
     """The measuring part, inside OUT's folder: kept whole when it finishes, the finished candidates kept when
     it is interrupted after the first, nothing kept before it."""
     started = time.perf_counter()
@@ -105,16 +108,16 @@ def _run(source, options, candidates, plans, record, earlier, out: Path, echo, c
                 run = (work, started, echo, folder.commit, clock)
                 _measure(source, options, candidates, plans, record, out, run)
         except KeyboardInterrupt:
-            _interrupted(record, out, len(candidates), folder, echo)
+            _interrupted(record, out, len(candidates), folder, echo, pages)
             raise
         record["interrupted"] = False
         record["wall_s"] = round(time.perf_counter() - started, 2)
         folder.commit()
-        _finish(record, out)
+        _finish(record, out, pages)
     clock.finish()
 
 
-def _interrupted(record: dict, out: Path, total: int, folder, echo) -> None:
+def _interrupted(record: dict, out: Path, total: int, folder, echo, pages=None) -> None:
     """A sweep stopped by Ctrl-C or a signal: the finished candidates are kept in sweep.json (committed),
     unless none had run, when the folder goes back to what it was."""
     if record["parent"] is None:  # nothing measured yet: the folder goes back to what it was
@@ -122,7 +125,7 @@ def _interrupted(record: dict, out: Path, total: int, folder, echo) -> None:
         return
     record["interrupted"] = True
     folder.commit()
-    _finish(record, out)
+    _finish(record, out, pages)
     echo(
         f"\nsweep interrupted: {out / 'sweep.json'} keeps the {len(record['candidates'])} of "
         f"{total} candidates that finished (continue with --resume); no temporary model is left"
@@ -206,9 +209,8 @@ def data_words(data) -> str:
     return ", ".join(f"{name} ({path})" for name, path in parse_domains(data).items())
 
 
-def _finish(record: dict, out: Path) -> None:
-    from mha2gqa.sweep.render import write_pages
-
+def _finish(record: dict, out: Path, pages=None) -> None:
     record["recommendation"] = recommend(record)
     write_result(record, out / "sweep.json")
-    write_pages(record, out)
+    if pages is not None:
+        pages(record, out)

@@ -10,19 +10,17 @@ from pathlib import Path
 
 from mha2gqa.corpus.probe import parse_domains
 from mha2gqa.eval import metrics
-from mha2gqa.eval.render import CSS, DASH, fmt_bytes
-from mha2gqa.sweep.plots import (
-    QUALITY_PNG,
-    SENSITIVITY_PNG,
+from mha2gqa.report.render import CSS, DASH, fmt_bytes
+from mha2gqa.report.sweep_plots import (
     domain_names,
     pareto_front,
     quality_plot,
     quality_points,
     sensitivity_plot,
 )
-from mha2gqa.sweep.rows import heads_text
+from mha2gqa.sweep.folder import QUALITY_PNG, SENSITIVITY_PNG
+from mha2gqa.sweep.rows import OWN_COLUMNS, heads_text
 
-OWN_COLUMNS = ("label", "role", "kv_heads")  # the sweep's candidate, method and kv heads columns say these
 _NAMED = (
     ("candidate", lambda r, ctx: r["name"]),
     (

@@ -41,7 +41,7 @@ def comparison_rows(results: list[dict], base: int, speedup_apart: bool = False)
     starts = lineage.recovery_starts(results)
     table = metrics.Table(results, base, point, starts, speedup_apart)
     entries = metrics.entries(results)
-    rows = _values(table, entries)
+    rows = metrics.table_values(table, entries)
     notes = table_notes(results) + recovery_notes(results, starts) + speed_notes(results, rows, base)
     if any(row["speedup_noisy"] for row in rows):
         notes.append(
@@ -79,22 +79,6 @@ def _without_comparisons(row: dict, entries: list[metrics.Metric]) -> dict:
         elif name.startswith("domain:") and name.endswith(":perplexity") and row.get(name):
             row[name] = {**row[name], "ratio": None}
     return row
-
-
-def _values(table: metrics.Table, entries: list[metrics.Metric]) -> list[dict]:
-    """One row per result of `table`, every entry's value by name."""
-    rows: list[dict] = [{} for _ in table.results]
-    for entry in entries:  # column by column: a derived metric reads the columns before it
-        for i, row in enumerate(rows):
-            row[entry.name] = entry.value(table, rows, i)
-    return rows
-
-
-def row_against(result: dict, baseline: dict) -> dict:
-    """The main table's metrics (metrics.METRICS, and the retrieval probe's where it ran) of `result` against
-    `baseline`, by name: the second row of a report of the two, without a speed point or lineage (a sweep's
-    candidate against its parent)."""
-    return _values(metrics.Table([baseline, result], 0, None, [None, None]), metrics.METRICS + metrics.RETRIEVAL)[1]
 
 
 def recovery_notes(results: list[dict], starts: list[lineage.Start | None]) -> list[str]:

@@ -114,7 +114,7 @@ def html_section(found: dict, plot_html: str) -> str:
 
 def plot(found: dict, out: Path) -> Path | None:
     """Output tokens/s and time per output token against concurrency, one line per model; None without timing."""
-    from mha2gqa.eval import plots
+    from mha2gqa.report import plots
 
     measured = [m for m in found["models"] if m["throughput"]]
     if not measured:

@@ -13,10 +13,11 @@ matplotlib.use("Agg")  # files only: no display on servers
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from mha2gqa.eval import measured_on, schema  # noqa: E402
+from mha2gqa.eval import schema  # noqa: E402
 from mha2gqa.eval.metrics import Table, speedup_at, tokens_per_s_iqr  # noqa: E402
 from mha2gqa.files.reading import MAX_JSON_BYTES, did_you_mean, parse_json_lines, read_bytes  # noqa: E402
 from mha2gqa.records import provenance  # noqa: E402
+from mha2gqa.report import measured_on  # noqa: E402
 from mha2gqa.runtime.errors import InputError  # noqa: E402
 from mha2gqa.runtime.units import byte_unit  # noqa: E402
 

@@ -1,5 +1,5 @@
-"""sweep.json, the record `mha2gqa sweep` writes (sweep/) and `mha2gqa report` reads (eval/schema.py): here,
-below both, so that the reader of results does not import the sweep.
+"""sweep.json, the record `mha2gqa sweep` writes (sweep/folder.py, sweep/run.py) and `mha2gqa report` reads
+(report/results.py): beside its writer; the report sits above the sweep and imports it from here.
 
 Top-level keys:
   schema          "mha2gqa.sweep/1"

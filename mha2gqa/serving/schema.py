@@ -1,5 +1,5 @@
 """The file `mha2gqa serve-bench` writes (serving/result.py builds it) and `mha2gqa report` shows beside eval
-results: its layout, and the reader. It lives in eval/, below both its writer and its reader, as sweep_schema.py.
+results: its layout, and the reader. It lives beside its writer; the report, above serving, imports it.
 
 Top-level keys:
   schema      "mha2gqa.serve/1"

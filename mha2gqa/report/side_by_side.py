@@ -9,13 +9,15 @@ from pathlib import Path
 
 import matplotlib
 
-from mha2gqa.eval import measured_on, plots, render, serve_schema, serving_section
-from mha2gqa.eval.compare import comparison_rows, pick_baseline
 from mha2gqa.eval.reference_result import reference_of
-from mha2gqa.eval.schema import load_results, validate_writable
+from mha2gqa.eval.schema import validate_writable
 from mha2gqa.files import jsontext
 from mha2gqa.files.writing import remove_dead, swap_in
+from mha2gqa.report import measured_on, plots, render, serving_section
+from mha2gqa.report.compare import comparison_rows, pick_baseline
+from mha2gqa.report.results import load_results
 from mha2gqa.runtime.errors import InputError, user_file_error
+from mha2gqa.serving import schema as serve_schema
 
 
 def _unique_labels(results: list[dict]) -> None:

@@ -1,6 +1,6 @@
 """The sweep's plots: perplexity against KV bytes per token with its Pareto front (and, over several domains,
 each domain's ratio to the parent), and after --refine the per-layer sensitivity heat map. Built with the
-report's plotting helpers (eval/plots.py)."""
+report's plotting helpers (report/plots.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,11 @@ from pathlib import Path
 
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from mha2gqa.eval import measured_on, plots
-from mha2gqa.eval.plots import plt
+from mha2gqa.report import measured_on, plots
+from mha2gqa.report.plots import plt
 from mha2gqa.runtime.units import byte_unit
 from mha2gqa.sweep.options import BROKEN_SLACK
 from mha2gqa.sweep.rows import methods_of
-
-QUALITY_PNG = "sweep_quality_vs_kv.png"
-SENSITIVITY_PNG = "sweep_layer_sensitivity.png"
 
 
 def pareto_front(points: list[tuple[float, float, str]]) -> list[str]:
