@@ -206,7 +206,7 @@ def _expand(path: str) -> list[str]:
 def _missing_path(path: str) -> bool:
     """A path whose first folder is a tracked top-level folder (bench/, docs/, mha2gqa/, ...) or one of the
     package's subpackages (convert/refine/hooks.py: mha2gqa/convert/refine/hooks.py) must exist; globs must match. Other
-    paths are outputs or placeholders (runs/x, /tmp/dq, report/report.html)."""
+    paths are outputs or placeholders (runs/x, /tmp/dq, mha2gqa-demo/report/report.html)."""
     top = path.split("/")[0]
     roots = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")} - set(_ignored())
     subpackages = {p.name for p in (ROOT / "mha2gqa").iterdir() if p.is_dir() and p.name != "__pycache__"}
