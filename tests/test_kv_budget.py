@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -148,3 +149,13 @@ def test_kv_budget_refused_before_any_work(parent, tmp_path):
         result = CliRunner().invoke(main, ["convert", str(parent), str(tmp_path / "dst"), *extra, "-q"])
         assert result.exit_code == 2 and message in result.output, result.output
         assert not (tmp_path / "dst").exists()
+
+
+def test_the_byte_example_a_refusal_gives_is_a_budget_this_parent_takes():
+    """The example was a fixed 12KiB, the embedded parent's whole KV, which that parent itself refuses: the example
+    is now half of the parent's bytes per token."""
+    for shape in (SHAPE, AttentionShape("llama", layers=6, heads=8, kv_heads=8, head_dim=32, hidden=256)):
+        with pytest.raises(InputError) as refused:
+            budget_heads("lots", shape, 4)
+        example = re.search(r"e\.g\. (\d+), half of this parent's", str(refused.value)).group(1)
+        assert budget_heads(example, shape, 4) == shape.layers * shape.kv_heads // 2

@@ -32,17 +32,17 @@ def budget_heads(spec: str | float, shape: AttentionShape, dtype_bytes: int, fla
         )
     head_bytes = 2 * shape.head_dim * dtype_bytes  # K and V of one kv head, one token
     parent_heads = shape.layers * shape.kv_heads
+    least, whole = shape.layers * head_bytes, parent_heads * head_bytes
     if re.fullmatch(r"0?\.\d+|1(\.0*)?", text):
         heads, asked = int(float(text) * parent_heads + 1e-9), f"{float(text):g} of the parent's KV bytes"
     elif not re.fullmatch(r"\d+(\.\d+)?\s*([KMGT]i?B|B)?", text, re.IGNORECASE):
         raise InputError(
             f"{flag} {text!r}: give a fraction of the parent's KV bytes per token (0 < X < 1, e.g. 0.5) or bytes "
-            "per token (e.g. 12KiB, or 24576)"
+            f"per token (e.g. {whole // 2}, half of this parent's {whole:,})"  # an example this parent accepts
         )
     else:
         heads = parse_size(text, flag) // head_bytes
         asked = f"{parse_size(text, flag):,} bytes per token"
-    least, whole = shape.layers * head_bytes, parent_heads * head_bytes
     if heads < shape.layers:
         raise InputError(
             f"{flag} {text}: {asked} is less than one kv head per layer ({least:,} bytes per token, "
