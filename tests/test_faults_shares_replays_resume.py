@@ -332,6 +332,20 @@ def test_uptrain_data_train_says_it_too(shadowed):
         parse_spec(["parent:0.5", "austen:0.5"], "data.train")  # no such path there: not a word
 
 
+def test_uptrain_data_train_says_it_for_retrieval_too(tmp_path):
+    """`retrieval` is reserved in data.train (the copy-task prompts): a ./retrieval there is named, not read."""
+    from mha2gqa.uptrain.data_spec import data_parts
+
+    (tmp_path / "retrieval").write_text("a file a user happens to have\n")
+    (tmp_path / "notes.txt").write_text("Some text to copy from. " * 40)
+    spec = ["notes.txt:0.75", "retrieval:0.25"]
+    with contextlib.chdir(tmp_path), pytest.warns(UserWarning, match=r"data.train retrieval means the copy-task"):
+        parts = data_parts("data.train", spec, [], validate_files=True, field="text")
+    assert [part.name for part in parts] == ["notes.txt", "retrieval"] and parts[1].text is None
+    with contextlib.chdir(tmp_path), warnings_as_errors():  # in a calibration mix it is a file's name
+        parse_spec(["notes.txt:0.5", "retrieval:0.5"], "--calibration")
+
+
 @contextlib.contextmanager
 def warnings_as_errors():
     import warnings

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from mha2gqa.corpus import textdata
 from mha2gqa.corpus.mix import PARENT, parse_spec
+from mha2gqa.corpus.reserved import warn_if_shadowing
 from mha2gqa.files.embedded import expand_corpus_name
 from mha2gqa.runtime.errors import InputError
 
@@ -60,6 +61,8 @@ def data_parts(
         problems.append(str(err))
         return None
     names = [name for name, _ in pairs]
+    if RETRIEVAL in names:  # reserved in data.train only (in a calibration mix it is a file's name)
+        warn_if_shadowing(RETRIEVAL, key, "the copy-task prompts made of the other parts")
     for name in names:
         if _near_parent(name):
             problems.append(
