@@ -17,7 +17,7 @@ import torch
 from mha2gqa.architecture.layouts import AttentionShape, Layout
 from mha2gqa.convert.methods import group_heads, group_mean
 from mha2gqa.convert.refine.hooks import call_layer, capture_kwargs
-from mha2gqa.convert.refine.model import layer_path
+from mha2gqa.convert.refine.model import decoder_layers
 from mha2gqa.scoring.kl import kl_divergence
 
 
@@ -47,7 +47,7 @@ def layer_losses(
     pooled_counts = [c for c in counts if c != shape.kv_heads]
     losses = [{shape.kv_heads: 0.0, **{c: 0.0 for c in pooled_counts}} for _ in range(shape.layers)]
     device = next(model.parameters()).device
-    layers = [model.get_submodule(layer_path(layout, i)) for i in range(shape.layers)]
+    layers = decoder_layers(model, layout, shape.layers)
     for n, block in enumerate(blocks):
         ids = block.unsqueeze(0).to(device)
         inputs, kwargs, parent_logits = _parent_pass(model, layers, ids)
@@ -71,7 +71,7 @@ def placement_losses(
     losses, measured one at a time, add up to in truth. The parent runs once per block."""
     totals = [0.0] * len(placements)
     device = next(model.parameters()).device
-    layers = [model.get_submodule(layer_path(layout, i)) for i in range(shape.layers)]
+    layers = decoder_layers(model, layout, shape.layers)
     for n, block in enumerate(blocks):
         ids = block.unsqueeze(0).to(device)
         parent_logits = model(ids).logits[0, :-1]

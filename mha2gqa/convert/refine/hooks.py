@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from mha2gqa.architecture.layouts import Layout
-from mha2gqa.convert.refine.model import attention_path, layer_path
+from mha2gqa.convert.refine.model import attention_path, decoder_layers
 
 
 class StopForward(Exception):
@@ -66,7 +66,7 @@ def first_hidden_states(parent, layout: Layout, n_layers: int, blocks: torch.Ten
 
         return hook
 
-    layers = [parent.get_submodule(layer_path(layout, i)) for i in range(n_layers)]
+    layers = decoder_layers(parent, layout, n_layers)
     with torch.no_grad():
         handles = [layer.register_forward_pre_hook(keep_kwargs(i), with_kwargs=True) for i, layer in enumerate(layers)]
         try:

@@ -62,6 +62,11 @@ def layer_path(layout: Layout, index: int) -> str:
     return layout.layer_prefix.format(layer=index).rstrip(".")
 
 
+def decoder_layers(model, layout: Layout, count: int) -> list:
+    """The model's first `count` decoder layers, found by the layout's layer paths."""
+    return [model.get_submodule(layer_path(layout, index)) for index in range(count)]
+
+
 def attention_path(layout: Layout) -> str:
     """The attention module relative to the layer: the parent of o_proj (self_attn in every layout)."""
     return layout.o.rsplit(".", 1)[0]
