@@ -177,13 +177,12 @@ def greedy(url: str, model: str, prompt: list[int], tokens: int) -> list[int]:
 
 
 def timed(url: str, model: str, prompt: list[int], tokens: int) -> dict:
-    """One streamed request: seconds to the first token, to the last, the gaps between the chunks that carried
-    output (the inter-token latencies: vLLM streams a chunk per engine step), and the output tokens counted."""
+    """One streamed request: seconds to the first token, to the last, the clock at each chunk that carried output
+    (vLLM streams a chunk per engine step: their gaps are the inter-token latencies), and the output tokens
+    counted."""
     start = time.perf_counter()
     response = _post(url, _request(model, prompt, tokens, stream=True), REQUEST_TIMEOUT_S)
-    first = last = None
-    gaps: list[float] = []
-    arrivals: list[float] = []  # the clock at each chunk that carried output (load's steady TPOT reads them)
+    arrivals: list[float] = []
     counted = 0
     other = ""  # the first line that is no event: what the server sent if it sent no event at all
     try:
@@ -195,24 +194,18 @@ def timed(url: str, model: str, prompt: list[int], tokens: int) -> dict:
             carries, usage = read_chunk(line, tokens)
             counted = counted if usage is None else usage
             if carries:
-                now = time.perf_counter()
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
-                first = first or last
-                arrivals.append(now)
+                arrivals.append(time.perf_counter())
     except (OSError, http.client.IncompleteRead) as err:
         raise ServerGone(str(err)) from err
-    if first is None and other and not other.startswith(":"):  # ':' opens an SSE comment
+    if not arrivals and other and not other.startswith(":"):  # ':' opens an SSE comment
         raise ServerGarbled(f"a streamed completion was {_shown(other)}, not events (data: ...)")
-    if first is None or counted == 0:
+    if not arrivals or counted == 0:
         raise ServerGone("the stream ended without a token")
     return {
-        "ttft_s": first - start,
-        "end_s": last - start,
+        "ttft_s": arrivals[0] - start,
+        "end_s": arrivals[-1] - start,
         "tokens": counted,
         "started_s": start,
-        "gaps_s": gaps,
         "arrivals_s": arrivals,
     }
 
@@ -241,7 +234,7 @@ def load(url: str, model: str, prompts: list[list[int]], tokens: int, concurrenc
     output = sum(r["tokens"] for r in done)
     tpot = [(r["end_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]
     steady = steady_tpot_s(done)
-    gaps = [g for r in done for g in r["gaps_s"]]
+    gaps = [later - earlier for r in done for earlier, later in zip(r["arrivals_s"], r["arrivals_s"][1:])]
     return {
         "requests": len(done),
         "output_tokens": output,
