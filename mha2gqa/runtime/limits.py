@@ -32,6 +32,12 @@ BATCH = Bound(1, 1024, "more sequences at once than any GPU holds for these meas
 HEADS = Bound(1, 65_536, "more kv heads than any model has; the count must also divide SRC's")
 REQUESTS = Bound(1, 1024, "the benchmark's client holds a connection and a thread per request in flight")
 
+
+def training_steps(least: int) -> Bound:
+    """A recipe's count of optimizer steps (a period, a warm-up, a cap): at most 2**31."""
+    return Bound(least, 2**31, "2,147,483,648 steps")
+
+
 BOUNDS: dict[str, dict[str, Bound]] = {
     "convert": {
         "--groups": HEADS,
@@ -87,15 +93,15 @@ BOUNDS: dict[str, dict[str, Bound]] = {
         "seq_len": Bound(2, 2**20, "1,048,576 tokens, longer than any model's context"),
         "micro_batch_size": Bound(1, 4096, "4,096 blocks a step: activations grow with it"),
         "grad_accum": Bound(1, 65_536, "65,536 micro-batches an optimizer step"),
-        "log_every": Bound(1, 2**31, "2,147,483,648 steps"),
-        "eval_every": Bound(0, 2**31, "2,147,483,648 steps"),
-        "save_every": Bound(0, 2**31, "2,147,483,648 steps"),
+        "log_every": training_steps(1),
+        "eval_every": training_steps(0),
+        "save_every": training_steps(0),
         "keep_last": Bound(1, 1000, "1,000 checkpoints on disk"),
-        "exit_after_steps": Bound(1, 2**31, "2,147,483,648 steps"),
+        "exit_after_steps": training_steps(1),
         "data.eval_blocks": Bound(1, 100_000, "100,000 held-out blocks, each kept in memory"),
         "data.shuffle_buffer": Bound(1, 1_000_000, "1,000,000 documents held in memory to shuffle"),
-        "optim.warmup_steps": Bound(0, 2**31, "2,147,483,648 steps"),
-        "budget.max_steps": Bound(1, 2**31, "2,147,483,648 steps"),
+        "optim.warmup_steps": training_steps(0),
+        "budget.max_steps": training_steps(1),
         "budget.tokens": Bound(1, 10**15, "a quadrillion tokens, beyond any pretraining"),
         "budget.pretrain_tokens": Bound(1, 10**15, "a quadrillion tokens, beyond any pretraining"),
         "lora.rank": Bound(1, 65_536, "wider than any model's hidden size"),
