@@ -42,10 +42,10 @@ def swept(tiny, tmp_path_factory):
 def test_budget_rows_stand_beside_the_uniform_ones_from_one_loss_measurement(swept):
     out, record, measured, result = swept
     assert measured == [1], "the layer losses are measured once for every budget"
-    assert record["planned"] == ["kv2-mean", "budget0.5", "budget0.75"]
+    assert record["planned"] == ["kv2-mean", "budget0.5-mean", "budget0.75-mean"]
     rows = {row["name"]: row for row in record["candidates"]}
     parent_heads = 3 * 4
-    for name, share in (("budget0.5", 0.5), ("budget0.75", 0.75)):
+    for name, share in (("budget0.5-mean", 0.5), ("budget0.75-mean", 0.75)):
         row = rows[name]
         counts = row["kv_heads_per_layer"]
         assert len(counts) == 3 and all(c in (1, 2, 4) for c in counts) and sum(counts) <= share * parent_heads
@@ -60,7 +60,7 @@ def test_budget_rows_stand_beside_the_uniform_ones_from_one_loss_measurement(swe
             assert written["model_type"] == "nemotron-nas"
             assert [b["attention"]["n_heads_in_group"] for b in written["block_configs"]] == [4 // c for c in counts]
     md = (out / "sweep.md").read_text()
-    assert "| budget0.5 |" in md and "per-layer mean" in md
+    assert "| budget0.5-mean |" in md and "per-layer mean" in md
     assert "per-layer mean:" in record["recommendation"]["line"]
 
 
@@ -71,12 +71,12 @@ def test_resume_keeps_budget_rows_and_doubts_a_changed_count(swept, tiny):
         trusted(record, planned, source_shape(record), context, echo=pytest.fail)["candidates"] == record["candidates"]
     )
     changed = json.loads(json.dumps(record))
-    row = next(r for r in changed["candidates"] if r["name"] == "budget0.5")
+    row = next(r for r in changed["candidates"] if r["name"] == "budget0.5-mean")
     row["kv_heads_per_layer"] = [7, 7, 7]
     said = []
     kept = trusted(changed, planned, source_shape(record), context, echo=said.append)["candidates"]
-    assert "budget0.5" not in [r["name"] for r in kept] and len(kept) == len(planned) - 1
-    assert said and "budget0.5" in said[0] and "kv heads" in said[0]
+    assert "budget0.5-mean" not in [r["name"] for r in kept] and len(kept) == len(planned) - 1
+    assert said and "budget0.5-mean" in said[0] and "kv heads" in said[0]
 
 
 @pytest.mark.parametrize(
@@ -123,9 +123,9 @@ def test_resume_keeps_and_marks_the_rows_not_asked_again(swept):
     said = []
     found = trusted(record, ["kv2-mean"], source_shape(record), record["context"], echo=said.append)
     assert [r["name"] for r in found["candidates"]] == ["kv2-mean"]
-    assert [r["name"] for r in found["not_asked"]] == ["budget0.5", "budget0.75"]
+    assert [r["name"] for r in found["not_asked"]] == ["budget0.5-mean", "budget0.75-mean"]
     assert all(r["asked"] is False for r in found["not_asked"])
-    assert said == ["sweep: kept budget0.5, budget0.75 from sweep.json, not asked for this time (under not_asked, "
+    assert said == ["sweep: kept budget0.5-mean, budget0.75-mean from sweep.json, not asked for this time (under not_asked, "
                     "not in the table)"]  # fmt: skip
     again = trusted({**found, "candidates": found["candidates"]}, record["planned"], source_shape(record),
                     record["context"], echo=pytest.fail)  # fmt: skip
@@ -141,30 +141,30 @@ def test_resume_with_fewer_budgets_keeps_the_other_rows_in_sweep_json(swept, tin
     result = cli(*args)
     assert result.exit_code == 0, (result.output, result.exception)
     written = json.loads((out / "sweep.json").read_text())
-    assert [r["name"] for r in written["candidates"]] == ["kv2-mean", "budget0.5"]
-    assert [(r["name"], r["asked"]) for r in written["not_asked"]] == [("budget0.75", False)]
-    assert "kept budget0.75 from sweep.json, not asked for this time" in result.output
+    assert [r["name"] for r in written["candidates"]] == ["kv2-mean", "budget0.5-mean"]
+    assert [(r["name"], r["asked"]) for r in written["not_asked"]] == [("budget0.75-mean", False)]
+    assert "kept budget0.75-mean from sweep.json, not asked for this time" in result.output
 
 
 def test_a_kept_budget_row_is_checked_against_what_it_claims(swept):
     """Counts over the budget, not one per layer, not divisors, another method: each is run again, with why."""
     _, record, _, _ = swept
     shape, context = source_shape(record), record["context"]
-    row = next(r for r in record["candidates"] if r["name"] == "budget0.75")
+    row = next(r for r in record["candidates"] if r["name"] == "budget0.75-mean")
     counts = row["kv_heads_per_layer"]
     top = max(counts)
     cases = {
         # the same counts under a smaller budget (0.25: 3 kv heads in all); the name follows the budget
-        "over its budget's 3": dict(budget="0.25", name="budget0.25"),
+        "over its budget's 3": dict(budget="0.25", name="budget0.25-mean"),
         "counts for the source's 3 layers": dict(kv_heads_per_layer=[top, 1]),
         "does not divide 4 kv heads": dict(kv_heads_per_layer=[top, 3, 1] if top == 4 else [top, 3, 3]),
         "is not a budget row's": dict(method="mean"),
     }
     for words, changes in cases.items():
         said = []
-        name = changes.get("name", "budget0.75")
+        name = changes.get("name", "budget0.75-mean")
         planned = [*record["planned"], name]
-        kept = trusted(_edited(record, "budget0.75", **changes), planned, shape, context, echo=said.append)
+        kept = trusted(_edited(record, "budget0.75-mean", **changes), planned, shape, context, echo=said.append)
         assert name not in [r["name"] for r in kept["candidates"]], words
         assert said and words in said[0] and "running it again" in said[0], (words, said)
 
@@ -177,3 +177,32 @@ def test_a_kept_uniform_row_needs_a_method_that_exists(swept):
     kept = trusted(changed, planned, source_shape(record), record["context"], echo=said.append)
     assert "kv2-bogus" not in [r["name"] for r in kept["candidates"]]
     assert "its method 'bogus' is not one of mha2gqa's" in said[0]
+
+
+def test_budget_candidates_take_every_method_and_write_what_convert_writes(tiny, tmp_path):
+    """--methods mean,calibrated with --kv-budgets 0.5: a budget candidate for each method, both from the one loss
+    measurement (the same counts), each model byte for byte what `convert --kv-budget 0.5 --method M` writes from
+    the same calibration text."""
+    out = tmp_path / "s"
+    args = sweep_args(tiny, out, "--groups", "2", "--methods", "mean,calibrated", "--kv-budgets", "0.5", "--keep")
+    result = cli(*args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    record = json.loads((out / "sweep.json").read_text())
+    assert record["planned"] == ["kv2-mean", "kv2-calibrated", "budget0.5-mean", "budget0.5-calibrated"]
+    rows = {row["name"]: row for row in record["candidates"]}
+    mean, calibrated = rows["budget0.5-mean"], rows["budget0.5-calibrated"]
+    assert (mean["method"], calibrated["method"]) == ("per-layer mean", "per-layer calibrated")
+    assert mean["kv_heads_per_layer"] == calibrated["kv_heads_per_layer"]
+    assert mean["perplexity"] != calibrated["perplexity"]
+    for row in (mean, calibrated):
+        dst = tmp_path / row["name"]
+        method = row["method"].removeprefix("per-layer ")
+        made = cli(
+            "convert", tiny / "src", dst, "--kv-budget", "0.5", "--method", method, "--calibration", tiny / "cal.txt",
+            "--calibration-tokens", 600, "--no-check", "--quiet",
+        )  # fmt: skip
+        assert made.exit_code == 0, made.output
+        swept_model = out / "models" / row["name"] / "model.safetensors"
+        assert (dst / "model.safetensors").read_bytes() == swept_model.read_bytes(), row["name"]
+    md = (out / "sweep.md").read_text()
+    assert "per-layer calibrated" in md and "| budget0.5-calibrated |" in md

@@ -1,4 +1,5 @@
-"""The sweep's candidates (kv-head count x method): which to try, each one's plan, conversion and measurement.
+"""The sweep's candidates (kv-head count x method, and --kv-budgets value x method): which to try, each one's plan,
+conversion and measurement.
 
 Every candidate is checked and planned by convert itself (prepare, the dry run) before anything is written;
 the calibration is resolved once, by the first plan, and every other plan and every conversion reads that
@@ -21,12 +22,13 @@ from mha2gqa.eval import metrics, schema
 from mha2gqa.eval.domains import geomean
 from mha2gqa.runtime.errors import InputError
 from mha2gqa.sweep.options import SweepOptions
-from mha2gqa.sweep.rows import OWN_COLUMNS
+from mha2gqa.sweep.rows import OWN_COLUMNS, budget_method
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A uniform candidate (kv-head count x method), or with `budget` a per-layer one (sweep/budgets.py)."""
+    """A uniform candidate (kv-head count x method), or with `budget` a per-layer one (sweep/budgets.py): the
+    counts its budget's layer losses choose, merged by `method`."""
 
     groups: int | None
     method: str
@@ -34,7 +36,12 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        return f"budget{self.budget}" if self.budget is not None else f"kv{self.groups}-{self.method}"
+        return f"budget{self.budget}-{self.method}" if self.budget is not None else f"kv{self.groups}-{self.method}"
+
+    @property
+    def method_column(self) -> str:
+        """sweep.json's method column: the method, or a budget's 'per-layer <method>' (its own line on the plot)."""
+        return budget_method(self.method) if self.budget is not None else self.method
 
 
 def kv_head_counts(shape: AttentionShape, wanted: tuple[int, ...] | None, echo=print) -> list[int]:
@@ -59,9 +66,11 @@ def kv_head_counts(shape: AttentionShape, wanted: tuple[int, ...] | None, echo=p
 
 def _conversion_options(candidate: Candidate, options: SweepOptions, planned: bool) -> ConvertOptions:
     """The candidate's convert request: planned (the dry run) from the sweep's calibration text, converted from
-    the statistics gathered once (convert's `stats`), so no calibration text of its own."""
+    the statistics gathered once (convert's `stats`), so no calibration text of its own; a budget candidate's
+    counts come from the layer losses the sweep measured once (convert's `losses`)."""
     return ConvertOptions(
         groups=candidate.groups,
+        kv_budget=candidate.budget,
         method=candidate.method,
         seed=options.seed,
         calibration=options.calibration if planned else None,
@@ -85,13 +94,15 @@ def plan_candidates(source: Path, candidates: list[Candidate], options: SweepOpt
     return plans
 
 
-def convert_candidate(source: Path, dst: Path, candidate: Candidate, options: SweepOptions, stats, calibration):
-    """The candidate converted by convert's own executor, from the statistics gathered once; `calibration`:
-    their resolved text (refine's blocks come from the statistics' ids)."""
+def convert_candidate(source: Path, dst: Path, candidate: Candidate, options: SweepOptions, shared: tuple):
+    """The candidate converted by convert's own executor, from what the sweep measured once: `shared` = (the
+    statistics, their resolved calibration text (refine's blocks come from the statistics' ids), the layer losses
+    (a budget candidate's; None otherwise))."""
     from mha2gqa.convert.run import execute, plan_conversion
 
+    stats, calibration, losses = shared
     convert_options = _conversion_options(candidate, options, planned=False)
-    return execute(plan_conversion(source, dst, convert_options, stats, calibration), dst)
+    return execute(plan_conversion(source, dst, convert_options, stats, calibration, losses), dst)
 
 
 def eval_options(options: SweepOptions, label: str, role: str, reference: Path | None = None):
@@ -115,9 +126,9 @@ def kv_columns(result: dict, context: int | None) -> dict:
     return {"kv_bytes_per_token": per_token, "kv_bytes_per_sequence": per_token * context if context else None}
 
 
-def measure_candidate(source, candidate, options, stats, calibration, models_dir, parent, context) -> dict:
-    """Convert, measure the conversion's wall time and peak memory, evaluate against the parent: the
-    candidate's row of sweep.json."""
+def measure_candidate(source, candidate, options, shared: tuple, models_dir, parent, context) -> dict:
+    """Convert (from `shared`: convert_candidate's), measure the conversion's wall time and peak memory, evaluate
+    against the parent: the candidate's row of sweep.json (a budget candidate's with its budget and counts)."""
     import torch
 
     from mha2gqa.eval.memory import PeakMemory
@@ -126,7 +137,7 @@ def measure_candidate(source, candidate, options, stats, calibration, models_dir
     dst = models_dir / candidate.name
     started = time.perf_counter()
     with PeakMemory(torch.device("cpu")) as peak:
-        converted = convert_candidate(source, dst, candidate, options, stats, calibration)
+        converted = convert_candidate(source, dst, candidate, options, shared)
     convert_s = time.perf_counter() - started
     started = time.perf_counter()
     result = evaluate(dst, options=eval_options(options, candidate.name, "converted", source))
@@ -134,7 +145,8 @@ def measure_candidate(source, candidate, options, stats, calibration, models_dir
     return {
         "name": candidate.name,
         "groups": candidate.groups,
-        "method": candidate.method,
+        "method": candidate.method_column,
+        **_budget_columns(candidate, converted),
         **derived_columns(result, parent, context),
         "convert_wall_s": round(convert_s, 3),
         "convert_peak_rss_bytes": peak.peak_bytes,
@@ -144,6 +156,13 @@ def measure_candidate(source, candidate, options, stats, calibration, models_dir
         "refine": converted.refine,
         "result": result,
     }
+
+
+def _budget_columns(candidate: Candidate, converted) -> dict:
+    """A budget candidate's budget and the counts its layer losses chose (none for a uniform candidate)."""
+    if candidate.budget is None:
+        return {}
+    return {"budget": candidate.budget, "kv_heads_per_layer": list(converted.plan.counts)}
 
 
 def derived_columns(result: dict, parent: dict, context: int | None) -> dict:

@@ -41,10 +41,10 @@ class SweepOptions:
     convert)."""
     kv_budgets: tuple[str, ...] | None = None
     """Per-layer candidates beside the uniform ones, e.g. 0.5,0.75: KV budgets, each a fraction of the parent's
-    KV bytes per token or bytes per token (12KiB), converted as convert --kv-budget does (each layer's kv heads
-    chosen from its measured loss, mean-pooled, written in the Nemotron-NAS format; Llama-family parents). The
-    layer losses are measured once, for every budget, on the first 8 blocks of the calibration text. Default:
-    none, the uniform candidates only."""
+    KV bytes per token or bytes per token (12KiB), each converted as convert --kv-budget does with every
+    --methods method (and --refine): each layer's kv heads chosen from its measured loss, written in the
+    Nemotron-NAS format; Llama-family parents. The layer losses are measured once, for every budget and method,
+    on the first 8 blocks of the calibration text. Default: none, the uniform candidates only."""
     refine: RefineOptions | None = None
     """Refine every candidate layer by layer after the merge (convert --refine, its default settings); the
     report then shows each layer's output error at every kv-head count as a heat map."""

@@ -4,13 +4,24 @@ kv heads, a --kv-budgets candidate's per-layer ones (sweep/budgets.py), and the 
 from __future__ import annotations
 
 OWN_COLUMNS = ("label", "role", "kv_heads")  # the sweep's candidate, method and kv heads columns say these
-BUDGET_METHOD = "per-layer mean"  # a --kv-budgets candidate's method column: its own line on the plot
+BUDGET_PREFIX = "per-layer "  # a --kv-budgets candidate's method column: 'per-layer calibrated', a line of its own
+
+
+def budget_method(method: str) -> str:
+    """A --kv-budgets candidate's method column: the merge it used, marked per-layer."""
+    return BUDGET_PREFIX + method
+
+
+def merge_method(column: str) -> str | None:
+    """The merge method a budget row's method column names ('per-layer mean' -> 'mean'); None for another column."""
+    return column.removeprefix(BUDGET_PREFIX) if isinstance(column, str) and column.startswith(BUDGET_PREFIX) else None
 
 
 def methods_of(record: dict) -> list[str]:
-    """The methods of sweep.json's rows, the settings' order, the per-layer budgets' last."""
-    budgets = any(row.get("method") == BUDGET_METHOD for row in record["candidates"])
-    return list(record["settings"]["methods"]) + ([BUDGET_METHOD] if budgets else [])
+    """The methods of sweep.json's rows, the settings' order, then the per-layer budgets' in the same order."""
+    methods = list(record["settings"]["methods"])
+    present = {row.get("method") for row in record["candidates"]}
+    return methods + [budget_method(m) for m in methods if budget_method(m) in present]
 
 
 def heads_text(row: dict) -> str:

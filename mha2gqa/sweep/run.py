@@ -1,9 +1,9 @@
 """`sweep`: which kv-head count (and method) to pick, answered before any training.
 
-Every candidate (kv-head count x method) is checked and planned by convert itself (a dry run,
-candidates.py) before anything is written; then the parent is evaluated once, the calibration statistics
-are gathered once from the calibration the plans resolved, and each candidate is converted with those
-statistics, evaluated against the parent and, unless --keep, removed. sweep.json is rewritten after every
+Every candidate (kv-head count x method, and --kv-budgets value x method) is checked and planned by convert
+itself (a dry run, candidates.py) before anything is written; then the parent is evaluated once, the calibration
+statistics are gathered once from the calibration the plans resolved (and a budget's layer losses measured once,
+budgets.py), and each candidate is converted with them, evaluated against the parent and, unless --keep, removed. sweep.json is rewritten after every
 candidate, so an interrupted sweep keeps the candidates it finished; the temporary models live inside OUT
 and go with it on any exit. This module runs those steps in order; folder.py holds OUT and its record
 (and --resume), recommend.py and next_step.py the answer; the pages are the report's (report/sweep_pages.py),
@@ -28,7 +28,7 @@ from mha2gqa.files.run_folder import scratch_folder
 from mha2gqa.files.sources import resolve_model_dir
 from mha2gqa.runtime.progress import progress_bar
 from mha2gqa.sweep import folder as out_folder
-from mha2gqa.sweep.budgets import SharedLosses, measure_budget_candidate, plan_budgets, validate_budgets
+from mha2gqa.sweep.budgets import SharedLosses, validate_budgets
 from mha2gqa.sweep.candidates import (
     Candidate,
     eval_options,
@@ -40,7 +40,6 @@ from mha2gqa.sweep.candidates import (
 from mha2gqa.sweep.next_step import pretrain_tokens
 from mha2gqa.sweep.options import SweepOptions
 from mha2gqa.sweep.recommend import recommend
-from mha2gqa.sweep.rows import BUDGET_METHOD
 from mha2gqa.sweep.timing import sweep_clock
 from mha2gqa.sweep.trust import trusted
 
@@ -57,7 +56,8 @@ def sweep(src, options: SweepOptions, echo=print, pages=None) -> dict:
     shape = attention_shape(config)
     candidates = [Candidate(g, m) for g in kv_head_counts(shape, options.groups, echo) for m in options.methods]
     validate_budgets(options.kv_budgets or (), shape, config)
-    candidates += [Candidate(None, BUDGET_METHOD, b) for b in dict.fromkeys(options.kv_budgets or ())]
+    budgets = dict.fromkeys(options.kv_budgets or ())
+    candidates += [Candidate(None, m, b) for b in budgets for m in options.methods]
     out = Path(options.out).expanduser()
     for path in parse_domains(options.data).values():
         textdata.resolve("--data", path)
@@ -70,8 +70,7 @@ def sweep(src, options: SweepOptions, echo=print, pages=None) -> dict:
     # What is left to convert (a resumed sweep's finished models are not planned again); the first plan
     # resolves the calibration and its token count (unset: the default of the calibration's kind).
     todo = [c for c in candidates if c.name not in done]
-    plans = plan_candidates(source, [c for c in todo if c.budget is None], options, out / "models")
-    budgets = plan_budgets(source, [c for c in todo if c.budget is not None], options, out / "models")
+    plans = plan_candidates(source, todo, options, out / "models")
     if plans:
         first = next(iter(plans.values()))
         options = replace(options, calibration_tokens=first.calibration.tokens)
@@ -81,18 +80,26 @@ def sweep(src, options: SweepOptions, echo=print, pages=None) -> dict:
         **(earlier or {}).get("convert_commands", {}),
         **{c.name: plan.command() for c, plan in plans.items()},
     }
-    priced = {c.name: plan for c, plan in {**plans, **budgets}.items()}
+    priced = {c.name: plan for c, plan in plans.items()}
     needed = out_folder.bytes_needed(priced, shape, options.keep)
     out_folder.require_room(out, needed)
     domains = list(parse_domains(options.data).values())
-    first_budget = next(iter(budgets.values()), None)
-    clock = sweep_clock(priced, domains, options, echo, first_budget, bool(plans)) if priced else NO_CLOCK
+    first_budget = next((plan for c, plan in plans.items() if c.budget is not None), None)
+    statistics = needs_statistics(plans, options)
+    clock = sweep_clock(priced, domains, options, echo, first_budget, statistics) if priced else NO_CLOCK
     if options.dry_run:
         echo(f"would sweep {len(priced)} candidates into {out}: {', '.join(priced) or 'none left'}")
         echo(f"  {out} needs {needed / 2**20:,.1f} MiB at the worst moment (statistics and converted models)")
         return record
     _run(source, options, candidates, (plans, first_budget), record, earlier, out, echo, clock, pages)
     return record
+
+
+def needs_statistics(candidates, options: SweepOptions) -> bool:
+    """Whether the sweep gathers calibration statistics: for any uniform candidate (their reconstruction errors
+    are the report's), any calibrated or similarity merge and any refine; a sweep of mean budget candidates alone
+    reads its calibration text for the layer losses only."""
+    return options.refine is not None or any(c.budget is None or c.method != "mean" for c in candidates)
 
 
 def _run(source, options, candidates, plans, record, earlier, out: Path, echo, clock=NO_CLOCK, pages=None) -> None:
@@ -165,10 +172,11 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
     if not todo:
         return
     plans, first_budget = plans
-    uniform = [c for c in todo if c.budget is None]
-    plans = {**plans, **plan_candidates(source, [c for c in uniform if c not in plans], options, out / "models")}
-    if uniform:
-        plan = plans[uniform[0]]
+    plans = {**plans, **plan_candidates(source, [c for c in todo if c not in plans], options, out / "models")}
+    stats, calibration = None, None
+    if needs_statistics(todo, options):
+        plan = plans[todo[0]]
+        calibration = plan.calibration
         echo(f"sweep: gathering calibration statistics once ({options.calibration_tokens:,} tokens)")
         clock.stage(SWEEP.calibrate.name)
         stats = _gather_statistics(plan, options, work / "calibration")
@@ -181,18 +189,13 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
     with progress_bar(len(todo), "sweep", options.progress, todo, unit="candidate") as bar:
         for candidate in bar:
             bar.set_postfix_str(candidate.name)
-            if candidate.budget is None:
-                clock.stage(SWEEP.candidate.member(candidate.name))
-                row = measure_candidate(
-                    source, candidate, options, stats, plan.calibration, models_dir, parent, context
-                )
-            else:
-                if not losses.measured:
-                    echo("sweep: measuring each layer's loss at each kv-head count once, for every --kv-budgets value")
-                    clock.stage(SWEEP.layer_losses.name)
-                    losses.get()
-                clock.stage(SWEEP.candidate.member(candidate.name))
-                row = measure_budget_candidate(source, candidate.budget, options, losses, models_dir, parent, context)
+            if candidate.budget is not None and not losses.measured:
+                echo("sweep: measuring each layer's loss at each kv-head count once, for every --kv-budgets value")
+                clock.stage(SWEEP.layer_losses.name)
+                losses.get()
+            clock.stage(SWEEP.candidate.member(candidate.name))
+            shared = (stats, calibration, losses.get() if candidate.budget is not None else None)
+            row = measure_candidate(source, candidate, options, shared, models_dir, parent, context)
             if not options.keep:
                 shutil.rmtree(models_dir / candidate.name)
             record["candidates"].append(row)

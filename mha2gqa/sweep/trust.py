@@ -23,7 +23,7 @@ from mha2gqa.convert.kv_budget import budget_heads
 from mha2gqa.convert.options import Method
 from mha2gqa.runtime.errors import InputError
 from mha2gqa.sweep.candidates import Candidate, derived_columns, parent_row
-from mha2gqa.sweep.rows import BUDGET_METHOD
+from mha2gqa.sweep.rows import merge_method
 
 # A result too damaged to derive anything from: a missing key, a string where a number was, a zero divisor.
 _DAMAGED = (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError)
@@ -76,7 +76,7 @@ def _row_doubt(row: dict, parent: dict, context, shape: AttentionShape) -> str |
         doubt = _budget_doubt(per_layer, budget, method, shape)
         if doubt:
             return doubt
-        groups, expected = None, max(per_layer)
+        groups, expected, method = None, max(per_layer), merge_method(method)
     elif not _is_count(groups):
         return f"its groups {groups!r} and method {method!r} do not give its name"
     elif method not in [m.value for m in Method]:
@@ -95,8 +95,8 @@ def _row_doubt(row: dict, parent: dict, context, shape: AttentionShape) -> str |
 def _budget_doubt(per_layer: list[int], budget, method, shape: AttentionShape) -> str | None:
     """Why a --kv-budgets row's counts are not ones its budget gives: another method, not one count per layer, a
     count that does not divide the source's kv heads, or more kv heads in all than the budget allows."""
-    if method != BUDGET_METHOD:
-        return f"its method {method!r} is not a budget row's ({BUDGET_METHOD!r})"
+    if merge_method(method) not in [m.value for m in Method]:
+        return f"its method {method!r} is not a budget row's ('per-layer' and one of mha2gqa's methods)"
     if len(per_layer) != shape.layers:
         return f"its kv_heads_per_layer has {len(per_layer)} counts for the source's {shape.layers} layers"
     valid = shape.valid_groups()
