@@ -276,8 +276,9 @@ class ConvertOptions:
     calibration blocks of --calibration, or its first 8 where a stage that shapes the weights reads it too): the
     KL to SRC on those blocks plus the KL on the answer tokens of copy prompts built from them (a span planted
     early, asked for at the end: the layers that copy from far back keep their kv heads where the budget allows).
-    The knapsack's placements are then measured whole and the least lossy is converted as with
-    --kv-heads-per-layer, with --method and --refine as given: give --method calibrated --refine, our best
+    The counts whose losses sum least within the budget (an exact knapsack) are converted as with
+    --kv-heads-per-layer (they and the text-only choice are also measured whole, all pooled layers at once, and
+    recorded), with --method and --refine as given: give --method calibrated --refine, our best
     merge (docs/convert.md, "Per-layer kv heads"); the default mean merge loses far more."""
 
     def __post_init__(self):

@@ -130,6 +130,8 @@ class ConversionPlan:
     calibration_memory: int = 0
     refine_budget: RefineBudget | None = None
     stages: list[Stage] = field(default_factory=list)
+    # The process' own costs beside the stages (its start, the parent's load): {stage name: parts}, priced once
+    process_parts: dict = field(default_factory=dict)
     copied: dict = field(default_factory=dict)  # SRC files copied beside the weights -> size (files_to_copy)
     bytes_written: int = 0  # tensors + copied files + headers and JSON
     scratch_bytes: int = 0  # statistics and refine spill files inside DST's partial folder, removed at the end
@@ -228,8 +230,8 @@ class ConversionPlan:
     def priced(self, start: bool = True, calibration: bool = True) -> list[StageCost]:
         """The estimate's stages: the process' start and the parent's load, then every planned stage that runs, at
         the price it carries; without the sample, statistics and layer losses where a sweep ran them once."""
-        process = convert_parts(self.work())
         names = [CONVERT.start.name] if start else []
+        process = self.process_parts
         stages = [StageCost(name, process[name]) for name in names + [CONVERT.load.name] if name in process]
         kept = [s for s in self.stages if s.parts and (calibration or s.name not in CALIBRATION_STAGES)]
         return stages + [StageCost(s.name, s.parts) for s in kept]
@@ -547,6 +549,7 @@ def _priced_with_work(plan: ConversionPlan, stages: list[Stage]) -> list[Stage]:
     """Each stage with its price (estimates.convert_parts, from the plan's work; the check brings its own) and its
     work: a stage skipped (statistics passed in, the check off) runs nothing and costs nothing."""
     parts = convert_parts(plan.work())
+    plan.process_parts = {name: parts[name] for name in (CONVERT.start.name, CONVERT.load.name) if name in parts}
     priced = []
     for stage in stages:
         if stage.skipped:
