@@ -18,7 +18,8 @@ from mha2gqa.files import jsontext
 from mha2gqa.nemotron_nas.remote_code import AUTO_MAP
 
 # sha256 of model.safetensors and config.json as 43c2481 (convert/per_layer.py, budget_run.py) wrote them for this
-# parent (tiny llama: seed 0, 3 layers, 8 heads, 4 kv heads, MLP 256) and these flags
+# parent (tiny llama: seed 0, 3 layers, 8 heads, 4 kv heads, MLP 256) and these flags (the budget's then default
+# merge, mean without refine, now spelled out: a budget's default is calibrated + refine)
 PINNED = {
     ("--kv-heads-per-layer", "4,2,1"): (
         "cb306c02013b2a32f1603adad64d0c92fca3f4e08e4607592d6b7fe59b7102a4",
@@ -28,7 +29,7 @@ PINNED = {
         "1360acbf26924c5c3c090b860d49db748f89b9e85326ef91cba3fa137d9ab2da",
         "11de6f6b8d60db67321bbacca5ea1bc9aed612a163feb58f4c7feae0f58bc43f",
     ),
-    ("--kv-budget", "0.5", "--calibration", "CAL", "--calibration-tokens", "128"): (
+    ("--kv-budget", "0.5", "--method", "mean", "--no-refine", "--calibration", "CAL", "--calibration-tokens", "128"): (
         "3c676c36f9ef829addc5b6fd55d46caf8c0a9c25aa9af7c34302e9756c9f787b",
         "2d4b267c5536916a6f7454c6633fdd897db4e827e238bb62eccd2e8b0fda945c",
     ),
@@ -124,6 +125,31 @@ def test_budget_with_the_best_tools_plans_runs_and_reproduces(parent, tmp_path):
     again = [str(parent.parent / "cal.txt") if w.endswith("cal.txt") else w for w in words[4:]]
     _convert(parent, tmp_path / "again", *again)
     assert _sha(tmp_path / "again" / "model.safetensors") == _sha(tmp_path / "dst" / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("given", "merge", "refined"),
+    [
+        ((), "calibrated", True),  # a budget's default: our best merge
+        (("--method", "mean"), "mean", True),  # each unset one takes the budget's default
+        (("--no-refine",), "calibrated", False),
+        (("--method", "mean", "--no-refine"), "mean", False),
+        (("CONFIG",), "mean", False),  # a --config file's method: mean, refine: false is given, not unset
+    ],
+)
+def test_a_budget_merges_with_calibrated_and_refine_unless_told(parent, tmp_path, given, merge, refined):
+    """--kv-budget alone plans the calibrated merge and --refine (BUDGET_DEFAULTS); a --method or --refine the user
+    gave, on the command line or in --config, stands; --groups keeps mean without refine."""
+    if given == ("CONFIG",):
+        config = tmp_path / "c.yaml"
+        config.write_text("method: mean\nrefine: false\n")
+        given = ("--config", str(config))
+    dry = _convert(parent, tmp_path / "dst", "--kv-budget", "0.5", "--calibration", "CAL", *given, "--dry-run").output
+    stages = {line.split(":")[1].strip(): line for line in dry.splitlines() if line.startswith("stage ")}
+    assert stages["merge"].split(": ", 2)[2].startswith(f"{merge} to the kv heads per layer"), stages["merge"]
+    assert ("refine" in stages) is refined
+    uniform = _convert(parent, tmp_path / "u", "--groups", "2", "--dry-run").output
+    assert "merge: mean over groups of 2" in uniform and "stage 2: refine" not in uniform
 
 
 def _refusal_parents(root):

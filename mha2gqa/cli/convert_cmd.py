@@ -123,7 +123,9 @@ def convert(src, dst, plan_tensors, **flags):
     src, dst = paths(src, dst, click.get_current_context().meta.get(_CONFIG))
     if flags["groups"] is None and flags["kv_heads_per_layer"] is None and flags["kv_budget"] is None:
         raise click.MissingParameter(param_hint="'--groups' / '-g'", param_type="option")
-    options = options_from_flags(flags)
+    ctx = click.get_current_context()
+    unset = {key for key in flags if ctx.get_parameter_source(key) is ParameterSource.DEFAULT}
+    options = options_from_flags(flags, unset)
     # The user's count, else torch's own, never one read from the load: float sums differ with the thread
     # count, and the card's Reproduce line promises the same bytes (mha2gqa.json records the count).
     threads.apply()

@@ -204,7 +204,7 @@ class ConvertOptions:
     """Target number of kv heads (1 = multi-query). Must divide the source's kv heads. Needed unless
     --kv-heads-per-layer or --kv-budget gives each layer its own count."""
     method: Method | str = Method.MEAN
-    """How each group's kv heads become one."""
+    """How each group's kv heads become one (on the command line with --kv-budget and no --method: calibrated)."""
     seed: int = 0
     """Seed of the random method (and of --refine's held-out split)."""
     dtype: str | None = None
@@ -244,7 +244,8 @@ class ConvertOptions:
     --calibration (unset: its default); works with every --method and --grouping. Per-layer errors on fit and held-out
     calibration tokens go to the terminal and mha2gqa.json. Then all layers together against the parent's
     next-token distribution (--refine-global-steps; 0: off). Settings: the --refine-* flags (in Python a
-    RefineOptions; None: no refinement)."""
+    RefineOptions; None: no refinement). Off by default; on the command line on with --kv-budget (--no-refine:
+    off)."""
     check: bool = True
     """After the write, score SRC and DST on the first 512 tokens of each probe domain (prose, code, Python docs,
     licences): per domain the perplexity ratio, KL and top-1 agreement to SRC, one verdict (close / usable /
@@ -278,8 +279,9 @@ class ConvertOptions:
     early, asked for at the end: the layers that copy from far back keep their kv heads where the budget allows).
     The counts whose losses sum least within the budget (an exact knapsack) are converted as with
     --kv-heads-per-layer (they and the text-only choice are also measured whole, all pooled layers at once, and
-    recorded), with --method and --refine as given: give --method calibrated --refine, our best
-    merge (docs/convert.md, "Per-layer kv heads"); the default mean merge loses far more."""
+    recorded), then merged: by default (on the command line, --method and --refine unset) with --method calibrated
+    --refine, our best merge (docs/convert.md, "Per-layer kv heads"); --method mean --no-refine is the fast one,
+    which loses far more. In Python give method and refine as for any conversion."""
 
     def __post_init__(self):
         if self.groups is None and self.kv_heads_per_layer is None and self.kv_budget is None:
@@ -402,9 +404,20 @@ CONVERT_FLAGS: tuple[Flag, ...] = (
 )
 
 
-def options_from_flags(values: dict) -> ConvertOptions:
+# A --kv-budget conversion's merge when the command line leaves --method or --refine unset: our best merge, which
+# keeps the most of the parent at the same counts (SmolLM2-135M at 2/3 of the KV, the same placement: mean 5.18x the
+# parent's perplexity, calibrated 2.72x, calibrated + refine in docs/convert.md "Per-layer kv heads"). --groups and
+# --kv-heads-per-layer keep mean, the GQA paper's recipe; a budget has no such recipe to keep, and its layer losses
+# already cost the parent's forwards that calibration needs.
+BUDGET_DEFAULTS = {"method": Method.CALIBRATED.value, "refine": True}
+
+
+def options_from_flags(values: dict, unset: frozenset[str] | set[str] = frozenset()) -> ConvertOptions:
     """The ConvertOptions of a parsed command line: `values` maps each Flag.key to what the user gave (click's
-    parameters; an unset flag holds its default)."""
+    parameters; an unset flag holds its default). `unset`: the keys the user gave neither on the command line nor
+    in --config; with --kv-budget, an unset --method or --refine takes BUDGET_DEFAULTS."""
+    if values.get("kv_budget") is not None:
+        values = {**values, **{key: value for key, value in BUDGET_DEFAULTS.items() if key in unset}}
     convert, refine = {}, {}
     for flag in CONVERT_FLAGS:
         value = values[flag.key]
