@@ -34,6 +34,8 @@ def _flag_option(flag: Flag):
         kwargs["as_text"] = format_size
     if flag.default_from:
         kwargs.update(default=None, show_default=f"--{flag.default_from}")
+    if flag.default_words:
+        kwargs["show_default"] = flag.default_words
     return field_option(
         flag.owner,
         name,

@@ -204,7 +204,7 @@ class ConvertOptions:
     """Target number of kv heads (1 = multi-query). Must divide the source's kv heads. Needed unless
     --kv-heads-per-layer or --kv-budget gives each layer its own count."""
     method: Method | str = Method.MEAN
-    """How each group's kv heads become one (on the command line with --kv-budget and no --method: calibrated)."""
+    """How each group's kv heads become one."""
     seed: int = 0
     """Seed of the random method (and of --refine's held-out split)."""
     dtype: str | None = None
@@ -334,6 +334,7 @@ class Flag:
     default_from: str | None = None  # unset on the command line: this ConvertOptions field's value (--refine-seed)
     inverted: bool = False  # the flag sets the field to False (--quiet: progress)
     help: str | None = None  # only where the field's docstring does not describe the flag (--quiet)
+    default_words: str | None = None  # --help's [default: ...] where the default depends on another flag
     metavar: str | None = None
 
     def __post_init__(self):
@@ -377,7 +378,7 @@ CONVERT_FLAGS: tuple[Flag, ...] = (
     Flag("--groups", short="-g", type=int),
     Flag("--kv-heads-per-layer", type=str, metavar="COUNTS"),  # --groups' alternatives, beside it in --help
     Flag("--kv-budget", type=str, metavar="X"),
-    Flag("--method"),
+    Flag("--method", default_words="mean; with --kv-budget, calibrated"),
     Flag("--seed"),
     Flag("--dtype", type=str),
     Flag("--max-shard-size", size=True),
