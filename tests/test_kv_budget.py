@@ -159,3 +159,39 @@ def test_the_byte_example_a_refusal_gives_is_a_budget_this_parent_takes():
             budget_heads("lots", shape, 4)
         example = re.search(r"e\.g\. (\d+), half of this parent's", str(refused.value)).group(1)
         assert budget_heads(example, shape, 4) == shape.layers * shape.kv_heads // 2
+
+
+def test_a_calibrated_conversions_loss_is_its_converted_models_kl(parent, tmp_path):
+    """With --method calibrated the losses convert a layer by the calibrated merge (maps folded into q_proj and
+    o_proj, sensitivity.LayerMerge): the loss of (layer 1, 2 heads) is the KL to the parent of the model that
+    convert --kv-heads-per-layer 4,2,4 --method calibrated writes from the same calibration text."""
+    from mha2gqa.convert.layer_losses import merge_for
+    from mha2gqa.convert.options import ConvertOptions
+    from mha2gqa.convert.run import plan_conversion
+    from mha2gqa.convert.stage_work import RunState, calibrate
+
+    cal = str(parent.parent / "cal.txt")
+    given = dict(method="calibrated", calibration=cal, calibration_tokens=128, progress=False, check=False)
+    plan = plan_conversion(parent, tmp_path / "unused", ConvertOptions(kv_heads_per_layer="4,2,4", **given))
+    (tmp_path / "scratch").mkdir()
+    state = RunState(plan, tmp_path / "scratch", tmp_path / "scratch", tmp_path / "unused")
+    calibrate(state)
+    merge, words = merge_for(plan.options, state.stats)
+    assert words == "calibrated, contiguous grouping"
+    model = load_causal_lm(parent)
+    blocks = torch.randint(3, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    losses = layer_losses(model, plan.layout, blocks, SHAPE, [1, 2, 4], merge=merge)
+    pooled = layer_losses(model, plan.layout, blocks, SHAPE, [1, 2, 4])
+    assert losses != pooled  # the merge is what the losses measure
+    args = ["--kv-heads-per-layer", "4,2,4", "--method", "calibrated", "--calibration", cal]
+    result = CliRunner().invoke(main, ["convert", str(parent), str(tmp_path / "c"), *args, "--calibration-tokens",
+                                       "128", "-q", "--no-check"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    converted = load_causal_lm(tmp_path / "c")
+    with torch.no_grad():
+        expected = sum(
+            float(kl_divergence(model(b[None]).logits[0, :-1], converted(b[None]).logits[0, :-1])) for b in blocks
+        ) / len(blocks)
+    assert losses[1][2] == pytest.approx(expected, rel=1e-4)
+    parent_weights = load_causal_lm(parent).state_dict()
+    assert all(torch.equal(t, parent_weights[n]) for n, t in model.state_dict().items())  # restored after each

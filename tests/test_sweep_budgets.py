@@ -180,26 +180,31 @@ def test_a_kept_uniform_row_needs_a_method_that_exists(swept):
 
 
 def test_budget_candidates_take_every_method_and_write_what_convert_writes(tiny, tmp_path):
-    """--methods mean,calibrated with --kv-budgets 0.5: a budget candidate for each method, both from the one loss
-    measurement (the same counts), each model byte for byte what `convert --kv-budget 0.5 --method M` writes from
-    the same calibration text."""
+    """--methods mean,calibrated with --kv-budgets 0.5: a budget candidate for each method, the layer losses measured
+    once per merge (each layer converted as that candidate merges), each model byte for byte what `convert
+    --kv-budget 0.5 --method M` writes from the same calibration text."""
     out = tmp_path / "s"
     args = sweep_args(tiny, out, "--groups", "2", "--methods", "mean,calibrated", "--kv-budgets", "0.5", "--keep")
-    result = cli(*args)
+    measured, real = [], budgets_module.measure_for
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            budgets_module, "measure_for", lambda plan, *a: measured.append(plan.options.method) or real(plan, *a)
+        )
+        result = cli(*args)
     assert result.exit_code == 0, (result.output, result.exception)
     record = json.loads((out / "sweep.json").read_text())
     assert record["planned"] == ["kv2-mean", "kv2-calibrated", "budget0.5-mean", "budget0.5-calibrated"]
     rows = {row["name"]: row for row in record["candidates"]}
     mean, calibrated = rows["budget0.5-mean"], rows["budget0.5-calibrated"]
     assert (mean["method"], calibrated["method"]) == ("per-layer mean", "per-layer calibrated")
-    assert mean["kv_heads_per_layer"] == calibrated["kv_heads_per_layer"]
+    assert measured == ["mean", "calibrated"]
     assert mean["perplexity"] != calibrated["perplexity"]
     for row in (mean, calibrated):
         dst = tmp_path / row["name"]
         method = row["method"].removeprefix("per-layer ")
         made = cli(
-            "convert", tiny / "src", dst, "--kv-budget", "0.5", "--method", method, "--calibration", tiny / "cal.txt",
-            "--calibration-tokens", 600, "--no-check", "--quiet",
+            "convert", tiny / "src", dst, "--kv-budget", "0.5", "--method", method, "--no-refine", "--calibration",
+            tiny / "cal.txt", "--calibration-tokens", 600, "--no-check", "--quiet",
         )  # fmt: skip
         assert made.exit_code == 0, made.output
         swept_model = out / "models" / row["name"] / "model.safetensors"

@@ -3,8 +3,9 @@ the loaded parent (sensitivity.py), then the counts chosen within the budget (kv
 the plan's counts before the merge. A sweep measures the losses once (measure_for) and passes them to every
 budget's plan, which then only chooses.
 
-A layer's loss at a count has two terms, both KL(parent || model) with only that layer's keys and values
-mean-pooled:
+A layer's loss at a count has two terms, both KL(parent || model) with only that layer converted to that count by
+the conversion's own merge (merge_for: the calibrated merge with its maps folded into q_proj/o_proj where the plan
+merges so, mean-pooling where it mean-pools; sensitivity.LayerMerge):
 - text: per token of the calibration blocks (what perplexity sees);
 - retrieval: per answer token of copy prompts built from the same calibration ids (scoring/copy_prompts.py: a span
   planted early, asked for at the end), which perplexity does not see: pooling a layer whose heads copy from far
@@ -29,7 +30,7 @@ from mha2gqa.runtime.progress import progress_bar
 
 LOSS = (
     "KL(parent || model) per token of the calibration blocks + retrieval_weight x KL per answer token of copy "
-    "prompts built from them, with only this layer's keys and values mean-pooled"
+    "prompts built from them, with only this layer converted by the conversion's merge"
 )
 RETRIEVAL_WEIGHT = 1.0  # the retrieval term's weight in the knapsack (docs/convert.md: 0, 0.25 and 1 measured)
 WHOLE_SCALES = (1.0, 0.0)  # x RETRIEVAL_WEIGHT: the placements measured whole, the first converted
@@ -47,15 +48,16 @@ class WholePlacements:
     scored: object  # (n, length - 1) their answer positions
     shape: AttentionShape
     layout: Layout
+    merge: object = None  # sensitivity.LayerMerge: how each pooled layer is converted
 
     def measure(self, placements: list[tuple[int, ...]]) -> list[tuple[float, float]]:
-        """(text, retrieval) KL of each placement, every layer pooled to its count at once."""
+        """(text, retrieval) KL of each placement, every layer converted to its count at once."""
         from mha2gqa.convert.sensitivity import placement_losses
 
         model = self.parent()
-        text = placement_losses(model, self.layout, self.blocks, self.shape, placements)
+        text = placement_losses(model, self.layout, self.blocks, self.shape, placements, merge=self.merge)
         copy = (
-            placement_losses(model, self.layout, self.prompts, self.shape, placements, self.scored)
+            placement_losses(model, self.layout, self.prompts, self.shape, placements, self.scored, self.merge)
             if len(self.prompts)
             else None
         )
@@ -67,16 +69,16 @@ class MeasuredLosses:
     """Each layer's loss at each kv-head count of a parent, measured once: every budget chooses from them."""
 
     losses: list[dict[int, float]]  # losses[layer][count]: text KL per token
-    record: dict  # the calibration read, for mha2gqa.json
+    record: dict  # the calibration read and the merge measured with, for mha2gqa.json
     shape: AttentionShape
     retrieval: list[dict[int, float]] | None = None  # retrieval[layer][count]: KL per answer token of copy prompts
     whole: WholePlacements | None = field(default=None, compare=False)  # None: the knapsack's choice stands
 
 
-def measure(parent, ids, plan, record: dict, load=None) -> MeasuredLosses:
+def measure(parent, ids, plan, record: dict, load=None, stats=None) -> MeasuredLosses:
     """The losses on the plan's first loss blocks of `ids` (the calibration read: tokens of SRC's tokenizer), and
-    copy prompts from the same ids. `load`: how to load the parent again for the whole placements (a sweep's);
-    None: `parent` stays referenced for them."""
+    copy prompts from the same ids, each layer converted by the plan's merge (its statistics: `stats`). `load`: how
+    to load the parent again for the whole placements (a sweep's); None: `parent` stays referenced for them."""
     from mha2gqa.convert.sensitivity import layer_losses
     from mha2gqa.scoring.copy_prompts import copy_prompts
 
@@ -94,16 +96,38 @@ def measure(parent, ids, plan, record: dict, load=None) -> MeasuredLosses:
     bar = progress_bar(
         (count + len(prompts)) * shape.layers * (len(candidates) - 1), "layer losses", plan.options.progress
     )
-    losses = layer_losses(parent, plan.layout, blocks, shape, candidates, bar)
+    merge, merged_by = merge_for(plan.options, stats)
+    losses = layer_losses(parent, plan.layout, blocks, shape, candidates, bar, merge=merge)
     retrieval = (
-        layer_losses(parent, plan.layout, prompts, shape, candidates, bar, scored=scored) if len(prompts) else None
+        layer_losses(parent, plan.layout, prompts, shape, candidates, bar, scored, merge) if len(prompts) else None
     )
     bar.close()
     kept = {key: value for key, value in record.items() if key not in ("blocks", "seq_len")}
     answers = int(scored.sum())
-    record = dict(kept, blocks=count, seq_len=seq_len, copy_prompts=len(prompts), copy_length=length, answers=answers)
-    whole = WholePlacements(load or (lambda: parent), blocks, prompts, scored, shape, plan.layout)
+    record = dict(kept, blocks=count, seq_len=seq_len, copy_prompts=len(prompts), copy_length=length, answers=answers,
+                  merge=merged_by)  # fmt: skip
+    whole = WholePlacements(load or (lambda: parent), blocks, prompts, scored, shape, plan.layout, merge)
     return MeasuredLosses(losses, record, shape, retrieval, whole)
+
+
+def merge_key(options) -> tuple:
+    """What the losses depend on besides the parent and the calibration: the merge (method, grouping)."""
+    return (options.method, options.grouping)
+
+
+def merge_for(options, stats) -> tuple[object, str]:
+    """How the losses convert a layer: as the conversion merges (its method and grouping, with the statistics it
+    reads), and those words for the record. Mean-pooling with contiguous groups is pooled in place (no statistics).
+    Why: the merge decides which layers lose most. On SmolLM2-135M the calibrated merge handles layer 0, the layer
+    mean-pooling breaks most (docs/convert.md, "Layer losses through the merge"), so its budget goes elsewhere."""
+    from mha2gqa.convert.methods import METHODS
+    from mha2gqa.convert.options import Grouping, Method
+    from mha2gqa.convert.sensitivity import LayerMerge
+
+    if options.method == Method.MEAN and options.grouping == Grouping.CONTIGUOUS:
+        return LayerMerge(), "mean"
+    merge = LayerMerge(METHODS[options.method], options.grouping, stats, options.seed)
+    return merge, f"{options.method.value}, {options.grouping.value} grouping"
 
 
 def copy_length(seq_len: int, context) -> int:
@@ -112,9 +136,10 @@ def copy_length(seq_len: int, context) -> int:
     return min(length, context) if isinstance(context, int) and context > 0 else length
 
 
-def measure_for(plan) -> MeasuredLosses:
-    """The losses of a budget plan's parent, measured on their own (a sweep's, once for all its budgets). The parent
-    is let go afterwards and loaded again by each budget's whole-placement check."""
+def measure_for(plan, stats=None) -> MeasuredLosses:
+    """The losses of a budget plan's parent, measured on their own (a sweep's, once for all its budgets of one
+    merge; `stats`: the sweep's statistics, which the merge may read). The parent is let go afterwards and loaded
+    again by each budget's whole-placement check."""
     from mha2gqa.convert.calibration import load_source_model
     from mha2gqa.corpus.calibration import read_calibration
 
@@ -127,7 +152,7 @@ def measure_for(plan) -> MeasuredLosses:
     def load():
         return load_source_model(plan.source, plan.decided.device, progress=False)
 
-    return measure(parent, ids, plan, record, load=load)
+    return measure(parent, ids, plan, record, load=load, stats=stats)
 
 
 def weighed(measured: MeasuredLosses, scale: float = 1.0) -> list[dict[int, float]]:

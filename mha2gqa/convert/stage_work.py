@@ -121,7 +121,7 @@ def layer_losses(state: RunState) -> None:
     measured = plan.losses
     if measured is None:
         ids, record = state.ids()
-        measured = measure(state.parent(), ids, plan, record)
+        measured = measure(state.parent(), ids, plan, record, stats=state.stats)
     plan.with_counts(*choose(plan, measured))
 
 

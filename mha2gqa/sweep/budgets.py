@@ -13,7 +13,7 @@ from __future__ import annotations
 from mha2gqa.architecture.layouts import DTYPE_BYTES, AttentionShape
 from mha2gqa.convert.counts import validate_per_layer_parent
 from mha2gqa.convert.kv_budget import budget_heads
-from mha2gqa.convert.layer_losses import MeasuredLosses, measure_for
+from mha2gqa.convert.layer_losses import MeasuredLosses, measure_for, merge_key
 from mha2gqa.convert.prepare import ConversionPlan
 
 FLAG = "--kv-budgets"
@@ -29,17 +29,28 @@ def validate_budgets(budgets: tuple[str, ...], shape: AttentionShape, config: di
 
 
 class SharedLosses:
-    """The layer losses, measured when the first budget candidate needs them and kept for the others."""
+    """The layer losses, measured once per merge (the budget candidates of one --methods method share them: the
+    losses convert each layer as the candidate's merge does, layer_losses.merge_for), all of them when the first
+    budget candidate needs them, from the first plan of each merge and the sweep's statistics."""
 
-    def __init__(self, plan: ConversionPlan):
-        self.plan = plan
-        self._measured: MeasuredLosses | None = None
+    def __init__(self, plans: list[ConversionPlan], stats=None):
+        self.plans = first_of_each_merge(plans)
+        self.stats = stats
+        self._measured: dict = {}
 
     @property
     def measured(self) -> bool:
-        return self._measured is not None
+        return bool(self._measured)
 
-    def get(self) -> MeasuredLosses:
-        if self._measured is None:
-            self._measured = measure_for(self.plan)
-        return self._measured
+    def get(self, plan: ConversionPlan) -> MeasuredLosses:
+        if not self._measured:
+            self._measured = {key: measure_for(first, self.stats) for key, first in self.plans.items()}
+        return self._measured[merge_key(plan.options)]
+
+
+def first_of_each_merge(plans: list[ConversionPlan]) -> dict:
+    """{merge: the first budget plan that merges so}: one loss measurement each (the sweep prices as many)."""
+    found: dict = {}
+    for plan in plans:
+        found.setdefault(merge_key(plan.options), plan)
+    return found

@@ -84,14 +84,14 @@ def sweep(src, options: SweepOptions, echo=print, pages=None) -> dict:
     needed = out_folder.bytes_needed(priced, shape, options.keep)
     out_folder.require_room(out, needed)
     domains = list(parse_domains(options.data).values())
-    first_budget = next((plan for c, plan in plans.items() if c.budget is not None), None)
+    budget_plans = [plan for c, plan in plans.items() if c.budget is not None]
     statistics = needs_statistics(plans, options)
-    clock = sweep_clock(priced, domains, options, echo, first_budget, statistics) if priced else NO_CLOCK
+    clock = sweep_clock(priced, domains, options, echo, budget_plans, statistics) if priced else NO_CLOCK
     if options.dry_run:
         echo(f"would sweep {len(priced)} candidates into {out}: {', '.join(priced) or 'none left'}")
         echo(f"  {out} needs {needed / 2**20:,.1f} MiB at the worst moment (statistics and converted models)")
         return record
-    _run(source, options, candidates, (plans, first_budget), record, earlier, out, echo, clock, pages)
+    _run(source, options, candidates, plans, record, earlier, out, echo, clock, pages)
     return record
 
 
@@ -171,7 +171,6 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
     todo = [c for c in candidates if c.name not in done]
     if not todo:
         return
-    plans, first_budget = plans
     plans = {**plans, **plan_candidates(source, [c for c in todo if c not in plans], options, out / "models")}
     stats, calibration = None, None
     if needs_statistics(todo, options):
@@ -181,7 +180,7 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
         clock.stage(SWEEP.calibrate.name)
         stats = _gather_statistics(plan, options, work / "calibration")
         record["calibration"] = stats.record
-    losses = SharedLosses(first_budget) if first_budget is not None else None
+    losses = SharedLosses([plans[c] for c in todo if c.budget is not None], stats)
     models_dir = out / "models" if options.keep else work
     if options.keep:
         models_dir.mkdir(exist_ok=True)
@@ -192,9 +191,9 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
             if candidate.budget is not None and not losses.measured:
                 echo("sweep: measuring each layer's loss at each kv-head count once, for every --kv-budgets value")
                 clock.stage(SWEEP.layer_losses.name)
-                losses.get()
+                losses.get(plans[candidate])
             clock.stage(SWEEP.candidate.member(candidate.name))
-            shared = (stats, calibration, losses.get() if candidate.budget is not None else None)
+            shared = (stats, calibration, losses.get(plans[candidate]) if candidate.budget is not None else None)
             row = measure_candidate(source, candidate, options, shared, models_dir, parent, context)
             if not options.keep:
                 shutil.rmtree(models_dir / candidate.name)

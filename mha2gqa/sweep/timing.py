@@ -8,6 +8,7 @@ from mha2gqa import estimates
 from mha2gqa.convert.kv_budget import loss_tokens
 from mha2gqa.estimates import EvalWork, Part, StageCost, combined
 from mha2gqa.estimates.stages import SWEEP
+from mha2gqa.sweep.budgets import first_of_each_merge
 
 DEFAULT_CONTEXT = 1024  # eval's window when the sweep sets none (eval/run.py), each token scored once
 
@@ -23,10 +24,10 @@ def _texts(domains: list, max_tokens: int | None, context: int) -> dict:
 
 
 def sweep_stages(
-    plans: dict, domains: list, max_tokens: int | None, calibration_tokens: int | None, budget_plan=None
+    plans: dict, domains: list, max_tokens: int | None, calibration_tokens: int | None, budget_plans=()
 ) -> list[StageCost]:
     """The sweep's stages: start, the parent's evaluation, the one calibration pass (when a uniform candidate is
-    left), the layer losses (when a --kv-budgets candidate is: `budget_plan`, the first one's plan), then a stage
+    left), the layer losses (once per merge of the --kv-budgets candidates' plans, `budget_plans`), then a stage
     per candidate (`plans`: {candidate name: its dry-run ConversionPlan}, each with the precision its plan decided;
     its calibration and layer losses are the sweep's, priced once above)."""
     parent, context, config = _parent_facts(plans)
@@ -43,8 +44,10 @@ def sweep_stages(
         stages.append(
             StageCost(SWEEP.calibrate.name, (Part("calibrate", parent, {"tokens": calibration_tokens * parent}),))
         )
-    if budget_plan is not None:
-        tokens = loss_tokens(budget_plan.shape, budget_plan.loss_blocks * budget_plan.calibration.seq_len)
+    measured = list(first_of_each_merge(budget_plans).values())
+    if measured:
+        first = measured[0]
+        tokens = len(measured) * loss_tokens(first.shape, first.loss_blocks * first.calibration.seq_len)
         stages.append(StageCost(SWEEP.layer_losses.name, (Part("calibrate", parent, {"tokens": tokens * parent}),)))
     for name, plan in plans.items():
         candidate = plan.priced(start=False, calibration=False)
@@ -78,7 +81,7 @@ def _candidate_evaluation(parent: int, vocab: int, texts: dict) -> EvalWork:
     return EvalWork(parent, parent, vocab, 8 * parent, texts, 0)
 
 
-def sweep_clock(plans: dict, domains: list, options, echo, budget_plan=None, statistics: bool = True):
+def sweep_clock(plans: dict, domains: list, options, echo, budget_plans=(), statistics: bool = True):
     """Says the sweep's estimate and returns the clock that times it: a real run probes with torch (its threads);
     a dry run with numpy, and gets no clock (NO_CLOCK). Either probes only when the sweep is long enough
     (estimates.for_this_machine)."""
@@ -86,7 +89,7 @@ def sweep_clock(plans: dict, domains: list, options, echo, budget_plan=None, sta
     from mha2gqa.runtime.errors import import_torch
 
     calibration = options.calibration_tokens if statistics else None  # budget candidates alone gather none
-    stages = tuple(sweep_stages(plans, domains, options.max_tokens, calibration, budget_plan))
+    stages = tuple(sweep_stages(plans, domains, options.max_tokens, calibration, budget_plans))
     priced = estimates.Estimate(stages, estimates.STORED, sweep_peak_bytes(plans))
     if options.dry_run:
         echo(estimates.for_this_machine(priced, "numpy").line())
