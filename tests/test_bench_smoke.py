@@ -415,3 +415,13 @@ def test_decode_llamacpp_smoke_runs_llama_bench_on_the_pair_side_by_side(tmp_pat
     ratio = rows["GQA-2", 1024]["tokens_per_s_median"] / rows["MHA", 1024]["tokens_per_s_median"]
     assert rows["GQA-2", 1024]["vs_first"] == pytest.approx(ratio) and ratio > 1
     assert result["engine"]["build_commit"] == "fake" and len(table_rows(stdout, r"512|1024")) == 4
+
+
+def test_budget_merges_smoke_measures_both_merges_and_every_placement(tmp_path):
+    out = run_smoke("budget_merges.py", "--out", str(tmp_path / "b.json"))
+    found = json.loads((tmp_path / "b.json").read_text())
+    assert set(found["placements"]) == {"0.5 calibrated", "0.5 mean", "0.6667 calibrated", "0.6667 mean"}
+    for entry in found["placements"].values():
+        assert len(entry["counts"]) == 6 and entry["whole_text"] > 0 and entry["whole_retrieval"] > 0
+    assert found["calibrated"]["text"] != found["mean"]["text"]  # the merge is what the losses measure
+    assert out.count("layers kept") == 4
