@@ -96,14 +96,7 @@ def test_measured_loss_is_the_converted_models_kl(parent, tmp_path):
     shape = AttentionShape("llama", layers=3, heads=8, kv_heads=4, head_dim=8, hidden=64)
     losses = layer_losses(model, layout_for(model.config.to_dict()), blocks, shape, [1, 2, 4])
     assert all(per[4] == 0.0 for per in losses) and all(per[1] > per[2] > 0 for per in losses)
-    result = CliRunner().invoke(main, ["convert", str(parent), str(tmp_path / "c"), "--kv-heads-per-layer", "4,2,4"])
-    assert result.exit_code == 0, result.output
-    converted = load_causal_lm(tmp_path / "c")
-    with torch.no_grad():
-        expected = sum(
-            float(kl_divergence(model(b[None]).logits[0, :-1], converted(b[None]).logits[0, :-1])) for b in blocks
-        ) / len(blocks)
-    assert losses[1][2] == pytest.approx(expected, rel=1e-4)
+    assert losses[1][2] == pytest.approx(converted_kl(parent, tmp_path / "c", model, blocks), rel=1e-4)
     with torch.no_grad():  # every (layer, count) against the whole model run with that layer pooled in place
         for layer, count in itertools.product(range(3), (1, 2)):
             pooled = load_causal_lm(parent)
@@ -183,15 +176,18 @@ def test_a_calibrated_conversions_loss_is_its_converted_models_kl(parent, tmp_pa
     losses = layer_losses(model, plan.layout, blocks, SHAPE, [1, 2, 4], merge=merge)
     pooled = layer_losses(model, plan.layout, blocks, SHAPE, [1, 2, 4])
     assert losses != pooled  # the merge is what the losses measure
-    args = ["--kv-heads-per-layer", "4,2,4", "--method", "calibrated", "--calibration", cal]
-    result = CliRunner().invoke(main, ["convert", str(parent), str(tmp_path / "c"), *args, "--calibration-tokens",
-                                       "128", "-q", "--no-check"])  # fmt: skip
-    assert result.exit_code == 0, result.output
-    converted = load_causal_lm(tmp_path / "c")
-    with torch.no_grad():
-        expected = sum(
-            float(kl_divergence(model(b[None]).logits[0, :-1], converted(b[None]).logits[0, :-1])) for b in blocks
-        ) / len(blocks)
-    assert losses[1][2] == pytest.approx(expected, rel=1e-4)
+    args = ["--method", "calibrated", "--calibration", cal, "--calibration-tokens", "128", "--no-check"]
+    assert losses[1][2] == pytest.approx(converted_kl(parent, tmp_path / "c", model, blocks, *args), rel=1e-4)
     parent_weights = load_causal_lm(parent).state_dict()
     assert all(torch.equal(t, parent_weights[n]) for n, t in model.state_dict().items())  # restored after each
+
+
+def converted_kl(parent, dst, model, blocks, *args) -> float:
+    """KL(parent || the model `convert --kv-heads-per-layer 4,2,4 ARGS` writes) per token of `blocks`."""
+    result = CliRunner().invoke(main, ["convert", str(parent), str(dst), "--kv-heads-per-layer", "4,2,4", "-q", *args])
+    assert result.exit_code == 0, result.output
+    converted = load_causal_lm(dst)
+    with torch.no_grad():
+        return sum(
+            float(kl_divergence(model(b[None]).logits[0, :-1], converted(b[None]).logits[0, :-1])) for b in blocks
+        ) / len(blocks)
