@@ -2,12 +2,12 @@
 
 Every candidate (kv-head count x method, and --kv-budgets value x method) is checked and planned by convert
 itself (a dry run, candidates.py) before anything is written; then the parent is evaluated once, the calibration
-statistics are gathered once from the calibration the plans resolved (and a budget's layer losses measured once,
-budgets.py), and each candidate is converted with them, evaluated against the parent and, unless --keep, removed. sweep.json is rewritten after every
-candidate, so an interrupted sweep keeps the candidates it finished; the temporary models live inside OUT
-and go with it on any exit. This module runs those steps in order; folder.py holds OUT and its record
-(and --resume), recommend.py and next_step.py the answer; the pages are the report's (report/sweep_pages.py),
-written by the `pages` the caller passes.
+statistics are gathered once from the calibration the plans resolved (and the budgets' layer losses once per
+merge, budgets.py), and each candidate is converted with them, evaluated against the parent and, unless --keep,
+removed. sweep.json is rewritten after every candidate, so an interrupted sweep keeps the candidates it finished;
+the temporary models live inside OUT and go with it on any exit. This module runs those steps in order; folder.py
+holds OUT and its record (and --resume), recommend.py and next_step.py the answer; the pages are the report's
+(report/sweep_pages.py), written by the `pages` the caller passes.
 """
 
 from __future__ import annotations
@@ -189,7 +189,9 @@ def _measure(source, options, candidates, plans, record, out: Path, run: tuple):
         for candidate in bar:
             bar.set_postfix_str(candidate.name)
             if candidate.budget is not None and not losses.measured:
-                echo("sweep: measuring each layer's loss at each kv-head count once, for every --kv-budgets value")
+                echo(
+                    "sweep: measuring each layer's loss at each kv-head count, once per merge for every --kv-budgets value"
+                )
                 clock.stage(SWEEP.layer_losses.name)
                 losses.get(plans[candidate])
             clock.stage(SWEEP.candidate.member(candidate.name))
