@@ -406,8 +406,9 @@ CONVERT_FLAGS: tuple[Flag, ...] = (
 
 
 # A --kv-budget conversion's merge when the command line leaves --method or --refine unset: our best merge, which
-# keeps the most of the parent at the same counts (SmolLM2-135M at 2/3 of the KV, the same placement: mean 5.18x the
-# parent's perplexity, calibrated 2.72x, calibrated + refine 1.35x with losses through the merge: docs/convert.md "Per-layer kv heads"). --groups and
+# keeps the most of the parent (SmolLM2-135M at 2/3 of the KV: mean 5.18x the parent's perplexity, calibrated 2.72x
+# at the same counts; calibrated + refine, its losses through the merge, 1.35x: docs/convert.md "Per-layer kv
+# heads"). --groups and
 # --kv-heads-per-layer keep mean, the GQA paper's recipe; a budget has no such recipe to keep, and its layer losses
 # already cost the parent's forwards that calibration needs.
 BUDGET_DEFAULTS = {"method": Method.CALIBRATED.value, "refine": True}
