@@ -3,9 +3,10 @@
 A budget candidate is `convert --kv-budget X --method M` for each M of --methods (its plan's layer-losses stage:
 convert/layer_losses.py): each layer's kv-head count chosen by an exact knapsack from each layer's measured loss,
 merged by M (and refined with --refine), written in the Nemotron-NAS format. The losses are the expensive part (the
-parent rerun from every layer at every count), and they depend on neither the budget nor the method, so the sweep
-measures them once, on the first blocks of its calibration text, and every candidate chooses from them; it is then
-converted and evaluated like a uniform one (candidates.py), and its row holds the budget and the counts.
+parent rerun from every layer at every count), and they do not depend on the budget, only on the merge (each layer
+is converted as M converts it: layer_losses.merge_for), so the sweep measures them once per merge, on the first
+blocks of its calibration text, and every candidate of that merge chooses from them; it is then converted and
+evaluated like a uniform one (candidates.py), and its row holds the budget and the counts.
 """
 
 from __future__ import annotations
