@@ -52,9 +52,10 @@ def build(size: dict, kv_heads: int, dtype: torch.dtype):
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-# eval's grouped path with its CPU kernel forced: PyTorch's CPU SDPA (what eval timed in any dtype before issue 68)
-# or two batched matmuls around a softmax (decode_path.matmul_attention); `grouped` picks by dtype
-FORCED = {"grouped-sdpa": "sdpa", "grouped-matmul": "matmul"}
+# eval's grouped path with its CPU kernel forced: the fused kernel (eval/decode_kernel.c), PyTorch's CPU SDPA (what
+# eval timed in any dtype before issue 68) or two batched matmuls around a softmax (decode_path.matmul_attention);
+# `grouped` picks as eval does
+FORCED = {"grouped-fused": "fused", "grouped-sdpa": "sdpa", "grouped-matmul": "matmul"}
 STATIC_PATHS = ("grouped", *FORCED, COMPILED)  # the paths whose decode runs on a StaticCache
 
 

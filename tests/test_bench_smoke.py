@@ -309,17 +309,18 @@ def test_decode_gqa_smoke_times_mha_gqa8_and_mqa_beside_the_bandwidth_limit(tmp_
     the measured bandwidth limit are finite, and the grouped path's steps were folded, never handed on."""
     out = tmp_path / "decode.json"
     stdout = run_smoke(
-        "decode_gqa.py", "--paths", "grouped,grouped-sdpa,grouped-matmul,dynamic", "--profile", "--out", str(out)
-    )
+        "decode_gqa.py", "--paths", "grouped,grouped-fused,grouped-sdpa,grouped-matmul,dynamic", "--profile", "--out",
+        str(out),
+    )  # fmt: skip
     result = json.loads(out.read_text())
-    assert result["bandwidth"]["limit_gb_s"] > 0 and set(result["paths"]) == {
-        "grouped",
-        "grouped-sdpa",
-        "grouped-matmul",
-        "dynamic",
-    }
     kernels = {path: found["decode_path"].get("kernel") for path, found in result["paths"].items()}
-    assert kernels == {"grouped": "matmul", "grouped-sdpa": "sdpa", "grouped-matmul": "matmul", "dynamic": None}
+    assert result["bandwidth"]["limit_gb_s"] > 0 and kernels == {
+        "grouped": "fused",  # eval's choice where the C kernel builds, as on every machine the suite runs on
+        "grouped-fused": "fused",
+        "grouped-sdpa": "sdpa",
+        "grouped-matmul": "matmul",
+        "dynamic": None,
+    }
     for found in result["paths"].values():
         assert [r["model"] for r in found["rows"]] == ["MHA", "GQA-8", "MQA"]
         assert [r["kv_heads"] for r in found["rows"]] == [32, 8, 1]
@@ -341,7 +342,7 @@ def test_decode_gqa_smoke_times_mha_gqa8_and_mqa_beside_the_bandwidth_limit(tmp_
         "folded": 2 * layers * steps // 3,
         "as_is": layers * steps // 3,
     }
-    assert len(table_rows(stdout, r"MHA|GQA-8|MQA")) == 12 and "load average before" in stdout
+    assert len(table_rows(stdout, r"MHA|GQA-8|MQA")) == 3 * len(kernels) and "load average before" in stdout
 
 
 def test_decode_paths_gpu_leaves_out_what_would_pass_its_deadline_but_the_default_and_grouped(tmp_path):

@@ -10,7 +10,7 @@ from tiny_models import make_tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mha2gqa.architecture.hfcache import cache_kwargs, cache_of
-from mha2gqa.eval import speed
+from mha2gqa.eval import decode_kernel, decode_path, speed
 from mha2gqa.eval.decode_path import CPU_KERNEL, decode_attention, kernel_on, matmul_attention, new_cache
 from mha2gqa.eval.measurements import validate_all
 from mha2gqa.eval.options import DecodePath, EvalOptions
@@ -64,16 +64,26 @@ def gqa():
     return make_tiny_model("llama", num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
 
 
-@pytest.mark.parametrize("kernel", ["auto", "matmul", "sdpa"])
+@pytest.mark.parametrize("kernel", ["auto", "fused", "matmul", "sdpa"])
 def test_the_grouped_path_hands_the_attention_the_cache_itself_and_copies_nothing(gqa, kernel, monkeypatch):
-    monkeypatch.setitem(CPU_KERNEL, "name", kernel)  # float32: auto is SDPA
+    monkeypatch.setitem(CPU_KERNEL, "name", kernel)  # float32: auto is the fused kernel where it builds
+    fused_operands = []  # the fused kernel runs in C, out of the dispatcher's sight: its K/V recorded here
+
+    def fused(query, key, value, **kwargs):
+        fused_operands.extend([key, value])
+        return decode_kernel.fused_attention(query, key, value, **kwargs)
+
+    monkeypatch.setitem(decode_path.KERNELS, "fused", fused)
     seen, cache = one_step(gqa, DecodePath.GROUPED)
     layers = gqa.config.num_hidden_layers
     # each kernel got K and V at the kv heads (a view of the cache, not 8 heads' copy): one layer's K is
     # BATCH x KV_HEADS x (CONTEXT + 1) x HEAD_DIM
-    assert [k.numel() for k in seen.keys] == [layer_k_bytes(KV_HEADS) // 4] * 2 * layers
+    kernel_ran = decode_path.kernel_on(gqa.device, gqa.dtype)
+    assert bool(fused_operands) == (kernel_ran == "fused")
+    assert [k.numel() for k in seen.keys + fused_operands] == [layer_k_bytes(KV_HEADS) // 4] * 2 * layers
     cached = {t.untyped_storage().data_ptr() for layer in cache.layers for t in (layer.keys, layer.values)}
-    assert {k.untyped_storage().data_ptr() for k in seen.keys} == cached  # the cache's own storage: no copy
+    used = {k.untyped_storage().data_ptr() for k in seen.keys + fused_operands}
+    assert used == cached  # the cache's own storage: no copy
     assert seen.bytes < layer_k_bytes(KV_HEADS)  # activations only: not one layer's K copied, even as cached
 
 
@@ -128,19 +138,23 @@ def test_the_cpu_kernel_is_sdpa(dtype, rows, mask):
     assert torch.allclose(found.float(), expected.float(), atol=tolerance, rtol=0)
 
 
-def test_the_cpu_kernel_is_chosen_by_dtype_and_named_in_the_result(gqa):
-    """On CPU: matmul_attention in bfloat16 and float16 (SDPA's CPU kernel is 4x slower there with one query row),
-    SDPA in float32 (as fast for one row, faster for four: docs/benchmarks.md); on a GPU SDPA."""
+def test_the_cpu_kernel_is_chosen_by_dtype_and_named_in_the_result(monkeypatch):
+    """On CPU: the fused kernel in bfloat16 and float32 where it builds, matmul_attention in float16 (SDPA's CPU
+    kernel is 4x slower there with one query row); without the fused kernel matmul_attention in bfloat16 and SDPA
+    in float32 (docs/benchmarks.md); on a GPU SDPA."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert [kernel_on(cpu, d) for d in (torch.bfloat16, torch.float16, torch.float32)] == ["matmul", "matmul", "sdpa"]
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    assert decode_kernel.available(), decode_kernel.why_not()  # a C compiler is on every machine the suite runs on
+    assert [kernel_on(cpu, d) for d in dtypes] == ["fused", "matmul", "fused"]
     assert kernel_on(gpu, torch.bfloat16) == "sdpa"
-    with decode_attention([gqa], DecodePath.GROUPED) as used:
-        pass
-    assert used["kernel"] == "sdpa"
-    half = make_tiny_model("llama", num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM).to(torch.bfloat16)
-    with decode_attention([half], DecodePath.GROUPED) as used:
-        pass
-    assert used["kernel"] == "matmul"
+    for dtype, kernel in ((torch.float32, "fused"), (torch.bfloat16, "fused"), (torch.float16, "matmul")):
+        model = make_tiny_model("llama", num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM).to(dtype)
+        with decode_attention([model], DecodePath.GROUPED) as used:
+            pass
+        assert used["kernel"] == kernel
+    monkeypatch.setitem(decode_kernel._STATE, "error", "no C compiler")  # as on a machine where it does not build
+    monkeypatch.delitem(decode_kernel._STATE, "lib")
+    assert [kernel_on(cpu, d) for d in dtypes] == ["matmul", "matmul", "sdpa"]
 
 
 def test_a_model_loaded_without_sdpa_keeps_its_attention_and_the_result_says_so():

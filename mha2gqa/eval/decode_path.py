@@ -8,9 +8,11 @@ transformers does by default does not always (docs/eval.md, "Decode path"; measu
            AttentionInterface: a one-token step folds the query heads onto the kv heads, (B, H, 1, D) ->
            (B, Hkv, H/Hkv, D), and attends on the cached K/V as they are: no copy to the query-head count,
            and the kernel's work per kv head covers its whole group. The kernel (`kernel_on`): on CPU in bfloat16
-           and float16 two batched matrix products around a softmax (`matmul_attention`, the fastest this CPU
-           has for one query row, MHA's case, and for a few), in float32 and elsewhere SDPA. Prefill, and any step it does
-           not handle (softcap, attention sinks, a position bias), go to transformers' own SDPA function.
+           and float32 the fused one (decode_kernel.py: each kv head read once for its group, the softmax in
+           between, in one loop nest) where the machine builds it; else, and in float16, two batched matrix
+           products around a softmax (`matmul_attention`) in 16-bit dtypes and SDPA in float32; elsewhere SDPA.
+           Prefill, and any step it does not handle (softcap, attention sinks, a position bias), go to
+           transformers' own SDPA function.
   dynamic  the path eval took before: transformers' DynamicCache, whose update concatenates the whole cache
            into a new tensor every step, and the model's attention as loaded (SDPA: enable_gqa when the step
            has no mask, every query head then reading its kv head on its own).
@@ -32,6 +34,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from mha2gqa.eval import decode_kernel
 from mha2gqa.eval.options import DecodePath
 
 GROUPED = "mha2gqa_grouped"
@@ -78,25 +81,35 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     mask = attention_mask
     if mask is not None and mask.shape[1] != 1:  # a per-head mask folds as the query does
         mask = mask.reshape(mask.shape[0], kv_heads, group, mask.shape[-1])
-    attend = matmul_attention if kernel_on(query.device, query.dtype) == "matmul" else F.scaled_dot_product_attention
-    out = attend(folded, key, value, attn_mask=mask, scale=scaling)
+    out = KERNELS[kernel_for(folded, key, value)](folded, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 CPU_KERNEL = {"name": "auto"}
-"""The folded step's kernel on CPU: "auto" (the faster one measured on CPU for the dtype: `matmul_attention` in
-bfloat16 and float16, where PyTorch's CPU SDPA reads K/V at a quarter of its pace with one query row, and SDPA in
-float32, where its kernel is as fast for one row and faster for four), "matmul" or "sdpa" (the decode benchmark
-times each: its paths grouped-matmul and grouped-sdpa)."""
+"""The folded step's kernel on CPU: "auto" (the fastest measured on this CPU for the dtype: the fused kernel in
+bfloat16 and float32 where it builds, else `matmul_attention` in bfloat16 and float16, where PyTorch's CPU SDPA
+reads K/V at a quarter of its pace with one query row, and SDPA in float32), or "fused", "matmul", "sdpa" (the
+decode benchmark times each: its paths grouped-fused, grouped-matmul, grouped-sdpa)."""
 
 
 def kernel_on(device: torch.device, dtype: torch.dtype) -> str:
-    """The kernel a folded step on `device` in `dtype` runs: "matmul" or "sdpa"."""
+    """The kernel a folded step on `device` in `dtype` runs: "fused", "matmul" or "sdpa"."""
     if device.type != "cpu":
         return "sdpa"
     if CPU_KERNEL["name"] != "auto":
         return CPU_KERNEL["name"]
+    if dtype in decode_kernel.DTYPES and decode_kernel.available():
+        return "fused"
     return "sdpa" if dtype == torch.float32 else "matmul"
+
+
+def kernel_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str:
+    """`kernel_on`'s choice for this step, the fused kernel only where it takes the tensors (a head size over
+    256, rows not contiguous: the dtype's PyTorch kernel instead)."""
+    kernel = kernel_on(query.device, query.dtype)
+    if kernel == "fused" and not decode_kernel.takes(query, key, value):
+        return "sdpa" if query.dtype == torch.float32 else "matmul"
+    return kernel
 
 
 def matmul_attention(query, key, value, attn_mask=None, scale=None):
@@ -114,6 +127,13 @@ def matmul_attention(query, key, value, attn_mask=None, scale=None):
     elif attn_mask is not None:
         scores.add_(attn_mask)
     return torch.matmul(torch.softmax(scores, -1), value)
+
+
+KERNELS = {
+    "fused": decode_kernel.fused_attention,
+    "matmul": matmul_attention,
+    "sdpa": F.scaled_dot_product_attention,
+}
 
 
 def register() -> None:
