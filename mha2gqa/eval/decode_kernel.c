@@ -1,17 +1,20 @@
 /* One-token grouped attention on CPU, reading each cached kv head once for its whole group.
  *
- * Built and loaded by decode_kernel.py (plain C, no torch headers: it compiles in well under a second).
- * For each (batch, kv head) item: the G query rows folded onto the kv head (q, G x D) attend on its cached
- * keys and values (T x D each, rows contiguous):
- *   pass 1  s[g][t] = scale * q[g] . k[t] + bias[g][t]   (each key row read once, for all G rows)
+ * Built and loaded by decode_kernel.py (plain C, no torch headers). For each (sequence, kv head) item, the G
+ * query rows folded onto the kv head (q, G x D) attend on its cached keys and values (T x D each, rows
+ * contiguous):
+ *   pass 1  s[t][g] = scale * q[g] . k[t] + bias[g][t]   (each key row read once, for all G rows)
  *   pass 2  the softmax over t of each row, in float32
- *   pass 3  out[g] = sum_t w[g][t] v[t]                   (each value row read once, for all G rows)
- * A position whose bias is -inf in every row is skipped in passes 1 and 3: a static cache's room not yet
- * written is never read. A row with no position left gives zeros (SDPA gives NaN there).
- * Storage: float32 or bfloat16 (uint16 holding the top half of a float32); the arithmetic is float32.
- * PyTorch's CPU kernels for this shape (a batched product of 1-8 rows by T columns, then another) read K/V at
- * a third of what a streaming read reaches on one core (docs/benchmarks.md, "Decode on CPU"); this is the
- * loop nest a flash-decoding kernel runs, without tiles: at a decode step's sizes the G x T scores fit in L2.
+ *   pass 3  out[g] = sum_t w[t][g] v[t]                   (each value row read once, for all G rows)
+ * The scores are t-major: pass 1 writes 16 at a time and pass 3 reads a row's G weights side by side. A
+ * position whose bias is -inf in every row is skipped in passes 1 and 3 (a static cache's room not yet written
+ * is never read); a row with no position left gives zeros (SDPA gives NaN there). Storage: float32 or
+ * bfloat16 (a uint16 holding the top half of a float32); the arithmetic is float32. With AVX-512 (the build is
+ * -march=native) passes 1 and 3 run on 16-lane vectors where D is a multiple of 16 (and, for pass 1, G divides
+ * 16); plain loops otherwise. PyTorch's CPU kernels for this shape (a batched product of 1-8 rows by T columns,
+ * then another) read K/V at about a third of a streaming read on one core (docs/benchmarks.md, "Decode on
+ * CPU"); this is a flash-decoding kernel's loop nest without tiles: at a decode step's sizes a head's G x T
+ * scores fit in L2.
  */
 #include <math.h>
 #include <stdint.h>

@@ -5,7 +5,7 @@ in one loop nest per (sequence, kv head) (the C file says how). PyTorch's own ke
 at about a third of a streaming read on one core; this one is what eval's grouped path runs on CPU in
 bfloat16 and float32 when it builds (decode_path.kernel_on), and the decode benchmark times it beside them.
 
-The C file has no torch headers: the system C compiler builds it in well under a second, for this machine's
+The C file has no torch headers: the system C compiler builds it once (about 10 s of one core), for this machine's
 CPU (-march=native), into ~/.cache/mha2gqa/kernels/ (MHA2GQA_KERNEL_DIR overrides), named by a hash of the
 source, the compiler and the flags, so a changed source or machine builds anew. No compiler, or a failed
 build: `available()` is False, `why_not()` says why, and the step runs PyTorch's kernels as before.
