@@ -144,3 +144,31 @@ def test_a_failing_build_leaves_nothing_and_falls_back(fresh, monkeypatch, tmp_p
     assert decode_kernel.why_not().endswith("failed: cc: error: no such target")
     assert list(fresh.iterdir()) == []
     assert decode_path.kernel_on(torch.device("cpu"), torch.bfloat16) == "matmul"
+
+
+def _decode_in_child(queue):
+    query, key = torch.ones(2, 2, 4, 64), torch.ones(2, 2, 30, 64)
+    torch.set_num_threads(2)
+    queue.put(decode_kernel.fused_attention(query, key, key).sum().item())
+
+
+def test_a_forked_child_decodes_with_threads_of_its_own():
+    """A child forked after the parent's pool started inherits the pool but not its threads."""
+    import multiprocessing
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        decode_kernel.fused_attention(torch.ones(2, 2, 4, 64), torch.ones(2, 2, 30, 64), torch.ones(2, 2, 30, 64))
+    finally:
+        torch.set_num_threads(threads)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_decode_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and child.exitcode == 0
+    assert queue.get(timeout=5) == 2 * 2 * 4 * 64  # softmax over equal scores of ones: every output is 1

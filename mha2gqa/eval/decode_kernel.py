@@ -173,9 +173,13 @@ def fused_attention(query, key, value, attn_mask=None, scale=None) -> torch.Tens
     return out
 
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
-    """A thread pool per worker count, kept for the process: a step is too short to start threads in."""
-    return _POOLS.setdefault(workers, ThreadPoolExecutor(workers, thread_name_prefix="decode-kernel"))
+    """A thread pool per worker count, kept for the process (a step is too short to start threads in); keyed by
+    the process id too, since a forked child inherits the dict but not the pool's threads."""
+    key = (os.getpid(), workers)
+    if key not in _POOLS:
+        _POOLS[key] = ThreadPoolExecutor(workers, thread_name_prefix="decode-kernel")
+    return _POOLS[key]
