@@ -35,10 +35,14 @@ def masks(batch: int, kv_heads: int, group: int, tokens: int, gen) -> dict:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (2, 64), (4, 64), (8, 128), (3, 48), (4, 16), (16, 32)])
+@pytest.mark.parametrize(
+    ("group", "head_dim"),
+    [(1, 64), (2, 64), (4, 64), (8, 128), (3, 64), (7, 128), (3, 40), (4, 16), (16, 32), (20, 32)],
+)
 def test_the_kernel_gives_sdpas_output(dtype, group, head_dim):
-    """Group sizes that divide 16 (the vector path) and one that does not (3), head sizes that are multiples of
-    16 and one that is not (48 is, 16 is the smallest): 37 tokens leave an uneven tail after the blocks."""
+    """Group sizes that divide 16, that do not (3, 7: blocks with unused lanes) and one over 16 (one row at a
+    time), head sizes that are multiples of 16 (the vector passes) and one that is not (40: plain loops); 37
+    tokens leave an uneven tail after the blocks."""
     gen = torch.Generator().manual_seed(group * 1000 + head_dim)
     batch, kv_heads, tokens = 2, 3, 37
     query = torch.randn((batch, kv_heads, group, head_dim), generator=gen).to(dtype)
