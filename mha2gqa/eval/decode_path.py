@@ -100,6 +100,11 @@ def kernel_on(device: torch.device, dtype: torch.dtype) -> str:
         return CPU_KERNEL["name"]
     if dtype in decode_kernel.DTYPES and decode_kernel.available():
         return "fused"
+    return _pytorch_kernel(dtype)
+
+
+def _pytorch_kernel(dtype: torch.dtype) -> str:
+    """The faster PyTorch kernel for a folded CPU step in `dtype`, where the fused one does not run."""
     return "sdpa" if dtype == torch.float32 else "matmul"
 
 
@@ -108,7 +113,7 @@ def kernel_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> s
     256, rows not contiguous: the dtype's PyTorch kernel instead)."""
     kernel = kernel_on(query.device, query.dtype)
     if kernel == "fused" and not decode_kernel.takes(query, key, value):
-        return "sdpa" if query.dtype == torch.float32 else "matmul"
+        return _pytorch_kernel(query.dtype)
     return kernel
 
 
